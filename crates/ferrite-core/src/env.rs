@@ -1,0 +1,163 @@
+//! The one registry of `FERRITE_*` environment switches.
+//!
+//! Every switch the code reads is declared here with its default, its effect and its status,
+//! and `ferrite env` prints this table. Code reads a switch only through [`Switch::get`] /
+//! [`Switch::flag`] / [`Switch::parse`], so an undeclared variable cannot sneak in.
+//!
+//! Value convention (as in MNN's registry): `1` is explicitly on, `0` explicitly off, unset means
+//! the documented default.
+
+use std::fmt;
+
+/// Lifecycle of a switch: whether it is a permanent knob or a temporary A/B lever.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Status {
+    /// Supported user-facing setting.
+    Stable,
+    /// Kept for A/B measurements between kernel paths; may be removed once a path wins.
+    AbTest,
+    /// Diagnostics only: output from these is not an optimisation target.
+    Diagnostic,
+}
+
+impl fmt::Display for Status {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Status::Stable => "stable",
+            Status::AbTest => "a/b",
+            Status::Diagnostic => "diagnostic",
+        })
+    }
+}
+
+/// One declared environment switch.
+#[derive(Debug)]
+pub struct Switch {
+    pub name: &'static str,
+    pub default: &'static str,
+    pub effect: &'static str,
+    pub status: Status,
+}
+
+impl Switch {
+    /// The raw value, if set and non-empty.
+    pub fn get(&self) -> Option<String> {
+        std::env::var(self.name).ok().filter(|v| !v.is_empty())
+    }
+
+    /// Boolean switch: `1`/`true`/`on` are on, `0`/`false`/`off` are off, unset is `default`.
+    /// Any other value is reported once on stderr and treated as the default.
+    pub fn flag(&self, default: bool) -> bool {
+        match self.get().as_deref().map(str::to_ascii_lowercase).as_deref() {
+            None => default,
+            Some("1" | "true" | "on" | "yes") => true,
+            Some("0" | "false" | "off" | "no") => false,
+            Some(other) => {
+                eprintln!("warning: {}={other:?} is not 0/1; using the default", self.name);
+                default
+            }
+        }
+    }
+
+    /// Parsed switch; an unparsable value is reported and the default is used.
+    pub fn parse<T: std::str::FromStr>(&self, default: T) -> T {
+        match self.get() {
+            None => default,
+            Some(v) => v.parse().unwrap_or_else(|_| {
+                eprintln!("warning: {}={v:?} cannot be parsed; using the default", self.name);
+                default
+            }),
+        }
+    }
+}
+
+macro_rules! switches {
+    ($( $(#[$m:meta])* $id:ident = ($name:literal, $default:literal, $status:ident, $effect:literal); )*) => {
+        $( $(#[$m])* pub static $id: Switch = Switch {
+            name: $name, default: $default, effect: $effect, status: Status::$status,
+        }; )*
+        /// Every declared switch, in declaration order.
+        pub static ALL: &[&Switch] = &[ $( &$id ),* ];
+    };
+}
+
+switches! {
+    /// CPU worker threads.
+    THREADS = ("FERRITE_THREADS", "all cores", Stable,
+        "Number of CPU threads for the CPU backend's matmuls and attention.");
+    /// Where downloaded/default models live.
+    MODEL_DIR = ("FERRITE_MODEL_DIR", "./models", Stable,
+        "Folder searched for the default model (SmolLM2-135M-Instruct.Q4_1.gguf).");
+    /// Disable SIMD kernels on the CPU (forces the scalar fallback).
+    CPU_SCALAR = ("FERRITE_CPU_SCALAR", "0", AbTest,
+        "1 forces the scalar CPU dot-product kernels instead of AVX2/AVX-512/NEON.");
+    /// Kernel cache folder for NVRTC output.
+    KERNEL_CACHE = ("FERRITE_KERNEL_CACHE", "$XDG_CACHE_HOME/ferrite/kernels", Stable,
+        "Directory of the on-disk CUDA kernel (cubin) cache.");
+    /// Turn the on-disk kernel cache off.
+    KERNEL_CACHE_OFF = ("FERRITE_KERNEL_CACHE_OFF", "0", Stable,
+        "1 disables the on-disk kernel cache (every run recompiles with NVRTC).");
+    /// Per-op profiling.
+    PROFILE = ("FERRITE_PROFILE", "0", Diagnostic,
+        "1 prints an event-timed per-op table. Profiled numbers are NOT optimisation targets.");
+}
+
+/// Look a switch up by name (used by `ferrite env NAME`).
+pub fn find(name: &str) -> Option<&'static Switch> {
+    ALL.iter().copied().find(|s| s.name == name)
+}
+
+/// Render the registry as an aligned text table, with the current value of each switch.
+pub fn table() -> String {
+    let rows: Vec<[String; 5]> = ALL
+        .iter()
+        .map(|s| {
+            [
+                s.name.to_string(),
+                s.get().unwrap_or_else(|| "-".into()),
+                s.default.to_string(),
+                s.status.to_string(),
+                s.effect.to_string(),
+            ]
+        })
+        .collect();
+    let header = ["switch", "value", "default", "status", "effect"].map(String::from);
+    let mut widths = [0usize; 4];
+    for r in std::iter::once(&header).chain(rows.iter()) {
+        for (w, c) in widths.iter_mut().zip(r.iter()) {
+            *w = (*w).max(c.chars().count());
+        }
+    }
+    let mut out = String::new();
+    for r in std::iter::once(&header).chain(rows.iter()) {
+        for (i, w) in widths.iter().enumerate() {
+            out.push_str(&format!("{:<w$}  ", r[i], w = *w));
+        }
+        out.push_str(&r[4]);
+        out.push('\n');
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_are_unique_and_prefixed() {
+        let mut names: Vec<_> = ALL.iter().map(|s| s.name).collect();
+        assert!(names.iter().all(|n| n.starts_with("FERRITE_")));
+        names.sort();
+        let n = names.len();
+        names.dedup();
+        assert_eq!(n, names.len(), "duplicate switch name");
+    }
+
+    #[test]
+    fn table_lists_every_switch() {
+        let t = table();
+        for s in ALL {
+            assert!(t.contains(s.name));
+        }
+    }
+}

@@ -1,0 +1,6 @@
+//! GGUF: the file format, the GGML tensor dtypes and their block layouts.
+
+pub mod blocks;
+pub mod dtype;
+
+pub use dtype::GgmlType;
