@@ -97,9 +97,26 @@ switches! {
     /// Turn the on-disk kernel cache off.
     KERNEL_CACHE_OFF = ("FERRITE_KERNEL_CACHE_OFF", "0", Stable,
         "1 disables the on-disk kernel cache (every run recompiles with NVRTC).");
+    DISABLE_QKV_FUSION = ("FERRITE_DISABLE_QKV_FUSION", "0", AbTest,
+        "1 keeps Q, K and V as three linears instead of one over a fused weight (declared at load).");
+    DISABLE_GATE_UP_FUSION = ("FERRITE_DISABLE_GATE_UP_FUSION", "0", AbTest,
+        "1 keeps the MLP gate and up projections as two linears.");
+    DISABLE_NORM_FUSION = ("FERRITE_DISABLE_NORM_FUSION", "0", AbTest,
+        "1 runs RMSNorm as its own op instead of folding it into the next projection's prologue.");
+    DISABLE_RESIDUAL_FUSION = ("FERRITE_DISABLE_RESIDUAL_FUSION", "0", AbTest,
+        "1 runs the residual add as its own op instead of the output/down projection's epilogue.");
     /// Per-op profiling.
     PROFILE = ("FERRITE_PROFILE", "0", Diagnostic,
         "1 prints an event-timed per-op table. Profiled numbers are NOT optimisation targets.");
+    /// Force a CUDA linear-layer path.
+    CUDA_LINEAR = ("FERRITE_CUDA_LINEAR", "auto", AbTest,
+        "auto|gemv|gemm: gemv takes the quantized GEMV at every token count (float weights with cols % 32 != 0 still use GEMM), gemm takes dequantize + cuBLAS.");
+    /// Token-count threshold of the CUDA GEMV.
+    CUDA_GEMV_MAX_TOKENS = ("FERRITE_CUDA_GEMV_MAX_TOKENS", "8", AbTest,
+        "Largest token count that takes the quantized GEMV under FERRITE_CUDA_LINEAR=auto; more tokens use dequantize + cuBLAS.");
+    /// Input type of the CUDA GEMM path.
+    CUDA_GEMM_PRECISION = ("FERRITE_CUDA_GEMM_PRECISION", "f32", Stable,
+        "f32|f16|bf16: input type of the cuBLAS GEMM path (weights dequantized to it, f32 accumulate); f32 matches the CPU reference.");
 }
 
 /// Look a switch up by name (used by `ferrite env NAME`).

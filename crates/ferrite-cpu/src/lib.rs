@@ -1,1 +1,6 @@
-//! placeholder: filled in by its owner this session
+//! The CPU backend: compute kernels (SIMD, multithreaded) and the graph executor.
+
+pub mod executor;
+pub mod kernels;
+
+pub use executor::{CpuExecutor, CpuPrecision};

@@ -1,1 +1,26 @@
-//! placeholder: filled in by its owner this session
+//! CUDA backend of ferrite: an embedded kernel library compiled at run time by NVRTC,
+//! a module cache in memory and on disk, weights on the device, and the op layer the
+//! graph executor calls.
+//!
+//! - [`kernels`]: CUDA C++ sources, one file per op family, with their typed variants.
+//! - [`ops`]: the dispatchers (`embed`, `rms_norm`, `rope`, `linear`, `kv_write`,
+//!   `attention`, `swiglu`, `geglu`, `add`, `argmax`, `sample`).
+//! - [`Gpu`]: device, stream, cuBLAS handle, module cache.
+//!
+//! The crate builds and its CPU tests run without CUDA: libraries are loaded at run time,
+//! and [`cuda_available`] says why a GPU cannot be used.
+
+mod cache;
+mod compile;
+mod device;
+mod error;
+pub mod kernels;
+pub mod ops;
+mod weight;
+
+pub use cache::{CacheKey, CacheStats, DiskCache, DiskLookup};
+pub use cudarc::driver::{CudaSlice, CudaView, CudaViewMut};
+pub use device::{cuda_available, Gpu, GpuOptions, KernelCacheDir};
+pub use error::CudaError;
+pub use weight::{supported as weight_supported, DeviceWeight};
+

@@ -1,1 +1,44 @@
-//! placeholder: filled in by its owner this session
+//! The model layer: what a model *is*, independent of where it runs.
+//!
+//! A GGUF file is turned into a [`ModelConfig`] (hyper-parameters), a [`WeightSet`] (named weights,
+//! with fused weights declared at load time) and a [`Graph`] (an op list over activation values).
+//! The [`planner`] assigns buffers to values; backends implement [`Executor`] and run the graph.
+
+pub mod arch;
+pub mod config;
+pub mod error;
+pub mod executor;
+pub mod fusion;
+pub mod graph;
+pub mod planner;
+pub mod synth;
+pub mod weights;
+
+pub use config::{Arch, ModelConfig, RopeConfig, RopeStyle};
+pub use error::ModelError;
+pub use executor::{DeviceSampling, Executor, ExecutorOptions, LayerTrace};
+pub use fusion::FusionOptions;
+pub use graph::{Graph, Op, ValueId, WeightId};
+pub use weights::{WeightSet, WeightSpec};
+
+/// Everything needed to instantiate a backend: the parsed file, its config, weights and graph.
+pub struct Model {
+    pub file: ferrite_gguf::GgufFile,
+    pub config: ModelConfig,
+    pub weights: WeightSet,
+    pub graph: Graph,
+}
+
+impl Model {
+    /// Open a GGUF model, read its config and build its graph with the given fusion choices.
+    pub fn load(path: impl AsRef<std::path::Path>, fusion: FusionOptions) -> Result<Self, ModelError> {
+        let file = ferrite_gguf::GgufFile::open(path.as_ref())?;
+        Self::from_file(file, fusion)
+    }
+
+    pub fn from_file(file: ferrite_gguf::GgufFile, fusion: FusionOptions) -> Result<Self, ModelError> {
+        let config = ModelConfig::from_gguf(&file)?;
+        let (weights, graph) = arch::build(&config, &file, fusion)?;
+        Ok(Self { file, config, weights, graph })
+    }
+}

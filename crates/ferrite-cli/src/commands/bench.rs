@@ -1,0 +1,54 @@
+use super::common::{load_model, ModelArgs};
+use anyhow::Result;
+use clap::Args;
+use ferrite_engine::bench::{bench_pp, bench_tg, BenchResult};
+
+#[derive(Args)]
+pub struct BenchArgs {
+    /// Prompt lengths to test (pp N), comma separated; 0 skips.
+    #[arg(short = 'p', long = "n-prompt", value_delimiter = ',', default_value = "128")]
+    pub n_prompt: Vec<usize>,
+    /// Generation lengths to test (tg N), comma separated; 0 skips.
+    #[arg(short = 'n', long = "n-gen", value_delimiter = ',', default_value = "64")]
+    pub n_gen: Vec<usize>,
+    /// Timed repetitions per test (one extra warm-up run is not counted).
+    #[arg(short = 'r', long = "repetitions", default_value_t = 5, value_parser = clap::value_parser!(u64).range(1..))]
+    pub reps: u64,
+    #[command(flatten)]
+    pub model: ModelArgs,
+}
+
+pub fn run(args: BenchArgs) -> Result<()> {
+    let loaded = load_model(&args.model)?;
+    let vocab = loaded.model.config.vocab_size;
+    let longest = args.n_prompt.iter().chain(&args.n_gen).copied().max().unwrap_or(0);
+    let mut margs = args.model.clone();
+    margs.ctx_size = margs.ctx_size.max(longest + 1);
+    margs.batch_size = margs.batch_size.max(*args.n_prompt.iter().max().unwrap_or(&1) as u64);
+    let mut session = loaded.session(&margs, margs.backend, false)?;
+    let reps = args.reps as usize;
+    let mut results: Vec<BenchResult> = Vec::new();
+    for &n in args.n_prompt.iter().filter(|&&n| n > 0) {
+        results.push(bench_pp(&mut session, n, reps, vocab)?);
+    }
+    for &n in args.n_gen.iter().filter(|&&n| n > 0) {
+        results.push(bench_tg(&mut session, n, reps, vocab)?);
+    }
+    let m = &loaded.model;
+    let size = m.file.file_size() as f64 / 1048576.0;
+    println!("| model | size | backend | threads | test | t/s |");
+    println!("|---|---|---|---|---|---|");
+    for r in &results {
+        println!(
+            "| {} | {size:.1} MiB | {} | {} | {} | {:.2} ± {:.1}% |",
+            m.config.name,
+            margs.backend,
+            rayon::current_num_threads(),
+            r.test,
+            r.median(),
+            100.0 * r.spread()
+        );
+    }
+    eprintln!("(median of {reps} repetitions after one warm-up; ± is half the min-max range)");
+    Ok(())
+}

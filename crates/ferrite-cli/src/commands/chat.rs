@@ -1,0 +1,75 @@
+use super::common::{load_model, ModelArgs, SamplingArgs};
+use anyhow::Result;
+use clap::Args;
+use ferrite_tokenizer::{ChatTemplate, Message, StreamDecoder};
+use std::io::{BufRead, Write};
+
+#[derive(Args)]
+pub struct ChatArgs {
+    /// System prompt.
+    #[arg(short, long)]
+    pub system: Option<String>,
+    /// Maximum tokens per reply.
+    #[arg(short = 'n', long = "n-predict", default_value_t = 512)]
+    pub n_predict: usize,
+    #[command(flatten)]
+    pub model: ModelArgs,
+    #[command(flatten)]
+    pub sampling: SamplingArgs,
+}
+
+pub fn run(args: ChatArgs) -> Result<()> {
+    let params = args.sampling.params()?;
+    let loaded = load_model(&args.model)?;
+    let tok = &loaded.tokenizer;
+    let template = ChatTemplate::from_gguf(&loaded.model.file.metadata)?;
+    if template.is_none() {
+        eprintln!("note: the model has no chat template; using a plain `role: text` layout");
+    }
+    let mut session = loaded.session(&args.model, args.model.backend, false)?;
+    let mut messages: Vec<Message> = args.system.iter().map(|s| Message { role: "system".into(), content: s.clone() }).collect();
+    eprintln!("chat with {} — /reset clears the conversation, /exit or Ctrl-D quits", loaded.model.config.name);
+    let stdin = std::io::stdin();
+    let mut lines = stdin.lock().lines();
+    loop {
+        eprint!("> ");
+        let Some(line) = lines.next().transpose()? else { break };
+        let line = line.trim();
+        match line {
+            "" => continue,
+            "/exit" | "/quit" => break,
+            "/reset" => {
+                messages.truncate(args.system.is_some() as usize);
+                session.reset();
+                continue;
+            }
+            _ => {}
+        }
+        messages.push(Message { role: "user".into(), content: line.to_string() });
+        let prompt = match &template {
+            Some(t) => t.apply(&messages, true)?,
+            None => messages.iter().map(|m| format!("{}: {}\n", m.role, m.content)).collect::<String>() + "assistant:",
+        };
+        let ids = tok.encode(&prompt, true)?;
+        if ids.len() + 1 >= session.context_len() {
+            eprintln!("the conversation ({} tokens) no longer fits the context; use /reset", ids.len());
+            messages.pop();
+            continue;
+        }
+        let budget = args.n_predict.min(session.context_len() - ids.len());
+        let mut reply = String::new();
+        let mut dec = StreamDecoder::new(tok);
+        let mut out = std::io::stdout().lock();
+        let stats = session.generate(&ids, budget, &params, |t| tok.is_end_of_generation(t), |t| {
+            let piece = dec.push(t);
+            reply.push_str(&piece);
+            write!(out, "{piece}").and_then(|_| out.flush()).is_ok()
+        })?;
+        let rest = dec.finish();
+        reply.push_str(&rest);
+        writeln!(out, "{rest}")?;
+        eprintln!("[{} tokens, {:.1} tok/s]", stats.generated, stats.gen_tps());
+        messages.push(Message { role: "assistant".into(), content: reply.trim().to_string() });
+    }
+    Ok(())
+}

@@ -1,0 +1,73 @@
+use super::common::{load_model, ModelArgs};
+use anyhow::{bail, Result};
+use clap::Args;
+use ferrite_engine::{BackendKind, SamplerParams};
+
+#[derive(Args)]
+pub struct CompareArgs {
+    /// Prompt to run on both backends.
+    #[arg(default_value = "The capital of France is")]
+    pub prompt: String,
+    /// The reference backend.
+    #[arg(long = "ref", default_value = "cpu-ref")]
+    pub reference: BackendKind,
+    /// Greedy tokens to generate on both and compare.
+    #[arg(long, default_value_t = 32)]
+    pub steps: usize,
+    /// The backend under test is --backend.
+    #[command(flatten)]
+    pub model: ModelArgs,
+}
+
+fn max_abs_and_rel(a: &[f32], b: &[f32]) -> (f32, f64) {
+    let mut max_abs = 0f32;
+    let (mut num, mut den) = (0f64, 0f64);
+    for (&x, &y) in a.iter().zip(b) {
+        max_abs = max_abs.max((x - y).abs());
+        num += ((x - y) as f64).powi(2);
+        den += (x as f64).powi(2);
+    }
+    if a.iter().chain(b).any(|v| v.is_nan()) {
+        return (f32::NAN, f64::NAN);
+    }
+    (max_abs, (num / den.max(1e-30)).sqrt())
+}
+
+pub fn run(args: CompareArgs) -> Result<()> {
+    let loaded = load_model(&args.model)?;
+    let ids = loaded.tokenizer.encode(&args.prompt, true)?;
+    if ids.is_empty() {
+        bail!("empty prompt");
+    }
+    let mut sessions = Vec::new();
+    for kind in [args.reference, args.model.backend] {
+        sessions.push(loaded.session(&args.model, kind, true)?);
+    }
+    let mut traces = Vec::new();
+    for s in &mut sessions {
+        s.prefill(&ids)?;
+        traces.push(s.executor().traces()?);
+    }
+    println!("prompt: {} tokens; {} vs {} (reference)", ids.len(), args.model.backend, args.reference);
+    println!("{:<16} {:>12} {:>12}", "value", "max |diff|", "rel error");
+    let mut worst = 0f64;
+    for (a, b) in traces[0].iter().zip(&traces[1]) {
+        let (abs, rel) = max_abs_and_rel(&a.data, &b.data);
+        worst = if rel.is_nan() { f64::NAN } else { worst.max(rel) };
+        println!("{:<16} {:>12.3e} {:>12.3e}", a.name, abs, rel);
+    }
+    let mut gen = Vec::new();
+    for s in &mut sessions {
+        let mut toks = Vec::new();
+        s.generate(&ids, args.steps, &SamplerParams::greedy(), |_| false, |t| {
+            toks.push(t);
+            true
+        })?;
+        gen.push(toks);
+    }
+    let agree = gen[0].iter().zip(&gen[1]).take_while(|(a, b)| a == b).count();
+    println!("\ngreedy tokens ({}): {:?}", args.reference, gen[0]);
+    println!("greedy tokens ({}): {:?}", args.model.backend, gen[1]);
+    println!("first {agree} of {} greedy tokens agree; worst relative error {worst:.3e}", args.steps);
+    Ok(())
+}

@@ -1,0 +1,358 @@
+//! Runs a model graph on the CPU.
+//!
+//! Two precisions: `Reference` dequantizes every weight to f32 once and uses plain f32 matmuls —
+//! the correctness oracle for every other path —, `Quantized` multiplies directly on the packed
+//! GGUF weights with SIMD integer dot products.
+
+use crate::kernels::{self, activation, attention::AttentionParams, norm, rope::Rope, WeightView};
+use anyhow::{anyhow, bail, Context};
+use ferrite_model::graph::{NormSpec, Op, ValueId, WeightId};
+use ferrite_model::planner::{self, Plan};
+use ferrite_model::{Executor, ExecutorOptions, LayerTrace, Model, RopeStyle};
+use std::sync::Arc;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CpuPrecision {
+    /// f32 weights, f32 math: the oracle.
+    Reference,
+    /// Packed quantized weights, activations quantized to 8 bits for integer dot products.
+    Quantized,
+}
+
+/// A weight as the CPU kernels want it.
+enum CpuWeight {
+    /// Vectors (norm weights, biases) and, on the reference path, every matrix.
+    F32(Vec<f32>),
+    /// Packed weight bytes owned here (fused weights, whose parts are not contiguous in the file).
+    Packed(Vec<u8>),
+    /// Packed weight bytes used in place from the memory-mapped file.
+    InFile,
+}
+
+/// Mutable buffers of a forward pass, kept apart from the read-only model data.
+#[derive(Default)]
+struct Buffers {
+    slots: Vec<Vec<f32>>,
+    k_cache: Vec<Vec<f32>>,
+    v_cache: Vec<Vec<f32>>,
+    /// Normalized input of a norm-folded linear; gathered Q of attention.
+    scratch: Vec<f32>,
+    /// Output of a linear that fills a column range.
+    scratch2: Vec<f32>,
+}
+
+pub struct CpuExecutor {
+    model: Arc<Model>,
+    precision: CpuPrecision,
+    weights: Vec<Option<CpuWeight>>,
+    plan: Plan,
+    buf: Buffers,
+    options: ExecutorOptions,
+    rope: Rope,
+    /// Rows in the last chunk (for reading traces back).
+    last_rows: usize,
+}
+
+impl CpuExecutor {
+    pub fn new(model: Arc<Model>, precision: CpuPrecision, options: ExecutorOptions) -> anyhow::Result<Self> {
+        let graph = &model.graph;
+        let mut weights: Vec<Option<CpuWeight>> = (0..model.weights.len()).map(|_| None).collect();
+        for id in model.weights.used_by(graph) {
+            let spec = model.weights.spec(id);
+            let w = if spec.is_vector() || precision == CpuPrecision::Reference {
+                CpuWeight::F32(model.weights.to_f32(&model.file, id)?)
+            } else if spec.parts.len() > 1 {
+                CpuWeight::Packed(model.weights.bytes(&model.file, id)?.into_owned())
+            } else {
+                CpuWeight::InFile
+            };
+            weights[id.0 as usize] = Some(w);
+        }
+        let max_batch = options.max_batch.max(1);
+        let plan = planner::plan(graph, max_batch, !options.trace);
+        plan.check(graph).map_err(|e| anyhow!("memory plan violates the aliasing rule: {e}"))?;
+        let slots = plan.slot_elems.iter().map(|&n| vec![0f32; n]).collect();
+        let cfg = &model.config;
+        let kv = options.context_len * cfg.kv_width();
+        let rope = Rope {
+            style: match graph.rope.style {
+                RopeStyle::Normal => kernels::rope::RopeStyle::Normal,
+                RopeStyle::Neox => kernels::rope::RopeStyle::Neox,
+            },
+            head_dim: cfg.head_dim,
+            rot_dim: graph.rope.rot_dim,
+            theta: graph.rope.theta,
+            freq_scale: graph.rope.freq_scale,
+        };
+        let buf = Buffers {
+            slots,
+            k_cache: (0..graph.n_layers).map(|_| vec![0f32; kv]).collect(),
+            v_cache: (0..graph.n_layers).map(|_| vec![0f32; kv]).collect(),
+            ..Buffers::default()
+        };
+        Ok(Self { model, precision, weights, plan, buf, options: ExecutorOptions { max_batch, ..options }, rope, last_rows: 0 })
+    }
+
+    fn f32_weight(&self, id: WeightId) -> &[f32] {
+        match &self.weights[id.0 as usize] {
+            Some(CpuWeight::F32(v)) => v,
+            _ => unreachable!("vector weights are always stored as f32"),
+        }
+    }
+
+    /// `out[t*rows + r] = x[t] · W[r]` for `n` tokens, on whichever representation is stored.
+    fn matmul(&self, id: WeightId, x: &[f32], n: usize, out: &mut [f32]) -> anyhow::Result<()> {
+        let spec = self.model.weights.spec(id);
+        let view = |data| WeightView { dtype: spec.dtype, rows: spec.rows, cols: spec.cols, data };
+        match &self.weights[id.0 as usize] {
+            Some(CpuWeight::F32(w)) => {
+                kernels::matmul_f32(w, spec.rows, spec.cols, x, n, out);
+                Ok(())
+            }
+            Some(CpuWeight::Packed(bytes)) => Ok(kernels::matmul(&view(bytes), x, n, out)?),
+            Some(CpuWeight::InFile) => {
+                let bytes = self.model.weights.bytes(&self.model.file, id)?;
+                Ok(kernels::matmul(&view(&bytes), x, n, out)?)
+            }
+            None => bail!("weight `{}` was not loaded", spec.name),
+        }
+    }
+
+    fn rms_norm(&self, norm: NormSpec, x: &[f32], out: &mut [f32]) {
+        norm::rms_norm(x, self.f32_weight(norm.weight), norm.eps, out);
+    }
+
+    fn run_chunk(&mut self, ids: &[u32], start_pos: usize) -> anyhow::Result<()> {
+        let mut buf = std::mem::take(&mut self.buf);
+        let result = self.run_ops(&mut buf, ids, start_pos);
+        self.buf = buf;
+        self.last_rows = ids.len();
+        result
+    }
+
+    fn run_ops(&self, buf: &mut Buffers, ids: &[u32], start_pos: usize) -> anyhow::Result<()> {
+        let model = &*self.model;
+        let graph = &model.graph;
+        let n = ids.len();
+        let positions: Vec<u32> = (start_pos..start_pos + n).map(|p| p as u32).collect();
+        for op in &graph.ops {
+            let out_id = op.writes();
+            let out_slot = self.plan.slot(out_id);
+            // Take the output buffer out so inputs can be borrowed alongside it; the plan
+            // guarantees no input lives in the same slot (except in-place ops, handled below).
+            let mut out = std::mem::take(&mut buf.slots[out_slot]);
+            let result = self.run_op(op, buf, &mut out, ids, start_pos, &positions);
+            buf.slots[out_slot] = out;
+            result.with_context(|| format!("op {} writing `{}`", op.kind(), graph.value(out_id).name))?;
+        }
+        Ok(())
+    }
+
+    fn run_op(&self, op: &Op, buf: &mut Buffers, out: &mut [f32], ids: &[u32], start_pos: usize, positions: &[u32]) -> anyhow::Result<()> {
+        let model = &*self.model;
+        let graph = &model.graph;
+        let n = ids.len();
+        let width = |v: ValueId| graph.value(v).width;
+        let rows = |v: ValueId| graph.value(v).n_rows(n);
+        let out_id = op.writes();
+        let slots = &buf.slots;
+        let input = |v: ValueId| -> &[f32] { &slots[self.plan.slot(v)][..rows(v) * width(v)] };
+        {
+            match *op {
+                Op::Embed { table, .. } => {
+                    let spec = model.weights.spec(table);
+                    let dst = &mut out[..n * spec.cols];
+                    match &self.weights[table.0 as usize] {
+                        Some(CpuWeight::F32(t)) => {
+                            for (row, &id) in dst.chunks_mut(spec.cols).zip(ids) {
+                                let id = id as usize;
+                                if id >= spec.rows {
+                                    bail!("token id {id} is outside the vocabulary ({})", spec.rows);
+                                }
+                                row.copy_from_slice(&t[id * spec.cols..(id + 1) * spec.cols]);
+                            }
+                        }
+                        _ => {
+                            let bytes = model.weights.bytes(&model.file, table)?;
+                            let view = WeightView { dtype: spec.dtype, rows: spec.rows, cols: spec.cols, data: &bytes };
+                            kernels::embedding::embed_rows(&view, ids, dst)?;
+                        }
+                    }
+                }
+                Op::RmsNorm { x, norm, .. } => self.rms_norm(norm, input(x), &mut out[..rows(x) * width(x)]),
+                Op::Linear { x, norm, w, bias, residual, out_col, .. } => {
+                    let spec = model.weights.spec(w);
+                    let (r, xw, ow) = (rows(x), width(x), width(out_id));
+                    let xs = &mut buf.scratch;
+                    let xin: &[f32] = match norm {
+                        Some(nm) => {
+                            xs.resize(r * xw, 0.0);
+                            self.rms_norm(nm, input(x), xs);
+                            xs
+                        }
+                        None => input(x),
+                    };
+                    let direct = out_col == 0 && spec.rows == ow;
+                    let tmp = &mut buf.scratch2;
+                    if direct {
+                        self.matmul(w, xin, r, &mut out[..r * ow])?;
+                    } else {
+                        tmp.resize(r * spec.rows, 0.0);
+                        self.matmul(w, xin, r, tmp)?;
+                        for t in 0..r {
+                            out[t * ow + out_col..t * ow + out_col + spec.rows]
+                                .copy_from_slice(&tmp[t * spec.rows..(t + 1) * spec.rows]);
+                        }
+                    }
+                    for t in 0..r {
+                        let row = &mut out[t * ow + out_col..t * ow + out_col + spec.rows];
+                        if let Some(b) = bias {
+                            activation::add_inplace(row, self.f32_weight(b));
+                        }
+                        if let Some(res) = residual {
+                            activation::add_inplace(row, &input(res)[t * ow..(t + 1) * ow]);
+                        }
+                    }
+                }
+                Op::Rope { x, col, n_heads } => {
+                    // In place: `out` *is* x's buffer.
+                    let w = width(x);
+                    let span = n_heads * self.rope.head_dim;
+                    for (t, row) in out[..n * w].chunks_mut(w).enumerate() {
+                        self.rope.apply(&mut row[col..col + span], n_heads, &positions[t..t + 1]);
+                    }
+                }
+                Op::Attention { layer, qkv, window, .. } => {
+                    let a = graph.attention;
+                    let (qw, kvw) = (a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim);
+                    let src = input(qkv);
+                    let w = width(qkv);
+                    if start_pos + n > self.options.context_len {
+                        bail!("context full: {} tokens do not fit in {}", start_pos + n, self.options.context_len);
+                    }
+                    let q = &mut buf.scratch;
+                    q.resize(n * qw, 0.0);
+                    for t in 0..n {
+                        let row = &src[t * w..(t + 1) * w];
+                        q[t * qw..(t + 1) * qw].copy_from_slice(&row[..qw]);
+                        let p = (start_pos + t) * kvw;
+                        buf.k_cache[layer][p..p + kvw].copy_from_slice(&row[qw..qw + kvw]);
+                        buf.v_cache[layer][p..p + kvw].copy_from_slice(&row[qw + kvw..qw + 2 * kvw]);
+                    }
+                    let kv_len = start_pos + n;
+                    let params = AttentionParams {
+                        n_heads: a.n_heads,
+                        n_kv_heads: a.n_kv_heads,
+                        head_dim: a.head_dim,
+                        scale: a.scale,
+                        window,
+                        softcap: None,
+                    };
+                    kernels::attention::attention(
+                        &params,
+                        q,
+                        &buf.k_cache[layer][..kv_len * kvw],
+                        &buf.v_cache[layer][..kv_len * kvw],
+                        start_pos,
+                        n,
+                        &mut out[..n * qw],
+                    );
+                }
+                Op::SwiGlu { x, .. } => {
+                    let (w2, src) = (width(x), input(x));
+                    let w = w2 / 2;
+                    for t in 0..rows(x) {
+                        let row = &src[t * w2..(t + 1) * w2];
+                        activation::swiglu(&row[..w], &row[w..], &mut out[t * w..(t + 1) * w]);
+                    }
+                }
+                Op::Add { a, b, .. } => {
+                    let len = rows(a) * width(a);
+                    out[..len].copy_from_slice(input(a));
+                    activation::add_inplace(&mut out[..len], input(b));
+                }
+                Op::LastRow { x, .. } => {
+                    let w = width(x);
+                    out[..w].copy_from_slice(&input(x)[(n - 1) * w..n * w]);
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Executor for CpuExecutor {
+    fn describe(&self) -> String {
+        let p = match self.precision {
+            CpuPrecision::Reference => "fp32 reference",
+            CpuPrecision::Quantized => "quantized",
+        };
+        format!("cpu ({p}, {:?}, {} threads)", kernels::simd::simd_level(), rayon::current_num_threads())
+    }
+
+    fn forward(&mut self, tokens: &[u32], start_pos: usize) -> anyhow::Result<()> {
+        if tokens.is_empty() {
+            bail!("forward called with no tokens");
+        }
+        if start_pos + tokens.len() > self.options.context_len {
+            bail!(
+                "prompt too long: {} tokens at position {start_pos} exceed the context of {} tokens",
+                tokens.len(),
+                self.options.context_len
+            );
+        }
+        for (i, chunk) in tokens.chunks(self.options.max_batch).enumerate() {
+            self.run_chunk(chunk, start_pos + i * self.options.max_batch)
+                .with_context(|| format!("forward pass at position {}", start_pos + i * self.options.max_batch))?;
+        }
+        Ok(())
+    }
+
+    fn logits(&mut self) -> anyhow::Result<Vec<f32>> {
+        let g = &self.model.graph;
+        let v = g.logits;
+        Ok(self.buf.slots[self.plan.slot(v)][..g.value(v).width].to_vec())
+    }
+
+    fn traces(&mut self) -> anyhow::Result<Vec<LayerTrace>> {
+        if !self.options.trace {
+            bail!("this executor was created without tracing");
+        }
+        let g = &self.model.graph;
+        Ok(g
+            .values
+            .iter()
+            .enumerate()
+            .filter(|(_, v)| v.traced)
+            .map(|(i, v)| {
+                let len = v.n_rows(self.last_rows) * v.width;
+                LayerTrace { name: v.name.clone(), width: v.width, data: self.buf.slots[self.plan.slot(ValueId(i as u32))][..len].to_vec() }
+            })
+            .collect())
+    }
+
+    fn context_len(&self) -> usize {
+        self.options.context_len
+    }
+
+    fn memory_report(&self) -> String {
+        let mib = |b: usize| b as f64 / (1024.0 * 1024.0);
+        let weights: usize = self
+            .weights
+            .iter()
+            .map(|w| match w {
+                Some(CpuWeight::F32(v)) => v.len() * 4,
+                Some(CpuWeight::Packed(v)) => v.len(),
+                _ => 0,
+            })
+            .sum();
+        let kv: usize = self.buf.k_cache.iter().chain(&self.buf.v_cache).map(|c| c.len() * 4).sum();
+        format!(
+            "weights copied to RAM: {:.1} MiB (the rest is used in place from the mapped file)\nkv cache (f32): {:.1} MiB\nactivations: {:.1} MiB in {} buffers",
+            mib(weights),
+            mib(kv),
+            mib(self.plan.total_elems() * 4),
+            self.plan.slot_elems.len()
+        )
+    }
+}

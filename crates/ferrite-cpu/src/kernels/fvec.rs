@@ -1,0 +1,127 @@
+//! f32 vector helpers shared by the kernels: a SIMD dot product and a vectorizable `exp`.
+
+use super::simd::{simd_level, SimdLevel};
+
+/// Partial sums per lane (the scalar path rounds like the 8-lane SIMD one).
+const LANES: usize = 8;
+
+/// `Σ a[i] * b[i]` over the common length.
+#[inline]
+pub(crate) fn dot(a: &[f32], b: &[f32]) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    if matches!(simd_level(), SimdLevel::Avx2 | SimdLevel::Avx512Vnni) {
+        // SAFETY: these levels are only reported when AVX2 and FMA are available.
+        return unsafe { dot_avx2(a, b) };
+    }
+    dot_lanes(a, b)
+}
+
+fn dot_lanes(a: &[f32], b: &[f32]) -> f32 {
+    let n = a.len().min(b.len());
+    let (a, b) = (&a[..n], &b[..n]);
+    let mut lanes = [0f32; LANES];
+    let (ca, cb) = (a.chunks_exact(LANES), b.chunks_exact(LANES));
+    let tail: f32 = ca.remainder().iter().zip(cb.remainder()).map(|(x, y)| x * y).sum();
+    for (x, y) in ca.zip(cb) {
+        for i in 0..LANES {
+            lanes[i] += x[i] * y[i];
+        }
+    }
+    lanes.iter().sum::<f32>() + tail
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn dot_avx2(a: &[f32], b: &[f32]) -> f32 {
+    use std::arch::x86_64::*;
+    let n = a.len().min(b.len());
+    let (pa, pb) = (a.as_ptr(), b.as_ptr());
+    let (mut acc0, mut acc1) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+    let mut i = 0;
+    while i + 16 <= n {
+        acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(pa.add(i)), _mm256_loadu_ps(pb.add(i)), acc0);
+        acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(pa.add(i + 8)), _mm256_loadu_ps(pb.add(i + 8)), acc1);
+        i += 16;
+    }
+    if i + 8 <= n {
+        acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(pa.add(i)), _mm256_loadu_ps(pb.add(i)), acc0);
+        i += 8;
+    }
+    let v = _mm256_add_ps(acc0, acc1);
+    let v = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
+    let v = _mm_add_ps(v, _mm_movehl_ps(v, v));
+    let mut sum = _mm_cvtss_f32(_mm_add_ss(v, _mm_movehdup_ps(v)));
+    for j in i..n {
+        sum += a[j] * b[j];
+    }
+    sum
+}
+
+/// `e^x` to within 2 ulp, branch-free so that loops over it vectorize. Overflows to +inf above
+/// ln(f32::MAX), flushes to 0 below the smallest normal; NaN stays NaN.
+#[inline(always)]
+pub(crate) fn exp(x: f32) -> f32 {
+    const MAGIC: f32 = 12_582_912.0; // 1.5 * 2^23: round-to-integer by addition
+    // ln 2 split so that n * LN2_HI is exact for |n| < 2^8 (Cody–Waite reduction).
+    const LN2_HI: f32 = 0.693_145_75;
+    const LN2_LO: f32 = 1.428_606_8e-6;
+    const MAX: f32 = 88.722_83;
+    const MIN: f32 = -87.336_54;
+    let xc = x.clamp(MIN, MAX);
+    let shifted = xc * std::f32::consts::LOG2_E + MAGIC;
+    let n = (shifted.to_bits() as i32).wrapping_sub(MAGIC.to_bits() as i32);
+    let nf = shifted - MAGIC;
+    let r = (xc - nf * LN2_HI) - nf * LN2_LO;
+    // Minimax polynomial of e^r on |r| <= ln2 / 2 (Cephes expf).
+    let mut p = 1.987_569_1e-4f32;
+    p = p * r + 1.398_199_9e-3;
+    p = p * r + 8.333_452e-3;
+    p = p * r + 4.166_579_6e-2;
+    p = p * r + 1.666_666_5e-1;
+    p = p * r + 5.000_000_1e-1;
+    let er = p * r * r + r + 1.0;
+    // n reaches 128, beyond the largest f32 exponent: apply 2^n as two factors.
+    let pow2 = |k: i32| f32::from_bits(((k + 127) as u32) << 23);
+    let y = er * pow2(n >> 1) * pow2(n - (n >> 1));
+    if x > MAX {
+        f32::INFINITY
+    } else if x < MIN {
+        0.0
+    } else {
+        y
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn exp_matches_f64_within_two_ulp() {
+        let mut x = -87.3f32;
+        while x < 88.7 {
+            let want = (x as f64).exp();
+            let got = exp(x) as f64;
+            assert!(((got - want) / want).abs() < 2.5e-7, "exp({x}) = {got}, want {want}");
+            x += 0.0137;
+        }
+        assert_eq!(exp(0.0), 1.0);
+        assert_eq!(exp(100.0), f32::INFINITY);
+        assert_eq!(exp(-100.0), 0.0);
+        assert_eq!(exp(f32::NEG_INFINITY), 0.0);
+        assert!(exp(f32::NAN).is_nan());
+    }
+
+    #[test]
+    fn dot_matches_f64() {
+        for n in [0, 1, 7, 8, 15, 16, 17, 64, 100, 1000] {
+            let a: Vec<f32> = (0..n).map(|i| ((i * 7 % 13) as f32 - 6.0) * 0.3).collect();
+            let b: Vec<f32> = (0..n).map(|i| ((i * 5 % 11) as f32 - 5.0) * 0.7).collect();
+            let want: f64 = a.iter().zip(&b).map(|(&x, &y)| x as f64 * y as f64).sum();
+            let mag: f64 = a.iter().zip(&b).map(|(&x, &y)| (x as f64 * y as f64).abs()).sum();
+            for got in [dot(&a, &b), dot_lanes(&a, &b)] {
+                assert!((got as f64 - want).abs() <= 1e-6 * mag, "n={n}: {got} vs {want}");
+            }
+        }
+    }
+}

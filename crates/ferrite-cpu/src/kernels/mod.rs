@@ -1,0 +1,75 @@
+//! CPU compute kernels: quantized SIMD matmul, RMSNorm, RoPE, attention, activations, embedding.
+//!
+//! SIMD paths are chosen once at run time ([`simd::simd_level`]). Every SIMD dot-product kernel
+//! has a scalar twin that performs the same integer arithmetic; the scalar twin is the test oracle
+//! for the SIMD code, and dequantize + [`matmul_f32`] is the oracle for both.
+
+pub mod activation;
+pub mod attention;
+pub mod embedding;
+pub mod matmul;
+pub mod norm;
+pub mod rope;
+pub mod simd;
+
+mod fvec;
+mod quant;
+
+pub use matmul::{matmul, matmul_f32, matmul_with};
+
+use ferrite_gguf::GgmlType;
+
+/// A weight matrix as stored in GGUF: `rows` rows of `cols` elements; row `r` is
+/// `data[r * row_bytes .. (r + 1) * row_bytes]` with `row_bytes = dtype.row_bytes(cols)`.
+#[derive(Clone, Copy, Debug)]
+pub struct WeightView<'a> {
+    pub dtype: GgmlType,
+    pub rows: usize,
+    pub cols: usize,
+    pub data: &'a [u8],
+}
+
+impl WeightView<'_> {
+    /// Bytes per row, after checking that `cols` is whole blocks and `data` holds exactly
+    /// `rows` rows.
+    pub fn row_bytes(&self, op: &'static str) -> Result<usize, KernelError> {
+        let row_bytes = self.dtype.row_bytes(self.cols).ok_or_else(|| KernelError::Shape {
+            op,
+            detail: format!(
+                "{} weight with {} columns: not a whole number of {}-element blocks",
+                self.dtype,
+                self.cols,
+                self.dtype.block_size()
+            ),
+        })?;
+        let expected = row_bytes.checked_mul(self.rows);
+        if expected != Some(self.data.len()) {
+            return Err(KernelError::Shape {
+                op,
+                detail: format!(
+                    "{} weight of {} x {} needs {} bytes, got {}",
+                    self.dtype,
+                    self.rows,
+                    self.cols,
+                    expected.map_or_else(|| "more than usize::MAX".to_string(), |n| n.to_string()),
+                    self.data.len()
+                ),
+            });
+        }
+        Ok(row_bytes)
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum KernelError {
+    #[error("{op}: weight dtype {dtype} is not supported")]
+    UnsupportedDtype { op: &'static str, dtype: GgmlType },
+    #[error("{op}: {detail}")]
+    Shape { op: &'static str, detail: String },
+    #[error("{op}: SIMD level {level:?} is not available on this CPU")]
+    UnavailableSimd { op: &'static str, level: simd::SimdLevel },
+    #[error("embedding: token id {id} (position {index} of the batch) is outside the table of {rows} rows")]
+    TokenOutOfRange { index: usize, id: u32, rows: usize },
+    #[error("{op}: {source}")]
+    Dequantize { op: &'static str, source: ferrite_gguf::GgufError },
+}

@@ -1,0 +1,295 @@
+//! The GPU handle: context, compute stream, cuBLAS, module cache, scratch, device error flag.
+
+use crate::cache::{CacheStats, DiskCache, ModuleCache};
+use crate::compile::{nvrtc_version, supported_archs};
+use crate::error::{Context, CudaError};
+use crate::kernels::common::{ERR_POSITION, ERR_TOKEN_ID};
+use crate::kernels::KernelVariant;
+use crate::ops::LinearOptions;
+use cudarc::cublas::CudaBlas;
+use cudarc::driver::sys::CUdevice_attribute;
+use cudarc::driver::{
+    CudaContext, CudaSlice, CudaStream, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg, ValidAsZeroBits,
+};
+use ferrite_core::env;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+
+/// Check that the CUDA libraries load and a device exists, without creating a context.
+/// Tests print `skipped: <this error>` when it fails.
+pub fn cuda_available() -> Result<(), CudaError> {
+    device_count().map(|_| ())
+}
+
+fn device_count() -> Result<usize, CudaError> {
+    // cudarc panics on the first call into a library it cannot load: probe each one first.
+    if !unsafe { cudarc::driver::sys::is_culib_present() } {
+        return Err(CudaError::NoDevice("libcuda.so not found (no NVIDIA driver on this machine)".into()));
+    }
+    if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+        return Err(CudaError::NoDevice(
+            "libnvrtc.so not found (add the CUDA toolkit's lib64 or the nvidia-cuda-nvrtc wheel's lib to LD_LIBRARY_PATH)".into(),
+        ));
+    }
+    if !unsafe { cudarc::cublas::sys::is_culib_present() } {
+        return Err(CudaError::NoDevice(
+            "libcublas.so not found (add the CUDA toolkit's lib64 or the nvidia-cublas wheel's lib to LD_LIBRARY_PATH)".into(),
+        ));
+    }
+    cudarc::driver::result::init().map_err(|e| CudaError::NoDevice(format!("cuInit failed: {e:?}")))?;
+    let count = cudarc::driver::result::device::get_count()
+        .map_err(|e| CudaError::NoDevice(format!("cuDeviceGetCount failed: {e:?}")))?;
+    if count <= 0 {
+        return Err(CudaError::NoDevice("the driver reports no CUDA devices".into()));
+    }
+    Ok(count as usize)
+}
+
+/// Where compiled kernels are kept between runs.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum KernelCacheDir {
+    Disk(PathBuf),
+    /// In-memory only: every process recompiles.
+    Off,
+}
+
+impl KernelCacheDir {
+    /// `FERRITE_KERNEL_CACHE_OFF`, then `FERRITE_KERNEL_CACHE`, then `$XDG_CACHE_HOME/ferrite/kernels`,
+    /// then `~/.cache/ferrite/kernels`; off when none of them gives a folder.
+    pub fn from_env() -> Self {
+        if env::KERNEL_CACHE_OFF.flag(false) {
+            return KernelCacheDir::Off;
+        }
+        let var = |name: &str| std::env::var_os(name).filter(|v| !v.is_empty()).map(PathBuf::from);
+        env::KERNEL_CACHE
+            .get()
+            .map(PathBuf::from)
+            .or_else(|| var("XDG_CACHE_HOME").map(|d| d.join("ferrite/kernels")))
+            .or_else(|| var("HOME").map(|d| d.join(".cache/ferrite/kernels")))
+            .map_or(KernelCacheDir::Off, KernelCacheDir::Disk)
+    }
+}
+
+/// Settings fixed when a [`Gpu`] is created.
+#[derive(Clone, Debug)]
+pub struct GpuOptions {
+    pub kernel_cache: KernelCacheDir,
+    /// Default path/precision of [`crate::ops::linear`].
+    pub linear: LinearOptions,
+}
+
+impl GpuOptions {
+    pub fn from_env() -> Self {
+        GpuOptions { kernel_cache: KernelCacheDir::from_env(), linear: LinearOptions::from_env() }
+    }
+}
+
+struct DeviceProps {
+    name: String,
+    compute_capability: (u32, u32),
+    sm_count: u32,
+}
+
+/// One CUDA device with its compute stream. All ops enqueue on [`Gpu::stream`] without
+/// synchronising; results are ready after [`Gpu::synchronize`] or a device-to-host copy.
+pub struct Gpu {
+    // Declaration order is drop order: modules and buffers go before the stream and context.
+    modules: ModuleCache,
+    blas: CudaBlas,
+    error_flag: Mutex<CudaSlice<u32>>,
+    error_flag_ptr: u64,
+    scratch: Mutex<Option<CudaSlice<u8>>>,
+    linear: LinearOptions,
+    props: DeviceProps,
+    stream: Arc<CudaStream>,
+    ctx: Arc<CudaContext>,
+}
+
+impl Gpu {
+    /// Open device `ordinal` with settings from the `FERRITE_*` switches.
+    pub fn new(ordinal: usize) -> Result<Self, CudaError> {
+        Self::with_options(ordinal, GpuOptions::from_env())
+    }
+
+    pub fn with_options(ordinal: usize, options: GpuOptions) -> Result<Self, CudaError> {
+        let count = device_count()?;
+        if ordinal >= count {
+            return Err(CudaError::NoDevice(format!("device {ordinal} requested, but only {count} present")));
+        }
+        let ctx = CudaContext::new(ordinal).context(|| format!("creating a context on device {ordinal}"))?;
+        // We order work ourselves on one stream; cudarc's per-buffer events would add driver
+        // calls to every launch and break CUDA-graph capture.
+        unsafe { ctx.disable_event_tracking() };
+        let stream = ctx.new_stream().context(|| "creating the compute stream".into())?;
+        let blas = CudaBlas::new(stream.clone()).context(|| "creating the cuBLAS handle".into())?;
+        let name = ctx.name().context(|| "reading the device name".into())?;
+        let (major, minor) = ctx.compute_capability().context(|| "reading the compute capability".into())?;
+        let sm_count = ctx
+            .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+            .context(|| "reading the multiprocessor count".into())?;
+        let arch = major * 10 + minor;
+        let nvrtc = nvrtc_version()?;
+        let archs = supported_archs()?;
+        if !archs.contains(&arch) {
+            return Err(CudaError::NoDevice(format!(
+                "{name} is sm_{arch}, which NVRTC {}.{} cannot compile for (it supports {archs:?})",
+                nvrtc.0, nvrtc.1
+            )));
+        }
+        let disk = match options.kernel_cache {
+            KernelCacheDir::Disk(dir) => Some(DiskCache::new(dir)),
+            KernelCacheDir::Off => None,
+        };
+        let modules = ModuleCache::new(ctx.clone(), format!("sm_{arch}"), nvrtc, disk);
+        let error_flag = stream.alloc_zeros::<u32>(2).context(|| "allocating the device error flag".into())?;
+        let (error_flag_ptr, _) = error_flag.device_ptr(&stream);
+        Ok(Gpu {
+            modules,
+            blas,
+            error_flag: Mutex::new(error_flag),
+            error_flag_ptr,
+            scratch: Mutex::new(None),
+            linear: options.linear,
+            props: DeviceProps {
+                name,
+                compute_capability: (major as u32, minor as u32),
+                sm_count: sm_count as u32,
+            },
+            stream,
+            ctx,
+        })
+    }
+
+    pub fn name(&self) -> String {
+        self.props.name.clone()
+    }
+
+    pub fn sm_count(&self) -> u32 {
+        self.props.sm_count
+    }
+
+    pub fn compute_capability(&self) -> (u32, u32) {
+        self.props.compute_capability
+    }
+
+    /// (free, total) device memory in bytes.
+    pub fn mem_info(&self) -> Result<(usize, usize), CudaError> {
+        self.ctx.mem_get_info().context(|| "cuMemGetInfo".into())
+    }
+
+    /// Wait for all work queued on the compute stream.
+    pub fn synchronize(&self) -> Result<(), CudaError> {
+        self.stream.synchronize().context(|| "synchronizing the compute stream".into())
+    }
+
+    /// The (non-default, capturable) stream every op runs on.
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+
+    pub fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
+    }
+
+    /// Default options of [`crate::ops::linear`] on this device.
+    pub fn linear_options(&self) -> LinearOptions {
+        self.linear
+    }
+
+    pub fn kernel_cache_stats(&self) -> CacheStats {
+        self.modules.stats()
+    }
+
+    /// Folder of the on-disk kernel cache, if enabled.
+    pub fn kernel_cache_dir(&self) -> Option<PathBuf> {
+        self.modules.disk().map(|d| d.dir().to_path_buf())
+    }
+
+    /// Compile (or fetch from the caches) a kernel variant now, e.g. to warm up before timing.
+    pub fn prepare<V: KernelVariant>(&self, variant: &V) -> Result<(), CudaError> {
+        self.modules.get(variant).map(|_| ())
+    }
+
+    /// Path of the disk entry a variant is (or would be) cached under.
+    pub fn kernel_cache_path<V: KernelVariant>(&self, variant: &V) -> Option<PathBuf> {
+        self.modules.disk().map(|d| d.entry_path(V::FAMILY, &self.modules.key(variant)))
+    }
+
+    /// Allocate `n` zeroed elements on the compute stream.
+    pub fn alloc_zeros<T: DeviceRepr + ValidAsZeroBits>(&self, n: usize) -> Result<CudaSlice<T>, CudaError> {
+        self.stream.alloc_zeros(n).context(|| format!("allocating {n} elements"))
+    }
+
+    /// Copy host data to a new device buffer.
+    pub fn upload<T: DeviceRepr>(&self, data: &[T], what: &str) -> Result<CudaSlice<T>, CudaError> {
+        self.stream.clone_htod(data).context(|| format!("copying {what} to the device ({} elements)", data.len()))
+    }
+
+    /// Copy device data back to the host (waits for the stream).
+    pub fn download<T: DeviceRepr, S: DevicePtr<T>>(&self, data: &S) -> Result<Vec<T>, CudaError> {
+        self.stream.clone_dtoh(data).context(|| "copying device data to the host".into())
+    }
+
+    /// Report (and clear) the first bad value a kernel met in device memory since the last
+    /// check: a token id outside the embedding table or a position beyond the KV cache.
+    /// Kernels never read or write out of bounds for such values; they skip the work and
+    /// poison their output with NaN. Waits for the stream.
+    pub fn check_device(&self) -> Result<(), CudaError> {
+        let mut flag = self.error_flag.lock().unwrap_or_else(|p| p.into_inner());
+        let value = self.stream.clone_dtoh(&*flag).context(|| "reading the device error flag".into())?;
+        if value[0] == 0 {
+            return Ok(());
+        }
+        self.stream.memset_zeros(&mut *flag).context(|| "clearing the device error flag".into())?;
+        Err(CudaError::DeviceCheck(match value[0] {
+            ERR_TOKEN_ID => format!("embed: token id {} is outside the embedding table", value[1]),
+            ERR_POSITION => format!("kv_write/attention: position {} is beyond the KV cache capacity", value[1]),
+            code => format!("unknown device error code {code} (detail {})", value[1]),
+        }))
+    }
+
+    pub(crate) fn error_flag_ptr(&self) -> u64 {
+        self.error_flag_ptr
+    }
+
+    pub(crate) fn blas(&self) -> &CudaBlas {
+        &self.blas
+    }
+
+    /// Launch entry point `entry` of `variant`'s module with one by-value parameter struct.
+    pub(crate) fn launch<V: KernelVariant, P: DeviceRepr>(
+        &self,
+        variant: &V,
+        entry: &'static str,
+        cfg: LaunchConfig,
+        params: &P,
+    ) -> Result<(), CudaError> {
+        let module = self.modules.get(variant)?;
+        let mut builder = self.stream.launch_builder(module.function(entry));
+        builder.arg(params);
+        unsafe { builder.launch(cfg) }.context(|| {
+            format!("launching {}::{entry} ({variant:?}, grid {:?}, block {:?})", V::FAMILY, cfg.grid_dim, cfg.block_dim)
+        })?;
+        Ok(())
+    }
+
+    /// Grow the scratch buffer used by the GEMM path to at least `bytes` now, so that later
+    /// ops do not allocate (useful before capturing a CUDA graph).
+    pub fn reserve_scratch(&self, bytes: usize) -> Result<(), CudaError> {
+        self.with_scratch(bytes, |_| Ok(()))
+    }
+
+    /// Run `f` with the device address of a scratch area of at least `bytes` bytes.
+    /// The lock keeps other threads from resizing it while `f` enqueues work; the old buffer
+    /// is freed in stream order, after the work already queued on it.
+    pub(crate) fn with_scratch<R>(&self, bytes: usize, f: impl FnOnce(u64) -> Result<R, CudaError>) -> Result<R, CudaError> {
+        let mut scratch = self.scratch.lock().unwrap_or_else(|p| p.into_inner());
+        if scratch.as_ref().is_none_or(|s| s.len() < bytes) {
+            *scratch = None;
+            let buf = unsafe { self.stream.alloc::<u8>(bytes) }.context(|| format!("allocating {bytes} bytes of scratch"))?;
+            *scratch = Some(buf);
+        }
+        let (ptr, _sync) = scratch.as_ref().expect("allocated above").device_ptr(&self.stream);
+        f(ptr)
+    }
+}

@@ -1,0 +1,75 @@
+//! Element-wise ops of the MLP and the residual stream: SwiGLU, GeGLU (tanh GELU), add.
+
+use super::common::HEADER;
+use super::{blocks_for, device_params, KernelVariant};
+use cudarc::driver::LaunchConfig;
+
+device_params! {
+    pub struct ElementwiseParams {
+        pub a: u64,
+        pub b: u64,
+        pub out: u64,
+        pub n: u64,
+    }
+}
+
+const SOURCE: &str = r#"
+#define GRID_STRIDE(i, n) for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < (i64)(n); i += (i64)gridDim.x * blockDim.x)
+
+__device__ __forceinline__ float silu(float x) { return x / (1.f + expf(-x)); }
+// GELU, tanh approximation (PyTorch's approximate="tanh", used by Gemma's GeGLU).
+__device__ __forceinline__ float gelu_tanh(float x) {
+  return 0.5f * x * (1.f + tanhf(0.7978845608028654f * (x + 0.044715f * x * x * x)));
+}
+
+// out = silu(gate) * up (out may alias either input)
+extern "C" __global__ void swiglu(const ElementwiseParams p) {
+  const float* gate = reinterpret_cast<const float*>(p.a);
+  const float* up = reinterpret_cast<const float*>(p.b);
+  float* out = reinterpret_cast<float*>(p.out);
+  GRID_STRIDE(i, p.n) out[i] = silu(gate[i]) * up[i];
+}
+
+// out = gelu_tanh(gate) * up (out may alias either input)
+extern "C" __global__ void geglu(const ElementwiseParams p) {
+  const float* gate = reinterpret_cast<const float*>(p.a);
+  const float* up = reinterpret_cast<const float*>(p.b);
+  float* out = reinterpret_cast<float*>(p.out);
+  GRID_STRIDE(i, p.n) out[i] = gelu_tanh(gate[i]) * up[i];
+}
+
+// acc += x (p.a = acc, p.b = x)
+extern "C" __global__ void add(const ElementwiseParams p) {
+  float* acc = reinterpret_cast<float*>(p.a);
+  const float* x = reinterpret_cast<const float*>(p.b);
+  GRID_STRIDE(i, p.n) acc[i] += x[i];
+}
+"#;
+
+/// The element-wise family has no compile-time options.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct ActivationVariant;
+
+impl ActivationVariant {
+    pub fn launch_config(&self, n: usize) -> LaunchConfig {
+        LaunchConfig { grid_dim: (blocks_for(n, 256).clamp(1, 65535), 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 }
+    }
+}
+
+impl KernelVariant for ActivationVariant {
+    const FAMILY: &'static str = "activation";
+    const SOURCES: &'static [&'static str] = &[HEADER, ElementwiseParams::C_DECL, SOURCE];
+    const ENTRY_POINTS: &'static [&'static str] = &["swiglu", "geglu", "add"];
+
+    fn macros(&self) -> Vec<(&'static str, String)> {
+        Vec::new()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn macros_match_source() {
+        crate::kernels::tests::assert_macros_match(super::ActivationVariant);
+    }
+}

@@ -1,0 +1,234 @@
+//! KV-cache write and causal attention over the cache (prefill and decode alike).
+//!
+//! Cache layout per layer: `[max_seq, n_kv_heads, head_dim]`, f16 (default) or f32.
+//! Query/output layout: `[n_tokens, n_heads, head_dim]` f32. Positions come from device
+//! memory; query `t` attends to cache rows `first..=positions[t]` (causal, optional window).
+
+use super::common::HEADER;
+use super::{blocks_for, device_params, KernelVariant};
+use cudarc::driver::LaunchConfig;
+
+/// Element type of the KV cache (`KV_F16`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+pub enum KvDtype {
+    #[default]
+    F16,
+    F32,
+}
+
+impl KvDtype {
+    pub fn size(self) -> usize {
+        match self {
+            KvDtype::F16 => 2,
+            KvDtype::F32 => 4,
+        }
+    }
+}
+
+const KV: &str = r#"
+#ifndef KV_F16
+#error "KV_F16 (1: f16 cache, 0: f32 cache) must come from the kernel variant"
+#endif
+#if KV_F16
+typedef u16 kv_t;
+__device__ __forceinline__ float kv_load(const kv_t* p, i64 i) { return f16_to_f32(p[i]); }
+__device__ __forceinline__ void kv_store(kv_t* p, i64 i, float v) { p[i] = f32_to_f16(v); }
+#else
+typedef float kv_t;
+__device__ __forceinline__ float kv_load(const kv_t* p, i64 i) { return p[i]; }
+__device__ __forceinline__ void kv_store(kv_t* p, i64 i, float v) { p[i] = v; }
+#endif
+"#;
+
+device_params! {
+    pub struct KvWriteParams {
+        pub k: u64,
+        pub v: u64,
+        pub k_cache: u64,
+        pub v_cache: u64,
+        pub positions: u64,
+        pub error_flag: u64,
+        pub n_tokens: u32,
+        pub row: u32,
+        pub max_seq: u32,
+        pub pad: u32,
+    }
+}
+
+const KV_WRITE: &str = r#"
+// Copy each token's K and V rows (n_kv_heads * head_dim values) to cache row positions[t].
+extern "C" __global__ void kv_write(const KvWriteParams p) {
+  const u32* positions = reinterpret_cast<const u32*>(p.positions);
+  const float* k = reinterpret_cast<const float*>(p.k);
+  const float* v = reinterpret_cast<const float*>(p.v);
+  kv_t* kc = reinterpret_cast<kv_t*>(p.k_cache);
+  kv_t* vc = reinterpret_cast<kv_t*>(p.v_cache);
+  const i64 total = (i64)p.n_tokens * p.row;
+  for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (i64)gridDim.x * blockDim.x) {
+    const i64 t = i / p.row, e = i % p.row;
+    const u32 pos = positions[t];
+    if (pos >= p.max_seq) {
+      if (e == 0) report_error(p.error_flag, ERR_POSITION, pos);
+      continue;
+    }
+    kv_store(kc, (i64)pos * p.row + e, k[i]);
+    kv_store(vc, (i64)pos * p.row + e, v[i]);
+  }
+}
+"#;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct KvWriteVariant {
+    pub kv: KvDtype,
+}
+
+impl KvWriteVariant {
+    pub fn launch_config(&self, n: usize) -> LaunchConfig {
+        LaunchConfig { grid_dim: (blocks_for(n, 256).clamp(1, 65535), 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 }
+    }
+}
+
+impl KernelVariant for KvWriteVariant {
+    const FAMILY: &'static str = "kv_write";
+    const SOURCES: &'static [&'static str] = &[HEADER, KV, KvWriteParams::C_DECL, KV_WRITE];
+    const ENTRY_POINTS: &'static [&'static str] = &["kv_write"];
+
+    fn macros(&self) -> Vec<(&'static str, String)> {
+        vec![("KV_F16", u32::from(self.kv == KvDtype::F16).to_string())]
+    }
+}
+
+device_params! {
+    pub struct AttentionParams {
+        pub q: u64,
+        pub k_cache: u64,
+        pub v_cache: u64,
+        pub positions: u64,
+        pub out: u64,
+        pub error_flag: u64,
+        pub n_heads: u32,
+        pub n_kv_heads: u32,
+        pub max_seq: u32,
+        pub window: u32,
+        pub scale: f32,
+        pub pad: u32,
+    }
+}
+
+const ATTENTION: &str = r#"
+#ifndef HEAD_DIM
+#error "HEAD_DIM (a multiple of 32) must come from the kernel variant"
+#endif
+#ifndef NWARPS
+#error "NWARPS (warps per block) must come from the kernel variant"
+#endif
+#define DIMS_PER_LANE (HEAD_DIM / 32)
+
+// One block per (head, query token). Each warp takes every NWARPS-th key and keeps an
+// online softmax (running max m, sum l, weighted V sum acc); lane holds dims lane + 32 i.
+// The warps' partial states are merged through shared memory at the end.
+extern "C" __global__ void __launch_bounds__(NWARPS * 32) attention(const AttentionParams p) {
+  __shared__ float s_m[NWARPS], s_l[NWARPS], s_acc[NWARPS][HEAD_DIM];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const u32 head = blockIdx.x, tok = blockIdx.y;
+  const i64 qrow = ((i64)tok * p.n_heads + head) * HEAD_DIM;
+  float* out = reinterpret_cast<float*>(p.out) + qrow;
+  const u32 pos = reinterpret_cast<const u32*>(p.positions)[tok];
+  if (pos >= p.max_seq) {  // block-uniform, before any barrier
+    if (threadIdx.x == 0) report_error(p.error_flag, ERR_POSITION, pos);
+    for (int d = threadIdx.x; d < HEAD_DIM; d += NWARPS * 32) out[d] = QNAN;
+    return;
+  }
+  const u32 kv_head = head / (p.n_heads / p.n_kv_heads);
+  const u32 first = (p.window > 0 && pos + 1 > p.window) ? pos + 1 - p.window : 0;
+  const i64 row = (i64)p.n_kv_heads * HEAD_DIM;
+  const kv_t* kc = reinterpret_cast<const kv_t*>(p.k_cache) + (i64)kv_head * HEAD_DIM;
+  const kv_t* vc = reinterpret_cast<const kv_t*>(p.v_cache) + (i64)kv_head * HEAD_DIM;
+  const float* q = reinterpret_cast<const float*>(p.q) + qrow;
+
+  float qv[DIMS_PER_LANE], acc[DIMS_PER_LANE];
+#pragma unroll
+  for (int i = 0; i < DIMS_PER_LANE; ++i) {
+    qv[i] = q[lane + 32 * i] * p.scale;
+    acc[i] = 0.f;
+  }
+  float m = NEG_INF, l = 0.f;
+  for (u32 j = first + warp; j <= pos; j += NWARPS) {
+    float s = 0.f;
+#pragma unroll
+    for (int i = 0; i < DIMS_PER_LANE; ++i) s += qv[i] * kv_load(kc, (i64)j * row + lane + 32 * i);
+    s = warp_sum(s);
+    const float m_new = fmaxf(m, s);
+    const float corr = expf(m - m_new), pj = expf(s - m_new);
+    l = l * corr + pj;
+#pragma unroll
+    for (int i = 0; i < DIMS_PER_LANE; ++i) acc[i] = acc[i] * corr + pj * kv_load(vc, (i64)j * row + lane + 32 * i);
+    m = m_new;
+  }
+  if (lane == 0) { s_m[warp] = m; s_l[warp] = l; }
+#pragma unroll
+  for (int i = 0; i < DIMS_PER_LANE; ++i) s_acc[warp][lane + 32 * i] = acc[i];
+  __syncthreads();
+  float m_all = NEG_INF;
+#pragma unroll
+  for (int w = 0; w < NWARPS; ++w) m_all = fmaxf(m_all, s_m[w]);
+  float l_all = 0.f, f[NWARPS];
+#pragma unroll
+  for (int w = 0; w < NWARPS; ++w) {
+    f[w] = s_m[w] == NEG_INF ? 0.f : expf(s_m[w] - m_all);  // a warp that saw no key adds nothing
+    l_all += s_l[w] * f[w];
+  }
+  for (int d = threadIdx.x; d < HEAD_DIM; d += NWARPS * 32) {
+    float o = 0.f;
+#pragma unroll
+    for (int w = 0; w < NWARPS; ++w) o += s_acc[w][d] * f[w];
+    out[d] = o / l_all;
+  }
+}
+"#;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct AttentionVariant {
+    pub head_dim: u32,
+    pub kv: KvDtype,
+    pub nwarps: u32,
+}
+
+impl AttentionVariant {
+    pub fn new(head_dim: usize, kv: KvDtype) -> Self {
+        AttentionVariant { head_dim: head_dim as u32, kv, nwarps: 4 }
+    }
+
+    pub fn launch_config(&self, n_heads: usize, n_tokens: usize) -> LaunchConfig {
+        LaunchConfig {
+            grid_dim: (n_heads as u32, n_tokens as u32, 1),
+            block_dim: (self.nwarps * 32, 1, 1),
+            shared_mem_bytes: 0,
+        }
+    }
+}
+
+impl KernelVariant for AttentionVariant {
+    const FAMILY: &'static str = "attention";
+    const SOURCES: &'static [&'static str] = &[HEADER, KV, AttentionParams::C_DECL, ATTENTION];
+    const ENTRY_POINTS: &'static [&'static str] = &["attention"];
+
+    fn macros(&self) -> Vec<(&'static str, String)> {
+        vec![
+            ("HEAD_DIM", self.head_dim.to_string()),
+            ("KV_F16", u32::from(self.kv == KvDtype::F16).to_string()),
+            ("NWARPS", self.nwarps.to_string()),
+        ]
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn macros_match_source() {
+        crate::kernels::tests::assert_macros_match(KvWriteVariant { kv: KvDtype::F32 });
+        crate::kernels::tests::assert_macros_match(AttentionVariant::new(64, KvDtype::F16));
+    }
+}

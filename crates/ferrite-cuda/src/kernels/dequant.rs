@@ -1,0 +1,157 @@
+//! Dequantization to f32/f16/bf16 (the GEMM path's weight operand) and f32 -> f16/bf16
+//! conversion of activations. [`ROW`] (decode one weight row) is shared with the embedding.
+
+use super::common::{HEADER, QUANT};
+use super::{blocks_for, device_params, KernelVariant};
+use cudarc::driver::LaunchConfig;
+use ferrite_gguf::GgmlType;
+
+/// Element type written by the dequantize/convert kernels (`OUT_TYPE`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum OutType {
+    F32 = 0,
+    F16 = 1,
+    BF16 = 2,
+}
+
+impl OutType {
+    pub fn size(self) -> usize {
+        match self {
+            OutType::F32 => 4,
+            OutType::F16 | OutType::BF16 => 2,
+        }
+    }
+}
+
+/// Device code: decode row `row` of a weight, calling `store(column, value)` for each value.
+/// Threads `tid` of `nthreads` split the row (by element for float types, by unit otherwise).
+pub const ROW: &str = r#"
+template <typename Store>
+__device__ __forceinline__ void dequant_row(const WeightRef& w, i64 row, int tid, int nthreads, Store store) {
+#if IS_FLOAT
+  for (i64 c = tid; c < w.cols; c += nthreads) store(c, load_float(w, row * w.cols + c));
+#else
+  const int units = (int)(w.cols / 32);
+  for (int u = tid; u < units; u += nthreads) {
+    Unit un;
+    load_unit(w, row, u, un);
+#pragma unroll
+    for (int l = 0; l < 32; ++l) store((i64)u * 32 + l, l < 16 ? un.a0 * un.q[l] + un.b0 : un.a1 * un.q[l] + un.b1);
+  }
+#endif
+}
+"#;
+
+const STORE: &str = r#"
+#ifndef OUT_TYPE
+#error "OUT_TYPE (0 f32, 1 f16, 2 bf16) must come from the kernel variant"
+#endif
+__device__ __forceinline__ void store_out(u64 out, i64 i, float v) {
+#if OUT_TYPE == 0
+  reinterpret_cast<float*>(out)[i] = v;
+#elif OUT_TYPE == 1
+  reinterpret_cast<u16*>(out)[i] = f32_to_f16(v);
+#elif OUT_TYPE == 2
+  reinterpret_cast<u16*>(out)[i] = f32_to_bf16(v);
+#else
+#error "OUT_TYPE must be 0, 1 or 2"
+#endif
+}
+"#;
+
+device_params! {
+    pub struct DequantParams {
+        pub w0: u64,
+        pub w1: u64,
+        pub w2: u64,
+        pub w3: u64,
+        pub out: u64,
+        pub rows: u32,
+        pub cols: u32,
+    }
+}
+
+const DEQUANT: &str = r#"
+// One block per row chunk: blockIdx.x = row, threads split the row.
+extern "C" __global__ void dequantize(const DequantParams p) {
+  const WeightRef w = {(const u8*)p.w0, (const u8*)p.w1, (const u8*)p.w2, (const u8*)p.w3, (i64)p.cols};
+  const i64 row = blockIdx.x;
+  const u64 out = p.out;
+  const i64 base = row * p.cols;
+  dequant_row(w, row, threadIdx.x, blockDim.x, [&](i64 c, float v) { store_out(out, base + c, v); });
+}
+"#;
+
+/// `dequantize`: weight type in, [`OutType`] out.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct DequantVariant {
+    pub wtype: GgmlType,
+    pub out: OutType,
+}
+
+impl DequantVariant {
+    pub const THREADS: u32 = 256;
+
+    pub fn launch_config(&self, rows: usize) -> LaunchConfig {
+        LaunchConfig { grid_dim: (blocks_for(rows, 1), 1, 1), block_dim: (Self::THREADS, 1, 1), shared_mem_bytes: 0 }
+    }
+}
+
+impl KernelVariant for DequantVariant {
+    const FAMILY: &'static str = "dequant";
+    const SOURCES: &'static [&'static str] = &[HEADER, QUANT, ROW, STORE, DequantParams::C_DECL, DEQUANT];
+    const ENTRY_POINTS: &'static [&'static str] = &["dequantize"];
+
+    fn macros(&self) -> Vec<(&'static str, String)> {
+        vec![("WTYPE", (self.wtype as u32).to_string()), ("OUT_TYPE", (self.out as u32).to_string())]
+    }
+}
+
+device_params! {
+    pub struct ConvertParams {
+        pub src: u64,
+        pub dst: u64,
+        pub n: u64,
+    }
+}
+
+const CONVERT: &str = r#"
+extern "C" __global__ void convert_f32(const ConvertParams p) {
+  const float* src = reinterpret_cast<const float*>(p.src);
+  for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < (i64)p.n; i += (i64)gridDim.x * blockDim.x)
+    store_out(p.dst, i, src[i]);
+}
+"#;
+
+/// `convert_f32`: f32 activations to [`OutType`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct ConvertVariant {
+    pub out: OutType,
+}
+
+impl ConvertVariant {
+    pub fn launch_config(&self, n: usize) -> LaunchConfig {
+        LaunchConfig { grid_dim: (blocks_for(n, 256).min(65535), 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 }
+    }
+}
+
+impl KernelVariant for ConvertVariant {
+    const FAMILY: &'static str = "convert";
+    const SOURCES: &'static [&'static str] = &[HEADER, STORE, ConvertParams::C_DECL, CONVERT];
+    const ENTRY_POINTS: &'static [&'static str] = &["convert_f32"];
+
+    fn macros(&self) -> Vec<(&'static str, String)> {
+        vec![("OUT_TYPE", (self.out as u32).to_string())]
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn macros_match_source() {
+        crate::kernels::tests::assert_macros_match(DequantVariant { wtype: GgmlType::Q4_K, out: OutType::F16 });
+        crate::kernels::tests::assert_macros_match(ConvertVariant { out: OutType::BF16 });
+    }
+}

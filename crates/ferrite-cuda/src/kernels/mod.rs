@@ -1,0 +1,136 @@
+//! The kernel library: CUDA C++ sources embedded as strings, one file per op family.
+//!
+//! Each family file holds, side by side, the four things a compile-time variant touches:
+//! 1. the kernel source, which declares every macro it needs with `#ifndef NAME / #error`;
+//! 2. a typed variant struct (the macro set as one Rust value) whose [`KernelVariant::macros`]
+//!    is the macro dictionary turned into `-D` flags;
+//! 3. the cache key, derived by [`crate::cache`] from those same flags;
+//! 4. the launch geometry, computed by methods of the same variant struct.
+//!
+//! A test checks that the `#error`-guarded macros of every source equal its variant's
+//! dictionary, so a macro added in one place and forgotten in another fails CI.
+//!
+//! Kernel parameters travel by value in one `#[repr(C)]` struct per kernel, declared with
+//! [`device_params!`], which also emits the matching C struct into the source.
+
+pub mod activation;
+pub mod attention;
+pub mod common;
+pub mod dequant;
+pub mod embedding;
+pub mod gemv;
+pub mod norm;
+pub mod rope;
+pub mod sampling;
+
+use std::fmt::Debug;
+use std::hash::Hash;
+
+/// A compile-time variant of one kernel family: the complete, typed macro set.
+pub trait KernelVariant: Copy + Eq + Hash + Debug + Send + Sync + 'static {
+    /// Family name: cache file prefix and error messages.
+    const FAMILY: &'static str;
+    /// Source pieces, concatenated in order (shared headers first).
+    const SOURCES: &'static [&'static str];
+    /// `extern "C"` kernels of the module.
+    const ENTRY_POINTS: &'static [&'static str];
+    /// The macro dictionary: every `-D NAME=VALUE` this variant compiles with.
+    fn macros(&self) -> Vec<(&'static str, String)>;
+}
+
+/// C spelling of the scalar field types allowed in kernel parameter structs.
+macro_rules! c_type {
+    (u32) => {
+        "unsigned int"
+    };
+    (i32) => {
+        "int"
+    };
+    (f32) => {
+        "float"
+    };
+    (u64) => {
+        "unsigned long long"
+    };
+}
+
+/// Declare a kernel parameter struct once: the `#[repr(C)]` Rust struct passed by value at
+/// launch and, as `NAME::C_DECL`, the identical C struct for the kernel source. Fields are
+/// scalars only (device pointers as `u64`); put `u64` fields first so no padding differs.
+macro_rules! device_params {
+    ($(#[$meta:meta])* pub struct $name:ident { $( $(#[$fmeta:meta])* pub $field:ident : $ty:tt ),* $(,)? }) => {
+        $(#[$meta])*
+        #[repr(C)]
+        #[derive(Clone, Copy, Debug, Default)]
+        pub struct $name { $( $(#[$fmeta])* pub $field: $ty ),* }
+
+        // SAFETY: a repr(C) struct of plain scalars, mirrored field for field by C_DECL.
+        unsafe impl cudarc::driver::DeviceRepr for $name {}
+
+        impl $name {
+            /// The C declaration of this struct, prepended to the kernel source.
+            pub const C_DECL: &'static str = concat!(
+                "struct ", stringify!($name), " {\n",
+                $( "  ", c_type!($ty), " ", stringify!($field), ";\n", )*
+                "};\n"
+            );
+        }
+    };
+}
+pub(crate) use {c_type, device_params};
+
+/// Macros a source declares as required (`#ifndef NAME` directly followed by `#error`).
+pub fn required_macros(source: &str) -> std::collections::BTreeSet<String> {
+    let lines: Vec<&str> = source.lines().map(str::trim).collect();
+    lines
+        .windows(2)
+        .filter(|w| w[1].starts_with("#error"))
+        .filter_map(|w| w[0].strip_prefix("#ifndef").map(|name| name.trim().to_string()))
+        .collect()
+}
+
+/// Ceiling division for launch-grid sizes.
+pub(crate) fn blocks_for(items: usize, per_block: usize) -> u32 {
+    u32::try_from(items.div_ceil(per_block)).expect("grid size checked against u32 by the op layer")
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+    use std::collections::BTreeSet;
+
+    /// Every macro the source requires is in the dictionary and vice versa.
+    pub(crate) fn assert_macros_match<V: KernelVariant>(variant: V) {
+        let source = V::SOURCES.concat();
+        let required = required_macros(&source);
+        let given: BTreeSet<String> = variant.macros().iter().map(|(n, _)| n.to_string()).collect();
+        assert_eq!(required, given, "family {}: source #ifndef/#error set vs macro dictionary", V::FAMILY);
+        for entry in V::ENTRY_POINTS {
+            assert!(
+                source.contains(&format!("void {entry}(")) || source.contains(&format!(") {entry}(")),
+                "family {}: entry point {entry} not found in the source",
+                V::FAMILY
+            );
+        }
+    }
+
+    device_params! {
+        pub struct Probe { pub ptr: u64, pub n: u32, pub scale: f32 }
+    }
+
+    #[test]
+    fn params_struct_has_matching_c_declaration() {
+        assert_eq!(
+            Probe::C_DECL,
+            "struct Probe {\n  unsigned long long ptr;\n  unsigned int n;\n  float scale;\n};\n"
+        );
+        assert_eq!(std::mem::size_of::<Probe>(), 16);
+    }
+
+    #[test]
+    fn required_macros_are_parsed() {
+        let src = "#ifndef A\n#error \"A\"\n#endif\n#ifndef B_OPTIONAL\n#define B_OPTIONAL 1\n#endif\n  #ifndef C\n  #error x\n#endif";
+        let got: Vec<String> = required_macros(src).into_iter().collect();
+        assert_eq!(got, vec!["A".to_string(), "C".to_string()]);
+    }
+}

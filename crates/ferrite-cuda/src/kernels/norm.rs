@@ -1,0 +1,82 @@
+//! RMSNorm: `out = x / sqrt(mean(x^2) + eps) * w` (or `* (1 + w)`), one block per row.
+
+use super::common::HEADER;
+use super::{device_params, KernelVariant};
+use cudarc::driver::LaunchConfig;
+
+device_params! {
+    pub struct RmsNormParams {
+        pub x: u64,
+        pub weight: u64,
+        pub out: u64,
+        pub dim: u32,
+        pub eps: f32,
+        pub add_one: u32,
+        pub pad: u32,
+    }
+}
+
+const SOURCE: &str = r#"
+#ifndef BLOCK_SIZE
+#error "BLOCK_SIZE (threads per row) must come from the kernel variant"
+#endif
+// In place (out == x) is allowed: each thread reads an element before writing it.
+extern "C" __global__ void __launch_bounds__(BLOCK_SIZE) rms_norm(const RmsNormParams p) {
+  __shared__ float scratch[32];
+  const i64 row = blockIdx.x;
+  const float* x = reinterpret_cast<const float*>(p.x) + row * p.dim;
+  const float* wt = reinterpret_cast<const float*>(p.weight);
+  float* out = reinterpret_cast<float*>(p.out) + row * p.dim;
+  float ss = 0.f;
+  for (u32 i = threadIdx.x; i < p.dim; i += BLOCK_SIZE) ss += x[i] * x[i];
+  ss = block_sum(ss, scratch);
+  const float inv = 1.f / sqrtf(ss / (float)p.dim + p.eps);
+  for (u32 i = threadIdx.x; i < p.dim; i += BLOCK_SIZE) {
+    const float g = p.add_one ? 1.f + wt[i] : wt[i];
+    out[i] = x[i] * inv * g;
+  }
+}
+"#;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct NormVariant {
+    pub block_size: u32,
+}
+
+impl NormVariant {
+    /// About four elements per thread, between one warp and 1024 threads.
+    pub fn for_dim(dim: usize) -> Self {
+        NormVariant { block_size: (dim / 4).clamp(32, 1024).next_power_of_two() as u32 }
+    }
+
+    pub fn launch_config(&self, n_rows: usize) -> LaunchConfig {
+        LaunchConfig { grid_dim: (n_rows as u32, 1, 1), block_dim: (self.block_size, 1, 1), shared_mem_bytes: 0 }
+    }
+}
+
+impl KernelVariant for NormVariant {
+    const FAMILY: &'static str = "norm";
+    const SOURCES: &'static [&'static str] = &[HEADER, RmsNormParams::C_DECL, SOURCE];
+    const ENTRY_POINTS: &'static [&'static str] = &["rms_norm"];
+
+    fn macros(&self) -> Vec<(&'static str, String)> {
+        vec![("BLOCK_SIZE", self.block_size.to_string())]
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn macros_match_source() {
+        crate::kernels::tests::assert_macros_match(NormVariant::for_dim(576));
+    }
+
+    #[test]
+    fn block_size_follows_dim() {
+        assert_eq!(NormVariant::for_dim(10).block_size, 32);
+        assert_eq!(NormVariant::for_dim(576).block_size, 256);
+        assert_eq!(NormVariant::for_dim(1 << 20).block_size, 1024);
+    }
+}

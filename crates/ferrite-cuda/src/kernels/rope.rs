@@ -1,0 +1,77 @@
+//! Rotary position embedding, in place on `[n_tokens, n_heads, head_dim]` f32 rows, with
+//! per-token positions read from device memory (so a captured graph can replay it).
+
+use super::common::HEADER;
+use super::{blocks_for, device_params, KernelVariant};
+use cudarc::driver::LaunchConfig;
+
+device_params! {
+    pub struct RopeParams {
+        pub x: u64,
+        pub positions: u64,
+        pub n_tokens: u32,
+        pub n_heads: u32,
+        pub head_dim: u32,
+        pub rot_dim: u32,
+        pub theta: f32,
+        pub freq_scale: f32,
+    }
+}
+
+const SOURCE: &str = r#"
+#ifndef NEOX
+#error "NEOX (1: rotate pairs (i, i + rot_dim/2); 0: pairs (2i, 2i + 1)) must come from the kernel variant"
+#endif
+// One thread per rotated pair. The angle is computed in double: positions reach the tens of
+// thousands, where an f32 angle would be off by more than the f32 result's precision.
+extern "C" __global__ void rope(const RopeParams p) {
+  const u32 half = p.rot_dim / 2;
+  const i64 idx = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+  if (idx >= (i64)p.n_tokens * p.n_heads * half) return;
+  const u32 i = (u32)(idx % half);
+  const i64 head_row = idx / half;  // token * n_heads + head
+  const u32 tok = (u32)(head_row / p.n_heads);
+  const double pos = (double)reinterpret_cast<const u32*>(p.positions)[tok];
+  const double inv_freq = pow((double)p.theta, -2.0 * (double)i / (double)p.rot_dim);
+  double s, c;
+  sincos(pos * (double)p.freq_scale * inv_freq, &s, &c);
+  float* x = reinterpret_cast<float*>(p.x) + head_row * p.head_dim;
+#if NEOX
+  const u32 a = i, b = i + half;
+#else
+  const u32 a = 2 * i, b = 2 * i + 1;
+#endif
+  const float x0 = x[a], x1 = x[b];
+  x[a] = (float)((double)x0 * c - (double)x1 * s);
+  x[b] = (float)((double)x0 * s + (double)x1 * c);
+}
+"#;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct RopeVariant {
+    pub neox: bool,
+}
+
+impl RopeVariant {
+    pub fn launch_config(&self, pairs: usize) -> LaunchConfig {
+        LaunchConfig { grid_dim: (blocks_for(pairs, 256), 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 }
+    }
+}
+
+impl KernelVariant for RopeVariant {
+    const FAMILY: &'static str = "rope";
+    const SOURCES: &'static [&'static str] = &[HEADER, RopeParams::C_DECL, SOURCE];
+    const ENTRY_POINTS: &'static [&'static str] = &["rope"];
+
+    fn macros(&self) -> Vec<(&'static str, String)> {
+        vec![("NEOX", u32::from(self.neox).to_string())]
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn macros_match_source() {
+        crate::kernels::tests::assert_macros_match(super::RopeVariant { neox: true });
+    }
+}

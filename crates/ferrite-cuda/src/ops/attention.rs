@@ -1,0 +1,152 @@
+//! KV cache and attention ops.
+
+use super::{addr, as_u32, check_len, elems};
+use crate::error::CudaError;
+use crate::kernels::attention::{AttentionParams, AttentionVariant, KvDtype, KvWriteParams, KvWriteVariant};
+use crate::Gpu;
+use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
+use half::f16;
+
+/// One layer's K and V cache, `[max_seq, n_kv_heads, head_dim]` each, in device memory.
+pub struct KvCache {
+    k: CudaSlice<u8>,
+    v: CudaSlice<u8>,
+    pub dtype: KvDtype,
+    pub max_seq: usize,
+    pub n_kv_heads: usize,
+    pub head_dim: usize,
+}
+
+impl KvCache {
+    /// A zeroed cache. `head_dim` must be a multiple of 32 up to 256 (the attention kernel's
+    /// lane layout).
+    pub fn new(gpu: &Gpu, dtype: KvDtype, max_seq: usize, n_kv_heads: usize, head_dim: usize) -> Result<Self, CudaError> {
+        const OP: &str = "KvCache::new";
+        if head_dim == 0 || head_dim % 32 != 0 || head_dim > 256 {
+            return Err(CudaError::invalid(OP, format!("head_dim {head_dim} is not a multiple of 32 in 32..=256")));
+        }
+        if max_seq == 0 || n_kv_heads == 0 {
+            return Err(CudaError::invalid(OP, format!("empty cache ({max_seq} positions, {n_kv_heads} KV heads)")));
+        }
+        as_u32(OP, "max_seq", max_seq)?;
+        as_u32(OP, "KV row", n_kv_heads * head_dim)?;
+        let bytes = elems(OP, &[max_seq, n_kv_heads, head_dim, dtype.size()])?;
+        Ok(KvCache { k: gpu.alloc_zeros(bytes)?, v: gpu.alloc_zeros(bytes)?, dtype, max_seq, n_kv_heads, head_dim })
+    }
+
+    /// Values per cache row (one position).
+    pub fn row_len(&self) -> usize {
+        self.n_kv_heads * self.head_dim
+    }
+
+    /// Copy K and V back as f32 (diagnostics and tests; waits for the stream).
+    pub fn download(&self, gpu: &Gpu) -> Result<(Vec<f32>, Vec<f32>), CudaError> {
+        let to_f32 = |bytes: Vec<u8>| -> Vec<f32> {
+            match self.dtype {
+                KvDtype::F32 => bytes.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().expect("4 bytes"))).collect(),
+                KvDtype::F16 => bytes
+                    .chunks_exact(2)
+                    .map(|c| f16::from_le_bytes(c.try_into().expect("2 bytes")).to_f32())
+                    .collect(),
+            }
+        };
+        Ok((to_f32(gpu.download(&self.k)?), to_f32(gpu.download(&self.v)?)))
+    }
+}
+
+/// Store `k` and `v` (`[n_tokens, n_kv_heads * head_dim]` f32) at cache rows `positions[t]`.
+/// A position `>= max_seq` writes nothing and is reported by [`Gpu::check_device`].
+pub fn kv_write(
+    gpu: &Gpu,
+    cache: &mut KvCache,
+    k: &impl DevicePtr<f32>,
+    v: &impl DevicePtr<f32>,
+    positions: &impl DevicePtr<u32>,
+    n_tokens: usize,
+) -> Result<(), CudaError> {
+    const OP: &str = "kv_write";
+    if n_tokens == 0 {
+        return Ok(());
+    }
+    let n = elems(OP, &[n_tokens, cache.row_len()])?;
+    check_len(OP, "k", k.len(), n)?;
+    check_len(OP, "v", v.len(), n)?;
+    check_len(OP, "positions", positions.len(), n_tokens)?;
+    let variant = KvWriteVariant { kv: cache.dtype };
+    let params = KvWriteParams {
+        k: addr(gpu, k),
+        v: addr(gpu, v),
+        k_cache: cache.k.device_ptr_mut(gpu.stream()).0,
+        v_cache: cache.v.device_ptr_mut(gpu.stream()).0,
+        positions: addr(gpu, positions),
+        error_flag: gpu.error_flag_ptr(),
+        n_tokens: as_u32(OP, "n_tokens", n_tokens)?,
+        row: cache.row_len() as u32,
+        max_seq: cache.max_seq as u32,
+        pad: 0,
+    };
+    gpu.launch(&variant, "kv_write", variant.launch_config(n), &params)
+}
+
+/// Query-side attention settings.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct AttentionConfig {
+    /// Query heads; a multiple of the cache's KV heads (grouped-query attention).
+    pub n_heads: usize,
+    /// Multiplier of q·k, usually `1 / sqrt(head_dim)`.
+    pub scale: f32,
+    /// Sliding window: attend to the last `window` positions only (`Some(0)` is an error).
+    pub window: Option<usize>,
+}
+
+/// Causal attention of `q` (`[n_tokens, n_heads, head_dim]` f32) over the cache: query `t`
+/// sees cache rows up to `positions[t]` (write them first with [`kv_write`]); output has
+/// `q`'s layout. Prefill and decode are the same call with different `n_tokens`.
+pub fn attention(
+    gpu: &Gpu,
+    q: &impl DevicePtr<f32>,
+    cache: &KvCache,
+    positions: &impl DevicePtr<u32>,
+    n_tokens: usize,
+    cfg: &AttentionConfig,
+    out: &mut impl DevicePtrMut<f32>,
+) -> Result<(), CudaError> {
+    const OP: &str = "attention";
+    if n_tokens == 0 {
+        return Ok(());
+    }
+    if cfg.n_heads == 0 || cfg.n_heads % cache.n_kv_heads != 0 {
+        return Err(CudaError::invalid(
+            OP,
+            format!("{} query heads are not a multiple of {} KV heads", cfg.n_heads, cache.n_kv_heads),
+        ));
+    }
+    let window = match cfg.window {
+        Some(0) => return Err(CudaError::invalid(OP, "window of 0 positions")),
+        Some(w) => w.min(cache.max_seq) as u32,
+        None => 0,
+    };
+    if n_tokens > 65535 || cfg.n_heads > 65535 {
+        return Err(CudaError::invalid(OP, format!("{n_tokens} tokens x {} heads exceed the launch grid", cfg.n_heads)));
+    }
+    let n = elems(OP, &[n_tokens, cfg.n_heads, cache.head_dim])?;
+    check_len(OP, "q", q.len(), n)?;
+    check_len(OP, "out", out.len(), n)?;
+    check_len(OP, "positions", positions.len(), n_tokens)?;
+    let variant = AttentionVariant::new(cache.head_dim, cache.dtype);
+    let params = AttentionParams {
+        q: addr(gpu, q),
+        k_cache: addr(gpu, &cache.k),
+        v_cache: addr(gpu, &cache.v),
+        positions: addr(gpu, positions),
+        out: super::addr_mut(gpu, out),
+        error_flag: gpu.error_flag_ptr(),
+        n_heads: cfg.n_heads as u32,
+        n_kv_heads: cache.n_kv_heads as u32,
+        max_seq: cache.max_seq as u32,
+        window,
+        scale: cfg.scale,
+        pad: 0,
+    };
+    gpu.launch(&variant, "attention", variant.launch_config(cfg.n_heads, n_tokens), &params)
+}

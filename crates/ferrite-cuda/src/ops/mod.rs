@@ -1,0 +1,236 @@
+//! The op layer: one function per op, which checks its arguments, picks a kernel variant
+//! (and, for [`linear`], a kernel path) and enqueues it on the GPU's stream.
+//!
+//! Conventions, chosen so that a whole decode step can later be captured in a CUDA graph:
+//! - activations are f32 device buffers (any `CudaSlice` or view); outputs are written in full;
+//! - ops never synchronise, never copy between host and device, and allocate nothing except
+//!   the GEMM path's scratch, which grows once ([`Gpu::reserve_scratch`] pre-sizes it);
+//! - kernel parameters travel by value; positions and the sampling step can come from
+//!   device memory, so a replayed graph sees new values without being re-captured;
+//! - token ids or positions that are out of range in device memory are never used to index
+//!   memory: the kernel skips the work, writes NaN and records the error for
+//!   [`Gpu::check_device`].
+//!
+//! Buffers must belong to `gpu`'s context; work on other streams must be ordered by the caller.
+
+mod attention;
+mod linear;
+mod sampling;
+
+pub use attention::{attention, kv_write, AttentionConfig, KvCache};
+pub use linear::{linear, linear_plan, linear_with, LinearOptions, LinearPath, LinearPlan, Precision};
+pub use sampling::{argmax, sample, SamplingConfig};
+
+pub use crate::kernels::attention::KvDtype;
+pub use crate::kernels::sampling::sampling_uniform;
+
+use crate::error::CudaError;
+use crate::kernels::activation::{ActivationVariant, ElementwiseParams};
+use crate::kernels::embedding::{EmbedParams, EmbedVariant};
+use crate::kernels::norm::{NormVariant, RmsNormParams};
+use crate::kernels::rope::{RopeParams, RopeVariant};
+use crate::weight::DeviceWeight;
+use crate::Gpu;
+use cudarc::driver::{DevicePtr, DevicePtrMut};
+
+/// Device address of a buffer, for a parameter struct. Event tracking is off on our context,
+/// so the guard cudarc returns does nothing and can be dropped at once.
+pub(crate) fn addr<T>(gpu: &Gpu, buf: &impl DevicePtr<T>) -> u64 {
+    buf.device_ptr(gpu.stream()).0
+}
+
+pub(crate) fn addr_mut<T>(gpu: &Gpu, buf: &mut impl DevicePtrMut<T>) -> u64 {
+    buf.device_ptr_mut(gpu.stream()).0
+}
+
+/// Product of sizes, or an error naming the op if it overflows.
+pub(crate) fn elems(op: &'static str, sizes: &[usize]) -> Result<usize, CudaError> {
+    sizes
+        .iter()
+        .try_fold(1usize, |acc, &s| acc.checked_mul(s))
+        .ok_or_else(|| CudaError::invalid(op, format!("sizes {sizes:?} overflow")))
+}
+
+/// The buffer must hold at least `need` elements.
+pub(crate) fn check_len(op: &'static str, what: &str, have: usize, need: usize) -> Result<(), CudaError> {
+    if have < need {
+        return Err(CudaError::invalid(op, format!("{what} holds {have} elements, needs {need}")));
+    }
+    Ok(())
+}
+
+/// The size must fit the kernels' 32-bit size fields.
+pub(crate) fn as_u32(op: &'static str, what: &str, value: usize) -> Result<u32, CudaError> {
+    u32::try_from(value).map_err(|_| CudaError::invalid(op, format!("{what} = {value} does not fit in 32 bits")))
+}
+
+/// Look up rows `ids[0..n_tokens]` of `table` into `out` (`[n_tokens, table.cols]` f32).
+/// An id `>= table.rows` poisons its row with NaN and is reported by [`Gpu::check_device`].
+pub fn embed(
+    gpu: &Gpu,
+    table: &DeviceWeight,
+    ids: &impl DevicePtr<u32>,
+    n_tokens: usize,
+    out: &mut impl DevicePtrMut<f32>,
+) -> Result<(), CudaError> {
+    const OP: &str = "embed";
+    if n_tokens == 0 {
+        return Ok(());
+    }
+    check_len(OP, "ids", ids.len(), n_tokens)?;
+    check_len(OP, "out", out.len(), elems(OP, &[n_tokens, table.cols])?)?;
+    let variant = EmbedVariant { wtype: table.dtype };
+    let [w0, w1, w2, w3] = table.plane_ptrs(gpu);
+    let params = EmbedParams {
+        w0,
+        w1,
+        w2,
+        w3,
+        ids: addr(gpu, ids),
+        out: addr_mut(gpu, out),
+        error_flag: gpu.error_flag_ptr(),
+        vocab: as_u32(OP, "vocabulary", table.rows)?,
+        dim: as_u32(OP, "dim", table.cols)?,
+    };
+    gpu.launch(&variant, "embed", variant.launch_config(n_tokens), &params)
+}
+
+/// RMSNorm of `n_rows` rows of `dim`: `out = x / sqrt(mean(x^2) + eps) * g` with
+/// `g = weight` or, when `add_one` (Gemma), `g = 1 + weight`.
+#[allow(clippy::too_many_arguments)]
+pub fn rms_norm(
+    gpu: &Gpu,
+    x: &impl DevicePtr<f32>,
+    weight: &impl DevicePtr<f32>,
+    eps: f32,
+    n_rows: usize,
+    dim: usize,
+    add_one: bool,
+    out: &mut impl DevicePtrMut<f32>,
+) -> Result<(), CudaError> {
+    const OP: &str = "rms_norm";
+    if n_rows == 0 {
+        return Ok(());
+    }
+    if dim == 0 {
+        return Err(CudaError::invalid(OP, "dim is 0"));
+    }
+    let n = elems(OP, &[n_rows, dim])?;
+    check_len(OP, "x", x.len(), n)?;
+    check_len(OP, "weight", weight.len(), dim)?;
+    check_len(OP, "out", out.len(), n)?;
+    let variant = NormVariant::for_dim(dim);
+    let params = RmsNormParams {
+        x: addr(gpu, x),
+        weight: addr(gpu, weight),
+        out: addr_mut(gpu, out),
+        dim: as_u32(OP, "dim", dim)?,
+        eps,
+        add_one: u32::from(add_one),
+        pad: 0,
+    };
+    gpu.launch(&variant, "rms_norm", variant.launch_config(n_rows), &params)
+}
+
+/// Shape and frequencies of a rotary embedding.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct RopeConfig {
+    pub n_heads: usize,
+    pub head_dim: usize,
+    /// Leading dims of each head that rotate (the rest pass through); even, `<= head_dim`.
+    pub rot_dim: usize,
+    /// Base of the frequencies: pair `i` turns by `pos * freq_scale * theta^(-2i/rot_dim)`.
+    pub theta: f32,
+    pub freq_scale: f32,
+    /// NeoX/HF layout (pairs `(i, i + rot_dim/2)`) instead of GPT-J (pairs `(2i, 2i+1)`).
+    pub neox: bool,
+}
+
+/// Rotate `x` (`[n_tokens, n_heads, head_dim]` f32) in place by each token's position
+/// (`positions[t]`, device memory).
+pub fn rope(
+    gpu: &Gpu,
+    x: &mut impl DevicePtrMut<f32>,
+    positions: &impl DevicePtr<u32>,
+    n_tokens: usize,
+    cfg: &RopeConfig,
+) -> Result<(), CudaError> {
+    const OP: &str = "rope";
+    if n_tokens == 0 {
+        return Ok(());
+    }
+    if cfg.rot_dim == 0 || cfg.rot_dim % 2 != 0 || cfg.rot_dim > cfg.head_dim {
+        return Err(CudaError::invalid(
+            OP,
+            format!("rot_dim {} must be even, non-zero and at most head_dim {}", cfg.rot_dim, cfg.head_dim),
+        ));
+    }
+    if !(cfg.theta > 0.0 && cfg.theta.is_finite() && cfg.freq_scale.is_finite()) {
+        return Err(CudaError::invalid(OP, format!("theta {} / freq_scale {} are not usable", cfg.theta, cfg.freq_scale)));
+    }
+    check_len(OP, "x", x.len(), elems(OP, &[n_tokens, cfg.n_heads, cfg.head_dim])?)?;
+    check_len(OP, "positions", positions.len(), n_tokens)?;
+    let variant = RopeVariant { neox: cfg.neox };
+    let pairs = elems(OP, &[n_tokens, cfg.n_heads, cfg.rot_dim / 2])?;
+    let params = RopeParams {
+        x: addr_mut(gpu, x),
+        positions: addr(gpu, positions),
+        n_tokens: as_u32(OP, "n_tokens", n_tokens)?,
+        n_heads: as_u32(OP, "n_heads", cfg.n_heads)?,
+        head_dim: as_u32(OP, "head_dim", cfg.head_dim)?,
+        rot_dim: cfg.rot_dim as u32,
+        theta: cfg.theta,
+        freq_scale: cfg.freq_scale,
+    };
+    as_u32(OP, "rotated pairs", pairs)?;
+    gpu.launch(&variant, "rope", variant.launch_config(pairs), &params)
+}
+
+fn elementwise(gpu: &Gpu, entry: &'static str, a: u64, b: u64, out: u64, n: usize) -> Result<(), CudaError> {
+    let variant = ActivationVariant;
+    let params = ElementwiseParams { a, b, out, n: n as u64 };
+    gpu.launch(&variant, entry, variant.launch_config(n), &params)
+}
+
+macro_rules! gated_activation {
+    ($(#[$doc:meta])* $name:ident) => {
+        $(#[$doc])*
+        pub fn $name(
+            gpu: &Gpu,
+            gate: &impl DevicePtr<f32>,
+            up: &impl DevicePtr<f32>,
+            n: usize,
+            out: &mut impl DevicePtrMut<f32>,
+        ) -> Result<(), CudaError> {
+            const OP: &str = stringify!($name);
+            if n == 0 {
+                return Ok(());
+            }
+            check_len(OP, "gate", gate.len(), n)?;
+            check_len(OP, "up", up.len(), n)?;
+            check_len(OP, "out", out.len(), n)?;
+            elementwise(gpu, stringify!($name), addr(gpu, gate), addr(gpu, up), addr_mut(gpu, out), n)
+        }
+    };
+}
+
+gated_activation! {
+    /// `out = silu(gate) * up` over `n` elements.
+    swiglu
+}
+gated_activation! {
+    /// `out = gelu_tanh(gate) * up` over `n` elements.
+    geglu
+}
+
+/// `acc += x` over `n` elements (the residual add).
+pub fn add(gpu: &Gpu, acc: &mut impl DevicePtrMut<f32>, x: &impl DevicePtr<f32>, n: usize) -> Result<(), CudaError> {
+    const OP: &str = "add";
+    if n == 0 {
+        return Ok(());
+    }
+    check_len(OP, "acc", acc.len(), n)?;
+    check_len(OP, "x", x.len(), n)?;
+    let acc = addr_mut(gpu, acc);
+    elementwise(gpu, "add", acc, addr(gpu, x), acc, n)
+}

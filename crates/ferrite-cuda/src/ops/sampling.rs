@@ -1,0 +1,76 @@
+//! Token selection ops: the result is one `u32` in device memory.
+
+use super::{addr, addr_mut, as_u32, check_len};
+use crate::error::CudaError;
+use crate::kernels::sampling::{ArgmaxParams, SampleParams, SamplingVariant};
+use crate::Gpu;
+use cudarc::driver::{CudaView, DevicePtr, DevicePtrMut};
+
+/// Write the index of the largest of `logits[0..n]` to `out[0]` (first one on ties; NaN
+/// never wins over a number).
+pub fn argmax(
+    gpu: &Gpu,
+    logits: &impl DevicePtr<f32>,
+    n: usize,
+    out: &mut impl DevicePtrMut<u32>,
+) -> Result<(), CudaError> {
+    const OP: &str = "argmax";
+    if n == 0 {
+        return Err(CudaError::invalid(OP, "no logits"));
+    }
+    check_len(OP, "logits", logits.len(), n)?;
+    check_len(OP, "out", out.len(), 1)?;
+    let variant = SamplingVariant::DEFAULT;
+    let params = ArgmaxParams { logits: addr(gpu, logits), out: addr_mut(gpu, out), n: as_u32(OP, "n", n)?, pad: 0 };
+    gpu.launch(&variant, "argmax", variant.launch_config(), &params)
+}
+
+/// Sampling settings. `temperature <= 0` or `top_k == 1` is greedy (argmax); `top_k == 0`
+/// and `top_p >= 1` disable those filters.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct SamplingConfig {
+    pub temperature: f32,
+    pub top_k: usize,
+    pub top_p: f32,
+    pub seed: u64,
+}
+
+/// Draw a token from `softmax(logits[0..vocab] / temperature)` restricted to the top-k, then
+/// to the smallest top set holding `top_p` of the mass; write its id to `out[0]`.
+/// The random draw is `sampling_uniform(seed, step + counter[0])` where `counter` is an
+/// optional device `u32` (e.g. the current position, so a replayed graph draws anew).
+pub fn sample(
+    gpu: &Gpu,
+    logits: &impl DevicePtr<f32>,
+    vocab: usize,
+    cfg: &SamplingConfig,
+    step: u64,
+    counter: Option<&CudaView<'_, u32>>,
+    out: &mut impl DevicePtrMut<u32>,
+) -> Result<(), CudaError> {
+    const OP: &str = "sample";
+    if vocab == 0 {
+        return Err(CudaError::invalid(OP, "no logits"));
+    }
+    if cfg.temperature.is_nan() || cfg.top_p.is_nan() {
+        return Err(CudaError::invalid(OP, format!("temperature {} / top_p {} is NaN", cfg.temperature, cfg.top_p)));
+    }
+    check_len(OP, "logits", logits.len(), vocab)?;
+    check_len(OP, "out", out.len(), 1)?;
+    if let Some(c) = counter {
+        check_len(OP, "counter", c.len(), 1)?;
+    }
+    let variant = SamplingVariant::DEFAULT;
+    let params = SampleParams {
+        logits: addr(gpu, logits),
+        out: addr_mut(gpu, out),
+        step_ptr: counter.map_or(0, |c| addr(gpu, c)),
+        seed: cfg.seed,
+        step,
+        n: as_u32(OP, "vocab", vocab)?,
+        top_k: u32::try_from(cfg.top_k).unwrap_or(u32::MAX),
+        temperature: cfg.temperature,
+        top_p: cfg.top_p,
+    };
+    gpu.launch(&variant, "sample", variant.launch_config(), &params)
+}

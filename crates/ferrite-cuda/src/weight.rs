@@ -1,0 +1,178 @@
+//! Weights on the device, repacked from GGML blocks into "planes".
+//!
+//! A GGML block interleaves scales and quants (Q4_0: 2-byte `d`, then 16 bytes of nibbles),
+//! so its quant bytes are only 2-byte aligned. On upload each block field goes to its own
+//! contiguous plane (all `qs` together, all `d` together, ...), each plane 256-byte aligned:
+//! the kernels then read quants with 16-byte loads. Float weights (F32/F16/BF16) stay as is.
+//! The plane order per type below is the order `kernels::common::QUANT` reads them in.
+
+use crate::error::CudaError;
+use crate::Gpu;
+use cudarc::driver::{CudaSlice, DevicePtr};
+use ferrite_gguf::GgmlType;
+
+/// One field of a GGML block: its byte range in the block.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Field {
+    pub offset: usize,
+    pub size: usize,
+}
+
+const fn f(offset: usize, size: usize) -> Field {
+    Field { offset, size }
+}
+
+/// Planes of each quantized type, in the kernels' p0..p3 order (offsets from ggml-common.h).
+pub(crate) fn planes(dtype: GgmlType) -> Option<&'static [Field]> {
+    use GgmlType::*;
+    Some(match dtype {
+        Q4_0 => const { &[f(2, 16), f(0, 2)] },                     // qs, d
+        Q4_1 => const { &[f(4, 16), f(0, 4)] },                     // qs, (d, m)
+        Q5_0 => const { &[f(6, 16), f(2, 4), f(0, 2)] },            // qs, qh, d
+        Q5_1 => const { &[f(8, 16), f(4, 4), f(0, 4)] },            // qs, qh, (d, m)
+        Q8_0 => const { &[f(2, 32), f(0, 2)] },                     // qs, d
+        Q2_K => const { &[f(16, 64), f(0, 16), f(80, 4)] },         // qs, scales, (d, dmin)
+        Q3_K => const { &[f(32, 64), f(0, 32), f(96, 12), f(108, 2)] }, // qs, hmask, scales, d
+        Q4_K => const { &[f(16, 128), f(0, 16)] },                  // qs, (d, dmin, scales)
+        Q5_K => const { &[f(48, 128), f(16, 32), f(0, 16)] },       // qs, qh, (d, dmin, scales)
+        Q6_K => const { &[f(0, 128), f(128, 64), f(192, 16), f(208, 2)] }, // ql, qh, scales, d
+        F32 | F16 | BF16 | Q8_1 | Q8_K => return None,
+    })
+}
+
+/// Weight types [`Gpu::upload_weight`] accepts.
+pub fn supported(dtype: GgmlType) -> bool {
+    matches!(dtype, GgmlType::F32 | GgmlType::F16 | GgmlType::BF16) || planes(dtype).is_some()
+}
+
+const PLANE_ALIGN: usize = 256;
+
+/// Host-side result of the repack: the device image and where each plane starts in it.
+#[derive(Debug)]
+pub(crate) struct Repacked {
+    pub bytes: Vec<u8>,
+    pub plane_offsets: [usize; 4],
+}
+
+/// Check a GGML tensor's size and turn it into the device layout.
+pub(crate) fn repack(dtype: GgmlType, rows: usize, cols: usize, data: &[u8]) -> Result<Repacked, CudaError> {
+    let op = "upload_weight";
+    if !supported(dtype) {
+        return Err(CudaError::invalid(op, format!("weight type {dtype} is not supported on CUDA")));
+    }
+    if rows == 0 || cols == 0 {
+        return Err(CudaError::invalid(op, format!("empty {dtype} weight ({rows} x {cols})")));
+    }
+    if rows > i32::MAX as usize || cols > i32::MAX as usize {
+        return Err(CudaError::invalid(op, format!("{rows} x {cols} is too large")));
+    }
+    let row_bytes = dtype.row_bytes(cols).ok_or_else(|| {
+        CudaError::invalid(op, format!("{dtype} rows of {cols} values are not whole {}-value blocks", dtype.block_size()))
+    })?;
+    let expected = row_bytes
+        .checked_mul(rows)
+        .ok_or_else(|| CudaError::invalid(op, format!("{rows} x {cols} {dtype} overflows")))?;
+    if data.len() != expected {
+        return Err(CudaError::invalid(
+            op,
+            format!("{rows} x {cols} {dtype} needs {expected} bytes, got {}", data.len()),
+        ));
+    }
+    let Some(fields) = planes(dtype) else {
+        return Ok(Repacked { bytes: data.to_vec(), plane_offsets: [0; 4] });
+    };
+    let n_blocks = expected / dtype.type_size();
+    let mut plane_offsets = [0usize; 4];
+    let mut total = 0;
+    for (slot, field) in plane_offsets.iter_mut().zip(fields) {
+        *slot = total;
+        total = (total + field.size * n_blocks).next_multiple_of(PLANE_ALIGN);
+    }
+    let mut bytes = vec![0u8; total];
+    for (field, &start) in fields.iter().zip(&plane_offsets) {
+        let plane = &mut bytes[start..start + field.size * n_blocks];
+        for (dst, block) in plane.chunks_exact_mut(field.size).zip(data.chunks_exact(dtype.type_size())) {
+            dst.copy_from_slice(&block[field.offset..field.offset + field.size]);
+        }
+    }
+    Ok(Repacked { bytes, plane_offsets })
+}
+
+/// A weight matrix (`rows` outputs x `cols` inputs, row-major like GGUF) in device memory.
+pub struct DeviceWeight {
+    pub dtype: GgmlType,
+    pub rows: usize,
+    pub cols: usize,
+    data: CudaSlice<u8>,
+    plane_offsets: [usize; 4],
+}
+
+impl DeviceWeight {
+    /// Device addresses of the planes (p0..p3); unused planes repeat the base address.
+    pub(crate) fn plane_ptrs(&self, gpu: &Gpu) -> [u64; 4] {
+        let (base, _sync) = self.data.device_ptr(gpu.stream());
+        self.plane_offsets.map(|off| base + off as u64)
+    }
+
+    /// Bytes the weight occupies on the device.
+    pub fn device_bytes(&self) -> usize {
+        self.data.len()
+    }
+}
+
+impl Gpu {
+    /// Copy a GGML tensor's bytes (as stored in GGUF) to the device, repacked for the kernels.
+    pub fn upload_weight(&self, dtype: GgmlType, rows: usize, cols: usize, data: &[u8]) -> Result<DeviceWeight, CudaError> {
+        let packed = repack(dtype, rows, cols, data)?;
+        let data = self.upload(&packed.bytes, "upload_weight")?;
+        Ok(DeviceWeight { dtype, rows, cols, data, plane_offsets: packed.plane_offsets })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn planes_cover_each_block_exactly_once() {
+        for dtype in GgmlType::ALL {
+            let Some(fields) = planes(dtype) else { continue };
+            assert!(fields.len() <= 4, "{dtype}: at most 4 planes");
+            let mut covered = vec![0u8; dtype.type_size()];
+            for field in fields {
+                for b in &mut covered[field.offset..field.offset + field.size] {
+                    *b += 1;
+                }
+            }
+            assert!(covered.iter().all(|&c| c == 1), "{dtype}: planes {fields:?} do not tile the block");
+            // The first plane holds the quants and must allow 16-byte loads per block.
+            assert_eq!(fields[0].size % 16, 0, "{dtype}: quant plane not a multiple of 16 bytes");
+        }
+    }
+
+    #[test]
+    fn repack_moves_each_field_to_its_plane() {
+        // Two Q4_0 blocks: d = [0xd0, 0xd1], qs = 16 bytes of the block index.
+        let mut data = Vec::new();
+        for b in 0..2u8 {
+            data.extend_from_slice(&[0xd0 + b, 0xe0]);
+            data.extend_from_slice(&[b; 16]);
+        }
+        let r = repack(GgmlType::Q4_0, 1, 64, &data).unwrap();
+        assert_eq!(&r.bytes[..16], &[0u8; 16]);
+        assert_eq!(&r.bytes[16..32], &[1u8; 16]);
+        let d = r.plane_offsets[1];
+        assert_eq!(d % PLANE_ALIGN, 0);
+        assert_eq!(&r.bytes[d..d + 4], &[0xd0, 0xe0, 0xd1, 0xe0]);
+    }
+
+    #[test]
+    fn bad_weights_are_rejected_with_a_reason() {
+        let err = |t, r, c, n| repack(t, r, c, &vec![0u8; n]).unwrap_err().to_string();
+        assert!(err(GgmlType::Q4_0, 2, 64, 71).contains("needs 72 bytes, got 71"));
+        assert!(err(GgmlType::Q4_K, 1, 100, 144).contains("not whole 256-value blocks"));
+        assert!(err(GgmlType::Q8_K, 1, 256, 292).contains("not supported"));
+        assert!(err(GgmlType::F32, 0, 4, 0).contains("empty"));
+        assert_eq!(repack(GgmlType::F16, 3, 5, &[7u8; 30]).unwrap().bytes, vec![7u8; 30]);
+    }
+}

@@ -1,0 +1,154 @@
+//! A session: one conversation's KV cache on an executor, and the generation loop.
+
+use crate::sampling::{Sampler, SamplerParams};
+use anyhow::{bail, Result};
+use ferrite_model::{DeviceSampling, Executor};
+use std::time::{Duration, Instant};
+
+pub struct Session {
+    exec: Box<dyn Executor>,
+    /// Tokens whose K/V are in the cache, in position order.
+    cached: Vec<u32>,
+}
+
+/// Timings of one `generate` call.
+#[derive(Clone, Debug, Default)]
+pub struct GenStats {
+    pub prompt_tokens: usize,
+    /// Prompt tokens actually computed (the rest were reused from the cache).
+    pub prompt_computed: usize,
+    pub prompt_time: Duration,
+    pub generated: usize,
+    pub gen_time: Duration,
+    pub stop: StopReason,
+}
+
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum StopReason {
+    #[default]
+    MaxTokens,
+    EndOfGeneration,
+    ContextFull,
+    Callback,
+}
+
+impl GenStats {
+    pub fn prompt_tps(&self) -> f64 {
+        self.prompt_computed as f64 / self.prompt_time.as_secs_f64().max(1e-9)
+    }
+
+    /// Decode speed: the first generated token comes from the prompt's logits, so it is not counted.
+    pub fn gen_tps(&self) -> f64 {
+        self.generated.saturating_sub(1) as f64 / self.gen_time.as_secs_f64().max(1e-9)
+    }
+}
+
+impl Session {
+    pub fn new(exec: Box<dyn Executor>) -> Self {
+        Self { exec, cached: Vec::new() }
+    }
+
+    pub fn executor(&mut self) -> &mut dyn Executor {
+        &mut *self.exec
+    }
+
+    pub fn context_len(&self) -> usize {
+        self.exec.context_len()
+    }
+
+    /// Tokens currently held in the KV cache.
+    pub fn cached_tokens(&self) -> &[u32] {
+        &self.cached
+    }
+
+    pub fn reset(&mut self) {
+        self.cached.clear();
+    }
+
+    /// Make the cache hold exactly `tokens` and the logits be those of the last one. The longest
+    /// common prefix with what is cached is reused (at least the last token is recomputed).
+    /// Returns how many tokens were computed.
+    pub fn prefill(&mut self, tokens: &[u32]) -> Result<usize> {
+        if tokens.is_empty() {
+            bail!("empty prompt: nothing to process");
+        }
+        if tokens.len() > self.context_len() {
+            bail!("prompt of {} tokens does not fit in the context of {} tokens", tokens.len(), self.context_len());
+        }
+        let common = self.cached.iter().zip(tokens).take_while(|(a, b)| a == b).count().min(tokens.len() - 1);
+        self.cached.truncate(common);
+        let result = self.exec.forward(&tokens[common..], common);
+        if result.is_err() {
+            // The cache beyond `common` may be partially written: forget it.
+            return result.map(|_| 0);
+        }
+        self.cached.extend_from_slice(&tokens[common..]);
+        Ok(tokens.len() - common)
+    }
+
+    /// Append one token to the cache.
+    pub fn step(&mut self, token: u32) -> Result<()> {
+        if self.cached.len() >= self.context_len() {
+            bail!("context full ({} tokens)", self.context_len());
+        }
+        self.exec.forward(&[token], self.cached.len())?;
+        self.cached.push(token);
+        Ok(())
+    }
+
+    /// Choose the next token from the current logits.
+    pub fn sample(&mut self, sampler: &mut Sampler, history: &[u32], step: u64) -> Result<u32> {
+        let p = sampler.params();
+        // The device sampler covers temperature/top-k/top-p; penalties and min-p run on the host.
+        if p.repeat_penalty == 1.0 && p.min_p == 0.0 {
+            let d = DeviceSampling { temperature: p.temperature, top_k: p.top_k, top_p: p.top_p, seed: p.seed, step };
+            if let Some(tok) = self.exec.sample_on_device(&d) {
+                return tok;
+            }
+        }
+        let mut logits = self.exec.logits()?;
+        Ok(sampler.sample(&mut logits, history))
+    }
+
+    /// Process `prompt`, then sample up to `max_new` tokens. `on_token` gets each new token and
+    /// returns false to stop; `is_end` marks end-of-generation tokens (not passed to `on_token`).
+    pub fn generate(
+        &mut self,
+        prompt: &[u32],
+        max_new: usize,
+        params: &SamplerParams,
+        is_end: impl Fn(u32) -> bool,
+        mut on_token: impl FnMut(u32) -> bool,
+    ) -> Result<GenStats> {
+        let mut sampler = Sampler::new(params.clone());
+        let mut stats = GenStats { prompt_tokens: prompt.len(), ..GenStats::default() };
+        let t0 = Instant::now();
+        stats.prompt_computed = self.prefill(prompt)?;
+        stats.prompt_time = t0.elapsed();
+        let t1 = Instant::now();
+        let mut history = prompt.to_vec();
+        for i in 0..max_new {
+            let tok = self.sample(&mut sampler, &history, i as u64)?;
+            if is_end(tok) {
+                stats.stop = StopReason::EndOfGeneration;
+                break;
+            }
+            stats.generated += 1;
+            history.push(tok);
+            if !on_token(tok) {
+                stats.stop = StopReason::Callback;
+                break;
+            }
+            if i + 1 == max_new {
+                break;
+            }
+            if self.cached.len() >= self.context_len() {
+                stats.stop = StopReason::ContextFull;
+                break;
+            }
+            self.step(tok)?;
+        }
+        stats.gen_time = t1.elapsed();
+        Ok(stats)
+    }
+}

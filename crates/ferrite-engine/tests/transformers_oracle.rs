@@ -1,0 +1,79 @@
+//! ferrite's CPU paths against reference logits and greedy tokens computed by HF transformers
+//! (fp32) for the real SmolLM2-135M-Instruct GGUF (fixtures/logits, made by
+//! scripts/fixtures/transformers_logits.py).
+
+mod common;
+
+use common::{diff, read_f32, smollm2, workspace_root};
+use ferrite_cpu::{CpuExecutor, CpuPrecision};
+use ferrite_engine::{SamplerParams, Session};
+use ferrite_model::{ExecutorOptions, FusionOptions};
+
+struct Case {
+    name: String,
+    ids: Vec<u32>,
+    greedy: Vec<u32>,
+    logits: Vec<f32>,
+}
+
+fn cases() -> Vec<Case> {
+    let dir = workspace_root().join("fixtures/logits");
+    let json: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.join("cases.json")).unwrap()).unwrap();
+    let ids = |v: &serde_json::Value| v.as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect::<Vec<_>>();
+    json["cases"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| {
+            let name = c["name"].as_str().unwrap().to_string();
+            Case { logits: read_f32(&dir.join(format!("{name}.logits.f32"))), ids: ids(&c["ids"]), greedy: ids(&c["greedy"]), name }
+        })
+        .collect()
+}
+
+fn session(precision: CpuPrecision) -> Session {
+    let model = smollm2(FusionOptions::ALL);
+    let opts = ExecutorOptions { max_batch: 64, context_len: 256, trace: false };
+    Session::new(Box::new(CpuExecutor::new(model, precision, opts).unwrap()))
+}
+
+fn greedy(s: &mut Session, ids: &[u32], n: usize) -> Vec<u32> {
+    let mut out = Vec::new();
+    s.generate(ids, n, &SamplerParams::greedy(), |_| false, |t| {
+        out.push(t);
+        true
+    })
+    .unwrap();
+    out
+}
+
+#[test]
+fn fp32_reference_matches_transformers() {
+    let mut s = session(CpuPrecision::Reference);
+    for c in cases() {
+        s.reset();
+        s.prefill(&c.ids).unwrap();
+        let logits = s.executor().logits().unwrap();
+        let (max_abs, rel) = diff(&c.logits, &logits);
+        println!("{}: max |diff| {max_abs:.2e}, relative {rel:.2e}", c.name);
+        assert!(max_abs < 2e-3 && rel < 1e-4, "{}: logits differ from transformers: max {max_abs}, rel {rel}", c.name);
+        s.reset();
+        let toks = greedy(&mut s, &c.ids, c.greedy.len());
+        assert_eq!(toks, c.greedy, "{}: greedy tokens differ from transformers", c.name);
+    }
+}
+
+#[test]
+fn quantized_cpu_path_stays_close_to_transformers() {
+    // 8-bit activations perturb the logits slightly; the top token and the overall shape must hold.
+    let mut s = session(CpuPrecision::Quantized);
+    for c in cases() {
+        s.reset();
+        s.prefill(&c.ids).unwrap();
+        let logits = s.executor().logits().unwrap();
+        let (max_abs, rel) = diff(&c.logits, &logits);
+        println!("{}: max |diff| {max_abs:.2e}, relative {rel:.2e}", c.name);
+        assert!(rel < 3e-2, "{}: relative error {rel} too large", c.name);
+        assert_eq!(ferrite_engine::sampling::argmax(&logits), c.greedy[0], "{}: different top token", c.name);
+    }
+}

@@ -1,0 +1,16 @@
+//! One file per architecture: each turns a config and a GGUF file into weights and a graph.
+
+mod llama;
+
+use crate::{Arch, FusionOptions, Graph, ModelConfig, ModelError, WeightSet};
+use ferrite_gguf::GgufFile;
+
+pub fn build(cfg: &ModelConfig, file: &GgufFile, fusion: FusionOptions) -> Result<(WeightSet, Graph), ModelError> {
+    let (weights, graph) = match cfg.arch {
+        Arch::Llama | Arch::Qwen2 => llama::build(cfg, file, fusion)?,
+    };
+    graph
+        .validate(|w| weights.spec(w).rows)
+        .map_err(|e| ModelError::Config(format!("internal graph error: {e}")))?;
+    Ok((weights, graph))
+}

@@ -1,0 +1,151 @@
+//! Hyper-parameters read from GGUF metadata (`<arch>.*` keys).
+
+use crate::ModelError;
+use ferrite_gguf::{GgufFile, Metadata};
+
+/// Model architectures ferrite can build a graph for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Arch {
+    /// Llama 1/2/3, SmolLM, Mistral-style dense decoders.
+    Llama,
+    /// Qwen2 / Qwen2.5: Llama layout plus q/k/v biases, NeoX RoPE.
+    Qwen2,
+}
+
+impl Arch {
+    pub const SUPPORTED: &'static str = "llama, qwen2";
+
+    pub fn from_name(name: &str) -> Option<Self> {
+        match name {
+            "llama" => Some(Self::Llama),
+            "qwen2" => Some(Self::Qwen2),
+            _ => None,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Llama => "llama",
+            Self::Qwen2 => "qwen2",
+        }
+    }
+}
+
+/// How RoPE pairs dimensions: GGML "normal" rotates adjacent pairs (x[2i], x[2i+1]) — llama GGUFs
+/// store Q/K permuted for this —, "NeoX" rotates (x[i], x[i + d/2]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RopeStyle {
+    Normal,
+    Neox,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct RopeConfig {
+    pub style: RopeStyle,
+    /// Rotated dimensions per head (`rope.dimension_count`), at most `head_dim`.
+    pub rot_dim: usize,
+    pub theta: f32,
+    /// Linear position scaling (1.0 = none).
+    pub freq_scale: f32,
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct ModelConfig {
+    pub arch: Arch,
+    pub name: String,
+    pub n_layers: usize,
+    pub n_embd: usize,
+    pub n_heads: usize,
+    pub n_kv_heads: usize,
+    pub head_dim: usize,
+    pub n_ff: usize,
+    pub vocab_size: usize,
+    /// Trained context length.
+    pub context_length: usize,
+    pub norm_eps: f32,
+    pub rope: RopeConfig,
+}
+
+impl ModelConfig {
+    pub fn from_gguf(file: &GgufFile) -> Result<Self, ModelError> {
+        let arch_name = file.architecture()?;
+        let arch = Arch::from_name(arch_name)
+            .ok_or_else(|| ModelError::UnsupportedArch(arch_name.to_string(), Arch::SUPPORTED))?;
+        let vocab_from_tokens = file.metadata.str_array("tokenizer.ggml.tokens").map(|t| t.len()).ok();
+        Self::from_metadata(arch, &file.metadata, vocab_from_tokens)
+    }
+
+    fn from_metadata(arch: Arch, m: &Metadata, vocab_from_tokens: Option<usize>) -> Result<Self, ModelError> {
+        let a = arch.name();
+        let key = |k: &str| format!("{a}.{k}");
+        let usize_key = |k: &str| -> Result<usize, ModelError> { Ok(m.u64(&key(k))? as usize) };
+        let n_embd = usize_key("embedding_length")?;
+        let n_heads = usize_key("attention.head_count")?;
+        let n_kv_heads = m.u64_or(&key("attention.head_count_kv"), n_heads as u64)? as usize;
+        if n_heads == 0 || n_kv_heads == 0 || n_heads % n_kv_heads != 0 {
+            return Err(ModelError::Config(format!(
+                "head counts {n_heads} (query) / {n_kv_heads} (kv): query heads must be a non-zero multiple of kv heads"
+            )));
+        }
+        let head_dim = match m.get(&key("attention.key_length")) {
+            Some(_) => usize_key("attention.key_length")?,
+            None if n_embd % n_heads == 0 => n_embd / n_heads,
+            None => return Err(ModelError::Config(format!("embedding {n_embd} not divisible by {n_heads} heads"))),
+        };
+        let rot_dim = m.u64_or(&key("rope.dimension_count"), head_dim as u64)? as usize;
+        if rot_dim > head_dim || rot_dim % 2 != 0 {
+            return Err(ModelError::Config(format!("rope dimension {rot_dim} must be even and <= head dim {head_dim}")));
+        }
+        let vocab_size = match m.get(&key("vocab_size")) {
+            Some(_) => usize_key("vocab_size")?,
+            None => vocab_from_tokens
+                .ok_or_else(|| ModelError::Config("no vocab_size and no tokenizer.ggml.tokens".into()))?,
+        };
+        let freq_scale = match m.get(&key("rope.scaling.factor")) {
+            Some(_) => {
+                let f = m.f32(&key("rope.scaling.factor"))?;
+                if f > 0.0 { 1.0 / f } else { 1.0 }
+            }
+            None => 1.0,
+        };
+        let cfg = Self {
+            arch,
+            name: m.str("general.name").unwrap_or(a).to_string(),
+            n_layers: usize_key("block_count")?,
+            n_embd,
+            n_heads,
+            n_kv_heads,
+            head_dim,
+            n_ff: usize_key("feed_forward_length")?,
+            vocab_size,
+            context_length: m.u64_or(&key("context_length"), 2048)? as usize,
+            norm_eps: m.f32_or(&key("attention.layer_norm_rms_epsilon"), 1e-5)?,
+            rope: RopeConfig {
+                style: match arch {
+                    Arch::Llama => RopeStyle::Normal,
+                    Arch::Qwen2 => RopeStyle::Neox,
+                },
+                rot_dim,
+                theta: m.f32_or(&key("rope.freq_base"), 10_000.0)?,
+                freq_scale,
+            },
+        };
+        if cfg.n_layers == 0 || cfg.n_embd == 0 || cfg.n_ff == 0 || cfg.vocab_size == 0 {
+            return Err(ModelError::Config("zero-sized dimension (layers, embedding, ffn or vocab)".into()));
+        }
+        Ok(cfg)
+    }
+
+    pub fn q_width(&self) -> usize {
+        self.n_heads * self.head_dim
+    }
+
+    pub fn kv_width(&self) -> usize {
+        self.n_kv_heads * self.head_dim
+    }
+
+    /// Width of the fused Q|K|V activation.
+    pub fn qkv_width(&self) -> usize {
+        self.q_width() + 2 * self.kv_width()
+    }
+}

@@ -1,0 +1,64 @@
+//! The interface every backend implements to run a model graph.
+
+/// Options shared by all backends when they are instantiated for a model.
+#[derive(Clone, Debug)]
+pub struct ExecutorOptions {
+    /// Tokens per forward call (longer prompts are fed in chunks of this size).
+    pub max_batch: usize,
+    /// KV-cache capacity in tokens.
+    pub context_len: usize,
+    /// Keep traced values (per-layer outputs) readable after `forward` (for `compare`).
+    pub trace: bool,
+}
+
+impl Default for ExecutorOptions {
+    fn default() -> Self {
+        Self { max_batch: 256, context_len: 4096, trace: false }
+    }
+}
+
+/// A traced activation: `rows x width` floats named like the graph value (`blk.3.out`, `logits`).
+#[derive(Clone, Debug)]
+pub struct LayerTrace {
+    pub name: String,
+    pub width: usize,
+    pub data: Vec<f32>,
+}
+
+/// Sampling that a backend may run on its device so that only the token id is read back.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct DeviceSampling {
+    pub temperature: f32,
+    pub top_k: usize,
+    pub top_p: f32,
+    pub seed: u64,
+    /// Index of this sampling step (mixed into the RNG stream).
+    pub step: u64,
+}
+
+pub trait Executor {
+    /// Human-readable backend description (`cpu (fp32 reference)`, `cuda: NVIDIA H200`...).
+    fn describe(&self) -> String;
+
+    /// Run `tokens` at positions `start_pos..start_pos + tokens.len()`, writing their K/V into the
+    /// cache (overwriting anything already stored at those positions). Afterwards the logits of
+    /// the last token are available. `tokens.len()` may exceed `max_batch`: it is chunked.
+    fn forward(&mut self, tokens: &[u32], start_pos: usize) -> anyhow::Result<()>;
+
+    /// Logits of the last token of the last `forward`.
+    fn logits(&mut self) -> anyhow::Result<Vec<f32>>;
+
+    /// Sample the next token on the device, if this backend can; `None` means "sample on the host".
+    fn sample_on_device(&mut self, _params: &DeviceSampling) -> Option<anyhow::Result<u32>> {
+        None
+    }
+
+    /// Traced values of the last `forward` chunk (empty unless created with `trace`).
+    fn traces(&mut self) -> anyhow::Result<Vec<LayerTrace>>;
+
+    /// KV-cache capacity in tokens.
+    fn context_len(&self) -> usize;
+
+    /// Memory in use, one line per category.
+    fn memory_report(&self) -> String;
+}

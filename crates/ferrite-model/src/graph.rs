@@ -1,0 +1,203 @@
+//! The model graph: a straight-line op list over activation values.
+//!
+//! Values are 2-D activations `rows x width` (f32 on the reference path); `rows` is the number of
+//! tokens in the batch, or 1 for values computed on the last token only. Fusion is *declared* in
+//! this graph when it is built (fused weights, a norm folded into a linear, a residual add folded
+//! into a linear's epilogue): backends execute what the graph says and never pattern-match.
+
+use crate::config::RopeConfig;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ValueId(pub u32);
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct WeightId(pub u32);
+
+/// How many rows a value has for a batch of `n` tokens.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Rows {
+    /// One row per token in the batch.
+    Tokens,
+    /// One row: the last token of the batch.
+    Last,
+}
+
+#[derive(Clone, Debug)]
+pub struct ValueInfo {
+    pub name: String,
+    pub width: usize,
+    pub rows: Rows,
+    /// Kept for `compare`/trace output: the planner never reuses its buffer.
+    pub traced: bool,
+}
+
+impl ValueInfo {
+    pub fn n_rows(&self, n_tokens: usize) -> usize {
+        match self.rows {
+            Rows::Tokens => n_tokens,
+            Rows::Last => 1,
+        }
+    }
+}
+
+/// An RMSNorm folded into the prologue of the op that consumes its output.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct NormSpec {
+    pub weight: WeightId,
+    pub eps: f32,
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub enum Op {
+    /// `out[t] = table[tokens[t]]`.
+    Embed { table: WeightId, out: ValueId },
+    /// `out = x / rms(x) * weight`.
+    RmsNorm { x: ValueId, norm: NormSpec, out: ValueId },
+    /// `out[:, out_col .. out_col + w.rows] = norm?(x) · wᵀ + bias + residual`.
+    /// With `out_col > 0` several linears fill column ranges of one value (unfused QKV, gate/up).
+    Linear {
+        x: ValueId,
+        norm: Option<NormSpec>,
+        w: WeightId,
+        bias: Option<WeightId>,
+        residual: Option<ValueId>,
+        out: ValueId,
+        out_col: usize,
+    },
+    /// RoPE in place on `n_heads` heads of `x` starting at column `col`, at the batch positions.
+    Rope { x: ValueId, col: usize, n_heads: usize },
+    /// Writes the K and V columns of `qkv` into layer `layer`'s cache at the batch positions, then
+    /// causal GQA attention of the Q columns over the cache. `out` is `n_heads * head_dim` wide.
+    Attention { layer: usize, qkv: ValueId, out: ValueId, window: Option<usize> },
+    /// `out = silu(x[:, ..w]) * x[:, w..]` where `x` is `[gate | up]`, `2w` wide.
+    SwiGlu { x: ValueId, out: ValueId },
+    /// `out = a + b`.
+    Add { a: ValueId, b: ValueId, out: ValueId },
+    /// `out = x[last row]`.
+    LastRow { x: ValueId, out: ValueId },
+}
+
+impl Op {
+    /// Values this op reads.
+    pub fn reads(&self) -> Vec<ValueId> {
+        match *self {
+            Op::Embed { .. } => vec![],
+            Op::RmsNorm { x, .. } | Op::SwiGlu { x, .. } | Op::LastRow { x, .. } | Op::Rope { x, .. } => vec![x],
+            Op::Linear { x, residual, .. } => std::iter::once(x).chain(residual).collect(),
+            Op::Attention { qkv, .. } => vec![qkv],
+            Op::Add { a, b, .. } => vec![a, b],
+        }
+    }
+
+    /// The value this op writes (`Rope` writes the value it reads: it is in place by design).
+    pub fn writes(&self) -> ValueId {
+        match *self {
+            Op::Embed { out, .. }
+            | Op::RmsNorm { out, .. }
+            | Op::Linear { out, .. }
+            | Op::Attention { out, .. }
+            | Op::SwiGlu { out, .. }
+            | Op::Add { out, .. }
+            | Op::LastRow { out, .. } => out,
+            Op::Rope { x, .. } => x,
+        }
+    }
+
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Op::Embed { .. } => "embed",
+            Op::RmsNorm { .. } => "rms_norm",
+            Op::Linear { norm: Some(_), .. } => "norm+linear",
+            Op::Linear { .. } => "linear",
+            Op::Rope { .. } => "rope",
+            Op::Attention { .. } => "attention",
+            Op::SwiGlu { .. } => "swiglu",
+            Op::Add { .. } => "add",
+            Op::LastRow { .. } => "last_row",
+        }
+    }
+}
+
+/// Shapes shared by all attention ops of the model.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct AttentionShape {
+    pub n_heads: usize,
+    pub n_kv_heads: usize,
+    pub head_dim: usize,
+    pub scale: f32,
+}
+
+#[derive(Clone, Debug)]
+pub struct Graph {
+    pub values: Vec<ValueInfo>,
+    pub ops: Vec<Op>,
+    /// The value holding the logits of the last token.
+    pub logits: ValueId,
+    pub n_layers: usize,
+    pub attention: AttentionShape,
+    pub rope: RopeConfig,
+}
+
+impl Graph {
+    pub fn value(&self, id: ValueId) -> &ValueInfo {
+        &self.values[id.0 as usize]
+    }
+
+    /// Check that every value is written before it is read and that column ranges fit.
+    pub fn validate(&self, weight_rows: impl Fn(WeightId) -> usize) -> Result<(), String> {
+        let mut written = vec![false; self.values.len()];
+        for (i, op) in self.ops.iter().enumerate() {
+            for r in op.reads() {
+                if !written[r.0 as usize] {
+                    return Err(format!("op {i} ({}) reads `{}` before it is written", op.kind(), self.value(r).name));
+                }
+            }
+            if let Op::Linear { w, out, out_col, .. } = op {
+                let width = self.value(*out).width;
+                if out_col + weight_rows(*w) > width {
+                    return Err(format!("op {i}: linear output columns exceed `{}`", self.value(*out).name));
+                }
+            }
+            written[op.writes().0 as usize] = true;
+        }
+        if !written[self.logits.0 as usize] {
+            return Err("logits are never written".into());
+        }
+        Ok(())
+    }
+}
+
+/// Incremental graph construction used by the architecture files.
+pub struct GraphBuilder {
+    values: Vec<ValueInfo>,
+    ops: Vec<Op>,
+}
+
+impl GraphBuilder {
+    pub fn new() -> Self {
+        Self { values: Vec::new(), ops: Vec::new() }
+    }
+
+    pub fn value(&mut self, name: impl Into<String>, width: usize, rows: Rows) -> ValueId {
+        self.values.push(ValueInfo { name: name.into(), width, rows, traced: false });
+        ValueId(self.values.len() as u32 - 1)
+    }
+
+    pub fn trace(&mut self, v: ValueId) {
+        self.values[v.0 as usize].traced = true;
+    }
+
+    pub fn push(&mut self, op: Op) {
+        self.ops.push(op);
+    }
+
+    pub fn finish(self, logits: ValueId, n_layers: usize, attention: AttentionShape, rope: RopeConfig) -> Graph {
+        Graph { values: self.values, ops: self.ops, logits, n_layers, attention, rope }
+    }
+}
+
+impl Default for GraphBuilder {
+    fn default() -> Self {
+        Self::new()
+    }
+}

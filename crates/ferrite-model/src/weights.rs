@@ -1,0 +1,159 @@
+//! Named weights, including fused weights declared at load time.
+//!
+//! A weight is one or more GGUF tensors of the same dtype and row length, concatenated along
+//! rows (for matrices) or elements (for vectors). Concatenating the raw bytes does both, because
+//! GGUF rows are contiguous and blocks never straddle rows.
+
+use crate::graph::WeightId;
+use crate::ModelError;
+use ferrite_gguf::{GgmlType, GgufFile, TensorInfo};
+use std::borrow::Cow;
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct WeightSpec {
+    /// Display name (the tensor name, or `a+b+c` for a fused weight).
+    pub name: String,
+    /// GGUF tensor names, in concatenation order.
+    pub parts: Vec<String>,
+    pub dtype: GgmlType,
+    /// Output rows (1 for a vector).
+    pub rows: usize,
+    /// Elements per row (the vector length for a vector).
+    pub cols: usize,
+}
+
+impl WeightSpec {
+    pub fn is_vector(&self) -> bool {
+        self.rows == 1
+    }
+}
+
+#[derive(Clone, Debug, Default)]
+pub struct WeightSet {
+    specs: Vec<WeightSpec>,
+}
+
+fn tensor<'a>(file: &'a GgufFile, name: &str) -> Result<&'a TensorInfo, ModelError> {
+    file.tensor(name).ok_or_else(|| ModelError::MissingTensor(name.to_string()))
+}
+
+/// (rows, cols) of a 1-D or 2-D tensor.
+fn matrix_shape(t: &TensorInfo) -> Result<(usize, usize), ModelError> {
+    match t.shape.len() {
+        1 => Ok((1, t.shape[0] as usize)),
+        2 => Ok((t.shape[1] as usize, t.shape[0] as usize)),
+        n => Err(ModelError::tensor(&t.name, format!("expected 1 or 2 dimensions, found {n}"))),
+    }
+}
+
+impl WeightSet {
+    pub fn spec(&self, id: WeightId) -> &WeightSpec {
+        &self.specs[id.0 as usize]
+    }
+
+    pub fn iter(&self) -> impl Iterator<Item = (WeightId, &WeightSpec)> {
+        self.specs.iter().enumerate().map(|(i, s)| (WeightId(i as u32), s))
+    }
+
+    pub fn len(&self) -> usize {
+        self.specs.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.specs.is_empty()
+    }
+
+    /// Add one tensor, checking its shape is `rows x cols` (`rows == 1` for a vector).
+    pub fn add(&mut self, file: &GgufFile, name: &str, rows: usize, cols: usize) -> Result<WeightId, ModelError> {
+        let t = tensor(file, name)?;
+        let shape = matrix_shape(t)?;
+        if shape != (rows, cols) {
+            return Err(ModelError::tensor(name, format!("shape {rows}x{cols} expected, found {}x{}", shape.0, shape.1)));
+        }
+        Ok(self.push(WeightSpec { name: name.to_string(), parts: vec![name.to_string()], dtype: t.dtype, rows, cols }))
+    }
+
+    /// Add the first of `names` that exists in the file.
+    pub fn add_first_of(&mut self, file: &GgufFile, names: &[&str], rows: usize, cols: usize) -> Result<WeightId, ModelError> {
+        let name = names
+            .iter()
+            .find(|n| file.tensor(n).is_some())
+            .ok_or_else(|| ModelError::MissingTensor(names.join(" or ")))?;
+        self.add(file, name, rows, cols)
+    }
+
+    /// Add `name` if the file has it.
+    pub fn add_optional(&mut self, file: &GgufFile, name: &str, rows: usize, cols: usize) -> Result<Option<WeightId>, ModelError> {
+        if file.tensor(name).is_none() {
+            return Ok(None);
+        }
+        self.add(file, name, rows, cols).map(Some)
+    }
+
+    /// Declare a fused weight made of already-added weights, concatenated in order. Returns `None`
+    /// (the caller then keeps the parts separate) when the parts cannot share one layout.
+    pub fn fuse(&mut self, parts: &[WeightId]) -> Option<WeightId> {
+        let specs: Vec<&WeightSpec> = parts.iter().map(|&p| self.spec(p)).collect();
+        let first = specs.first()?;
+        let vector = first.is_vector();
+        if specs.iter().any(|s| s.dtype != first.dtype || s.is_vector() != vector || (!vector && s.cols != first.cols)) {
+            return None;
+        }
+        let fused = WeightSpec {
+            name: specs.iter().map(|s| s.name.as_str()).collect::<Vec<_>>().join("+"),
+            parts: specs.iter().flat_map(|s| s.parts.iter().cloned()).collect(),
+            dtype: first.dtype,
+            rows: if vector { 1 } else { specs.iter().map(|s| s.rows).sum() },
+            cols: if vector { specs.iter().map(|s| s.cols).sum() } else { first.cols },
+        };
+        Some(self.push(fused))
+    }
+
+    fn push(&mut self, spec: WeightSpec) -> WeightId {
+        self.specs.push(spec);
+        WeightId(self.specs.len() as u32 - 1)
+    }
+
+    /// The weight's bytes in its dtype: borrowed from the file for one part, concatenated for a fused weight.
+    pub fn bytes<'a>(&self, file: &'a GgufFile, id: WeightId) -> Result<Cow<'a, [u8]>, ModelError> {
+        let spec = self.spec(id);
+        if let [only] = spec.parts.as_slice() {
+            return Ok(Cow::Borrowed(file.tensor_data(tensor(file, only)?)));
+        }
+        let mut out = Vec::new();
+        for p in &spec.parts {
+            out.extend_from_slice(file.tensor_data(tensor(file, p)?));
+        }
+        Ok(Cow::Owned(out))
+    }
+
+    /// The weight dequantized to f32 (the reference path).
+    pub fn to_f32(&self, file: &GgufFile, id: WeightId) -> Result<Vec<f32>, ModelError> {
+        let spec = self.spec(id);
+        let bytes = self.bytes(file, id)?;
+        let mut out = vec![0f32; spec.rows * spec.cols];
+        ferrite_gguf::quant::dequantize(spec.dtype, &bytes, &mut out)?;
+        Ok(out)
+    }
+
+    /// Weights that the graph actually uses (fused parts are superseded by the fused weight).
+    pub fn used_by(&self, graph: &crate::Graph) -> Vec<WeightId> {
+        use crate::graph::Op;
+        let mut ids = Vec::new();
+        for op in &graph.ops {
+            match op {
+                Op::Embed { table, .. } => ids.push(*table),
+                Op::RmsNorm { norm, .. } => ids.push(norm.weight),
+                Op::Linear { norm, w, bias, .. } => {
+                    ids.push(*w);
+                    ids.extend(norm.map(|n| n.weight));
+                    ids.extend(*bias);
+                }
+                _ => {}
+            }
+        }
+        ids.sort();
+        ids.dedup();
+        ids
+    }
+}

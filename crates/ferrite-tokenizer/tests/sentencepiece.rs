@@ -1,0 +1,100 @@
+//! A tiny SentencePiece BPE vocabulary with byte fallback (fixtures/tokenizer/spm-tiny.gguf)
+//! against the `sentencepiece` library itself.
+
+mod common;
+
+use common::{fixture, tokenizer, SPM_TINY_PATH};
+use ferrite_tokenizer::{Tokenizer, TokenizerModel};
+use proptest::prelude::*;
+use std::sync::OnceLock;
+
+fn spm_tiny() -> &'static Tokenizer {
+    static TOKENIZER: OnceLock<Tokenizer> = OnceLock::new();
+    TOKENIZER.get_or_init(|| tokenizer(SPM_TINY_PATH))
+}
+
+#[test]
+fn encodings_match_sentencepiece() {
+    let tok = spm_tiny();
+    let fixture = fixture("spm-tiny.json");
+    assert!(fixture.encode_add_special_false.len() >= 25);
+    let mut failures = Vec::new();
+    for (case, add_special) in fixture
+        .encode_add_special_false
+        .iter()
+        .map(|c| (c, false))
+        .chain(fixture.encode_add_special_true.iter().map(|c| (c, true)))
+    {
+        let ids = tok.encode(&case.text, add_special).unwrap();
+        if ids != case.ids {
+            failures.push(format!("{:?} (add_special {add_special})\n  got      {ids:?}\n  expected {:?}", case.text, case.ids));
+        }
+    }
+    assert!(failures.is_empty(), "{} mismatches:\n{}", failures.len(), failures.join("\n"));
+}
+
+#[test]
+fn fixture_exercises_byte_fallback() {
+    let tok = spm_tiny();
+    let case = fixture("spm-tiny.json")
+        .encode_add_special_false
+        .into_iter()
+        .find(|c| c.text.starts_with("ʘ"))
+        .unwrap();
+    let byte_tokens = case.ids.iter().filter(|&&id| tok.id_to_token(id).unwrap().starts_with("<0x")).count();
+    assert!(byte_tokens >= 6, "{:?}", case.ids);
+}
+
+#[test]
+fn decoding_keeps_the_dummy_prefix_that_sentencepiece_strips() {
+    let tok = spm_tiny();
+    for case in fixture("spm-tiny.json").decode {
+        assert_eq!(tok.decode(&case.ids), format!(" {}", case.text));
+    }
+}
+
+#[test]
+fn metadata_is_read() {
+    let tok = spm_tiny();
+    assert_eq!(tok.model(), TokenizerModel::SentencePiece);
+    assert_eq!(tok.vocab_size(), 1000);
+    assert_eq!((tok.bos_id(), tok.eos_id()), (Some(1), Some(2)));
+    assert!(tok.is_end_of_generation(2));
+    assert!(!tok.is_end_of_generation(1));
+    assert_eq!(tok.token_bytes(tok.token_to_id("<0x0A>").unwrap()), b"\n");
+    assert_eq!(tok.token_bytes(tok.token_to_id("▁the").unwrap()), b" the");
+    assert_eq!(tok.token_bytes(1), b"<s>");
+}
+
+#[test]
+fn special_tokens_in_text_are_matched_and_followed_by_a_dummy_space() {
+    let tok = spm_tiny();
+    let user = tok.token_to_id("<|user|>").expect("user-defined token in the fixture vocabulary");
+    let hello = tok.encode("hello", false).unwrap();
+    // As llama.cpp: a special token starts a new run of text, which gets the dummy prefix again.
+    let mut expected = vec![1];
+    expected.extend(&hello);
+    expected.push(user);
+    expected.extend(&hello);
+    expected.push(2);
+    assert_eq!(tok.encode("<s>hello<|user|>hello</s>", false).unwrap(), expected);
+    // With add_special, BOS comes first (add_bos_token is true) and no EOS (add_eos_token false).
+    assert_eq!(tok.encode("hello", true).unwrap()[0], 1);
+    assert_eq!(tok.encode("hello", true).unwrap()[1..], hello[..]);
+    assert_eq!(tok.encode("", true).unwrap(), [1]);
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
+
+    /// Byte fallback makes every string encodable; decoding adds back only the dummy prefix.
+    #[test]
+    fn decode_inverts_encode(text in "\\PC*|.*") {
+        // Text after a special token gets a dummy space of its own, so leave those out.
+        prop_assume!(["<s>", "</s>", "<|user|>"].iter().all(|special| !text.contains(special)));
+        let tok = spm_tiny();
+        let ids = tok.encode(&text, false).unwrap();
+        let expected = if text.is_empty() { String::new() } else { format!(" {text}") };
+        prop_assert_eq!(tok.decode(&ids), expected);
+    }
+}
