@@ -5,7 +5,7 @@
 //! carries a header with the full key, the payload length and the payload's blake3, so a
 //! truncated or bit-flipped file is detected, deleted and rebuilt instead of being loaded.
 
-use crate::compile::compile_cubin;
+use crate::compile::{compile_cubin, require_nvrtc};
 use crate::error::{Context, CudaError};
 use crate::kernels::KernelVariant;
 use cudarc::driver::{CudaContext, CudaFunction, CudaModule};
@@ -152,6 +152,22 @@ fn verify(bytes: &[u8], key: &CacheKey) -> Result<(), String> {
     Ok(())
 }
 
+/// NVRTC flags for a variant: the target arch (`sm_90`), then the sorted macro set.
+pub(crate) fn nvrtc_options<V: KernelVariant>(variant: &V, arch: &str) -> Vec<String> {
+    let mut macros = variant.macros();
+    macros.sort();
+    let mut opts = vec![format!("--gpu-architecture={arch}"), "-std=c++17".to_string()];
+    opts.extend(macros.into_iter().map(|(name, value)| format!("-D{name}={value}")));
+    opts
+}
+
+/// Compile a variant for `arch` (e.g. `sm_90`) with NVRTC alone, no device or cache involved:
+/// ahead-of-time checks of the kernel sources. Returns the CUBIN.
+pub fn compile_variant<V: KernelVariant>(variant: &V, arch: &str) -> Result<Vec<u8>, CudaError> {
+    require_nvrtc()?;
+    compile_cubin(V::FAMILY, &V::SOURCES.concat(), &nvrtc_options(variant, arch))
+}
+
 /// Counters of how modules were obtained (tests and diagnostics read them).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct CacheStats {
@@ -220,13 +236,8 @@ impl ModuleCache {
         self.disk.as_ref()
     }
 
-    /// NVRTC flags for a variant: the target arch, then the sorted macro set.
     pub(crate) fn options<V: KernelVariant>(&self, variant: &V) -> Vec<String> {
-        let mut macros = variant.macros();
-        macros.sort();
-        let mut opts = vec![format!("--gpu-architecture={}", self.arch), "-std=c++17".to_string()];
-        opts.extend(macros.into_iter().map(|(name, value)| format!("-D{name}={value}")));
-        opts
+        nvrtc_options(variant, &self.arch)
     }
 
     pub(crate) fn key<V: KernelVariant>(&self, variant: &V) -> CacheKey {
@@ -234,20 +245,25 @@ impl ModuleCache {
     }
 
     /// The module of `variant`, compiling it (or reading it from disk) on first use.
+    /// The lock is not held while compiling, so different variants build in parallel; two
+    /// threads racing on the same variant both build it and the first insert wins.
     pub(crate) fn get<V: KernelVariant>(&self, variant: &V) -> Result<Arc<LoadedModule>, CudaError> {
+        if let Some(module) = self.with_map::<V, _>(|map| map.get(variant).cloned()) {
+            self.counters.memory_hits.fetch_add(1, Ordering::Relaxed);
+            return Ok(module);
+        }
+        let built = Arc::new(self.build(variant)?);
+        Ok(self.with_map::<V, _>(|map| map.entry(*variant).or_insert(built).clone()))
+    }
+
+    fn with_map<V: KernelVariant, R>(&self, f: impl FnOnce(&mut HashMap<V, Arc<LoadedModule>>) -> R) -> R {
         let mut loaded = self.loaded.lock().unwrap_or_else(|p| p.into_inner());
-        let typed = loaded
+        let map = loaded
             .entry(TypeId::of::<V>())
             .or_insert_with(|| Box::new(HashMap::<V, Arc<LoadedModule>>::new()))
             .downcast_mut::<HashMap<V, Arc<LoadedModule>>>()
             .expect("the map is keyed by the variant's TypeId");
-        if let Some(module) = typed.get(variant) {
-            self.counters.memory_hits.fetch_add(1, Ordering::Relaxed);
-            return Ok(module.clone());
-        }
-        let module = Arc::new(self.build(variant)?);
-        typed.insert(*variant, module.clone());
-        Ok(module)
+        f(map)
     }
 
     fn build<V: KernelVariant>(&self, variant: &V) -> Result<LoadedModule, CudaError> {

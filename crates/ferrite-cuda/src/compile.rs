@@ -7,6 +7,16 @@ use crate::error::{Context, CudaError};
 use cudarc::nvrtc::{result, sys};
 use std::ffi::{c_char, CString};
 
+/// Error unless libnvrtc can be loaded (cudarc panics on the first call otherwise).
+pub(crate) fn require_nvrtc() -> Result<(), CudaError> {
+    if unsafe { sys::is_culib_present() } {
+        return Ok(());
+    }
+    Err(CudaError::NoDevice(
+        "libnvrtc.so not found (add the CUDA toolkit's lib64 or the nvidia-cuda-nvrtc wheel's lib to LD_LIBRARY_PATH)".into(),
+    ))
+}
+
 /// The NVRTC release, part of every cache key (a new compiler may emit different code).
 pub(crate) fn nvrtc_version() -> Result<(i32, i32), CudaError> {
     let (mut major, mut minor) = (0, 0);

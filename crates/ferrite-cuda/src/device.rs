@@ -1,7 +1,7 @@
 //! The GPU handle: context, compute stream, cuBLAS, module cache, scratch, device error flag.
 
 use crate::cache::{CacheStats, DiskCache, ModuleCache};
-use crate::compile::{nvrtc_version, supported_archs};
+use crate::compile::{nvrtc_version, require_nvrtc, supported_archs};
 use crate::error::{Context, CudaError};
 use crate::kernels::common::{ERR_POSITION, ERR_TOKEN_ID};
 use crate::kernels::KernelVariant;
@@ -26,11 +26,7 @@ fn device_count() -> Result<usize, CudaError> {
     if !unsafe { cudarc::driver::sys::is_culib_present() } {
         return Err(CudaError::NoDevice("libcuda.so not found (no NVIDIA driver on this machine)".into()));
     }
-    if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
-        return Err(CudaError::NoDevice(
-            "libnvrtc.so not found (add the CUDA toolkit's lib64 or the nvidia-cuda-nvrtc wheel's lib to LD_LIBRARY_PATH)".into(),
-        ));
-    }
+    require_nvrtc()?;
     if !unsafe { cudarc::cublas::sys::is_culib_present() } {
         return Err(CudaError::NoDevice(
             "libcublas.so not found (add the CUDA toolkit's lib64 or the nvidia-cublas wheel's lib to LD_LIBRARY_PATH)".into(),

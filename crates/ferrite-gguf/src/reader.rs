@@ -128,8 +128,6 @@ impl GgufFile {
 
     fn parse(bytes: FileBytes) -> Result<Self, GgufError> {
         let header = parse_header(&bytes)?;
-        let tensor_index =
-            header.tensors.iter().enumerate().map(|(i, t)| (t.name.clone(), i)).collect();
         Ok(GgufFile {
             version: header.version,
             metadata: header.metadata,
@@ -137,7 +135,7 @@ impl GgufFile {
             alignment: header.alignment,
             bytes,
             data_offset: header.data_offset,
-            tensor_index,
+            tensor_index: header.tensor_index,
         })
     }
 
@@ -186,6 +184,7 @@ struct Header {
     version: u32,
     metadata: Metadata,
     tensors: Vec<TensorInfo>,
+    tensor_index: HashMap<String, usize>,
     alignment: u64,
     data_offset: u64,
 }
@@ -233,13 +232,13 @@ fn parse_header(bytes: &[u8]) -> Result<Header, GgufError> {
     // Smallest tensor info: name length (8) + n_dims (4) + one dim (8) + type (4) + offset (8).
     p.check_room(tensor_count, 8 + 4 + 8 + 4 + 8, "tensor infos")?;
     let mut tensors: Vec<TensorInfo> = Vec::with_capacity(tensor_count as usize);
-    let mut names = std::collections::HashSet::new();
+    let mut tensor_index = HashMap::with_capacity(tensors.capacity());
     for i in 0..tensor_count {
         p.context = format!("tensor info #{i}");
         let name = p.string("name")?;
         p.context = format!("tensor `{name}`");
         let tensor = p.tensor_info(name, alignment)?;
-        if !names.insert(tensor.name.clone()) {
+        if tensor_index.insert(tensor.name.clone(), tensors.len()).is_some() {
             return Err(GgufError::DuplicateTensor(tensor.name));
         }
         tensors.push(tensor);
@@ -250,7 +249,7 @@ fn parse_header(bytes: &[u8]) -> Result<Header, GgufError> {
         reason: "start offset overflows".into(),
     })?;
     check_tensor_ranges(&tensors, data_offset, alignment, bytes.len() as u64)?;
-    Ok(Header { version, metadata, tensors, alignment, data_offset })
+    Ok(Header { version, metadata, tensors, tensor_index, alignment, data_offset })
 }
 
 pub(crate) fn checked_alignment(v: &Value) -> Result<u64, GgufError> {
@@ -377,10 +376,11 @@ impl<'a> Parser<'a> {
     }
 
     fn string(&mut self, field: &str) -> Result<String, GgufError> {
-        let len = self.u64(&format!("{field} length"))?;
+        let len = self.u64(field)?;
         let offset = self.pos as u64;
         let raw = self.take(len, field)?;
-        String::from_utf8(raw.to_vec())
+        std::str::from_utf8(raw)
+            .map(str::to_owned)
             .map_err(|_| GgufError::InvalidUtf8 { what: self.what(field), offset })
     }
 

@@ -14,7 +14,7 @@ use std::collections::{BinaryHeap, HashMap};
 /// Where a pair of adjacent tokens goes: its priority (lower first) and the merged token.
 #[derive(Clone, Copy)]
 struct Merge {
-    rank: u32,
+    rank: usize,
     merged: u32,
 }
 
@@ -48,21 +48,34 @@ impl BytePairEncoder {
         }
         let mut table = HashMap::with_capacity(merges.len());
         for (index, merge) in merges.iter().enumerate() {
-            let bad = |reason: String| TokenizerError::BadMerge { index, merge: merge.clone(), reason };
+            let bad = |reason: String| TokenizerError::BadMerge {
+                index,
+                merge: merge.clone(),
+                reason,
+            };
             let (left, right) = merge
                 .split_once(' ')
                 .ok_or_else(|| bad("expected two tokens separated by a space".into()))?;
             let token = |text: &str| {
-                vocab.id(text).ok_or_else(|| bad(format!("`{text}` is not in the vocabulary")))
+                vocab
+                    .id(text)
+                    .ok_or_else(|| bad(format!("`{text}` is not in the vocabulary")))
             };
             let (left_id, right_id) = (token(left)?, token(right)?);
             let merged = vocab
                 .id(&format!("{left}{right}"))
                 .ok_or_else(|| bad("the merged token is not in the vocabulary".into()))?;
             // A repeated pair keeps its first (best) rank.
-            table.entry((left_id, right_id)).or_insert(Merge { rank: index as u32, merged });
+            table.entry((left_id, right_id)).or_insert(Merge {
+                rank: index,
+                merged,
+            });
         }
-        Ok(Self { merges: table, byte_tokens, pre_tokenizer })
+        Ok(Self {
+            merges: table,
+            byte_tokens,
+            pre_tokenizer,
+        })
     }
 
     /// Encodes ordinary text (no special tokens in it) and appends the ids to `out`.
@@ -92,11 +105,21 @@ impl BytePairEncoder {
     /// and llama.cpp do (some vocabularies lack bytes never seen in training, like 0xF1).
     fn merge_word(&self, word: &[u8], symbols: &mut Vec<Symbol>) {
         symbols.clear();
-        for token in word.iter().filter_map(|&byte| self.byte_tokens[usize::from(byte)]) {
+        for token in word
+            .iter()
+            .filter_map(|&byte| self.byte_tokens[usize::from(byte)])
+        {
             let i = symbols.len();
-            symbols.push(Symbol { token, prev: i.wrapping_sub(1), next: i + 1, alive: true });
+            symbols.push(Symbol {
+                token,
+                prev: i.wrapping_sub(1),
+                next: i + 1,
+                alive: true,
+            });
         }
-        let Some(last) = symbols.last_mut() else { return };
+        let Some(last) = symbols.last_mut() else {
+            return;
+        };
         last.next = NONE;
 
         // Entries: (rank, left position, left token, right token); stale ones are skipped on pop.
@@ -124,7 +147,9 @@ impl BytePairEncoder {
             {
                 continue;
             }
-            let Some(merge) = self.merges.get(&(left_token, right_token)) else { continue };
+            let Some(merge) = self.merges.get(&(left_token, right_token)) else {
+                continue;
+            };
             symbols[left].token = merge.merged;
             symbols[right].alive = false;
             let after = symbols[right].next;

@@ -33,7 +33,10 @@ impl ByteAlphabet {
             byte_to_char[usize::from(byte)] = ch;
             char_to_byte[code as usize] = Some(byte);
         }
-        Self { byte_to_char, char_to_byte }
+        Self {
+            byte_to_char,
+            char_to_byte,
+        }
     }
 
     pub(crate) fn char_of(&self, byte: u8) -> char {

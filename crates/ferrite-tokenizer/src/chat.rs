@@ -17,7 +17,10 @@ pub struct Message {
 
 impl Message {
     pub fn new(role: impl Into<String>, content: impl Into<String>) -> Self {
-        Self { role: role.into(), content: content.into() }
+        Self {
+            role: role.into(),
+            content: content.into(),
+        }
     }
 }
 
@@ -50,17 +53,32 @@ impl ChatTemplate {
         env.set_trim_blocks(true);
         env.set_lstrip_blocks(true);
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
-        env.add_function("raise_exception", |message: String| -> Result<String, Error> {
-            Err(Error::new(ErrorKind::InvalidOperation, message))
-        });
-        env.add_template_owned(TEMPLATE_NAME, template.to_string()).map_err(template_error)?;
-        Ok(Self { env, bos_token: bos.to_string(), eos_token: eos.to_string() })
+        env.add_function(
+            "raise_exception",
+            |message: String| -> Result<String, Error> {
+                Err(Error::new(ErrorKind::InvalidOperation, message))
+            },
+        );
+        env.add_template_owned(TEMPLATE_NAME, template.to_string())
+            .map_err(template_error)?;
+        Ok(Self {
+            env,
+            bos_token: bos.to_string(),
+            eos_token: eos.to_string(),
+        })
     }
 
     /// Renders the conversation; with `add_generation_prompt` the text ends where the assistant's
     /// reply should begin.
-    pub fn apply(&self, messages: &[Message], add_generation_prompt: bool) -> Result<String, TokenizerError> {
-        let template = self.env.get_template(TEMPLATE_NAME).map_err(template_error)?;
+    pub fn apply(
+        &self,
+        messages: &[Message],
+        add_generation_prompt: bool,
+    ) -> Result<String, TokenizerError> {
+        let template = self
+            .env
+            .get_template(TEMPLATE_NAME)
+            .map_err(template_error)?;
         template
             .render(context! {
                 messages => messages,
@@ -80,7 +98,12 @@ mod tests {
     fn blocks_are_trimmed_like_transformers() {
         let template = "{% for m in messages %}\n  {% if m.role == 'user' %}\n[{{ m.content }}]\n  {% endif %}\n{% endfor %}";
         let chat = ChatTemplate::new(template, "", "").unwrap();
-        let out = chat.apply(&[Message::new("user", "a"), Message::new("assistant", "b")], false).unwrap();
+        let out = chat
+            .apply(
+                &[Message::new("user", "a"), Message::new("assistant", "b")],
+                false,
+            )
+            .unwrap();
         assert_eq!(out, "[a]\n");
     }
 
@@ -88,17 +111,39 @@ mod tests {
     fn python_string_methods_and_special_token_variables_work() {
         let template = "{{ bos_token }}{% for m in messages %}{{ m.content.strip().upper() }}{% endfor %}{% if add_generation_prompt %}{{ eos_token }}{% endif %}";
         let chat = ChatTemplate::new(template, "<s>", "</s>").unwrap();
-        assert_eq!(chat.apply(&[Message::new("user", "  hi ")], true).unwrap(), "<s>HI</s>");
-        assert_eq!(chat.apply(&[Message::new("user", "x")], false).unwrap(), "<s>X");
+        assert_eq!(
+            chat.apply(&[Message::new("user", "  hi ")], true).unwrap(),
+            "<s>HI</s>"
+        );
+        assert_eq!(
+            chat.apply(&[Message::new("user", "x")], false).unwrap(),
+            "<s>X"
+        );
+    }
+
+    #[test]
+    fn tojson_is_available() {
+        let chat = ChatTemplate::new("{{ messages[0] | tojson }}", "", "").unwrap();
+        let out = chat.apply(&[Message::new("user", "a\"b")], false).unwrap();
+        assert_eq!(out, r#"{"role":"user","content":"a\"b"}"#);
     }
 
     #[test]
     fn raise_exception_becomes_an_error_with_its_message() {
         let template = "{% if messages[0].role != 'user' %}{{ raise_exception('first message must be from the user') }}{% endif %}ok";
         let chat = ChatTemplate::new(template, "", "").unwrap();
-        let err = chat.apply(&[Message::new("assistant", "x")], false).unwrap_err();
-        assert!(err.to_string().contains("first message must be from the user"), "{err}");
-        assert_eq!(chat.apply(&[Message::new("user", "x")], false).unwrap(), "ok");
+        let err = chat
+            .apply(&[Message::new("assistant", "x")], false)
+            .unwrap_err();
+        assert!(
+            err.to_string()
+                .contains("first message must be from the user"),
+            "{err}"
+        );
+        assert_eq!(
+            chat.apply(&[Message::new("user", "x")], false).unwrap(),
+            "ok"
+        );
     }
 
     #[test]

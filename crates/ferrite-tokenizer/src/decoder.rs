@@ -13,13 +13,17 @@ pub struct StreamDecoder<'a> {
 
 impl<'a> StreamDecoder<'a> {
     pub fn new(tokenizer: &'a Tokenizer) -> Self {
-        Self { tokenizer, pending: Vec::new() }
+        Self {
+            tokenizer,
+            pending: Vec::new(),
+        }
     }
 
     /// Adds one token and returns the newly completed text (possibly empty). Byte sequences that
     /// can never become valid UTF-8 come out as U+FFFD, like [`Tokenizer::decode`].
     pub fn push(&mut self, id: u32) -> String {
-        self.pending.extend_from_slice(self.tokenizer.token_bytes(id));
+        self.pending
+            .extend_from_slice(self.tokenizer.token_bytes(id));
         let mut text = String::new();
         let mut consumed = 0;
         loop {

@@ -13,16 +13,28 @@ pub enum TokenizerError {
     VocabularyTooLarge(usize),
 
     #[error("{what} has {found} entries but the vocabulary has {expected} tokens")]
-    LengthMismatch { what: &'static str, found: usize, expected: usize },
+    LengthMismatch {
+        what: &'static str,
+        found: usize,
+        expected: usize,
+    },
 
     #[error("tokenizer.ggml.token_type[{index}] = {value} is not a known token type (0..=6)")]
     UnknownTokenType { index: usize, value: i32 },
 
     #[error("{what} = {id} is out of range for a vocabulary of {vocab_size} tokens")]
-    TokenIdOutOfRange { what: &'static str, id: u64, vocab_size: usize },
+    TokenIdOutOfRange {
+        what: &'static str,
+        id: u64,
+        vocab_size: usize,
+    },
 
     #[error("merge #{index} `{merge}`: {reason}")]
-    BadMerge { index: usize, merge: String, reason: String },
+    BadMerge {
+        index: usize,
+        merge: String,
+        reason: String,
+    },
 
     #[error("byte-level BPE vocabulary needs merges (tokenizer.ggml.merges is missing or empty)")]
     MissingMerges,
@@ -31,12 +43,17 @@ pub enum TokenizerError {
     BadByteToken { id: u32, text: String },
 
     #[error("{flag} is true but {id_key} is not set")]
-    MissingSpecialToken { flag: &'static str, id_key: &'static str },
+    MissingSpecialToken {
+        flag: &'static str,
+        id_key: &'static str,
+    },
 
     #[error("pre-tokenizer regex {pattern:?}: {message}")]
     Regex { pattern: String, message: String },
 
-    #[error("cannot encode byte {byte:#04x}: the vocabulary has no token for it and no unknown token")]
+    #[error(
+        "cannot encode byte {byte:#04x}: the vocabulary has no token for it and no unknown token"
+    )]
     Unencodable { byte: u8 },
 
     #[error("chat template: {0}")]

@@ -51,7 +51,9 @@ impl TokenizerSpec {
             .enumerate()
             .map(|(index, value)| TokenType::from_gguf(value, index))
             .collect::<Result<_, _>>()?;
-        spec.merges = optional(meta, MERGES, Metadata::str_array)?.map(owned).unwrap_or_default();
+        spec.merges = optional(meta, MERGES, Metadata::str_array)?
+            .map(owned)
+            .unwrap_or_default();
         spec.pre_tokenizer = optional(meta, PRE, Metadata::str)?.map(str::to_string);
         spec.bos_id = optional(meta, BOS_ID, Metadata::u32)?;
         spec.eos_id = optional(meta, EOS_ID, Metadata::u32)?;
@@ -85,11 +87,16 @@ impl ChatTemplate {
         let text_of = |key: &'static str| -> Result<&str, TokenizerError> {
             match optional(meta, key, Metadata::u32)? {
                 None => Ok(""),
-                Some(id) => tokens.get(id as usize).copied().ok_or(TokenizerError::TokenIdOutOfRange {
-                    what: key,
-                    id: u64::from(id),
-                    vocab_size: tokens.len(),
-                }),
+                Some(id) => {
+                    tokens
+                        .get(id as usize)
+                        .copied()
+                        .ok_or(TokenizerError::TokenIdOutOfRange {
+                            what: key,
+                            id: u64::from(id),
+                            vocab_size: tokens.len(),
+                        })
+                }
             }
         };
         let bos = text_of(BOS_ID)?;

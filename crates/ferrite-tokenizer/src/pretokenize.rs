@@ -7,8 +7,7 @@
 use crate::TokenizerError;
 use fancy_regex::Regex;
 
-const GPT2: &str =
-    r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+";
+const GPT2: &str = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+";
 
 const LLAMA3: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 
@@ -54,8 +53,13 @@ const DEEPSEEK_LLM: &[&str] = &[
     r"\p{N}+",
 ];
 
-const DEEPSEEK_CODER: &[&str] =
-    &[r"[\r\n]", r"\s?\p{L}+", r"\s?\p{P}+", r"[一-龥ࠀ-一가-퟿]+", r"\p{N}"];
+const DEEPSEEK_CODER: &[&str] = &[
+    r"[\r\n]",
+    r"\s?\p{L}+",
+    r"\s?\p{P}+",
+    r"[一-龥ࠀ-一가-퟿]+",
+    r"\p{N}",
+];
 
 const DEEPSEEK_V3: &[&str] = &[
     r"\p{N}{1,3}",
@@ -80,18 +84,27 @@ struct Rules {
 }
 
 const fn rules(stages: &'static [&'static str]) -> Rules {
-    Rules { stages, ignore_merges: false }
+    Rules {
+        stages,
+        ignore_merges: false,
+    }
 }
 
 fn rules_for(pre: &str) -> Option<Rules> {
     Some(match pre {
-        "default" | "gpt2" | "gpt-2" | "phi-2" | "mpt" | "olmo" | "jais" | "jina-es" | "jina-de"
-        | "jina-v1-en" | "jina-v2-es" | "jina-v2-de" | "jina-v2-code" | "roberta-bpe"
-        | "gigachat" | "a.x-4.0" | "mellum" | "modern-bert" | "exaone4" | "trillion"
-        | "granite-docling" => rules(&[GPT2]),
+        "default" | "gpt2" | "gpt-2" | "phi-2" | "mpt" | "olmo" | "jais" | "jina-es"
+        | "jina-de" | "jina-v1-en" | "jina-v2-es" | "jina-v2-de" | "jina-v2-code"
+        | "roberta-bpe" | "gigachat" | "a.x-4.0" | "mellum" | "modern-bert" | "exaone4"
+        | "trillion" | "granite-docling" => rules(&[GPT2]),
         "llama3" | "llama-v3" | "llama-bpe" | "falcon3" | "falcon-h1" | "pixtral" | "midm-2.0"
-        | "lfm2" => Rules { stages: &[LLAMA3], ignore_merges: true },
-        "tekken" => Rules { stages: &[TEKKEN], ignore_merges: true },
+        | "lfm2" => Rules {
+            stages: &[LLAMA3],
+            ignore_merges: true,
+        },
+        "tekken" => Rules {
+            stages: &[TEKKEN],
+            ignore_merges: true,
+        },
         "dbrx" | "smaug-bpe" | "chatglm-bpe" | "glm4" => rules(&[LLAMA3]),
         "qwen2" | "deepseek-r1-qwen" | "megrez" | "stablelm2" | "hunyuan" | "kormo" => {
             rules(&[QWEN2])
@@ -143,7 +156,13 @@ impl PreTokenizer {
                 })
             })
             .collect::<Result<_, _>>()?;
-        Ok((Self { stages, ignore_merges: rules.ignore_merges }, warning))
+        Ok((
+            Self {
+                stages,
+                ignore_merges: rules.ignore_merges,
+            },
+            warning,
+        ))
     }
 
     /// Splits `text` into words, as byte ranges in order. Both the matches of each stage and the
@@ -190,7 +209,11 @@ mod tests {
     }
 
     fn split_words(pre: &PreTokenizer, text: &str) -> Vec<String> {
-        pre.split(text).unwrap().into_iter().map(|(s, e)| text[s..e].to_string()).collect()
+        pre.split(text)
+            .unwrap()
+            .into_iter()
+            .map(|(s, e)| text[s..e].to_string())
+            .collect()
     }
 
     fn words(pre: &str, text: &str) -> Vec<String> {
@@ -200,8 +223,19 @@ mod tests {
     #[test]
     fn every_named_rule_set_compiles() {
         for name in [
-            "gpt2", "llama-bpe", "tekken", "qwen2", "qwen35", "smollm", "deepseek-llm",
-            "deepseek-coder", "deepseek-v3", "falcon", "bloom", "viking", "gpt-4o",
+            "gpt2",
+            "llama-bpe",
+            "tekken",
+            "qwen2",
+            "qwen35",
+            "smollm",
+            "deepseek-llm",
+            "deepseek-coder",
+            "deepseek-v3",
+            "falcon",
+            "bloom",
+            "viking",
+            "gpt-4o",
         ] {
             let (pre, warning) = PreTokenizer::for_name(Some(name)).unwrap();
             assert!(warning.is_none(), "{name}");
@@ -221,7 +255,10 @@ mod tests {
     #[test]
     fn gpt2_keeps_one_space_with_the_next_word() {
         // `\s+(?!\S)` leaves the last whitespace character to the next word.
-        assert_eq!(words("gpt2", "a  b's\n\nc "), ["a", " ", " b", "'s", "\n", "\n", "c", " "]);
+        assert_eq!(
+            words("gpt2", "a  b's\n\nc "),
+            ["a", " ", " b", "'s", "\n", "\n", "c", " "]
+        );
     }
 
     #[test]
@@ -231,7 +268,10 @@ mod tests {
 
     #[test]
     fn llama3_groups_digits_by_three_and_contractions_case_insensitively() {
-        assert_eq!(words("llama-bpe", "12345 DON'T"), ["123", "45", " DON", "'T"]);
+        assert_eq!(
+            words("llama-bpe", "12345 DON'T"),
+            ["123", "45", " DON", "'T"]
+        );
     }
 
     /// fixtures/tokenizer/pretokenizers.json: HF `tokenizers` splits of the same texts.
@@ -242,9 +282,13 @@ mod tests {
             text: String,
             pieces: Vec<String>,
         }
-        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../../fixtures/tokenizer/pretokenizers.json");
+        let path = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../../fixtures/tokenizer/pretokenizers.json"
+        );
         let json = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{path}: {e}"));
-        let fixture: std::collections::BTreeMap<String, Vec<Case>> = serde_json::from_str(&json).unwrap();
+        let fixture: std::collections::BTreeMap<String, Vec<Case>> =
+            serde_json::from_str(&json).unwrap();
         assert!(fixture.len() >= 7);
         let mut failures = Vec::new();
         for (name, cases) in &fixture {
@@ -252,11 +296,19 @@ mod tests {
             for case in cases {
                 let got = split_words(&pre, &case.text);
                 if got != case.pieces {
-                    failures.push(format!("{name} {:?}\n  got      {got:?}\n  expected {:?}", case.text, case.pieces));
+                    failures.push(format!(
+                        "{name} {:?}\n  got      {got:?}\n  expected {:?}",
+                        case.text, case.pieces
+                    ));
                 }
             }
         }
-        assert!(failures.is_empty(), "{} mismatches:\n{}", failures.len(), failures.join("\n"));
+        assert!(
+            failures.is_empty(),
+            "{} mismatches:\n{}",
+            failures.len(),
+            failures.join("\n")
+        );
     }
 
     #[test]

@@ -89,7 +89,10 @@ mod tests {
     fn longest_match_wins_and_text_between_is_kept() {
         use Fragment::*;
         let m = matcher();
-        assert_eq!(m.split("<|x|>yz<|x|><b>"), [Token(2), Text("z"), Token(1), Token(4)]);
+        assert_eq!(
+            m.split("<|x|>yz<|x|><b>"),
+            [Token(2), Text("z"), Token(1), Token(4)]
+        );
         assert_eq!(m.split("q<|x|"), [Text("q<|x|")]);
         assert_eq!(m.split("ééa"), [Token(5), Token(5), Text("a")]);
         assert_eq!(m.split(""), []);

@@ -37,7 +37,9 @@ struct Candidate {
 impl Ord for Candidate {
     /// Highest score first; on ties the leftmost pair.
     fn cmp(&self, other: &Self) -> Ordering {
-        self.score.total_cmp(&other.score).then(other.left.cmp(&self.left))
+        self.score
+            .total_cmp(&other.score)
+            .then(other.left.cmp(&self.left))
     }
 }
 
@@ -69,7 +71,11 @@ impl SentencePieceEncoder {
                 expected: vocab.len(),
             });
         }
-        Ok(Self { scores, byte_tokens, unknown })
+        Ok(Self {
+            scores,
+            byte_tokens,
+            unknown,
+        })
     }
 
     /// Encodes ordinary text. `prefix_space` adds the dummy leading space SentencePiece models
@@ -90,7 +96,12 @@ impl SentencePieceEncoder {
         let mut symbols: Vec<Symbol> = escaped
             .char_indices()
             .enumerate()
-            .map(|(i, (start, ch))| Symbol { start, end: start + ch.len_utf8(), prev: i.wrapping_sub(1), next: i + 1 })
+            .map(|(i, (start, ch))| Symbol {
+                start,
+                end: start + ch.len_utf8(),
+                prev: i.wrapping_sub(1),
+                next: i + 1,
+            })
             .collect();
         match symbols.last_mut() {
             Some(last) => last.next = NONE,
@@ -104,7 +115,10 @@ impl SentencePieceEncoder {
         while let Some(candidate) = heap.pop() {
             let (left, right) = (symbols[candidate.left], symbols[candidate.right]);
             // Stale when either side was merged since: the pair is no longer adjacent or sized so.
-            if left.next != candidate.right || right.end - left.start != candidate.len || left.start == left.end {
+            if left.start == left.end
+                || left.next != candidate.right
+                || right.end - left.start != candidate.len
+            {
                 continue;
             }
             symbols[candidate.left].end = right.end;
@@ -121,7 +135,9 @@ impl SentencePieceEncoder {
 
         let mut at = 0;
         while at != NONE {
-            let Symbol { start, end, next, .. } = symbols[at];
+            let Symbol {
+                start, end, next, ..
+            } = symbols[at];
             let piece = &escaped[start..end];
             match mergeable_token(vocab, piece) {
                 Some(id) => out.push(id),
@@ -146,19 +162,31 @@ impl SentencePieceEncoder {
         }
         let (start, end) = (symbols[left].start, symbols[right].end);
         if let Some(id) = mergeable_token(vocab, &text[start..end]) {
-            heap.push(Candidate { score: self.scores[id as usize], left, right, len: end - start });
+            heap.push(Candidate {
+                score: self.scores[id as usize],
+                left,
+                right,
+                len: end - start,
+            });
         }
     }
 
     fn push_fallback(&self, piece: &str, out: &mut Vec<u32>) -> Result<(), TokenizerError> {
-        let bytes: Option<Vec<u32>> = piece.bytes().map(|b| self.byte_tokens[usize::from(b)]).collect();
+        let bytes: Option<Vec<u32>> = piece
+            .bytes()
+            .map(|b| self.byte_tokens[usize::from(b)])
+            .collect();
         match (bytes, self.unknown) {
             (Some(ids), _) => out.extend(ids),
             // One unknown token stands for the whole unencodable character.
             (None, Some(unknown)) => out.push(unknown),
             (None, None) => {
-                let byte = piece.bytes().find(|&b| self.byte_tokens[usize::from(b)].is_none());
-                return Err(TokenizerError::Unencodable { byte: byte.unwrap_or_default() });
+                let byte = piece
+                    .bytes()
+                    .find(|&b| self.byte_tokens[usize::from(b)].is_none());
+                return Err(TokenizerError::Unencodable {
+                    byte: byte.unwrap_or_default(),
+                });
             }
         }
         Ok(())

@@ -5,8 +5,8 @@ use crate::byte_level::ByteAlphabet;
 use crate::chat::ChatTemplate;
 use crate::decoder::StreamDecoder;
 use crate::pretokenize::PreTokenizer;
-use crate::special::{Fragment, SpecialMatcher};
 use crate::spec::{TokenizerModel, TokenizerSpec};
+use crate::special::{Fragment, SpecialMatcher};
 use crate::spm::SentencePieceEncoder;
 use crate::vocab::{single_byte_tokens, Vocab};
 use crate::TokenizerError;
@@ -83,18 +83,30 @@ impl Tokenizer {
         let mut warnings = Vec::new();
         let encoder = match spec.model {
             TokenizerModel::BytePairGpt2 => {
-                let (pre_tokenizer, warning) = PreTokenizer::for_name(spec.pre_tokenizer.as_deref())?;
+                let (pre_tokenizer, warning) =
+                    PreTokenizer::for_name(spec.pre_tokenizer.as_deref())?;
                 warnings.extend(warning);
-                Encoder::BytePair(BytePairEncoder::new(&vocab, &spec.merges, byte_tokens, pre_tokenizer)?)
+                Encoder::BytePair(BytePairEncoder::new(
+                    &vocab,
+                    &spec.merges,
+                    byte_tokens,
+                    pre_tokenizer,
+                )?)
             }
-            TokenizerModel::SentencePiece => {
-                Encoder::SentencePiece(SentencePieceEncoder::new(&vocab, spec.scores, byte_tokens, unknown)?)
-            }
+            TokenizerModel::SentencePiece => Encoder::SentencePiece(SentencePieceEncoder::new(
+                &vocab,
+                spec.scores,
+                byte_tokens,
+                unknown,
+            )?),
         };
 
         let mut end_of_generation: Vec<u32> = [eos, eot, eom].into_iter().flatten().collect();
         end_of_generation.extend(
-            vocab.iter().filter(|(_, text, _)| END_OF_TURN_TEXTS.contains(text)).map(|(id, _, _)| id),
+            vocab
+                .iter()
+                .filter(|(_, text, _)| END_OF_TURN_TEXTS.contains(text))
+                .map(|(id, _, _)| id),
         );
         end_of_generation.sort_unstable();
         end_of_generation.dedup();
@@ -133,10 +145,15 @@ impl Tokenizer {
                 }
                 Fragment::Text(run) => {
                     match &self.encoder {
-                        Encoder::BytePair(bpe) => bpe.encode(&self.vocab, &self.alphabet, run, &mut ids)?,
-                        Encoder::SentencePiece(spm) => {
-                            spm.encode(&self.vocab, run, self.add_space_prefix && after_special, &mut ids)?
+                        Encoder::BytePair(bpe) => {
+                            bpe.encode(&self.vocab, &self.alphabet, run, &mut ids)?
                         }
+                        Encoder::SentencePiece(spm) => spm.encode(
+                            &self.vocab,
+                            run,
+                            self.add_space_prefix && after_special,
+                            &mut ids,
+                        )?,
                     }
                     after_special = false;
                 }
@@ -218,5 +235,18 @@ impl Tokenizer {
     /// (e.g. an unknown pre-tokenizer name); callers should show them to the user.
     pub fn warnings(&self) -> &[String] {
         &self.warnings
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The engine shares one tokenizer between threads.
+    #[test]
+    fn tokenizer_and_chat_template_are_send_and_sync() {
+        fn assert_send_sync<T: Send + Sync>() {}
+        assert_send_sync::<Tokenizer>();
+        assert_send_sync::<ChatTemplate>();
     }
 }

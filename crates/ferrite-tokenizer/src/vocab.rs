@@ -33,7 +33,11 @@ impl Vocab {
         if u32::try_from(texts.len()).is_err() {
             return Err(TokenizerError::VocabularyTooLarge(texts.len()));
         }
-        let types = if types.is_empty() { vec![TokenType::Normal; texts.len()] } else { types };
+        let types = if types.is_empty() {
+            vec![TokenType::Normal; texts.len()]
+        } else {
+            types
+        };
         if types.len() != texts.len() {
             return Err(TokenizerError::LengthMismatch {
                 what: "tokenizer.ggml.token_type",
@@ -42,7 +46,11 @@ impl Vocab {
             });
         }
         // Later duplicates win, as in llama.cpp and HF's vocab dictionaries.
-        let ids = texts.iter().enumerate().map(|(id, text)| (text.clone(), id as u32)).collect();
+        let ids = texts
+            .iter()
+            .enumerate()
+            .map(|(id, text)| (text.clone(), id as u32))
+            .collect();
 
         let mut bytes = Vec::with_capacity(texts.iter().map(String::len).sum());
         let mut byte_ends = Vec::with_capacity(texts.len());
@@ -52,10 +60,14 @@ impl Vocab {
                     alphabet.decode_into(text, &mut bytes)
                 }
                 (TokenizerModel::BytePairGpt2, _) => bytes.extend_from_slice(text.as_bytes()),
-                (TokenizerModel::SentencePiece, TokenType::Byte) => bytes.push(
-                    parse_byte_token(text)
-                        .ok_or_else(|| TokenizerError::BadByteToken { id: id as u32, text: text.clone() })?,
-                ),
+                (TokenizerModel::SentencePiece, TokenType::Byte) => {
+                    bytes.push(parse_byte_token(text).ok_or_else(|| {
+                        TokenizerError::BadByteToken {
+                            id: id as u32,
+                            text: text.clone(),
+                        }
+                    })?)
+                }
                 (TokenizerModel::SentencePiece, _) => {
                     for ch in text.chars() {
                         let ch = if ch == SPM_SPACE { ' ' } else { ch };
@@ -65,7 +77,13 @@ impl Vocab {
             }
             byte_ends.push(bytes.len());
         }
-        Ok(Self { texts, types, ids, bytes, byte_ends })
+        Ok(Self {
+            texts,
+            types,
+            ids,
+            bytes,
+            byte_ends,
+        })
     }
 
     pub(crate) fn len(&self) -> usize {
@@ -85,7 +103,11 @@ impl Vocab {
     }
 
     pub(crate) fn iter(&self) -> impl Iterator<Item = (u32, &str, TokenType)> {
-        self.texts.iter().zip(&self.types).enumerate().map(|(id, (t, &ty))| (id as u32, t.as_str(), ty))
+        self.texts
+            .iter()
+            .zip(&self.types)
+            .enumerate()
+            .map(|(id, (t, &ty))| (id as u32, t.as_str(), ty))
     }
 
     /// The raw bytes a token stands for; U+FFFD for an id outside the vocabulary.
@@ -101,7 +123,11 @@ impl Vocab {
     }
 
     /// Checks that an optional special id from the metadata names a token.
-    pub(crate) fn check_id(&self, what: &'static str, id: Option<u32>) -> Result<Option<u32>, TokenizerError> {
+    pub(crate) fn check_id(
+        &self,
+        what: &'static str,
+        id: Option<u32>,
+    ) -> Result<Option<u32>, TokenizerError> {
         match id {
             Some(id) if id as usize >= self.len() => Err(TokenizerError::TokenIdOutOfRange {
                 what,
@@ -132,7 +158,9 @@ pub(crate) fn single_byte_tokens(
     let mut table = [None; 256];
     for (byte, slot) in (0..=255u8).zip(table.iter_mut()) {
         *slot = match model {
-            TokenizerModel::BytePairGpt2 => vocab.id(alphabet.char_of(byte).encode_utf8(&mut [0; 4])),
+            TokenizerModel::BytePairGpt2 => {
+                vocab.id(alphabet.char_of(byte).encode_utf8(&mut [0; 4]))
+            }
             TokenizerModel::SentencePiece => vocab
                 .id(&format!("<0x{byte:02X}>"))
                 .filter(|&id| vocab.token_type(id) == Some(TokenType::Byte)),
@@ -169,8 +197,13 @@ mod tests {
 
     #[test]
     fn out_of_range_ids_read_as_replacement_character() {
-        let vocab = Vocab::new(TokenizerModel::SentencePiece, vec!["▁a".into()], vec![], &ByteAlphabet::new())
-            .unwrap();
+        let vocab = Vocab::new(
+            TokenizerModel::SentencePiece,
+            vec!["▁a".into()],
+            vec![],
+            &ByteAlphabet::new(),
+        )
+        .unwrap();
         assert_eq!(vocab.bytes(0), b" a");
         assert_eq!(vocab.bytes(1), "\u{FFFD}".as_bytes());
         assert_eq!(vocab.bytes(u32::MAX), "\u{FFFD}".as_bytes());

@@ -12,8 +12,14 @@ fn bpe_metadata() -> Metadata {
     let mut meta = Metadata::new();
     meta.insert("tokenizer.ggml.model", Value::String("gpt2".into()));
     meta.insert("tokenizer.ggml.pre", Value::String("gpt-2".into()));
-    meta.insert("tokenizer.ggml.tokens", strings(&["a", "b", "ab", "<|end|>"]));
-    meta.insert("tokenizer.ggml.token_type", Value::Array([1, 1, 1, 3].map(Value::I32).to_vec()));
+    meta.insert(
+        "tokenizer.ggml.tokens",
+        strings(&["a", "b", "ab", "<|end|>"]),
+    );
+    meta.insert(
+        "tokenizer.ggml.token_type",
+        Value::Array([1, 1, 1, 3].map(Value::I32).to_vec()),
+    );
     meta.insert("tokenizer.ggml.merges", strings(&["a b"]));
     meta.insert("tokenizer.ggml.eos_token_id", Value::U32(3));
     meta
@@ -28,7 +34,10 @@ fn error_of(meta: &Metadata) -> String {
 
 fn assert_mentions(message: &str, parts: &[&str]) {
     for part in parts {
-        assert!(message.contains(part), "error {message:?} should mention {part:?}");
+        assert!(
+            message.contains(part),
+            "error {message:?} should mention {part:?}"
+        );
     }
 }
 
@@ -86,7 +95,13 @@ fn merges_must_refer_to_known_tokens() {
 
 #[test]
 fn special_ids_must_be_in_range() {
-    for key in ["tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id", "tokenizer.ggml.unknown_token_id", "tokenizer.ggml.padding_token_id", "tokenizer.ggml.eot_token_id"] {
+    for key in [
+        "tokenizer.ggml.bos_token_id",
+        "tokenizer.ggml.eos_token_id",
+        "tokenizer.ggml.unknown_token_id",
+        "tokenizer.ggml.padding_token_id",
+        "tokenizer.ggml.eot_token_id",
+    ] {
         let mut meta = bpe_metadata();
         meta.insert(key, Value::U32(4));
         assert_mentions(&error_of(&meta), &[key, "4", "4 tokens"]);
@@ -106,19 +121,34 @@ fn add_flags_need_their_token() {
 #[test]
 fn per_token_arrays_must_match_the_vocabulary() {
     let mut meta = bpe_metadata();
-    meta.insert("tokenizer.ggml.token_type", Value::Array(vec![Value::I32(1)]));
-    assert_mentions(&error_of(&meta), &["tokenizer.ggml.token_type", "1 entries", "4 tokens"]);
+    meta.insert(
+        "tokenizer.ggml.token_type",
+        Value::Array(vec![Value::I32(1)]),
+    );
+    assert_mentions(
+        &error_of(&meta),
+        &["tokenizer.ggml.token_type", "1 entries", "4 tokens"],
+    );
 
     let mut meta = bpe_metadata();
-    meta.insert("tokenizer.ggml.token_type", Value::Array([1, 1, 9, 3].map(Value::I32).to_vec()));
+    meta.insert(
+        "tokenizer.ggml.token_type",
+        Value::Array([1, 1, 9, 3].map(Value::I32).to_vec()),
+    );
     assert_mentions(&error_of(&meta), &["token_type[2] = 9"]);
 
     let mut meta = bpe_metadata();
     meta.insert("tokenizer.ggml.model", Value::String("llama".into()));
     meta.insert("tokenizer.ggml.bos_token_id", Value::U32(3));
     assert_mentions(&error_of(&meta), &["tokenizer.ggml.scores", "0 entries"]);
-    meta.insert("tokenizer.ggml.scores", Value::Array(vec![Value::F32(0.0); 5]));
-    assert_mentions(&error_of(&meta), &["tokenizer.ggml.scores", "5 entries", "4 tokens"]);
+    meta.insert(
+        "tokenizer.ggml.scores",
+        Value::Array(vec![Value::F32(0.0); 5]),
+    );
+    assert_mentions(
+        &error_of(&meta),
+        &["tokenizer.ggml.scores", "5 entries", "4 tokens"],
+    );
 }
 
 #[test]
@@ -136,13 +166,22 @@ fn spm_without_byte_tokens_or_unknown_cannot_encode_strange_text() {
     let mut meta = Metadata::new();
     meta.insert("tokenizer.ggml.model", Value::String("llama".into()));
     meta.insert("tokenizer.ggml.tokens", strings(&["<s>", "▁", "a"]));
-    meta.insert("tokenizer.ggml.scores", Value::Array([0.0, -1.0, -2.0].map(Value::F32).to_vec()));
-    meta.insert("tokenizer.ggml.token_type", Value::Array([3, 1, 1].map(Value::I32).to_vec()));
+    meta.insert(
+        "tokenizer.ggml.scores",
+        Value::Array([0.0, -1.0, -2.0].map(Value::F32).to_vec()),
+    );
+    meta.insert(
+        "tokenizer.ggml.token_type",
+        Value::Array([3, 1, 1].map(Value::I32).to_vec()),
+    );
     meta.insert("tokenizer.ggml.bos_token_id", Value::U32(0));
     let tok = Tokenizer::from_gguf(&meta).unwrap();
     assert_eq!(tok.encode("a a", true).unwrap(), [0, 1, 2, 1, 2]);
     let err = tok.encode("ä", false).unwrap_err();
-    assert!(matches!(err, TokenizerError::Unencodable { byte: 0xC3 }), "{err}");
+    assert!(
+        matches!(err, TokenizerError::Unencodable { byte: 0xC3 }),
+        "{err}"
+    );
 
     // With an unknown token, each unencodable character becomes one unknown token.
     meta.insert("tokenizer.ggml.unknown_token_id", Value::U32(0));
@@ -155,16 +194,25 @@ fn chat_template_from_metadata() {
     let mut meta = bpe_metadata();
     assert!(ChatTemplate::from_gguf(&meta).unwrap().is_none());
 
-    meta.insert("tokenizer.chat_template", Value::String("{{ eos_token }}|{{ bos_token }}".into()));
+    meta.insert(
+        "tokenizer.chat_template",
+        Value::String("{{ eos_token }}|{{ bos_token }}".into()),
+    );
     let template = ChatTemplate::from_gguf(&meta).unwrap().unwrap();
     assert_eq!(template.apply(&[], false).unwrap(), "<|end|>|");
 
     meta.insert("tokenizer.chat_template", Value::String("{% if %}".into()));
-    assert_mentions(&ChatTemplate::from_gguf(&meta).unwrap_err().to_string(), &["chat template"]);
+    assert_mentions(
+        &ChatTemplate::from_gguf(&meta).unwrap_err().to_string(),
+        &["chat template"],
+    );
 
     meta.insert("tokenizer.chat_template", Value::String("ok".into()));
     meta.insert("tokenizer.ggml.eos_token_id", Value::U32(99));
-    assert_mentions(&ChatTemplate::from_gguf(&meta).unwrap_err().to_string(), &["eos_token_id", "99"]);
+    assert_mentions(
+        &ChatTemplate::from_gguf(&meta).unwrap_err().to_string(),
+        &["eos_token_id", "99"],
+    );
 }
 
 #[test]

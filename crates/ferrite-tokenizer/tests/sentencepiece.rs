@@ -27,10 +27,18 @@ fn encodings_match_sentencepiece() {
     {
         let ids = tok.encode(&case.text, add_special).unwrap();
         if ids != case.ids {
-            failures.push(format!("{:?} (add_special {add_special})\n  got      {ids:?}\n  expected {:?}", case.text, case.ids));
+            failures.push(format!(
+                "{:?} (add_special {add_special})\n  got      {ids:?}\n  expected {:?}",
+                case.text, case.ids
+            ));
         }
     }
-    assert!(failures.is_empty(), "{} mismatches:\n{}", failures.len(), failures.join("\n"));
+    assert!(
+        failures.is_empty(),
+        "{} mismatches:\n{}",
+        failures.len(),
+        failures.join("\n")
+    );
 }
 
 #[test]
@@ -41,7 +49,11 @@ fn fixture_exercises_byte_fallback() {
         .into_iter()
         .find(|c| c.text.starts_with("ʘ"))
         .unwrap();
-    let byte_tokens = case.ids.iter().filter(|&&id| tok.id_to_token(id).unwrap().starts_with("<0x")).count();
+    let byte_tokens = case
+        .ids
+        .iter()
+        .filter(|&&id| tok.id_to_token(id).unwrap().starts_with("<0x"))
+        .count();
     assert!(byte_tokens >= 6, "{:?}", case.ids);
 }
 
@@ -69,7 +81,9 @@ fn metadata_is_read() {
 #[test]
 fn special_tokens_in_text_are_matched_and_followed_by_a_dummy_space() {
     let tok = spm_tiny();
-    let user = tok.token_to_id("<|user|>").expect("user-defined token in the fixture vocabulary");
+    let user = tok
+        .token_to_id("<|user|>")
+        .expect("user-defined token in the fixture vocabulary");
     let hello = tok.encode("hello", false).unwrap();
     // As llama.cpp: a special token starts a new run of text, which gets the dummy prefix again.
     let mut expected = vec![1];
@@ -77,7 +91,10 @@ fn special_tokens_in_text_are_matched_and_followed_by_a_dummy_space() {
     expected.push(user);
     expected.extend(&hello);
     expected.push(2);
-    assert_eq!(tok.encode("<s>hello<|user|>hello</s>", false).unwrap(), expected);
+    assert_eq!(
+        tok.encode("<s>hello<|user|>hello</s>", false).unwrap(),
+        expected
+    );
     // With add_special, BOS comes first (add_bos_token is true) and no EOS (add_eos_token false).
     assert_eq!(tok.encode("hello", true).unwrap()[0], 1);
     assert_eq!(tok.encode("hello", true).unwrap()[1..], hello[..]);

@@ -21,16 +21,27 @@ fn encodings_match_hf_tokenizers() {
     for case in &fixture.encode_add_special_false {
         let ids = tok.encode(&case.text, false).unwrap();
         if ids != case.ids {
-            failures.push(format!("{:?}\n  got      {ids:?}\n  expected {:?}", case.text, case.ids));
+            failures.push(format!(
+                "{:?}\n  got      {ids:?}\n  expected {:?}",
+                case.text, case.ids
+            ));
         }
     }
     for case in &fixture.encode_add_special_true {
         let ids = tok.encode(&case.text, true).unwrap();
         if ids != case.ids {
-            failures.push(format!("(add_special) {:?}\n  got      {ids:?}\n  expected {:?}", case.text, case.ids));
+            failures.push(format!(
+                "(add_special) {:?}\n  got      {ids:?}\n  expected {:?}",
+                case.text, case.ids
+            ));
         }
     }
-    assert!(failures.is_empty(), "{} mismatches:\n{}", failures.len(), failures.join("\n"));
+    assert!(
+        failures.is_empty(),
+        "{} mismatches:\n{}",
+        failures.len(),
+        failures.join("\n")
+    );
 }
 
 #[test]
@@ -38,7 +49,10 @@ fn decoding_the_reference_ids_gives_the_text_back() {
     let tok = smollm2();
     let cases = fixture("smollm2.json").encode_add_special_false;
     let round_trips = |text: &str| text.bytes().all(|b| encodable_bytes()[usize::from(b)]);
-    assert!(cases.iter().any(|case| !round_trips(&case.text)), "the fixture should cover dropped bytes");
+    assert!(
+        cases.iter().any(|case| !round_trips(&case.text)),
+        "the fixture should cover dropped bytes"
+    );
     for case in cases.into_iter().filter(|case| round_trips(&case.text)) {
         assert_eq!(tok.decode(&case.ids), case.text);
         let mut stream = tok.stream_decoder();
@@ -62,7 +76,10 @@ fn metadata_is_read() {
     assert_eq!(tok.token_bytes(tok.token_to_id("Ċ").unwrap()), b"\n");
     assert_eq!(tok.token_bytes(1), b"<|im_start|>");
     // add_bos_token is false in this file: add_special adds nothing.
-    assert_eq!(tok.encode("Hello", true).unwrap(), tok.encode("Hello", false).unwrap());
+    assert_eq!(
+        tok.encode("Hello", true).unwrap(),
+        tok.encode("Hello", false).unwrap()
+    );
 }
 
 #[test]
@@ -78,22 +95,43 @@ fn end_of_generation_tokens() {
 #[test]
 fn chat_template_matches_transformers() {
     let file = common::open_gguf(SMOLLM2_PATH);
-    let template = ChatTemplate::from_gguf(&file.metadata).unwrap().expect("SmolLM2 has a chat template");
-    let from_tokenizer = smollm2().chat_template().unwrap().expect("template through the tokenizer");
+    let template = ChatTemplate::from_gguf(&file.metadata)
+        .unwrap()
+        .expect("SmolLM2 has a chat template");
+    let from_tokenizer = smollm2()
+        .chat_template()
+        .unwrap()
+        .expect("template through the tokenizer");
     let chats = fixture("smollm2.json").chat;
     assert_eq!(chats.len(), 3);
     for case in chats {
-        let messages: Vec<Message> = case.messages.iter().map(|m| Message::new(&m.role, &m.content)).collect();
-        let rendered = template.apply(&messages, case.add_generation_prompt).unwrap();
+        let messages: Vec<Message> = case
+            .messages
+            .iter()
+            .map(|m| Message::new(&m.role, &m.content))
+            .collect();
+        let rendered = template
+            .apply(&messages, case.add_generation_prompt)
+            .unwrap();
         assert_eq!(rendered, case.expected);
-        assert_eq!(from_tokenizer.apply(&messages, case.add_generation_prompt).unwrap(), case.expected);
+        assert_eq!(
+            from_tokenizer
+                .apply(&messages, case.add_generation_prompt)
+                .unwrap(),
+            case.expected
+        );
     }
 }
 
 #[test]
 fn a_rendered_chat_encodes_with_single_special_tokens() {
     let tok = smollm2();
-    let ids = tok.encode("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n", false).unwrap();
+    let ids = tok
+        .encode(
+            "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n",
+            false,
+        )
+        .unwrap();
     assert_eq!(ids.iter().filter(|&&id| id == 1).count(), 2);
     assert_eq!(ids.iter().filter(|&&id| id == 2).count(), 1);
     assert_eq!(ids[0], 1);
@@ -104,7 +142,11 @@ fn very_long_words_encode_and_round_trip() {
     let tok = smollm2();
     let word = "abcdefghij".repeat(5_000);
     let ids = tok.encode(&word, false).unwrap();
-    assert!(ids.len() < word.len() / 2, "merges should compress, got {} ids", ids.len());
+    assert!(
+        ids.len() < word.len() / 2,
+        "merges should compress, got {} ids",
+        ids.len()
+    );
     assert_eq!(tok.decode(&ids), word);
     let spaces = " ".repeat(10_000) + "x";
     assert_eq!(tok.decode(&tok.encode(&spaces, false).unwrap()), spaces);

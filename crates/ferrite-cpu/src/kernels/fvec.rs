@@ -78,7 +78,7 @@ pub(crate) fn exp(x: f32) -> f32 {
     p = p * r + 8.333_452e-3;
     p = p * r + 4.166_579_6e-2;
     p = p * r + 1.666_666_5e-1;
-    p = p * r + 5.000_000_1e-1;
+    p = p * r + 0.5;
     let er = p * r * r + r + 1.0;
     // n reaches 128, beyond the largest f32 exponent: apply 2^n as two factors.
     let pow2 = |k: i32| f32::from_bits(((k + 127) as u32) << 23);

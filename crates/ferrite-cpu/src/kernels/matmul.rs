@@ -121,10 +121,10 @@ fn run<K: DotKernel>(level: SimdLevel, w: &WeightView, row_bytes: usize, x: &[f3
                 }
                 t += TOKEN_TILE;
             }
-            for t in t..n_tokens {
+            for (t, out) in outs.iter_mut().enumerate().skip(t) {
                 for r in block.clone() {
                     // SAFETY: as above.
-                    outs[t][r] = unsafe { dot_one(row(r), &acts, t) }[0];
+                    out[r] = unsafe { dot_one(row(r), &acts, t) }[0];
                 }
             }
         }

@@ -14,7 +14,7 @@ pub fn rms_norm_plus_one(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
 
 fn rms_norm_offset(x: &[f32], weight: &[f32], offset: f32, eps: f32, out: &mut [f32]) {
     let n = weight.len();
-    assert!(n > 0 && x.len() % n == 0, "rms_norm: {} values are not whole rows of {n}", x.len());
+    assert!(n > 0 && x.len().is_multiple_of(n), "rms_norm: {} values are not whole rows of {n}", x.len());
     assert_eq!(out.len(), x.len(), "rms_norm: output length differs from the input's");
     for (x, out) in x.chunks_exact(n).zip(out.chunks_exact_mut(n)) {
         let mut lanes = [0f64; 4];

@@ -111,7 +111,8 @@ device_params! {
         pub max_seq: u32,
         pub window: u32,
         pub scale: f32,
-        pub pad: u32,
+        /// 0, or the soft cap of the scores: s -> softcap * tanh(s / softcap) (Gemma 2).
+        pub softcap: f32,
     }
 }
 
@@ -158,6 +159,7 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32) attention(const Attent
 #pragma unroll
     for (int i = 0; i < DIMS_PER_LANE; ++i) s += qv[i] * kv_load(kc, (i64)j * row + lane + 32 * i);
     s = warp_sum(s);
+    if (p.softcap > 0.f) s = p.softcap * tanhf(s / p.softcap);
     const float m_new = fmaxf(m, s);
     const float corr = expf(m - m_new), pj = expf(s - m_new);
     l = l * corr + pj;

@@ -71,7 +71,7 @@ macro_rules! device_params {
             /// The C declaration of this struct, prepended to the kernel source.
             pub const C_DECL: &'static str = concat!(
                 "struct ", stringify!($name), " {\n",
-                $( "  ", c_type!($ty), " ", stringify!($field), ";\n", )*
+                $( "  ", $crate::kernels::c_type!($ty), " ", stringify!($field), ";\n", )*
                 "};\n"
             );
         }

@@ -22,8 +22,9 @@ const SOURCE: &str = r#"
 #ifndef NEOX
 #error "NEOX (1: rotate pairs (i, i + rot_dim/2); 0: pairs (2i, 2i + 1)) must come from the kernel variant"
 #endif
-// One thread per rotated pair. The angle is computed in double: positions reach the tens of
-// thousands, where an f32 angle would be off by more than the f32 result's precision.
+// One thread per rotated pair. Angles follow GGML (and ferrite-cpu's Rope) exactly, in f32:
+// pair i turns by freq_scale * (pos * s^i), the power taken by i repeated multiplications
+// with s = theta^(-2 / rot_dim), so both backends round the same way.
 extern "C" __global__ void rope(const RopeParams p) {
   const u32 half = p.rot_dim / 2;
   const i64 idx = (i64)blockIdx.x * blockDim.x + threadIdx.x;
@@ -31,10 +32,11 @@ extern "C" __global__ void rope(const RopeParams p) {
   const u32 i = (u32)(idx % half);
   const i64 head_row = idx / half;  // token * n_heads + head
   const u32 tok = (u32)(head_row / p.n_heads);
-  const double pos = (double)reinterpret_cast<const u32*>(p.positions)[tok];
-  const double inv_freq = pow((double)p.theta, -2.0 * (double)i / (double)p.rot_dim);
-  double s, c;
-  sincos(pos * (double)p.freq_scale * inv_freq, &s, &c);
+  const float theta_scale = powf(p.theta, -2.0f / (float)p.rot_dim);
+  float th = (float)reinterpret_cast<const u32*>(p.positions)[tok];
+  for (u32 k = 0; k < i; ++k) th *= theta_scale;
+  const float angle = p.freq_scale * th;
+  const float c = cosf(angle), s = sinf(angle);
   float* x = reinterpret_cast<float*>(p.x) + head_row * p.head_dim;
 #if NEOX
   const u32 a = i, b = i + half;
@@ -42,8 +44,8 @@ extern "C" __global__ void rope(const RopeParams p) {
   const u32 a = 2 * i, b = 2 * i + 1;
 #endif
   const float x0 = x[a], x1 = x[b];
-  x[a] = (float)((double)x0 * c - (double)x1 * s);
-  x[b] = (float)((double)x0 * s + (double)x1 * c);
+  x[a] = x0 * c - x1 * s;
+  x[b] = x0 * s + x1 * c;
 }
 "#;
 

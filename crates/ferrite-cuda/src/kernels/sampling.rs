@@ -1,11 +1,12 @@
 //! Token selection on the device, so that only the chosen id (4 bytes) is read back.
 //!
 //! `argmax`: first index of the largest logit (NaN counts as smallest).
-//! `sample`: temperature, then top-k, then top-p (nucleus), then one draw from a counter-based
-//! RNG keyed by (seed, step). Thresholds are found by bisection over the logits' ordered bit
-//! patterns with fixed-order block reductions, and the draw walks the vocabulary in index
-//! order, so the same (logits, seed, step) always gives the same token. [`sampling_uniform`]
-//! reproduces the draw on the host.
+//! `sample`: llama.cpp's chain, as ferrite-engine's host sampler runs it: top-k, then top-p and
+//! min-p judged on temperature-1 probabilities, then temperature on the survivors and one draw
+//! from a counter-based RNG keyed by (seed, step). Thresholds are found by bisection over the
+//! logits' ordered bit patterns with fixed-order block reductions, and the draw walks the
+//! vocabulary in index order, so the same (logits, seed, step) always gives the same token.
+//! [`sampling_uniform`] reproduces the draw on the host.
 
 use super::common::HEADER;
 use super::{device_params, KernelVariant};
@@ -32,6 +33,8 @@ device_params! {
         pub top_k: u32,
         pub temperature: f32,
         pub top_p: f32,
+        pub min_p: f32,
+        pub pad: u32,
     }
 }
 
@@ -104,9 +107,8 @@ extern "C" __global__ void __launch_bounds__(BLOCK_SIZE) sample(const SamplePara
     if (threadIdx.x == 0) out[0] = best;
     return;
   }
-  const float inv_t = 1.f / p.temperature;
-  // Unnormalised probability of token i if its key reaches threshold th.
-  auto prob = [&](u32 i, u32 th) -> float {
+  // Weight of token i at temperature 1 (filters) or T (draw), if its key reaches threshold th.
+  auto weight = [&](u32 i, u32 th, float inv_t) -> float {
     const float l = logits[i];
     return order_key(l) >= th ? expf((l - max_logit) * inv_t) : 0.f;
   };
@@ -124,24 +126,27 @@ extern "C" __global__ void __launch_bounds__(BLOCK_SIZE) sample(const SamplePara
   // top-p: the largest threshold whose kept mass still reaches top_p of the top-k mass.
   if (p.top_p > 0.f && p.top_p < 1.f) {
     float z = 0.f;
-    for (u32 i = threadIdx.x; i < n; i += BLOCK_SIZE) z += prob(i, th);
+    for (u32 i = threadIdx.x; i < n; i += BLOCK_SIZE) z += weight(i, th, 1.f);
     const float target = p.top_p * block_sum(z, scratch);
     u32 tp = 0u;
     for (int bit = 31; bit >= 0; --bit) {
       const u32 cand = tp | (1u << bit), t = max(cand, th);
       float mass = 0.f;
-      for (u32 i = threadIdx.x; i < n; i += BLOCK_SIZE) mass += prob(i, t);
+      for (u32 i = threadIdx.x; i < n; i += BLOCK_SIZE) mass += weight(i, t, 1.f);
       if (block_sum(mass, scratch) >= target) tp = cand;
     }
     th = max(th, tp);
   }
+  // min-p: p_i >= min_p * p_max  <=>  l_i >= max + ln(min_p); the top token always stays.
+  if (p.min_p > 0.f) th = max(th, min(order_key(max_logit + logf(p.min_p)), order_key(max_logit)));
+  const float inv_t = 1.f / p.temperature;
 
   // Draw: thread t owns the contiguous chunk [begin, end); an inclusive scan of the chunk
   // masses splits [0, total) between threads in index order.
   const u32 chunk = (n + BLOCK_SIZE - 1) / BLOCK_SIZE;
   const u32 begin = min(n, threadIdx.x * chunk), end = min(n, begin + chunk);
   float mass = 0.f;
-  for (u32 i = begin; i < end; ++i) mass += prob(i, th);
+  for (u32 i = begin; i < end; ++i) mass += weight(i, th, inv_t);
   s_scan[threadIdx.x] = mass;
   __syncthreads();
   for (int off = 1; off < BLOCK_SIZE; off <<= 1) {
@@ -159,7 +164,7 @@ extern "C" __global__ void __launch_bounds__(BLOCK_SIZE) sample(const SamplePara
     float c = before;
     u32 pick = NO_INDEX;
     for (u32 i = begin; i < end; ++i) {
-      const float pr = prob(i, th);
+      const float pr = weight(i, th, inv_t);
       if (pr > 0.f) {
         pick = i;
         c += pr;

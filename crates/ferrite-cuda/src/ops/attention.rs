@@ -1,6 +1,6 @@
 //! KV cache and attention ops.
 
-use super::{addr, as_u32, check_len, elems};
+use super::{addr, addr_mut, as_u32, check_len, elems};
 use crate::error::CudaError;
 use crate::kernels::attention::{AttentionParams, AttentionVariant, KvDtype, KvWriteParams, KvWriteVariant};
 use crate::Gpu;
@@ -73,16 +73,17 @@ pub fn kv_write(
     check_len(OP, "v", v.len(), n)?;
     check_len(OP, "positions", positions.len(), n_tokens)?;
     let variant = KvWriteVariant { kv: cache.dtype };
+    let (row, max_seq) = (cache.row_len() as u32, cache.max_seq as u32);
     let params = KvWriteParams {
         k: addr(gpu, k),
         v: addr(gpu, v),
-        k_cache: cache.k.device_ptr_mut(gpu.stream()).0,
-        v_cache: cache.v.device_ptr_mut(gpu.stream()).0,
+        k_cache: addr_mut(gpu, &mut cache.k),
+        v_cache: addr_mut(gpu, &mut cache.v),
         positions: addr(gpu, positions),
         error_flag: gpu.error_flag_ptr(),
         n_tokens: as_u32(OP, "n_tokens", n_tokens)?,
-        row: cache.row_len() as u32,
-        max_seq: cache.max_seq as u32,
+        row,
+        max_seq,
         pad: 0,
     };
     gpu.launch(&variant, "kv_write", variant.launch_config(n), &params)
@@ -97,6 +98,8 @@ pub struct AttentionConfig {
     pub scale: f32,
     /// Sliding window: attend to the last `window` positions only (`Some(0)` is an error).
     pub window: Option<usize>,
+    /// Score soft-capping (Gemma 2): `s -> cap * tanh(s / cap)` after scaling.
+    pub softcap: Option<f32>,
 }
 
 /// Causal attention of `q` (`[n_tokens, n_heads, head_dim]` f32) over the cache: query `t`
@@ -121,6 +124,13 @@ pub fn attention(
             format!("{} query heads are not a multiple of {} KV heads", cfg.n_heads, cache.n_kv_heads),
         ));
     }
+    let softcap = match cfg.softcap {
+        Some(cap) if !(cap > 0.0 && cap.is_finite()) => {
+            return Err(CudaError::invalid(OP, format!("softcap {cap} is not a positive number")))
+        }
+        Some(cap) => cap,
+        None => 0.0,
+    };
     let window = match cfg.window {
         Some(0) => return Err(CudaError::invalid(OP, "window of 0 positions")),
         Some(w) => w.min(cache.max_seq) as u32,
@@ -139,14 +149,14 @@ pub fn attention(
         k_cache: addr(gpu, &cache.k),
         v_cache: addr(gpu, &cache.v),
         positions: addr(gpu, positions),
-        out: super::addr_mut(gpu, out),
+        out: addr_mut(gpu, out),
         error_flag: gpu.error_flag_ptr(),
         n_heads: cfg.n_heads as u32,
         n_kv_heads: cache.n_kv_heads as u32,
         max_seq: cache.max_seq as u32,
         window,
         scale: cfg.scale,
-        pad: 0,
+        softcap,
     };
     gpu.launch(&variant, "attention", variant.launch_config(cfg.n_heads, n_tokens), &params)
 }

@@ -167,6 +167,9 @@ pub fn linear_with(
     check_len(OP, "x", x.len(), elems(OP, &[n_tokens, w.cols])?)?;
     check_len(OP, "out", out.len(), elems(OP, &[n_tokens, w.rows])?)?;
     let (x, out) = (addr(gpu, x), addr_mut(gpu, out));
+    if plan == LinearPlan::Gemv && x % 16 != 0 {
+        return Err(CudaError::invalid(OP, format!("x at device address {x:#x} is not 16-byte aligned, as the GEMV needs")));
+    }
     match plan {
         LinearPlan::Gemv => gemv(gpu, w, x, n_tokens, out)?,
         LinearPlan::Gemm { precision, dequantize_weight, convert_input } => {

@@ -25,18 +25,21 @@ pub fn argmax(
     gpu.launch(&variant, "argmax", variant.launch_config(), &params)
 }
 
-/// Sampling settings. `temperature <= 0` or `top_k == 1` is greedy (argmax); `top_k == 0`
-/// and `top_p >= 1` disable those filters.
+/// Sampling settings, with ferrite-engine's meaning: `temperature <= 0` or `top_k == 1` is
+/// greedy (argmax); `top_k == 0`, `top_p >= 1` and `min_p <= 0` disable those filters.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct SamplingConfig {
     pub temperature: f32,
     pub top_k: usize,
     pub top_p: f32,
+    pub min_p: f32,
     pub seed: u64,
 }
 
-/// Draw a token from `softmax(logits[0..vocab] / temperature)` restricted to the top-k, then
-/// to the smallest top set holding `top_p` of the mass; write its id to `out[0]`.
+/// Draw a token from `logits[0..vocab]` and write its id to `out[0]`: keep the top-k, then the
+/// smallest top set holding `top_p` of their (temperature-1) probability, then the tokens at
+/// least `min_p` times as likely as the best; draw from `softmax(logits / temperature)` over
+/// what is left.
 /// The random draw is `sampling_uniform(seed, step + counter[0])` where `counter` is an
 /// optional device `u32` (e.g. the current position, so a replayed graph draws anew).
 pub fn sample(
@@ -52,8 +55,8 @@ pub fn sample(
     if vocab == 0 {
         return Err(CudaError::invalid(OP, "no logits"));
     }
-    if cfg.temperature.is_nan() || cfg.top_p.is_nan() {
-        return Err(CudaError::invalid(OP, format!("temperature {} / top_p {} is NaN", cfg.temperature, cfg.top_p)));
+    if cfg.temperature.is_nan() || cfg.top_p.is_nan() || cfg.min_p.is_nan() {
+        return Err(CudaError::invalid(OP, format!("NaN in {cfg:?}")));
     }
     check_len(OP, "logits", logits.len(), vocab)?;
     check_len(OP, "out", out.len(), 1)?;
@@ -71,6 +74,8 @@ pub fn sample(
         top_k: u32::try_from(cfg.top_k).unwrap_or(u32::MAX),
         temperature: cfg.temperature,
         top_p: cfg.top_p,
+        min_p: cfg.min_p,
+        pad: 0,
     };
     gpu.launch(&variant, "sample", variant.launch_config(), &params)
 }

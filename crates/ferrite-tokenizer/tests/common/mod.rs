@@ -7,7 +7,9 @@ use serde::Deserialize;
 use std::path::PathBuf;
 
 pub fn workspace_path(relative: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..").join(relative)
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../..")
+        .join(relative)
 }
 
 pub const SMOLLM2_PATH: &str = "models/SmolLM2-135M-Instruct.Q4_1.gguf";
@@ -25,8 +27,13 @@ pub fn open_gguf(relative: &str) -> GgufFile {
 
 pub fn tokenizer(relative: &str) -> Tokenizer {
     let file = open_gguf(relative);
-    let tokenizer = Tokenizer::from_gguf(&file.metadata).unwrap_or_else(|e| panic!("{relative}: {e}"));
-    assert!(tokenizer.warnings().is_empty(), "{relative}: {:?}", tokenizer.warnings());
+    let tokenizer =
+        Tokenizer::from_gguf(&file.metadata).unwrap_or_else(|e| panic!("{relative}: {e}"));
+    assert!(
+        tokenizer.warnings().is_empty(),
+        "{relative}: {:?}",
+        tokenizer.warnings()
+    );
     tokenizer
 }
 

@@ -1,6 +1,6 @@
 //! Float weights (F32, F16, BF16) dotted with f32 activations.
 
-use super::{DotKernel, RowDot};
+use super::{check_row, DotKernel, RowDot};
 use crate::kernels::simd::SimdLevel;
 use ferrite_gguf::GgmlType;
 use half::{bf16, f16};
@@ -100,7 +100,7 @@ impl<F: FloatFormat> DotKernel for Float<F> {
 }
 
 fn dot_scalar<F: FloatFormat, const NT: usize>(row: &[u8], acts: &ActF32, t0: usize) -> [f32; NT] {
-    assert!(row.len() == acts.cols * F::BYTES && t0 + NT <= acts.n_tokens, "{} dot: row of {} bytes or tokens {t0}+{NT} do not fit the activations", F::DTYPE, row.len());
+    check_row(F::DTYPE, row, acts.cols * F::BYTES, t0, NT, acts.n_tokens);
     std::array::from_fn(|i| {
         let x = acts.token(t0 + i);
         let mut lanes = [0f32; LANES];

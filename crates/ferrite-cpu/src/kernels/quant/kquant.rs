@@ -8,7 +8,7 @@
 //! `d*da * Σ_g scale_g * (Σ code*y - offset*bsum_g)  -  dmin*da * Σ_g min_g*bsum_g`,
 //! all sums exact in i32.
 
-use super::{ActQ8K, DotKernel, RowDot};
+use super::{check_row, ActQ8K, DotKernel, RowDot};
 use crate::kernels::simd::SimdLevel;
 use ferrite_gguf::blocks::{BlockQ2K, BlockQ3K, BlockQ4K, BlockQ5K, BlockQ6K};
 use ferrite_gguf::dtype::QK_K;
@@ -23,12 +23,10 @@ use {super::x86, std::arch::x86_64::__m256i};
 /// Groups of 16 per super-block.
 pub(crate) const GROUPS: usize = QK_K / 16;
 
-/// The per-super-block numbers of a k-quant block.
+/// The integer scales and minimums of a k-quant block, per group of 16.
 pub(crate) struct KScales {
     pub scales: [i16; GROUPS],
     pub mins: [i16; GROUPS],
-    pub d: f32,
-    pub dmin: f32,
 }
 
 pub(crate) trait KFormat: Sync + 'static {
@@ -38,14 +36,20 @@ pub(crate) trait KFormat: Sync + 'static {
     const CODE_OFFSET: i32;
     /// Whether the format has group minimums (`dmin` terms).
     const HAS_MIN: bool;
+    /// Byte offset of the f16 `d`; `dmin` follows it when `HAS_MIN`.
+    const D_OFFSET: usize;
 
-    /// Scales and minimums; `block` is `BYTES` long.
+    /// Integer scales and minimums; `block` is `BYTES` long.
     fn scales(block: &[u8]) -> KScales;
     /// The 256 codes.
     fn codes(block: &[u8]) -> [u8; QK_K];
     /// The 256 codes, 32 per register. Safety: `BYTES` readable bytes at `block`; AVX2.
     #[cfg(target_arch = "x86_64")]
     unsafe fn codes_avx2(block: *const u8) -> [__m256i; 8];
+    /// [`KFormat::scales`]' `scales` and `mins` as 16 x i16 registers (mins zero without `HAS_MIN`).
+    /// Safety: as [`KFormat::codes_avx2`].
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn scales_avx2(block: *const u8) -> [__m256i; 2];
 }
 
 fn f16_at(b: &[u8], at: usize) -> f32 {
@@ -64,7 +68,7 @@ fn scale_min_k4(j: usize, s: &[u8]) -> (u8, u8) {
 /// Scales of Q4_K/Q5_K: the fields `d`, `dmin`, `scales` start both blocks.
 fn q4k_q5k_scales(b: &[u8]) -> KScales {
     let packed = &b[offset_of!(BlockQ4K, scales)..offset_of!(BlockQ4K, scales) + 12];
-    let mut k = KScales { scales: [0; GROUPS], mins: [0; GROUPS], d: f16_at(b, 0), dmin: f16_at(b, 2) };
+    let mut k = KScales { scales: [0; GROUPS], mins: [0; GROUPS] };
     for j in 0..8 {
         let (sc, m) = scale_min_k4(j, packed);
         k.scales[2 * j..2 * j + 2].fill(sc as i16);
@@ -88,6 +92,7 @@ impl KFormat for Q4K {
     const BYTES: usize = size_of::<BlockQ4K>();
     const CODE_OFFSET: i32 = 0;
     const HAS_MIN: bool = true;
+    const D_OFFSET: usize = offset_of!(BlockQ4K, d);
     fn scales(b: &[u8]) -> KScales {
         q4k_q5k_scales(b)
     }
@@ -99,6 +104,11 @@ impl KFormat for Q4K {
     unsafe fn codes_avx2(b: *const u8) -> [__m256i; 8] {
         x86::q4k_codes_avx2(b.add(offset_of!(BlockQ4K, qs)))
     }
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn scales_avx2(b: *const u8) -> [__m256i; 2] {
+        x86::q4k_scales_avx2(b.add(offset_of!(BlockQ4K, scales)))
+    }
 }
 
 pub(crate) struct Q5K;
@@ -107,6 +117,7 @@ impl KFormat for Q5K {
     const BYTES: usize = size_of::<BlockQ5K>();
     const CODE_OFFSET: i32 = 0;
     const HAS_MIN: bool = true;
+    const D_OFFSET: usize = offset_of!(BlockQ5K, d);
     fn scales(b: &[u8]) -> KScales {
         q4k_q5k_scales(b)
     }
@@ -121,6 +132,11 @@ impl KFormat for Q5K {
     unsafe fn codes_avx2(b: *const u8) -> [__m256i; 8] {
         x86::q5k_codes_avx2(b.add(offset_of!(BlockQ5K, qh)), b.add(offset_of!(BlockQ5K, qs)))
     }
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn scales_avx2(b: *const u8) -> [__m256i; 2] {
+        x86::q4k_scales_avx2(b.add(offset_of!(BlockQ5K, scales)))
+    }
 }
 
 pub(crate) struct Q6K;
@@ -129,13 +145,12 @@ impl KFormat for Q6K {
     const BYTES: usize = size_of::<BlockQ6K>();
     const CODE_OFFSET: i32 = 32;
     const HAS_MIN: bool = false;
+    const D_OFFSET: usize = offset_of!(BlockQ6K, d);
     fn scales(b: &[u8]) -> KScales {
         let s = &b[offset_of!(BlockQ6K, scales)..];
         KScales {
             scales: std::array::from_fn(|g| s[g] as i8 as i16),
             mins: [0; GROUPS],
-            d: f16_at(b, offset_of!(BlockQ6K, d)),
-            dmin: 0.0,
         }
     }
     /// Per half of 128: element `32k + l` takes nibble `k / 2` of `ql[l + 32 * (k % 2)]` and bits
@@ -153,6 +168,11 @@ impl KFormat for Q6K {
     unsafe fn codes_avx2(b: *const u8) -> [__m256i; 8] {
         x86::q6k_codes_avx2(b.add(offset_of!(BlockQ6K, ql)), b.add(offset_of!(BlockQ6K, qh)))
     }
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn scales_avx2(b: *const u8) -> [__m256i; 2] {
+        x86::q6k_scales_avx2(b.add(offset_of!(BlockQ6K, scales)))
+    }
 }
 
 /// Per half of 128: element `32s + l` is bits `2s, 2s+1` of `qs[l]`.
@@ -169,14 +189,13 @@ impl KFormat for Q2K {
     const BYTES: usize = size_of::<BlockQ2K>();
     const CODE_OFFSET: i32 = 0;
     const HAS_MIN: bool = true;
+    const D_OFFSET: usize = offset_of!(BlockQ2K, d);
     /// A byte per group: scale in the low nibble, minimum in the high one.
     fn scales(b: &[u8]) -> KScales {
         let s = &b[offset_of!(BlockQ2K, scales)..];
         KScales {
             scales: std::array::from_fn(|g| (s[g] & 0x0F) as i16),
             mins: std::array::from_fn(|g| (s[g] >> 4) as i16),
-            d: f16_at(b, offset_of!(BlockQ2K, d)),
-            dmin: f16_at(b, offset_of!(BlockQ2K, dmin)),
         }
     }
     fn codes(b: &[u8]) -> [u8; QK_K] {
@@ -187,6 +206,11 @@ impl KFormat for Q2K {
     unsafe fn codes_avx2(b: *const u8) -> [__m256i; 8] {
         x86::q2k_codes_avx2(b.add(offset_of!(BlockQ2K, qs)))
     }
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn scales_avx2(b: *const u8) -> [__m256i; 2] {
+        x86::q2k_scales_avx2(b.add(offset_of!(BlockQ2K, scales)))
+    }
 }
 
 pub(crate) struct Q3K;
@@ -195,6 +219,7 @@ impl KFormat for Q3K {
     const BYTES: usize = size_of::<BlockQ3K>();
     const CODE_OFFSET: i32 = 4;
     const HAS_MIN: bool = false;
+    const D_OFFSET: usize = offset_of!(BlockQ3K, d);
     /// 16 six-bit scales biased by 32: low nibbles in bytes 0..8 (groups 0..8 low nibble, groups
     /// 8..16 high nibble), top two bits in bytes 8..12 (byte `8 + g % 4`, bits `2 * (g / 4)`).
     fn scales(b: &[u8]) -> KScales {
@@ -206,8 +231,6 @@ impl KFormat for Q3K {
                 (low | high << 4) as i16 - 32
             }),
             mins: [0; GROUPS],
-            d: f16_at(b, offset_of!(BlockQ3K, d)),
-            dmin: 0.0,
         }
     }
     /// Two-bit codes as Q2_K, plus bit `i / 32` of `hmask[i % 32]` as bit 2.
@@ -220,6 +243,11 @@ impl KFormat for Q3K {
     #[inline(always)]
     unsafe fn codes_avx2(b: *const u8) -> [__m256i; 8] {
         x86::q3k_codes_avx2(b.add(offset_of!(BlockQ3K, hmask)), b.add(offset_of!(BlockQ3K, qs)))
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn scales_avx2(b: *const u8) -> [__m256i; 2] {
+        x86::q3k_scales_avx2(b.add(offset_of!(BlockQ3K, scales)))
     }
 }
 
@@ -245,7 +273,7 @@ impl<F: KFormat> DotKernel for KQuant<F> {
 }
 
 fn dot_scalar<F: KFormat, const NT: usize>(row: &[u8], acts: &ActQ8K, t0: usize) -> [f32; NT] {
-    assert!(row.len() == acts.blocks() * F::BYTES && t0 + NT <= acts.n_tokens(), "{} dot: row of {} bytes or tokens {t0}+{NT} do not fit the activations", F::DTYPE, row.len());
+    check_row(F::DTYPE, row, acts.blocks() * F::BYTES, t0, NT, acts.n_tokens());
     std::array::from_fn(|i| {
         let (qs, d, bsums) = acts.token(t0 + i);
         let mut acc = 0f32;
@@ -253,14 +281,15 @@ fn dot_scalar<F: KFormat, const NT: usize>(row: &[u8], acts: &ActQ8K, t0: usize)
             row.chunks_exact(F::BYTES).zip(qs.chunks_exact(QK_K)).zip(d).zip(bsums.chunks_exact(GROUPS))
         {
             let (k, codes) = (F::scales(block), F::codes(block));
+            let d = f16_at(block, F::D_OFFSET);
+            let dmin = if F::HAS_MIN { f16_at(block, F::D_OFFSET + 2) } else { 0.0 };
             let (mut isum, mut msum) = (0i32, 0i32);
-            for g in 0..GROUPS {
+            for (g, &bsum) in bsums.iter().enumerate() {
                 let dot: i32 = (16 * g..16 * g + 16).map(|i| codes[i] as i32 * y[i] as i32).sum();
-                let bsum = bsums[g] as i32;
-                isum += k.scales[g] as i32 * (dot - F::CODE_OFFSET * bsum);
-                msum += k.mins[g] as i32 * bsum;
+                isum += k.scales[g] as i32 * (dot - F::CODE_OFFSET * bsum as i32);
+                msum += k.mins[g] as i32 * bsum as i32;
             }
-            acc += (k.d * da) * isum as f32 - (k.dmin * da) * msum as f32;
+            acc += (d * da) * isum as f32 - (dmin * da) * msum as f32;
         }
         acc
     })

@@ -7,7 +7,7 @@
 //! formats and `K = -offset` for the `_0` ones; the second terms are summed over the row and
 //! multiplied by `K` once. Q8_0 codes are signed with offset 0.
 
-use super::{ActQ8, DotKernel, RowDot};
+use super::{check_row, ActQ8, DotKernel, RowDot};
 use crate::kernels::simd::SimdLevel;
 use ferrite_gguf::blocks::{BlockQ4_0, BlockQ4_1, BlockQ5_0, BlockQ5_1, BlockQ8_0};
 use ferrite_gguf::GgmlType;
@@ -151,7 +151,7 @@ fn block_idot<F: LegacyFormat>(codes: &[u8; QK], y: &[i8]) -> i32 {
 }
 
 fn dot_scalar<F: LegacyFormat, const NT: usize>(row: &[u8], acts: &ActQ8, t0: usize) -> [f32; NT] {
-    assert!(row.len() == acts.blocks() * F::BYTES && t0 + NT <= acts.n_tokens(), "{} dot: row of {} bytes or tokens {t0}+{NT} do not fit the activations", F::DTYPE, row.len());
+    check_row(F::DTYPE, row, acts.blocks() * F::BYTES, t0, NT, acts.n_tokens());
     std::array::from_fn(|i| {
         let (qs, ds) = acts.token(t0 + i);
         let (mut main, mut min) = (0f32, 0f32);

@@ -11,6 +11,7 @@ pub(crate) mod legacy;
 mod x86;
 
 use super::simd::SimdLevel;
+use ferrite_gguf::GgmlType;
 use rayon::prelude::*;
 
 /// Dot products of one weight row with the activations of tokens `t0 .. t0 + NT`.
@@ -30,6 +31,17 @@ pub(crate) trait DotKernel {
 
     /// The row kernel for `level` (scalar when the family has no kernel for that level).
     fn row_dot<const NT: usize>(level: SimdLevel) -> RowDot<Self::Acts, NT>;
+}
+
+/// The kernels' bounds guard: `row` must be one row and tokens `t0 .. t0 + nt` must exist.
+#[inline(always)]
+fn check_row(dtype: GgmlType, row: &[u8], row_bytes: usize, t0: usize, nt: usize, n_tokens: usize) {
+    assert!(
+        row.len() == row_bytes && t0 + nt <= n_tokens,
+        "{dtype} dot: row of {} bytes (expected {row_bytes}) or tokens {t0}..{} of {n_tokens}",
+        row.len(),
+        t0 + nt
+    );
 }
 
 /// Round to nearest, ties to even, for |v| < 2^22 (the activation codes are within ±127).
@@ -70,7 +82,7 @@ impl ActQ8 {
     pub(crate) const BLOCK: usize = 32;
 
     pub(crate) fn quantize(x: &[f32], cols: usize, n_tokens: usize) -> Self {
-        assert!(cols % Self::BLOCK == 0 && x.len() == cols * n_tokens, "activation shape");
+        assert!(cols.is_multiple_of(Self::BLOCK) && x.len() == cols * n_tokens, "activation shape");
         let nb = cols / Self::BLOCK;
         let mut qs = vec![0i8; x.len()];
         let mut ds = vec![[0f32; 2]; nb * n_tokens];
@@ -116,7 +128,7 @@ impl ActQ8K {
     pub(crate) const GROUP: usize = 16;
 
     pub(crate) fn quantize(x: &[f32], cols: usize, n_tokens: usize) -> Self {
-        assert!(cols % Self::BLOCK == 0 && x.len() == cols * n_tokens, "activation shape");
+        assert!(cols.is_multiple_of(Self::BLOCK) && x.len() == cols * n_tokens, "activation shape");
         let nb = cols / Self::BLOCK;
         let mut qs = vec![0i8; x.len()];
         let mut d = vec![0f32; nb * n_tokens];

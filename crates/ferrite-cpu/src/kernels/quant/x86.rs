@@ -6,9 +6,19 @@
 use super::float::{ActF32, FloatFormat};
 use super::kquant::{KFormat, GROUPS};
 use super::legacy::{LegacyFormat, QK};
-use super::{ActQ8, ActQ8K};
+use super::{check_row, ActQ8, ActQ8K};
 use ferrite_gguf::dtype::QK_K;
 use std::arch::x86_64::*;
+
+/// How far ahead of the weights being read to prefetch. Rows of a chunk are contiguous, so this
+/// runs into the next rows; it lets weight streams from L3 run at the speed of L2-resident ones.
+const PREFETCH_BYTES: usize = 8192;
+
+/// Prefetches weights `PREFETCH_BYTES` ahead of `p` (may point past the weights: prefetches never fault).
+#[inline(always)]
+unsafe fn prefetch_ahead(p: *const u8) {
+    _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(PREFETCH_BYTES) as *const i8);
+}
 
 #[inline(always)]
 unsafe fn hsum128(v: __m128) -> f32 {
@@ -24,6 +34,11 @@ unsafe fn hsum256(v: __m256) -> f32 {
 #[inline(always)]
 unsafe fn read_u32(p: *const u8) -> u32 {
     (p as *const u32).read_unaligned()
+}
+
+#[inline(always)]
+unsafe fn read_u16(p: *const u8) -> u32 {
+    (p as *const u16).read_unaligned() as u32
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -120,12 +135,14 @@ unsafe fn legacy_block_avx2<F: LegacyFormat, const NT: usize>(
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(super) unsafe fn legacy_dot_avx2<F: LegacyFormat, const NT: usize>(row: &[u8], acts: &ActQ8, t0: usize) -> [f32; NT] {
     let nb = acts.blocks();
-    assert!(row.len() == nb * F::BYTES && t0 + NT <= acts.n_tokens(), "{} dot: row of {} bytes or tokens {t0}+{NT} do not fit the activations", F::DTYPE, row.len());
+    check_row(F::DTYPE, row, nb * F::BYTES, t0, NT, acts.n_tokens());
     let (qs, ds) = q8_tokens::<NT>(acts, t0);
     let mut acc = [_mm256_setzero_ps(); NT];
     let mut acc_min = [_mm_setzero_ps(); NT];
     for b in 0..nb {
-        legacy_block_avx2::<F, NT>(row.as_ptr().add(b * F::BYTES), b, &qs, &ds, &mut acc, &mut acc_min);
+        let block = row.as_ptr().add(b * F::BYTES);
+        prefetch_ahead(block);
+        legacy_block_avx2::<F, NT>(block, b, &qs, &ds, &mut acc, &mut acc_min);
     }
     let mut out = [0f32; NT];
     for t in 0..NT {
@@ -139,7 +156,7 @@ pub(super) unsafe fn legacy_dot_avx2<F: LegacyFormat, const NT: usize>(row: &[u8
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 pub(super) unsafe fn legacy_dot_avx512<F: LegacyFormat, const NT: usize>(row: &[u8], acts: &ActQ8, t0: usize) -> [f32; NT] {
     let nb = acts.blocks();
-    assert!(row.len() == nb * F::BYTES && t0 + NT <= acts.n_tokens(), "{} dot: row of {} bytes or tokens {t0}+{NT} do not fit the activations", F::DTYPE, row.len());
+    check_row(F::DTYPE, row, nb * F::BYTES, t0, NT, acts.n_tokens());
     let (qs, ds) = q8_tokens::<NT>(acts, t0);
     let spread = _mm512_set_epi32(2, 2, 2, 2, 2, 2, 2, 2, 0, 0, 0, 0, 0, 0, 0, 0);
     let mut acc = [_mm512_setzero_ps(); NT];
@@ -147,6 +164,7 @@ pub(super) unsafe fn legacy_dot_avx512<F: LegacyFormat, const NT: usize>(row: &[
     let mut b = 0;
     while b + 2 <= nb {
         let block = row.as_ptr().add(b * F::BYTES);
+        prefetch_ahead(block);
         let codes = F::codes_avx512_pair(block);
         let bits = F::scale_bits(std::slice::from_raw_parts(block, F::BYTES)) as u64
             | (F::scale_bits(std::slice::from_raw_parts(block.add(F::BYTES), F::BYTES)) as u64) << 32;
@@ -261,6 +279,52 @@ pub(super) unsafe fn q3k_codes_avx2(hmask: *const u8, qs: *const u8) -> [__m256i
     c
 }
 
+/// Q4_K/Q5_K: 8 six-bit scales and 8 minimums packed in 12 bytes (see `scale_min_k4`), rearranged
+/// with word operations into 8 scale bytes and 8 minimum bytes, each repeated for its two 16-groups.
+#[inline(always)]
+pub(super) unsafe fn q4k_scales_avx2(packed: *const u8) -> [__m256i; 2] {
+    const LOW6: u32 = 0x3F3F_3F3F;
+    const LOW4: u32 = 0x0F0F_0F0F;
+    const TOP2: u32 = 0x0303_0303;
+    let (w0, w1, w2) = (read_u32(packed), read_u32(packed.add(4)), read_u32(packed.add(8)));
+    let scales = _mm_set_epi32(0, 0, ((w2 & LOW4) | ((w0 >> 6) & TOP2) << 4) as i32, (w0 & LOW6) as i32);
+    let mins = _mm_set_epi32(0, 0, (((w2 >> 4) & LOW4) | ((w1 >> 6) & TOP2) << 4) as i32, (w1 & LOW6) as i32);
+    // Each 32-element scale serves two 16-groups.
+    [_mm256_cvtepu8_epi16(_mm_unpacklo_epi8(scales, scales)), _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(mins, mins))]
+}
+
+/// Q6_K: 16 signed byte scales.
+#[inline(always)]
+pub(super) unsafe fn q6k_scales_avx2(scales: *const u8) -> [__m256i; 2] {
+    [_mm256_cvtepi8_epi16(_mm_loadu_si128(scales as *const __m128i)), _mm256_setzero_si256()]
+}
+
+/// Q2_K: a byte per group, scale in the low nibble, minimum in the high one.
+#[inline(always)]
+pub(super) unsafe fn q2k_scales_avx2(scales: *const u8) -> [__m256i; 2] {
+    let v = _mm_loadu_si128(scales as *const __m128i);
+    let nib = _mm_set1_epi8(0x0F);
+    [
+        _mm256_cvtepu8_epi16(_mm_and_si128(v, nib)),
+        _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16::<4>(v), nib)),
+    ]
+}
+
+/// Q3_K: 16 six-bit scales biased by 32 in 12 bytes (see `Q3K::scales`), by word operations.
+#[inline(always)]
+pub(super) unsafe fn q3k_scales_avx2(packed: *const u8) -> [__m256i; 2] {
+    const LOW4: u32 = 0x0F0F_0F0F;
+    const TOP2: u32 = 0x0303_0303;
+    let (w0, w1, w2) = (read_u32(packed), read_u32(packed.add(4)), read_u32(packed.add(8)));
+    let bytes = _mm_set_epi32(
+        (((w1 >> 4) & LOW4) | ((w2 >> 6) & TOP2) << 4) as i32,
+        (((w0 >> 4) & LOW4) | ((w2 >> 4) & TOP2) << 4) as i32,
+        ((w1 & LOW4) | ((w2 >> 2) & TOP2) << 4) as i32,
+        ((w0 & LOW4) | (w2 & TOP2) << 4) as i32,
+    );
+    [_mm256_sub_epi16(_mm256_cvtepu8_epi16(bytes), _mm256_set1_epi16(32)), _mm256_setzero_si256()]
+}
+
 // ---------------------------------------------------------------------------------------------
 // k-quants.
 
@@ -275,7 +339,7 @@ unsafe fn group_scale_pattern(j: usize) -> __m256i {
 #[inline(always)]
 unsafe fn kquant_body<F: KFormat, const NT: usize>(row: &[u8], acts: &ActQ8K, t0: usize) -> [f32; NT] {
     let nsb = acts.blocks();
-    assert!(row.len() == nsb * F::BYTES && t0 + NT <= acts.n_tokens(), "{} dot: row of {} bytes or tokens {t0}+{NT} do not fit the activations", F::DTYPE, row.len());
+    check_row(F::DTYPE, row, nsb * F::BYTES, t0, NT, acts.n_tokens());
     let mut qs = [std::ptr::null(); NT];
     let mut ds = [std::ptr::null(); NT];
     let mut bsums = [std::ptr::null(); NT];
@@ -286,10 +350,14 @@ unsafe fn kquant_body<F: KFormat, const NT: usize>(row: &[u8], acts: &ActQ8K, t0
     let patterns = [group_scale_pattern(0), group_scale_pattern(1), group_scale_pattern(2), group_scale_pattern(3)];
     let mut acc = [_mm256_setzero_ps(); NT];
     for s in 0..nsb {
-        let block = &row[s * F::BYTES..(s + 1) * F::BYTES];
-        let k = F::scales(block);
-        let codes = F::codes_avx2(block.as_ptr());
-        let scales = _mm256_loadu_si256(k.scales.as_ptr() as *const __m256i);
+        let block = row.as_ptr().add(s * F::BYTES);
+        for line in (0..F::BYTES).step_by(64) {
+            prefetch_ahead(block.add(line));
+        }
+        let codes = F::codes_avx2(block);
+        let [scales, mins] = F::scales_avx2(block);
+        let d_bits = if F::HAS_MIN { read_u32(block.add(F::D_OFFSET)) } else { read_u16(block.add(F::D_OFFSET)) };
+        let d_dmin = _mm_cvtph_ps(_mm_cvtsi32_si128(d_bits as i32));
         let halves = [_mm256_permute2x128_si256::<0x00>(scales, scales), _mm256_permute2x128_si256::<0x11>(scales, scales)];
         let mut group_scales = [_mm256_setzero_si256(); 8];
         for (i, g) in group_scales.iter_mut().enumerate() {
@@ -297,21 +365,27 @@ unsafe fn kquant_body<F: KFormat, const NT: usize>(row: &[u8], acts: &ActQ8K, t0
         }
         for t in 0..NT {
             let y = qs[t].add(s * QK_K) as *const u8;
-            let mut isum = _mm256_setzero_si256();
+            let mut sums = [_mm256_setzero_si256(); 8];
             for i in 0..8 {
                 let products = _mm256_maddubs_epi16(codes[i], load256(y.add(32 * i)));
-                isum = _mm256_add_epi32(isum, _mm256_madd_epi16(products, group_scales[i]));
+                sums[i] = _mm256_madd_epi16(products, group_scales[i]);
             }
+            // A tree, not a chain: with VNNI the adds fuse into 5-cycle `vpdpwssd`s.
+            let mut isum = _mm256_add_epi32(
+                _mm256_add_epi32(_mm256_add_epi32(sums[0], sums[1]), _mm256_add_epi32(sums[2], sums[3])),
+                _mm256_add_epi32(_mm256_add_epi32(sums[4], sums[5]), _mm256_add_epi32(sums[6], sums[7])),
+            );
             let bs = _mm256_loadu_si256(bsums[t].add(s * GROUPS) as *const __m256i);
             if F::CODE_OFFSET != 0 {
                 let offsets = _mm256_mullo_epi32(_mm256_madd_epi16(bs, scales), _mm256_set1_epi32(F::CODE_OFFSET));
                 isum = _mm256_sub_epi32(isum, offsets);
             }
-            let da = *ds[t].add(s);
-            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(k.d * da), acc[t]);
+            // [d * da, dmin * da]
+            let p = _mm_mul_ps(d_dmin, _mm_set1_ps(*ds[t].add(s)));
+            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_broadcastss_ps(p), acc[t]);
             if F::HAS_MIN {
-                let mins = _mm256_madd_epi16(bs, _mm256_loadu_si256(k.mins.as_ptr() as *const __m256i));
-                acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(mins), _mm256_set1_ps(-(k.dmin * da)), acc[t]);
+                let min_sum = _mm256_cvtepi32_ps(_mm256_madd_epi16(bs, mins));
+                acc[t] = _mm256_fnmadd_ps(min_sum, _mm256_broadcastss_ps(_mm_movehdup_ps(p)), acc[t]);
             }
         }
     }
@@ -339,16 +413,17 @@ pub(super) unsafe fn kquant_dot_avx512<F: KFormat, const NT: usize>(row: &[u8], 
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(super) unsafe fn float_dot_avx2<F: FloatFormat, const NT: usize>(row: &[u8], acts: &ActF32, t0: usize) -> [f32; NT] {
     let cols = acts.cols;
-    assert!(row.len() == cols * F::BYTES && t0 + NT <= acts.n_tokens, "{} dot: row of {} bytes or tokens {t0}+{NT} do not fit the activations", F::DTYPE, row.len());
+    check_row(F::DTYPE, row, cols * F::BYTES, t0, NT, acts.n_tokens);
     let mut xs = [std::ptr::null(); NT];
-    for t in 0..NT {
-        xs[t] = acts.token(t0 + t).as_ptr();
+    for (t, x) in xs.iter_mut().enumerate() {
+        *x = acts.token(t0 + t).as_ptr();
     }
     // Two accumulators per token hide the FMA latency.
     let mut acc = [[_mm256_setzero_ps(); 2]; NT];
     let w = row.as_ptr();
     let mut c = 0;
     while c + 16 <= cols {
+        prefetch_ahead(w.add(c * F::BYTES));
         let w0 = F::load8_avx2(w.add(c * F::BYTES));
         let w1 = F::load8_avx2(w.add((c + 8) * F::BYTES));
         for t in 0..NT {

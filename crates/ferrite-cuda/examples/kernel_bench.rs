@@ -1,0 +1,83 @@
+//! Rough kernel timings on the GPU (not a test: nothing is asserted). For each op it prints the
+//! mean time per launch over a burst of back-to-back launches, and for the GEMV the weight
+//! bandwidth that implies. Launch overhead is included, as in real decoding.
+//!
+//!   cargo run -p ferrite-cuda --release --example kernel_bench
+//!   (or the binary from scripts/gpu-build.sh, on the GPU machine: .device/kernel_bench)
+
+use ferrite_cuda::ops::{self, AttentionConfig, KvCache, KvDtype, LinearOptions, LinearPath, SamplingConfig};
+use ferrite_cuda::{CudaError, Gpu};
+use ferrite_gguf::quant::quantize;
+use ferrite_gguf::GgmlType;
+use std::time::Instant;
+
+/// Mean seconds per call of `f` over `iters` calls, after a warm-up call.
+fn time(gpu: &Gpu, iters: usize, mut f: impl FnMut() -> Result<(), CudaError>) -> Result<f64, CudaError> {
+    f()?;
+    gpu.synchronize()?;
+    let start = Instant::now();
+    for _ in 0..iters {
+        f()?;
+    }
+    gpu.synchronize()?;
+    Ok(start.elapsed().as_secs_f64() / iters as f64)
+}
+
+fn main() -> Result<(), CudaError> {
+    let gpu = Gpu::new(0)?;
+    println!("{} (sm_{}{}, {} SMs)", gpu.name(), gpu.compute_capability().0, gpu.compute_capability().1, gpu.sm_count());
+    // SmolLM2-135M projections (q/o, k/v, gate/up, down, lm_head) and one large matrix.
+    let shapes = [(576, 576), (192, 576), (1536, 576), (576, 1536), (49152, 576), (8192, 8192)];
+    let dtypes = [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q8_0, GgmlType::Q4_K, GgmlType::Q6_K, GgmlType::F16];
+    let gemv = LinearOptions { path: LinearPath::Gemv, ..LinearOptions::default() };
+    println!("\n{:<6} {:>13} {:>4} {:>10} {:>9}", "dtype", "rows x cols", "n", "us/launch", "GB/s");
+    for dtype in dtypes {
+        for (rows, cols) in shapes {
+            let values: Vec<f32> = (0..rows * cols).map(|i| ((i * 7919) % 2001) as f32 / 1000.0 - 1.0).collect();
+            let bytes = quantize(dtype, &values).expect("quantize");
+            let w = gpu.upload_weight(dtype, rows, cols, &bytes)?;
+            for n in [1usize, 4] {
+                let x = gpu.upload(&vec![0.5f32; n * cols], "x")?;
+                let mut out = gpu.alloc_zeros::<f32>(n * rows)?;
+                let s = time(&gpu, 200, || ops::linear_with(&gpu, &w, &x, n, &mut out, &gemv).map(|_| ()))?;
+                let gbs = bytes.len() as f64 / s / 1e9;
+                println!("{:<6} {:>6}x{:<6} {:>4} {:>10.2} {:>9.1}", dtype.name(), rows, cols, n, s * 1e6, gbs);
+            }
+        }
+    }
+
+    println!("\nprefill GEMM (dequantize + cuBLAS SGEMM), Q4_1 1536x576");
+    let values: Vec<f32> = (0..1536 * 576).map(|i| (i % 17) as f32 / 17.0 - 0.5).collect();
+    let w = gpu.upload_weight(GgmlType::Q4_1, 1536, 576, &quantize(GgmlType::Q4_1, &values).expect("quantize"))?;
+    for n in [16usize, 128, 512] {
+        let x = gpu.upload(&vec![0.5f32; n * 576], "x")?;
+        let mut out = gpu.alloc_zeros::<f32>(n * 1536)?;
+        let s = time(&gpu, 50, || ops::linear(&gpu, &w, &x, n, &mut out))?;
+        println!("  n={n:<4} {:>9.2} us  {:>8.1} GFLOP/s", s * 1e6, 2.0 * 1536.0 * 576.0 * n as f64 / s / 1e9);
+    }
+
+    println!("\ndecode attention, 9 heads / 3 KV heads, head_dim 64, f16 cache");
+    let mut cache = KvCache::new(&gpu, KvDtype::F16, 8192, 3, 64)?;
+    let kv = gpu.upload(&vec![0.1f32; 8192 * 192], "kv")?;
+    let all: Vec<u32> = (0..8192).collect();
+    ops::kv_write(&gpu, &mut cache, &kv, &kv, &gpu.upload(&all, "positions")?, 8192)?;
+    let q = gpu.upload(&vec![0.1f32; 576], "q")?;
+    let mut out = gpu.alloc_zeros::<f32>(576)?;
+    let cfg = AttentionConfig { n_heads: 9, scale: 0.125, window: None, softcap: None };
+    for pos in [127u32, 1023, 8191] {
+        let p = gpu.upload(&[pos], "pos")?;
+        let s = time(&gpu, 200, || ops::attention(&gpu, &q, &cache, &p, 1, &cfg, &mut out))?;
+        println!("  kv_len={:<5} {:>9.2} us", pos + 1, s * 1e6);
+    }
+
+    println!("\nsampling over 49152 logits");
+    let logits: Vec<f32> = (0..49152).map(|i| ((i * 7919) % 1000) as f32 / 100.0).collect();
+    let logits = gpu.upload(&logits, "logits")?;
+    let mut token = gpu.alloc_zeros::<u32>(1)?;
+    let s = time(&gpu, 200, || ops::argmax(&gpu, &logits, 49152, &mut token))?;
+    println!("  argmax {:>9.2} us", s * 1e6);
+    let cfg = SamplingConfig { temperature: 0.8, top_k: 40, top_p: 0.95, min_p: 0.05, seed: 1 };
+    let s = time(&gpu, 200, || ops::sample(&gpu, &logits, 49152, &cfg, 0, None, &mut token))?;
+    println!("  top-k/top-p/min-p sample {:>9.2} us", s * 1e6);
+    Ok(())
+}

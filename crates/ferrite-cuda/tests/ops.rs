@@ -1,0 +1,748 @@
+//! The GPU op suite: every op against a CPU reference (ferrite-cpu's kernels, ferrite-gguf's
+//! dequantizer) on random inputs of several shapes, plus the module cache and device-side
+//! error reporting. Outputs are poisoned with NaN before each run so that an element a kernel
+//! forgets to write fails the comparison. Each comparison prints a row
+//! `| op | case | max abs err | max rel err | worst err / tolerance |` (scripts/gpu-check.sh collects them).
+//!
+//! Without a usable GPU every test prints `skipped: no CUDA device: <reason>` and passes.
+
+use ferrite_cpu::kernels::{activation, attention, embedding, matmul_f32, norm, rope, WeightView};
+use ferrite_cuda::ops::{
+    self, AttentionConfig, KvCache, KvDtype, LinearOptions, LinearPath, LinearPlan, Precision, RopeConfig,
+    SamplingConfig,
+};
+use ferrite_cuda::{cuda_available, CudaSlice, Gpu, GpuOptions, KernelCacheDir};
+use ferrite_gguf::quant::{dequantize, quantize};
+use ferrite_gguf::GgmlType;
+use half::f16;
+use std::sync::OnceLock;
+
+// ---------------------------------------------------------------- harness
+
+/// The shared GPU, or `None` (after printing why) on machines without one.
+fn gpu() -> Option<&'static Gpu> {
+    if let Err(e) = cuda_available() {
+        println!("skipped: {e}");
+        return None;
+    }
+    static GPU: OnceLock<Gpu> = OnceLock::new();
+    Some(GPU.get_or_init(|| {
+        let gpu = Gpu::new(0).unwrap_or_else(|e| panic!("a CUDA device is present but unusable: {e}"));
+        println!("device: {} (sm_{}{}, {} SMs)", gpu.name(), gpu.compute_capability().0, gpu.compute_capability().1, gpu.sm_count());
+        gpu
+    }))
+}
+
+/// A private GPU handle, for tests that trip the device error flag or need their own cache.
+fn own_gpu(cache: KernelCacheDir) -> Option<Gpu> {
+    if let Err(e) = cuda_available() {
+        println!("skipped: {e}");
+        return None;
+    }
+    Some(Gpu::with_options(0, GpuOptions { kernel_cache: cache, ..GpuOptions::from_env() }).expect("open GPU"))
+}
+
+/// splitmix64: small, seedable, good enough for test data.
+struct Rng(u64);
+
+impl Rng {
+    fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+    fn uniform(&mut self) -> f32 {
+        (self.next_u64() >> 40) as f32 / (1u64 << 24) as f32
+    }
+    fn range(&mut self, lo: f32, hi: f32) -> f32 {
+        lo + (hi - lo) * self.uniform()
+    }
+    fn vec(&mut self, n: usize, lo: f32, hi: f32) -> Vec<f32> {
+        (0..n).map(|_| self.range(lo, hi)).collect()
+    }
+    fn below(&mut self, n: u32) -> u32 {
+        (self.next_u64() % n as u64) as u32
+    }
+}
+
+fn upload<T: cudarc::driver::DeviceRepr>(gpu: &Gpu, data: &[T]) -> CudaSlice<T> {
+    gpu.upload(data, "test data").expect("upload")
+}
+
+/// A device buffer of `n` NaNs.
+fn poisoned(gpu: &Gpu, n: usize) -> CudaSlice<f32> {
+    upload(gpu, &vec![f32::NAN; n])
+}
+
+fn download<T: cudarc::driver::DeviceRepr + Clone + Default>(gpu: &Gpu, buf: &CudaSlice<T>) -> Vec<T> {
+    gpu.download(buf).expect("download")
+}
+
+/// Check `got` against `want` element by element with per-element bounds; print a table row.
+fn check(op: &str, case: &str, got: &[f32], want: &[f32], bound: impl Fn(usize) -> f64) {
+    assert_eq!(got.len(), want.len(), "{op} {case}: length");
+    let (mut max_abs, mut max_rel, mut worst, mut worst_at) = (0f64, 0f64, 0f64, 0usize);
+    for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
+        assert!(!g.is_nan(), "{op} {case}: element {i} is NaN (not written?), want {w}");
+        let err = (g as f64 - w as f64).abs();
+        max_abs = max_abs.max(err);
+        max_rel = max_rel.max(err / (w as f64).abs().max(1e-30));
+        let ratio = err / bound(i);
+        if ratio > worst {
+            (worst, worst_at) = (ratio, i);
+        }
+    }
+    println!("| {op:<10} | {case:<44} | {max_abs:9.2e} | {max_rel:9.2e} | {worst:6.3} |");
+    assert!(
+        worst <= 1.0,
+        "{op} {case}: element {worst_at} is {} but the reference says {} (allowed error {:.3e})",
+        got[worst_at],
+        want[worst_at],
+        bound(worst_at)
+    );
+}
+
+/// Relative-plus-absolute tolerance.
+fn close(op: &str, case: &str, got: &[f32], want: &[f32], rtol: f64, atol: f64) {
+    check(op, case, got, want, |i| atol + rtol * (want[i] as f64).abs());
+}
+
+const ALL_TYPES: [GgmlType; 13] = [
+    GgmlType::F32,
+    GgmlType::F16,
+    GgmlType::BF16,
+    GgmlType::Q4_0,
+    GgmlType::Q4_1,
+    GgmlType::Q5_0,
+    GgmlType::Q5_1,
+    GgmlType::Q8_0,
+    GgmlType::Q2_K,
+    GgmlType::Q3_K,
+    GgmlType::Q4_K,
+    GgmlType::Q5_K,
+    GgmlType::Q6_K,
+];
+
+/// A random weight quantized by ferrite-gguf, and its exact dequantization.
+fn random_weight(rng: &mut Rng, dtype: GgmlType, rows: usize, cols: usize) -> (Vec<u8>, Vec<f32>) {
+    // Rows of different magnitudes, so scales vary from block to block.
+    let mut values = Vec::with_capacity(rows * cols);
+    for _ in 0..rows {
+        let scale = rng.range(0.05, 1.0);
+        values.extend((0..cols).map(|_| rng.range(-scale, scale)));
+    }
+    let bytes = quantize(dtype, &values).expect("quantize");
+    let mut exact = vec![0f32; rows * cols];
+    dequantize(dtype, &bytes, &mut exact).expect("dequantize");
+    (bytes, exact)
+}
+
+// ---------------------------------------------------------------- embedding
+
+#[test]
+fn embed_matches_cpu_for_every_dtype() {
+    let Some(gpu) = gpu() else { return };
+    let mut rng = Rng(1);
+    for dtype in ALL_TYPES {
+        let dims: &[usize] = if dtype.is_quantized() { &[256, 512] } else { &[70, 256] };
+        for &dim in dims {
+            let vocab = 50;
+            let (bytes, exact) = random_weight(&mut rng, dtype, vocab, dim);
+            let table = gpu.upload_weight(dtype, vocab, dim, &bytes).unwrap();
+            let ids: Vec<u32> = (0..7).map(|_| rng.below(vocab as u32)).chain([0, vocab as u32 - 1]).collect();
+            let mut want = vec![0f32; ids.len() * dim];
+            let view = WeightView { dtype, rows: vocab, cols: dim, data: &bytes };
+            embedding::embed_rows(&view, &ids, &mut want).unwrap();
+            let mut out = poisoned(gpu, ids.len() * dim);
+            ops::embed(gpu, &table, &upload(gpu, &ids), ids.len(), &mut out).unwrap();
+            let scale = exact.iter().fold(0f32, |m, v| m.max(v.abs())) as f64;
+            close("embed", &format!("{dtype} {vocab}x{dim}"), &download(gpu, &out), &want, 1e-6, 1e-6 * scale);
+        }
+    }
+}
+
+#[test]
+fn embed_reports_out_of_range_ids_without_reading_outside() {
+    let Some(gpu) = own_gpu(KernelCacheDir::from_env()) else { return };
+    let (vocab, dim) = (10, 64);
+    let data: Vec<f32> = (0..vocab * dim).map(|i| i as f32).collect();
+    let table = gpu.upload_weight(GgmlType::F32, vocab, dim, bytemuck::cast_slice(&data)).unwrap();
+    let ids = upload(&gpu, &[3u32, 999]);
+    let mut out = poisoned(&gpu, 2 * dim);
+    ops::embed(&gpu, &table, &ids, 2, &mut out).unwrap();
+    let err = gpu.check_device().unwrap_err().to_string();
+    assert!(err.contains("token id 999"), "{err}");
+    let got = download(&gpu, &out);
+    assert_eq!(&got[..dim], &data[3 * dim..4 * dim]);
+    assert!(got[dim..].iter().all(|v| v.is_nan()), "the bad id's row must be poisoned");
+    gpu.check_device().expect("the flag is cleared once reported");
+}
+
+// ---------------------------------------------------------------- rms_norm
+
+#[test]
+fn rms_norm_matches_cpu() {
+    let Some(gpu) = gpu() else { return };
+    let mut rng = Rng(2);
+    for (rows, dim) in [(1, 576), (5, 1000), (3, 4096), (2, 33), (64, 1536)] {
+        for add_one in [false, true] {
+            let x = rng.vec(rows * dim, -3.0, 3.0);
+            let w = rng.vec(dim, -1.5, 1.5);
+            let eps = 1e-5;
+            let mut want = vec![0f32; rows * dim];
+            if add_one {
+                norm::rms_norm_plus_one(&x, &w, eps, &mut want);
+            } else {
+                norm::rms_norm(&x, &w, eps, &mut want);
+            }
+            let mut out = poisoned(gpu, rows * dim);
+            ops::rms_norm(gpu, &upload(gpu, &x), &upload(gpu, &w), eps, rows, dim, add_one, &mut out).unwrap();
+            close("rms_norm", &format!("{rows}x{dim} add_one={add_one}"), &download(gpu, &out), &want, 2e-6, 1e-7);
+        }
+    }
+}
+
+// ---------------------------------------------------------------- rope
+
+#[test]
+fn rope_matches_cpu() {
+    let Some(gpu) = gpu() else { return };
+    let mut rng = Rng(3);
+    let cases = [
+        (true, 9, 64, 64, 10_000.0, 1.0),
+        (false, 4, 128, 96, 1_000_000.0, 0.25),
+        (true, 3, 32, 32, 500_000.0, 1.0),
+        (false, 2, 64, 64, 10_000.0, 1.0),
+    ];
+    for (neox, n_heads, head_dim, rot_dim, theta, freq_scale) in cases {
+        let n_tokens = 6;
+        let positions: Vec<u32> = (0..n_tokens).map(|t| if t == 0 { 0 } else { rng.below(8192) }).collect();
+        let x = rng.vec(n_tokens * n_heads * head_dim, -2.0, 2.0);
+        let cpu = rope::Rope {
+            style: if neox { rope::RopeStyle::Neox } else { rope::RopeStyle::Normal },
+            head_dim,
+            rot_dim,
+            theta,
+            freq_scale,
+        };
+        let mut want = x.clone();
+        cpu.apply(&mut want, n_heads, &positions);
+        let mut dev = upload(gpu, &x);
+        let cfg = RopeConfig { n_heads, head_dim, rot_dim, theta, freq_scale, neox };
+        ops::rope(gpu, &mut dev, &upload(gpu, &positions), n_tokens, &cfg).unwrap();
+        // Both backends compute the angle the same way in f32; what may differ is powf by an
+        // ulp (then the angle of pair i by (i + 2) ulp) and sin/cos by a few ulp.
+        let half = rot_dim / 2;
+        let bound = |e: usize| {
+            let (t, d) = (e / (n_heads * head_dim), e % head_dim);
+            let i = if d >= rot_dim { return 1e-30 } else if neox { d % half } else { d / 2 };
+            let (a, b) = if neox { (i, i + half) } else { (2 * i, 2 * i + 1) };
+            let row = e - d;
+            let mag = (x[row + a].abs() + x[row + b].abs()) as f64;
+            let angle = freq_scale as f64 * positions[t] as f64 * (theta as f64).powf(-2.0 * i as f64 / rot_dim as f64);
+            (2.0 * (i + 2) as f64 * angle * 1.2e-7 + 1e-6) * mag + 1e-30
+        };
+        let name = format!("{} h{n_heads} d{head_dim} rot{rot_dim} theta{theta} fs{freq_scale}", if neox { "neox" } else { "norm" });
+        check("rope", &name, &download(gpu, &dev), &want, bound);
+    }
+}
+
+// ---------------------------------------------------------------- linear
+
+/// Run `linear_with` and compare with dequantize + f64-accumulated matmul.
+#[allow(clippy::too_many_arguments)]
+fn check_linear(
+    gpu: &Gpu,
+    rng: &mut Rng,
+    dtype: GgmlType,
+    rows: usize,
+    cols: usize,
+    n_tokens: usize,
+    opts: &LinearOptions,
+    expect: fn(&LinearPlan) -> bool,
+) {
+    let (bytes, w) = random_weight(rng, dtype, rows, cols);
+    let weight = gpu.upload_weight(dtype, rows, cols, &bytes).unwrap();
+    let x = rng.vec(n_tokens * cols, -1.0, 1.0);
+    let mut want = vec![0f32; n_tokens * rows];
+    matmul_f32(&w, rows, cols, &x, n_tokens, &mut want);
+    let mut out = poisoned(gpu, n_tokens * rows);
+    let plan = ops::linear_with(gpu, &weight, &upload(gpu, &x), n_tokens, &mut out, opts).unwrap();
+    assert!(expect(&plan), "{dtype} {rows}x{cols} n={n_tokens} {opts:?}: unexpected plan {plan:?}");
+    // Error scales with sum |w x| (cancellation makes |out| a poor yardstick); 16-bit inputs
+    // round each product by up to 2^-11 (f16) or 2^-8 (bf16) twice.
+    let rtol = match plan {
+        LinearPlan::Gemm { precision: Precision::F16, .. } => 2e-3,
+        LinearPlan::Gemm { precision: Precision::BF16, .. } => 1.6e-2,
+        _ => 2e-5,
+    };
+    let bound = |i: usize| {
+        let (t, r) = (i / rows, i % rows);
+        let mag: f64 = (0..cols).map(|c| (w[r * cols + c] * x[t * cols + c]).abs() as f64).sum();
+        rtol * mag + 1e-30
+    };
+    let path = match plan {
+        LinearPlan::Gemv => "gemv".to_string(),
+        LinearPlan::Gemm { precision, .. } => format!("gemm {precision:?}"),
+    };
+    check("linear", &format!("{dtype} {rows}x{cols} n={n_tokens} {path}"), &download(gpu, &out), &want, bound);
+}
+
+#[test]
+fn linear_matches_cpu_for_every_dtype_and_path() {
+    let Some(gpu) = gpu() else { return };
+    let mut rng = Rng(4);
+    let auto = LinearOptions::default();
+    let is_gemv: fn(&LinearPlan) -> bool = |p| *p == LinearPlan::Gemv;
+    let is_gemm: fn(&LinearPlan) -> bool = |p| matches!(p, LinearPlan::Gemm { .. });
+    for dtype in ALL_TYPES {
+        // 300 rows: not a multiple of the rows per block; 512 columns: fewer units than lanes.
+        for (rows, cols) in [(300, 512), (67, 2048)] {
+            for n in [1, 3, 8] {
+                check_linear(gpu, &mut rng, dtype, rows, cols, n, &auto, is_gemv);
+            }
+            check_linear(gpu, &mut rng, dtype, rows, cols, 17, &auto, is_gemm);
+        }
+    }
+    // Forced paths: GEMV past its token threshold (several token tiles), GEMM for one token.
+    let gemv = LinearOptions { path: LinearPath::Gemv, ..auto };
+    let gemm = LinearOptions { path: LinearPath::Gemm, ..auto };
+    for dtype in [GgmlType::Q4_1, GgmlType::Q6_K, GgmlType::BF16] {
+        check_linear(gpu, &mut rng, dtype, 129, 256, 19, &gemv, is_gemv);
+        check_linear(gpu, &mut rng, dtype, 129, 256, 1, &gemm, is_gemm);
+        check_linear(gpu, &mut rng, dtype, 129, 256, 2, &auto, is_gemv);
+    }
+    // 16-bit GEMM inputs, weights dequantized (Q4_1, Q5_K) or read as stored (F16/BF16).
+    for precision in [Precision::F16, Precision::BF16] {
+        let opts = LinearOptions { path: LinearPath::Gemm, precision, ..auto };
+        for dtype in [GgmlType::Q4_1, GgmlType::Q5_K, GgmlType::F16, GgmlType::BF16] {
+            check_linear(gpu, &mut rng, dtype, 200, 512, 20, &opts, is_gemm);
+        }
+    }
+    // Float weights whose rows are not whole 32-value units fall back to GEMM.
+    for dtype in [GgmlType::F32, GgmlType::F16, GgmlType::BF16] {
+        check_linear(gpu, &mut rng, dtype, 50, 100, 1, &gemv, is_gemm);
+    }
+}
+
+#[test]
+fn linear_rejects_short_buffers() {
+    let Some(gpu) = gpu() else { return };
+    let w = gpu.upload_weight(GgmlType::F32, 4, 32, &[0u8; 4 * 32 * 4]).unwrap();
+    let mut out = poisoned(gpu, 8);
+    let err = ops::linear(gpu, &w, &upload(gpu, &[0f32; 40]), 2, &mut out).unwrap_err().to_string();
+    assert_eq!(err, "linear: x holds 40 elements, needs 64");
+    let err = ops::linear(gpu, &w, &upload(gpu, &[0f32; 96]), 3, &mut out).unwrap_err().to_string();
+    assert_eq!(err, "linear: out holds 8 elements, needs 12");
+}
+
+// ---------------------------------------------------------------- attention
+
+fn round_f16(v: &[f32]) -> Vec<f32> {
+    v.iter().map(|&x| f16::from_f32(x).to_f32()).collect()
+}
+
+#[test]
+fn attention_matches_cpu_prefill_and_decode() {
+    let Some(gpu) = gpu() else { return };
+    let mut rng = Rng(5);
+    // (query heads, KV heads, head_dim, KV type, window, softcap)
+    let cases = [
+        (9, 3, 64, KvDtype::F32, None, None),
+        (9, 3, 64, KvDtype::F16, None, None),
+        (4, 4, 128, KvDtype::F32, Some(5), None),
+        (8, 2, 32, KvDtype::F16, Some(3), Some(20.0)),
+        (2, 1, 256, KvDtype::F32, None, None),
+    ];
+    for (n_heads, n_kv, hd, kv_dtype, window, softcap) in cases {
+        let max_seq = 64;
+        let mut cache = KvCache::new(gpu, kv_dtype, max_seq, n_kv, hd).unwrap();
+        let (qw, kvw) = (n_heads * hd, n_kv * hd);
+        // Host mirror of the cache, as the GPU stores it (f16-rounded for an f16 cache).
+        let (mut k_host, mut v_host) = (Vec::new(), Vec::new());
+        let cfg = AttentionConfig { n_heads, scale: 1.0 / (hd as f32).sqrt(), window, softcap };
+        let cpu = attention::AttentionParams { n_heads, n_kv_heads: n_kv, head_dim: hd, scale: cfg.scale, window, softcap };
+        // Prefill 7 tokens, a chunk of 4 more, then three single-token decode steps.
+        let mut start = 0;
+        for chunk in [7, 4, 1, 1, 1] {
+            let positions: Vec<u32> = (start..start + chunk).map(|p| p as u32).collect();
+            let q = rng.vec(chunk * qw, -1.0, 1.0);
+            let k = rng.vec(chunk * kvw, -1.0, 1.0);
+            let v = rng.vec(chunk * kvw, -2.0, 2.0);
+            let pos_dev = upload(gpu, &positions);
+            ops::kv_write(gpu, &mut cache, &upload(gpu, &k), &upload(gpu, &v), &pos_dev, chunk).unwrap();
+            let stored = |x: &[f32]| if kv_dtype == KvDtype::F16 { round_f16(x) } else { x.to_vec() };
+            k_host.extend(stored(&k));
+            v_host.extend(stored(&v));
+            let mut want = vec![0f32; chunk * qw];
+            attention::attention(&cpu, &q, &k_host, &v_host, start, chunk, &mut want);
+            let mut out = poisoned(gpu, chunk * qw);
+            ops::attention(gpu, &upload(gpu, &q), &cache, &pos_dev, chunk, &cfg, &mut out).unwrap();
+            let name = format!("h{n_heads}/{n_kv} d{hd} {kv_dtype:?} w{window:?} cap{softcap:?} pos{start}+{chunk}");
+            // Soft-capping multiplies the CPU tanh's absolute error (~2^-23) by the cap.
+            let atol = 2e-6 + softcap.map_or(0.0, |cap| cap as f64 * 2.4e-7 * 2.0);
+            close("attention", &name, &download(gpu, &out), &want, 1e-5, atol);
+            start += chunk;
+        }
+        // kv_write stored exactly the rows the mirror holds.
+        let (k_dev, v_dev) = cache.download(gpu).unwrap();
+        assert_eq!(&k_dev[..k_host.len()], &k_host[..], "K cache rows");
+        assert_eq!(&v_dev[..v_host.len()], &v_host[..], "V cache rows");
+        assert!(k_dev[k_host.len()..].iter().all(|&x| x == 0.0), "rows past the written ones stay untouched");
+    }
+}
+
+#[test]
+fn attention_reports_positions_beyond_the_cache() {
+    let Some(gpu) = own_gpu(KernelCacheDir::from_env()) else { return };
+    let (n_kv, hd) = (1, 32);
+    let mut cache = KvCache::new(&gpu, KvDtype::F16, 4, n_kv, hd).unwrap();
+    let pos = upload(&gpu, &[4u32]);
+    let kv = upload(&gpu, &[1f32; 32]);
+    ops::kv_write(&gpu, &mut cache, &kv, &kv, &pos, 1).unwrap();
+    let err = gpu.check_device().unwrap_err().to_string();
+    assert!(err.contains("position 4"), "{err}");
+    let mut out = poisoned(&gpu, hd);
+    let cfg = AttentionConfig { n_heads: 1, scale: 1.0, window: None, softcap: None };
+    ops::attention(&gpu, &kv, &cache, &pos, 1, &cfg, &mut out).unwrap();
+    assert!(gpu.check_device().is_err());
+    assert!(download(&gpu, &out).iter().all(|v| v.is_nan()));
+    let (k, _) = cache.download(&gpu).unwrap();
+    assert!(k.iter().all(|&v| v == 0.0), "nothing was written");
+    let bad = AttentionConfig { n_heads: 3, ..cfg };
+    let mut cache2 = KvCache::new(&gpu, KvDtype::F32, 4, 2, hd).unwrap();
+    let err = ops::attention(&gpu, &kv, &cache2, &pos, 1, &bad, &mut out).unwrap_err().to_string();
+    assert!(err.contains("not a multiple of 2 KV heads"), "{err}");
+    assert!(KvCache::new(&gpu, KvDtype::F32, 4, 1, 40).is_err());
+    let zero_window = AttentionConfig { window: Some(0), ..cfg };
+    assert!(ops::kv_write(&gpu, &mut cache2, &kv, &kv, &pos, 1).is_err(), "k holds 32 < 64 values");
+    assert!(ops::attention(&gpu, &kv, &cache, &pos, 1, &zero_window, &mut out).is_err());
+}
+
+// ---------------------------------------------------------------- element-wise
+
+#[test]
+fn activations_and_add_match_cpu() {
+    let Some(gpu) = gpu() else { return };
+    let mut rng = Rng(6);
+    for n in [1, 1000, 100_003] {
+        let gate = rng.vec(n, -8.0, 8.0);
+        let up = rng.vec(n, -2.0, 2.0);
+        let (g, u) = (upload(gpu, &gate), upload(gpu, &up));
+        let mut want = vec![0f32; n];
+        activation::swiglu(&gate, &up, &mut want);
+        let mut out = poisoned(gpu, n);
+        ops::swiglu(gpu, &g, &u, n, &mut out).unwrap();
+        close("swiglu", &format!("n={n}"), &download(gpu, &out), &want, 2e-6, 1e-7);
+
+        activation::geglu_tanh(&gate, &up, &mut want);
+        let mut out = poisoned(gpu, n);
+        ops::geglu(gpu, &g, &u, n, &mut out).unwrap();
+        // The CPU computes 1 + tanh(z) with tanh = 1 - 2 / (e^2z + 1): an absolute error of a
+        // few 2^-24 in tanh, i.e. up to ~|g u| * 2^-24 in the output where 1 + tanh(z) nearly
+        // cancels (g << 0). The GPU uses the cancellation-free x * sigmoid(2z).
+        let bound = |i: usize| 3e-7 * (gate[i] * up[i]).abs() as f64 + 2e-6 * (want[i] as f64).abs() + 1e-30;
+        check("geglu", &format!("n={n}"), &download(gpu, &out), &want, bound);
+
+        let mut acc = upload(gpu, &gate);
+        let mut want = gate.clone();
+        activation::add_inplace(&mut want, &up);
+        ops::add(gpu, &mut acc, &u, n).unwrap();
+        close("add", &format!("n={n}"), &download(gpu, &acc), &want, 0.0, 0.0);
+    }
+}
+
+// ---------------------------------------------------------------- argmax / sampling
+
+fn host_argmax(x: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, &v) in x.iter().enumerate() {
+        if v > x[best] || x[best].is_nan() {
+            best = i;
+        }
+    }
+    best as u32
+}
+
+fn device_argmax(gpu: &Gpu, logits: &[f32]) -> u32 {
+    let mut out = upload(gpu, &[u32::MAX]);
+    ops::argmax(gpu, &upload(gpu, logits), logits.len(), &mut out).unwrap();
+    download(gpu, &out)[0]
+}
+
+#[test]
+fn argmax_matches_cpu() {
+    let Some(gpu) = gpu() else { return };
+    let mut rng = Rng(7);
+    for n in [1, 1000, 49_152, 151_936] {
+        let logits = rng.vec(n, -20.0, 20.0);
+        assert_eq!(device_argmax(gpu, &logits), host_argmax(&logits), "n={n}");
+    }
+    // Ties go to the first index, NaN never wins, -inf is a value like any other.
+    let mut logits = vec![1.0f32; 5000];
+    logits[4000] = 7.0;
+    logits[1234] = 7.0;
+    logits[10] = f32::NAN;
+    assert_eq!(device_argmax(gpu, &logits), 1234);
+    assert_eq!(device_argmax(gpu, &[f32::NAN, f32::NEG_INFINITY, -1e30]), 2);
+    assert_eq!(device_argmax(gpu, &[f32::NEG_INFINITY; 3000]), 0);
+    println!("| {:<10} | {:<44} | {:>9} | {:>9} | {:>6} |", "argmax", "n up to 151936, ties, NaN, -inf", "exact", "exact", "0");
+}
+
+fn device_sample(gpu: &Gpu, logits: &CudaSlice<f32>, n: usize, cfg: &SamplingConfig, step: u64) -> u32 {
+    let mut out = upload(gpu, &[u32::MAX]);
+    ops::sample(gpu, logits, n, cfg, step, None, &mut out).unwrap();
+    download(gpu, &out)[0]
+}
+
+/// ferrite-engine's sampling chain in f64 with a given uniform draw. Returns the token and
+/// whether float rounding could pick another one (a cut or the draw falls within 1e-5 of a
+/// boundary), in which case the GPU may differ.
+fn reference_sample(logits: &[f32], cfg: &SamplingConfig, u: f32) -> (u32, bool) {
+    if cfg.temperature <= 0.0 || cfg.top_k == 1 {
+        return (host_argmax(logits), false);
+    }
+    let n = logits.len();
+    let mut order: Vec<usize> = (0..n).collect();
+    order.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]).then(a.cmp(&b)));
+    let max = logits[order[0]] as f64;
+    let mut cut = f64::NEG_INFINITY; // keep logits >= cut
+    let mut ambiguous = false;
+    if cfg.top_k > 0 && cfg.top_k < n {
+        cut = logits[order[cfg.top_k - 1]] as f64;
+    }
+    if cfg.top_p < 1.0 {
+        let kept: Vec<usize> = order.iter().copied().filter(|&i| logits[i] as f64 >= cut).collect();
+        let z: f64 = kept.iter().map(|&i| (logits[i] as f64 - max).exp()).sum();
+        let target = cfg.top_p as f64 * z;
+        let mut mass = 0.0;
+        for &i in &kept {
+            let before = mass;
+            mass += (logits[i] as f64 - max).exp();
+            if mass >= target {
+                ambiguous |= (mass - target).abs() < 1e-5 * z || (before - target).abs() < 1e-5 * z;
+                cut = cut.max(logits[i] as f64);
+                break;
+            }
+        }
+    }
+    if cfg.min_p > 0.0 {
+        let floor = max + (cfg.min_p as f64).ln();
+        ambiguous |= logits.iter().any(|&l| (l as f64 - floor).abs() < 1e-5);
+        cut = cut.max(floor.min(max));
+    }
+    let weights: Vec<f64> = logits
+        .iter()
+        .map(|&l| if l as f64 >= cut { ((l as f64 - max) / cfg.temperature as f64).exp() } else { 0.0 })
+        .collect();
+    let total: f64 = weights.iter().sum();
+    let r = u as f64 * total;
+    let mut c = 0.0;
+    for (i, &w) in weights.iter().enumerate() {
+        if w > 0.0 {
+            c += w;
+            if c > r {
+                ambiguous |= (c - r).abs() < 1e-5 * total || (c - w - r).abs() < 1e-5 * total;
+                return (i as u32, ambiguous);
+            }
+        }
+    }
+    (weights.iter().rposition(|&w| w > 0.0).unwrap() as u32, true)
+}
+
+#[test]
+fn sample_matches_the_reference_chain() {
+    let Some(gpu) = gpu() else { return };
+    let mut rng = Rng(8);
+    let vocab = 1000;
+    let logits = rng.vec(vocab, -4.0, 4.0);
+    let dev = upload(gpu, &logits);
+    let configs = [
+        SamplingConfig { temperature: 0.8, top_k: 40, top_p: 0.95, min_p: 0.05, seed: 1 },
+        SamplingConfig { temperature: 1.0, top_k: 0, top_p: 1.0, min_p: 0.0, seed: 2 },
+        SamplingConfig { temperature: 1.5, top_k: 10, top_p: 0.5, min_p: 0.0, seed: 3 },
+        SamplingConfig { temperature: 0.7, top_k: 0, top_p: 0.9, min_p: 0.1, seed: 4 },
+        SamplingConfig { temperature: 3.0, top_k: 999, top_p: 0.99, min_p: 0.0, seed: 5 },
+    ];
+    let (mut compared, mut ambiguous) = (0, 0);
+    for cfg in &configs {
+        for step in 0..40 {
+            let got = device_sample(gpu, &dev, vocab, cfg, step);
+            let (want, unsure) = reference_sample(&logits, cfg, ops::sampling_uniform(cfg.seed, step));
+            if unsure {
+                ambiguous += 1;
+                continue;
+            }
+            assert_eq!(got, want, "{cfg:?} step {step}");
+            compared += 1;
+        }
+    }
+    assert!(compared >= 190, "only {compared} draws were unambiguous");
+    println!("| {:<10} | {:<44} | {:>9} | {:>9} | {:>6} |", "sample", format!("{compared} draws equal, {ambiguous} at a boundary"), "exact", "exact", "0");
+    // Greedy settings are argmax; the same (seed, step) gives the same token.
+    let greedy = [
+        SamplingConfig { temperature: 0.0, ..configs[0] },
+        SamplingConfig { top_k: 1, ..configs[1] },
+    ];
+    for cfg in &greedy {
+        assert_eq!(device_sample(gpu, &dev, vocab, cfg, 9), host_argmax(&logits));
+    }
+    assert_eq!(device_sample(gpu, &dev, vocab, &configs[1], 77), device_sample(gpu, &dev, vocab, &configs[1], 77));
+}
+
+#[test]
+fn sample_step_from_device_memory() {
+    let Some(gpu) = gpu() else { return };
+    let mut rng = Rng(9);
+    let logits = upload(gpu, &rng.vec(500, -2.0, 2.0));
+    let cfg = SamplingConfig { temperature: 1.0, top_k: 0, top_p: 1.0, min_p: 0.0, seed: 11 };
+    let counter = upload(gpu, &[0u32, 37]);
+    for base in [0u64, 5, 100] {
+        let mut out = upload(gpu, &[u32::MAX]);
+        ops::sample(gpu, &logits, 500, &cfg, base, Some(&counter.slice(1..2)), &mut out).unwrap();
+        assert_eq!(download(gpu, &out)[0], device_sample(gpu, &logits, 500, &cfg, base + 37));
+    }
+}
+
+#[test]
+fn sample_frequencies_follow_the_distribution() {
+    let Some(gpu) = gpu() else { return };
+    let logits = [0.0f32, 1.0, 2.0, 0.5, -1.0, 1.5];
+    let dev = upload(gpu, &logits);
+    let cfg = SamplingConfig { temperature: 0.9, top_k: 0, top_p: 1.0, min_p: 0.0, seed: 2024 };
+    let draws = 4000;
+    let mut out = upload(gpu, &vec![u32::MAX; draws]);
+    for step in 0..draws {
+        ops::sample(gpu, &dev, logits.len(), &cfg, step as u64, None, &mut out.slice_mut(step..step + 1)).unwrap();
+    }
+    let tokens = download(gpu, &out);
+    let z: f64 = logits.iter().map(|&l| (l as f64 / 0.9).exp()).sum();
+    let mut worst = 0f64;
+    for (t, &l) in logits.iter().enumerate() {
+        let p = (l as f64 / 0.9).exp() / z;
+        let freq = tokens.iter().filter(|&&x| x == t as u32).count() as f64 / draws as f64;
+        // Five standard deviations of a binomial frequency.
+        let sigma = (p * (1.0 - p) / draws as f64).sqrt();
+        worst = worst.max((freq - p).abs() / sigma);
+        assert!((freq - p).abs() < 5.0 * sigma, "token {t}: frequency {freq:.4}, probability {p:.4}");
+    }
+    println!("| {:<10} | {:<44} | {:>9} | {:>9} | {:>6.3} |", "sample", format!("{draws} draws vs softmax (sigmas / 5)"), "-", "-", worst / 5.0);
+}
+
+// ---------------------------------------------------------------- module cache
+
+#[test]
+fn kernel_cache_hits_misses_and_rebuilds_corrupt_entries() {
+    use ferrite_cuda::kernels::norm::NormVariant;
+    if let Err(e) = cuda_available() {
+        println!("skipped: {e}");
+        return;
+    }
+    let dir = std::env::temp_dir().join(format!("ferrite-kernel-cache-test-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let open = || own_gpu(KernelCacheDir::Disk(dir.clone())).unwrap();
+    let v64 = NormVariant { block_size: 64 };
+    let v128 = NormVariant { block_size: 128 };
+
+    let gpu = open();
+    gpu.prepare(&v64).unwrap();
+    gpu.prepare(&v64).unwrap();
+    let s = gpu.kernel_cache_stats();
+    assert_eq!((s.compiles, s.memory_hits, s.disk_hits), (1, 1, 0), "same key: one compile, then a memory hit");
+    gpu.prepare(&v128).unwrap();
+    assert_eq!(gpu.kernel_cache_stats().compiles, 2, "another macro value is another module");
+    let (p64, p128) = (gpu.kernel_cache_path(&v64).unwrap(), gpu.kernel_cache_path(&v128).unwrap());
+    assert_ne!(p64, p128, "different macros, different keys");
+    assert!(p64.exists() && p128.exists());
+    drop(gpu);
+
+    let gpu = open();
+    gpu.prepare(&v64).unwrap();
+    let s = gpu.kernel_cache_stats();
+    assert_eq!((s.compiles, s.disk_hits), (0, 1), "a new process reads the disk entry");
+    drop(gpu);
+
+    let damages: [(&str, fn(&mut Vec<u8>)); 2] = [
+        ("bit flip", |b| {
+            let mid = b.len() / 2;
+            b[mid] ^= 0x40
+        }),
+        ("truncation", |b| b.truncate(b.len() * 2 / 3)),
+    ];
+    for (what, damage) in damages {
+        let mut bytes = std::fs::read(&p64).unwrap();
+        damage(&mut bytes);
+        std::fs::write(&p64, &bytes).unwrap();
+        let gpu = open();
+        gpu.prepare(&v64).unwrap();
+        let s = gpu.kernel_cache_stats();
+        assert_eq!((s.corrupt_entries, s.compiles, s.disk_hits), (1, 1, 0), "{what}: detected and rebuilt");
+        // The rebuilt kernel works, and the entry on disk is whole again.
+        assert_eq!(NormVariant::for_dim(256), v64);
+        // (NormVariant::for_dim(256) is the 64-thread variant.)
+        let x = upload(&gpu, &[3.0f32; 256]);
+        let w = upload(&gpu, &[2.0f32; 256]);
+        let mut out = poisoned(&gpu, 256);
+        ops::rms_norm(&gpu, &x, &w, 0.0, 1, 256, false, &mut out).unwrap();
+        assert!(download(&gpu, &out).iter().all(|&v| (v - 2.0).abs() < 1e-6));
+        drop(gpu);
+        let gpu = open();
+        gpu.prepare(&v64).unwrap();
+        assert_eq!(gpu.kernel_cache_stats().disk_hits, 1, "{what}: the rewritten entry is valid");
+    }
+    println!("| {:<10} | {:<44} | {:>9} | {:>9} | {:>6} |", "cache", "hit, miss, bit flip + truncation rebuilt", "-", "-", "-");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+// ---------------------------------------------------------------- NVRTC only
+
+/// Every variant the dispatchers can pick compiles for sm_90 (needs only libnvrtc, no GPU).
+#[test]
+fn every_kernel_variant_compiles_for_sm90() {
+    use ferrite_cuda::compile_variant;
+    use ferrite_cuda::kernels::{activation::*, attention::*, dequant::*, embedding::*, gemv::*, norm::*, rope::*, sampling::*};
+    if let Err(e) = compile_variant(&ActivationVariant, "sm_90") {
+        match e {
+            ferrite_cuda::CudaError::NoDevice(why) => {
+                println!("skipped: no CUDA device: {why}");
+                return;
+            }
+            other => panic!("{other}"),
+        }
+    }
+    let mut compiled = 0;
+    let mut check = |name: String, result: Result<Vec<u8>, ferrite_cuda::CudaError>| {
+        let cubin = result.unwrap_or_else(|e| panic!("{name}: {e}"));
+        assert!(cubin.len() > 100, "{name}: empty CUBIN");
+        compiled += 1;
+    };
+    for dtype in ALL_TYPES {
+        for n in [1, 2, 3, 8] {
+            let v = GemvVariant::for_shape(dtype, n);
+            check(format!("{v:?}"), compile_variant(&v, "sm_90"));
+        }
+        for out in [OutType::F32, OutType::F16, OutType::BF16] {
+            check(format!("dequant {dtype} {out:?}"), compile_variant(&DequantVariant { wtype: dtype, out }, "sm_90"));
+        }
+        check(format!("embed {dtype}"), compile_variant(&EmbedVariant { wtype: dtype }, "sm_90"));
+    }
+    for out in [OutType::F32, OutType::F16, OutType::BF16] {
+        check(format!("convert {out:?}"), compile_variant(&ConvertVariant { out }, "sm_90"));
+    }
+    for dim in [32, 576, 4096] {
+        check(format!("norm {dim}"), compile_variant(&NormVariant::for_dim(dim), "sm_90"));
+    }
+    for neox in [false, true] {
+        check(format!("rope {neox}"), compile_variant(&RopeVariant { neox }, "sm_90"));
+    }
+    for kv in [KvDtype::F16, KvDtype::F32] {
+        check(format!("kv_write {kv:?}"), compile_variant(&KvWriteVariant { kv }, "sm_90"));
+        for hd in [32, 64, 128, 256] {
+            check(format!("attention {hd} {kv:?}"), compile_variant(&AttentionVariant::new(hd, kv), "sm_90"));
+        }
+    }
+    check("sampling".into(), compile_variant(&SamplingVariant::DEFAULT, "sm_90"));
+    println!("compiled {compiled} kernel variants for sm_90");
+}

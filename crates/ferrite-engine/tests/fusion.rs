@@ -1,0 +1,50 @@
+//! Fusion declared at load time must not change results: the fused and unfused graphs of the
+//! real model give bit-identical fp32 logits and per-layer values, on both CPU precisions.
+
+mod common;
+
+use common::smollm2;
+use ferrite_cpu::{CpuExecutor, CpuPrecision};
+use ferrite_model::graph::Op;
+use ferrite_model::{Executor, ExecutorOptions, FusionOptions};
+
+fn run(fusion: FusionOptions, precision: CpuPrecision, tokens: &[u32]) -> (Vec<f32>, Vec<Vec<f32>>) {
+    let model = smollm2(fusion);
+    let opts = ExecutorOptions { max_batch: 8, context_len: 64, trace: true };
+    let mut exec = CpuExecutor::new(model, precision, opts).unwrap();
+    // A prompt split over two chunks, then one decode step.
+    exec.forward(&tokens[..tokens.len() - 1], 0).unwrap();
+    exec.forward(&tokens[tokens.len() - 1..], tokens.len() - 1).unwrap();
+    let traces = exec.traces().unwrap().into_iter().map(|t| t.data).collect();
+    (exec.logits().unwrap(), traces)
+}
+
+#[test]
+fn fused_and_unfused_graphs_are_bit_identical() {
+    let tokens: Vec<u32> = vec![1, 504, 3458, 282, 4649, 314, 253, 1345, 30, 2];
+    for precision in [CpuPrecision::Reference, CpuPrecision::Quantized] {
+        let fused = run(FusionOptions::ALL, precision, &tokens);
+        let unfused = run(FusionOptions::NONE, precision, &tokens);
+        assert!(fused.0.iter().all(|v| v.is_finite()));
+        assert_eq!(fused.0.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), unfused.0.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), "{precision:?}: logits differ");
+        assert_eq!(fused.1.len(), unfused.1.len());
+        for (i, (a, b)) in fused.1.iter().zip(&unfused.1).enumerate() {
+            assert!(a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits()), "{precision:?}: traced value {i} differs");
+        }
+    }
+}
+
+#[test]
+fn fusion_options_change_the_graph() {
+    let fused = smollm2(FusionOptions::ALL);
+    let unfused = smollm2(FusionOptions::NONE);
+    let count = |g: &ferrite_model::Graph, f: fn(&Op) -> bool| g.ops.iter().filter(|o| f(o)).count();
+    let linear = |o: &Op| matches!(o, Op::Linear { .. });
+    let norm = |o: &Op| matches!(o, Op::RmsNorm { .. });
+    let layers = fused.config.n_layers;
+    // Unfused: q, k, v, o, gate, up, down per layer + head; fused: qkv, o, gate_up, down + head.
+    assert_eq!(count(&unfused.graph, linear), 7 * layers + 1);
+    assert_eq!(count(&fused.graph, linear), 4 * layers + 1);
+    assert_eq!(count(&unfused.graph, norm), 2 * layers + 1);
+    assert_eq!(count(&fused.graph, norm), 0);
+}
