@@ -36,11 +36,21 @@ impl Weight {
                 ((s >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 0.1
             })
             .collect();
-        Weight { dtype, rows, cols, data: ferrite_gguf::quantize(dtype, &floats).expect("whole blocks") }
+        Weight {
+            dtype,
+            rows,
+            cols,
+            data: ferrite_gguf::quantize(dtype, &floats).expect("whole blocks"),
+        }
     }
 
     fn view(&self) -> WeightView<'_> {
-        WeightView { dtype: self.dtype, rows: self.rows, cols: self.cols, data: &self.data }
+        WeightView {
+            dtype: self.dtype,
+            rows: self.rows,
+            cols: self.cols,
+            data: &self.data,
+        }
     }
 }
 
@@ -72,8 +82,13 @@ fn run(level: SimdLevel, w: &Weight, x: &[f32], n_tokens: usize, out: &mut Vec<f
 }
 
 fn main() {
-    let threads: usize = std::env::args().nth(1).map_or(2, |a| a.parse().expect("THREADS must be a number"));
-    rayon::ThreadPoolBuilder::new().num_threads(threads).build_global().expect("first pool");
+    let threads: usize = std::env::args()
+        .nth(1)
+        .map_or(2, |a| a.parse().expect("THREADS must be a number"));
+    rayon::ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .build_global()
+        .expect("first pool");
     // Run on a pool thread, as an executor should: parallel calls made from outside the pool pay
     // a cross-thread wake-up (~10 us) each time.
     rayon::scope(|_| bench(threads));
@@ -81,12 +96,17 @@ fn main() {
 
 fn bench(threads: usize) {
     let levels = SimdLevel::available();
-    let x: Vec<f32> = (0..128 * FF).map(|i| (i * 7919 % 1000) as f32 / 500.0 - 1.0).collect();
+    let x: Vec<f32> = (0..128 * FF)
+        .map(|i| (i * 7919 % 1000) as f32 / 500.0 - 1.0)
+        .collect();
     let mut out = Vec::new();
     println!("{threads} threads, levels {levels:?}\n");
 
     println!("== one shape, weights warm ==");
-    println!("{:<24} {:>7} {:>12} {:>11} {:>10} {:>10}", "shape", "tokens", "level", "time", "weight GB/s", "GMAC/s");
+    println!(
+        "{:<24} {:>7} {:>12} {:>11} {:>10} {:>10}",
+        "shape", "tokens", "level", "time", "weight GB/s", "GMAC/s"
+    );
     let shapes = [
         ("attn_q/o 576x576", GgmlType::Q4_1, D, D),
         ("attn_k/v 192x576", GgmlType::Q4_1, KV, D),
@@ -108,12 +128,18 @@ fn bench(threads: usize) {
                 let secs = t.as_secs_f64();
                 let gbs = w.data.len() as f64 / secs / 1e9;
                 let gmacs = (rows * cols * n_tokens) as f64 / secs / 1e9;
-                println!("{name:<24} {n_tokens:>7} {:>12} {:>9.1}us {gbs:>11.1} {gmacs:>10.1}", format!("{level:?}"), secs * 1e6);
+                println!(
+                    "{name:<24} {n_tokens:>7} {:>12} {:>9.1}us {gbs:>11.1} {gmacs:>10.1}",
+                    format!("{level:?}"),
+                    secs * 1e6
+                );
             }
         }
     }
 
-    println!("\n== model-sized sweep: 30 layers (fused qkv, o, fused gate+up, down) + Q8_0 head ==");
+    println!(
+        "\n== model-sized sweep: 30 layers (fused qkv, o, fused gate+up, down) + Q8_0 head =="
+    );
     let layers: Vec<[Weight; 4]> = (0..LAYERS)
         .map(|l| {
             let s = 1000 * l as u64;
@@ -126,7 +152,8 @@ fn bench(threads: usize) {
         })
         .collect();
     let head = Weight::random(GgmlType::Q8_0, VOCAB, D, 7);
-    let bytes: usize = layers.iter().flatten().map(|w| w.data.len()).sum::<usize>() + head.data.len();
+    let bytes: usize =
+        layers.iter().flatten().map(|w| w.data.len()).sum::<usize>() + head.data.len();
     println!("{:.1} MB of weights", bytes as f64 / 1e6);
     for &level in levels.iter().filter(|&&l| l != SimdLevel::Scalar) {
         for n_tokens in [1, 128] {

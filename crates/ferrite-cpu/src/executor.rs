@@ -6,9 +6,10 @@
 
 use crate::kernels::{self, activation, attention::AttentionParams, norm, rope::Rope, WeightView};
 use anyhow::{anyhow, bail, Context};
+use ferrite_gguf::TensorInfo;
 use ferrite_model::graph::{NormSpec, Op, ValueId, WeightId};
 use ferrite_model::planner::{self, Plan};
-use ferrite_model::{Executor, ExecutorOptions, LayerTrace, Model, RopeStyle};
+use ferrite_model::{Executor, ExecutorOptions, LayerTrace, LoadProgress, Model, RopeStyle};
 use std::sync::Arc;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -26,7 +27,7 @@ enum CpuWeight {
     /// Packed weight bytes owned here (fused weights, whose parts are not contiguous in the file).
     Packed(Vec<u8>),
     /// Packed weight bytes used in place from the memory-mapped file.
-    InFile,
+    InFile(TensorInfo),
 }
 
 /// Mutable buffers of a forward pass, kept apart from the read-only model data.
@@ -57,14 +58,17 @@ impl CpuExecutor {
     pub fn new(model: Arc<Model>, precision: CpuPrecision, options: ExecutorOptions) -> anyhow::Result<Self> {
         let graph = &model.graph;
         let mut weights: Vec<Option<CpuWeight>> = (0..model.weights.len()).map(|_| None).collect();
-        for id in model.weights.used_by(graph) {
+        let used = model.weights.used_by(graph);
+        for (i, &id) in used.iter().enumerate() {
+            LoadProgress::report(&options.progress, i, used.len());
             let spec = model.weights.spec(id);
             let w = if spec.is_vector() || precision == CpuPrecision::Reference {
                 CpuWeight::F32(model.weights.to_f32(&model.file, id)?)
             } else if spec.parts.len() > 1 {
                 CpuWeight::Packed(model.weights.bytes(&model.file, id)?.into_owned())
             } else {
-                CpuWeight::InFile
+                let t = model.file.tensor(&spec.parts[0]).ok_or_else(|| anyhow!("tensor `{}` vanished", spec.name))?;
+                CpuWeight::InFile(t.clone())
             };
             weights[id.0 as usize] = Some(w);
         }
@@ -110,10 +114,7 @@ impl CpuExecutor {
                 Ok(())
             }
             Some(CpuWeight::Packed(bytes)) => Ok(kernels::matmul(&view(bytes), x, n, out)?),
-            Some(CpuWeight::InFile) => {
-                let bytes = self.model.weights.bytes(&self.model.file, id)?;
-                Ok(kernels::matmul(&view(&bytes), x, n, out)?)
-            }
+            Some(CpuWeight::InFile(t)) => Ok(kernels::matmul(&view(self.model.file.tensor_data(t)), x, n, out)?),
             None => bail!("weight `{}` was not loaded", spec.name),
         }
     }

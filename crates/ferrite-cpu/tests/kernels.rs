@@ -2,7 +2,9 @@
 //! dequantization + `matmul_f32`), and the SIMD kernels against the scalar kernels.
 
 use ferrite_cpu::kernels::simd::SimdLevel;
-use ferrite_cpu::kernels::{embedding::embed_rows, matmul_f32, matmul_with, KernelError, WeightView};
+use ferrite_cpu::kernels::{
+    embedding::embed_rows, matmul_f32, matmul_with, KernelError, WeightView,
+};
 use ferrite_gguf::blocks::*;
 use ferrite_gguf::GgmlType;
 use half::{bf16, f16};
@@ -48,14 +50,21 @@ fn random_weights(dtype: GgmlType, rows: usize, cols: usize, rng: &mut Rng) -> V
     let n = rows * cols;
     match dtype {
         GgmlType::F32 => (0..n).flat_map(|_| rng.unit().to_le_bytes()).collect(),
-        GgmlType::F16 => (0..n).flat_map(|_| f16::from_f32(rng.unit()).to_le_bytes()).collect(),
-        GgmlType::BF16 => (0..n).flat_map(|_| bf16::from_f32(rng.unit()).to_le_bytes()).collect(),
+        GgmlType::F16 => (0..n)
+            .flat_map(|_| f16::from_f32(rng.unit()).to_le_bytes())
+            .collect(),
+        GgmlType::BF16 => (0..n)
+            .flat_map(|_| bf16::from_f32(rng.unit()).to_le_bytes())
+            .collect(),
         _ => {
-            let mut data: Vec<u8> = (0..dtype.row_bytes(n).unwrap()).map(|_| rng.next() as u8).collect();
+            let mut data: Vec<u8> = (0..dtype.row_bytes(n).unwrap())
+                .map(|_| rng.next() as u8)
+                .collect();
             let fields = f16_fields(dtype);
             for block in data.chunks_exact_mut(dtype.type_size()) {
                 for &at in &fields {
-                    let scale = rng.unit().signum() * 10f32.powf(-1.0 - 2.0 * rng.unit().abs()) * 0.1;
+                    let scale =
+                        rng.unit().signum() * 10f32.powf(-1.0 - 2.0 * rng.unit().abs()) * 0.1;
                     block[at..at + 2].copy_from_slice(&f16::from_f32(scale).to_le_bytes());
                 }
             }
@@ -66,7 +75,9 @@ fn random_weights(dtype: GgmlType, rows: usize, cols: usize, rng: &mut Rng) -> V
 
 /// Activations with a few outliers per row, as real hidden states have.
 fn random_activations(n: usize, rng: &mut Rng) -> Vec<f32> {
-    (0..n).map(|i| rng.unit() * if i % 97 == 5 { 20.0 } else { 1.0 }).collect()
+    (0..n)
+        .map(|i| rng.unit() * if i % 97 == 5 { 20.0 } else { 1.0 })
+        .collect()
 }
 
 fn dequantize(dtype: GgmlType, data: &[u8], n: usize) -> Vec<f32> {
@@ -101,11 +112,23 @@ struct Bounds {
 }
 
 fn bounds(w: &[f32], x: &[f32], dtype: GgmlType) -> Bounds {
-    let act_block = if dtype.is_quantized() { if dtype.block_size() == 256 { 256 } else { 32 } } else { 1 };
+    let act_block = if dtype.is_quantized() {
+        if dtype.block_size() == 256 {
+            256
+        } else {
+            32
+        }
+    } else {
+        1
+    };
     let mut quant = 0f64;
     let mut magnitude = 0f64;
-    for (wb, xb) in w.chunks(dtype.block_size()).zip(x.chunks(dtype.block_size())) {
-        let range = wb.iter().cloned().fold(f32::NEG_INFINITY, f32::max) - wb.iter().cloned().fold(f32::INFINITY, f32::min);
+    for (wb, xb) in w
+        .chunks(dtype.block_size())
+        .zip(x.chunks(dtype.block_size()))
+    {
+        let range = wb.iter().cloned().fold(f32::NEG_INFINITY, f32::max)
+            - wb.iter().cloned().fold(f32::INFINITY, f32::min);
         for (&w, &x) in wb.iter().zip(xb) {
             magnitude += (w.abs() as f64 + 2.0 * range as f64) * x.abs() as f64;
         }
@@ -126,11 +149,23 @@ fn exact_dot(w: &[f32], x: &[f32]) -> f64 {
 /// Runs `W x` at every available level and checks each output: the scalar kernel within the
 /// activation-quantization bound (+ f32 rounding) of the exact product of the dequantized
 /// weights, every SIMD kernel within f32 rounding of the scalar one.
-fn check_matmul(dtype: GgmlType, rows: usize, cols: usize, data: &[u8], x: &[f32], n_tokens: usize) {
+fn check_matmul(
+    dtype: GgmlType,
+    rows: usize,
+    cols: usize,
+    data: &[u8],
+    x: &[f32],
+    n_tokens: usize,
+) {
     let levels = SimdLevel::available();
     assert_eq!(levels[0], SimdLevel::Scalar);
     let w = dequantize(dtype, data, rows * cols);
-    let view = WeightView { dtype, rows, cols, data };
+    let view = WeightView {
+        dtype,
+        rows,
+        cols,
+        data,
+    };
     let outputs: Vec<Vec<f32>> = levels
         .iter()
         .map(|&level| {
@@ -185,8 +220,13 @@ fn matmul_matches_dequantized_reference_at_every_level() {
 }
 
 fn model_path() -> std::path::PathBuf {
-    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../models/SmolLM2-135M-Instruct.Q4_1.gguf");
-    assert!(path.exists(), "{} is missing: run scripts/fetch-model.sh first", path.display());
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../models/SmolLM2-135M-Instruct.Q4_1.gguf");
+    assert!(
+        path.exists(),
+        "{} is missing: run scripts/fetch-model.sh first",
+        path.display()
+    );
     path
 }
 
@@ -195,10 +235,14 @@ fn model_path() -> std::path::PathBuf {
 fn matmul_and_embedding_on_real_model_weights() {
     let file = ferrite_gguf::GgufFile::open(model_path()).unwrap();
     let mut rng = Rng(5);
-    for (name, max_rows, n_tokens) in
-        [("blk.0.ffn_down.weight", usize::MAX, 3), ("blk.17.attn_q.weight", usize::MAX, 1), ("token_embd.weight", 3000, 5)]
-    {
-        let t = file.tensor(name).unwrap_or_else(|| panic!("{name} is not in the model"));
+    for (name, max_rows, n_tokens) in [
+        ("blk.0.ffn_down.weight", usize::MAX, 3),
+        ("blk.17.attn_q.weight", usize::MAX, 1),
+        ("token_embd.weight", 3000, 5),
+    ] {
+        let t = file
+            .tensor(name)
+            .unwrap_or_else(|| panic!("{name} is not in the model"));
         let (cols, rows) = (t.row_len(), t.n_rows().min(max_rows));
         let data = &file.tensor_data(t)[..t.dtype.row_bytes(cols).unwrap() * rows];
         // Hidden-state-like activations: mostly small, a few large.
@@ -206,14 +250,27 @@ fn matmul_and_embedding_on_real_model_weights() {
         check_matmul(t.dtype, rows, cols, data, &x, n_tokens);
     }
     let t = file.tensor("token_embd.weight").unwrap();
-    let table = WeightView { dtype: t.dtype, rows: t.n_rows(), cols: t.row_len(), data: file.tensor_data(t) };
+    let table = WeightView {
+        dtype: t.dtype,
+        rows: t.n_rows(),
+        cols: t.row_len(),
+        data: file.tensor_data(t),
+    };
     let ids = [0u32, 1, 49151, 1234];
     let mut out = vec![0f32; ids.len() * table.cols];
     embed_rows(&table, &ids, &mut out).unwrap();
     let row_bytes = t.dtype.row_bytes(table.cols).unwrap();
     for (i, &id) in ids.iter().enumerate() {
-        let want = dequantize(t.dtype, &table.data[id as usize * row_bytes..][..row_bytes], table.cols);
-        assert_eq!(&out[i * table.cols..(i + 1) * table.cols], &want[..], "token {id}");
+        let want = dequantize(
+            t.dtype,
+            &table.data[id as usize * row_bytes..][..row_bytes],
+            table.cols,
+        );
+        assert_eq!(
+            &out[i * table.cols..(i + 1) * table.cols],
+            &want[..],
+            "token {id}"
+        );
     }
 }
 
@@ -242,16 +299,76 @@ fn matmul_of_reference_quantized_weights() {
         for t in 0..n_tokens {
             for r in 0..rows {
                 let steps = &steps[t * cols..(t + 1) * cols];
-                variance += w[r * cols..(r + 1) * cols].iter().zip(steps).map(|(&w, d)| (w as f64 * d).powi(2) / 12.0).sum::<f64>();
+                variance += w[r * cols..(r + 1) * cols]
+                    .iter()
+                    .zip(steps)
+                    .map(|(&w, d)| (w as f64 * d).powi(2) / 12.0)
+                    .sum::<f64>();
             }
         }
         let mut want = vec![0f32; n_tokens * rows];
         matmul_f32(&w, rows, cols, &x, n_tokens, &mut want);
         for level in SimdLevel::available() {
             let mut out = vec![0f32; n_tokens * rows];
-            matmul_with(level, &WeightView { dtype, rows, cols, data: &data }, &x, n_tokens, &mut out).unwrap();
-            let err2: f64 = out.iter().zip(&want).map(|(a, b)| ((a - b) as f64).powi(2)).sum();
-            assert!(err2 <= 2.0 * variance, "{dtype} {level:?}: squared error {err2}, expected about {variance}");
+            matmul_with(
+                level,
+                &WeightView {
+                    dtype,
+                    rows,
+                    cols,
+                    data: &data,
+                },
+                &x,
+                n_tokens,
+                &mut out,
+            )
+            .unwrap();
+            let err2: f64 = out
+                .iter()
+                .zip(&want)
+                .map(|(a, b)| ((a - b) as f64).powi(2))
+                .sum();
+            assert!(
+                err2 <= 2.0 * variance,
+                "{dtype} {level:?}: squared error {err2}, expected about {variance}"
+            );
+        }
+    }
+}
+
+/// A NaN activation must surface as NaN outputs of its token, not as garbage codes.
+#[test]
+fn nan_activations_reach_the_outputs() {
+    let mut rng = Rng(9);
+    for dtype in QUANTIZED.into_iter().chain(FLOATS) {
+        let (rows, cols, n_tokens) = (5, 256, 2);
+        let data = random_weights(dtype, rows, cols, &mut rng);
+        let mut x = random_activations(n_tokens * cols, &mut rng);
+        x[cols + 77] = f32::NAN;
+        for level in SimdLevel::available() {
+            let mut out = vec![0f32; n_tokens * rows];
+            matmul_with(
+                level,
+                &WeightView {
+                    dtype,
+                    rows,
+                    cols,
+                    data: &data,
+                },
+                &x,
+                n_tokens,
+                &mut out,
+            )
+            .unwrap();
+            assert!(
+                out[..rows].iter().all(|v| v.is_finite()),
+                "{dtype} {level:?}: token 0 is clean"
+            );
+            assert!(
+                out[rows..].iter().all(|v| v.is_nan()),
+                "{dtype} {level:?}: {:?}",
+                &out[rows..]
+            );
         }
     }
 }
@@ -275,22 +392,51 @@ fn matmul_f32_is_an_exact_reference() {
 #[test]
 fn matmul_rejects_bad_shapes_and_types() {
     let data = vec![0u8; 2 * 20];
-    let view = WeightView { dtype: GgmlType::Q4_1, rows: 2, cols: 32, data: &data };
+    let view = WeightView {
+        dtype: GgmlType::Q4_1,
+        rows: 2,
+        cols: 32,
+        data: &data,
+    };
     let x = vec![0f32; 32];
     let mut out = vec![0f32; 2];
     matmul_with(SimdLevel::Scalar, &view, &x, 1, &mut out).unwrap();
 
-    let err = |view: &WeightView, x: &[f32], n: usize, out: &mut [f32]| matmul_with(SimdLevel::Scalar, view, x, n, out).unwrap_err().to_string();
-    let short = WeightView { data: &data[..39], ..view };
-    assert_eq!(err(&short, &x, 1, &mut out), "matmul: Q4_1 weight of 2 x 32 needs 40 bytes, got 39");
+    let err = |view: &WeightView, x: &[f32], n: usize, out: &mut [f32]| {
+        matmul_with(SimdLevel::Scalar, view, x, n, out)
+            .unwrap_err()
+            .to_string()
+    };
+    let short = WeightView {
+        data: &data[..39],
+        ..view
+    };
+    assert_eq!(
+        err(&short, &x, 1, &mut out),
+        "matmul: Q4_1 weight of 2 x 32 needs 40 bytes, got 39"
+    );
     let ragged = WeightView { cols: 31, ..view };
-    assert!(err(&ragged, &x[..31], 1, &mut out).contains("31 columns: not a whole number of 32-element blocks"));
-    assert!(err(&view, &x[..31], 1, &mut out).starts_with("matmul: input has 31 values, expected 32"));
+    assert!(err(&ragged, &x[..31], 1, &mut out)
+        .contains("31 columns: not a whole number of 32-element blocks"));
+    assert!(
+        err(&view, &x[..31], 1, &mut out).starts_with("matmul: input has 31 values, expected 32")
+    );
     assert!(err(&view, &x, 1, &mut out[..1]).starts_with("matmul: output has 1 values, expected 2"));
     let q8k = vec![0u8; 2 * 292];
-    let view_k = WeightView { dtype: GgmlType::Q8_K, rows: 2, cols: 256, data: &q8k };
-    assert_eq!(err(&view_k, &[0.0; 256], 1, &mut out), "matmul: weight dtype Q8_K is not supported");
-    let unavailable = SimdLevel::ALL.into_iter().find(|l| !l.is_available()).expect("some level is foreign to this CPU");
+    let view_k = WeightView {
+        dtype: GgmlType::Q8_K,
+        rows: 2,
+        cols: 256,
+        data: &q8k,
+    };
+    assert_eq!(
+        err(&view_k, &[0.0; 256], 1, &mut out),
+        "matmul: weight dtype Q8_K is not supported"
+    );
+    let unavailable = SimdLevel::ALL
+        .into_iter()
+        .find(|l| !l.is_available())
+        .expect("some level is foreign to this CPU");
     assert!(matches!(
         matmul_with(unavailable, &view, &x, 1, &mut out),
         Err(KernelError::UnavailableSimd { .. })
@@ -301,18 +447,35 @@ fn matmul_rejects_bad_shapes_and_types() {
 fn embedding_dequantizes_rows_and_rejects_bad_ids() {
     let mut rng = Rng(11);
     let rows = 10;
-    for (dtype, cols) in [(GgmlType::Q8_0, 64), (GgmlType::Q4_K, 256), (GgmlType::F16, 48), (GgmlType::F32, 7)] {
+    for (dtype, cols) in [
+        (GgmlType::Q8_0, 64),
+        (GgmlType::Q4_K, 256),
+        (GgmlType::F16, 48),
+        (GgmlType::F32, 7),
+    ] {
         let data = random_weights(dtype, rows, cols, &mut rng);
-        let table = WeightView { dtype, rows, cols, data: &data };
+        let table = WeightView {
+            dtype,
+            rows,
+            cols,
+            data: &data,
+        };
         let w = dequantize(dtype, &data, rows * cols);
         let ids = [3u32, 0, 9, 3];
         let mut out = vec![0f32; ids.len() * cols];
         embed_rows(&table, &ids, &mut out).unwrap();
         for (i, &id) in ids.iter().enumerate() {
-            assert_eq!(&out[i * cols..(i + 1) * cols], &w[id as usize * cols..(id as usize + 1) * cols], "{dtype}");
+            assert_eq!(
+                &out[i * cols..(i + 1) * cols],
+                &w[id as usize * cols..(id as usize + 1) * cols],
+                "{dtype}"
+            );
         }
         let e = embed_rows(&table, &[1, 10], &mut out[..2 * cols]).unwrap_err();
-        assert_eq!(e.to_string(), "embedding: token id 10 (position 1 of the batch) is outside the table of 10 rows");
+        assert_eq!(
+            e.to_string(),
+            "embedding: token id 10 (position 1 of the batch) is outside the table of 10 rows"
+        );
         assert!(embed_rows(&table, &[1], &mut out).is_err());
     }
 }

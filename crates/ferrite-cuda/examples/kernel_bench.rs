@@ -5,6 +5,7 @@
 //!   cargo run -p ferrite-cuda --release --example kernel_bench
 //!   (or the binary from scripts/gpu-build.sh, on the GPU machine: .device/kernel_bench)
 
+use ferrite_cuda::kernels::gemv::GemvVariant;
 use ferrite_cuda::ops::{self, AttentionConfig, KvCache, KvDtype, LinearOptions, LinearPath, SamplingConfig};
 use ferrite_cuda::{CudaError, Gpu};
 use ferrite_gguf::quant::quantize;
@@ -26,13 +27,22 @@ fn time(gpu: &Gpu, iters: usize, mut f: impl FnMut() -> Result<(), CudaError>) -
 fn main() -> Result<(), CudaError> {
     let gpu = Gpu::new(0)?;
     println!("{} (sm_{}{}, {} SMs)", gpu.name(), gpu.compute_capability().0, gpu.compute_capability().1, gpu.sm_count());
-    // SmolLM2-135M projections (q/o, k/v, gate/up, down, lm_head) and one large matrix.
-    let shapes = [(576, 576), (192, 576), (1536, 576), (576, 1536), (49152, 576), (8192, 8192)];
+    // SmolLM2-135M projections (q/o, k/v, gate/up, down, lm_head) and two large matrices
+    // (k-quants need rows of whole 256-value blocks, so they skip SmolLM2's 576 columns).
+    let shapes = [(576, 576), (192, 576), (1536, 576), (576, 1536), (49152, 576), (8192, 8192), (16384, 4096)];
     let dtypes = [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q8_0, GgmlType::Q4_K, GgmlType::Q6_K, GgmlType::F16];
     let gemv = LinearOptions { path: LinearPath::Gemv, ..LinearOptions::default() };
     println!("\n{:<6} {:>13} {:>4} {:>10} {:>9}", "dtype", "rows x cols", "n", "us/launch", "GB/s");
     for dtype in dtypes {
+        for n in [1, 4] {
+            for info in gpu.kernel_info(&GemvVariant::for_shape(dtype, n))? {
+                println!("{dtype} n={n}: {info:?}");
+            }
+        }
         for (rows, cols) in shapes {
+            if cols % dtype.block_size() != 0 {
+                continue;
+            }
             let values: Vec<f32> = (0..rows * cols).map(|i| ((i * 7919) % 2001) as f32 / 1000.0 - 1.0).collect();
             let bytes = quantize(dtype, &values).expect("quantize");
             let w = gpu.upload_weight(dtype, rows, cols, &bytes)?;

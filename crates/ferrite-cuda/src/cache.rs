@@ -191,7 +191,32 @@ pub(crate) struct LoadedModule {
     _module: Arc<CudaModule>,
 }
 
+/// Resource use of one compiled kernel (from the driver), for diagnostics.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct KernelInfo {
+    pub name: &'static str,
+    pub registers: i32,
+    /// Local memory per thread: non-zero means register spills.
+    pub local_bytes: i32,
+    pub static_shared_bytes: i32,
+}
+
 impl LoadedModule {
+    pub(crate) fn info(&self) -> Result<Vec<KernelInfo>, CudaError> {
+        self.functions
+            .iter()
+            .map(|(name, f)| {
+                let ctx = || format!("reading the attributes of kernel {name}");
+                Ok(KernelInfo {
+                    name,
+                    registers: f.num_regs().context(ctx)?,
+                    local_bytes: f.local_size_bytes().context(ctx)?,
+                    static_shared_bytes: f.shared_size_bytes().context(ctx)?,
+                })
+            })
+            .collect()
+    }
+
     pub(crate) fn function(&self, name: &str) -> &CudaFunction {
         self.functions
             .iter()

@@ -1,6 +1,6 @@
 //! The GPU handle: context, compute stream, cuBLAS, module cache, scratch, device error flag.
 
-use crate::cache::{CacheStats, DiskCache, ModuleCache};
+use crate::cache::{CacheStats, DiskCache, KernelInfo, ModuleCache};
 use crate::compile::{nvrtc_version, require_nvrtc, supported_archs};
 use crate::error::{Context, CudaError};
 use crate::kernels::common::{ERR_POSITION, ERR_TOKEN_ID};
@@ -204,6 +204,11 @@ impl Gpu {
     /// Compile (or fetch from the caches) a kernel variant now, e.g. to warm up before timing.
     pub fn prepare<V: KernelVariant>(&self, variant: &V) -> Result<(), CudaError> {
         self.modules.get(variant).map(|_| ())
+    }
+
+    /// Registers, spills and shared memory of a variant's kernels (compiling it if needed).
+    pub fn kernel_info<V: KernelVariant>(&self, variant: &V) -> Result<Vec<KernelInfo>, CudaError> {
+        self.modules.get(variant)?.info()
     }
 
     /// Path of the disk entry a variant is (or would be) cached under.

@@ -18,7 +18,7 @@ pub mod kernels;
 pub mod ops;
 mod weight;
 
-pub use cache::{compile_variant, CacheKey, CacheStats, DiskCache, DiskLookup};
+pub use cache::{compile_variant, CacheKey, CacheStats, DiskCache, DiskLookup, KernelInfo};
 pub use cudarc::driver::{CudaSlice, CudaView, CudaViewMut};
 pub use device::{cuda_available, Gpu, GpuOptions, KernelCacheDir};
 pub use error::CudaError;

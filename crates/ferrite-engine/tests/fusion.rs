@@ -10,7 +10,7 @@ use ferrite_model::{Executor, ExecutorOptions, FusionOptions};
 
 fn run(fusion: FusionOptions, precision: CpuPrecision, tokens: &[u32]) -> (Vec<f32>, Vec<Vec<f32>>) {
     let model = smollm2(fusion);
-    let opts = ExecutorOptions { max_batch: 8, context_len: 64, trace: true };
+    let opts = ExecutorOptions { max_batch: 8, context_len: 64, trace: true, progress: None };
     let mut exec = CpuExecutor::new(model, precision, opts).unwrap();
     // A prompt split over two chunks, then one decode step.
     exec.forward(&tokens[..tokens.len() - 1], 0).unwrap();

@@ -34,7 +34,7 @@ fn cases() -> Vec<Case> {
 
 fn session(precision: CpuPrecision) -> Session {
     let model = smollm2(FusionOptions::ALL);
-    let opts = ExecutorOptions { max_batch: 64, context_len: 256, trace: false };
+    let opts = ExecutorOptions { max_batch: 64, context_len: 256, trace: false, progress: None };
     Session::new(Box::new(CpuExecutor::new(model, precision, opts).unwrap()))
 }
 

@@ -1,5 +1,23 @@
 //! The interface every backend implements to run a model graph.
 
+/// Called as `(done, total)` while a backend prepares its weights (for a progress bar).
+#[derive(Clone)]
+pub struct LoadProgress(pub std::sync::Arc<dyn Fn(usize, usize) + Send + Sync>);
+
+impl std::fmt::Debug for LoadProgress {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("LoadProgress")
+    }
+}
+
+impl LoadProgress {
+    pub fn report(progress: &Option<LoadProgress>, done: usize, total: usize) {
+        if let Some(p) = progress {
+            (p.0)(done, total);
+        }
+    }
+}
+
 /// Options shared by all backends when they are instantiated for a model.
 #[derive(Clone, Debug)]
 pub struct ExecutorOptions {
@@ -9,11 +27,13 @@ pub struct ExecutorOptions {
     pub context_len: usize,
     /// Keep traced values (per-layer outputs) readable after `forward` (for `compare`).
     pub trace: bool,
+    /// Weight preparation progress.
+    pub progress: Option<LoadProgress>,
 }
 
 impl Default for ExecutorOptions {
     fn default() -> Self {
-        Self { max_batch: 256, context_len: 4096, trace: false }
+        Self { max_batch: 256, context_len: 4096, trace: false, progress: None }
     }
 }
 

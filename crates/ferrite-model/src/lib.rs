@@ -16,7 +16,7 @@ pub mod weights;
 
 pub use config::{Arch, ModelConfig, RopeConfig, RopeStyle};
 pub use error::ModelError;
-pub use executor::{DeviceSampling, Executor, ExecutorOptions, LayerTrace};
+pub use executor::{DeviceSampling, Executor, ExecutorOptions, LayerTrace, LoadProgress};
 pub use fusion::FusionOptions;
 pub use graph::{Graph, Op, ValueId, WeightId};
 pub use weights::{WeightSet, WeightSpec};

@@ -4,7 +4,7 @@ use crate::model_path;
 use anyhow::{Context, Result};
 use clap::Args;
 use ferrite_engine::{open_executor, BackendKind, SamplerParams, Session};
-use ferrite_model::{ExecutorOptions, FusionOptions, Model};
+use ferrite_model::{ExecutorOptions, FusionOptions, LoadProgress, Model};
 use ferrite_tokenizer::Tokenizer;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -90,6 +90,9 @@ pub fn load_model(args: &ModelArgs) -> Result<Loaded> {
     let path = model_path::resolve(args.model.as_deref())?;
     let model = Model::load(&path, FusionOptions::from_env()).with_context(|| format!("loading {}", path.display()))?;
     let tokenizer = Tokenizer::from_gguf(&model.file.metadata).context("building the tokenizer from the GGUF metadata")?;
+    for w in tokenizer.warnings() {
+        eprintln!("warning: {w}");
+    }
     Ok(Loaded { model: Arc::new(model), tokenizer })
 }
 
@@ -99,17 +102,24 @@ impl Loaded {
             max_batch: args.batch_size as usize,
             context_len: args.ctx_size.min(self.model.config.context_length).max(1),
             trace,
+            progress: None,
         }
     }
 
-    /// Instantiate the backend (weight preparation/upload happens here) with a spinner.
+    /// Instantiate the backend (weight preparation/upload happens here) with a progress bar.
     pub fn session(&self, args: &ModelArgs, backend: BackendKind, trace: bool) -> Result<Session> {
-        let spinner = indicatif::ProgressBar::new_spinner();
-        spinner.set_message(format!("preparing {} weights for {backend}", self.model.config.name));
-        spinner.enable_steady_tick(std::time::Duration::from_millis(100));
+        let bar = indicatif::ProgressBar::new(0);
+        bar.set_style(indicatif::ProgressStyle::with_template("{msg} [{bar:30}] {pos}/{len} weights").expect("valid template"));
+        bar.set_message(format!("preparing {} for {backend}", self.model.config.name));
+        let mut options = self.executor_options(args, trace);
+        let b = bar.clone();
+        options.progress = Some(LoadProgress(Arc::new(move |done, total| {
+            b.set_length(total as u64);
+            b.set_position(done as u64 + 1);
+        })));
         let t = Instant::now();
-        let exec = open_executor(Arc::clone(&self.model), backend, self.executor_options(args, trace));
-        spinner.finish_and_clear();
+        let exec = open_executor(Arc::clone(&self.model), backend, options);
+        bar.finish_and_clear();
         let exec = exec.with_context(|| format!("starting the {backend} backend"))?;
         eprintln!("backend: {} (ready in {:.2} s)", exec.describe(), t.elapsed().as_secs_f64());
         Ok(Session::new(exec))

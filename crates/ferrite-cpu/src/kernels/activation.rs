@@ -4,25 +4,32 @@ use super::attention::{softmax_unnormalized, tanh};
 use super::fvec;
 
 fn check_lengths(op: &str, a: usize, b: usize, out: usize) {
-    assert!(a == b && b == out, "{op}: lengths differ (gate {a}, up {b}, out {out})");
+    assert!(
+        a == b && b == out,
+        "{op}: lengths differ (gate {a}, up {b}, out {out})"
+    );
 }
 
-/// `out = silu(gate) * up`, `silu(g) = g / (1 + e^-g)`. Panics if the lengths differ.
-pub fn swiglu(gate: &[f32], up: &[f32], out: &mut [f32]) {
-    check_lengths("swiglu", gate.len(), up.len(), out.len());
-    for ((o, &g), &u) in out.iter_mut().zip(gate).zip(up) {
-        *o = g / (1.0 + fvec::exp(-g)) * u;
+fvec::multiversion! {
+    /// `out = silu(gate) * up`, `silu(g) = g / (1 + e^-g)`. Panics if the lengths differ.
+    pub fn swiglu(gate: &[f32], up: &[f32], out: &mut [f32]) {
+        check_lengths("swiglu", gate.len(), up.len(), out.len());
+        for ((o, &g), &u) in out.iter_mut().zip(gate).zip(up) {
+            *o = g / (1.0 + fvec::exp(-g)) * u;
+        }
     }
 }
 
-/// `out = gelu(gate) * up` with the tanh approximation of GELU (as Gemma uses):
-/// `gelu(g) = g/2 * (1 + tanh(sqrt(2/pi) * (g + 0.044715 g^3)))`. Panics if the lengths differ.
-pub fn geglu_tanh(gate: &[f32], up: &[f32], out: &mut [f32]) {
-    check_lengths("geglu_tanh", gate.len(), up.len(), out.len());
-    const SQRT_2_OVER_PI: f32 = 0.797_884_6;
-    for ((o, &g), &u) in out.iter_mut().zip(gate).zip(up) {
-        let inner = SQRT_2_OVER_PI * (g + 0.044_715 * g * g * g);
-        *o = 0.5 * g * (1.0 + tanh(inner)) * u;
+fvec::multiversion! {
+    /// `out = gelu(gate) * up` with the tanh approximation of GELU (as Gemma uses):
+    /// `gelu(g) = g/2 * (1 + tanh(sqrt(2/pi) * (g + 0.044715 g^3)))`. Panics if the lengths differ.
+    pub fn geglu_tanh(gate: &[f32], up: &[f32], out: &mut [f32]) {
+        check_lengths("geglu_tanh", gate.len(), up.len(), out.len());
+        const SQRT_2_OVER_PI: f32 = 0.797_884_6;
+        for ((o, &g), &u) in out.iter_mut().zip(gate).zip(up) {
+            let inner = SQRT_2_OVER_PI * (g + 0.044_715 * g * g * g);
+            *o = 0.5 * g * (1.0 + tanh(inner)) * u;
+        }
     }
 }
 
@@ -53,31 +60,53 @@ mod tests {
     #[test]
     fn swiglu_and_geglu_match_f64() {
         let g = inputs();
-        let u: Vec<f32> = g.iter().enumerate().map(|(i, _)| 1.0 + (i % 5) as f32 * 0.5).collect();
+        let u: Vec<f32> = g
+            .iter()
+            .enumerate()
+            .map(|(i, _)| 1.0 + (i % 5) as f32 * 0.5)
+            .collect();
         let mut out = vec![0.0; g.len()];
         swiglu(&g, &u, &mut out);
         for ((&o, &g), &u) in out.iter().zip(&g).zip(&u) {
             let want = g as f64 / (1.0 + (-g as f64).exp()) * u as f64;
-            assert!((o as f64 - want).abs() <= 1e-6 * want.abs() + 1e-30, "swiglu({g}) = {o}, want {want}");
+            assert!(
+                (o as f64 - want).abs() <= 1e-6 * want.abs() + 1e-30,
+                "swiglu({g}) = {o}, want {want}"
+            );
         }
         geglu_tanh(&g, &u, &mut out);
         for ((&o, &g), &u) in out.iter().zip(&g).zip(&u) {
             let gd = g as f64;
-            let want = 0.5 * gd * (1.0 + ((2.0 / std::f64::consts::PI).sqrt() * (gd + 0.044715 * gd.powi(3))).tanh()) * u as f64;
+            let want = 0.5
+                * gd
+                * (1.0
+                    + ((2.0 / std::f64::consts::PI).sqrt() * (gd + 0.044715 * gd.powi(3))).tanh())
+                * u as f64;
             // tanh via 1 - 2/(e^2x + 1) loses relative precision near 0, absolutely ~1e-7.
-            assert!((o as f64 - want).abs() <= 2e-6 * want.abs() + 2e-7 * (gd * u as f64).abs(), "geglu({g}) = {o}, want {want}");
+            assert!(
+                (o as f64 - want).abs() <= 2e-6 * want.abs() + 2e-7 * (gd * u as f64).abs(),
+                "geglu({g}) = {o}, want {want}"
+            );
         }
     }
 
     #[test]
     fn softmax_matches_f64_and_survives_large_inputs() {
-        let mut x: Vec<f32> = (0..300).map(|i| ((i * 37 % 101) as f32 - 50.0) * 0.4 + 1000.0).collect();
-        let m = x.iter().cloned().fold(f64::NEG_INFINITY, |a, b| a.max(b as f64));
+        let mut x: Vec<f32> = (0..300)
+            .map(|i| ((i * 37 % 101) as f32 - 50.0) * 0.4 + 1000.0)
+            .collect();
+        let m = x
+            .iter()
+            .cloned()
+            .fold(f64::NEG_INFINITY, |a, b| a.max(b as f64));
         let e: Vec<f64> = x.iter().map(|&v| (v as f64 - m).exp()).collect();
         let z: f64 = e.iter().sum();
         softmax_inplace(&mut x);
         for (got, want) in x.iter().zip(e.iter().map(|v| v / z)) {
-            assert!((*got as f64 - want).abs() <= 1e-6 * want + 1e-12, "{got} vs {want}");
+            assert!(
+                (*got as f64 - want).abs() <= 1e-6 * want + 1e-12,
+                "{got} vs {want}"
+            );
         }
         let mut one = [f32::NEG_INFINITY, 3.0, f32::NEG_INFINITY];
         softmax_inplace(&mut one);

@@ -1,6 +1,7 @@
 //! Causal grouped-query attention over an f32 KV cache.
 
 use super::fvec;
+use super::simd::{simd_level, SimdLevel};
 use rayon::prelude::*;
 
 #[derive(Clone, Copy, Debug)]
@@ -20,7 +21,14 @@ pub struct AttentionParams {
 impl AttentionParams {
     /// Plain causal attention with the usual `1 / sqrt(head_dim)` scale.
     pub fn new(n_heads: usize, n_kv_heads: usize, head_dim: usize) -> Self {
-        AttentionParams { n_heads, n_kv_heads, head_dim, scale: 1.0 / (head_dim as f32).sqrt(), window: None, softcap: None }
+        AttentionParams {
+            n_heads,
+            n_kv_heads,
+            head_dim,
+            scale: 1.0 / (head_dim as f32).sqrt(),
+            window: None,
+            softcap: None,
+        }
     }
 }
 
@@ -39,14 +47,59 @@ pub fn attention(
     n_tokens: usize,
     out: &mut [f32],
 ) {
+    attention_at(
+        simd_level(),
+        p,
+        q,
+        k_cache,
+        v_cache,
+        start_pos,
+        n_tokens,
+        out,
+    );
+}
+
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn attention_at(
+    level: SimdLevel,
+    p: &AttentionParams,
+    q: &[f32],
+    k_cache: &[f32],
+    v_cache: &[f32],
+    start_pos: usize,
+    n_tokens: usize,
+    out: &mut [f32],
+) {
     let (nh, nkv, hd) = (p.n_heads, p.n_kv_heads, p.head_dim);
-    assert!(nkv > 0 && nh % nkv == 0 && hd > 0, "attention: {nh} heads cannot share {nkv} KV heads of {hd}");
+    assert!(
+        nkv > 0 && nh % nkv == 0 && hd > 0,
+        "attention: {nh} heads cannot share {nkv} KV heads of {hd}"
+    );
     assert!(p.window != Some(0), "attention: a window of 0 sees no key");
+    assert!(
+        level.is_available(),
+        "attention: {level:?} is not available on this CPU"
+    );
     let (qw, kvw, kv_len) = (nh * hd, nkv * hd, start_pos + n_tokens);
-    assert_eq!(q.len(), n_tokens * qw, "attention: q has {} values, expected {n_tokens} x {qw}", q.len());
-    assert_eq!(out.len(), n_tokens * qw, "attention: out has {} values, expected {n_tokens} x {qw}", out.len());
+    assert_eq!(
+        q.len(),
+        n_tokens * qw,
+        "attention: q has {} values, expected {n_tokens} x {qw}",
+        q.len()
+    );
+    assert_eq!(
+        out.len(),
+        n_tokens * qw,
+        "attention: out has {} values, expected {n_tokens} x {qw}",
+        out.len()
+    );
     for (name, cache) in [("k", k_cache), ("v", v_cache)] {
-        assert_eq!(cache.len(), kv_len * kvw, "attention: {name} cache has {} values, expected {kv_len} x {kvw}", cache.len());
+        assert_eq!(
+            cache.len(),
+            kv_len * kvw,
+            "attention: {name} cache has {} values, expected {kv_len} x {kvw}",
+            cache.len()
+        );
     }
     let group = nh / nkv;
     out.par_chunks_mut(hd).enumerate().for_each(|(i, out)| {
@@ -54,40 +107,179 @@ pub fn attention(
         let pos = start_pos + t;
         let first = p.window.map_or(0, |w| (pos + 1).saturating_sub(w));
         let query = &q[t * qw + h * hd..][..hd];
-        let kv_col = h / group * hd;
-        let mut scores: Vec<f32> = (first..=pos)
-            .map(|j| {
-                let s = fvec::dot(query, &k_cache[j * kvw + kv_col..][..hd]) * p.scale;
-                match p.softcap {
-                    Some(cap) => cap * tanh(s / cap),
-                    None => s,
-                }
-            })
-            .collect();
-        let sum = softmax_unnormalized(&mut scores);
-        out.fill(0.0);
-        for (j, &w) in (first..=pos).zip(&scores) {
-            for (o, &v) in out.iter_mut().zip(&v_cache[j * kvw + kv_col..][..hd]) {
-                *o += w * v;
-            }
+        // This head's columns of the cache rows `first..=pos`.
+        let kv_at = first * kvw + h / group * hd;
+        let keys = &k_cache[kv_at..pos * kvw + h / group * hd + hd];
+        let values = &v_cache[kv_at..pos * kvw + h / group * hd + hd];
+        let mut scores = vec![0f32; pos + 1 - first];
+        let kernels = Kernels::for_level(level, hd);
+        // SAFETY: the kernels were selected for `level`, checked available above.
+        unsafe { (kernels.scores)(query, keys, kvw, p.scale, &mut scores) };
+        if let Some(cap) = p.softcap {
+            scores.iter_mut().for_each(|s| *s = cap * tanh(*s / cap));
         }
-        let inv = 1.0 / sum;
-        out.iter_mut().for_each(|o| *o *= inv);
+        let sum = softmax_unnormalized(&mut scores);
+        // SAFETY: as above.
+        unsafe { (kernels.weighted_sum)(&scores, values, kvw, 1.0 / sum, out) };
     });
 }
 
-/// `x -> exp(x - max)` in place; returns the sum.
-pub(crate) fn softmax_unnormalized(x: &mut [f32]) -> f32 {
-    let max = x.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
-    let mut sum = 0.0;
-    for v in x.iter_mut() {
-        *v = fvec::exp(*v - max);
-        sum += *v;
+/// The two inner loops of one head: scores `q · k_j * scale` and `out = Σ_j w_j v_j * norm`.
+/// `keys`/`values` start at the head's first row and step `stride` floats per row.
+/// Safety: the functions may use the CPU features of the level they were selected for.
+struct Kernels {
+    scores: unsafe fn(&[f32], &[f32], usize, f32, &mut [f32]),
+    weighted_sum: unsafe fn(&[f32], &[f32], usize, f32, &mut [f32]),
+}
+
+impl Kernels {
+    fn for_level(level: SimdLevel, head_dim: usize) -> Kernels {
+        #[cfg(target_arch = "x86_64")]
+        if matches!(level, SimdLevel::Avx2 | SimdLevel::Avx512Vnni)
+            && head_dim.is_multiple_of(x86::CHUNK)
+        {
+            return Kernels {
+                scores: x86::scores,
+                weighted_sum: x86::weighted_sum,
+            };
+        }
+        let _ = (level, head_dim);
+        Kernels {
+            scores: scores_portable,
+            weighted_sum: weighted_sum_portable,
+        }
     }
-    sum
+}
+
+fn scores_portable(q: &[f32], keys: &[f32], stride: usize, scale: f32, scores: &mut [f32]) {
+    for (j, s) in scores.iter_mut().enumerate() {
+        *s = fvec::dot(q, &keys[j * stride..][..q.len()]) * scale;
+    }
+}
+
+fn weighted_sum_portable(
+    weights: &[f32],
+    values: &[f32],
+    stride: usize,
+    norm: f32,
+    out: &mut [f32],
+) {
+    let hd = out.len();
+    out.fill(0.0);
+    for (j, &w) in weights.iter().enumerate() {
+        for (o, &v) in out.iter_mut().zip(&values[j * stride..][..hd]) {
+            *o += w * v;
+        }
+    }
+    out.iter_mut().for_each(|o| *o *= norm);
+}
+
+/// AVX2 loops over 64-dimension chunks held in eight registers.
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use std::arch::x86_64::*;
+
+    /// Dimensions per register-resident chunk.
+    pub(super) const CHUNK: usize = 64;
+
+    /// Safety: AVX2 and FMA must be available. Sizes are checked.
+    pub(super) unsafe fn scores(
+        q: &[f32],
+        keys: &[f32],
+        stride: usize,
+        scale: f32,
+        scores: &mut [f32],
+    ) {
+        let n = scores.len();
+        assert!(
+            q.len().is_multiple_of(CHUNK) && (n == 0 || keys.len() >= (n - 1) * stride + q.len()),
+            "attention scores: sizes"
+        );
+        // SAFETY: AVX2/FMA per the caller; the reads stay within `q` and `keys` (checked above).
+        scores_avx2(q, keys, stride, scale, scores)
+    }
+
+    /// Safety: as [`scores`].
+    pub(super) unsafe fn weighted_sum(
+        weights: &[f32],
+        values: &[f32],
+        stride: usize,
+        norm: f32,
+        out: &mut [f32],
+    ) {
+        let n = weights.len();
+        assert!(
+            out.len().is_multiple_of(CHUNK)
+                && (n == 0 || values.len() >= (n - 1) * stride + out.len()),
+            "attention sum: sizes"
+        );
+        // SAFETY: as in `scores`.
+        weighted_sum_avx2(weights, values, stride, norm, out)
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn scores_avx2(q: &[f32], keys: &[f32], stride: usize, scale: f32, scores: &mut [f32]) {
+        scores.fill(0.0);
+        for c in (0..q.len()).step_by(CHUNK) {
+            let mut qv = [_mm256_setzero_ps(); 8];
+            for (i, v) in qv.iter_mut().enumerate() {
+                *v = _mm256_loadu_ps(q.as_ptr().add(c + 8 * i));
+            }
+            for (j, s) in scores.iter_mut().enumerate() {
+                let k = keys.as_ptr().add(j * stride + c);
+                let (mut a0, mut a1) = (
+                    _mm256_mul_ps(qv[0], _mm256_loadu_ps(k)),
+                    _mm256_mul_ps(qv[1], _mm256_loadu_ps(k.add(8))),
+                );
+                for i in (2..8).step_by(2) {
+                    a0 = _mm256_fmadd_ps(qv[i], _mm256_loadu_ps(k.add(8 * i)), a0);
+                    a1 = _mm256_fmadd_ps(qv[i + 1], _mm256_loadu_ps(k.add(8 * i + 8)), a1);
+                }
+                let v = _mm256_add_ps(a0, a1);
+                let v = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
+                let v = _mm_add_ps(v, _mm_movehl_ps(v, v));
+                *s += _mm_cvtss_f32(_mm_add_ss(v, _mm_movehdup_ps(v)));
+            }
+        }
+        scores.iter_mut().for_each(|s| *s *= scale);
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn weighted_sum_avx2(
+        weights: &[f32],
+        values: &[f32],
+        stride: usize,
+        norm: f32,
+        out: &mut [f32],
+    ) {
+        for c in (0..out.len()).step_by(CHUNK) {
+            let mut acc = [_mm256_setzero_ps(); 8];
+            for (j, &w) in weights.iter().enumerate() {
+                let (w, v) = (_mm256_set1_ps(w), values.as_ptr().add(j * stride + c));
+                for (i, a) in acc.iter_mut().enumerate() {
+                    *a = _mm256_fmadd_ps(w, _mm256_loadu_ps(v.add(8 * i)), *a);
+                }
+            }
+            let norm = _mm256_set1_ps(norm);
+            for (i, a) in acc.iter().enumerate() {
+                _mm256_storeu_ps(out.as_mut_ptr().add(c + 8 * i), _mm256_mul_ps(*a, norm));
+            }
+        }
+    }
+}
+
+fvec::multiversion! {
+    /// `x -> exp(x - max)` in place; returns the sum.
+    pub(crate) fn softmax_unnormalized(x: &mut [f32]) -> f32 {
+        let max = x.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+        // Separate loops: the exponentials vectorize, the lane-wise sum too.
+        x.iter_mut().for_each(|v| *v = fvec::exp(*v - max));
+        fvec::sum(x)
+    }
 }
 
 /// `tanh(x) = 1 - 2 / (e^(2x) + 1)`, saturating to ±1.
+#[inline(always)]
 pub(crate) fn tanh(x: f32) -> f32 {
     1.0 - 2.0 / (fvec::exp(2.0 * x) + 1.0)
 }
@@ -97,18 +289,31 @@ mod tests {
     use super::*;
 
     /// Straightforward f64 attention.
-    fn reference(p: &AttentionParams, q: &[f32], k: &[f32], v: &[f32], start: usize, n: usize) -> Vec<f64> {
+    fn reference(
+        p: &AttentionParams,
+        q: &[f32],
+        k: &[f32],
+        v: &[f32],
+        start: usize,
+        n: usize,
+    ) -> Vec<f64> {
         let (nh, hd, kvw) = (p.n_heads, p.head_dim, p.n_kv_heads * p.head_dim);
         let mut out = vec![0f64; n * nh * hd];
         for t in 0..n {
             let pos = start + t;
             for h in 0..nh {
                 let kvh = h / (nh / p.n_kv_heads);
-                let keys: Vec<usize> = (0..=pos).filter(|&j| p.window.is_none_or(|w| j + w > pos)).collect();
+                let keys: Vec<usize> = (0..=pos)
+                    .filter(|&j| p.window.is_none_or(|w| j + w > pos))
+                    .collect();
                 let scores: Vec<f64> = keys
                     .iter()
                     .map(|&j| {
-                        let s: f64 = (0..hd).map(|d| q[(t * nh + h) * hd + d] as f64 * k[j * kvw + kvh * hd + d] as f64).sum();
+                        let s: f64 = (0..hd)
+                            .map(|d| {
+                                q[(t * nh + h) * hd + d] as f64 * k[j * kvw + kvh * hd + d] as f64
+                            })
+                            .sum();
                         let s = s * p.scale as f64;
                         p.softcap.map_or(s, |c| c as f64 * (s / c as f64).tanh())
                     })
@@ -127,38 +332,54 @@ mod tests {
     }
 
     fn values(n: usize, seed: usize) -> Vec<f32> {
-        (0..n).map(|i| (((i * 7919 + seed * 104729) % 1000) as f32 / 500.0 - 1.0) * 1.5).collect()
+        (0..n)
+            .map(|i| (((i * 7919 + seed * 104729) % 1000) as f32 / 500.0 - 1.0) * 1.5)
+            .collect()
     }
 
     #[test]
     fn gqa_causal_window_softcap_match_f64() {
         let cases = [
             (9, 3, 64, 0, 1, None, None),
+            (4, 2, 128, 3, 5, None, None),
+            (2, 1, 80, 2, 3, None, None),
             (9, 3, 64, 5, 7, None, None),
             (9, 3, 64, 13, 4, Some(6), None),
             (4, 1, 16, 0, 9, Some(3), Some(5.0f32)),
             (2, 2, 8, 30, 2, Some(1), None),
         ];
         for (nh, nkv, hd, start, n, window, softcap) in cases {
-            let p = AttentionParams { window, softcap, ..AttentionParams::new(nh, nkv, hd) };
+            let p = AttentionParams {
+                window,
+                softcap,
+                ..AttentionParams::new(nh, nkv, hd)
+            };
             let kv_len = start + n;
             let q = values(n * nh * hd, 1);
             let k = values(kv_len * nkv * hd, 2);
             let v = values(kv_len * nkv * hd, 3);
-            let mut out = vec![0f32; q.len()];
-            attention(&p, &q, &k, &v, start, n, &mut out);
             let want = reference(&p, &q, &k, &v, start, n);
-            for (i, (got, want)) in out.iter().zip(&want).enumerate() {
-                // Outputs are convex combinations of values within ±1.5; f32 scores with
-                // |q·k| <= 64 * 2.25 carry ~1e-5 of rounding.
-                assert!((*got as f64 - want).abs() < 2e-5, "case {nh}/{nkv}/{hd} start {start} at {i}: {got} vs {want}");
+            for level in SimdLevel::available() {
+                let mut out = vec![0f32; q.len()];
+                attention_at(level, &p, &q, &k, &v, start, n, &mut out);
+                for (i, (got, want)) in out.iter().zip(&want).enumerate() {
+                    // Outputs are convex combinations of values within ±1.5; f32 scores with
+                    // |q·k| <= 64 * 2.25 carry ~1e-5 of rounding.
+                    assert!(
+                        (*got as f64 - want).abs() < 2e-5,
+                        "{level:?} case {nh}/{nkv}/{hd} start {start} at {i}: {got} vs {want}"
+                    );
+                }
             }
         }
     }
 
     #[test]
     fn window_of_one_returns_the_own_value() {
-        let p = AttentionParams { window: Some(1), ..AttentionParams::new(1, 1, 4) };
+        let p = AttentionParams {
+            window: Some(1),
+            ..AttentionParams::new(1, 1, 4)
+        };
         let (q, k) = (values(8, 1), values(12, 2));
         let v: Vec<f32> = (0..12).map(|i| i as f32).collect();
         let mut out = vec![0f32; 8];

@@ -10,7 +10,12 @@ pub fn embed_rows(table: &WeightView, ids: &[u32], out: &mut [f32]) -> Result<()
     if Some(out.len()) != ids.len().checked_mul(table.cols) {
         return Err(KernelError::Shape {
             op: OP,
-            detail: format!("output has {} values, expected {} ids x {} columns", out.len(), ids.len(), table.cols),
+            detail: format!(
+                "output has {} values, expected {} ids x {} columns",
+                out.len(),
+                ids.len(),
+                table.cols
+            ),
         });
     }
     if table.cols == 0 {
@@ -19,10 +24,18 @@ pub fn embed_rows(table: &WeightView, ids: &[u32], out: &mut [f32]) -> Result<()
     for (index, (&id, out)) in ids.iter().zip(out.chunks_exact_mut(table.cols)).enumerate() {
         let row = id as usize;
         if row >= table.rows {
-            return Err(KernelError::TokenOutOfRange { index, id, rows: table.rows });
+            return Err(KernelError::TokenOutOfRange {
+                index,
+                id,
+                rows: table.rows,
+            });
         }
-        ferrite_gguf::dequantize(table.dtype, &table.data[row * row_bytes..(row + 1) * row_bytes], out)
-            .map_err(|source| KernelError::Dequantize { op: OP, source })?;
+        ferrite_gguf::dequantize(
+            table.dtype,
+            &table.data[row * row_bytes..(row + 1) * row_bytes],
+            out,
+        )
+        .map_err(|source| KernelError::Dequantize { op: OP, source })?;
     }
     Ok(())
 }

@@ -1,6 +1,30 @@
 //! f32 vector helpers shared by the kernels: a SIMD dot product and a vectorizable `exp`.
 
-use super::simd::{simd_level, SimdLevel};
+/// Defines `fn $name` whose body is compiled twice, portable and for AVX2 + FMA, the latter
+/// taken when the SIMD level has AVX2. For elementwise loops the compiler vectorizes.
+macro_rules! multiversion {
+    ($(#[$m:meta])* $vis:vis fn $name:ident($($arg:ident: $ty:ty),* $(,)?) $(-> $ret:ty)? $body:block) => {
+        $(#[$m])*
+        $vis fn $name($($arg: $ty),*) $(-> $ret)? {
+            #[inline(always)]
+            fn body($($arg: $ty),*) $(-> $ret)? $body
+            #[cfg(target_arch = "x86_64")]
+            {
+                #[target_feature(enable = "avx2,fma")]
+                unsafe fn avx2($($arg: $ty),*) $(-> $ret)? {
+                    body($($arg),*)
+                }
+                use $crate::kernels::simd::{simd_level, SimdLevel};
+                if matches!(simd_level(), SimdLevel::Avx2 | SimdLevel::Avx512Vnni) {
+                    // SAFETY: these levels are only reported when AVX2 and FMA are available.
+                    return unsafe { avx2($($arg),*) };
+                }
+            }
+            body($($arg),*)
+        }
+    };
+}
+pub(crate) use multiversion;
 
 /// Partial sums per lane (the scalar path rounds like the 8-lane SIMD one).
 const LANES: usize = 8;
@@ -9,9 +33,12 @@ const LANES: usize = 8;
 #[inline]
 pub(crate) fn dot(a: &[f32], b: &[f32]) -> f32 {
     #[cfg(target_arch = "x86_64")]
-    if matches!(simd_level(), SimdLevel::Avx2 | SimdLevel::Avx512Vnni) {
-        // SAFETY: these levels are only reported when AVX2 and FMA are available.
-        return unsafe { dot_avx2(a, b) };
+    {
+        use super::simd::{simd_level, SimdLevel};
+        if matches!(simd_level(), SimdLevel::Avx2 | SimdLevel::Avx512Vnni) {
+            // SAFETY: these levels are only reported when AVX2 and FMA are available.
+            return unsafe { dot_avx2(a, b) };
+        }
     }
     dot_lanes(a, b)
 }
@@ -21,7 +48,12 @@ fn dot_lanes(a: &[f32], b: &[f32]) -> f32 {
     let (a, b) = (&a[..n], &b[..n]);
     let mut lanes = [0f32; LANES];
     let (ca, cb) = (a.chunks_exact(LANES), b.chunks_exact(LANES));
-    let tail: f32 = ca.remainder().iter().zip(cb.remainder()).map(|(x, y)| x * y).sum();
+    let tail: f32 = ca
+        .remainder()
+        .iter()
+        .zip(cb.remainder())
+        .map(|(x, y)| x * y)
+        .sum();
     for (x, y) in ca.zip(cb) {
         for i in 0..LANES {
             lanes[i] += x[i] * y[i];
@@ -40,7 +72,11 @@ unsafe fn dot_avx2(a: &[f32], b: &[f32]) -> f32 {
     let mut i = 0;
     while i + 16 <= n {
         acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(pa.add(i)), _mm256_loadu_ps(pb.add(i)), acc0);
-        acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(pa.add(i + 8)), _mm256_loadu_ps(pb.add(i + 8)), acc1);
+        acc1 = _mm256_fmadd_ps(
+            _mm256_loadu_ps(pa.add(i + 8)),
+            _mm256_loadu_ps(pb.add(i + 8)),
+            acc1,
+        );
         i += 16;
     }
     if i + 8 <= n {
@@ -57,20 +93,41 @@ unsafe fn dot_avx2(a: &[f32], b: &[f32]) -> f32 {
     sum
 }
 
+/// `Σ x[i]` with lane-wise partial sums (vectorizes; order fixed).
+#[inline(always)]
+pub(crate) fn sum(x: &[f32]) -> f32 {
+    let chunks = x.chunks_exact(LANES);
+    let tail: f32 = chunks.remainder().iter().sum();
+    let mut lanes = [0f32; LANES];
+    for c in chunks {
+        for i in 0..LANES {
+            lanes[i] += c[i];
+        }
+    }
+    lanes.iter().sum::<f32>() + tail
+}
+
+/// Round to nearest, ties to even, for |v| < 2^22. The magic-number form vectorizes on every
+/// x86-64, unlike `f32::round` (which needs SSE4.1).
+#[inline(always)]
+pub(crate) fn round_i32(v: f32) -> i32 {
+    // Adding 1.5 * 2^23 leaves the rounded integer in the low mantissa bits.
+    const MAGIC: f32 = 12_582_912.0;
+    ((v + MAGIC).to_bits() as i32).wrapping_sub(MAGIC.to_bits() as i32)
+}
+
 /// `e^x` to within 2 ulp, branch-free so that loops over it vectorize. Overflows to +inf above
 /// ln(f32::MAX), flushes to 0 below the smallest normal; NaN stays NaN.
 #[inline(always)]
 pub(crate) fn exp(x: f32) -> f32 {
-    const MAGIC: f32 = 12_582_912.0; // 1.5 * 2^23: round-to-integer by addition
     // ln 2 split so that n * LN2_HI is exact for |n| < 2^8 (Cody–Waite reduction).
     const LN2_HI: f32 = 0.693_145_75;
     const LN2_LO: f32 = 1.428_606_8e-6;
     const MAX: f32 = 88.722_83;
     const MIN: f32 = -87.336_54;
     let xc = x.clamp(MIN, MAX);
-    let shifted = xc * std::f32::consts::LOG2_E + MAGIC;
-    let n = (shifted.to_bits() as i32).wrapping_sub(MAGIC.to_bits() as i32);
-    let nf = shifted - MAGIC;
+    let n = round_i32(xc * std::f32::consts::LOG2_E);
+    let nf = n as f32;
     let r = (xc - nf * LN2_HI) - nf * LN2_LO;
     // Minimax polynomial of e^r on |r| <= ln2 / 2 (Cephes expf).
     let mut p = 1.987_569_1e-4f32;
@@ -97,12 +154,30 @@ mod tests {
     use super::*;
 
     #[test]
+    fn round_i32_is_nearest_even() {
+        for (v, r) in [
+            (0.5, 0),
+            (1.5, 2),
+            (-2.5, -2),
+            (126.6, 127),
+            (-127.4, -127),
+            (3.49, 3),
+            (-0.2, 0),
+        ] {
+            assert_eq!(round_i32(v), r, "{v}");
+        }
+    }
+
+    #[test]
     fn exp_matches_f64_within_two_ulp() {
         let mut x = -87.3f32;
         while x < 88.7 {
             let want = (x as f64).exp();
             let got = exp(x) as f64;
-            assert!(((got - want) / want).abs() < 2.5e-7, "exp({x}) = {got}, want {want}");
+            assert!(
+                ((got - want) / want).abs() < 2.5e-7,
+                "exp({x}) = {got}, want {want}"
+            );
             x += 0.0137;
         }
         assert_eq!(exp(0.0), 1.0);
@@ -118,9 +193,16 @@ mod tests {
             let a: Vec<f32> = (0..n).map(|i| ((i * 7 % 13) as f32 - 6.0) * 0.3).collect();
             let b: Vec<f32> = (0..n).map(|i| ((i * 5 % 11) as f32 - 5.0) * 0.7).collect();
             let want: f64 = a.iter().zip(&b).map(|(&x, &y)| x as f64 * y as f64).sum();
-            let mag: f64 = a.iter().zip(&b).map(|(&x, &y)| (x as f64 * y as f64).abs()).sum();
+            let mag: f64 = a
+                .iter()
+                .zip(&b)
+                .map(|(&x, &y)| (x as f64 * y as f64).abs())
+                .sum();
             for got in [dot(&a, &b), dot_lanes(&a, &b)] {
-                assert!((got as f64 - want).abs() <= 1e-6 * mag, "n={n}: {got} vs {want}");
+                assert!(
+                    (got as f64 - want).abs() <= 1e-6 * mag,
+                    "n={n}: {got} vs {want}"
+                );
             }
         }
     }

@@ -24,7 +24,16 @@ const MIN_TASK_WORK: usize = 16 * 1024;
 /// dot products per block; F32/F16/BF16 weights use float dot products. Parallel over row chunks
 /// on the global rayon pool; with several tokens each chunk of rows is multiplied with all tokens
 /// while it is in cache, so the weights stream from memory once.
-pub fn matmul(w: &WeightView, x: &[f32], n_tokens: usize, out: &mut [f32]) -> Result<(), KernelError> {
+///
+/// Call it from a thread of the pool (run the whole forward pass inside `rayon::scope` or
+/// `ThreadPool::install`): from any other thread every call pays a cross-thread hand-off and
+/// wake-up, tens of microseconds on a small VM — more than a decode-sized matmul takes.
+pub fn matmul(
+    w: &WeightView,
+    x: &[f32],
+    n_tokens: usize,
+    out: &mut [f32],
+) -> Result<(), KernelError> {
     matmul_with(simd_level(), w, x, n_tokens, out)
 }
 
@@ -42,21 +51,8 @@ pub fn matmul_with(
         return Err(KernelError::UnavailableSimd { op: OP, level });
     }
     let row_bytes = w.row_bytes(OP)?;
-    let shape_error = |what: &str, got: usize, want: usize| KernelError::Shape {
-        op: OP,
-        detail: format!(
-            "{what} has {got} values, expected {want} ({n_tokens} tokens x {} for a {} x {} weight)",
-            if what == "input" { w.cols } else { w.rows },
-            w.rows,
-            w.cols
-        ),
-    };
-    if Some(x.len()) != n_tokens.checked_mul(w.cols) {
-        return Err(shape_error("input", x.len(), n_tokens.saturating_mul(w.cols)));
-    }
-    if Some(out.len()) != n_tokens.checked_mul(w.rows) {
-        return Err(shape_error("output", out.len(), n_tokens.saturating_mul(w.rows)));
-    }
+    check_len("input", x.len(), n_tokens, w.cols, w)?;
+    check_len("output", out.len(), n_tokens, w.rows, w)?;
     if out.is_empty() {
         return Ok(());
     }
@@ -79,9 +75,36 @@ pub fn matmul_with(
         GgmlType::F16 => run::<Float<F16>>(level, w, row_bytes, x, n_tokens, out),
         GgmlType::BF16 => run::<Float<BF16>>(level, w, row_bytes, x, n_tokens, out),
         // Activation-side formats: no model stores weights in them.
-        GgmlType::Q8_1 | GgmlType::Q8_K => return Err(KernelError::UnsupportedDtype { op: OP, dtype: w.dtype }),
+        GgmlType::Q8_1 | GgmlType::Q8_K => {
+            return Err(KernelError::UnsupportedDtype {
+                op: OP,
+                dtype: w.dtype,
+            })
+        }
     }
     Ok(())
+}
+
+/// `got == n_tokens * per_token`, or an error naming `what`.
+fn check_len(
+    what: &str,
+    got: usize,
+    n_tokens: usize,
+    per_token: usize,
+    w: &WeightView,
+) -> Result<(), KernelError> {
+    let want = n_tokens.checked_mul(per_token);
+    if want == Some(got) {
+        return Ok(());
+    }
+    let want = want.map_or_else(|| "more than usize::MAX".to_string(), |n| n.to_string());
+    let (rows, cols) = (w.rows, w.cols);
+    Err(KernelError::Shape {
+        op: "matmul",
+        detail: format!(
+            "{what} has {got} values, expected {want} ({n_tokens} tokens x {per_token}; weight {rows} x {cols})"
+        ),
+    })
 }
 
 /// Rows per parallel task.
@@ -91,7 +114,14 @@ fn chunk_rows(rows: usize, row_bytes: usize, n_tokens: usize) -> usize {
     rows.div_ceil(tasks).max(least).max(1)
 }
 
-fn run<K: DotKernel>(level: SimdLevel, w: &WeightView, row_bytes: usize, x: &[f32], n_tokens: usize, out: &mut [f32]) {
+fn run<K: DotKernel>(
+    level: SimdLevel,
+    w: &WeightView,
+    row_bytes: usize,
+    x: &[f32],
+    n_tokens: usize,
+    out: &mut [f32],
+) {
     let acts = K::prepare(x, w.cols, n_tokens);
     let dot_one = K::row_dot::<1>(level);
     let dot_tile = K::row_dot::<TOKEN_TILE>(level);
@@ -102,52 +132,89 @@ fn run<K: DotKernel>(level: SimdLevel, w: &WeightView, row_bytes: usize, x: &[f3
     let n_chunks = rows.div_ceil(chunk);
     let mut pieces: Vec<&mut [f32]> = Vec::with_capacity(n_chunks * n_tokens);
     for _ in 0..n_chunks {
-        pieces.extend(per_token.iter_mut().map(|t| t.next().expect("every token row has n_chunks pieces")));
+        pieces.extend(
+            per_token
+                .iter_mut()
+                .map(|t| t.next().expect("every token row has n_chunks pieces")),
+        );
     }
-    pieces.par_chunks_mut(n_tokens).enumerate().for_each(|(c, outs)| {
-        let weights = &w.data[c * chunk * row_bytes..];
-        let row = |r: usize| &weights[r * row_bytes..(r + 1) * row_bytes];
-        let n_rows = outs[0].len();
-        for first in (0..n_rows).step_by(ROW_BLOCK) {
-            let block = first..(first + ROW_BLOCK).min(n_rows);
-            let mut t = 0;
-            while t + TOKEN_TILE <= n_tokens {
-                for r in block.clone() {
-                    // SAFETY: the kernels were selected for `level`, checked available above.
-                    let v = unsafe { dot_tile(row(r), &acts, t) };
-                    for (i, v) in v.into_iter().enumerate() {
-                        outs[t + i][r] = v;
+    pieces
+        .par_chunks_mut(n_tokens)
+        .enumerate()
+        .for_each(|(c, outs)| {
+            let weights = &w.data[c * chunk * row_bytes..];
+            let row = |r: usize| &weights[r * row_bytes..(r + 1) * row_bytes];
+            let n_rows = outs[0].len();
+            for first in (0..n_rows).step_by(ROW_BLOCK) {
+                let block = first..(first + ROW_BLOCK).min(n_rows);
+                let mut t = 0;
+                while t + TOKEN_TILE <= n_tokens {
+                    for r in block.clone() {
+                        // SAFETY: the kernels were selected for `level`, checked available above.
+                        let v = unsafe { dot_tile(row(r), &acts, t) };
+                        for (i, v) in v.into_iter().enumerate() {
+                            outs[t + i][r] = v;
+                        }
+                    }
+                    t += TOKEN_TILE;
+                }
+                for (t, out) in outs.iter_mut().enumerate().skip(t) {
+                    for r in block.clone() {
+                        // SAFETY: as above.
+                        out[r] = unsafe { dot_one(row(r), &acts, t) }[0];
                     }
                 }
-                t += TOKEN_TILE;
             }
-            for (t, out) in outs.iter_mut().enumerate().skip(t) {
-                for r in block.clone() {
-                    // SAFETY: as above.
-                    out[r] = unsafe { dot_one(row(r), &acts, t) }[0];
-                }
-            }
-        }
-    });
+        });
 }
 
 /// The f32 reference: `w` is `rows x cols` row-major (already dequantized). Each output is an
 /// f64-accumulated dot product in a fixed order, so results do not depend on threading.
 /// Parallel over outputs. Panics if the slice lengths do not match the shape.
-pub fn matmul_f32(w: &[f32], rows: usize, cols: usize, x: &[f32], n_tokens: usize, out: &mut [f32]) {
-    assert_eq!(w.len(), rows * cols, "matmul_f32: weight has {} values, expected {rows} x {cols}", w.len());
-    assert_eq!(x.len(), n_tokens * cols, "matmul_f32: input has {} values, expected {n_tokens} x {cols}", x.len());
-    assert_eq!(out.len(), n_tokens * rows, "matmul_f32: output has {} values, expected {n_tokens} x {rows}", out.len());
-    out.par_iter_mut().enumerate().with_min_len(64).for_each(|(i, o)| {
-        let (t, r) = (i / rows, i % rows);
-        *o = dot_f64(&w[r * cols..(r + 1) * cols], &x[t * cols..(t + 1) * cols]);
-    });
+pub fn matmul_f32(
+    w: &[f32],
+    rows: usize,
+    cols: usize,
+    x: &[f32],
+    n_tokens: usize,
+    out: &mut [f32],
+) {
+    assert_eq!(
+        w.len(),
+        rows * cols,
+        "matmul_f32: weight has {} values, expected {rows} x {cols}",
+        w.len()
+    );
+    assert_eq!(
+        x.len(),
+        n_tokens * cols,
+        "matmul_f32: input has {} values, expected {n_tokens} x {cols}",
+        x.len()
+    );
+    assert_eq!(
+        out.len(),
+        n_tokens * rows,
+        "matmul_f32: output has {} values, expected {n_tokens} x {rows}",
+        out.len()
+    );
+    out.par_iter_mut()
+        .enumerate()
+        .with_min_len(64)
+        .for_each(|(i, o)| {
+            let (t, r) = (i / rows, i % rows);
+            *o = dot_f64(&w[r * cols..(r + 1) * cols], &x[t * cols..(t + 1) * cols]);
+        });
 }
 
 /// f64 dot product with four interleaved partial sums (vectorizable, fixed order).
 fn dot_f64(a: &[f32], b: &[f32]) -> f32 {
     let (ca, cb) = (a.chunks_exact(4), b.chunks_exact(4));
-    let tail: f64 = ca.remainder().iter().zip(cb.remainder()).map(|(&x, &y)| x as f64 * y as f64).sum();
+    let tail: f64 = ca
+        .remainder()
+        .iter()
+        .zip(cb.remainder())
+        .map(|(&x, &y)| x as f64 * y as f64)
+        .sum();
     let mut lanes = [0f64; 4];
     for (x, y) in ca.zip(cb) {
         for i in 0..4 {

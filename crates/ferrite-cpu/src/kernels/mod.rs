@@ -33,15 +33,18 @@ impl WeightView<'_> {
     /// Bytes per row, after checking that `cols` is whole blocks and `data` holds exactly
     /// `rows` rows.
     pub fn row_bytes(&self, op: &'static str) -> Result<usize, KernelError> {
-        let row_bytes = self.dtype.row_bytes(self.cols).ok_or_else(|| KernelError::Shape {
-            op,
-            detail: format!(
-                "{} weight with {} columns: not a whole number of {}-element blocks",
-                self.dtype,
-                self.cols,
-                self.dtype.block_size()
-            ),
-        })?;
+        let row_bytes = self
+            .dtype
+            .row_bytes(self.cols)
+            .ok_or_else(|| KernelError::Shape {
+                op,
+                detail: format!(
+                    "{} weight with {} columns: not a whole number of {}-element blocks",
+                    self.dtype,
+                    self.cols,
+                    self.dtype.block_size()
+                ),
+            })?;
         let expected = row_bytes.checked_mul(self.rows);
         if expected != Some(self.data.len()) {
             return Err(KernelError::Shape {
@@ -67,9 +70,15 @@ pub enum KernelError {
     #[error("{op}: {detail}")]
     Shape { op: &'static str, detail: String },
     #[error("{op}: SIMD level {level:?} is not available on this CPU")]
-    UnavailableSimd { op: &'static str, level: simd::SimdLevel },
+    UnavailableSimd {
+        op: &'static str,
+        level: simd::SimdLevel,
+    },
     #[error("embedding: token id {id} (position {index} of the batch) is outside the table of {rows} rows")]
     TokenOutOfRange { index: usize, id: u32, rows: usize },
     #[error("{op}: {source}")]
-    Dequantize { op: &'static str, source: ferrite_gguf::GgufError },
+    Dequantize {
+        op: &'static str,
+        source: ferrite_gguf::GgufError,
+    },
 }

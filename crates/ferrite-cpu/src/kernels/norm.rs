@@ -14,12 +14,24 @@ pub fn rms_norm_plus_one(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
 
 fn rms_norm_offset(x: &[f32], weight: &[f32], offset: f32, eps: f32, out: &mut [f32]) {
     let n = weight.len();
-    assert!(n > 0 && x.len().is_multiple_of(n), "rms_norm: {} values are not whole rows of {n}", x.len());
-    assert_eq!(out.len(), x.len(), "rms_norm: output length differs from the input's");
+    assert!(
+        n > 0 && x.len().is_multiple_of(n),
+        "rms_norm: {} values are not whole rows of {n}",
+        x.len()
+    );
+    assert_eq!(
+        out.len(),
+        x.len(),
+        "rms_norm: output length differs from the input's"
+    );
     for (x, out) in x.chunks_exact(n).zip(out.chunks_exact_mut(n)) {
         let mut lanes = [0f64; 4];
         let chunks = x.chunks_exact(4);
-        let tail: f64 = chunks.remainder().iter().map(|&v| v as f64 * v as f64).sum();
+        let tail: f64 = chunks
+            .remainder()
+            .iter()
+            .map(|&v| v as f64 * v as f64)
+            .sum();
         for c in chunks {
             for i in 0..4 {
                 lanes[i] += c[i] as f64 * c[i] as f64;
@@ -43,7 +55,9 @@ mod tests {
             .flat_map(|row| {
                 let ms = row.iter().map(|&v| v as f64 * v as f64).sum::<f64>() / n as f64;
                 let s = 1.0 / (ms + eps as f64).sqrt();
-                row.iter().zip(w).map(move |(&v, &w)| v as f64 * s * (w as f64 + offset))
+                row.iter()
+                    .zip(w)
+                    .map(move |(&v, &w)| v as f64 * s * (w as f64 + offset))
             })
             .collect()
     }
@@ -52,13 +66,21 @@ mod tests {
     fn matches_f64_reference() {
         for n in [1, 5, 64, 576, 1001] {
             let rows = 3;
-            let x: Vec<f32> = (0..n * rows).map(|i| ((i * 31 % 97) as f32 - 48.0) * 0.05).collect();
+            let x: Vec<f32> = (0..n * rows)
+                .map(|i| ((i * 31 % 97) as f32 - 48.0) * 0.05)
+                .collect();
             let w: Vec<f32> = (0..n).map(|i| 0.5 + (i % 7) as f32 * 0.1).collect();
             let mut out = vec![0.0; x.len()];
-            for (offset, f) in [(0.0, rms_norm as fn(&[f32], &[f32], f32, &mut [f32])), (1.0, rms_norm_plus_one)] {
+            for (offset, f) in [
+                (0.0, rms_norm as fn(&[f32], &[f32], f32, &mut [f32])),
+                (1.0, rms_norm_plus_one),
+            ] {
                 f(&x, &w, 1e-5, &mut out);
                 for (got, want) in out.iter().zip(reference(&x, &w, offset, 1e-5)) {
-                    assert!((*got as f64 - want).abs() <= 1e-6 * want.abs().max(1e-3), "n={n}: {got} vs {want}");
+                    assert!(
+                        (*got as f64 - want).abs() <= 1e-6 * want.abs().max(1e-3),
+                        "n={n}: {got} vs {want}"
+                    );
                 }
             }
         }

@@ -28,9 +28,18 @@ impl Rope {
     /// Panics on inconsistent sizes.
     pub fn apply(&self, x: &mut [f32], n_heads: usize, positions: &[u32]) {
         let (hd, rot) = (self.head_dim, self.rot_dim);
-        assert!(rot % 2 == 0 && rot <= hd, "rope: rot_dim {rot} must be even and at most head_dim {hd}");
+        assert!(
+            rot % 2 == 0 && rot <= hd,
+            "rope: rot_dim {rot} must be even and at most head_dim {hd}"
+        );
         let width = n_heads * hd;
-        assert_eq!(x.len(), positions.len() * width, "rope: {} values for {} rows of {n_heads} heads x {hd}", x.len(), positions.len());
+        assert_eq!(
+            x.len(),
+            positions.len() * width,
+            "rope: {} values for {} rows of {n_heads} heads x {hd}",
+            x.len(),
+            positions.len()
+        );
         if width == 0 || rot == 0 {
             return;
         }
@@ -76,7 +85,9 @@ mod tests {
             for h in 0..n_heads {
                 let at = (t * n_heads + h) * r.head_dim;
                 for i in 0..half {
-                    let angle = r.freq_scale as f64 * p as f64 * (r.theta as f64).powf(-2.0 * i as f64 / r.rot_dim as f64);
+                    let angle = r.freq_scale as f64
+                        * p as f64
+                        * (r.theta as f64).powf(-2.0 * i as f64 / r.rot_dim as f64);
                     let (a, b) = match r.style {
                         RopeStyle::Normal => (at + 2 * i, at + 2 * i + 1),
                         RopeStyle::Neox => (at + i, at + i + half),
@@ -99,15 +110,27 @@ mod tests {
         let n_heads = 3;
         let positions = [0u32, 1, 7, 100, 2047];
         for style in [RopeStyle::Normal, RopeStyle::Neox] {
-            for (head_dim, rot_dim, freq_scale) in [(64, 64, 1.0), (64, 32, 1.0), (80, 20, 0.25), (8, 0, 1.0)] {
-                let r = Rope { style, head_dim, rot_dim, theta: 10000.0, freq_scale };
-                let x: Vec<f32> =
-                    (0..positions.len() * n_heads * head_dim).map(|i| ((i * 13 % 29) as f32 - 14.0) * 0.1).collect();
+            for (head_dim, rot_dim, freq_scale) in
+                [(64, 64, 1.0), (64, 32, 1.0), (80, 20, 0.25), (8, 0, 1.0)]
+            {
+                let r = Rope {
+                    style,
+                    head_dim,
+                    rot_dim,
+                    theta: 10000.0,
+                    freq_scale,
+                };
+                let x: Vec<f32> = (0..positions.len() * n_heads * head_dim)
+                    .map(|i| ((i * 13 % 29) as f32 - 14.0) * 0.1)
+                    .collect();
                 let mut y = x.clone();
                 r.apply(&mut y, n_heads, &positions);
                 let (want, tol) = reference(&r, &x, n_heads, &positions);
                 for (i, ((got, want), tol)) in y.iter().zip(&want).zip(&tol).enumerate() {
-                    assert!((*got as f64 - want).abs() <= *tol, "{style:?} {head_dim}/{rot_dim} at {i}: {got} vs {want}");
+                    assert!(
+                        (*got as f64 - want).abs() <= *tol,
+                        "{style:?} {head_dim}/{rot_dim} at {i}: {got} vs {want}"
+                    );
                 }
                 // Dimensions past rot_dim are untouched.
                 for (i, (a, b)) in x.iter().zip(&y).enumerate() {
@@ -121,7 +144,13 @@ mod tests {
 
     #[test]
     fn rotation_preserves_pair_norms() {
-        let r = Rope { style: RopeStyle::Normal, head_dim: 4, rot_dim: 4, theta: 500.0, freq_scale: 1.0 };
+        let r = Rope {
+            style: RopeStyle::Normal,
+            head_dim: 4,
+            rot_dim: 4,
+            theta: 500.0,
+            freq_scale: 1.0,
+        };
         let mut x = vec![3.0, 4.0, 1.0, 0.0];
         r.apply(&mut x, 1, &[5]);
         assert!(((x[0] * x[0] + x[1] * x[1]).sqrt() - 5.0).abs() < 1e-5);

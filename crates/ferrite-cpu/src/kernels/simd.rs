@@ -16,7 +16,12 @@ pub enum SimdLevel {
 }
 
 impl SimdLevel {
-    pub const ALL: [SimdLevel; 4] = [SimdLevel::Scalar, SimdLevel::Avx2, SimdLevel::Avx512Vnni, SimdLevel::Neon];
+    pub const ALL: [SimdLevel; 4] = [
+        SimdLevel::Scalar,
+        SimdLevel::Avx2,
+        SimdLevel::Avx512Vnni,
+        SimdLevel::Neon,
+    ];
 
     /// Every level this CPU can run, scalar first, best last.
     pub fn available() -> Vec<SimdLevel> {
@@ -41,7 +46,9 @@ impl SimdLevel {
 
 #[cfg(target_arch = "x86_64")]
 fn x86_avx2() -> bool {
-    is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c")
+    is_x86_feature_detected!("avx2")
+        && is_x86_feature_detected!("fma")
+        && is_x86_feature_detected!("f16c")
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -61,7 +68,9 @@ pub fn simd_level() -> SimdLevel {
         if ferrite_core::env::CPU_SCALAR.flag(false) {
             SimdLevel::Scalar
         } else {
-            *SimdLevel::available().last().expect("scalar is always available")
+            *SimdLevel::available()
+                .last()
+                .expect("scalar is always available")
         }
     })
 }

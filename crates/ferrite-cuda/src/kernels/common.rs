@@ -95,9 +95,12 @@ pub const QUANT: &str = r#"
 // Plane base pointers (see weight.rs for which block field each plane holds) and row length.
 struct WeightRef { const u8* p0; const u8* p1; const u8* p2; const u8* p3; i64 cols; };
 
-// 32 consecutive weights of one row: w[l] = a0 * q[l] + b0 for l < 16, a1 * q[l] + b1 after.
-// Scales stay out of the inner loop: a dot product applies them once per half unit.
-struct Unit { float q[32]; float a0, b0, a1, b1; };
+// Each type below defines a `Unit`: 32 consecutive weights of a row as loaded (packed bits
+// plus scales), so that several rows' units fit in registers at once, and
+//   load_unit(w, row, u, unit)  -- read unit u of a row (16-byte loads of the quant plane),
+//   unit_q(unit, l)             -- the integer code of weight l (l a compile-time constant),
+// with weight l = a0 * q + b0 for l < 16 and a1 * q + b1 after. Scales stay out of inner
+// loops: a dot product applies them once per half unit.
 
 __device__ __forceinline__ uint4 ld_u128(const u8* p) { return *reinterpret_cast<const uint4*>(p); }
 __device__ __forceinline__ u32 ld_u32(const u8* p) { return *reinterpret_cast<const u32*>(p); }
@@ -110,7 +113,14 @@ __device__ __forceinline__ u32 byte_of(const uint4& v, int j) {
 __device__ __forceinline__ u32 byte_of2(const uint4& lo, const uint4& hi, int l) {
   return l < 16 ? byte_of(lo, l) : byte_of(hi, l - 16);
 }
-__device__ __forceinline__ void set_scales(Unit& o, float a0, float b0, float a1, float b1) {
+#define SCALES float a0, b0, a1, b1
+// code - offset as a float, for codes below 2^23: the code is placed in the mantissa of 2^23
+// (one OR and one add, both full rate, instead of the quarter-rate integer-to-float convert).
+__device__ __forceinline__ float code_f(u32 code, float offset) {
+  return __uint_as_float(0x4B000000u | code) - (8388608.f + offset);
+}
+template <typename U>
+__device__ __forceinline__ void set_scales(U& o, float a0, float b0, float a1, float b1) {
   o.a0 = a0; o.b0 = b0; o.a1 = a1; o.b1 = b1;
 }
 
@@ -126,6 +136,11 @@ __device__ __forceinline__ float load_float(const WeightRef& w, i64 idx) {
   return bf16_to_f32(reinterpret_cast<const u16*>(w.p0)[idx]);
 #endif
 }
+#if WTYPE == GGML_F32
+struct Unit { float4 v[8]; SCALES; };
+#else
+struct Unit { uint4 v[4]; SCALES; };
+#endif
 // Needs cols % 32 == 0 (the op layer routes other shapes elsewhere).
 __device__ __forceinline__ void load_unit(const WeightRef& w, i64 row, int u, Unit& o) {
   set_scales(o, 1.f, 0.f, 1.f, 0.f);
@@ -133,128 +148,127 @@ __device__ __forceinline__ void load_unit(const WeightRef& w, i64 row, int u, Un
 #if WTYPE == GGML_F32
   const float4* p = reinterpret_cast<const float4*>(reinterpret_cast<const float*>(w.p0) + base);
 #pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    const float4 v = p[i];
-    o.q[4 * i] = v.x; o.q[4 * i + 1] = v.y; o.q[4 * i + 2] = v.z; o.q[4 * i + 3] = v.w;
-  }
+  for (int i = 0; i < 8; ++i) o.v[i] = p[i];
 #else
   const uint4* p = reinterpret_cast<const uint4*>(reinterpret_cast<const u16*>(w.p0) + base);
 #pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const uint4 v = p[i];
-    const u32 words[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-    for (int k = 0; k < 8; ++k) {
-      const u16 h = (u16)(words[k >> 1] >> (16 * (k & 1)));
-#if WTYPE == GGML_F16
-      o.q[8 * i + k] = f16_to_f32(h);
-#else
-      o.q[8 * i + k] = bf16_to_f32(h);
+  for (int i = 0; i < 4; ++i) o.v[i] = p[i];
 #endif
-    }
-  }
+}
+__device__ __forceinline__ float unit_q(const Unit& o, int l) {
+#if WTYPE == GGML_F32
+  const float4 v = o.v[l >> 2];
+  return (l & 3) == 0 ? v.x : (l & 3) == 1 ? v.y : (l & 3) == 2 ? v.z : v.w;
+#else
+  const uint4 v = o.v[l >> 3];
+  const int k = l & 7;
+  const u32 word = k < 2 ? v.x : k < 4 ? v.y : k < 6 ? v.z : v.w;
+  const u16 h = (u16)(word >> (16 * (k & 1)));
+#if WTYPE == GGML_F16
+  return f16_to_f32(h);
+#else
+  return bf16_to_f32(h);
+#endif
 #endif
 }
 
 #else  // quantized types
 #define IS_FLOAT 0
 
-#if WTYPE == GGML_Q4_0
-// planes: p0 = qs[16], p1 = d
+#if WTYPE == GGML_Q4_0 || WTYPE == GGML_Q4_1
+// Q4_0 planes: p0 = qs[16], p1 = d.   Q4_1 planes: p0 = qs[16], p1 = (d, m).
+// Element l: nibble (l / 16) of byte l % 16; Q4_0 codes are offset by 8.
 #define QK 32
-#define HAS_MIN 0
-__device__ __forceinline__ void load_block_unit(const WeightRef& w, i64 blk, int sub, Unit& o) {
-  const uint4 v = ld_u128(w.p0 + blk * 16);
-  const float d = f16_to_f32(ld_u16(w.p1 + blk * 2));
-#pragma unroll
-  for (int j = 0; j < 16; ++j) {
-    const u32 b = byte_of(v, j);
-    o.q[j] = (float)(int)(b & 15u) - 8.f;
-    o.q[j + 16] = (float)(int)(b >> 4) - 8.f;
-  }
-  set_scales(o, d, 0.f, d, 0.f);
-}
-
-#elif WTYPE == GGML_Q4_1
-// planes: p0 = qs[16], p1 = (d, m)
-#define QK 32
+#if WTYPE == GGML_Q4_1
 #define HAS_MIN 1
+#define Q_OFFSET 0
+#else
+#define HAS_MIN 0
+#define Q_OFFSET 8
+#endif
+struct Unit { uint4 qs; SCALES; };
 __device__ __forceinline__ void load_block_unit(const WeightRef& w, i64 blk, int sub, Unit& o) {
-  const uint4 v = ld_u128(w.p0 + blk * 16);
+  o.qs = ld_u128(w.p0 + blk * 16);
+#if WTYPE == GGML_Q4_1
   const u32 dm = ld_u32(w.p1 + blk * 4);
   const float d = f16_to_f32((u16)dm), m = f16_to_f32((u16)(dm >> 16));
-#pragma unroll
-  for (int j = 0; j < 16; ++j) {
-    const u32 b = byte_of(v, j);
-    o.q[j] = (float)(b & 15u);
-    o.q[j + 16] = (float)(b >> 4);
-  }
   set_scales(o, d, m, d, m);
+#else
+  const float d = f16_to_f32(ld_u16(w.p1 + blk * 2));
+  set_scales(o, d, 0.f, d, 0.f);
+#endif
+}
+__device__ __forceinline__ float unit_q(const Unit& o, int l) {
+  return code_f((byte_of(o.qs, l & 15) >> (l < 16 ? 0 : 4)) & 15u, Q_OFFSET);
 }
 
 #elif WTYPE == GGML_Q5_0 || WTYPE == GGML_Q5_1
-// planes: p0 = qs[16], p1 = qh (u32: bit j is the 5th bit of element j), p2 = d or (d, m)
+// planes: p0 = qs[16], p1 = qh (u32: bit l is the 5th bit of element l), p2 = d or (d, m)
+// Q5_0 codes are offset by 16.
 #define QK 32
 #if WTYPE == GGML_Q5_1
 #define HAS_MIN 1
+#define Q_OFFSET 0
 #else
 #define HAS_MIN 0
+#define Q_OFFSET 16
 #endif
+struct Unit { uint4 qs; u32 qh; SCALES; };
 __device__ __forceinline__ void load_block_unit(const WeightRef& w, i64 blk, int sub, Unit& o) {
-  const uint4 v = ld_u128(w.p0 + blk * 16);
-  const u32 qh = ld_u32(w.p1 + blk * 4);
+  o.qs = ld_u128(w.p0 + blk * 16);
+  o.qh = ld_u32(w.p1 + blk * 4);
 #if WTYPE == GGML_Q5_1
   const u32 dm = ld_u32(w.p2 + blk * 4);
   const float d = f16_to_f32((u16)dm), m = f16_to_f32((u16)(dm >> 16));
-  const float offset = 0.f;
 #else
   const float d = f16_to_f32(ld_u16(w.p2 + blk * 2)), m = 0.f;
-  const float offset = 16.f;
 #endif
-#pragma unroll
-  for (int j = 0; j < 16; ++j) {
-    const u32 b = byte_of(v, j);
-    o.q[j] = (float)(int)((b & 15u) | (((qh >> j) & 1u) << 4)) - offset;
-    o.q[j + 16] = (float)(int)((b >> 4) | (((qh >> (j + 16)) & 1u) << 4)) - offset;
-  }
   set_scales(o, d, m, d, m);
+}
+__device__ __forceinline__ float unit_q(const Unit& o, int l) {
+  return code_f(((byte_of(o.qs, l & 15) >> (l < 16 ? 0 : 4)) & 15u) | (((o.qh >> l) & 1u) << 4), Q_OFFSET);
 }
 
 #elif WTYPE == GGML_Q8_0
 // planes: p0 = qs[32] (int8), p1 = d
 #define QK 32
 #define HAS_MIN 0
+struct Unit { uint4 lo, hi; SCALES; };
 __device__ __forceinline__ void load_block_unit(const WeightRef& w, i64 blk, int sub, Unit& o) {
-  const uint4 lo = ld_u128(w.p0 + blk * 32), hi = ld_u128(w.p0 + blk * 32 + 16);
+  o.lo = ld_u128(w.p0 + blk * 32);
+  o.hi = ld_u128(w.p0 + blk * 32 + 16);
   const float d = f16_to_f32(ld_u16(w.p1 + blk * 2));
-#pragma unroll
-  for (int l = 0; l < 32; ++l) o.q[l] = (float)(i8)byte_of2(lo, hi, l);
   set_scales(o, d, 0.f, d, 0.f);
 }
+// Flipping the sign bit maps int8 q to the unsigned code q + 128.
+__device__ __forceinline__ float unit_q(const Unit& o, int l) { return code_f(byte_of2(o.lo, o.hi, l) ^ 0x80u, 128.f); }
 
 #elif WTYPE == GGML_Q2_K
 // planes: p0 = qs[64], p1 = scales[16] (low nibble scale, high nibble min), p2 = (d, dmin)
-// Unit s: quant byte l of 32 at 32*(s/4), 2-bit field s%4; scales 8*(s/4) + 2*(s%4) + l/16.
+// Unit s: byte l of the 32 at 32*(s/4), 2-bit field s%4; scale byte 8*(s/4) + 2*(s%4) + l/16.
 #define QK 256
 #define HAS_MIN 1
+struct Unit { uint4 lo, hi; int shift; SCALES; };
 __device__ __forceinline__ void load_block_unit(const WeightRef& w, i64 blk, int sub, Unit& o) {
-  const int n = sub >> 2, shift = 2 * (sub & 3);
+  const int n = sub >> 2;
   const u8* q = w.p0 + blk * 64 + 32 * n;
-  const uint4 lo = ld_u128(q), hi = ld_u128(q + 16);
+  o.lo = ld_u128(q);
+  o.hi = ld_u128(q + 16);
+  o.shift = 2 * (sub & 3);
   const u32 sc = ld_u16(w.p1 + blk * 16 + 8 * n + 2 * (sub & 3));
   const u32 dm = ld_u32(w.p2 + blk * 4);
   const float d = f16_to_f32((u16)dm), dmin = f16_to_f32((u16)(dm >> 16));
-#pragma unroll
-  for (int l = 0; l < 32; ++l) o.q[l] = (float)((byte_of2(lo, hi, l) >> shift) & 3u);
   set_scales(o, d * (float)(sc & 15u), -dmin * (float)((sc >> 4) & 15u),
              d * (float)((sc >> 8) & 15u), -dmin * (float)((sc >> 12) & 15u));
 }
+__device__ __forceinline__ float unit_q(const Unit& o, int l) { return code_f((byte_of2(o.lo, o.hi, l) >> o.shift) & 3u, 0.f); }
 
 #elif WTYPE == GGML_Q3_K
 // planes: p0 = qs[64] (low 2 bits), p1 = hmask[32] (3rd bit, set = no -4), p2 = scales[12], p3 = d
 // Unit s: byte l at 32*(s/4) field s%4, hmask bit s of byte l; 6-bit scales 8*(s/4)+2*(s%4)+l/16.
 #define QK 256
 #define HAS_MIN 0
+struct Unit { uint4 lo, hi, hlo, hhi; int shift, sub; SCALES; };
 __device__ __forceinline__ u32 q3k_scale_byte(const u32* sw, int k) { return (sw[k >> 2] >> (8 * (k & 3))) & 0xffu; }
 __device__ __forceinline__ float q3k_scale(const u32* sw, int i) {
   const u32 low = i < 8 ? (q3k_scale_byte(sw, i) & 15u) : (q3k_scale_byte(sw, i - 8) >> 4);
@@ -262,21 +276,24 @@ __device__ __forceinline__ float q3k_scale(const u32* sw, int i) {
   return (float)((int)(low | (high << 4)) - 32);
 }
 __device__ __forceinline__ void load_block_unit(const WeightRef& w, i64 blk, int sub, Unit& o) {
-  const int n = sub >> 2, shift = 2 * (sub & 3);
+  const int n = sub >> 2;
   const u8* q = w.p0 + blk * 64 + 32 * n;
-  const uint4 lo = ld_u128(q), hi = ld_u128(q + 16);
-  const uint4 hlo = ld_u128(w.p1 + blk * 32), hhi = ld_u128(w.p1 + blk * 32 + 16);
+  o.lo = ld_u128(q);
+  o.hi = ld_u128(q + 16);
+  o.hlo = ld_u128(w.p1 + blk * 32);
+  o.hhi = ld_u128(w.p1 + blk * 32 + 16);
+  o.shift = 2 * (sub & 3);
+  o.sub = sub;
   const u8* s = w.p2 + blk * 12;
   const u32 sw[3] = {ld_u32(s), ld_u32(s + 4), ld_u32(s + 8)};
   const float d = f16_to_f32(ld_u16(w.p3 + blk * 2));
-#pragma unroll
-  for (int l = 0; l < 32; ++l) {
-    const int low = (int)((byte_of2(lo, hi, l) >> shift) & 3u);
-    const int high_set = (int)((byte_of2(hlo, hhi, l) >> sub) & 1u);
-    o.q[l] = (float)(low - (high_set ? 0 : 4));
-  }
   const int i0 = 8 * n + 2 * (sub & 3);
   set_scales(o, d * q3k_scale(sw, i0), 0.f, d * q3k_scale(sw, i0 + 1), 0.f);
+}
+__device__ __forceinline__ float unit_q(const Unit& o, int l) {
+  // q = low - 4 unless the hmask bit is set, i.e. the code (low + 4 * bit) minus 4.
+  const u32 low = (byte_of2(o.lo, o.hi, l) >> o.shift) & 3u;
+  return code_f(low | (((byte_of2(o.hlo, o.hhi, l) >> o.sub) & 1u) << 2), 4.f);
 }
 
 #elif WTYPE == GGML_Q4_K || WTYPE == GGML_Q5_K
@@ -285,12 +302,20 @@ __device__ __forceinline__ void load_block_unit(const WeightRef& w, i64 blk, int
 // Unit s: byte l at 32*(s/2), nibble s%2 (+ 16 * bit s of qh[l]); 6-bit scale/min s.
 #define QK 256
 #define HAS_MIN 1
+#if WTYPE == GGML_Q5_K
+struct Unit { uint4 lo, hi, hlo, hhi; int shift, sub; SCALES; };
+#else
+struct Unit { uint4 lo, hi; int shift; SCALES; };
+#endif
 __device__ __forceinline__ void load_block_unit(const WeightRef& w, i64 blk, int sub, Unit& o) {
   const u8* q = w.p0 + blk * 128 + 32 * (sub >> 1);
-  const uint4 lo = ld_u128(q), hi = ld_u128(q + 16);
-  const int shift = 4 * (sub & 1);
+  o.lo = ld_u128(q);
+  o.hi = ld_u128(q + 16);
+  o.shift = 4 * (sub & 1);
 #if WTYPE == GGML_Q5_K
-  const uint4 hlo = ld_u128(w.p1 + blk * 32), hhi = ld_u128(w.p1 + blk * 32 + 16);
+  o.hlo = ld_u128(w.p1 + blk * 32);
+  o.hhi = ld_u128(w.p1 + blk * 32 + 16);
+  o.sub = sub;
   const uint4 meta = ld_u128(w.p2 + blk * 16);
 #else
   const uint4 meta = ld_u128(w.p1 + blk * 16);
@@ -305,16 +330,15 @@ __device__ __forceinline__ void load_block_unit(const WeightRef& w, i64 blk, int
     sc = (byte_of(meta, 8 + sub) & 15u) | ((byte_of(meta, sub) >> 6) << 4);
     mn = (byte_of(meta, 8 + sub) >> 4) | ((byte_of(meta, 4 + sub) >> 6) << 4);
   }
-#pragma unroll
-  for (int l = 0; l < 32; ++l) {
-    u32 v = (byte_of2(lo, hi, l) >> shift) & 15u;
-#if WTYPE == GGML_Q5_K
-    v |= ((byte_of2(hlo, hhi, l) >> sub) & 1u) << 4;
-#endif
-    o.q[l] = (float)v;
-  }
   const float a = d * (float)sc, b = -dmin * (float)mn;
   set_scales(o, a, b, a, b);
+}
+__device__ __forceinline__ float unit_q(const Unit& o, int l) {
+  u32 v = (byte_of2(o.lo, o.hi, l) >> o.shift) & 15u;
+#if WTYPE == GGML_Q5_K
+  v |= ((byte_of2(o.hlo, o.hhi, l) >> o.sub) & 1u) << 4;
+#endif
+  return code_f(v, 0.f);
 }
 
 #elif WTYPE == GGML_Q6_K
@@ -323,20 +347,24 @@ __device__ __forceinline__ void load_block_unit(const WeightRef& w, i64 blk, int
 // scale 8n + 2r + l/16.
 #define QK 256
 #define HAS_MIN 0
+struct Unit { uint4 llo, lhi, hlo, hhi; int lshift, hshift; SCALES; };
 __device__ __forceinline__ void load_block_unit(const WeightRef& w, i64 blk, int sub, Unit& o) {
   const int n = sub >> 2, r = sub & 3;
   const u8* ql = w.p0 + blk * 128 + 64 * n + 32 * (r & 1);
   const u8* qh = w.p1 + blk * 64 + 32 * n;
-  const uint4 llo = ld_u128(ql), lhi = ld_u128(ql + 16), hlo = ld_u128(qh), hhi = ld_u128(qh + 16);
-  const int lshift = 4 * (r >> 1), hshift = 2 * r;
+  o.llo = ld_u128(ql);
+  o.lhi = ld_u128(ql + 16);
+  o.hlo = ld_u128(qh);
+  o.hhi = ld_u128(qh + 16);
+  o.lshift = 4 * (r >> 1);
+  o.hshift = 2 * r;
   const u32 sc = ld_u16(w.p2 + blk * 16 + 8 * n + 2 * r);
   const float d = f16_to_f32(ld_u16(w.p3 + blk * 2));
-#pragma unroll
-  for (int l = 0; l < 32; ++l) {
-    const u32 v = ((byte_of2(llo, lhi, l) >> lshift) & 15u) | (((byte_of2(hlo, hhi, l) >> hshift) & 3u) << 4);
-    o.q[l] = (float)((int)v - 32);
-  }
   set_scales(o, d * (float)(i8)(sc & 0xffu), 0.f, d * (float)(i8)(sc >> 8), 0.f);
+}
+__device__ __forceinline__ float unit_q(const Unit& o, int l) {
+  const u32 v = ((byte_of2(o.llo, o.lhi, l) >> o.lshift) & 15u) | (((byte_of2(o.hlo, o.hhi, l) >> o.hshift) & 3u) << 4);
+  return code_f(v, 32.f);
 }
 
 #else
@@ -350,19 +378,28 @@ __device__ __forceinline__ void load_unit(const WeightRef& w, i64 row, int u, Un
 }
 #endif  // quantized types
 
-// Weight unit times 32 activations (16-byte aligned), scales applied once per half.
-__device__ __forceinline__ float unit_dot(const Unit& w, const float* x) {
-  const float4* xv = reinterpret_cast<const float4*>(x);
+// Weight l of a unit, dequantized.
+__device__ __forceinline__ float unit_value(const Unit& o, int l) {
+  return l < 16 ? o.a0 * unit_q(o, l) + o.b0 : o.a1 * unit_q(o, l) + o.b1;
+}
+
+// sum over the unit of weight l * x[l], with q(l) the code of weight l: the scales are applied
+// once per half unit (and sum x only for types with a min).
+template <typename Codes>
+__device__ __forceinline__ float scaled_dot(const Unit& w, Codes q, const float* x) {
   float s[2] = {0.f, 0.f}, t[2] = {0.f, 0.f};
 #pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    const float4 v = xv[i];
-    const int h = i >> 2;
-    s[h] += w.q[4 * i] * v.x + w.q[4 * i + 1] * v.y + w.q[4 * i + 2] * v.z + w.q[4 * i + 3] * v.w;
+  for (int l = 0; l < 32; ++l) {
+    s[l >> 4] += q(l) * x[l];
 #if HAS_MIN
-    t[h] += (v.x + v.y) + (v.z + v.w);
+    t[l >> 4] += x[l];
 #endif
   }
   return w.a0 * s[0] + w.b0 * t[0] + w.a1 * s[1] + w.b1 * t[1];
+}
+
+// A unit's 32 weights times 32 activations held in registers, decoding on the fly.
+__device__ __forceinline__ float unit_dot(const Unit& w, const float* x) {
+  return scaled_dot(w, [&](int l) { return unit_q(w, l); }, x);
 }
 "#;

@@ -36,7 +36,7 @@ __device__ __forceinline__ void dequant_row(const WeightRef& w, i64 row, int tid
     Unit un;
     load_unit(w, row, u, un);
 #pragma unroll
-    for (int l = 0; l < 32; ++l) store((i64)u * 32 + l, l < 16 ? un.a0 * un.q[l] + un.b0 : un.a1 * un.q[l] + un.b1);
+    for (int l = 0; l < 32; ++l) store((i64)u * 32 + l, unit_value(un, l));
   }
 #endif
 }

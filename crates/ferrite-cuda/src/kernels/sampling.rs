@@ -6,6 +6,8 @@
 //! from a counter-based RNG keyed by (seed, step). Thresholds are found by bisection over the
 //! logits' ordered bit patterns with fixed-order block reductions, and the draw walks the
 //! vocabulary in index order, so the same (logits, seed, step) always gives the same token.
+//! top-k is a radix select (4 histogram passes); when at most 1024 tokens survive it, they are
+//! gathered into shared memory and the later filters run on them alone.
 //! [`sampling_uniform`] reproduces the draw on the host.
 
 use super::common::HEADER;
@@ -93,10 +95,29 @@ __device__ __forceinline__ float uniform01(u64 seed, u64 step) {
   return (float)(mix64(seed ^ mix64(step)) >> 40) * (1.0f / 16777216.0f);
 }
 
+// Inclusive prefix sum over the block (Hillis-Steele, fixed order). `s` holds BLOCK_SIZE
+// values; afterwards s[t] is thread t's inclusive sum, valid until the next scan.
+template <typename T>
+__device__ T block_scan(T v, T* s) {
+  __syncthreads();  // an earlier scan's results may still be being read
+  s[threadIdx.x] = v;
+  __syncthreads();
+  for (int off = 1; off < BLOCK_SIZE; off <<= 1) {
+    const T add = threadIdx.x >= off ? s[threadIdx.x - off] : T(0);
+    __syncthreads();
+    s[threadIdx.x] += add;
+    __syncthreads();
+  }
+  return s[threadIdx.x];
+}
+
 extern "C" __global__ void __launch_bounds__(BLOCK_SIZE) sample(const SampleParams p) {
-  __shared__ u32 s_key[32], s_idx[32];
+  __shared__ u32 s_key[32], s_idx[32], s_radix[2], s_hist[256];
   __shared__ float scratch[32];
-  __shared__ float s_scan[BLOCK_SIZE];
+  __shared__ float s_fscan[BLOCK_SIZE];
+  __shared__ u32 s_uscan[BLOCK_SIZE];
+  __shared__ float c_logit[BLOCK_SIZE];
+  __shared__ u32 c_index[BLOCK_SIZE];
   const float* logits = reinterpret_cast<const float*>(p.logits);
   u32* out = reinterpret_cast<u32*>(p.out);
   const u32 n = p.n;
@@ -107,70 +128,110 @@ extern "C" __global__ void __launch_bounds__(BLOCK_SIZE) sample(const SamplePara
     if (threadIdx.x == 0) out[0] = best;
     return;
   }
-  // Weight of token i at temperature 1 (filters) or T (draw), if its key reaches threshold th.
-  auto weight = [&](u32 i, u32 th, float inv_t) -> float {
-    const float l = logits[i];
-    return order_key(l) >= th ? expf((l - max_logit) * inv_t) : 0.f;
-  };
 
-  // top-k: the largest key th with at least top_k keys >= th (ties at the cut are all kept).
+  // top-k: radix select of the top_k-th largest key, 8 bits per pass from the top; th is that
+  // key, so every token with key >= th stays (ties at the cut are all kept).
   u32 th = 0u;
   if (p.top_k > 0u && p.top_k < n) {
-    for (int bit = 31; bit >= 0; --bit) {
-      const u32 cand = th | (1u << bit);
-      float count = 0.f;
-      for (u32 i = threadIdx.x; i < n; i += BLOCK_SIZE) count += order_key(logits[i]) >= cand ? 1.f : 0.f;
-      if (block_sum(count, scratch) >= (float)p.top_k) th = cand;
+    u32 prefix = 0u, mask = 0u, k = p.top_k;
+    for (int shift = 24; shift >= 0; shift -= 8) {
+      for (int b = threadIdx.x; b < 256; b += BLOCK_SIZE) s_hist[b] = 0u;
+      __syncthreads();
+      for (u32 i = threadIdx.x; i < n; i += BLOCK_SIZE) {
+        const u32 key = order_key(logits[i]);
+        if ((key & mask) == prefix) atomicAdd(&s_hist[(key >> shift) & 255u], 1u);
+      }
+      __syncthreads();
+      if (threadIdx.x == 0) {
+        // At least k keys match the prefix, so the walk stops at a bucket >= 0.
+        u32 above = 0u;
+        int b = 255;
+        while (above + s_hist[b] < k) above += s_hist[b--];
+        s_radix[0] = prefix | ((u32)b << shift);
+        s_radix[1] = k - above;
+      }
+      __syncthreads();
+      prefix = s_radix[0];
+      k = s_radix[1];
+      mask |= 255u << shift;
+    }
+    th = prefix;
+  }
+
+  // Thread t owns the contiguous chunk [begin, end) of the vocabulary. When at most BLOCK_SIZE
+  // tokens survive top-k they are gathered (in index order) into shared memory, one per
+  // thread, and the filters below touch only them; otherwise they scan the chunks.
+  const u32 chunk = (n + BLOCK_SIZE - 1) / BLOCK_SIZE;
+  const u32 begin = min(n, threadIdx.x * chunk), end = min(n, begin + chunk);
+  u32 mine = 0u;
+  for (u32 i = begin; i < end; ++i) mine += order_key(logits[i]) >= th ? 1u : 0u;
+  const u32 slot_end = block_scan(mine, s_uscan);
+  const u32 kept = s_uscan[BLOCK_SIZE - 1];
+  const bool gathered = kept <= BLOCK_SIZE;
+  if (gathered) {
+    u32 slot = slot_end - mine;
+    for (u32 i = begin; i < end; ++i) {
+      if (order_key(logits[i]) >= th) {
+        c_logit[slot] = logits[i];
+        c_index[slot] = i;
+        ++slot;
+      }
     }
   }
+  __syncthreads();
+  // Call f(logit, index) for this thread's tokens, in index order.
+  auto for_mine = [&](auto&& f) {
+    if (gathered) {
+      if (threadIdx.x < kept) f(c_logit[threadIdx.x], c_index[threadIdx.x]);
+    } else {
+      for (u32 i = begin; i < end; ++i) f(logits[i], i);
+    }
+  };
+  // This thread's unnormalised probability mass at temperature 1/inv_t over keys >= t.
+  auto mass = [&](u32 t, float inv_t) {
+    float m = 0.f;
+    for_mine([&](float l, u32) {
+      if (order_key(l) >= t) m += expf((l - max_logit) * inv_t);
+    });
+    return m;
+  };
+
   // top-p: the largest threshold whose kept mass still reaches top_p of the top-k mass.
   if (p.top_p > 0.f && p.top_p < 1.f) {
-    float z = 0.f;
-    for (u32 i = threadIdx.x; i < n; i += BLOCK_SIZE) z += weight(i, th, 1.f);
-    const float target = p.top_p * block_sum(z, scratch);
+    const float target = p.top_p * block_sum(mass(th, 1.f), scratch);
     u32 tp = 0u;
     for (int bit = 31; bit >= 0; --bit) {
-      const u32 cand = tp | (1u << bit), t = max(cand, th);
-      float mass = 0.f;
-      for (u32 i = threadIdx.x; i < n; i += BLOCK_SIZE) mass += weight(i, t, 1.f);
-      if (block_sum(mass, scratch) >= target) tp = cand;
+      const u32 cand = tp | (1u << bit);
+      if (block_sum(mass(max(cand, th), 1.f), scratch) >= target) tp = cand;
     }
     th = max(th, tp);
   }
   // min-p: p_i >= min_p * p_max  <=>  l_i >= max + ln(min_p); the top token always stays.
   if (p.min_p > 0.f) th = max(th, min(order_key(max_logit + logf(p.min_p)), order_key(max_logit)));
-  const float inv_t = 1.f / p.temperature;
 
-  // Draw: thread t owns the contiguous chunk [begin, end); an inclusive scan of the chunk
-  // masses splits [0, total) between threads in index order.
-  const u32 chunk = (n + BLOCK_SIZE - 1) / BLOCK_SIZE;
-  const u32 begin = min(n, threadIdx.x * chunk), end = min(n, begin + chunk);
-  float mass = 0.f;
-  for (u32 i = begin; i < end; ++i) mass += weight(i, th, inv_t);
-  s_scan[threadIdx.x] = mass;
-  __syncthreads();
-  for (int off = 1; off < BLOCK_SIZE; off <<= 1) {
-    const float v = threadIdx.x >= off ? s_scan[threadIdx.x - off] : 0.f;
-    __syncthreads();
-    s_scan[threadIdx.x] += v;
-    __syncthreads();
-  }
-  const float total = s_scan[BLOCK_SIZE - 1];
+  // Draw: an inclusive scan of the threads' masses splits [0, total) between them in index
+  // order; the thread whose share holds r walks its tokens.
+  const float inv_t = 1.f / p.temperature;
+  const float my_mass = mass(th, inv_t);
+  const float after = block_scan(my_mass, s_fscan);
+  const float total = s_fscan[BLOCK_SIZE - 1];
+  const float before = threadIdx.x ? s_fscan[threadIdx.x - 1] : 0.f;
   const u64 step = p.step + (p.step_ptr ? (u64)reinterpret_cast<const u32*>(p.step_ptr)[0] : 0ull);
   // u < 1, but u * total may round up to total: stay strictly below it.
   const float r = fminf(uniform01(p.seed, step) * total, __uint_as_float(__float_as_uint(total) - 1u));
-  const float before = threadIdx.x ? s_scan[threadIdx.x - 1] : 0.f, after = s_scan[threadIdx.x];
   if (r >= before && r < after) {
     float c = before;
     u32 pick = NO_INDEX;
-    for (u32 i = begin; i < end; ++i) {
-      const float pr = weight(i, th, inv_t);
-      if (pr > 0.f) {
+    bool done = false;
+    for_mine([&](float l, u32 i) {
+      if (done || order_key(l) < th) return;
+      const float w = expf((l - max_logit) * inv_t);
+      if (w > 0.f) {
         pick = i;
-        c += pr;
-        if (c > r) break;
+        c += w;
+        done = c > r;
       }
-    }
+    });
     out[0] = pick;
   }
 }

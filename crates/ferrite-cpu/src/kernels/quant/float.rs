@@ -87,7 +87,11 @@ impl<F: FloatFormat> DotKernel for Float<F> {
 
     fn prepare(x: &[f32], cols: usize, n_tokens: usize) -> ActF32 {
         assert_eq!(x.len(), cols * n_tokens, "activation shape");
-        ActF32 { cols, n_tokens, x: x.to_vec() }
+        ActF32 {
+            cols,
+            n_tokens,
+            x: x.to_vec(),
+        }
     }
 
     fn row_dot<const NT: usize>(level: SimdLevel) -> RowDot<ActF32, NT> {

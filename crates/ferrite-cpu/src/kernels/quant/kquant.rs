@@ -61,14 +61,20 @@ fn scale_min_k4(j: usize, s: &[u8]) -> (u8, u8) {
     if j < 4 {
         (s[j] & 63, s[j + 4] & 63)
     } else {
-        ((s[j + 4] & 0x0F) | ((s[j - 4] >> 6) << 4), (s[j + 4] >> 4) | ((s[j] >> 6) << 4))
+        (
+            (s[j + 4] & 0x0F) | ((s[j - 4] >> 6) << 4),
+            (s[j + 4] >> 4) | ((s[j] >> 6) << 4),
+        )
     }
 }
 
 /// Scales of Q4_K/Q5_K: the fields `d`, `dmin`, `scales` start both blocks.
 fn q4k_q5k_scales(b: &[u8]) -> KScales {
     let packed = &b[offset_of!(BlockQ4K, scales)..offset_of!(BlockQ4K, scales) + 12];
-    let mut k = KScales { scales: [0; GROUPS], mins: [0; GROUPS] };
+    let mut k = KScales {
+        scales: [0; GROUPS],
+        mins: [0; GROUPS],
+    };
     for j in 0..8 {
         let (sc, m) = scale_min_k4(j, packed);
         k.scales[2 * j..2 * j + 2].fill(sc as i16);
@@ -82,7 +88,11 @@ fn nibble_codes(qs: &[u8]) -> [u8; QK_K] {
     std::array::from_fn(|i| {
         let (j, l) = (i / 64, i % 64);
         let q = qs[32 * j + l % 32];
-        if l < 32 { q & 0x0F } else { q >> 4 }
+        if l < 32 {
+            q & 0x0F
+        } else {
+            q >> 4
+        }
     })
 }
 
@@ -130,7 +140,10 @@ impl KFormat for Q5K {
     #[cfg(target_arch = "x86_64")]
     #[inline(always)]
     unsafe fn codes_avx2(b: *const u8) -> [__m256i; 8] {
-        x86::q5k_codes_avx2(b.add(offset_of!(BlockQ5K, qh)), b.add(offset_of!(BlockQ5K, qs)))
+        x86::q5k_codes_avx2(
+            b.add(offset_of!(BlockQ5K, qh)),
+            b.add(offset_of!(BlockQ5K, qs)),
+        )
     }
     #[cfg(target_arch = "x86_64")]
     #[inline(always)]
@@ -156,7 +169,10 @@ impl KFormat for Q6K {
     /// Per half of 128: element `32k + l` takes nibble `k / 2` of `ql[l + 32 * (k % 2)]` and bits
     /// `2k, 2k+1` of `qh[l]` as bits 4-5.
     fn codes(b: &[u8]) -> [u8; QK_K] {
-        let (ql, qh) = (&b[offset_of!(BlockQ6K, ql)..], &b[offset_of!(BlockQ6K, qh)..]);
+        let (ql, qh) = (
+            &b[offset_of!(BlockQ6K, ql)..],
+            &b[offset_of!(BlockQ6K, qh)..],
+        );
         std::array::from_fn(|i| {
             let (n, k, l) = (i / 128, i % 128 / 32, i % 32);
             let low = (ql[64 * n + l + 32 * (k % 2)] >> (4 * (k / 2))) & 0x0F;
@@ -166,7 +182,10 @@ impl KFormat for Q6K {
     #[cfg(target_arch = "x86_64")]
     #[inline(always)]
     unsafe fn codes_avx2(b: *const u8) -> [__m256i; 8] {
-        x86::q6k_codes_avx2(b.add(offset_of!(BlockQ6K, ql)), b.add(offset_of!(BlockQ6K, qh)))
+        x86::q6k_codes_avx2(
+            b.add(offset_of!(BlockQ6K, ql)),
+            b.add(offset_of!(BlockQ6K, qh)),
+        )
     }
     #[cfg(target_arch = "x86_64")]
     #[inline(always)]
@@ -242,7 +261,10 @@ impl KFormat for Q3K {
     #[cfg(target_arch = "x86_64")]
     #[inline(always)]
     unsafe fn codes_avx2(b: *const u8) -> [__m256i; 8] {
-        x86::q3k_codes_avx2(b.add(offset_of!(BlockQ3K, hmask)), b.add(offset_of!(BlockQ3K, qs)))
+        x86::q3k_codes_avx2(
+            b.add(offset_of!(BlockQ3K, hmask)),
+            b.add(offset_of!(BlockQ3K, qs)),
+        )
     }
     #[cfg(target_arch = "x86_64")]
     #[inline(always)]
@@ -273,19 +295,35 @@ impl<F: KFormat> DotKernel for KQuant<F> {
 }
 
 fn dot_scalar<F: KFormat, const NT: usize>(row: &[u8], acts: &ActQ8K, t0: usize) -> [f32; NT] {
-    check_row(F::DTYPE, row, acts.blocks() * F::BYTES, t0, NT, acts.n_tokens());
+    check_row(
+        F::DTYPE,
+        row,
+        acts.blocks() * F::BYTES,
+        t0,
+        NT,
+        acts.n_tokens(),
+    );
     std::array::from_fn(|i| {
         let (qs, d, bsums) = acts.token(t0 + i);
         let mut acc = 0f32;
-        for (((block, y), &da), bsums) in
-            row.chunks_exact(F::BYTES).zip(qs.chunks_exact(QK_K)).zip(d).zip(bsums.chunks_exact(GROUPS))
+        for (((block, y), &da), bsums) in row
+            .chunks_exact(F::BYTES)
+            .zip(qs.chunks_exact(QK_K))
+            .zip(d)
+            .zip(bsums.chunks_exact(GROUPS))
         {
             let (k, codes) = (F::scales(block), F::codes(block));
             let d = f16_at(block, F::D_OFFSET);
-            let dmin = if F::HAS_MIN { f16_at(block, F::D_OFFSET + 2) } else { 0.0 };
+            let dmin = if F::HAS_MIN {
+                f16_at(block, F::D_OFFSET + 2)
+            } else {
+                0.0
+            };
             let (mut isum, mut msum) = (0i32, 0i32);
             for (g, &bsum) in bsums.iter().enumerate() {
-                let dot: i32 = (16 * g..16 * g + 16).map(|i| codes[i] as i32 * y[i] as i32).sum();
+                let dot: i32 = (16 * g..16 * g + 16)
+                    .map(|i| codes[i] as i32 * y[i] as i32)
+                    .sum();
                 isum += k.scales[g] as i32 * (dot - F::CODE_OFFSET * bsum as i32);
                 msum += k.mins[g] as i32 * bsum as i32;
             }

@@ -50,7 +50,13 @@ fn le_u16(b: &[u8], at: usize) -> u32 {
 
 /// Low nibbles are elements 0..16, high nibbles 16..32.
 fn nibble_codes(qs: &[u8]) -> [u8; QK] {
-    std::array::from_fn(|i| if i < 16 { qs[i] & 0x0F } else { qs[i - 16] >> 4 })
+    std::array::from_fn(|i| {
+        if i < 16 {
+            qs[i] & 0x0F
+        } else {
+            qs[i - 16] >> 4
+        }
+    })
 }
 
 /// Nibbles plus bit `i` of the little-endian `qh` as bit 4 of element `i`.
@@ -147,11 +153,22 @@ impl<F: LegacyFormat> DotKernel for Legacy<F> {
 
 /// Integer dot of one block's codes with activation codes.
 fn block_idot<F: LegacyFormat>(codes: &[u8; QK], y: &[i8]) -> i32 {
-    codes.iter().zip(y).map(|(&c, &y)| if F::SIGNED { c as i8 as i32 } else { c as i32 } * y as i32).sum()
+    codes
+        .iter()
+        .zip(y)
+        .map(|(&c, &y)| if F::SIGNED { c as i8 as i32 } else { c as i32 } * y as i32)
+        .sum()
 }
 
 fn dot_scalar<F: LegacyFormat, const NT: usize>(row: &[u8], acts: &ActQ8, t0: usize) -> [f32; NT] {
-    check_row(F::DTYPE, row, acts.blocks() * F::BYTES, t0, NT, acts.n_tokens());
+    check_row(
+        F::DTYPE,
+        row,
+        acts.blocks() * F::BYTES,
+        t0,
+        NT,
+        acts.n_tokens(),
+    );
     std::array::from_fn(|i| {
         let (qs, ds) = acts.token(t0 + i);
         let (mut main, mut min) = (0f32, 0f32);

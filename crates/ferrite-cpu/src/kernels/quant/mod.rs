@@ -10,6 +10,7 @@ pub(crate) mod legacy;
 #[cfg(target_arch = "x86_64")]
 mod x86;
 
+use super::fvec;
 use super::simd::SimdLevel;
 use ferrite_gguf::GgmlType;
 use rayon::prelude::*;
@@ -19,7 +20,8 @@ use rayon::prelude::*;
 /// Safety: the kernel may use CPU features of the [`SimdLevel`] it was selected for; call it only
 /// if that level is available. (Argument sizes are checked inside: wrong sizes panic, never read
 /// out of bounds.)
-pub(crate) type RowDot<A, const NT: usize> = unsafe fn(row: &[u8], acts: &A, t0: usize) -> [f32; NT];
+pub(crate) type RowDot<A, const NT: usize> =
+    unsafe fn(row: &[u8], acts: &A, t0: usize) -> [f32; NT];
 
 /// A weight dtype's dot-product kernels.
 pub(crate) trait DotKernel {
@@ -44,23 +46,20 @@ fn check_row(dtype: GgmlType, row: &[u8], row_bytes: usize, t0: usize, nt: usize
     );
 }
 
-/// Round to nearest, ties to even, for |v| < 2^22 (the activation codes are within ±127).
-/// The magic-number form vectorizes on every x86-64, unlike `f32::round`.
-#[inline(always)]
-fn round_i32(v: f32) -> i32 {
-    const MAGIC: f32 = 12_582_912.0; // 1.5 * 2^23: adding it leaves the rounded integer in the low mantissa bits.
-    ((v + MAGIC).to_bits() as i32).wrapping_sub(MAGIC.to_bits() as i32)
-}
-
 /// Symmetric 8-bit quantization of one block: `q = round(x / d)` with `d = max|x| / 127`.
-/// Returns `d` and the sum of the codes.
+/// Returns `d` and the sum of the codes. A NaN in the block makes `d` NaN, so that it reaches
+/// the outputs instead of turning into arbitrary codes.
 #[inline]
 fn quantize_block(x: &[f32], q: &mut [i8]) -> (f32, i32) {
+    if x.iter().any(|v| v.is_nan()) {
+        q.fill(0);
+        return (f32::NAN, 0);
+    }
     let amax = x.iter().fold(0.0f32, |m, &v| m.max(v.abs()));
     let inv = if amax > 0.0 { 127.0 / amax } else { 0.0 };
     let mut sum = 0i32;
     for (q, &v) in q.iter_mut().zip(x) {
-        let c = round_i32(v * inv);
+        let c = fvec::round_i32(v * inv);
         *q = c as i8;
         sum += c;
     }
@@ -82,25 +81,43 @@ impl ActQ8 {
     pub(crate) const BLOCK: usize = 32;
 
     pub(crate) fn quantize(x: &[f32], cols: usize, n_tokens: usize) -> Self {
-        assert!(cols.is_multiple_of(Self::BLOCK) && x.len() == cols * n_tokens, "activation shape");
+        assert!(
+            cols.is_multiple_of(Self::BLOCK) && x.len() == cols * n_tokens,
+            "activation shape"
+        );
         let nb = cols / Self::BLOCK;
         let mut qs = vec![0i8; x.len()];
         let mut ds = vec![[0f32; 2]; nb * n_tokens];
         // (A single-token parallel iterator runs inline on the calling thread.)
-        x.par_chunks(cols).zip(qs.par_chunks_mut(cols)).zip(ds.par_chunks_mut(nb)).for_each(|((x, qs), ds)| {
-            for ((x, q), ds) in x.chunks_exact(Self::BLOCK).zip(qs.chunks_exact_mut(Self::BLOCK)).zip(ds) {
-                let (d, sum) = quantize_block(x, q);
-                *ds = [d, d * sum as f32];
-            }
-        });
-        ActQ8 { cols, n_tokens, qs, ds }
+        x.par_chunks(cols)
+            .zip(qs.par_chunks_mut(cols))
+            .zip(ds.par_chunks_mut(nb))
+            .for_each(|((x, qs), ds)| {
+                for ((x, q), ds) in x
+                    .chunks_exact(Self::BLOCK)
+                    .zip(qs.chunks_exact_mut(Self::BLOCK))
+                    .zip(ds)
+                {
+                    let (d, sum) = quantize_block(x, q);
+                    *ds = [d, d * sum as f32];
+                }
+            });
+        ActQ8 {
+            cols,
+            n_tokens,
+            qs,
+            ds,
+        }
     }
 
     /// Codes and block scales of token `t`.
     #[inline(always)]
     pub(crate) fn token(&self, t: usize) -> (&[i8], &[[f32; 2]]) {
         let nb = self.cols / Self::BLOCK;
-        (&self.qs[t * self.cols..(t + 1) * self.cols], &self.ds[t * nb..(t + 1) * nb])
+        (
+            &self.qs[t * self.cols..(t + 1) * self.cols],
+            &self.ds[t * nb..(t + 1) * nb],
+        )
     }
 
     pub(crate) fn blocks(&self) -> usize {
@@ -128,7 +145,10 @@ impl ActQ8K {
     pub(crate) const GROUP: usize = 16;
 
     pub(crate) fn quantize(x: &[f32], cols: usize, n_tokens: usize) -> Self {
-        assert!(cols.is_multiple_of(Self::BLOCK) && x.len() == cols * n_tokens, "activation shape");
+        assert!(
+            cols.is_multiple_of(Self::BLOCK) && x.len() == cols * n_tokens,
+            "activation shape"
+        );
         let nb = cols / Self::BLOCK;
         let mut qs = vec![0i8; x.len()];
         let mut d = vec![0f32; nb * n_tokens];
@@ -139,14 +159,24 @@ impl ActQ8K {
             .zip(d.par_chunks_mut(nb))
             .zip(bsums.par_chunks_mut(ng))
             .for_each(|(((x, qs), d), bsums)| {
-                for ((x, q), d) in x.chunks_exact(Self::BLOCK).zip(qs.chunks_exact_mut(Self::BLOCK)).zip(d) {
+                for ((x, q), d) in x
+                    .chunks_exact(Self::BLOCK)
+                    .zip(qs.chunks_exact_mut(Self::BLOCK))
+                    .zip(d)
+                {
                     *d = quantize_block(x, q).0;
                 }
                 for (q, s) in qs.chunks_exact(Self::GROUP).zip(bsums.iter_mut()) {
                     *s = q.iter().map(|&c| c as i16).sum();
                 }
             });
-        ActQ8K { cols, n_tokens, qs, d, bsums }
+        ActQ8K {
+            cols,
+            n_tokens,
+            qs,
+            d,
+            bsums,
+        }
     }
 
     /// Codes, super-block scales and group sums of token `t`.
@@ -174,22 +204,20 @@ mod tests {
     use super::*;
 
     #[test]
-    fn round_i32_is_nearest_even() {
-        for (v, r) in [(0.5, 0), (1.5, 2), (-2.5, -2), (126.6, 127), (-127.4, -127), (3.49, 3), (-0.2, 0)] {
-            assert_eq!(round_i32(v), r, "{v}");
-        }
-    }
-
-    #[test]
     fn q8_blocks_bound_the_error_by_half_a_step() {
-        let x: Vec<f32> = (0..64 * 3).map(|i| ((i * 37 % 101) as f32 - 50.0) * 0.013).collect();
+        let x: Vec<f32> = (0..64 * 3)
+            .map(|i| ((i * 37 % 101) as f32 - 50.0) * 0.013)
+            .collect();
         let a = ActQ8::quantize(&x, 64, 3);
         for t in 0..3 {
             let (qs, ds) = a.token(t);
             for (i, &q) in qs.iter().enumerate() {
                 let [d, s] = ds[i / 32];
                 assert!((q as f32 * d - x[t * 64 + i]).abs() <= d * 0.5 * (1.0 + 1e-6));
-                let sum: i32 = qs[i / 32 * 32..i / 32 * 32 + 32].iter().map(|&c| c as i32).sum();
+                let sum: i32 = qs[i / 32 * 32..i / 32 * 32 + 32]
+                    .iter()
+                    .map(|&c| c as i32)
+                    .sum();
                 assert_eq!(s, d * sum as f32);
             }
         }

@@ -28,7 +28,10 @@ unsafe fn hsum128(v: __m128) -> f32 {
 
 #[inline(always)]
 unsafe fn hsum256(v: __m256) -> f32 {
-    hsum128(_mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v)))
+    hsum128(_mm_add_ps(
+        _mm256_castps256_ps128(v),
+        _mm256_extractf128_ps::<1>(v),
+    ))
 }
 
 #[inline(always)]
@@ -58,11 +61,19 @@ pub(super) unsafe fn five_bits_avx2(qh: *const u8, qs: *const u8) -> __m256i {
     // Byte i gets byte i / 8 of qh, then keeps bit i % 8.
     let spread = _mm256_shuffle_epi8(
         _mm256_set1_epi32(read_u32(qh) as i32),
-        _mm256_set_epi64x(0x0303_0303_0303_0303, 0x0202_0202_0202_0202, 0x0101_0101_0101_0101, 0),
+        _mm256_set_epi64x(
+            0x0303_0303_0303_0303,
+            0x0202_0202_0202_0202,
+            0x0101_0101_0101_0101,
+            0,
+        ),
     );
     let bit = _mm256_set1_epi64x(0x8040_2010_0804_0201_u64 as i64);
     let set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
-    _mm256_or_si256(nibbles_avx2(qs), _mm256_and_si256(set, _mm256_set1_epi8(0x10)))
+    _mm256_or_si256(
+        nibbles_avx2(qs),
+        _mm256_and_si256(set, _mm256_set1_epi8(0x10)),
+    )
 }
 
 /// [`nibbles_avx2`] of the blocks at `qs` and `qs + stride`, in the two register halves.
@@ -121,10 +132,18 @@ unsafe fn legacy_block_avx2<F: LegacyFormat, const NT: usize>(
     let scale_bits = F::scale_bits(std::slice::from_raw_parts(block, F::BYTES));
     let w = _mm_cvtph_ps(_mm_cvtsi32_si128(scale_bits as i32));
     // vpmaddubsw multiplies unsigned by signed bytes: signed codes move their sign onto y.
-    let ucodes = if F::SIGNED { _mm256_sign_epi8(codes, codes) } else { codes };
+    let ucodes = if F::SIGNED {
+        _mm256_sign_epi8(codes, codes)
+    } else {
+        codes
+    };
     for t in 0..NT {
         let y = _mm256_loadu_si256(qs[t].add(b * QK) as *const __m256i);
-        let y = if F::SIGNED { _mm256_sign_epi8(y, codes) } else { y };
+        let y = if F::SIGNED {
+            _mm256_sign_epi8(y, codes)
+        } else {
+            y
+        };
         let isum = _mm256_madd_epi16(_mm256_maddubs_epi16(ucodes, y), _mm256_set1_epi16(1));
         let p = _mm_mul_ps(w, _mm_castpd_ps(_mm_load_sd(ds[t].add(b) as *const f64)));
         acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_broadcastss_ps(p), acc[t]);
@@ -133,7 +152,11 @@ unsafe fn legacy_block_avx2<F: LegacyFormat, const NT: usize>(
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]
-pub(super) unsafe fn legacy_dot_avx2<F: LegacyFormat, const NT: usize>(row: &[u8], acts: &ActQ8, t0: usize) -> [f32; NT] {
+pub(super) unsafe fn legacy_dot_avx2<F: LegacyFormat, const NT: usize>(
+    row: &[u8],
+    acts: &ActQ8,
+    t0: usize,
+) -> [f32; NT] {
     let nb = acts.blocks();
     check_row(F::DTYPE, row, nb * F::BYTES, t0, NT, acts.n_tokens());
     let (qs, ds) = q8_tokens::<NT>(acts, t0);
@@ -154,7 +177,11 @@ pub(super) unsafe fn legacy_dot_avx2<F: LegacyFormat, const NT: usize>(row: &[u8
 /// Two blocks per step: 64 codes in one `vpdpbusd`, the lanes of each block scaled by its own
 /// `d*da` (the product pair `[d0*da0, c0*sa0, d1*da1, c1*sa1]` is permuted out to 8 + 8 lanes).
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-pub(super) unsafe fn legacy_dot_avx512<F: LegacyFormat, const NT: usize>(row: &[u8], acts: &ActQ8, t0: usize) -> [f32; NT] {
+pub(super) unsafe fn legacy_dot_avx512<F: LegacyFormat, const NT: usize>(
+    row: &[u8],
+    acts: &ActQ8,
+    t0: usize,
+) -> [f32; NT] {
     let nb = acts.blocks();
     check_row(F::DTYPE, row, nb * F::BYTES, t0, NT, acts.n_tokens());
     let (qs, ds) = q8_tokens::<NT>(acts, t0);
@@ -167,14 +194,22 @@ pub(super) unsafe fn legacy_dot_avx512<F: LegacyFormat, const NT: usize>(row: &[
         prefetch_ahead(block);
         let codes = F::codes_avx512_pair(block);
         let bits = F::scale_bits(std::slice::from_raw_parts(block, F::BYTES)) as u64
-            | (F::scale_bits(std::slice::from_raw_parts(block.add(F::BYTES), F::BYTES)) as u64) << 32;
+            | (F::scale_bits(std::slice::from_raw_parts(block.add(F::BYTES), F::BYTES)) as u64)
+                << 32;
         let w = _mm_cvtph_ps(_mm_cvtsi64_si128(bits as i64));
         // vpdpbusd multiplies unsigned by signed bytes: signed codes move their sign onto y.
-        let (ucodes, negative) =
-            if F::SIGNED { (_mm512_abs_epi8(codes), _mm512_movepi8_mask(codes)) } else { (codes, 0) };
+        let (ucodes, negative) = if F::SIGNED {
+            (_mm512_abs_epi8(codes), _mm512_movepi8_mask(codes))
+        } else {
+            (codes, 0)
+        };
         for t in 0..NT {
             let y = _mm512_loadu_si512(qs[t].add(b * QK) as *const _);
-            let y = if F::SIGNED { _mm512_mask_sub_epi8(y, negative, _mm512_setzero_si512(), y) } else { y };
+            let y = if F::SIGNED {
+                _mm512_mask_sub_epi8(y, negative, _mm512_setzero_si512(), y)
+            } else {
+                y
+            };
             let isum = _mm512_dpbusd_epi32(_mm512_setzero_si512(), ucodes, y);
             let p = _mm_mul_ps(w, _mm_loadu_ps(ds[t].add(b) as *const f32));
             let scale = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(p));
@@ -185,7 +220,14 @@ pub(super) unsafe fn legacy_dot_avx512<F: LegacyFormat, const NT: usize>(row: &[
     }
     let mut tail = [_mm256_setzero_ps(); NT];
     if b < nb {
-        legacy_block_avx2::<F, NT>(row.as_ptr().add(b * F::BYTES), b, &qs, &ds, &mut tail, &mut acc_min);
+        legacy_block_avx2::<F, NT>(
+            row.as_ptr().add(b * F::BYTES),
+            b,
+            &qs,
+            &ds,
+            &mut tail,
+            &mut acc_min,
+        );
     }
     let mut out = [0f32; NT];
     for t in 0..NT {
@@ -239,10 +281,18 @@ pub(super) unsafe fn q6k_codes_avx2(ql: *const u8, qh: *const u8) -> [__m256i; 8
     for n in 0..2 {
         let (l0, l1) = (load256(ql.add(64 * n)), load256(ql.add(64 * n + 32)));
         let h = load256(qh.add(32 * n));
-        c[4 * n] = _mm256_or_si256(_mm256_and_si256(l0, nib), _mm256_and_si256(_mm256_slli_epi16::<4>(h), top));
-        c[4 * n + 1] = _mm256_or_si256(_mm256_and_si256(l1, nib), _mm256_and_si256(_mm256_slli_epi16::<2>(h), top));
-        c[4 * n + 2] =
-            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16::<4>(l0), nib), _mm256_and_si256(h, top));
+        c[4 * n] = _mm256_or_si256(
+            _mm256_and_si256(l0, nib),
+            _mm256_and_si256(_mm256_slli_epi16::<4>(h), top),
+        );
+        c[4 * n + 1] = _mm256_or_si256(
+            _mm256_and_si256(l1, nib),
+            _mm256_and_si256(_mm256_slli_epi16::<2>(h), top),
+        );
+        c[4 * n + 2] = _mm256_or_si256(
+            _mm256_and_si256(_mm256_srli_epi16::<4>(l0), nib),
+            _mm256_and_si256(h, top),
+        );
         c[4 * n + 3] = _mm256_or_si256(
             _mm256_and_si256(_mm256_srli_epi16::<4>(l1), nib),
             _mm256_and_si256(_mm256_srli_epi16::<2>(h), top),
@@ -286,17 +336,37 @@ pub(super) unsafe fn q4k_scales_avx2(packed: *const u8) -> [__m256i; 2] {
     const LOW6: u32 = 0x3F3F_3F3F;
     const LOW4: u32 = 0x0F0F_0F0F;
     const TOP2: u32 = 0x0303_0303;
-    let (w0, w1, w2) = (read_u32(packed), read_u32(packed.add(4)), read_u32(packed.add(8)));
-    let scales = _mm_set_epi32(0, 0, ((w2 & LOW4) | ((w0 >> 6) & TOP2) << 4) as i32, (w0 & LOW6) as i32);
-    let mins = _mm_set_epi32(0, 0, (((w2 >> 4) & LOW4) | ((w1 >> 6) & TOP2) << 4) as i32, (w1 & LOW6) as i32);
+    let (w0, w1, w2) = (
+        read_u32(packed),
+        read_u32(packed.add(4)),
+        read_u32(packed.add(8)),
+    );
+    let scales = _mm_set_epi32(
+        0,
+        0,
+        ((w2 & LOW4) | ((w0 >> 6) & TOP2) << 4) as i32,
+        (w0 & LOW6) as i32,
+    );
+    let mins = _mm_set_epi32(
+        0,
+        0,
+        (((w2 >> 4) & LOW4) | ((w1 >> 6) & TOP2) << 4) as i32,
+        (w1 & LOW6) as i32,
+    );
     // Each 32-element scale serves two 16-groups.
-    [_mm256_cvtepu8_epi16(_mm_unpacklo_epi8(scales, scales)), _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(mins, mins))]
+    [
+        _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(scales, scales)),
+        _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(mins, mins)),
+    ]
 }
 
 /// Q6_K: 16 signed byte scales.
 #[inline(always)]
 pub(super) unsafe fn q6k_scales_avx2(scales: *const u8) -> [__m256i; 2] {
-    [_mm256_cvtepi8_epi16(_mm_loadu_si128(scales as *const __m128i)), _mm256_setzero_si256()]
+    [
+        _mm256_cvtepi8_epi16(_mm_loadu_si128(scales as *const __m128i)),
+        _mm256_setzero_si256(),
+    ]
 }
 
 /// Q2_K: a byte per group, scale in the low nibble, minimum in the high one.
@@ -315,14 +385,21 @@ pub(super) unsafe fn q2k_scales_avx2(scales: *const u8) -> [__m256i; 2] {
 pub(super) unsafe fn q3k_scales_avx2(packed: *const u8) -> [__m256i; 2] {
     const LOW4: u32 = 0x0F0F_0F0F;
     const TOP2: u32 = 0x0303_0303;
-    let (w0, w1, w2) = (read_u32(packed), read_u32(packed.add(4)), read_u32(packed.add(8)));
+    let (w0, w1, w2) = (
+        read_u32(packed),
+        read_u32(packed.add(4)),
+        read_u32(packed.add(8)),
+    );
     let bytes = _mm_set_epi32(
         (((w1 >> 4) & LOW4) | ((w2 >> 6) & TOP2) << 4) as i32,
         (((w0 >> 4) & LOW4) | ((w2 >> 4) & TOP2) << 4) as i32,
         ((w1 & LOW4) | ((w2 >> 2) & TOP2) << 4) as i32,
         ((w0 & LOW4) | (w2 & TOP2) << 4) as i32,
     );
-    [_mm256_sub_epi16(_mm256_cvtepu8_epi16(bytes), _mm256_set1_epi16(32)), _mm256_setzero_si256()]
+    [
+        _mm256_sub_epi16(_mm256_cvtepu8_epi16(bytes), _mm256_set1_epi16(32)),
+        _mm256_setzero_si256(),
+    ]
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -337,7 +414,11 @@ unsafe fn group_scale_pattern(j: usize) -> __m256i {
 }
 
 #[inline(always)]
-unsafe fn kquant_body<F: KFormat, const NT: usize>(row: &[u8], acts: &ActQ8K, t0: usize) -> [f32; NT] {
+unsafe fn kquant_body<F: KFormat, const NT: usize>(
+    row: &[u8],
+    acts: &ActQ8K,
+    t0: usize,
+) -> [f32; NT] {
     let nsb = acts.blocks();
     check_row(F::DTYPE, row, nsb * F::BYTES, t0, NT, acts.n_tokens());
     let mut qs = [std::ptr::null(); NT];
@@ -347,7 +428,12 @@ unsafe fn kquant_body<F: KFormat, const NT: usize>(row: &[u8], acts: &ActQ8K, t0
         let (q, d, b) = acts.token(t0 + t);
         (qs[t], ds[t], bsums[t]) = (q.as_ptr(), d.as_ptr(), b.as_ptr());
     }
-    let patterns = [group_scale_pattern(0), group_scale_pattern(1), group_scale_pattern(2), group_scale_pattern(3)];
+    let patterns = [
+        group_scale_pattern(0),
+        group_scale_pattern(1),
+        group_scale_pattern(2),
+        group_scale_pattern(3),
+    ];
     let mut acc = [_mm256_setzero_ps(); NT];
     for s in 0..nsb {
         let block = row.as_ptr().add(s * F::BYTES);
@@ -356,9 +442,16 @@ unsafe fn kquant_body<F: KFormat, const NT: usize>(row: &[u8], acts: &ActQ8K, t0
         }
         let codes = F::codes_avx2(block);
         let [scales, mins] = F::scales_avx2(block);
-        let d_bits = if F::HAS_MIN { read_u32(block.add(F::D_OFFSET)) } else { read_u16(block.add(F::D_OFFSET)) };
+        let d_bits = if F::HAS_MIN {
+            read_u32(block.add(F::D_OFFSET))
+        } else {
+            read_u16(block.add(F::D_OFFSET))
+        };
         let d_dmin = _mm_cvtph_ps(_mm_cvtsi32_si128(d_bits as i32));
-        let halves = [_mm256_permute2x128_si256::<0x00>(scales, scales), _mm256_permute2x128_si256::<0x11>(scales, scales)];
+        let halves = [
+            _mm256_permute2x128_si256::<0x00>(scales, scales),
+            _mm256_permute2x128_si256::<0x11>(scales, scales),
+        ];
         let mut group_scales = [_mm256_setzero_si256(); 8];
         for (i, g) in group_scales.iter_mut().enumerate() {
             *g = _mm256_shuffle_epi8(halves[i / 4], patterns[i % 4]);
@@ -372,12 +465,21 @@ unsafe fn kquant_body<F: KFormat, const NT: usize>(row: &[u8], acts: &ActQ8K, t0
             }
             // A tree, not a chain: with VNNI the adds fuse into 5-cycle `vpdpwssd`s.
             let mut isum = _mm256_add_epi32(
-                _mm256_add_epi32(_mm256_add_epi32(sums[0], sums[1]), _mm256_add_epi32(sums[2], sums[3])),
-                _mm256_add_epi32(_mm256_add_epi32(sums[4], sums[5]), _mm256_add_epi32(sums[6], sums[7])),
+                _mm256_add_epi32(
+                    _mm256_add_epi32(sums[0], sums[1]),
+                    _mm256_add_epi32(sums[2], sums[3]),
+                ),
+                _mm256_add_epi32(
+                    _mm256_add_epi32(sums[4], sums[5]),
+                    _mm256_add_epi32(sums[6], sums[7]),
+                ),
             );
             let bs = _mm256_loadu_si256(bsums[t].add(s * GROUPS) as *const __m256i);
             if F::CODE_OFFSET != 0 {
-                let offsets = _mm256_mullo_epi32(_mm256_madd_epi16(bs, scales), _mm256_set1_epi32(F::CODE_OFFSET));
+                let offsets = _mm256_mullo_epi32(
+                    _mm256_madd_epi16(bs, scales),
+                    _mm256_set1_epi32(F::CODE_OFFSET),
+                );
                 isum = _mm256_sub_epi32(isum, offsets);
             }
             // [d * da, dmin * da]
@@ -385,7 +487,8 @@ unsafe fn kquant_body<F: KFormat, const NT: usize>(row: &[u8], acts: &ActQ8K, t0
             acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_broadcastss_ps(p), acc[t]);
             if F::HAS_MIN {
                 let min_sum = _mm256_cvtepi32_ps(_mm256_madd_epi16(bs, mins));
-                acc[t] = _mm256_fnmadd_ps(min_sum, _mm256_broadcastss_ps(_mm_movehdup_ps(p)), acc[t]);
+                acc[t] =
+                    _mm256_fnmadd_ps(min_sum, _mm256_broadcastss_ps(_mm_movehdup_ps(p)), acc[t]);
             }
         }
     }
@@ -397,13 +500,21 @@ unsafe fn kquant_body<F: KFormat, const NT: usize>(row: &[u8], acts: &ActQ8K, t0
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]
-pub(super) unsafe fn kquant_dot_avx2<F: KFormat, const NT: usize>(row: &[u8], acts: &ActQ8K, t0: usize) -> [f32; NT] {
+pub(super) unsafe fn kquant_dot_avx2<F: KFormat, const NT: usize>(
+    row: &[u8],
+    acts: &ActQ8K,
+    t0: usize,
+) -> [f32; NT] {
     kquant_body::<F, NT>(row, acts, t0)
 }
 
 /// The same code with AVX-512 VNNI enabled, which fuses `vpmaddwd` + `vpaddd` into `vpdpwssd`.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-pub(super) unsafe fn kquant_dot_avx512<F: KFormat, const NT: usize>(row: &[u8], acts: &ActQ8K, t0: usize) -> [f32; NT] {
+pub(super) unsafe fn kquant_dot_avx512<F: KFormat, const NT: usize>(
+    row: &[u8],
+    acts: &ActQ8K,
+    t0: usize,
+) -> [f32; NT] {
     kquant_body::<F, NT>(row, acts, t0)
 }
 
@@ -411,7 +522,11 @@ pub(super) unsafe fn kquant_dot_avx512<F: KFormat, const NT: usize>(row: &[u8], 
 // Float weights.
 
 #[target_feature(enable = "avx2,fma,f16c")]
-pub(super) unsafe fn float_dot_avx2<F: FloatFormat, const NT: usize>(row: &[u8], acts: &ActF32, t0: usize) -> [f32; NT] {
+pub(super) unsafe fn float_dot_avx2<F: FloatFormat, const NT: usize>(
+    row: &[u8],
+    acts: &ActF32,
+    t0: usize,
+) -> [f32; NT] {
     let cols = acts.cols;
     check_row(F::DTYPE, row, cols * F::BYTES, t0, NT, acts.n_tokens);
     let mut xs = [std::ptr::null(); NT];

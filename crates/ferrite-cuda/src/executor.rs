@@ -1,0 +1,341 @@
+//! Runs a model graph on the GPU with the op layer.
+//!
+//! Weights are uploaded (and repacked) once; activations live in one device buffer per planner
+//! slot; every op is an async launch on the compute stream. The host only synchronises when it
+//! reads something back (logits, a sampled token id, traces).
+//!
+//! Decode (one token) uses contiguous views of the fused QKV / gate-up rows directly. A batch of
+//! several tokens has those column ranges strided, so they are gathered with `copy_cols` first.
+
+use crate::ops::{self, AttentionConfig, KvCache, KvDtype, RopeConfig, SamplingConfig};
+use crate::{CudaError, DeviceWeight, Gpu};
+use anyhow::{anyhow, bail, Context};
+use cudarc::driver::CudaSlice;
+use ferrite_core::env;
+use ferrite_model::graph::{Op, ValueId, WeightId};
+use ferrite_model::planner::{self, Plan};
+use ferrite_model::{DeviceSampling, Executor, ExecutorOptions, LayerTrace, LoadProgress, Model, RopeStyle};
+use std::sync::Arc;
+
+enum GpuWeight {
+    Matrix(DeviceWeight),
+    Vector(CudaSlice<f32>),
+}
+
+/// Device buffers a forward pass writes, kept apart from the read-only weights.
+struct Buffers {
+    /// One buffer per planner slot; `None` only while the running op holds it as its output.
+    slots: Vec<Option<CudaSlice<f32>>>,
+    /// Normalised input of a norm-folded linear / gathered columns.
+    scratch_a: CudaSlice<f32>,
+    /// Output of a linear that fills a column range / a second gathered operand.
+    scratch_b: CudaSlice<f32>,
+    scratch_c: CudaSlice<f32>,
+    kv: Vec<KvCache>,
+    ids: CudaSlice<u32>,
+    positions: CudaSlice<u32>,
+    token: CudaSlice<u32>,
+}
+
+pub struct CudaExecutor {
+    model: Arc<Model>,
+    gpu: Gpu,
+    weights: Vec<Option<GpuWeight>>,
+    plan: Plan,
+    buf: Buffers,
+    options: ExecutorOptions,
+    last_rows: usize,
+}
+
+fn kv_dtype() -> KvDtype {
+    match env::CUDA_KV_DTYPE.get().as_deref() {
+        Some("f32") => KvDtype::F32,
+        Some("f16") | None => KvDtype::F16,
+        Some(other) => {
+            eprintln!("warning: FERRITE_CUDA_KV_DTYPE={other:?} is not f16 or f32; using f16");
+            KvDtype::F16
+        }
+    }
+}
+
+impl CudaExecutor {
+    pub fn new(model: Arc<Model>, options: ExecutorOptions) -> anyhow::Result<Self> {
+        let gpu = Gpu::new(0)?;
+        let graph = &model.graph;
+        let cfg = &model.config;
+        let max_batch = options.max_batch.max(1);
+        let mut weights: Vec<Option<GpuWeight>> = (0..model.weights.len()).map(|_| None).collect();
+        let mut widest = 0;
+        let used = model.weights.used_by(graph);
+        for (i, &id) in used.iter().enumerate() {
+            LoadProgress::report(&options.progress, i, used.len());
+            let spec = model.weights.spec(id);
+            let w = if spec.is_vector() {
+                GpuWeight::Vector(gpu.upload(&model.weights.to_f32(&model.file, id)?, &spec.name)?)
+            } else {
+                widest = widest.max(spec.rows.max(spec.cols));
+                let bytes = model.weights.bytes(&model.file, id)?;
+                GpuWeight::Matrix(
+                    gpu.upload_weight(spec.dtype, spec.rows, spec.cols, &bytes).with_context(|| format!("uploading `{}`", spec.name))?,
+                )
+            };
+            weights[id.0 as usize] = Some(w);
+        }
+        let plan = planner::plan(graph, max_batch, !options.trace);
+        plan.check(graph).map_err(|e| anyhow!("memory plan violates the aliasing rule: {e}"))?;
+        let slots = plan.slot_elems.iter().map(|&n| gpu.alloc_zeros::<f32>(n.max(1)).map(Some)).collect::<Result<_, _>>()?;
+        let scratch = max_batch * widest.max(cfg.qkv_width()).max(2 * cfg.n_ff);
+        let kv_bytes = graph.n_layers * 2 * options.context_len * cfg.kv_width() * kv_dtype().bytes();
+        let (free, _) = gpu.mem_info()?;
+        if kv_bytes > free {
+            bail!(
+                "the KV cache for {} tokens needs {:.1} GiB but only {:.1} GiB of device memory is free (lower --ctx-size)",
+                options.context_len,
+                kv_bytes as f64 / (1u64 << 30) as f64,
+                free as f64 / (1u64 << 30) as f64
+            );
+        }
+        let kv = (0..graph.n_layers)
+            .map(|_| KvCache::new(&gpu, kv_dtype(), options.context_len, cfg.n_kv_heads, cfg.head_dim))
+            .collect::<Result<_, _>>()?;
+        let buf = Buffers {
+            scratch_a: gpu.alloc_zeros(scratch)?,
+            scratch_b: gpu.alloc_zeros(scratch)?,
+            scratch_c: gpu.alloc_zeros(scratch)?,
+            ids: gpu.alloc_zeros(max_batch)?,
+            positions: gpu.alloc_zeros(max_batch)?,
+            token: gpu.alloc_zeros(1)?,
+            kv,
+            slots,
+        };
+        Ok(Self { buf, plan, weights, gpu, model, options: ExecutorOptions { max_batch, ..options }, last_rows: 0 })
+    }
+
+    fn slot(&self, v: ValueId) -> &CudaSlice<f32> {
+        self.buf.slots[self.plan.slot(v)].as_ref().expect("slot is not held by a running op")
+    }
+
+    fn run_chunk(&mut self, ids: &[u32], start_pos: usize) -> anyhow::Result<()> {
+        let n = ids.len();
+        let positions: Vec<u32> = (start_pos..start_pos + n).map(|p| p as u32).collect();
+        let stream = Arc::clone(self.gpu.stream());
+        stream.memcpy_htod(ids, &mut self.buf.ids.slice_mut(0..n)).map_err(CudaError::from)?;
+        stream.memcpy_htod(&positions, &mut self.buf.positions.slice_mut(0..n)).map_err(CudaError::from)?;
+        let model = Arc::clone(&self.model);
+        for op in &model.graph.ops {
+            let out_slot = self.plan.slot(op.writes());
+            let mut out = self.buf.slots[out_slot].take().expect("slot in use");
+            let result = self.run_op(op, &mut out, n);
+            self.buf.slots[out_slot] = Some(out);
+            result.with_context(|| format!("op {} writing `{}`", op.kind(), model.graph.value(op.writes()).name))?;
+        }
+        self.last_rows = n;
+        Ok(())
+    }
+
+    fn run_op(&mut self, op: &Op, out: &mut CudaSlice<f32>, n: usize) -> anyhow::Result<()> {
+        let graph = &self.model.graph;
+        let width = |v: ValueId| graph.value(v).width;
+        let rows = |v: ValueId| graph.value(v).n_rows(n);
+        let Self { gpu, weights, plan, buf, .. } = self;
+        let gpu = &*gpu;
+        let matrix = |id: WeightId| match &weights[id.0 as usize] {
+            Some(GpuWeight::Matrix(w)) => w,
+            _ => unreachable!("matrix weights are uploaded as matrices"),
+        };
+        let vector = |id: WeightId| match &weights[id.0 as usize] {
+            Some(GpuWeight::Vector(v)) => v,
+            _ => unreachable!("vector weights are uploaded as f32"),
+        };
+        let slots = &buf.slots;
+        let input = |v: ValueId| slots[plan.slot(v)].as_ref().expect("an op's input never shares its output's slot");
+        match *op {
+            Op::Embed { table, .. } => ops::embed(gpu, matrix(table), &buf.ids, n, out)?,
+            Op::RmsNorm { x, norm, .. } => ops::rms_norm(gpu, input(x), vector(norm.weight), norm.eps, rows(x), width(x), false, out)?,
+            Op::Linear { x, norm, w, bias, residual, out_col, .. } => {
+                let (r, xw, ow) = (rows(x), width(x), width(op.writes()));
+                let rows_w = matrix(w).rows;
+                let x_in = match norm {
+                    Some(nm) => {
+                        ops::rms_norm(gpu, input(x), vector(nm.weight), nm.eps, r, xw, false, &mut buf.scratch_a)?;
+                        &buf.scratch_a
+                    }
+                    None => input(x),
+                };
+                if out_col == 0 && rows_w == ow {
+                    ops::linear(gpu, matrix(w), x_in, r, out)?;
+                } else if r == 1 {
+                    ops::linear(gpu, matrix(w), x_in, 1, &mut out.slice_mut(out_col..out_col + rows_w))?;
+                } else {
+                    ops::linear(gpu, matrix(w), x_in, r, &mut buf.scratch_b)?;
+                    ops::copy_cols(gpu, &buf.scratch_b, rows_w, 0, out, ow, out_col, rows_w, r)?;
+                }
+                if let Some(b) = bias {
+                    ops::add_rows(gpu, out, ow, out_col, vector(b), rows_w, r)?;
+                }
+                if let Some(res) = residual {
+                    ops::add(gpu, out, input(res), r * ow)?;
+                }
+            }
+            Op::Rope { x, col, n_heads } => {
+                let a = graph.attention;
+                let cfg = RopeConfig {
+                    n_heads,
+                    head_dim: a.head_dim,
+                    rot_dim: graph.rope.rot_dim,
+                    theta: graph.rope.theta,
+                    freq_scale: graph.rope.freq_scale,
+                    neox: graph.rope.style == RopeStyle::Neox,
+                };
+                let (w, span) = (width(x), n_heads * a.head_dim);
+                if n == 1 {
+                    ops::rope(gpu, &mut out.slice_mut(col..col + span), &buf.positions, 1, &cfg)?;
+                } else {
+                    ops::copy_cols(gpu, out, w, col, &mut buf.scratch_b, span, 0, span, n)?;
+                    ops::rope(gpu, &mut buf.scratch_b, &buf.positions, n, &cfg)?;
+                    ops::copy_cols(gpu, &buf.scratch_b, span, 0, out, w, col, span, n)?;
+                }
+            }
+            Op::Attention { layer, qkv, window, .. } => {
+                let a = graph.attention;
+                let (qw, kvw, w) = (a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim, width(qkv));
+                let cfg = AttentionConfig { n_heads: a.n_heads, scale: a.scale, window, softcap: None };
+                let src = input(qkv);
+                let cache = &mut buf.kv[layer];
+                if n == 1 {
+                    ops::kv_write(gpu, cache, &src.slice(qw..qw + kvw), &src.slice(qw + kvw..qw + 2 * kvw), &buf.positions, 1)?;
+                    ops::attention(gpu, &src.slice(0..qw), cache, &buf.positions, 1, &cfg, out)?;
+                } else {
+                    ops::copy_cols(gpu, src, w, 0, &mut buf.scratch_a, qw, 0, qw, n)?;
+                    ops::copy_cols(gpu, src, w, qw, &mut buf.scratch_b, kvw, 0, kvw, n)?;
+                    ops::copy_cols(gpu, src, w, qw + kvw, &mut buf.scratch_c, kvw, 0, kvw, n)?;
+                    ops::kv_write(gpu, cache, &buf.scratch_b, &buf.scratch_c, &buf.positions, n)?;
+                    ops::attention(gpu, &buf.scratch_a, cache, &buf.positions, n, &cfg, out)?;
+                }
+            }
+            Op::SwiGlu { x, .. } => {
+                let (w2, r) = (width(x), rows(x));
+                let w = w2 / 2;
+                let src = input(x);
+                if r == 1 {
+                    ops::swiglu(gpu, &src.slice(0..w), &src.slice(w..w2), w, out)?;
+                } else {
+                    ops::copy_cols(gpu, src, w2, 0, &mut buf.scratch_a, w, 0, w, r)?;
+                    ops::copy_cols(gpu, src, w2, w, &mut buf.scratch_b, w, 0, w, r)?;
+                    ops::swiglu(gpu, &buf.scratch_a, &buf.scratch_b, r * w, out)?;
+                }
+            }
+            Op::Add { a, b, .. } => {
+                let len = rows(a) * width(a);
+                ops::copy_cols(gpu, input(a), len, 0, out, len, 0, len, 1)?;
+                ops::add(gpu, out, input(b), len)?;
+            }
+            Op::LastRow { x, .. } => {
+                let w = width(x);
+                ops::copy_cols(gpu, input(x), w, (n - 1) * w, out, w, 0, w, 1)?;
+            }
+        }
+        Ok(())
+    }
+
+    fn logits_view(&self) -> (&CudaSlice<f32>, usize) {
+        let g = &self.model.graph;
+        (self.slot(g.logits), g.value(g.logits).width)
+    }
+}
+
+impl Executor for CudaExecutor {
+    fn describe(&self) -> String {
+        let (maj, min) = self.gpu.compute_capability();
+        format!("cuda: {} (sm_{maj}{min}, {} SMs), KV {:?}", self.gpu.name(), self.gpu.sm_count(), kv_dtype())
+    }
+
+    fn forward(&mut self, tokens: &[u32], start_pos: usize) -> anyhow::Result<()> {
+        if tokens.is_empty() {
+            bail!("forward called with no tokens");
+        }
+        if start_pos + tokens.len() > self.options.context_len {
+            bail!("prompt too long: {} tokens at position {start_pos} exceed the context of {} tokens", tokens.len(), self.options.context_len);
+        }
+        let vocab = self.model.config.vocab_size;
+        if let Some(bad) = tokens.iter().find(|&&t| t as usize >= vocab) {
+            bail!("token id {bad} is outside the vocabulary ({vocab})");
+        }
+        let step = self.options.max_batch;
+        for (i, chunk) in tokens.chunks(step).enumerate() {
+            self.run_chunk(chunk, start_pos + i * step)?;
+        }
+        Ok(())
+    }
+
+    fn logits(&mut self) -> anyhow::Result<Vec<f32>> {
+        let (slot, width) = self.logits_view();
+        let v = self.gpu.download(&slot.slice(0..width))?;
+        self.gpu.check_device()?;
+        Ok(v)
+    }
+
+    fn sample_on_device(&mut self, p: &DeviceSampling) -> Option<anyhow::Result<u32>> {
+        let run = || -> anyhow::Result<u32> {
+            let g = &self.model.graph;
+            let width = g.value(g.logits).width;
+            let logits = self.buf.slots[self.plan.slot(g.logits)].as_ref().expect("logits slot");
+            let cfg = SamplingConfig { temperature: p.temperature, top_k: p.top_k, top_p: p.top_p, min_p: 0.0, seed: p.seed };
+            ops::sample(&self.gpu, &logits.slice(0..width), width, &cfg, p.step, None, &mut self.buf.token)?;
+            let id = self.gpu.download(&self.buf.token)?[0];
+            self.gpu.check_device()?;
+            Ok(id)
+        };
+        Some(run())
+    }
+
+    fn traces(&mut self) -> anyhow::Result<Vec<LayerTrace>> {
+        if !self.options.trace {
+            bail!("this executor was created without tracing");
+        }
+        let g = &self.model.graph;
+        let mut out = Vec::new();
+        for (i, v) in g.values.iter().enumerate().filter(|(_, v)| v.traced) {
+            let len = v.n_rows(self.last_rows) * v.width;
+            let data = self.gpu.download(&self.slot(ValueId(i as u32)).slice(0..len))?;
+            out.push(LayerTrace { name: v.name.clone(), width: v.width, data });
+        }
+        Ok(out)
+    }
+
+    fn context_len(&self) -> usize {
+        self.options.context_len
+    }
+
+    fn memory_report(&self) -> String {
+        let mib = |b: usize| b as f64 / 1048576.0;
+        let weights: usize = self
+            .weights
+            .iter()
+            .flatten()
+            .map(|w| match w {
+                GpuWeight::Matrix(m) => m.device_bytes(),
+                GpuWeight::Vector(v) => v.len() * 4,
+            })
+            .sum();
+        let kv: usize = self.buf.kv.iter().map(|c| 2 * c.max_seq * c.row_len() * c.dtype.bytes()).sum();
+        let act = self.plan.total_elems() * 4 + 3 * self.buf.scratch_b.len() * 4;
+        let (free, total) = self.gpu.mem_info().unwrap_or((0, 0));
+        format!(
+            "weights (repacked): {:.1} MiB\nkv cache ({:?}, {} tokens): {:.1} MiB\nactivations + scratch: {:.1} MiB\ndevice: {:.1} GiB free of {:.1} GiB",
+            mib(weights),
+            kv_dtype(),
+            self.options.context_len,
+            mib(kv),
+            mib(act),
+            free as f64 / (1u64 << 30) as f64,
+            total as f64 / (1u64 << 30) as f64
+        )
+    }
+}
+
+/// Open the CUDA executor, or explain why there is no usable GPU.
+pub fn open_executor(model: Arc<Model>, options: ExecutorOptions) -> anyhow::Result<Box<dyn Executor>> {
+    crate::cuda_available()?;
+    Ok(Box::new(CudaExecutor::new(model, options)?))
+}
