@@ -26,7 +26,13 @@ fn time(gpu: &Gpu, iters: usize, mut f: impl FnMut() -> Result<(), CudaError>) -
 
 fn main() -> Result<(), CudaError> {
     let gpu = Gpu::new(0)?;
-    println!("{} (sm_{}{}, {} SMs)", gpu.name(), gpu.compute_capability().0, gpu.compute_capability().1, gpu.sm_count());
+    println!(
+        "{} (sm_{}{}, {} SMs)",
+        gpu.name(),
+        gpu.compute_capability().0,
+        gpu.compute_capability().1,
+        gpu.sm_count()
+    );
     // SmolLM2-135M projections (q/o, k/v, gate/up, down, lm_head) and two large matrices
     // (k-quants need rows of whole 256-value blocks, so they skip SmolLM2's 576 columns).
     let shapes = [(576, 576), (192, 576), (1536, 576), (576, 1536), (49152, 576), (8192, 8192), (16384, 4096)];

@@ -238,12 +238,7 @@ pub(crate) struct ModuleCache {
 }
 
 impl ModuleCache {
-    pub(crate) fn new(
-        ctx: Arc<CudaContext>,
-        arch: String,
-        nvrtc_version: (i32, i32),
-        disk: Option<DiskCache>,
-    ) -> Self {
+    pub(crate) fn new(ctx: Arc<CudaContext>, arch: String, nvrtc_version: (i32, i32), disk: Option<DiskCache>) -> Self {
         ModuleCache { ctx, arch, nvrtc_version, disk, loaded: Mutex::default(), counters: Counters::default() }
     }
 

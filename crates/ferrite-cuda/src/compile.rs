@@ -13,29 +13,24 @@ pub(crate) fn require_nvrtc() -> Result<(), CudaError> {
         return Ok(());
     }
     Err(CudaError::NoDevice(
-        "libnvrtc.so not found (add the CUDA toolkit's lib64 or the nvidia-cuda-nvrtc wheel's lib to LD_LIBRARY_PATH)".into(),
+        "libnvrtc.so not found (add the CUDA toolkit's lib64 or the nvidia-cuda-nvrtc wheel's lib to LD_LIBRARY_PATH)"
+            .into(),
     ))
 }
 
 /// The NVRTC release, part of every cache key (a new compiler may emit different code).
 pub(crate) fn nvrtc_version() -> Result<(i32, i32), CudaError> {
     let (mut major, mut minor) = (0, 0);
-    unsafe { sys::nvrtcVersion(&mut major, &mut minor) }
-        .result()
-        .context(|| "nvrtcVersion".into())?;
+    unsafe { sys::nvrtcVersion(&mut major, &mut minor) }.result().context(|| "nvrtcVersion".into())?;
     Ok((major, minor))
 }
 
 /// The `sm_XY` numbers (e.g. 90) this NVRTC can emit machine code for.
 pub(crate) fn supported_archs() -> Result<Vec<i32>, CudaError> {
     let mut count = 0;
-    unsafe { sys::nvrtcGetNumSupportedArchs(&mut count) }
-        .result()
-        .context(|| "nvrtcGetNumSupportedArchs".into())?;
+    unsafe { sys::nvrtcGetNumSupportedArchs(&mut count) }.result().context(|| "nvrtcGetNumSupportedArchs".into())?;
     let mut archs = vec![0i32; count.max(0) as usize];
-    unsafe { sys::nvrtcGetSupportedArchs(archs.as_mut_ptr()) }
-        .result()
-        .context(|| "nvrtcGetSupportedArchs".into())?;
+    unsafe { sys::nvrtcGetSupportedArchs(archs.as_mut_ptr()) }.result().context(|| "nvrtcGetSupportedArchs".into())?;
     Ok(archs)
 }
 
@@ -51,28 +46,18 @@ impl Drop for Program {
 
 /// Compile `source` to a CUBIN. `options` are complete NVRTC flags (arch, `-D` macros, ...).
 /// A compile error returns [`CudaError::Compile`] carrying NVRTC's full log.
-pub(crate) fn compile_cubin(
-    family: &'static str,
-    source: &str,
-    options: &[String],
-) -> Result<Vec<u8>, CudaError> {
+pub(crate) fn compile_cubin(family: &'static str, source: &str, options: &[String]) -> Result<Vec<u8>, CudaError> {
     let src = CString::new(source).map_err(|_| CudaError::Compile {
         family,
         macros: options.join(" "),
         log: "kernel source contains a NUL byte".into(),
     })?;
     let name = CString::new(format!("{family}.cu")).expect("family names have no NUL");
-    let program = Program(
-        result::create_program(&src, Some(&name))
-            .context(|| format!("nvrtcCreateProgram for {family}"))?,
-    );
+    let program =
+        Program(result::create_program(&src, Some(&name)).context(|| format!("nvrtcCreateProgram for {family}"))?);
     if let Err(err) = unsafe { result::compile_program(program.0, options) } {
         let log = program_log(&program).unwrap_or_else(|e| format!("(no log: {e})"));
-        return Err(CudaError::Compile {
-            family,
-            macros: options.join(" "),
-            log: format!("{err}\n{log}"),
-        });
+        return Err(CudaError::Compile { family, macros: options.join(" "), log: format!("{err}\n{log}") });
     }
     let mut size = 0usize;
     unsafe { sys::nvrtcGetCUBINSize(program.0, &mut size) }

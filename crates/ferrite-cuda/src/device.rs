@@ -29,7 +29,8 @@ fn device_count() -> Result<usize, CudaError> {
     require_nvrtc()?;
     if !unsafe { cudarc::cublas::sys::is_culib_present() } {
         return Err(CudaError::NoDevice(
-            "libcublas.so not found (add the CUDA toolkit's lib64 or the nvidia-cublas wheel's lib to LD_LIBRARY_PATH)".into(),
+            "libcublas.so not found (add the CUDA toolkit's lib64 or the nvidia-cublas wheel's lib to LD_LIBRARY_PATH)"
+                .into(),
         ));
     }
     cudarc::driver::result::init().map_err(|e| CudaError::NoDevice(format!("cuInit failed: {e:?}")))?;
@@ -146,11 +147,7 @@ impl Gpu {
             error_flag_ptr,
             scratch: Mutex::new(None),
             linear: options.linear,
-            props: DeviceProps {
-                name,
-                compute_capability: (major as u32, minor as u32),
-                sm_count: sm_count as u32,
-            },
+            props: DeviceProps { name, compute_capability: (major as u32, minor as u32), sm_count: sm_count as u32 },
             stream,
             ctx,
         })
@@ -269,7 +266,12 @@ impl Gpu {
         let mut builder = self.stream.launch_builder(module.function(entry));
         builder.arg(params);
         unsafe { builder.launch(cfg) }.context(|| {
-            format!("launching {}::{entry} ({variant:?}, grid {:?}, block {:?})", V::FAMILY, cfg.grid_dim, cfg.block_dim)
+            format!(
+                "launching {}::{entry} ({variant:?}, grid {:?}, block {:?})",
+                V::FAMILY,
+                cfg.grid_dim,
+                cfg.block_dim
+            )
         })?;
         Ok(())
     }
@@ -283,11 +285,16 @@ impl Gpu {
     /// Run `f` with the device address of a scratch area of at least `bytes` bytes.
     /// The lock keeps other threads from resizing it while `f` enqueues work; the old buffer
     /// is freed in stream order, after the work already queued on it.
-    pub(crate) fn with_scratch<R>(&self, bytes: usize, f: impl FnOnce(u64) -> Result<R, CudaError>) -> Result<R, CudaError> {
+    pub(crate) fn with_scratch<R>(
+        &self,
+        bytes: usize,
+        f: impl FnOnce(u64) -> Result<R, CudaError>,
+    ) -> Result<R, CudaError> {
         let mut scratch = self.scratch.lock().unwrap_or_else(|p| p.into_inner());
         if scratch.as_ref().is_none_or(|s| s.len() < bytes) {
             *scratch = None;
-            let buf = unsafe { self.stream.alloc::<u8>(bytes) }.context(|| format!("allocating {bytes} bytes of scratch"))?;
+            let buf =
+                unsafe { self.stream.alloc::<u8>(bytes) }.context(|| format!("allocating {bytes} bytes of scratch"))?;
             *scratch = Some(buf);
         }
         let (ptr, _sync) = scratch.as_ref().expect("allocated above").device_ptr(&self.stream);

@@ -4,7 +4,7 @@
 //!
 //! - [`kernels`]: CUDA C++ sources, one file per op family, with their typed variants.
 //! - [`ops`]: the dispatchers (`embed`, `rms_norm`, `rope`, `linear`, `kv_write`,
-//!   `attention`, `swiglu`, `geglu`, `add`, `argmax`, `sample`).
+//!   `attention`, `swiglu`, `geglu`, `add`, `add_rows`, `copy_cols`, `argmax`, `sample`).
 //! - [`Gpu`]: device, stream, cuBLAS handle, module cache.
 //!
 //! The crate builds and its CPU tests run without CUDA: libraries are loaded at run time,
@@ -23,4 +23,3 @@ pub use cudarc::driver::{CudaSlice, CudaView, CudaViewMut};
 pub use device::{cuda_available, Gpu, GpuOptions, KernelCacheDir};
 pub use error::CudaError;
 pub use weight::{supported as weight_supported, DeviceWeight};
-

@@ -26,15 +26,15 @@ const fn f(offset: usize, size: usize) -> Field {
 pub(crate) fn planes(dtype: GgmlType) -> Option<&'static [Field]> {
     use GgmlType::*;
     Some(match dtype {
-        Q4_0 => const { &[f(2, 16), f(0, 2)] },                     // qs, d
-        Q4_1 => const { &[f(4, 16), f(0, 4)] },                     // qs, (d, m)
-        Q5_0 => const { &[f(6, 16), f(2, 4), f(0, 2)] },            // qs, qh, d
-        Q5_1 => const { &[f(8, 16), f(4, 4), f(0, 4)] },            // qs, qh, (d, m)
-        Q8_0 => const { &[f(2, 32), f(0, 2)] },                     // qs, d
-        Q2_K => const { &[f(16, 64), f(0, 16), f(80, 4)] },         // qs, scales, (d, dmin)
-        Q3_K => const { &[f(32, 64), f(0, 32), f(96, 12), f(108, 2)] }, // qs, hmask, scales, d
-        Q4_K => const { &[f(16, 128), f(0, 16)] },                  // qs, (d, dmin, scales)
-        Q5_K => const { &[f(48, 128), f(16, 32), f(0, 16)] },       // qs, qh, (d, dmin, scales)
+        Q4_0 => const { &[f(2, 16), f(0, 2)] },                            // qs, d
+        Q4_1 => const { &[f(4, 16), f(0, 4)] },                            // qs, (d, m)
+        Q5_0 => const { &[f(6, 16), f(2, 4), f(0, 2)] },                   // qs, qh, d
+        Q5_1 => const { &[f(8, 16), f(4, 4), f(0, 4)] },                   // qs, qh, (d, m)
+        Q8_0 => const { &[f(2, 32), f(0, 2)] },                            // qs, d
+        Q2_K => const { &[f(16, 64), f(0, 16), f(80, 4)] },                // qs, scales, (d, dmin)
+        Q3_K => const { &[f(32, 64), f(0, 32), f(96, 12), f(108, 2)] },    // qs, hmask, scales, d
+        Q4_K => const { &[f(16, 128), f(0, 16)] },                         // qs, (d, dmin, scales)
+        Q5_K => const { &[f(48, 128), f(16, 32), f(0, 16)] },              // qs, qh, (d, dmin, scales)
         Q6_K => const { &[f(0, 128), f(128, 64), f(192, 16), f(208, 2)] }, // ql, qh, scales, d
         F32 | F16 | BF16 | Q8_1 | Q8_K => return None,
     })
@@ -67,7 +67,10 @@ pub(crate) fn repack(dtype: GgmlType, rows: usize, cols: usize, data: &[u8]) -> 
         return Err(CudaError::invalid(op, format!("{rows} x {cols} is too large")));
     }
     let row_bytes = dtype.row_bytes(cols).ok_or_else(|| {
-        CudaError::invalid(op, format!("{dtype} rows of {cols} values are not whole {}-value blocks", dtype.block_size()))
+        CudaError::invalid(
+            op,
+            format!("{dtype} rows of {cols} values are not whole {}-value blocks", dtype.block_size()),
+        )
     })?;
     let expected = row_bytes
         .checked_mul(rows)
@@ -122,7 +125,13 @@ impl DeviceWeight {
 
 impl Gpu {
     /// Copy a GGML tensor's bytes (as stored in GGUF) to the device, repacked for the kernels.
-    pub fn upload_weight(&self, dtype: GgmlType, rows: usize, cols: usize, data: &[u8]) -> Result<DeviceWeight, CudaError> {
+    pub fn upload_weight(
+        &self,
+        dtype: GgmlType,
+        rows: usize,
+        cols: usize,
+        data: &[u8],
+    ) -> Result<DeviceWeight, CudaError> {
         let packed = repack(dtype, rows, cols, data)?;
         let data = self.upload(&packed.bytes, "upload_weight")?;
         Ok(DeviceWeight { dtype, rows, cols, data, plane_offsets: packed.plane_offsets })

@@ -84,7 +84,11 @@ pub struct KvWriteVariant {
 
 impl KvWriteVariant {
     pub fn launch_config(&self, n: usize) -> LaunchConfig {
-        LaunchConfig { grid_dim: (blocks_for(n, 256).clamp(1, 65535), 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 }
+        LaunchConfig {
+            grid_dim: (blocks_for(n, 256).clamp(1, 65535), 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        }
     }
 }
 

@@ -120,10 +120,7 @@ pub(crate) mod tests {
 
     #[test]
     fn params_struct_has_matching_c_declaration() {
-        assert_eq!(
-            Probe::C_DECL,
-            "struct Probe {\n  unsigned long long ptr;\n  unsigned int n;\n  float scale;\n};\n"
-        );
+        assert_eq!(Probe::C_DECL, "struct Probe {\n  unsigned long long ptr;\n  unsigned int n;\n  float scale;\n};\n");
         assert_eq!(std::mem::size_of::<Probe>(), 16);
     }
 

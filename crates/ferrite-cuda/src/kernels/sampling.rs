@@ -111,6 +111,25 @@ __device__ T block_scan(T v, T* s) {
   return s[threadIdx.x];
 }
 
+// A thread's tokens after top-k: one gathered candidate, or its chunk of the vocabulary.
+struct Mine {
+  bool gathered;
+  u32 kept;
+  const float* c_logit;
+  const u32* c_index;
+  const float* logits;
+  u32 begin, end;
+  // Call f(logit, index) for each, in index order.
+  template <typename F>
+  __device__ void each(F&& f) const {
+    if (gathered) {
+      if (threadIdx.x < kept) f(c_logit[threadIdx.x], c_index[threadIdx.x]);
+    } else {
+      for (u32 i = begin; i < end; ++i) f(logits[i], i);
+    }
+  }
+};
+
 extern "C" __global__ void __launch_bounds__(BLOCK_SIZE) sample(const SampleParams p) {
   __shared__ u32 s_key[32], s_idx[32], s_radix[2], s_hist[256];
   __shared__ float scratch[32];
@@ -163,13 +182,13 @@ extern "C" __global__ void __launch_bounds__(BLOCK_SIZE) sample(const SamplePara
   // thread, and the filters below touch only them; otherwise they scan the chunks.
   const u32 chunk = (n + BLOCK_SIZE - 1) / BLOCK_SIZE;
   const u32 begin = min(n, threadIdx.x * chunk), end = min(n, begin + chunk);
-  u32 mine = 0u;
-  for (u32 i = begin; i < end; ++i) mine += order_key(logits[i]) >= th ? 1u : 0u;
-  const u32 slot_end = block_scan(mine, s_uscan);
+  u32 my_count = 0u;
+  for (u32 i = begin; i < end; ++i) my_count += order_key(logits[i]) >= th ? 1u : 0u;
+  const u32 slot_end = block_scan(my_count, s_uscan);
   const u32 kept = s_uscan[BLOCK_SIZE - 1];
   const bool gathered = kept <= BLOCK_SIZE;
   if (gathered) {
-    u32 slot = slot_end - mine;
+    u32 slot = slot_end - my_count;
     for (u32 i = begin; i < end; ++i) {
       if (order_key(logits[i]) >= th) {
         c_logit[slot] = logits[i];
@@ -179,18 +198,11 @@ extern "C" __global__ void __launch_bounds__(BLOCK_SIZE) sample(const SamplePara
     }
   }
   __syncthreads();
-  // Call f(logit, index) for this thread's tokens, in index order.
-  auto for_mine = [&](auto&& f) {
-    if (gathered) {
-      if (threadIdx.x < kept) f(c_logit[threadIdx.x], c_index[threadIdx.x]);
-    } else {
-      for (u32 i = begin; i < end; ++i) f(logits[i], i);
-    }
-  };
+  const Mine mine = {gathered, kept, c_logit, c_index, logits, begin, end};
   // This thread's unnormalised probability mass at temperature 1/inv_t over keys >= t.
   auto mass = [&](u32 t, float inv_t) {
     float m = 0.f;
-    for_mine([&](float l, u32) {
+    mine.each([&](float l, u32) {
       if (order_key(l) >= t) m += expf((l - max_logit) * inv_t);
     });
     return m;
@@ -223,7 +235,7 @@ extern "C" __global__ void __launch_bounds__(BLOCK_SIZE) sample(const SamplePara
     float c = before;
     u32 pick = NO_INDEX;
     bool done = false;
-    for_mine([&](float l, u32 i) {
+    mine.each([&](float l, u32 i) {
       if (done || order_key(l) < th) return;
       const float w = expf((l - max_logit) * inv_t);
       if (w > 0.f) {

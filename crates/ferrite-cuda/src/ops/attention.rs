@@ -20,7 +20,13 @@ pub struct KvCache {
 impl KvCache {
     /// A zeroed cache. `head_dim` must be a multiple of 32 up to 256 (the attention kernel's
     /// lane layout).
-    pub fn new(gpu: &Gpu, dtype: KvDtype, max_seq: usize, n_kv_heads: usize, head_dim: usize) -> Result<Self, CudaError> {
+    pub fn new(
+        gpu: &Gpu,
+        dtype: KvDtype,
+        max_seq: usize,
+        n_kv_heads: usize,
+        head_dim: usize,
+    ) -> Result<Self, CudaError> {
         const OP: &str = "KvCache::new";
         if head_dim == 0 || head_dim % 32 != 0 || head_dim > 256 {
             return Err(CudaError::invalid(OP, format!("head_dim {head_dim} is not a multiple of 32 in 32..=256")));
@@ -43,11 +49,12 @@ impl KvCache {
     pub fn download(&self, gpu: &Gpu) -> Result<(Vec<f32>, Vec<f32>), CudaError> {
         let to_f32 = |bytes: Vec<u8>| -> Vec<f32> {
             match self.dtype {
-                KvDtype::F32 => bytes.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().expect("4 bytes"))).collect(),
-                KvDtype::F16 => bytes
-                    .chunks_exact(2)
-                    .map(|c| f16::from_le_bytes(c.try_into().expect("2 bytes")).to_f32())
-                    .collect(),
+                KvDtype::F32 => {
+                    bytes.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().expect("4 bytes"))).collect()
+                }
+                KvDtype::F16 => {
+                    bytes.chunks_exact(2).map(|c| f16::from_le_bytes(c.try_into().expect("2 bytes")).to_f32()).collect()
+                }
             }
         };
         Ok((to_f32(gpu.download(&self.k)?), to_f32(gpu.download(&self.v)?)))
@@ -137,7 +144,10 @@ pub fn attention(
         None => 0,
     };
     if n_tokens > 65535 || cfg.n_heads > 65535 {
-        return Err(CudaError::invalid(OP, format!("{n_tokens} tokens x {} heads exceed the launch grid", cfg.n_heads)));
+        return Err(CudaError::invalid(
+            OP,
+            format!("{n_tokens} tokens x {} heads exceed the launch grid", cfg.n_heads),
+        ));
     }
     let n = elems(OP, &[n_tokens, cfg.n_heads, cache.head_dim])?;
     check_len(OP, "q", q.len(), n)?;

@@ -168,7 +168,10 @@ pub fn linear_with(
     check_len(OP, "out", out.len(), elems(OP, &[n_tokens, w.rows])?)?;
     let (x, out) = (addr(gpu, x), addr_mut(gpu, out));
     if plan == LinearPlan::Gemv && x % 16 != 0 {
-        return Err(CudaError::invalid(OP, format!("x at device address {x:#x} is not 16-byte aligned, as the GEMV needs")));
+        return Err(CudaError::invalid(
+            OP,
+            format!("x at device address {x:#x} is not 16-byte aligned, as the GEMV needs"),
+        ));
     }
     match plan {
         LinearPlan::Gemv => gemv(gpu, w, x, n_tokens, out)?,
@@ -221,7 +224,8 @@ fn gemm(
     };
     let (m, n, k) = (int("rows", w.rows)?, int("n_tokens", n_tokens)?, int("cols", w.cols)?);
     let elem = precision.out_type().size();
-    let w_bytes = if dequantize_weight { elems(OP, &[w.rows, w.cols, elem])?.next_multiple_of(SCRATCH_ALIGN) } else { 0 };
+    let w_bytes =
+        if dequantize_weight { elems(OP, &[w.rows, w.cols, elem])?.next_multiple_of(SCRATCH_ALIGN) } else { 0 };
     let x_bytes = if convert_input { elems(OP, &[n_tokens, w.cols, elem])? } else { 0 };
     gpu.with_scratch((w_bytes + x_bytes).max(1), |scratch| {
         let weight = if dequantize_weight {

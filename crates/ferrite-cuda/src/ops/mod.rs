@@ -25,7 +25,7 @@ pub use crate::kernels::attention::KvDtype;
 pub use crate::kernels::sampling::sampling_uniform;
 
 use crate::error::CudaError;
-use crate::kernels::activation::{ActivationVariant, ElementwiseParams};
+use crate::kernels::activation::{ActivationVariant, AddRowsParams, CopyColsParams, ElementwiseParams};
 use crate::kernels::embedding::{EmbedParams, EmbedVariant};
 use crate::kernels::norm::{NormVariant, RmsNormParams};
 use crate::kernels::rope::{RopeParams, RopeVariant};
@@ -166,7 +166,10 @@ pub fn rope(
         ));
     }
     if !(cfg.theta > 0.0 && cfg.theta.is_finite() && cfg.freq_scale.is_finite()) {
-        return Err(CudaError::invalid(OP, format!("theta {} / freq_scale {} are not usable", cfg.theta, cfg.freq_scale)));
+        return Err(CudaError::invalid(
+            OP,
+            format!("theta {} / freq_scale {} are not usable", cfg.theta, cfg.freq_scale),
+        ));
     }
     check_len(OP, "x", x.len(), elems(OP, &[n_tokens, cfg.n_heads, cfg.head_dim])?)?;
     check_len(OP, "positions", positions.len(), n_tokens)?;
@@ -233,4 +236,87 @@ pub fn add(gpu: &Gpu, acc: &mut impl DevicePtrMut<f32>, x: &impl DevicePtr<f32>,
     check_len(OP, "x", x.len(), n)?;
     let acc = addr_mut(gpu, acc);
     elementwise(gpu, "add", acc, addr(gpu, x), acc, n)
+}
+
+/// A column range of a row-major matrix: `n_cols` columns from `col` in rows of `width`.
+fn check_cols(
+    op: &'static str,
+    what: &str,
+    len: usize,
+    width: usize,
+    col: usize,
+    n_cols: usize,
+    n_rows: usize,
+) -> Result<(), CudaError> {
+    if col.checked_add(n_cols).is_none_or(|end| end > width) {
+        return Err(CudaError::invalid(op, format!("{what} columns {col}..{} exceed its width {width}", col + n_cols)));
+    }
+    // The last row only needs to reach the end of the range.
+    let need = elems(op, &[n_rows - 1, width])? + col + n_cols;
+    check_len(op, what, len, need)?;
+    as_u32(op, "width", width).map(|_| ())
+}
+
+/// `dst[r, dst_col + c] = src[r, src_col + c]` for `c < n_cols`, `r < n_rows` (row-major, rows of
+/// `src_width` / `dst_width`): splits or joins the column blocks of fused projections.
+#[allow(clippy::too_many_arguments)]
+pub fn copy_cols(
+    gpu: &Gpu,
+    src: &impl DevicePtr<f32>,
+    src_width: usize,
+    src_col: usize,
+    dst: &mut impl DevicePtrMut<f32>,
+    dst_width: usize,
+    dst_col: usize,
+    n_cols: usize,
+    n_rows: usize,
+) -> Result<(), CudaError> {
+    const OP: &str = "copy_cols";
+    if n_cols == 0 || n_rows == 0 {
+        return Ok(());
+    }
+    check_cols(OP, "src", src.len(), src_width, src_col, n_cols, n_rows)?;
+    check_cols(OP, "dst", dst.len(), dst_width, dst_col, n_cols, n_rows)?;
+    let n = elems(OP, &[n_rows, n_cols])?;
+    let params = CopyColsParams {
+        src: addr(gpu, src),
+        dst: addr_mut(gpu, dst),
+        src_width: src_width as u32,
+        src_col: src_col as u32,
+        dst_width: dst_width as u32,
+        dst_col: dst_col as u32,
+        n_cols: n_cols as u32,
+        n_rows: as_u32(OP, "n_rows", n_rows)?,
+    };
+    let variant = ActivationVariant;
+    gpu.launch(&variant, "copy_cols", variant.launch_config(n), &params)
+}
+
+/// `x[r, col + c] += bias[c]` for `c < n_cols`, `r < n_rows` (rows of `width`): a projection's bias.
+pub fn add_rows(
+    gpu: &Gpu,
+    x: &mut impl DevicePtrMut<f32>,
+    width: usize,
+    col: usize,
+    bias: &impl DevicePtr<f32>,
+    n_cols: usize,
+    n_rows: usize,
+) -> Result<(), CudaError> {
+    const OP: &str = "add_rows";
+    if n_cols == 0 || n_rows == 0 {
+        return Ok(());
+    }
+    check_cols(OP, "x", x.len(), width, col, n_cols, n_rows)?;
+    check_len(OP, "bias", bias.len(), n_cols)?;
+    let n = elems(OP, &[n_rows, n_cols])?;
+    let params = AddRowsParams {
+        x: addr_mut(gpu, x),
+        bias: addr(gpu, bias),
+        width: width as u32,
+        col: col as u32,
+        n_cols: n_cols as u32,
+        n_rows: as_u32(OP, "n_rows", n_rows)?,
+    };
+    let variant = ActivationVariant;
+    gpu.launch(&variant, "add_rows", variant.launch_config(n), &params)
 }
