@@ -105,6 +105,12 @@ switches! {
         "1 runs RMSNorm as its own op instead of folding it into the next projection's prologue.");
     DISABLE_RESIDUAL_FUSION = ("FERRITE_DISABLE_RESIDUAL_FUSION", "0", AbTest,
         "1 runs the residual add as its own op instead of the output/down projection's epilogue.");
+    CUDA_KV_DTYPE = ("FERRITE_CUDA_KV_DTYPE", "f16", Stable,
+        "Element type of the CUDA KV cache: f16 (default) or f32 (for fp32 comparisons with the CPU).");
+    SKIP_FUZZ = ("FERRITE_SKIP_FUZZ", "0", Stable,
+        "scripts/test.sh: 1 skips the bounded cargo-fuzz run of the GGUF parser.");
+    FUZZ_SECONDS = ("FERRITE_FUZZ_SECONDS", "30", Stable,
+        "scripts/test.sh: length of the GGUF parser fuzzing run in seconds.");
     /// Per-op profiling.
     PROFILE = ("FERRITE_PROFILE", "0", Diagnostic,
         "1 prints an event-timed per-op table. Profiled numbers are NOT optimisation targets.");

@@ -39,6 +39,13 @@ impl CudaError {
     }
 }
 
+/// For callers that use cudarc directly (copies on the GPU's stream) and have no better context.
+impl From<DriverError> for CudaError {
+    fn from(source: DriverError) -> Self {
+        CudaError::Driver { context: "a CUDA driver call".into(), source }
+    }
+}
+
 /// Attach a context string to the error types of cudarc.
 pub(crate) trait Context<T> {
     fn context(self, context: impl FnOnce() -> String) -> Result<T, CudaError>;

@@ -17,7 +17,7 @@ pub enum KvDtype {
 }
 
 impl KvDtype {
-    pub fn size(self) -> usize {
+    pub fn bytes(self) -> usize {
         match self {
             KvDtype::F16 => 2,
             KvDtype::F32 => 4,

@@ -15,7 +15,7 @@ pub enum OutType {
 }
 
 impl OutType {
-    pub fn size(self) -> usize {
+    pub fn bytes(self) -> usize {
         match self {
             OutType::F32 => 4,
             OutType::F16 | OutType::BF16 => 2,

@@ -36,7 +36,7 @@ impl KvCache {
         }
         as_u32(OP, "max_seq", max_seq)?;
         as_u32(OP, "KV row", n_kv_heads * head_dim)?;
-        let bytes = elems(OP, &[max_seq, n_kv_heads, head_dim, dtype.size()])?;
+        let bytes = elems(OP, &[max_seq, n_kv_heads, head_dim, dtype.bytes()])?;
         Ok(KvCache { k: gpu.alloc_zeros(bytes)?, v: gpu.alloc_zeros(bytes)?, dtype, max_seq, n_kv_heads, head_dim })
     }
 

@@ -223,7 +223,7 @@ fn gemm(
         i32::try_from(v).map_err(|_| CudaError::invalid(OP, format!("{what} = {v} is too large for cuBLAS")))
     };
     let (m, n, k) = (int("rows", w.rows)?, int("n_tokens", n_tokens)?, int("cols", w.cols)?);
-    let elem = precision.out_type().size();
+    let elem = precision.out_type().bytes();
     let w_bytes =
         if dequantize_weight { elems(OP, &[w.rows, w.cols, elem])?.next_multiple_of(SCRATCH_ALIGN) } else { 0 };
     let x_bytes = if convert_input { elems(OP, &[n_tokens, w.cols, elem])? } else { 0 };
