@@ -109,7 +109,10 @@ impl DiskCache {
         let path = self.entry_path(family, key);
         let err = |message: String| CudaError::Cache { path: path.display().to_string(), message };
         fs::create_dir_all(&self.dir).map_err(|e| err(format!("cannot create folder: {e}")))?;
-        let tmp = self.dir.join(format!(".{}.{}.tmp", key.hex(), std::process::id()));
+        // Unique per process and call, so concurrent writers of one key never share a temp file.
+        static WRITES: AtomicU64 = AtomicU64::new(0);
+        let n = WRITES.fetch_add(1, Ordering::Relaxed);
+        let tmp = self.dir.join(format!(".{}.{}.{n}.tmp", key.hex(), std::process::id()));
         let write = || -> std::io::Result<()> {
             let mut f = fs::File::create(&tmp)?;
             f.write_all(MAGIC)?;

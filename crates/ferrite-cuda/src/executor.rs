@@ -276,7 +276,7 @@ impl Executor for CudaExecutor {
     }
 
     fn sample_on_device(&mut self, p: &DeviceSampling) -> Option<anyhow::Result<u32>> {
-        let run = || -> anyhow::Result<u32> {
+        let mut run = || -> anyhow::Result<u32> {
             let g = &self.model.graph;
             let width = g.value(g.logits).width;
             let logits = self.buf.slots[self.plan.slot(g.logits)].as_ref().expect("logits slot");

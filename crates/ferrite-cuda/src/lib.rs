@@ -14,6 +14,7 @@ mod cache;
 mod compile;
 mod device;
 mod error;
+mod executor;
 pub mod kernels;
 pub mod ops;
 mod weight;
@@ -22,4 +23,5 @@ pub use cache::{compile_variant, CacheKey, CacheStats, DiskCache, DiskLookup, Ke
 pub use cudarc::driver::{CudaSlice, CudaView, CudaViewMut};
 pub use device::{cuda_available, Gpu, GpuOptions, KernelCacheDir};
 pub use error::CudaError;
+pub use executor::{open_executor, CudaExecutor};
 pub use weight::{supported as weight_supported, DeviceWeight};

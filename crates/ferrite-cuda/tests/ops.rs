@@ -725,7 +725,8 @@ fn kernel_cache_hits_misses_and_rebuilds_corrupt_entries() {
     assert_eq!((s.compiles, s.disk_hits), (0, 1), "a new process reads the disk entry");
     drop(gpu);
 
-    let damages: [(&str, fn(&mut Vec<u8>)); 2] = [
+    type Damage = fn(&mut Vec<u8>);
+    let damages: [(&str, Damage); 2] = [
         ("bit flip", |b| {
             let mid = b.len() / 2;
             b[mid] ^= 0x40

@@ -42,6 +42,6 @@ pub fn open_executor(model: Arc<Model>, kind: BackendKind, options: ExecutorOpti
     Ok(match kind {
         BackendKind::Cpu => Box::new(CpuExecutor::new(model, CpuPrecision::Quantized, options)?),
         BackendKind::CpuRef => Box::new(CpuExecutor::new(model, CpuPrecision::Reference, options)?),
-        BackendKind::Cuda => anyhow::bail!("the CUDA executor is not built yet"),
+        BackendKind::Cuda => ferrite_cuda::open_executor(model, options)?,
     })
 }

@@ -77,6 +77,7 @@ pub fn embed(
     if n_tokens == 0 {
         return Ok(());
     }
+    as_u32(OP, "n_tokens", n_tokens)?;
     check_len(OP, "ids", ids.len(), n_tokens)?;
     check_len(OP, "out", out.len(), elems(OP, &[n_tokens, table.cols])?)?;
     let variant = EmbedVariant { wtype: table.dtype };
@@ -115,6 +116,7 @@ pub fn rms_norm(
     if dim == 0 {
         return Err(CudaError::invalid(OP, "dim is 0"));
     }
+    as_u32(OP, "n_rows", n_rows)?;
     let n = elems(OP, &[n_rows, dim])?;
     check_len(OP, "x", x.len(), n)?;
     check_len(OP, "weight", weight.len(), dim)?;

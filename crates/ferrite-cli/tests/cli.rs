@@ -1,0 +1,124 @@
+//! The `ferrite` binary end to end: real generation, and clear errors (never a panic) on bad input.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+
+fn root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+fn model() -> PathBuf {
+    let p = root().join("models/SmolLM2-135M-Instruct.Q4_1.gguf");
+    assert!(p.is_file(), "{} is missing: run scripts/fetch-model.sh", p.display());
+    p
+}
+
+fn ferrite(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_ferrite")).args(args).env("FERRITE_THREADS", "2").output().unwrap()
+}
+
+fn text(o: &Output) -> (String, String) {
+    (String::from_utf8_lossy(&o.stdout).into_owned(), String::from_utf8_lossy(&o.stderr).into_owned())
+}
+
+/// Failed cleanly: non-zero exit, a message containing `needle`, and no panic.
+fn assert_clean_error(o: &Output, needle: &str) {
+    let (out, err) = text(o);
+    assert!(!o.status.success(), "expected failure; stdout: {out}");
+    assert!(!err.contains("panicked"), "panic: {err}");
+    assert!(err.to_lowercase().contains(&needle.to_lowercase()), "expected `{needle}` in: {err}");
+}
+
+fn temp(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("ferrite-cli-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    dir.join(name)
+}
+
+#[test]
+fn run_generates_a_sensible_greedy_continuation() {
+    let m = model();
+    let o = ferrite(&["run", "The capital of France is", "-n", "8", "--temp", "0", "--model", m.to_str().unwrap()]);
+    let (out, err) = text(&o);
+    assert!(o.status.success(), "{err}");
+    assert!(out.starts_with("The capital of France is Paris"), "{out}");
+    assert!(err.contains("tok/s"), "{err}");
+}
+
+#[test]
+fn chat_reads_stdin_and_answers() {
+    let m = model();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_ferrite"))
+        .args(["chat", "--temp", "0", "-n", "16", "--model", m.to_str().unwrap()])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    child.stdin.take().unwrap().write_all(b"What is 2+2? Answer briefly.\n").unwrap();
+    let o = child.wait_with_output().unwrap();
+    let (out, err) = text(&o);
+    assert!(o.status.success(), "{err}");
+    assert!(out.contains('4'), "answer: {out}");
+}
+
+#[test]
+fn truncated_and_corrupt_files_give_clear_errors() {
+    let bytes = std::fs::read(model()).unwrap();
+    let cut = temp("truncated.gguf");
+    std::fs::write(&cut, &bytes[..bytes.len() / 2]).unwrap();
+    assert_clean_error(&ferrite(&["run", "x", "--model", cut.to_str().unwrap()]), "truncated.gguf");
+    let garbage = temp("garbage.gguf");
+    std::fs::write(&garbage, b"this is not a gguf file at all").unwrap();
+    assert_clean_error(&ferrite(&["info", "--model", garbage.to_str().unwrap()]), "garbage.gguf");
+    assert_clean_error(&ferrite(&["run", "x", "--model", "/no/such/model.gguf"]), "does not exist");
+}
+
+#[test]
+fn unknown_architecture_is_named() {
+    let mut w = ferrite_gguf::GgufWriter::new();
+    w.add_metadata("general.architecture", ferrite_gguf::Value::String("mamba99".into()));
+    let p = temp("mamba.gguf");
+    w.write_file(&p).unwrap();
+    assert_clean_error(&ferrite(&["run", "x", "--model", p.to_str().unwrap()]), "unsupported model architecture `mamba99`");
+}
+
+#[test]
+fn bad_arguments_are_rejected() {
+    let m = model();
+    let m = m.to_str().unwrap();
+    assert_clean_error(&ferrite(&["run", "x", "--temp=-1", "--model", m]), "temperature");
+    assert_clean_error(&ferrite(&["run", "x", "--top-p", "0", "--model", m]), "top-p");
+    assert_clean_error(&ferrite(&["run", "x", "--backend", "tpu", "--model", m]), "unknown backend");
+    assert_clean_error(&ferrite(&["bench", "-r", "0", "--model", m]), "repetitions");
+    assert_clean_error(&ferrite(&["synth", "--shape", "gpt-5", "-o", "/tmp/x.gguf"]), "unknown shape");
+    assert_clean_error(&ferrite(&["env", "FERRITE_NOPE"]), "no switch");
+}
+
+#[test]
+fn oversized_prompt_is_refused() {
+    let m = model();
+    let long = "word ".repeat(100);
+    assert_clean_error(&ferrite(&["run", &long, "--ctx-size", "16", "--model", m.to_str().unwrap()]), "context");
+}
+
+#[test]
+fn cuda_backend_without_a_gpu_says_so() {
+    if ferrite_cuda::cuda_available().is_ok() {
+        println!("skipped: a CUDA device is present");
+        return;
+    }
+    let m = model();
+    assert_clean_error(&ferrite(&["run", "x", "-n", "1", "--backend", "cuda", "--model", m.to_str().unwrap()]), "no CUDA device");
+}
+
+#[test]
+fn env_lists_the_registry() {
+    let o = ferrite(&["env"]);
+    let (out, _) = text(&o);
+    assert!(o.status.success());
+    for s in ferrite_core::env::ALL {
+        assert!(out.contains(s.name), "{} missing from `ferrite env`", s.name);
+    }
+}
