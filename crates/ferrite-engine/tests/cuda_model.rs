@@ -1,0 +1,95 @@
+//! The whole model on CUDA against the fp32 CPU reference, in one process, on synthetic models
+//! with real shapes (written by `ferrite_model::synth`). Skipped with a message without a GPU.
+
+mod common;
+
+use common::diff;
+use ferrite_cpu::{CpuExecutor, CpuPrecision};
+use ferrite_engine::sampling::argmax;
+use ferrite_gguf::GgmlType;
+use ferrite_model::synth::{self, SynthShape};
+use ferrite_model::{Executor, ExecutorOptions, FusionOptions, Model};
+use std::sync::Arc;
+
+fn gpu_or_skip() -> bool {
+    match ferrite_cuda::cuda_available() {
+        Ok(()) => true,
+        Err(e) => {
+            println!("skipped: no CUDA device: {e}");
+            false
+        }
+    }
+}
+
+fn synthetic(shape: &SynthShape, dtype: GgmlType) -> Arc<Model> {
+    let dir = std::env::temp_dir().join(format!("ferrite-cuda-model-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join(format!("{}-{}.gguf", shape.name, dtype.name()));
+    if !path.is_file() {
+        synth::write(&path, shape, dtype, 3, |_, _| {}).unwrap();
+    }
+    Arc::new(Model::load(&path, FusionOptions::from_env()).unwrap())
+}
+
+fn opts(max_batch: usize) -> ExecutorOptions {
+    ExecutorOptions { max_batch, context_len: 256, trace: true, progress: None }
+}
+
+/// Prefill a prompt (two chunks), then decode `steps` greedy tokens on both executors, feeding
+/// the reference's choice to both. Returns (worst relative logit error, steps whose argmax agreed
+/// or differed only at a near-tie).
+fn compare(model: Arc<Model>, steps: usize) -> (f64, usize) {
+    let mut cpu = CpuExecutor::new(Arc::clone(&model), CpuPrecision::Reference, opts(16)).unwrap();
+    let mut gpu = ferrite_cuda::CudaExecutor::new(Arc::clone(&model), opts(16)).unwrap();
+    let prompt: Vec<u32> = (0..21).map(|i| (i * 977 + 5) % model.config.vocab_size as u32).collect();
+    let mut worst = 0f64;
+    let mut pos = 0;
+    let mut tokens = prompt.clone();
+    let mut agreed = 0;
+    for step in 0..=steps {
+        let new = if step == 0 { &tokens[..] } else { &tokens[tokens.len() - 1..] };
+        cpu.forward(new, pos).unwrap();
+        gpu.forward(new, pos).unwrap();
+        pos += new.len();
+        if step == 0 {
+            for (a, b) in cpu.traces().unwrap().iter().zip(gpu.traces().unwrap()) {
+                let (abs, rel) = diff(&a.data, &b.data);
+                println!("  {:<12} max|diff| {abs:.2e} rel {rel:.2e}", a.name);
+                worst = worst.max(rel);
+            }
+        }
+        let (lc, lg) = (cpu.logits().unwrap(), gpu.logits().unwrap());
+        let (_, rel) = diff(&lc, &lg);
+        worst = worst.max(rel);
+        let (tc, tg) = (argmax(&lc), argmax(&lg));
+        if tc == tg || (lc[tc as usize] - lc[tg as usize]).abs() < 1e-3 * lc[tc as usize].abs().max(1.0) {
+            agreed += 1;
+        }
+        tokens.push(tc);
+    }
+    (worst, agreed)
+}
+
+#[test]
+fn cuda_fp32_matches_cpu_reference_on_real_shapes() {
+    if !gpu_or_skip() {
+        return;
+    }
+    // fp32 KV and fp32 GEMM: the GPU must match the CPU oracle to 1e-4 relative.
+    std::env::set_var("FERRITE_CUDA_KV_DTYPE", "f32");
+    std::env::set_var("FERRITE_CUDA_GEMM_PRECISION", "f32");
+    for (shape, dtype) in [("smollm2-135m", GgmlType::Q4_1), ("smollm2-135m", GgmlType::Q8_0), ("llama-3.2-1b", GgmlType::Q4_0)] {
+        println!("{shape} {dtype}:");
+        let (worst, agreed) = compare(synthetic(synth::shape(shape).unwrap(), dtype), 64);
+        println!("{shape} {dtype}: worst relative error {worst:.2e}, {agreed}/65 greedy steps agree");
+        assert!(worst < 1e-4, "{shape} {dtype}: relative error {worst}");
+        assert_eq!(agreed, 65, "{shape} {dtype}: greedy tokens differ");
+    }
+    // The default f16 KV cache: small drift, same greedy tokens. (One test, because the
+    // switches are process-wide.)
+    std::env::set_var("FERRITE_CUDA_KV_DTYPE", "f16");
+    let (worst, agreed) = compare(synthetic(synth::shape("smollm2-135m").unwrap(), GgmlType::Q4_1), 64);
+    println!("f16 KV: worst relative error {worst:.2e}, {agreed}/65 greedy steps agree");
+    assert!(worst < 1e-2, "relative error {worst}");
+    assert!(agreed >= 60, "only {agreed}/65 greedy steps agree");
+}
