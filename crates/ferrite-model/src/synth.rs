@@ -48,6 +48,11 @@ fn tensors(s: &SynthShape) -> Vec<(String, Vec<u64>)> {
         t.push((b("attn_q.weight"), vec![d, q]));
         t.push((b("attn_k.weight"), vec![d, kv]));
         t.push((b("attn_v.weight"), vec![d, kv]));
+        if s.arch == "qwen2" {
+            t.push((b("attn_q.bias"), vec![q]));
+            t.push((b("attn_k.bias"), vec![kv]));
+            t.push((b("attn_v.bias"), vec![kv]));
+        }
         t.push((b("attn_output.weight"), vec![q, d]));
         t.push((b("ffn_norm.weight"), vec![d]));
         t.push((b("ffn_gate.weight"), vec![d, ff]));
@@ -119,7 +124,9 @@ pub fn write(path: &Path, shape: &SynthShape, dtype: GgmlType, seed: u64, mut pr
         let std = if info.name == "token_embd.weight" { 1.0 } else { 0.02 };
         data.par_chunks_mut(row_bytes).enumerate().try_for_each(|(r, dst)| -> Result<(), GgufError> {
             let mut row = vec![0f32; cols];
-            if rows == 1 {
+            if info.name.ends_with(".bias") {
+                random_row(splitmix(seed ^ (index << 32)), 0.1, &mut row);
+            } else if rows == 1 {
                 row.fill(1.0); // norm weights
             } else {
                 random_row(splitmix(seed ^ (index << 32) ^ r as u64), std, &mut row);
@@ -154,7 +161,31 @@ fn file_type(dtype: GgmlType) -> u32 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::{FusionOptions, Model};
+    use crate::graph::Op;
+    use crate::{Arch, FusionOptions, Model};
+
+    #[test]
+    fn qwen2_shape_loads_with_biases_fused() {
+        let s = SynthShape { name: "tiny-qwen2", arch: "qwen2", n_layers: 1, n_embd: 64, n_heads: 4, n_kv_heads: 2, head_dim: 16, n_ff: 96, rope_theta: 1e6, context_length: 128, tied_embeddings: true };
+        let dir = std::env::temp_dir().join(format!("ferrite-synth-qwen2-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("q.gguf");
+        write(&path, &s, GgmlType::Q4_0, 1, |_, _| {}).unwrap();
+        let fused = Model::load(&path, FusionOptions::ALL).unwrap();
+        assert_eq!(fused.config.arch, Arch::Qwen2);
+        assert_eq!(fused.config.rope.style, crate::RopeStyle::Neox);
+        let qkv = fused.graph.ops.iter().find_map(|o| match o {
+            Op::Linear { bias: Some(b), w, .. } => Some((*w, *b)),
+            _ => None,
+        });
+        let (w, b) = qkv.expect("fused QKV linear with a fused bias");
+        assert_eq!(fused.weights.spec(w).rows, 64 + 2 * 32);
+        assert_eq!(fused.weights.spec(b).cols, 64 + 2 * 32);
+        let unfused = Model::load(&path, FusionOptions::NONE).unwrap();
+        let biased = unfused.graph.ops.iter().filter(|o| matches!(o, Op::Linear { bias: Some(_), .. })).count();
+        assert_eq!(biased, 3);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 
     /// A small custom shape written, reloaded and turned into a graph.
     #[test]
