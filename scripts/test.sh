@@ -15,4 +15,4 @@ if [ "${FERRITE_SKIP_FUZZ:-0}" != 1 ]; then
     fi
     echo "fuzz: $(grep -E '^Done [0-9]+ runs' "$log" | tail -n 1 || echo 'finished')"
 fi
-cargo test --workspace --locked
+cargo test --workspace --locked --no-fail-fast
