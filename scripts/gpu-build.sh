@@ -21,6 +21,12 @@ for p in $paths; do
     strip ".device/$(basename "$p")"
 done
 
+# The whole-model CUDA-vs-CPU test (scripts/gpu-models.sh runs it).
+log=$(cargo test -p ferrite-engine --release --test cuda_model --no-run 2>&1) || { echo "$log" >&2; exit 1; }
+p=$(echo "$log" | sed -n 's/.*Executable .* (\(.*cuda_model-[^)]*\))$/\1/p')
+rm -f .device/cuda_model-*
+cp "$p" .device/ && strip ".device/$(basename "$p")"
+
 cargo build -p ferrite-cuda --release --example kernel_bench
 cp target/release/examples/kernel_bench .device/
 strip .device/kernel_bench
