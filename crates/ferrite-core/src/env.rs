@@ -113,7 +113,7 @@ switches! {
         "scripts/test.sh: length of the GGUF parser fuzzing run in seconds.");
     /// Per-op profiling.
     PROFILE = ("FERRITE_PROFILE", "0", Diagnostic,
-        "1 prints an event-timed per-op table. Profiled numbers are NOT optimisation targets.");
+        "1 prints a per-op time table when a backend closes (CPU: wall clock; CUDA: events around every op, which serialises them). Profiled numbers are NOT optimisation targets.");
     /// Force a CUDA linear-layer path.
     CUDA_LINEAR = ("FERRITE_CUDA_LINEAR", "auto", AbTest,
         "auto|gemv|gemm: gemv takes the quantized GEMV at every token count (float weights with cols % 32 != 0 still use GEMM), gemm takes dequantize + cuBLAS.");

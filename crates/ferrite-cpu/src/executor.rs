@@ -9,6 +9,7 @@ use anyhow::{anyhow, bail, Context};
 use ferrite_gguf::TensorInfo;
 use ferrite_model::graph::{NormSpec, Op, ValueId, WeightId};
 use ferrite_model::planner::{self, Plan};
+use ferrite_model::profile::OpProfile;
 use ferrite_model::{Executor, ExecutorOptions, LayerTrace, LoadProgress, Model, RopeStyle};
 use std::sync::Arc;
 
@@ -40,6 +41,7 @@ struct Buffers {
     scratch: Vec<f32>,
     /// Output of a linear that fills a column range.
     scratch2: Vec<f32>,
+    profile: Option<OpProfile>,
 }
 
 pub struct CpuExecutor {
@@ -92,6 +94,7 @@ impl CpuExecutor {
             slots,
             k_cache: (0..graph.n_layers).map(|_| vec![0f32; kv]).collect(),
             v_cache: (0..graph.n_layers).map(|_| vec![0f32; kv]).collect(),
+            profile: OpProfile::from_env(),
             ..Buffers::default()
         };
         Ok(Self { model, precision, weights, plan, buf, options: ExecutorOptions { max_batch, ..options }, rope, last_rows: 0 })
@@ -126,6 +129,9 @@ impl CpuExecutor {
     fn run_chunk(&mut self, ids: &[u32], start_pos: usize) -> anyhow::Result<()> {
         let mut buf = std::mem::take(&mut self.buf);
         let result = self.run_ops(&mut buf, ids, start_pos);
+        if let Some(p) = buf.profile.as_mut() {
+            p.end_forward();
+        }
         self.buf = buf;
         self.last_rows = ids.len();
         result
@@ -142,7 +148,11 @@ impl CpuExecutor {
             // Take the output buffer out so inputs can be borrowed alongside it; the plan
             // guarantees no input lives in the same slot (except in-place ops, handled below).
             let mut out = std::mem::take(&mut buf.slots[out_slot]);
+            let t = buf.profile.is_some().then(std::time::Instant::now);
             let result = self.run_op(op, buf, &mut out, ids, start_pos, &positions);
+            if let (Some(p), Some(t)) = (buf.profile.as_mut(), t) {
+                p.add(op.kind(), t.elapsed().as_secs_f64() * 1e3);
+            }
             buf.slots[out_slot] = out;
             result.with_context(|| format!("op {} writing `{}`", op.kind(), graph.value(out_id).name))?;
         }
@@ -360,5 +370,13 @@ impl Executor for CpuExecutor {
             mib(self.plan.total_elems() * 4),
             self.plan.slot_elems.len()
         )
+    }
+}
+
+impl Drop for CpuExecutor {
+    fn drop(&mut self) {
+        if let Some(p) = &self.buf.profile {
+            eprint!("{}", p.report(&self.describe()));
+        }
     }
 }

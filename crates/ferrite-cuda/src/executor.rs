@@ -14,6 +14,7 @@ use cudarc::driver::CudaSlice;
 use ferrite_core::env;
 use ferrite_model::graph::{Op, ValueId, WeightId};
 use ferrite_model::planner::{self, Plan};
+use ferrite_model::profile::OpProfile;
 use ferrite_model::{DeviceSampling, Executor, ExecutorOptions, LayerTrace, LoadProgress, Model, RopeStyle};
 use std::sync::Arc;
 
@@ -35,6 +36,7 @@ struct Buffers {
     ids: CudaSlice<u32>,
     positions: CudaSlice<u32>,
     token: CudaSlice<u32>,
+    profile: Option<OpProfile>,
 }
 
 pub struct CudaExecutor {
@@ -105,6 +107,7 @@ impl CudaExecutor {
             ids: gpu.alloc_zeros(max_batch)?,
             positions: gpu.alloc_zeros(max_batch)?,
             token: gpu.alloc_zeros(1)?,
+            profile: OpProfile::from_env(),
             kv,
             slots,
         };
@@ -122,12 +125,28 @@ impl CudaExecutor {
         stream.memcpy_htod(ids, &mut self.buf.ids.slice_mut(0..n)).map_err(CudaError::from)?;
         stream.memcpy_htod(&positions, &mut self.buf.positions.slice_mut(0..n)).map_err(CudaError::from)?;
         let model = Arc::clone(&self.model);
+        let timing = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
+        let mut events = Vec::new();
         for op in &model.graph.ops {
             let out_slot = self.plan.slot(op.writes());
             let mut out = self.buf.slots[out_slot].take().expect("slot in use");
+            let start = match self.buf.profile {
+                Some(_) => Some(stream.record_event(timing).map_err(CudaError::from)?),
+                None => None,
+            };
             let result = self.run_op(op, &mut out, n);
             self.buf.slots[out_slot] = Some(out);
             result.with_context(|| format!("op {} writing `{}`", op.kind(), model.graph.value(op.writes()).name))?;
+            if let Some(start) = start {
+                events.push((op.kind(), start, stream.record_event(timing).map_err(CudaError::from)?));
+            }
+        }
+        if let Some(profile) = self.buf.profile.as_mut() {
+            stream.synchronize().map_err(CudaError::from)?;
+            for (kind, a, b) in events {
+                profile.add(kind, a.elapsed_ms(&b).map_err(CudaError::from)? as f64);
+            }
+            profile.end_forward();
         }
         self.last_rows = n;
         Ok(())
@@ -331,6 +350,14 @@ impl Executor for CudaExecutor {
             free as f64 / (1u64 << 30) as f64,
             total as f64 / (1u64 << 30) as f64
         )
+    }
+}
+
+impl Drop for CudaExecutor {
+    fn drop(&mut self) {
+        if let Some(p) = &self.buf.profile {
+            eprint!("{}", p.report(&self.describe()));
+        }
     }
 }
 

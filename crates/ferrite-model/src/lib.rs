@@ -11,6 +11,7 @@ pub mod executor;
 pub mod fusion;
 pub mod graph;
 pub mod planner;
+pub mod profile;
 pub mod synth;
 pub mod weights;
 
