@@ -6,6 +6,8 @@
 //!
 //! Without a usable GPU every test prints `skipped: no CUDA device: <reason>` and passes.
 
+// Skip notes go straight to stderr, past the test harness capture, so CI logs show them.
+use std::io::Write as _;
 use ferrite_cpu::kernels::{activation, attention, embedding, matmul_f32, norm, rope, WeightView};
 use ferrite_cuda::ops::{
     self, AttentionConfig, KvCache, KvDtype, LinearOptions, LinearPath, LinearPlan, Precision, RopeConfig,
@@ -22,7 +24,7 @@ use std::sync::OnceLock;
 /// The shared GPU, or `None` (after printing why) on machines without one.
 fn gpu() -> Option<&'static Gpu> {
     if let Err(e) = cuda_available() {
-        println!("skipped: {e}");
+        let _ = writeln!(std::io::stderr(), "skipped: {e}");
         return None;
     }
     static GPU: OnceLock<Gpu> = OnceLock::new();
@@ -42,7 +44,7 @@ fn gpu() -> Option<&'static Gpu> {
 /// A private GPU handle, for tests that trip the device error flag or need their own cache.
 fn own_gpu(cache: KernelCacheDir) -> Option<Gpu> {
     if let Err(e) = cuda_available() {
-        println!("skipped: {e}");
+        let _ = writeln!(std::io::stderr(), "skipped: {e}");
         return None;
     }
     Some(Gpu::with_options(0, GpuOptions { kernel_cache: cache, ..GpuOptions::from_env() }).expect("open GPU"))
@@ -698,7 +700,7 @@ fn sample_frequencies_follow_the_distribution() {
 fn kernel_cache_hits_misses_and_rebuilds_corrupt_entries() {
     use ferrite_cuda::kernels::norm::NormVariant;
     if let Err(e) = cuda_available() {
-        println!("skipped: {e}");
+        let _ = writeln!(std::io::stderr(), "skipped: {e}");
         return;
     }
     let dir = std::env::temp_dir().join(format!("ferrite-kernel-cache-test-{}", std::process::id()));
@@ -773,7 +775,7 @@ fn every_kernel_variant_compiles_for_sm90() {
     if let Err(e) = compile_variant(&ActivationVariant, "sm_90") {
         match e {
             ferrite_cuda::CudaError::NoDevice(why) => {
-                println!("skipped: no CUDA device: {why}");
+                let _ = writeln!(std::io::stderr(), "skipped: no CUDA device: {why}");
                 return;
             }
             other => panic!("{other}"),

@@ -3,6 +3,8 @@
 
 mod common;
 
+// Skip notes go straight to stderr, past the test harness capture, so CI logs show them.
+use std::io::Write as _;
 use common::diff;
 use ferrite_cpu::{CpuExecutor, CpuPrecision};
 use ferrite_engine::sampling::argmax;
@@ -15,7 +17,7 @@ fn gpu_or_skip() -> bool {
     match ferrite_cuda::cuda_available() {
         Ok(()) => true,
         Err(e) => {
-            println!("skipped: no CUDA device: {e}");
+            let _ = writeln!(std::io::stderr(), "skipped: {e}");
             false
         }
     }
