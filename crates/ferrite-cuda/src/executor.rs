@@ -251,7 +251,8 @@ impl CudaExecutor {
             }
             Op::LastRow { x, .. } => {
                 let w = width(x);
-                ops::copy_cols(gpu, input(x), w, (n - 1) * w, out, w, 0, w, 1)?;
+                // The batch as one row of n * w: its last w columns are the last token.
+                ops::copy_cols(gpu, input(x), n * w, (n - 1) * w, out, w, 0, w, 1)?;
             }
         }
         Ok(())
