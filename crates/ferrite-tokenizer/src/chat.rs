@@ -59,6 +59,14 @@ impl ChatTemplate {
                 Err(Error::new(ErrorKind::InvalidOperation, message))
             },
         );
+        // Llama 3.1-style templates stamp today's date with Python's strftime.
+        env.add_function("strftime_now", |format: String| -> Result<String, Error> {
+            use std::fmt::Write;
+            let mut out = String::new();
+            write!(out, "{}", chrono::Local::now().format(&format))
+                .map_err(|_| Error::new(ErrorKind::InvalidOperation, format!("bad strftime format {format:?}")))?;
+            Ok(out)
+        });
         env.add_template_owned(TEMPLATE_NAME, template.to_string())
             .map_err(template_error)?;
         Ok(Self {
@@ -126,6 +134,15 @@ mod tests {
         let chat = ChatTemplate::new("{{ messages[0] | tojson }}", "", "").unwrap();
         let out = chat.apply(&[Message::new("user", "a\"b")], false).unwrap();
         assert_eq!(out, r#"{"role":"user","content":"a\"b"}"#);
+    }
+
+    #[test]
+    fn strftime_now_renders_the_date_and_rejects_bad_formats() {
+        let t = ChatTemplate::new("{{ strftime_now('%Y') }}", "", "").unwrap();
+        let year: i32 = t.apply(&[], false).unwrap().parse().unwrap();
+        assert!(year >= 2024);
+        let bad = ChatTemplate::new("{{ strftime_now('%Q') }}", "", "").unwrap();
+        assert!(bad.apply(&[], false).is_err());
     }
 
     #[test]
