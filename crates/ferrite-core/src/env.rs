@@ -105,6 +105,8 @@ switches! {
         "1 runs RMSNorm as its own op instead of folding it into the next projection's prologue.");
     DISABLE_RESIDUAL_FUSION = ("FERRITE_DISABLE_RESIDUAL_FUSION", "0", AbTest,
         "1 runs the residual add as its own op instead of the output/down projection's epilogue.");
+    DISABLE_CUDA_GRAPH = ("FERRITE_DISABLE_CUDA_GRAPH", "0", AbTest,
+        "1 launches every decode op separately instead of replaying the decode step captured as a CUDA graph.");
     CUDA_KV_DTYPE = ("FERRITE_CUDA_KV_DTYPE", "f16", Stable,
         "Element type of the CUDA KV cache: f16 (default) or f32 (for fp32 comparisons with the CPU).");
     SKIP_FUZZ = ("FERRITE_SKIP_FUZZ", "0", Stable,

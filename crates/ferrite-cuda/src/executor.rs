@@ -10,7 +10,8 @@
 use crate::ops::{self, AttentionConfig, KvCache, KvDtype, RopeConfig, SamplingConfig};
 use crate::{CudaError, DeviceWeight, Gpu};
 use anyhow::{anyhow, bail, Context};
-use cudarc::driver::CudaSlice;
+use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
+use cudarc::driver::{CudaGraph, CudaSlice};
 use ferrite_core::env;
 use ferrite_model::graph::{Op, ValueId, WeightId};
 use ferrite_model::planner::{self, Plan};
@@ -47,6 +48,17 @@ pub struct CudaExecutor {
     buf: Buffers,
     options: ExecutorOptions,
     last_rows: usize,
+    /// Decode-step replay: the whole one-token op sequence captured once as a CUDA graph. Every
+    /// per-token input (token id, position, hence KV length) is read from device buffers at fixed
+    /// addresses, so the same graph serves every position without re-capture.
+    decode_graph: DecodeGraph,
+}
+
+enum DecodeGraph {
+    Disabled,
+    /// Enabled; captured at the second one-token step (the first loads every kernel module).
+    NotYet { warmed_up: bool },
+    Ready(CudaGraph),
 }
 
 fn kv_dtype() -> KvDtype {
@@ -111,7 +123,12 @@ impl CudaExecutor {
             kv,
             slots,
         };
-        Ok(Self { buf, plan, weights, gpu, model, options: ExecutorOptions { max_batch, ..options }, last_rows: 0 })
+        let decode_graph = if env::DISABLE_CUDA_GRAPH.flag(false) || buf.profile.is_some() {
+            DecodeGraph::Disabled
+        } else {
+            DecodeGraph::NotYet { warmed_up: false }
+        };
+        Ok(Self { buf, plan, weights, gpu, model, options: ExecutorOptions { max_batch, ..options }, last_rows: 0, decode_graph })
     }
 
     fn slot(&self, v: ValueId) -> &CudaSlice<f32> {
@@ -124,6 +141,44 @@ impl CudaExecutor {
         let stream = Arc::clone(self.gpu.stream());
         stream.memcpy_htod(ids, &mut self.buf.ids.slice_mut(0..n)).map_err(CudaError::from)?;
         stream.memcpy_htod(&positions, &mut self.buf.positions.slice_mut(0..n)).map_err(CudaError::from)?;
+        self.last_rows = n;
+        if n == 1 {
+            match &self.decode_graph {
+                DecodeGraph::Ready(graph) => return Ok(graph.launch().map_err(CudaError::from)?),
+                DecodeGraph::NotYet { warmed_up: true } => match self.capture_decode() {
+                    Ok(graph) => {
+                        graph.launch().map_err(CudaError::from)?;
+                        self.decode_graph = DecodeGraph::Ready(graph);
+                        return Ok(());
+                    }
+                    Err(e) => {
+                        // Explicit fallback: say why, then launch ops one by one from now on.
+                        eprintln!("warning: decode graph capture failed, launching ops individually: {e:#}");
+                        self.decode_graph = DecodeGraph::Disabled;
+                    }
+                },
+                DecodeGraph::NotYet { warmed_up: false } => self.decode_graph = DecodeGraph::NotYet { warmed_up: true },
+                DecodeGraph::Disabled => {}
+            }
+        }
+        self.run_ops(n)
+    }
+
+    /// Record the one-token op sequence into a graph (capture enqueues nothing).
+    fn capture_decode(&mut self) -> anyhow::Result<CudaGraph> {
+        let stream = Arc::clone(self.gpu.stream());
+        stream.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED).map_err(CudaError::from)?;
+        let recorded = self.run_ops(1);
+        // End the capture even when an op failed, so the stream is usable again.
+        let graph = stream.end_capture(CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_USE_NODE_PRIORITY).map_err(CudaError::from);
+        recorded.context("capturing the decode step as a CUDA graph")?;
+        graph?.ok_or_else(|| anyhow!("capturing the decode step produced no CUDA graph"))
+    }
+
+    /// Enqueue every op of the graph for a batch of `n` tokens whose ids and positions are in
+    /// the device buffers.
+    fn run_ops(&mut self, n: usize) -> anyhow::Result<()> {
+        let stream = Arc::clone(self.gpu.stream());
         let model = Arc::clone(&self.model);
         let timing = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
         let mut events = Vec::new();
@@ -148,7 +203,6 @@ impl CudaExecutor {
             }
             profile.end_forward();
         }
-        self.last_rows = n;
         Ok(())
     }
 
