@@ -14,6 +14,10 @@ pub struct CompareArgs {
     /// Greedy tokens to generate on both and compare.
     #[arg(long, default_value_t = 32)]
     pub steps: usize,
+    /// GPU compute precision: f32 (f32 KV cache and GEMM) or f16 (f16 KV cache and GEMM).
+    /// Shorthand for FERRITE_CUDA_KV_DTYPE and FERRITE_CUDA_GEMM_PRECISION.
+    #[arg(long, value_parser = ["f32", "f16"])]
+    pub gpu_precision: Option<String>,
     /// The backend under test is --backend.
     #[command(flatten)]
     pub model: ModelArgs,
@@ -34,6 +38,11 @@ fn max_abs_and_rel(a: &[f32], b: &[f32]) -> (f32, f64) {
 }
 
 pub fn run(args: CompareArgs) -> Result<()> {
+    if let Some(p) = &args.gpu_precision {
+        // Set before any backend exists; both switches are read when the GPU executor is created.
+        std::env::set_var(ferrite_core::env::CUDA_KV_DTYPE.name, p);
+        std::env::set_var(ferrite_core::env::CUDA_GEMM_PRECISION.name, p);
+    }
     let loaded = load_model(&args.model)?;
     let ids = loaded.tokenizer.encode(&args.prompt, true)?;
     if ids.is_empty() {
