@@ -24,12 +24,7 @@ fn gpu_or_skip() -> bool {
 }
 
 fn synthetic(shape: &SynthShape, dtype: GgmlType) -> Arc<Model> {
-    let dir = std::env::temp_dir().join(format!("ferrite-cuda-model-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let path = dir.join(format!("{}-{}.gguf", shape.name, dtype.name()));
-    if !path.is_file() {
-        synth::write(&path, shape, dtype, 3, |_, _| {}).unwrap();
-    }
+    let path = synth::write_temp(shape, dtype, 3).unwrap();
     Arc::new(Model::load(&path, FusionOptions::from_env()).unwrap())
 }
 

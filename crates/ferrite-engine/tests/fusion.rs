@@ -57,11 +57,8 @@ fn qwen2_biases_fuse_bit_identically() {
     use ferrite_model::synth::{self, SynthShape};
     use ferrite_model::Model;
     use std::sync::Arc;
-    let dir = std::env::temp_dir().join(format!("ferrite-fusion-qwen2-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let path = dir.join("qwen2.gguf");
     let shape = SynthShape { name: "tiny-qwen2", arch: "qwen2", n_layers: 2, n_embd: 64, n_heads: 4, n_kv_heads: 2, head_dim: 16, n_ff: 96, rope_theta: 1e6, context_length: 128, tied_embeddings: true };
-    synth::write(&path, &shape, GgmlType::Q8_0, 5, |_, _| {}).unwrap();
+    let path = synth::write_temp(&shape, GgmlType::Q8_0, 5).unwrap();
     let tokens = [3u32, 77, 1000, 42, 9];
     let logits = |fusion| {
         let model = Arc::new(Model::load(&path, fusion).unwrap());
@@ -72,5 +69,4 @@ fn qwen2_biases_fuse_bit_identically() {
     let (a, b) = (logits(FusionOptions::ALL), logits(FusionOptions::NONE));
     assert!(a.iter().all(|v| v.is_finite()));
     assert!(a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits()), "fused and unfused Qwen2 logits differ");
-    std::fs::remove_dir_all(&dir).unwrap();
 }

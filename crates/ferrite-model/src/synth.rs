@@ -140,6 +140,18 @@ pub fn write(path: &Path, shape: &SynthShape, dtype: GgmlType, seed: u64, mut pr
     })
 }
 
+/// Write (once per process) a synthetic model into the system temp folder and return its path;
+/// for tests and benchmarks that need a model file of a given shape.
+pub fn write_temp(shape: &SynthShape, dtype: GgmlType, seed: u64) -> Result<std::path::PathBuf, GgufError> {
+    let dir = std::env::temp_dir().join(format!("ferrite-synth-{}", std::process::id()));
+    std::fs::create_dir_all(&dir)?;
+    let path = dir.join(format!("{}-{}-{seed}.gguf", shape.name, dtype.name()));
+    if !path.is_file() {
+        write(&path, shape, dtype, seed, |_, _| {})?;
+    }
+    Ok(path)
+}
+
 /// `general.file_type` (llama_ftype) for an all-`dtype` model.
 fn file_type(dtype: GgmlType) -> u32 {
     match dtype {
@@ -167,10 +179,7 @@ mod tests {
     #[test]
     fn qwen2_shape_loads_with_biases_fused() {
         let s = SynthShape { name: "tiny-qwen2", arch: "qwen2", n_layers: 1, n_embd: 64, n_heads: 4, n_kv_heads: 2, head_dim: 16, n_ff: 96, rope_theta: 1e6, context_length: 128, tied_embeddings: true };
-        let dir = std::env::temp_dir().join(format!("ferrite-synth-qwen2-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let path = dir.join("q.gguf");
-        write(&path, &s, GgmlType::Q4_0, 1, |_, _| {}).unwrap();
+        let path = write_temp(&s, GgmlType::Q4_0, 1).unwrap();
         let fused = Model::load(&path, FusionOptions::ALL).unwrap();
         assert_eq!(fused.config.arch, Arch::Qwen2);
         assert_eq!(fused.config.rope.style, crate::RopeStyle::Neox);
@@ -184,23 +193,18 @@ mod tests {
         let unfused = Model::load(&path, FusionOptions::NONE).unwrap();
         let biased = unfused.graph.ops.iter().filter(|o| matches!(o, Op::Linear { bias: Some(_), .. })).count();
         assert_eq!(biased, 3);
-        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     /// A small custom shape written, reloaded and turned into a graph.
     #[test]
     fn synthetic_model_loads_with_expected_shapes() {
         let s = SynthShape { name: "tiny", arch: "llama", n_layers: 2, n_embd: 64, n_heads: 4, n_kv_heads: 2, head_dim: 16, n_ff: 128, rope_theta: 1e4, context_length: 256, tied_embeddings: false };
-        let dir = std::env::temp_dir().join(format!("ferrite-synth-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let path = dir.join("tiny.gguf");
-        write(&path, &s, GgmlType::Q8_0, 7, |_, _| {}).unwrap();
+        let path = write_temp(&s, GgmlType::Q8_0, 7).unwrap();
         let m = Model::load(&path, FusionOptions::ALL).unwrap();
         assert_eq!((m.config.n_layers, m.config.n_embd, m.config.n_kv_heads, m.config.vocab_size), (2, 64, 2, VOCAB));
         assert_eq!(m.file.tensor("output.weight").unwrap().dtype, GgmlType::Q8_0);
         let w = ferrite_gguf::dequantize_tensor(&m.file, m.file.tensor("blk.1.ffn_up.weight").unwrap()).unwrap();
         let std = (w.iter().map(|v| v * v).sum::<f32>() / w.len() as f32).sqrt();
         assert!((std - 0.02).abs() < 0.002, "weight std {std}");
-        std::fs::remove_dir_all(&dir).unwrap();
     }
 }
