@@ -233,6 +233,18 @@ impl CpuExecutor {
                         self.rope.apply(&mut row[col..col + span], n_heads, &positions[t..t + 1]);
                     }
                 }
+                Op::HeadNorm { x, col, n_heads, norm } => {
+                    // In place: `out` *is* x's buffer; each head is normalised from a copy.
+                    let (w, hd) = (width(x), model.config.head_dim);
+                    let head = &mut buf.scratch;
+                    for row in out[..n * w].chunks_mut(w) {
+                        for h in row[col..col + n_heads * hd].chunks_mut(hd) {
+                            head.clear();
+                            head.extend_from_slice(h);
+                            self.rms_norm(norm, head, h);
+                        }
+                    }
+                }
                 Op::Attention { layer, qkv, window, .. } => {
                     let a = graph.attention;
                     let (qw, kvw) = (a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim);

@@ -269,6 +269,14 @@ impl CudaExecutor {
                     ops::copy_cols(gpu, &buf.scratch_b, span, 0, out, w, col, span, n)?;
                 }
             }
+            Op::HeadNorm { x, col, n_heads, norm } => {
+                // In place on x's buffer (`out`): gather the heads, normalise, scatter back.
+                let (w, hd) = (width(x), graph.attention.head_dim);
+                let span = n_heads * hd;
+                ops::copy_cols(gpu, out, w, col, &mut buf.scratch_b, span, 0, span, n)?;
+                ops::rms_norm(gpu, &buf.scratch_b, vector(norm.weight), norm.eps, n * n_heads, hd, false, &mut buf.scratch_c)?;
+                ops::copy_cols(gpu, &buf.scratch_c, span, 0, out, w, col, span, n)?;
+            }
             Op::Attention { layer, qkv, window, .. } => {
                 let a = graph.attention;
                 let (qw, kvw, w) = (a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim, width(qkv));

@@ -82,6 +82,11 @@ fn cuda_fp32_matches_cpu_reference_on_real_shapes() {
         assert!(worst < 1e-4, "{shape} {dtype}: relative error {worst}");
         assert_eq!(agreed, 65, "{shape} {dtype}: greedy tokens differ");
     }
+    // Qwen3 (QK-norm) on the tiny transformers-checked fixture.
+    let qwen3 = common::workspace_root().join("fixtures/tiny/qwen3.gguf");
+    let (worst, agreed) = compare(Arc::new(Model::load(qwen3, FusionOptions::from_env()).unwrap()), 32);
+    println!("tiny qwen3: worst relative error {worst:.2e}, {agreed}/33 greedy steps agree");
+    assert!(worst < 1e-4 && agreed == 33, "tiny qwen3: relative error {worst}, {agreed}/33 agree");
     // The default f16 KV cache: small drift, same greedy tokens. (One test, because the
     // switches are process-wide.)
     std::env::set_var("FERRITE_CUDA_KV_DTYPE", "f16");

@@ -10,15 +10,18 @@ pub enum Arch {
     Llama,
     /// Qwen2 / Qwen2.5: Llama layout plus q/k/v biases, NeoX RoPE.
     Qwen2,
+    /// Qwen3 (dense): Llama layout plus per-head RMSNorm of Q and K (QK-norm), NeoX RoPE.
+    Qwen3,
 }
 
 impl Arch {
-    pub const SUPPORTED: &'static str = "llama, qwen2";
+    pub const SUPPORTED: &'static str = "llama, qwen2, qwen3";
 
     pub fn from_name(name: &str) -> Option<Self> {
         match name {
             "llama" => Some(Self::Llama),
             "qwen2" => Some(Self::Qwen2),
+            "qwen3" => Some(Self::Qwen3),
             _ => None,
         }
     }
@@ -27,6 +30,7 @@ impl Arch {
         match self {
             Self::Llama => "llama",
             Self::Qwen2 => "qwen2",
+            Self::Qwen3 => "qwen3",
         }
     }
 }
@@ -123,7 +127,7 @@ impl ModelConfig {
             rope: RopeConfig {
                 style: match arch {
                     Arch::Llama => RopeStyle::Normal,
-                    Arch::Qwen2 => RopeStyle::Neox,
+                    Arch::Qwen2 | Arch::Qwen3 => RopeStyle::Neox,
                 },
                 rot_dim,
                 theta: m.f32_or(&key("rope.freq_base"), 10_000.0)?,

@@ -66,6 +66,9 @@ pub enum Op {
     },
     /// RoPE in place on `n_heads` heads of `x` starting at column `col`, at the batch positions.
     Rope { x: ValueId, col: usize, n_heads: usize },
+    /// RMSNorm in place over each of `n_heads` heads (`head_dim` wide, one shared weight) of `x`
+    /// starting at column `col`: Qwen3's QK-norm.
+    HeadNorm { x: ValueId, col: usize, n_heads: usize, norm: NormSpec },
     /// Writes the K and V columns of `qkv` into layer `layer`'s cache at the batch positions, then
     /// causal GQA attention of the Q columns over the cache. `out` is `n_heads * head_dim` wide.
     Attention { layer: usize, qkv: ValueId, out: ValueId, window: Option<usize> },
@@ -82,14 +85,18 @@ impl Op {
     pub fn reads(&self) -> Vec<ValueId> {
         match *self {
             Op::Embed { .. } => vec![],
-            Op::RmsNorm { x, .. } | Op::SwiGlu { x, .. } | Op::LastRow { x, .. } | Op::Rope { x, .. } => vec![x],
+            Op::RmsNorm { x, .. }
+            | Op::SwiGlu { x, .. }
+            | Op::LastRow { x, .. }
+            | Op::Rope { x, .. }
+            | Op::HeadNorm { x, .. } => vec![x],
             Op::Linear { x, residual, .. } => std::iter::once(x).chain(residual).collect(),
             Op::Attention { qkv, .. } => vec![qkv],
             Op::Add { a, b, .. } => vec![a, b],
         }
     }
 
-    /// The value this op writes (`Rope` writes the value it reads: it is in place by design).
+    /// The value this op writes (`Rope` and `HeadNorm` write the value they read: in place by design).
     pub fn writes(&self) -> ValueId {
         match *self {
             Op::Embed { out, .. }
@@ -99,7 +106,7 @@ impl Op {
             | Op::SwiGlu { out, .. }
             | Op::Add { out, .. }
             | Op::LastRow { out, .. } => out,
-            Op::Rope { x, .. } => x,
+            Op::Rope { x, .. } | Op::HeadNorm { x, .. } => x,
         }
     }
 
@@ -110,6 +117,7 @@ impl Op {
             Op::Linear { norm: Some(_), .. } => "norm+linear",
             Op::Linear { .. } => "linear",
             Op::Rope { .. } => "rope",
+            Op::HeadNorm { .. } => "head_norm",
             Op::Attention { .. } => "attention",
             Op::SwiGlu { .. } => "swiglu",
             Op::Add { .. } => "add",

@@ -32,6 +32,7 @@ pub const SHAPES: &[SynthShape] = &[
     SynthShape { name: "smollm2-135m", arch: "llama", n_layers: 30, n_embd: 576, n_heads: 9, n_kv_heads: 3, head_dim: 64, n_ff: 1536, rope_theta: 100000.0, context_length: 8192, tied_embeddings: true },
     SynthShape { name: "llama-3.2-1b", arch: "llama", n_layers: 16, n_embd: 2048, n_heads: 32, n_kv_heads: 8, head_dim: 64, n_ff: 8192, rope_theta: 500000.0, context_length: 131072, tied_embeddings: true },
     SynthShape { name: "llama-3.1-8b", arch: "llama", n_layers: 32, n_embd: 4096, n_heads: 32, n_kv_heads: 8, head_dim: 128, n_ff: 14336, rope_theta: 500000.0, context_length: 131072, tied_embeddings: false },
+    SynthShape { name: "qwen3-8b", arch: "qwen3", n_layers: 36, n_embd: 4096, n_heads: 32, n_kv_heads: 8, head_dim: 128, n_ff: 12288, rope_theta: 1000000.0, context_length: 40960, tied_embeddings: false },
 ];
 
 pub fn shape(name: &str) -> Option<&'static SynthShape> {
@@ -48,6 +49,10 @@ fn tensors(s: &SynthShape) -> Vec<(String, Vec<u64>)> {
         t.push((b("attn_q.weight"), vec![d, q]));
         t.push((b("attn_k.weight"), vec![d, kv]));
         t.push((b("attn_v.weight"), vec![d, kv]));
+        if s.arch == "qwen3" {
+            t.push((b("attn_q_norm.weight"), vec![s.head_dim as u64]));
+            t.push((b("attn_k_norm.weight"), vec![s.head_dim as u64]));
+        }
         if s.arch == "qwen2" {
             t.push((b("attn_q.bias"), vec![q]));
             t.push((b("attn_k.bias"), vec![kv]));

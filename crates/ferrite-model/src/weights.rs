@@ -143,7 +143,7 @@ impl WeightSet {
         for op in &graph.ops {
             match op {
                 Op::Embed { table, .. } => ids.push(*table),
-                Op::RmsNorm { norm, .. } => ids.push(norm.weight),
+                Op::RmsNorm { norm, .. } | Op::HeadNorm { norm, .. } => ids.push(norm.weight),
                 Op::Linear { norm, w, bias, .. } => {
                     ids.push(*w);
                     ids.extend(norm.map(|n| n.weight));

@@ -1,6 +1,8 @@
 //! One file per architecture: each turns a config and a GGUF file into weights and a graph.
 
+mod decoder;
 mod llama;
+mod qwen3;
 
 use crate::{Arch, FusionOptions, Graph, ModelConfig, ModelError, WeightSet};
 use ferrite_gguf::GgufFile;
@@ -8,6 +10,7 @@ use ferrite_gguf::GgufFile;
 pub fn build(cfg: &ModelConfig, file: &GgufFile, fusion: FusionOptions) -> Result<(WeightSet, Graph), ModelError> {
     let (weights, graph) = match cfg.arch {
         Arch::Llama | Arch::Qwen2 => llama::build(cfg, file, fusion)?,
+        Arch::Qwen3 => qwen3::build(cfg, file, fusion)?,
     };
     graph
         .validate(|w| weights.spec(w).rows)

@@ -1,0 +1,145 @@
+//! The dense pre-norm decoder shared by the Llama-like architectures (see `llama.rs`,
+//! `qwen3.rs`): per layer h += Wo · attn(rope(qk_norm?(Wqkv · norm(h) + bias?))) and
+//! h += Wdown · swiglu(Wgate_up · norm(h)). Each architecture file says which options it uses.
+
+use crate::graph::{AttentionShape, GraphBuilder, NormSpec, Op, Rows, ValueId, WeightId};
+use crate::{FusionOptions, Graph, ModelConfig, ModelError, WeightSet};
+use ferrite_gguf::GgufFile;
+
+/// A group of projections that read one input and fill column ranges of one output. Fused into a
+/// single linear when the weights allow; the norm is folded in only if that fusion succeeded.
+fn projection_group(
+    g: &mut GraphBuilder,
+    ws: &mut WeightSet,
+    x: ValueId,
+    norm: NormSpec,
+    parts: &[(WeightId, Option<WeightId>)],
+    fuse: bool,
+    fold_norm: bool,
+    out: ValueId,
+    normed_name: &str,
+    width: usize,
+) {
+    let weights: Vec<WeightId> = parts.iter().map(|p| p.0).collect();
+    let biases: Option<Vec<WeightId>> = parts.iter().map(|p| p.1).collect();
+    let fused = if fuse && parts.len() > 1 {
+        ws.fuse(&weights).and_then(|w| match &biases {
+            Some(b) => ws.fuse(b).map(|b| (w, Some(b))),
+            None if parts.iter().all(|p| p.1.is_none()) => Some((w, None)),
+            None => None,
+        })
+    } else {
+        None
+    };
+    let single = fused.or(if parts.len() == 1 { Some(parts[0]) } else { None });
+    match single {
+        Some((w, bias)) if fold_norm => {
+            g.push(Op::Linear { x, norm: Some(norm), w, bias, residual: None, out, out_col: 0 });
+        }
+        _ => {
+            let xn = g.value(normed_name, width, Rows::Tokens);
+            g.push(Op::RmsNorm { x, norm, out: xn });
+            let list: Vec<(WeightId, Option<WeightId>)> = match single {
+                Some(p) => vec![p],
+                None => parts.to_vec(),
+            };
+            let mut col = 0;
+            for (w, bias) in list {
+                g.push(Op::Linear { x: xn, norm: None, w, bias, residual: None, out, out_col: col });
+                col += ws.spec(w).rows;
+            }
+        }
+    }
+}
+
+/// `out = residual + W · x`, fused into the linear's epilogue or as a separate add.
+fn residual_linear(g: &mut GraphBuilder, x: ValueId, w: WeightId, residual: ValueId, fuse: bool, name: &str, width: usize) -> ValueId {
+    let out = g.value(name, width, Rows::Tokens);
+    if fuse {
+        g.push(Op::Linear { x, norm: None, w, bias: None, residual: Some(residual), out, out_col: 0 });
+    } else {
+        let proj = g.value(format!("{name}.proj"), width, Rows::Tokens);
+        g.push(Op::Linear { x, norm: None, w, bias: None, residual: None, out: proj, out_col: 0 });
+        g.push(Op::Add { a: residual, b: proj, out });
+    }
+    out
+}
+
+/// What distinguishes the architectures built by [`build`].
+pub struct DecoderOptions {
+    /// Per-head RMSNorm of Q and K before RoPE (`attn_q_norm` / `attn_k_norm`, `head_dim` wide).
+    pub qk_norm: bool,
+}
+
+pub fn build(cfg: &ModelConfig, file: &GgufFile, fusion: FusionOptions, opts: DecoderOptions) -> Result<(WeightSet, Graph), ModelError> {
+    let mut ws = WeightSet::default();
+    let mut g = GraphBuilder::new();
+    let (d, qw, kvw, ff) = (cfg.n_embd, cfg.q_width(), cfg.kv_width(), cfg.n_ff);
+
+    let embd = ws.add(file, "token_embd.weight", cfg.vocab_size, d)?;
+    let mut h = g.value("embd", d, Rows::Tokens);
+    g.push(Op::Embed { table: embd, out: h });
+
+    for l in 0..cfg.n_layers {
+        let t = |s: &str| format!("blk.{l}.{s}");
+        let attn_norm = NormSpec { weight: ws.add(file, &t("attn_norm.weight"), 1, d)?, eps: cfg.norm_eps };
+        let mut qkv_parts = Vec::new();
+        for (name, rows) in [("attn_q", qw), ("attn_k", kvw), ("attn_v", kvw)] {
+            let w = ws.add(file, &t(&format!("{name}.weight")), rows, d)?;
+            let b = ws.add_optional(file, &t(&format!("{name}.bias")), 1, rows)?;
+            qkv_parts.push((w, b));
+        }
+        let qkv = g.value(t("qkv"), cfg.qkv_width(), Rows::Tokens);
+        let fold = fusion.norm_into_linear;
+        projection_group(&mut g, &mut ws, h, attn_norm, &qkv_parts, fusion.qkv, fold, qkv, &t("attn_norm"), d);
+        if opts.qk_norm {
+            for (name, col, n_heads) in [("attn_q_norm", 0, cfg.n_heads), ("attn_k_norm", qw, cfg.n_kv_heads)] {
+                let weight = ws.add(file, &t(&format!("{name}.weight")), 1, cfg.head_dim)?;
+                g.push(Op::HeadNorm { x: qkv, col, n_heads, norm: NormSpec { weight, eps: cfg.norm_eps } });
+            }
+        }
+        g.push(Op::Rope { x: qkv, col: 0, n_heads: cfg.n_heads });
+        g.push(Op::Rope { x: qkv, col: qw, n_heads: cfg.n_kv_heads });
+        let attn = g.value(t("attn"), qw, Rows::Tokens);
+        g.push(Op::Attention { layer: l, qkv, out: attn, window: None });
+        let wo = ws.add(file, &t("attn_output.weight"), d, qw)?;
+        h = residual_linear(&mut g, attn, wo, h, fusion.residual_into_linear, &t("attn_out"), d);
+
+        let ffn_norm = NormSpec { weight: ws.add(file, &t("ffn_norm.weight"), 1, d)?, eps: cfg.norm_eps };
+        let gate = ws.add(file, &t("ffn_gate.weight"), ff, d)?;
+        let up = ws.add(file, &t("ffn_up.weight"), ff, d)?;
+        let gate_up = g.value(t("gate_up"), 2 * ff, Rows::Tokens);
+        projection_group(&mut g, &mut ws, h, ffn_norm, &[(gate, None), (up, None)], fusion.gate_up, fold, gate_up, &t("ffn_norm"), d);
+        let act = g.value(t("ffn_act"), ff, Rows::Tokens);
+        g.push(Op::SwiGlu { x: gate_up, out: act });
+        let down = ws.add(file, &t("ffn_down.weight"), d, ff)?;
+        h = residual_linear(&mut g, act, down, h, fusion.residual_into_linear, &t("out"), d);
+        g.trace(h);
+    }
+
+    let last = g.value("last", d, Rows::Last);
+    g.push(Op::LastRow { x: h, out: last });
+    let out_norm = NormSpec { weight: ws.add(file, "output_norm.weight", 1, d)?, eps: cfg.norm_eps };
+    // Tied embeddings: no output.weight, the embedding table doubles as the output head.
+    let head = match file.tensor("output.weight") {
+        Some(_) => ws.add(file, "output.weight", cfg.vocab_size, d)?,
+        None => embd,
+    };
+    let logits = g.value("logits", cfg.vocab_size, Rows::Last);
+    if fusion.norm_into_linear {
+        g.push(Op::Linear { x: last, norm: Some(out_norm), w: head, bias: None, residual: None, out: logits, out_col: 0 });
+    } else {
+        let normed = g.value("output_norm", d, Rows::Last);
+        g.push(Op::RmsNorm { x: last, norm: out_norm, out: normed });
+        g.push(Op::Linear { x: normed, norm: None, w: head, bias: None, residual: None, out: logits, out_col: 0 });
+    }
+    g.trace(logits);
+
+    let attention = AttentionShape {
+        n_heads: cfg.n_heads,
+        n_kv_heads: cfg.n_kv_heads,
+        head_dim: cfg.head_dim,
+        scale: 1.0 / (cfg.head_dim as f32).sqrt(),
+    };
+    Ok((ws, g.finish(logits, cfg.n_layers, attention, cfg.rope)))
+}
