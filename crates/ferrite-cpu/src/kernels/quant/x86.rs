@@ -264,13 +264,20 @@ pub(super) unsafe fn q4k_codes_avx2(qs: *const u8) -> [__m256i; 8] {
 #[inline(always)]
 pub(super) unsafe fn q5k_codes_avx2(qh: *const u8, qs: *const u8) -> [__m256i; 8] {
     let mut c = q4k_codes_avx2(qs);
-    let high = load256(qh);
-    for (k, c) in c.iter_mut().enumerate() {
+    or_mask_bits(&mut c, qh, 0x10);
+    c
+}
+
+/// OR `value` into element `32k + l` of the codes wherever bit `k` of `mask[l]` is set (the
+/// high-bit planes of Q3_K and Q5_K).
+#[inline(always)]
+unsafe fn or_mask_bits(codes: &mut [__m256i; 8], mask: *const u8, value: i8) {
+    let high = load256(mask);
+    for (k, c) in codes.iter_mut().enumerate() {
         let bit = _mm256_set1_epi8(1 << k);
         let set = _mm256_cmpeq_epi8(_mm256_and_si256(high, bit), bit);
-        *c = _mm256_or_si256(*c, _mm256_and_si256(set, _mm256_set1_epi8(0x10)));
+        *c = _mm256_or_si256(*c, _mm256_and_si256(set, _mm256_set1_epi8(value)));
     }
-    c
 }
 
 /// Q6_K: per half, nibbles of `ql[0..32]`, `ql[32..64]` (low, then high) plus two bits of `qh`.
@@ -320,12 +327,7 @@ pub(super) unsafe fn q2k_codes_avx2(qs: *const u8) -> [__m256i; 8] {
 #[inline(always)]
 pub(super) unsafe fn q3k_codes_avx2(hmask: *const u8, qs: *const u8) -> [__m256i; 8] {
     let mut c = q2k_codes_avx2(qs);
-    let high = load256(hmask);
-    for (k, c) in c.iter_mut().enumerate() {
-        let bit = _mm256_set1_epi8(1 << k);
-        let set = _mm256_cmpeq_epi8(_mm256_and_si256(high, bit), bit);
-        *c = _mm256_or_si256(*c, _mm256_and_si256(set, _mm256_set1_epi8(4)));
-    }
+    or_mask_bits(&mut c, hmask, 4);
     c
 }
 
