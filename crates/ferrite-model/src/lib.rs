@@ -10,6 +10,7 @@ pub mod error;
 pub mod executor;
 pub mod fusion;
 pub mod graph;
+pub mod hf;
 pub mod planner;
 pub mod profile;
 pub mod synth;
@@ -31,9 +32,11 @@ pub struct Model {
 }
 
 impl Model {
-    /// Open a GGUF model, read its config and build its graph with the given fusion choices.
+    /// Open a model — a GGUF file, or a Hugging Face folder (`config.json` + safetensors) — read
+    /// its config and build its graph with the given fusion choices.
     pub fn load(path: impl AsRef<std::path::Path>, fusion: FusionOptions) -> Result<Self, ModelError> {
-        let file = ferrite_gguf::GgufFile::open(path.as_ref())?;
+        let path = path.as_ref();
+        let file = if hf::is_hf_dir(path) { hf::load_hf_dir(path)? } else { ferrite_gguf::GgufFile::open(path)? };
         Self::from_file(file, fusion)
     }
 

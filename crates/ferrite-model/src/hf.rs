@@ -1,0 +1,175 @@
+//! Hugging Face checkpoints: `config.json` plus `model.safetensors` (or shards listed in
+//! `model.safetensors.index.json`), turned at load time into the GGUF form the rest of ferrite
+//! reads — llama.cpp's tensor names and metadata keys — in memory.
+//!
+//! Llama checkpoints get their Q/K rows permuted as llama.cpp's converter does, because the
+//! `llama` graph uses GGML's adjacent-pair RoPE; Qwen architectures use NeoX RoPE and need none.
+
+use crate::ModelError;
+use ferrite_gguf::{GgmlType, GgufFile, GgufWriter, Value};
+use safetensors::{Dtype, SafeTensors};
+use serde_json::Value as Json;
+use std::collections::BTreeMap;
+use std::path::Path;
+
+/// True if `path` looks like an HF checkpoint folder (has a `config.json`).
+pub fn is_hf_dir(path: &Path) -> bool {
+    path.is_dir() && path.join("config.json").is_file()
+}
+
+fn config_error(msg: impl Into<String>) -> ModelError {
+    ModelError::Config(msg.into())
+}
+
+fn read_json(path: &Path) -> Result<Json, ModelError> {
+    let text = std::fs::read_to_string(path).map_err(|e| config_error(format!("{}: {e}", path.display())))?;
+    serde_json::from_str(&text).map_err(|e| config_error(format!("{}: invalid JSON: {e}", path.display())))
+}
+
+/// The safetensors files of the checkpoint, in a stable order.
+fn shard_files(dir: &Path) -> Result<Vec<std::path::PathBuf>, ModelError> {
+    let single = dir.join("model.safetensors");
+    if single.is_file() {
+        return Ok(vec![single]);
+    }
+    let index = dir.join("model.safetensors.index.json");
+    if !index.is_file() {
+        return Err(config_error(format!("{}: no model.safetensors or model.safetensors.index.json", dir.display())));
+    }
+    let json = read_json(&index)?;
+    let map = json["weight_map"].as_object().ok_or_else(|| config_error(format!("{}: no `weight_map`", index.display())))?;
+    let mut files: Vec<String> = map.values().filter_map(|v| v.as_str().map(String::from)).collect();
+    files.sort();
+    files.dedup();
+    files
+        .into_iter()
+        .map(|f| {
+            if f.contains('/') || f.contains("..") {
+                return Err(config_error(format!("{}: shard name `{f}` is not a plain file name", index.display())));
+            }
+            Ok(dir.join(f))
+        })
+        .collect()
+}
+
+/// HF tensor name → GGUF tensor name (`None` for tensors ferrite does not use, e.g. rotary caches).
+fn gguf_name(hf: &str) -> Option<String> {
+    let fixed = match hf {
+        "model.embed_tokens.weight" => Some("token_embd.weight"),
+        "model.norm.weight" => Some("output_norm.weight"),
+        "lm_head.weight" => Some("output.weight"),
+        _ => None,
+    };
+    if let Some(f) = fixed {
+        return Some(f.to_string());
+    }
+    let rest = hf.strip_prefix("model.layers.")?;
+    let (layer, rest) = rest.split_once('.')?;
+    let layer: usize = layer.parse().ok()?;
+    let (module, kind) = rest.rsplit_once('.')?;
+    let name = match module {
+        "self_attn.q_proj" => "attn_q",
+        "self_attn.k_proj" => "attn_k",
+        "self_attn.v_proj" => "attn_v",
+        "self_attn.o_proj" => "attn_output",
+        "self_attn.q_norm" => "attn_q_norm",
+        "self_attn.k_norm" => "attn_k_norm",
+        "mlp.gate_proj" => "ffn_gate",
+        "mlp.up_proj" => "ffn_up",
+        "mlp.down_proj" => "ffn_down",
+        "input_layernorm" => "attn_norm",
+        "post_attention_layernorm" => "ffn_norm",
+        _ => return None,
+    };
+    Some(format!("blk.{layer}.{name}.{kind}"))
+}
+
+/// llama.cpp's Q/K permutation: within each head, row `i` and row `i + d/2` become rows `2i`, `2i+1`.
+fn permute_rows(data: &[u8], rows: usize, n_heads: usize) -> Vec<u8> {
+    let row_bytes = data.len() / rows;
+    let hd = rows / n_heads;
+    let mut out = vec![0u8; data.len()];
+    for h in 0..n_heads {
+        for i in 0..hd / 2 {
+            for (dst, src) in [(2 * i, i), (2 * i + 1, hd / 2 + i)] {
+                let (d, s) = ((h * hd + dst) * row_bytes, (h * hd + src) * row_bytes);
+                out[d..d + row_bytes].copy_from_slice(&data[s..s + row_bytes]);
+            }
+        }
+    }
+    out
+}
+
+/// Load an HF checkpoint folder as an in-memory GGUF file.
+pub fn load_hf_dir(dir: &Path) -> Result<GgufFile, ModelError> {
+    let cfg = read_json(&dir.join("config.json"))?;
+    let model_type = cfg["model_type"].as_str().ok_or_else(|| config_error("config.json has no `model_type`"))?;
+    let arch = match model_type {
+        "llama" | "qwen2" | "qwen3" => model_type,
+        other => return Err(ModelError::UnsupportedArch(other.to_string(), "llama, qwen2, qwen3 (safetensors)")),
+    };
+    let num = |key: &str| -> Result<u64, ModelError> {
+        cfg[key].as_u64().ok_or_else(|| config_error(format!("config.json: `{key}` is missing or not an integer")))
+    };
+    let n_heads = num("num_attention_heads")?;
+    let n_kv = cfg["num_key_value_heads"].as_u64().unwrap_or(n_heads);
+    let hidden = num("hidden_size")?;
+    if n_heads == 0 || n_kv == 0 || (hidden % n_heads != 0 && cfg["head_dim"].is_null()) {
+        return Err(config_error("config.json: head counts do not divide the hidden size"));
+    }
+    let head_dim = cfg["head_dim"].as_u64().unwrap_or(hidden / n_heads);
+    // transformers 5 moved rope_theta into `rope_parameters`.
+    let theta = cfg["rope_theta"].as_f64().or_else(|| cfg["rope_parameters"]["rope_theta"].as_f64()).unwrap_or(10_000.0);
+    let mut w = GgufWriter::new();
+    w.add_metadata("general.architecture", Value::String(arch.into()));
+    w.add_metadata("general.name", Value::String(dir.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default()));
+    let u = |v: u64| Value::U32(v as u32);
+    for (key, value) in [
+        ("block_count", u(num("num_hidden_layers")?)),
+        ("context_length", u(num("max_position_embeddings")?)),
+        ("embedding_length", u(hidden)),
+        ("feed_forward_length", u(num("intermediate_size")?)),
+        ("attention.head_count", u(n_heads)),
+        ("attention.head_count_kv", u(n_kv)),
+        ("attention.key_length", u(head_dim)),
+        ("attention.value_length", u(head_dim)),
+        ("vocab_size", u(num("vocab_size")?)),
+        ("rope.freq_base", Value::F32(theta as f32)),
+        ("attention.layer_norm_rms_epsilon", Value::F32(cfg["rms_norm_eps"].as_f64().unwrap_or(1e-6) as f32)),
+    ] {
+        w.add_metadata(format!("{arch}.{key}"), value);
+    }
+    let mut tensors: BTreeMap<String, (Vec<u64>, GgmlType, Vec<u8>)> = BTreeMap::new();
+    for file in shard_files(dir)? {
+        let bytes = std::fs::read(&file).map_err(|e| config_error(format!("{}: {e}", file.display())))?;
+        let st = SafeTensors::deserialize(&bytes).map_err(|e| config_error(format!("{}: not a valid safetensors file: {e}", file.display())))?;
+        for (name, view) in st.tensors() {
+            let Some(gname) = gguf_name(&name) else { continue };
+            let dtype = match view.dtype() {
+                Dtype::F32 => GgmlType::F32,
+                Dtype::F16 => GgmlType::F16,
+                Dtype::BF16 => GgmlType::BF16,
+                other => return Err(ModelError::tensor(&name, format!("safetensors dtype {other:?} is not supported"))),
+            };
+            // GGML order: the contiguous dimension first.
+            let shape: Vec<u64> = view.shape().iter().rev().map(|&d| d as u64).collect();
+            let mut data = view.data().to_vec();
+            if arch == "llama" && (gname.ends_with("attn_q.weight") || gname.ends_with("attn_k.weight")) {
+                let heads = if gname.ends_with("attn_q.weight") { n_heads } else { n_kv } as usize;
+                data = permute_rows(&data, view.shape()[0], heads);
+            }
+            if tensors.insert(gname.clone(), (shape, dtype, data)).is_some() {
+                return Err(ModelError::tensor(&name, format!("appears twice (as `{gname}`)")));
+            }
+        }
+    }
+    if cfg["tie_word_embeddings"].as_bool() == Some(true) {
+        tensors.remove("output.weight");
+    }
+    for (name, (shape, dtype, data)) in tensors {
+        w.add_tensor(name, &shape, dtype, data)?;
+    }
+    let mut bytes = Vec::new();
+    w.write_to(&mut bytes)?;
+    Ok(GgufFile::from_bytes(bytes)?)
+}
