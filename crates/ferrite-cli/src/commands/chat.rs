@@ -21,7 +21,7 @@ pub struct ChatArgs {
 pub fn run(args: ChatArgs) -> Result<()> {
     let params = args.sampling.params()?;
     let loaded = load_model(&args.model)?;
-    let tok = &loaded.tokenizer;
+    let tok = loaded.tokenizer()?;
     let template = ChatTemplate::from_gguf(&loaded.model.file.metadata)?;
     if template.is_none() {
         eprintln!("note: the model has no chat template; using a plain `role: text` layout");

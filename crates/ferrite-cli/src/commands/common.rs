@@ -82,21 +82,27 @@ pub fn init_threads(threads: Option<usize>) {
 
 pub struct Loaded {
     pub model: Arc<Model>,
-    pub tokenizer: Tokenizer,
+    /// The tokenizer, or why the model has none (e.g. a safetensors folder: `info` and `bench`
+    /// work without one).
+    tokenizer: Result<Tokenizer, String>,
 }
 
 pub fn load_model(args: &ModelArgs) -> Result<Loaded> {
     init_threads(args.threads);
     let path = model_path::resolve(args.model.as_deref())?;
     let model = Model::load(&path, FusionOptions::from_env()).with_context(|| format!("loading {}", path.display()))?;
-    let tokenizer = Tokenizer::from_gguf(&model.file.metadata).context("building the tokenizer from the GGUF metadata")?;
-    for w in tokenizer.warnings() {
+    let tokenizer = Tokenizer::from_gguf(&model.file.metadata).map_err(|e| format!("this model has no usable tokenizer: {e}"));
+    for w in tokenizer.iter().flat_map(|t| t.warnings()) {
         eprintln!("warning: {w}");
     }
     Ok(Loaded { model: Arc::new(model), tokenizer })
 }
 
 impl Loaded {
+    pub fn tokenizer(&self) -> Result<&Tokenizer> {
+        self.tokenizer.as_ref().map_err(|e| anyhow::anyhow!("{e}"))
+    }
+
     pub fn executor_options(&self, args: &ModelArgs, trace: bool) -> ExecutorOptions {
         ExecutorOptions {
             max_batch: args.batch_size as usize,

@@ -44,7 +44,7 @@ pub fn run(args: CompareArgs) -> Result<()> {
         std::env::set_var(ferrite_core::env::CUDA_GEMM_PRECISION.name, p);
     }
     let loaded = load_model(&args.model)?;
-    let ids = loaded.tokenizer.encode(&args.prompt, true)?;
+    let ids = loaded.tokenizer()?.encode(&args.prompt, true)?;
     if ids.is_empty() {
         bail!("empty prompt");
     }

@@ -26,7 +26,7 @@ pub struct RunArgs {
 pub fn run(args: RunArgs) -> Result<()> {
     let params = args.sampling.params()?;
     let loaded = load_model(&args.model)?;
-    let tok = &loaded.tokenizer;
+    let tok = loaded.tokenizer()?;
     let text = if args.chat {
         let tmpl = ChatTemplate::from_gguf(&loaded.model.file.metadata)?
             .ok_or_else(|| anyhow::anyhow!("--chat: this model has no chat template"))?;
