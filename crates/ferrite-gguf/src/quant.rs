@@ -120,7 +120,7 @@ macro_rules! with_block_type {
 }
 
 fn check_block_multiple(dtype: GgmlType, n_elements: usize) -> Result<(), GgufError> {
-    if n_elements % dtype.block_size() != 0 {
+    if !n_elements.is_multiple_of(dtype.block_size()) {
         return Err(GgufError::NotBlockMultiple {
             dtype,
             n_elements,

@@ -492,7 +492,7 @@ pub(crate) fn tensor_n_bytes(
         reason,
     };
     let block_size = dtype.block_size() as u64;
-    if shape[0] % block_size != 0 {
+    if !shape[0].is_multiple_of(block_size) {
         return Err(bad_shape(format!(
             "row length {} is not a multiple of the {dtype} block size {block_size}",
             shape[0]

@@ -97,7 +97,7 @@ impl ModelConfig {
             None => return Err(ModelError::Config(format!("embedding {n_embd} not divisible by {n_heads} heads"))),
         };
         let rot_dim = m.u64_or(&key("rope.dimension_count"), head_dim as u64)? as usize;
-        if rot_dim > head_dim || rot_dim % 2 != 0 {
+        if rot_dim > head_dim || !rot_dim.is_multiple_of(2) {
             return Err(ModelError::Config(format!("rope dimension {rot_dim} must be even and <= head dim {head_dim}")));
         }
         let vocab_size = match m.get(&key("vocab_size")) {

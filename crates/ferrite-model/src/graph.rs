@@ -191,6 +191,10 @@ impl GraphBuilder {
         ValueId(self.values.len() as u32 - 1)
     }
 
+    pub fn width(&self, v: ValueId) -> usize {
+        self.values[v.0 as usize].width
+    }
+
     pub fn trace(&mut self, v: ValueId) {
         self.values[v.0 as usize].traced = true;
     }

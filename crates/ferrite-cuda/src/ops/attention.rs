@@ -28,7 +28,7 @@ impl KvCache {
         head_dim: usize,
     ) -> Result<Self, CudaError> {
         const OP: &str = "KvCache::new";
-        if head_dim == 0 || head_dim % 32 != 0 || head_dim > 256 {
+        if head_dim == 0 || !head_dim.is_multiple_of(32) || head_dim > 256 {
             return Err(CudaError::invalid(OP, format!("head_dim {head_dim} is not a multiple of 32 in 32..=256")));
         }
         if max_seq == 0 || n_kv_heads == 0 {
@@ -125,7 +125,7 @@ pub fn attention(
     if n_tokens == 0 {
         return Ok(());
     }
-    if cfg.n_heads == 0 || cfg.n_heads % cache.n_kv_heads != 0 {
+    if cfg.n_heads == 0 || !cfg.n_heads.is_multiple_of(cache.n_kv_heads) {
         return Err(CudaError::invalid(
             OP,
             format!("{} query heads are not a multiple of {} KV heads", cfg.n_heads, cache.n_kv_heads),

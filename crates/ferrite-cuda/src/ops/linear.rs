@@ -122,7 +122,7 @@ pub enum LinearPlan {
 /// Pick the path: GEMV needs whole 32-value units per row (always true for quantized types;
 /// float weights with `cols % 32 != 0` fall back to GEMM even when GEMV is forced).
 pub fn linear_plan(dtype: GgmlType, cols: usize, n_tokens: usize, opts: &LinearOptions) -> LinearPlan {
-    let gemv_fits = cols % 32 == 0;
+    let gemv_fits = cols.is_multiple_of(32);
     let gemv = match opts.path {
         LinearPath::Gemv => gemv_fits,
         LinearPath::Gemm => false,

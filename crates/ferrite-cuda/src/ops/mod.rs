@@ -161,7 +161,7 @@ pub fn rope(
     if n_tokens == 0 {
         return Ok(());
     }
-    if cfg.rot_dim == 0 || cfg.rot_dim % 2 != 0 || cfg.rot_dim > cfg.head_dim {
+    if cfg.rot_dim == 0 || !cfg.rot_dim.is_multiple_of(2) || cfg.rot_dim > cfg.head_dim {
         return Err(CudaError::invalid(
             OP,
             format!("rot_dim {} must be even, non-zero and at most head_dim {}", cfg.rot_dim, cfg.head_dim),

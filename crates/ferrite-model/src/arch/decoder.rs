@@ -6,20 +6,20 @@ use crate::graph::{AttentionShape, GraphBuilder, NormSpec, Op, Rows, ValueId, We
 use crate::{FusionOptions, Graph, ModelConfig, ModelError, WeightSet};
 use ferrite_gguf::GgufFile;
 
-/// A group of projections that read one input and fill column ranges of one output. Fused into a
-/// single linear when the weights allow; the norm is folded in only if that fusion succeeded.
-fn projection_group(
-    g: &mut GraphBuilder,
-    ws: &mut WeightSet,
+/// Projections (weight, optional bias) that read `norm(x)` and fill column ranges of `out`.
+struct ProjectionGroup<'a> {
     x: ValueId,
     norm: NormSpec,
-    parts: &[(WeightId, Option<WeightId>)],
-    fuse: bool,
-    fold_norm: bool,
+    parts: &'a [(WeightId, Option<WeightId>)],
     out: ValueId,
-    normed_name: &str,
-    width: usize,
-) {
+    /// Name of the normalised input when the norm runs as its own op.
+    normed_name: &'a str,
+}
+
+/// Emit a projection group: fused into a single linear when `fuse` and the weights allow, and
+/// the norm folded into that linear only if `fold_norm` and the group is a single linear.
+fn projection_group(g: &mut GraphBuilder, ws: &mut WeightSet, group: ProjectionGroup, fuse: bool, fold_norm: bool) {
+    let ProjectionGroup { x, norm, parts, out, normed_name } = group;
     let weights: Vec<WeightId> = parts.iter().map(|p| p.0).collect();
     let biases: Option<Vec<WeightId>> = parts.iter().map(|p| p.1).collect();
     let fused = if fuse && parts.len() > 1 {
@@ -37,7 +37,7 @@ fn projection_group(
             g.push(Op::Linear { x, norm: Some(norm), w, bias, residual: None, out, out_col: 0 });
         }
         _ => {
-            let xn = g.value(normed_name, width, Rows::Tokens);
+            let xn = g.value(normed_name, g.width(x), Rows::Tokens);
             g.push(Op::RmsNorm { x, norm, out: xn });
             let list: Vec<(WeightId, Option<WeightId>)> = match single {
                 Some(p) => vec![p],
@@ -91,7 +91,8 @@ pub fn build(cfg: &ModelConfig, file: &GgufFile, fusion: FusionOptions, opts: De
         }
         let qkv = g.value(t("qkv"), cfg.qkv_width(), Rows::Tokens);
         let fold = fusion.norm_into_linear;
-        projection_group(&mut g, &mut ws, h, attn_norm, &qkv_parts, fusion.qkv, fold, qkv, &t("attn_norm"), d);
+        let group = ProjectionGroup { x: h, norm: attn_norm, parts: &qkv_parts, out: qkv, normed_name: &t("attn_norm") };
+        projection_group(&mut g, &mut ws, group, fusion.qkv, fold);
         if opts.qk_norm {
             for (name, col, n_heads) in [("attn_q_norm", 0, cfg.n_heads), ("attn_k_norm", qw, cfg.n_kv_heads)] {
                 let weight = ws.add(file, &t(&format!("{name}.weight")), 1, cfg.head_dim)?;
@@ -109,7 +110,8 @@ pub fn build(cfg: &ModelConfig, file: &GgufFile, fusion: FusionOptions, opts: De
         let gate = ws.add(file, &t("ffn_gate.weight"), ff, d)?;
         let up = ws.add(file, &t("ffn_up.weight"), ff, d)?;
         let gate_up = g.value(t("gate_up"), 2 * ff, Rows::Tokens);
-        projection_group(&mut g, &mut ws, h, ffn_norm, &[(gate, None), (up, None)], fusion.gate_up, fold, gate_up, &t("ffn_norm"), d);
+        let group = ProjectionGroup { x: h, norm: ffn_norm, parts: &[(gate, None), (up, None)], out: gate_up, normed_name: &t("ffn_norm") };
+        projection_group(&mut g, &mut ws, group, fusion.gate_up, fold);
         let act = g.value(t("ffn_act"), ff, Rows::Tokens);
         g.push(Op::SwiGlu { x: gate_up, out: act });
         let down = ws.add(file, &t("ffn_down.weight"), d, ff)?;
