@@ -78,6 +78,9 @@ fn truncated_and_corrupt_files_give_clear_errors() {
     assert_clean_error(&ferrite(&["run", "x", "--model", hf.to_str().unwrap()]), "no usable tokenizer");
     let o = ferrite(&["bench", "-p", "8", "-n", "4", "-r", "1", "--model", hf.to_str().unwrap()]);
     assert!(o.status.success() && text(&o).0.contains("tg4"), "{:?}", text(&o));
+    let o = ferrite(&["compare", "--backend", "cpu", "--ids", "1,2,3", "--steps", "4", "--model", hf.to_str().unwrap()]);
+    assert!(o.status.success() && text(&o).0.contains("greedy tokens agree"), "{:?}", text(&o));
+    assert_clean_error(&ferrite(&["compare", "--ids", "1,999999", "--backend", "cpu", "--model", hf.to_str().unwrap()]), "outside the vocabulary");
 }
 
 #[test]

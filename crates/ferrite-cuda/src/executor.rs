@@ -362,7 +362,7 @@ impl Executor for CudaExecutor {
             let g = &self.model.graph;
             let width = g.value(g.logits).width;
             let logits = self.buf.slots[self.plan.slot(g.logits)].as_ref().expect("logits slot");
-            let cfg = SamplingConfig { temperature: p.temperature, top_k: p.top_k, top_p: p.top_p, min_p: 0.0, seed: p.seed };
+            let cfg = SamplingConfig { temperature: p.temperature, top_k: p.top_k, top_p: p.top_p, min_p: p.min_p, seed: p.seed };
             ops::sample(&self.gpu, &logits.slice(0..width), width, &cfg, p.step, None, &mut self.buf.token)?;
             let id = self.gpu.download(&self.buf.token)?[0];
             self.gpu.check_device()?;

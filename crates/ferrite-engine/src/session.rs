@@ -99,9 +99,10 @@ impl Session {
     /// Choose the next token from the current logits.
     pub fn sample(&mut self, sampler: &mut Sampler, history: &[u32], step: u64) -> Result<u32> {
         let p = sampler.params();
-        // The device sampler covers temperature/top-k/top-p; penalties and min-p run on the host.
-        if p.repeat_penalty == 1.0 && p.min_p == 0.0 {
-            let d = DeviceSampling { temperature: p.temperature, top_k: p.top_k, top_p: p.top_p, seed: p.seed, step };
+        // The device sampler covers temperature/top-k/top-p/min-p; a repetition penalty needs the
+        // host path.
+        if p.repeat_penalty == 1.0 {
+            let d = DeviceSampling { temperature: p.temperature, top_k: p.top_k, top_p: p.top_p, min_p: p.min_p, seed: p.seed, step };
             if let Some(tok) = self.exec.sample_on_device(&d) {
                 return tok;
             }

@@ -51,6 +51,7 @@ pub struct DeviceSampling {
     pub temperature: f32,
     pub top_k: usize,
     pub top_p: f32,
+    pub min_p: f32,
     pub seed: u64,
     /// Index of this sampling step (mixed into the RNG stream).
     pub step: u64,

@@ -8,6 +8,9 @@ pub struct CompareArgs {
     /// Prompt to run on both backends.
     #[arg(default_value = "The capital of France is")]
     pub prompt: String,
+    /// Token ids to run instead of the prompt (comma separated; for models without a tokenizer).
+    #[arg(long, value_delimiter = ',')]
+    pub ids: Vec<u32>,
     /// The reference backend.
     #[arg(long = "ref", default_value = "cpu-ref")]
     pub reference: BackendKind,
@@ -44,7 +47,7 @@ pub fn run(args: CompareArgs) -> Result<()> {
         std::env::set_var(ferrite_core::env::CUDA_GEMM_PRECISION.name, p);
     }
     let loaded = load_model(&args.model)?;
-    let ids = loaded.tokenizer()?.encode(&args.prompt, true)?;
+    let ids = if args.ids.is_empty() { loaded.tokenizer()?.encode(&args.prompt, true)? } else { args.ids.clone() };
     if ids.is_empty() {
         bail!("empty prompt");
     }
