@@ -363,6 +363,10 @@ impl Executor for CpuExecutor {
         self.options.context_len
     }
 
+    fn kv_bytes_per_position(&self) -> usize {
+        self.buf.k_cache.len() * 2 * self.model.config.kv_width() * 4
+    }
+
     fn memory_report(&self) -> String {
         let mib = |b: usize| b as f64 / (1024.0 * 1024.0);
         let weights: usize = self

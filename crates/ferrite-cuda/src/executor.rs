@@ -16,7 +16,7 @@ use ferrite_core::env;
 use ferrite_model::graph::{Op, ValueId, WeightId};
 use ferrite_model::planner::{self, Plan};
 use ferrite_model::profile::OpProfile;
-use ferrite_model::{DeviceSampling, Executor, ExecutorOptions, LayerTrace, LoadProgress, Model, RopeStyle};
+use ferrite_model::{DeviceSampling, Executor, ExecutorOptions, HardwareCeilings, LayerTrace, LoadProgress, Model, RopeStyle};
 use std::sync::Arc;
 
 enum GpuWeight {
@@ -387,6 +387,14 @@ impl Executor for CudaExecutor {
 
     fn context_len(&self) -> usize {
         self.options.context_len
+    }
+
+    fn kv_bytes_per_position(&self) -> usize {
+        self.buf.kv.iter().map(|c| 2 * c.row_len() * c.dtype.bytes()).sum()
+    }
+
+    fn hardware_ceilings(&mut self) -> Option<anyhow::Result<HardwareCeilings>> {
+        Some(crate::ceilings::measure(&self.gpu).map_err(Into::into))
     }
 
     fn memory_report(&self) -> String {

@@ -11,6 +11,7 @@
 //! and [`cuda_available`] says why a GPU cannot be used.
 
 mod cache;
+mod ceilings;
 mod compile;
 mod device;
 mod error;

@@ -1,6 +1,8 @@
 //! llama-bench style measurements: prompt processing (pp N) and token generation (tg N).
 
 use crate::sampling::{Sampler, SamplerParams};
+use ferrite_model::graph::Op;
+use ferrite_model::Model;
 use crate::session::Session;
 use anyhow::Result;
 use std::time::Instant;
@@ -76,4 +78,43 @@ pub fn bench_tg(session: &mut Session, n: usize, reps: usize, vocab: usize) -> R
         }
     }
     Ok(BenchResult { test: format!("tg{n}"), tokens: n, samples })
+}
+
+/// The least work a token costs, for expressing speed as a fraction of the hardware limit.
+#[derive(Clone, Copy, Debug)]
+pub struct TokenWork {
+    /// Weight bytes a decode step must read: every weight of every linear, once (GGUF sizes).
+    pub weight_bytes: usize,
+    /// Matrix FLOPs per token of the linears (2 per multiply-add).
+    pub linear_flops: f64,
+    /// Attention FLOPs per token per position of context (QK and PV, all layers and heads).
+    pub attention_flops_per_position: f64,
+}
+
+impl TokenWork {
+    pub fn of(model: &Model) -> Self {
+        let mut weight_bytes = 0;
+        let mut linear_flops = 0.0;
+        for op in &model.graph.ops {
+            if let Op::Linear { w, .. } = op {
+                let spec = model.weights.spec(*w);
+                weight_bytes += spec.rows * spec.dtype.row_bytes(spec.cols).unwrap_or(0);
+                linear_flops += 2.0 * (spec.rows * spec.cols) as f64;
+            }
+        }
+        let a = model.graph.attention;
+        let attention_flops_per_position = 4.0 * (model.graph.n_layers * a.n_heads * a.head_dim) as f64;
+        Self { weight_bytes, linear_flops, attention_flops_per_position }
+    }
+
+    /// Bytes per token of a decode run of `n` tokens from an empty cache (weights + the KV cache
+    /// read at the average context length).
+    pub fn decode_bytes(&self, n: usize, kv_bytes_per_position: usize) -> f64 {
+        self.weight_bytes as f64 + kv_bytes_per_position as f64 * (n as f64 + 1.0) / 2.0
+    }
+
+    /// FLOPs per token of processing an `n`-token prompt (causal: average context n/2).
+    pub fn prompt_flops(&self, n: usize) -> f64 {
+        self.linear_flops + self.attention_flops_per_position * (n as f64 + 1.0) / 2.0
+    }
 }

@@ -70,3 +70,19 @@ fn qwen2_biases_fuse_bit_identically() {
     assert!(a.iter().all(|v| v.is_finite()));
     assert!(a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits()), "fused and unfused Qwen2 logits differ");
 }
+
+/// The bench's per-token work on SmolLM2: every quantized matrix read once (the tied embedding
+/// table serves as the output head), FLOPs = 2 per weight.
+#[test]
+fn token_work_counts_every_matrix_once() {
+    use ferrite_engine::bench::TokenWork;
+    for fusion in [FusionOptions::ALL, FusionOptions::NONE] {
+        let model = smollm2(fusion);
+        let work = TokenWork::of(&model);
+        let matrices: Vec<_> = model.file.tensors.iter().filter(|t| t.shape.len() == 2).collect();
+        assert_eq!(work.weight_bytes, matrices.iter().map(|t| t.n_bytes).sum::<usize>());
+        let weights: u64 = matrices.iter().map(|t| t.n_elements()).sum();
+        assert_eq!(work.linear_flops, 2.0 * weights as f64);
+        assert_eq!(work.attention_flops_per_position, 4.0 * (30 * 9 * 64) as f64);
+    }
+}

@@ -57,6 +57,17 @@ pub struct DeviceSampling {
     pub step: u64,
 }
 
+/// The device limits a benchmark is measured against.
+#[derive(Clone, Debug)]
+pub struct HardwareCeilings {
+    /// Device-to-device copy, bytes read plus bytes written per second.
+    pub copy_bytes_per_s: f64,
+    /// Measured dense matrix-product rate, FLOP/s.
+    pub matmul_flops: f64,
+    /// What the matrix rate was measured with.
+    pub matmul: String,
+}
+
 pub trait Executor {
     /// Human-readable backend description (`cpu (fp32 reference)`, `cuda: NVIDIA H200`...).
     fn describe(&self) -> String;
@@ -79,6 +90,15 @@ pub trait Executor {
 
     /// KV-cache capacity in tokens.
     fn context_len(&self) -> usize;
+
+    /// Bytes of one cached position (K and V, all layers): what a decode step reads per token of
+    /// context on top of the weights.
+    fn kv_bytes_per_position(&self) -> usize;
+
+    /// Measure the device's ceilings (copy bandwidth, matrix rate); `None` where not measured.
+    fn hardware_ceilings(&mut self) -> Option<anyhow::Result<HardwareCeilings>> {
+        None
+    }
 
     /// Memory in use, one line per category.
     fn memory_report(&self) -> String;

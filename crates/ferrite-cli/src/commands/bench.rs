@@ -1,7 +1,7 @@
 use super::common::{load_model, ModelArgs};
 use anyhow::Result;
 use clap::Args;
-use ferrite_engine::bench::{bench_pp, bench_tg, BenchResult};
+use ferrite_engine::bench::{bench_pp, bench_tg, BenchResult, TokenWork};
 
 #[derive(Args)]
 pub struct BenchArgs {
@@ -50,5 +50,28 @@ pub fn run(args: BenchArgs) -> Result<()> {
         );
     }
     eprintln!("(median of {reps} repetitions after one warm-up; ± is half the min-max range)");
+    if let Some(ceilings) = session.executor().hardware_ceilings() {
+        let c = ceilings?;
+        let work = TokenWork::of(m);
+        let kv = session.executor().kv_bytes_per_position();
+        println!(
+            "\nceilings measured in this run: copy {:.2} TB/s (read + write), {} {:.1} TFLOP/s",
+            c.copy_bytes_per_s / 1e12,
+            c.matmul,
+            c.matmul_flops / 1e12
+        );
+        println!("| test | work per token | achieved | fraction of the limit |");
+        println!("|---|---|---|---|");
+        for r in &results {
+            let tps = r.median();
+            if r.test.starts_with("tg") {
+                let bytes = work.decode_bytes(r.tokens, kv);
+                println!("| {} | {:.1} MB | {:.2} TB/s | {:.1}% of copy bandwidth |", r.test, bytes / 1e6, bytes * tps / 1e12, 100.0 * bytes * tps / c.copy_bytes_per_s);
+            } else {
+                let flops = work.prompt_flops(r.tokens);
+                println!("| {} | {:.2} GFLOP | {:.1} TFLOP/s | {:.1}% of the matrix rate |", r.test, flops / 1e9, flops * tps / 1e12, 100.0 * flops * tps / c.matmul_flops);
+            }
+        }
+    }
     Ok(())
 }
