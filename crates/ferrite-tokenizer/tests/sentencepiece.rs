@@ -3,7 +3,7 @@
 
 mod common;
 
-use common::{fixture, tokenizer, SPM_TINY_PATH};
+use common::{assert_encodes_like_fixture, fixture, tokenizer, SPM_TINY_PATH};
 use ferrite_tokenizer::{Tokenizer, TokenizerModel};
 use proptest::prelude::*;
 use std::sync::OnceLock;
@@ -18,27 +18,7 @@ fn encodings_match_sentencepiece() {
     let tok = spm_tiny();
     let fixture = fixture("spm-tiny.json");
     assert!(fixture.encode_add_special_false.len() >= 25);
-    let mut failures = Vec::new();
-    for (case, add_special) in fixture
-        .encode_add_special_false
-        .iter()
-        .map(|c| (c, false))
-        .chain(fixture.encode_add_special_true.iter().map(|c| (c, true)))
-    {
-        let ids = tok.encode(&case.text, add_special).unwrap();
-        if ids != case.ids {
-            failures.push(format!(
-                "{:?} (add_special {add_special})\n  got      {ids:?}\n  expected {:?}",
-                case.text, case.ids
-            ));
-        }
-    }
-    assert!(
-        failures.is_empty(),
-        "{} mismatches:\n{}",
-        failures.len(),
-        failures.join("\n")
-    );
+    assert_encodes_like_fixture(tok, &fixture);
 }
 
 #[test]

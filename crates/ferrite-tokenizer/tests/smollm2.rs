@@ -2,7 +2,7 @@
 
 mod common;
 
-use common::{fixture, tokenizer, SMOLLM2_PATH};
+use common::{assert_encodes_like_fixture, fixture, tokenizer, SMOLLM2_PATH};
 use ferrite_tokenizer::{ChatTemplate, Message, Tokenizer, TokenizerModel};
 use proptest::prelude::*;
 use std::sync::OnceLock;
@@ -17,31 +17,7 @@ fn encodings_match_hf_tokenizers() {
     let tok = smollm2();
     let fixture = fixture("smollm2.json");
     assert!(fixture.encode_add_special_false.len() >= 30);
-    let mut failures = Vec::new();
-    for case in &fixture.encode_add_special_false {
-        let ids = tok.encode(&case.text, false).unwrap();
-        if ids != case.ids {
-            failures.push(format!(
-                "{:?}\n  got      {ids:?}\n  expected {:?}",
-                case.text, case.ids
-            ));
-        }
-    }
-    for case in &fixture.encode_add_special_true {
-        let ids = tok.encode(&case.text, true).unwrap();
-        if ids != case.ids {
-            failures.push(format!(
-                "(add_special) {:?}\n  got      {ids:?}\n  expected {:?}",
-                case.text, case.ids
-            ));
-        }
-    }
-    assert!(
-        failures.is_empty(),
-        "{} mismatches:\n{}",
-        failures.len(),
-        failures.join("\n")
-    );
+    assert_encodes_like_fixture(tok, &fixture);
 }
 
 #[test]

@@ -77,3 +77,24 @@ pub fn fixture(name: &str) -> Fixture {
     let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
     serde_json::from_str(&text).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
 }
+
+/// Every encode case of the fixture (without and with special tokens) must give exactly the
+/// reference ids; all mismatches are reported together.
+pub fn assert_encodes_like_fixture(tok: &Tokenizer, fixture: &Fixture) {
+    let mut failures = Vec::new();
+    for (case, add_special) in fixture
+        .encode_add_special_false
+        .iter()
+        .map(|c| (c, false))
+        .chain(fixture.encode_add_special_true.iter().map(|c| (c, true)))
+    {
+        let ids = tok.encode(&case.text, add_special).unwrap();
+        if ids != case.ids {
+            failures.push(format!(
+                "{:?} (add_special {add_special})\n  got      {ids:?}\n  expected {:?}",
+                case.text, case.ids
+            ));
+        }
+    }
+    assert!(failures.is_empty(), "{} mismatches:\n{}", failures.len(), failures.join("\n"));
+}
