@@ -33,6 +33,8 @@ struct Buffers {
     /// Output of a linear that fills a column range / a second gathered operand.
     scratch_b: CudaSlice<f32>,
     scratch_c: CudaSlice<f32>,
+    /// int8 activations of the linear being run (the int8 GEMV path).
+    q8: ops::Q8Activations,
     kv: Vec<KvCache>,
     ids: CudaSlice<u32>,
     positions: CudaSlice<u32>,
@@ -116,6 +118,7 @@ impl CudaExecutor {
             scratch_a: gpu.alloc_zeros(scratch)?,
             scratch_b: gpu.alloc_zeros(scratch)?,
             scratch_c: gpu.alloc_zeros(scratch)?,
+            q8: ops::Q8Activations::new(&gpu, scratch)?,
             ids: gpu.alloc_zeros(max_batch)?,
             positions: gpu.alloc_zeros(max_batch)?,
             token: gpu.alloc_zeros(1)?,
@@ -225,6 +228,16 @@ impl CudaExecutor {
         match *op {
             Op::Embed { table, .. } => ops::embed(gpu, matrix(table), &buf.ids, n, out)?,
             Op::RmsNorm { x, norm, .. } => ops::rms_norm(gpu, input(x), vector(norm.weight), norm.eps, rows(x), width(x), false, out)?,
+            Op::Linear { x, norm, w, bias, residual, out_col, .. }
+                if ops::linear_plan(matrix(w).dtype, width(x), rows(x), &gpu.linear_options()) == ops::LinearPlan::GemvQ8 =>
+            {
+                // One launch normalises and quantizes, one multiplies and adds bias and residual.
+                let (r, xw, ow) = (rows(x), width(x), width(op.writes()));
+                let prologue = norm.map(|nm| ops::NormPrologue { weight: vector(nm.weight), eps: nm.eps, add_one: false });
+                ops::quantize_q8(gpu, input(x), r, xw, prologue, &mut buf.q8)?;
+                let epilogue = ops::Epilogue { bias: bias.map(vector), residual: residual.map(input) };
+                ops::linear_q8(gpu, matrix(w), &buf.q8, r, out, ow, out_col, &epilogue)?;
+            }
             Op::Linear { x, norm, w, bias, residual, out_col, .. } => {
                 let (r, xw, ow) = (rows(x), width(x), width(op.writes()));
                 let rows_w = matrix(w).rows;

@@ -10,7 +10,7 @@
 use std::io::Write as _;
 use ferrite_cpu::kernels::{activation, attention, embedding, matmul_f32, norm, rope, WeightView};
 use ferrite_cuda::ops::{
-    self, AttentionConfig, KvCache, KvDtype, LinearOptions, LinearPath, LinearPlan, Precision, RopeConfig,
+    self, AttentionConfig, GemvActivations, KvCache, KvDtype, LinearOptions, LinearPath, LinearPlan, Precision, RopeConfig,
     SamplingConfig,
 };
 use ferrite_cuda::{cuda_available, CudaSlice, Gpu, GpuOptions, KernelCacheDir};
@@ -289,22 +289,41 @@ fn check_linear(
     let plan = ops::linear_with(gpu, &weight, &upload(gpu, &x), n_tokens, &mut out, opts).unwrap();
     assert!(expect(&plan), "{dtype} {rows}x{cols} n={n_tokens} {opts:?}: unexpected plan {plan:?}");
     // Error scales with sum |w x| (cancellation makes |out| a poor yardstick); 16-bit inputs
-    // round each product by up to 2^-11 (f16) or 2^-8 (bf16) twice.
+    // round each product by up to 2^-11 (f16) or 2^-8 (bf16) twice; int8 activations are off
+    // by at most half a step of their block (see `q8_bound`).
     let rtol = match plan {
         LinearPlan::Gemm { precision: Precision::F16, .. } => 2e-3,
         LinearPlan::Gemm { precision: Precision::BF16, .. } => 1.6e-2,
         _ => 2e-5,
     };
+    let step = q8_steps(&x, cols);
     let bound = |i: usize| {
         let (t, r) = (i / rows, i % rows);
         let mag: f64 = (0..cols).map(|c| (w[r * cols + c] * x[t * cols + c]).abs() as f64).sum();
-        rtol * mag + 1e-30
+        let q8 = if plan == LinearPlan::GemvQ8 { q8_bound(&w[r * cols..(r + 1) * cols], &step[t * cols..(t + 1) * cols]) } else { 0.0 };
+        rtol * mag + q8 + 1e-30
     };
     let path = match plan {
         LinearPlan::Gemv => "gemv".to_string(),
+        LinearPlan::GemvQ8 => "gemv q8".to_string(),
         LinearPlan::Gemm { precision, .. } => format!("gemm {precision:?}"),
     };
     check("linear", &format!("{dtype} {rows}x{cols} n={n_tokens} {path}"), &download(gpu, &out), &want, bound);
+}
+
+/// Quantization step of each activation's 32-value block (`max |x| / 127`).
+fn q8_steps(x: &[f32], cols: usize) -> Vec<f64> {
+    // Rows of a quantized weight's input are whole blocks; other widths never take the q8 path.
+    x.chunks(cols).flat_map(|row| row.chunks(32)).flat_map(|b| {
+        let amax = b.iter().fold(0f32, |m, v| m.max(v.abs())) as f64;
+        std::iter::repeat_n(amax / 127.0, b.len())
+    }).collect()
+}
+
+/// Largest error of `sum w x` when each `x` is rounded to its block's step: half a step per
+/// term (plus f32 rounding of the scale products).
+fn q8_bound(w: &[f32], step: &[f64]) -> f64 {
+    w.iter().zip(step).map(|(&w, &s)| (w as f64).abs() * s * 0.5).sum::<f64>() * 1.001
 }
 
 #[test]
@@ -312,7 +331,7 @@ fn linear_matches_cpu_for_every_dtype_and_path() {
     let Some(gpu) = gpu() else { return };
     let mut rng = Rng(4);
     let auto = LinearOptions::default();
-    let is_gemv: fn(&LinearPlan) -> bool = |p| *p == LinearPlan::Gemv;
+    let is_gemv: fn(&LinearPlan) -> bool = |p| matches!(p, LinearPlan::Gemv | LinearPlan::GemvQ8);
     let is_gemm: fn(&LinearPlan) -> bool = |p| matches!(p, LinearPlan::Gemm { .. });
     for dtype in ALL_TYPES {
         // 300 rows: not a multiple of the rows per block; 512 columns: fewer units than lanes.
@@ -322,6 +341,11 @@ fn linear_matches_cpu_for_every_dtype_and_path() {
             }
             check_linear(gpu, &mut rng, dtype, rows, cols, 17, &auto, is_gemm);
         }
+    }
+    // f32 activations on quantized weights (the exact GEMV).
+    let f32_act = LinearOptions { activations: GemvActivations::F32, ..auto };
+    for dtype in [GgmlType::Q4_0, GgmlType::Q4_K, GgmlType::Q6_K] {
+        check_linear(gpu, &mut rng, dtype, 300, 512, 3, &f32_act, |p| *p == LinearPlan::Gemv);
     }
     // Forced paths: GEMV past its token threshold (several token tiles), GEMM for one token.
     let gemv = LinearOptions { path: LinearPath::Gemv, ..auto };
@@ -341,6 +365,52 @@ fn linear_matches_cpu_for_every_dtype_and_path() {
     // Float weights whose rows are not whole 32-value units fall back to GEMM.
     for dtype in [GgmlType::F32, GgmlType::F16, GgmlType::BF16] {
         check_linear(gpu, &mut rng, dtype, 50, 100, 1, &gemv, is_gemm);
+    }
+}
+
+/// The fused int8 path of a norm-folded projection with bias and residual, writing a column
+/// range of a wider output: `out[t, col + r] = (rms_norm(x_t) g) . w_r + bias_r + res[t, col + r]`.
+#[test]
+fn linear_q8_fuses_norm_bias_and_residual() {
+    let Some(gpu) = gpu() else { return };
+    let mut rng = Rng(41);
+    for (dtype, rows, cols, n) in [(GgmlType::Q4_0, 96, 576, 1), (GgmlType::Q8_0, 200, 2048, 3), (GgmlType::Q6_K, 64, 1024, 8)] {
+        let (bytes, w) = random_weight(&mut rng, dtype, rows, cols);
+        let weight = gpu.upload_weight(dtype, rows, cols, &bytes).unwrap();
+        let x = rng.vec(n * cols, -3.0, 3.0);
+        let g = rng.vec(cols, 0.5, 1.5);
+        let bias = rng.vec(rows, -1.0, 1.0);
+        let (ld, col) = (rows + 40, 24);
+        let res = rng.vec(n * ld, -2.0, 2.0);
+        let mut normed = vec![0f32; n * cols];
+        norm::rms_norm(&x, &g, 1e-5, &mut normed);
+        let mut prod = vec![0f32; n * rows];
+        matmul_f32(&w, rows, cols, &normed, n, &mut prod);
+        // The output starts as NaN: the range must be written, the columns around it not.
+        let mut out = upload(gpu, &vec![f32::NAN; n * ld]);
+        let mut q8 = ops::Q8Activations::new(gpu, n * cols).unwrap();
+        let prologue = ops::NormPrologue { weight: &upload(gpu, &g), eps: 1e-5, add_one: false };
+        ops::quantize_q8(gpu, &upload(gpu, &x), n, cols, Some(prologue), &mut q8).unwrap();
+        let (bias_d, res_d) = (upload(gpu, &bias), upload(gpu, &res));
+        let epilogue = ops::Epilogue { bias: Some(&bias_d), residual: Some(&res_d) };
+        ops::linear_q8(gpu, &weight, &q8, n, &mut out, ld, col, &epilogue).unwrap();
+        let got_all = download(gpu, &out);
+        let mut got = Vec::new();
+        let mut want = Vec::new();
+        for t in 0..n {
+            for r in 0..rows {
+                got.push(got_all[t * ld + col + r]);
+                want.push(prod[t * rows + r] + bias[r] + res[t * ld + col + r]);
+            }
+            assert!(got_all[t * ld..t * ld + col].iter().all(|v| v.is_nan()), "wrote left of the column range");
+            assert!(got_all[t * ld + col + rows..(t + 1) * ld].iter().all(|v| v.is_nan()), "wrote right of the range");
+        }
+        let step = q8_steps(&normed, cols);
+        check("linear_q8", &format!("{dtype} {rows}x{cols} n={n} norm+bias+res"), &got, &want, |i| {
+            let (t, r) = (i / rows, i % rows);
+            let mag: f64 = (0..cols).map(|c| (w[r * cols + c] * normed[t * cols + c]).abs() as f64).sum();
+            q8_bound(&w[r * cols..(r + 1) * cols], &step[t * cols..(t + 1) * cols]) + 2e-5 * (mag + 4.0)
+        });
     }
 }
 
@@ -770,7 +840,7 @@ fn kernel_cache_hits_misses_and_rebuilds_corrupt_entries() {
 fn every_kernel_variant_compiles_for_sm90() {
     use ferrite_cuda::compile_variant;
     use ferrite_cuda::kernels::{
-        activation::*, attention::*, dequant::*, embedding::*, gemv::*, norm::*, rope::*, sampling::*,
+        activation::*, attention::*, dequant::*, embedding::*, gemv::*, norm::*, quantize::*, rope::*, sampling::*,
     };
     if let Err(e) = compile_variant(&ActivationVariant, "sm_90") {
         match e {
@@ -792,6 +862,15 @@ fn every_kernel_variant_compiles_for_sm90() {
             let v = GemvVariant::for_shape(dtype, n);
             check(format!("{v:?}"), compile_variant(&v, "sm_90"));
         }
+        if !matches!(dtype, GgmlType::F32 | GgmlType::F16 | GgmlType::BF16) {
+            // Short rows (warp-level reduction), long rows (block-level), token tiles, epilogues.
+            for (rows, cols, n, residual, bias) in
+                [(960, 576, 1, false, true), (4096, 14336, 1, true, false), (4096, 4096, 3, true, true), (300, 2048, 8, false, false)]
+            {
+                let v = GemvQ8Variant { residual, bias, ..GemvQ8Variant::for_shape(dtype, rows, cols, n, 132) };
+                check(format!("{v:?}"), compile_variant(&v, "sm_90"));
+            }
+        }
         for out in [OutType::F32, OutType::F16, OutType::BF16] {
             check(format!("dequant {dtype} {out:?}"), compile_variant(&DequantVariant { wtype: dtype, out }, "sm_90"));
         }
@@ -802,6 +881,9 @@ fn every_kernel_variant_compiles_for_sm90() {
     }
     for dim in [32, 576, 4096] {
         check(format!("norm {dim}"), compile_variant(&NormVariant::for_dim(dim), "sm_90"));
+        for prologue in [Prologue::Plain, Prologue::RmsNorm] {
+            check(format!("quantize {dim} {prologue:?}"), compile_variant(&QuantizeVariant::for_cols(dim, prologue), "sm_90"));
+        }
     }
     for neox in [false, true] {
         check(format!("rope {neox}"), compile_variant(&RopeVariant { neox }, "sm_90"));

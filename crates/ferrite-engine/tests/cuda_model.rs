@@ -36,8 +36,13 @@ fn opts(max_batch: usize) -> ExecutorOptions {
 /// the reference's choice to both. Returns (worst relative logit error, steps whose argmax agreed
 /// or differed only at a near-tie).
 fn compare(model: Arc<Model>, steps: usize) -> (f64, usize) {
-    let mut cpu = CpuExecutor::new(Arc::clone(&model), CpuPrecision::Reference, opts(16)).unwrap();
-    let mut gpu = ferrite_cuda::CudaExecutor::new(Arc::clone(&model), opts(16)).unwrap();
+    let cpu = CpuExecutor::new(Arc::clone(&model), CpuPrecision::Reference, opts(16)).unwrap();
+    let gpu = ferrite_cuda::CudaExecutor::new(Arc::clone(&model), opts(16)).unwrap();
+    compare_executors(&model, cpu, gpu, steps)
+}
+
+/// `compare` for any pair: `cpu` is the reference whose greedy choices are fed to both.
+fn compare_executors(model: &Model, mut cpu: impl Executor, mut gpu: impl Executor, steps: usize) -> (f64, usize) {
     let prompt: Vec<u32> = (0..21).map(|i| (i * 977 + 5) % model.config.vocab_size as u32).collect();
     let mut worst = 0f64;
     let mut pos = 0;
@@ -72,9 +77,11 @@ fn cuda_fp32_matches_cpu_reference_on_real_shapes() {
     if !gpu_or_skip() {
         return;
     }
-    // fp32 KV and fp32 GEMM: the GPU must match the CPU oracle to 1e-4 relative.
+    // fp32 KV, fp32 GEMM and f32-activation GEMV: the GPU must match the CPU oracle to 1e-4
+    // relative.
     std::env::set_var("FERRITE_CUDA_KV_DTYPE", "f32");
     std::env::set_var("FERRITE_CUDA_GEMM_PRECISION", "f32");
+    std::env::set_var("FERRITE_CUDA_GEMV_ACTIVATIONS", "f32");
     for (shape, dtype) in [("smollm2-135m", GgmlType::Q4_1), ("smollm2-135m", GgmlType::Q8_0), ("llama-3.2-1b", GgmlType::Q4_0)] {
         println!("{shape} {dtype}:");
         let (worst, agreed) = compare(synthetic(synth::shape(shape).unwrap(), dtype), 64);
@@ -87,13 +94,33 @@ fn cuda_fp32_matches_cpu_reference_on_real_shapes() {
     let (worst, agreed) = compare(Arc::new(Model::load(qwen3, FusionOptions::from_env()).unwrap()), 32);
     println!("tiny qwen3: worst relative error {worst:.2e}, {agreed}/33 greedy steps agree");
     assert!(worst < 1e-4 && agreed == 33, "tiny qwen3: relative error {worst}, {agreed}/33 agree");
+    // The default int8-activation GEMV quantizes activations like the CPU quantized path (int8
+    // blocks, d = max/127, round half to even): against the fp32 reference it may drift no more
+    // than that CPU path does, and the greedy tokens must agree.
+    std::env::set_var("FERRITE_CUDA_GEMV_ACTIVATIONS", "q8");
+    for (shape, dtype) in [("smollm2-135m", GgmlType::Q4_1), ("llama-3.2-1b", GgmlType::Q4_0), ("smollm2-135m", GgmlType::Q8_0)] {
+        let model = synthetic(synth::shape(shape).unwrap(), dtype);
+        let reference = || CpuExecutor::new(Arc::clone(&model), CpuPrecision::Reference, opts(16)).unwrap();
+        let cpu_q8 = CpuExecutor::new(Arc::clone(&model), CpuPrecision::Quantized, opts(16)).unwrap();
+        let (cpu_worst, cpu_agreed) = compare_executors(&model, reference(), cpu_q8, 64);
+        let (worst, agreed) = compare(Arc::clone(&model), 64);
+        println!(
+            "{shape} {dtype} vs fp32 reference: CUDA q8 GEMV worst relative error {worst:.2e}, {agreed}/65 agree; \
+             CPU quantized {cpu_worst:.2e}, {cpu_agreed}/65 agree"
+        );
+        assert!(worst <= 1.5 * cpu_worst, "{shape} {dtype}: relative error {worst}, the CPU quantized path has {cpu_worst}");
+        assert_eq!(agreed, 65, "{shape} {dtype}: greedy tokens differ from the fp32 reference");
+    }
     // The default f16 KV cache: small drift, same greedy tokens. (One test, because the
     // switches are process-wide.)
     std::env::set_var("FERRITE_CUDA_KV_DTYPE", "f16");
+    std::env::set_var("FERRITE_CUDA_GEMV_ACTIVATIONS", "f32");
     let (worst, agreed) = compare(synthetic(synth::shape("smollm2-135m").unwrap(), GgmlType::Q4_1), 64);
     println!("f16 KV: worst relative error {worst:.2e}, {agreed}/65 greedy steps agree");
     assert!(worst < 1e-2, "relative error {worst}");
     assert!(agreed >= 60, "only {agreed}/65 greedy steps agree");
+
+    std::env::remove_var("FERRITE_CUDA_GEMV_ACTIVATIONS");
 
     // Decode-step graph replay runs the same kernels on the same buffers: bit-identical logits
     // to launching every op, at every position.

@@ -100,7 +100,9 @@ struct WeightRef { const u8* p0; const u8* p1; const u8* p2; const u8* p3; i64 c
 //   load_unit(w, row, u, unit)  -- read unit u of a row (16-byte loads of the quant plane),
 //   unit_q(unit, l)             -- the integer code of weight l (l a compile-time constant),
 // with weight l = a0 * q + b0 for l < 16 and a1 * q + b1 after. Scales stay out of inner
-// loops: a dot product applies them once per half unit.
+// loops: a dot product applies them once per half unit. For the int8 path each type also has
+//   unit_word(unit, i)          -- weights 4i..4i+3 as four 8-bit codes c (one per byte), with
+//                                  q = c - W_OFFSET (only Q8_0's codes are signed).
 
 __device__ __forceinline__ uint4 ld_u128(const u8* p) { return *reinterpret_cast<const uint4*>(p); }
 __device__ __forceinline__ u32 ld_u32(const u8* p) { return *reinterpret_cast<const u32*>(p); }
@@ -113,6 +115,9 @@ __device__ __forceinline__ u32 byte_of(const uint4& v, int j) {
 __device__ __forceinline__ u32 byte_of2(const uint4& lo, const uint4& hi, int l) {
   return l < 16 ? byte_of(lo, l) : byte_of(hi, l - 16);
 }
+// Word i (bytes 4i..4i+3) of 16 or 32 bytes held as uint4 loads.
+__device__ __forceinline__ u32 word_of(const uint4& v, int i) { return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w; }
+__device__ __forceinline__ u32 word_of2(const uint4& lo, const uint4& hi, int i) { return i < 4 ? word_of(lo, i) : word_of(hi, i - 4); }
 #define SCALES float a0, b0, a1, b1
 // code - offset as a float, for codes below 2^23: the code is placed in the mantissa of 2^23
 // (one OR and one add, both full rate, instead of the quarter-rate integer-to-float convert).
@@ -201,6 +206,8 @@ __device__ __forceinline__ void load_block_unit(const WeightRef& w, i64 blk, int
 __device__ __forceinline__ float unit_q(const Unit& o, int l) {
   return code_f((byte_of(o.qs, l & 15) >> (l < 16 ? 0 : 4)) & 15u, Q_OFFSET);
 }
+#define W_OFFSET Q_OFFSET
+__device__ __forceinline__ u32 unit_word(const Unit& o, int i) { return (word_of(o.qs, i & 3) >> (i < 4 ? 0 : 4)) & 0x0F0F0F0Fu; }
 
 #elif WTYPE == GGML_Q5_0 || WTYPE == GGML_Q5_1
 // planes: p0 = qs[16], p1 = qh (u32: bit l is the 5th bit of element l), p2 = d or (d, m)
@@ -228,6 +235,12 @@ __device__ __forceinline__ void load_block_unit(const WeightRef& w, i64 blk, int
 __device__ __forceinline__ float unit_q(const Unit& o, int l) {
   return code_f(((byte_of(o.qs, l & 15) >> (l < 16 ? 0 : 4)) & 15u) | (((o.qh >> l) & 1u) << 4), Q_OFFSET);
 }
+#define W_OFFSET Q_OFFSET
+__device__ __forceinline__ u32 unit_word(const Unit& o, int i) {
+  const u32 h = o.qh >> (4 * i);  // 5th bits of elements 4i..4i+3, spread to bit 4 of each byte
+  const u32 high = ((h << 4) & 0x10u) | ((h << 11) & 0x1000u) | ((h << 18) & 0x100000u) | ((h << 25) & 0x10000000u);
+  return ((word_of(o.qs, i & 3) >> (i < 4 ? 0 : 4)) & 0x0F0F0F0Fu) | high;
+}
 
 #elif WTYPE == GGML_Q8_0
 // planes: p0 = qs[32] (int8), p1 = d
@@ -242,6 +255,9 @@ __device__ __forceinline__ void load_block_unit(const WeightRef& w, i64 blk, int
 }
 // Flipping the sign bit maps int8 q to the unsigned code q + 128.
 __device__ __forceinline__ float unit_q(const Unit& o, int l) { return code_f(byte_of2(o.lo, o.hi, l) ^ 0x80u, 128.f); }
+// The int8 codes as stored (signed, no offset).
+#define W_OFFSET 0
+__device__ __forceinline__ u32 unit_word(const Unit& o, int i) { return word_of2(o.lo, o.hi, i); }
 
 #elif WTYPE == GGML_Q2_K
 // planes: p0 = qs[64], p1 = scales[16] (low nibble scale, high nibble min), p2 = (d, dmin)
@@ -262,6 +278,8 @@ __device__ __forceinline__ void load_block_unit(const WeightRef& w, i64 blk, int
              d * (float)((sc >> 8) & 15u), -dmin * (float)((sc >> 12) & 15u));
 }
 __device__ __forceinline__ float unit_q(const Unit& o, int l) { return code_f((byte_of2(o.lo, o.hi, l) >> o.shift) & 3u, 0.f); }
+#define W_OFFSET 0
+__device__ __forceinline__ u32 unit_word(const Unit& o, int i) { return (word_of2(o.lo, o.hi, i) >> o.shift) & 0x03030303u; }
 
 #elif WTYPE == GGML_Q3_K
 // planes: p0 = qs[64] (low 2 bits), p1 = hmask[32] (3rd bit, set = no -4), p2 = scales[12], p3 = d
@@ -294,6 +312,10 @@ __device__ __forceinline__ float unit_q(const Unit& o, int l) {
   // q = low - 4 unless the hmask bit is set, i.e. the code (low + 4 * bit) minus 4.
   const u32 low = (byte_of2(o.lo, o.hi, l) >> o.shift) & 3u;
   return code_f(low | (((byte_of2(o.hlo, o.hhi, l) >> o.sub) & 1u) << 2), 4.f);
+}
+#define W_OFFSET 4
+__device__ __forceinline__ u32 unit_word(const Unit& o, int i) {
+  return ((word_of2(o.lo, o.hi, i) >> o.shift) & 0x03030303u) | (((word_of2(o.hlo, o.hhi, i) >> o.sub) & 0x01010101u) << 2);
 }
 
 #elif WTYPE == GGML_Q4_K || WTYPE == GGML_Q5_K
@@ -340,6 +362,14 @@ __device__ __forceinline__ float unit_q(const Unit& o, int l) {
 #endif
   return code_f(v, 0.f);
 }
+#define W_OFFSET 0
+__device__ __forceinline__ u32 unit_word(const Unit& o, int i) {
+  u32 v = (word_of2(o.lo, o.hi, i) >> o.shift) & 0x0F0F0F0Fu;
+#if WTYPE == GGML_Q5_K
+  v |= ((word_of2(o.hlo, o.hhi, i) >> o.sub) & 0x01010101u) << 4;
+#endif
+  return v;
+}
 
 #elif WTYPE == GGML_Q6_K
 // planes: p0 = ql[128], p1 = qh[64], p2 = scales[16] (int8), p3 = d
@@ -365,6 +395,10 @@ __device__ __forceinline__ void load_block_unit(const WeightRef& w, i64 blk, int
 __device__ __forceinline__ float unit_q(const Unit& o, int l) {
   const u32 v = ((byte_of2(o.llo, o.lhi, l) >> o.lshift) & 15u) | (((byte_of2(o.hlo, o.hhi, l) >> o.hshift) & 3u) << 4);
   return code_f(v, 32.f);
+}
+#define W_OFFSET 32
+__device__ __forceinline__ u32 unit_word(const Unit& o, int i) {
+  return ((word_of2(o.llo, o.lhi, i) >> o.lshift) & 0x0F0F0F0Fu) | (((word_of2(o.hlo, o.hhi, i) >> o.hshift) & 0x03030303u) << 4);
 }
 
 #else
@@ -402,4 +436,22 @@ __device__ __forceinline__ float scaled_dot(const Unit& w, Codes q, const float*
 __device__ __forceinline__ float unit_dot(const Unit& w, const float* x) {
   return scaled_dot(w, [&](int l) { return unit_q(w, l); }, x);
 }
+
+#if !IS_FLOAT
+// A unit times 32 int8-quantized activations x = dx * xq (words xq0 = elements 0..15, xq1 =
+// 16..31; sq0/sq1 the code sums of each half): four dp4a per half, scales applied once.
+// Weight l = a * q + b = a * c + (b - W_OFFSET * a), so the offset and the min fold into one
+// term times the activation code sum.
+__device__ __forceinline__ float unit_dot_q8(const Unit& w, const int4& xq0, const int4& xq1, float dx, float sq0, float sq1) {
+  const int s0 = __dp4a((int)unit_word(w, 3), xq0.w, __dp4a((int)unit_word(w, 2), xq0.z,
+                 __dp4a((int)unit_word(w, 1), xq0.y, __dp4a((int)unit_word(w, 0), xq0.x, 0))));
+  const int s1 = __dp4a((int)unit_word(w, 7), xq1.w, __dp4a((int)unit_word(w, 6), xq1.z,
+                 __dp4a((int)unit_word(w, 5), xq1.y, __dp4a((int)unit_word(w, 4), xq1.x, 0))));
+  float r = w.a0 * (float)s0 + w.a1 * (float)s1;
+#if HAS_MIN || W_OFFSET != 0
+  r += (w.b0 - (float)W_OFFSET * w.a0) * sq0 + (w.b1 - (float)W_OFFSET * w.a1) * sq1;
+#endif
+  return dx * r;
+}
+#endif
 "#;

@@ -1,6 +1,8 @@
-//! Quantized GEMV: `out[t, r] = sum_c W[r, c] * x[t, c]` for a few tokens, reading packed
-//! weights once. One template for every GGML type; `WTYPE` picks the decoder from
+//! GEMV: `out[t, r] = sum_c W[r, c] * x[t, c]` for a few tokens, reading packed weights once.
+//! One template per activation format for every GGML type; `WTYPE` picks the decoder from
 //! `common::QUANT`, the other macros the tiling.
+//!
+//! ## `gemv` (f32 activations)
 //!
 //! Work split: a warp owns `ROWS_PER_WARP` rows; lane `l` walks the rows' 32-weight units
 //! `l, l + 32, ...` (consecutive lanes read consecutive 16-byte quant chunks). Per unit it loads
@@ -10,6 +12,17 @@
 //! unit. A warp shuffle reduction finishes each
 //! output. Grid y walks token tiles of `NTOK`, so any token count works (larger counts re-read
 //! the weights).
+//!
+//! ## `gemv_q8` (int8 activations from [`super::quantize`], quantized weights)
+//!
+//! Four weights per `dp4a`, block scales applied once per half unit: about a tenth of the
+//! instructions of the f32 path per weight, which is what lets a decode step run at memory
+//! speed. A group of `TPR` lanes (a power of two up to a warp) shares `ROWS` rows and splits
+//! their units; each lane loads `UNROLL` units of every row before multiplying, so that enough
+//! bytes are in flight to cover DRAM latency, and a warp-shuffle reduction ends each output (no
+//! block barrier, no shared memory). Short rows (small models) use groups under a warp. The epilogue
+//! adds a bias and/or a residual and writes a column range of a wider output (`out_ld`,
+//! `out_col`), so a projection and its residual add are one launch.
 
 use super::common::{HEADER, QUANT};
 use super::{blocks_for, device_params, KernelVariant};
@@ -30,6 +43,127 @@ device_params! {
         pub pad: u32,
     }
 }
+
+device_params! {
+    pub struct GemvQ8Params {
+        pub w0: u64,
+        pub w1: u64,
+        pub w2: u64,
+        pub w3: u64,
+        pub xq: u64,
+        pub xs: u64,
+        pub out: u64,
+        pub residual: u64,
+        pub bias: u64,
+        pub rows: u32,
+        pub cols: u32,
+        pub n_tokens: u32,
+        pub out_ld: u32,
+        pub out_col: u32,
+        pub res_ld: u32,
+        pub res_col: u32,
+        pub pad: u32,
+    }
+}
+
+const SOURCE_Q8: &str = r#"
+#ifndef NWARPS
+#error "NWARPS (warps per block) must come from the kernel variant"
+#endif
+#ifndef TPR
+#error "TPR (lanes sharing a row group: a power of two up to 32) must come from the kernel variant"
+#endif
+#ifndef ROWS
+#error "ROWS (rows per lane group) must come from the kernel variant"
+#endif
+#ifndef UNROLL
+#error "UNROLL (units per row a lane loads before multiplying) must come from the kernel variant"
+#endif
+#ifndef NTOK
+#error "NTOK (tokens per grid-y tile) must come from the kernel variant"
+#endif
+#ifndef RESIDUAL
+#error "RESIDUAL (0/1: add a residual in the epilogue) must come from the kernel variant"
+#endif
+#ifndef BIAS
+#error "BIAS (0/1: add a bias in the epilogue) must come from the kernel variant"
+#endif
+
+__device__ __forceinline__ void store_q8(const GemvQ8Params& p, i64 row, int tok, float s) {
+  if (row >= p.rows || tok >= (int)p.n_tokens) return;
+#if BIAS
+  s += reinterpret_cast<const float*>(p.bias)[row];
+#endif
+#if RESIDUAL
+  s += reinterpret_cast<const float*>(p.residual)[(i64)tok * p.res_ld + p.res_col + row];
+#endif
+  reinterpret_cast<float*>(p.out)[(i64)tok * p.out_ld + p.out_col + row] = s;
+}
+
+extern "C" __global__ void __launch_bounds__(NWARPS * 32) gemv_q8(const GemvQ8Params p) {
+  const int tid = threadIdx.x, k = tid % TPR, group = tid / TPR;
+  const i64 row0 = ((i64)blockIdx.x * (NWARPS * 32 / TPR) + group) * ROWS;
+  const int tok0 = blockIdx.y * NTOK;
+  const WeightRef w = {(const u8*)p.w0, (const u8*)p.w1, (const u8*)p.w2, (const u8*)p.w3, (i64)p.cols};
+  const int units = (int)(p.cols / 32);
+  const int4* xq = reinterpret_cast<const int4*>(p.xq);
+  const uint2* xs = reinterpret_cast<const uint2*>(p.xs);
+
+  float acc[ROWS][NTOK];
+#pragma unroll
+  for (int r = 0; r < ROWS; ++r)
+#pragma unroll
+    for (int t = 0; t < NTOK; ++t) acc[r][t] = 0.f;
+
+  // Lanes never leave early: the reduction below shuffles across the whole warp.
+  if (row0 < p.rows) {
+    for (int u0 = k; u0 < units; u0 += TPR * UNROLL) {
+      // Issue all UNROLL x ROWS weight loads before any math, so that each lane keeps that many
+      // bytes in flight. Indices past the end are clamped (a safe re-read, never used).
+      Unit wu[UNROLL][ROWS];
+#pragma unroll
+      for (int j = 0; j < UNROLL; ++j)
+#pragma unroll
+        for (int r = 0; r < ROWS; ++r) load_unit(w, min(row0 + r, (i64)p.rows - 1), min(u0 + j * TPR, units - 1), wu[j][r]);
+#pragma unroll
+      for (int t = 0; t < NTOK; ++t) {
+        if (tok0 + t < (int)p.n_tokens) {
+          int4 xa[UNROLL], xb[UNROLL];
+          uint2 sc[UNROLL];
+#pragma unroll
+          for (int j = 0; j < UNROLL; ++j) {
+            const i64 blk = (i64)(tok0 + t) * units + min(u0 + j * TPR, units - 1);
+            xa[j] = xq[2 * blk];
+            xb[j] = xq[2 * blk + 1];
+            sc[j] = xs[blk];
+          }
+#pragma unroll
+          for (int j = 0; j < UNROLL; ++j) {
+            if (u0 + j * TPR < units) {
+              const float dx = __uint_as_float(sc[j].x);
+              const float sq0 = (float)(int)(short)(sc[j].y & 0xffffu), sq1 = (float)((int)sc[j].y >> 16);
+#pragma unroll
+              for (int r = 0; r < ROWS; ++r) acc[r][t] += unit_dot_q8(wu[j][r], xa[j], xb[j], dx, sq0, sq1);
+            }
+          }
+        }
+      }
+    }
+  }
+
+  // A group is TPR consecutive lanes of one warp: xor offsets below TPR stay inside it.
+#pragma unroll
+  for (int r = 0; r < ROWS; ++r)
+#pragma unroll
+    for (int t = 0; t < NTOK; ++t) {
+      float v = acc[r][t];
+#pragma unroll
+      for (int o = TPR / 2; o > 0; o >>= 1) v += __shfl_xor_sync(FULL_MASK, v, o);
+      if (k == 0) store_q8(p, row0 + r, tok0 + t, v);
+    }
+}
+"#;
+
 
 const SOURCE: &str = r#"
 #ifndef NWARPS
@@ -155,6 +289,88 @@ impl KernelVariant for GemvVariant {
     }
 }
 
+/// Compile-time shape of the int8-activation GEMV.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct GemvQ8Variant {
+    pub wtype: GgmlType,
+    pub nwarps: u32,
+    /// Lanes sharing one row group (a power of two, at most 32).
+    pub tpr: u32,
+    pub rows: u32,
+    pub unroll: u32,
+    pub ntok: u32,
+    pub residual: bool,
+    pub bias: bool,
+}
+
+impl GemvQ8Variant {
+    const NWARPS: usize = 4;
+
+    /// Tiling for a `rows x cols` weight and `n_tokens` tokens on a GPU with `sm_count` SMs.
+    /// Lanes per row: the units of a row, up to a warp. Units loaded per lane and row: up to 4.
+    /// Rows per group: as many (4, 2, 1) as the register budget for loaded units allows while
+    /// the grid still has two blocks per SM, since every extra row shares the activation loads.
+    pub fn for_shape(wtype: GgmlType, rows: usize, cols: usize, n_tokens: usize, sm_count: u32) -> Self {
+        let units = (cols / 32).max(1);
+        let tpr = units.next_power_of_two().min(32);
+        let unroll = units.div_ceil(tpr).min(4);
+        // Loaded units per lane: small for types whose unit carries several 16-byte vectors.
+        let budget = match wtype {
+            GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q5_0 | GgmlType::Q5_1 => 8,
+            _ => 4,
+        };
+        let ntok = n_tokens.clamp(1, 8).next_power_of_two();
+        let groups = Self::NWARPS * 32 / tpr;
+        let token_tiles = n_tokens.max(1).div_ceil(ntok);
+        let rows_per_group = [4, 2, 1]
+            .into_iter()
+            .filter(|&r| r * unroll <= budget && r * ntok <= 16)
+            .find(|&r| rows.div_ceil(groups * r) * token_tiles >= 2 * sm_count as usize)
+            .unwrap_or(1);
+        GemvQ8Variant {
+            wtype,
+            nwarps: Self::NWARPS as u32,
+            tpr: tpr as u32,
+            rows: rows_per_group as u32,
+            unroll: unroll as u32,
+            ntok: ntok as u32,
+            residual: false,
+            bias: false,
+        }
+    }
+
+    pub fn rows_per_block(&self) -> usize {
+        (self.nwarps * 32 / self.tpr * self.rows) as usize
+    }
+
+    pub fn launch_config(&self, rows: usize, n_tokens: usize) -> LaunchConfig {
+        LaunchConfig {
+            grid_dim: (blocks_for(rows, self.rows_per_block()), blocks_for(n_tokens, self.ntok as usize), 1),
+            block_dim: (self.nwarps * 32, 1, 1),
+            shared_mem_bytes: 0,
+        }
+    }
+}
+
+impl KernelVariant for GemvQ8Variant {
+    const FAMILY: &'static str = "gemv_q8";
+    const SOURCES: &'static [&'static str] = &[HEADER, QUANT, GemvQ8Params::C_DECL, SOURCE_Q8];
+    const ENTRY_POINTS: &'static [&'static str] = &["gemv_q8"];
+
+    fn macros(&self) -> Vec<(&'static str, String)> {
+        vec![
+            ("WTYPE", (self.wtype as u32).to_string()),
+            ("NWARPS", self.nwarps.to_string()),
+            ("TPR", self.tpr.to_string()),
+            ("ROWS", self.rows.to_string()),
+            ("UNROLL", self.unroll.to_string()),
+            ("NTOK", self.ntok.to_string()),
+            ("RESIDUAL", u32::from(self.residual).to_string()),
+            ("BIAS", u32::from(self.bias).to_string()),
+        ]
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -162,6 +378,31 @@ mod tests {
     #[test]
     fn macros_match_source() {
         crate::kernels::tests::assert_macros_match(GemvVariant::for_shape(GgmlType::Q4_0, 1));
+    }
+
+    #[test]
+    fn q8_macros_match_source() {
+        crate::kernels::tests::assert_macros_match(GemvQ8Variant::for_shape(GgmlType::Q4_K, 4096, 4096, 1, 132));
+    }
+
+    #[test]
+    fn q8_tiling_follows_the_shape() {
+        // SmolLM2 QKV: 18 units per row -> a warp per row, one unit each; 960 rows need 1-row
+        // groups to give about two blocks per SM.
+        let v = GemvQ8Variant::for_shape(GgmlType::Q4_1, 960, 576, 1, 132);
+        assert_eq!((v.tpr, v.unroll, v.rows, v.rows_per_block()), (32, 1, 1, 4));
+        assert_eq!(v.launch_config(960, 1).grid_dim, (240, 1, 1));
+        // 8B down projection: 448 units -> 4 units per lane and row, 2 rows per warp.
+        let v = GemvQ8Variant::for_shape(GgmlType::Q4_0, 4096, 14336, 1, 132);
+        assert_eq!((v.tpr, v.unroll, v.rows, v.rows_per_block()), (32, 4, 2, 8));
+        assert_eq!(v.launch_config(4096, 1).grid_dim, (512, 1, 1));
+        // Bulkier units (Q6_K) get a smaller budget; eight tokens, at most two rows per group.
+        let v = GemvQ8Variant::for_shape(GgmlType::Q6_K, 28672, 4096, 8, 132);
+        assert_eq!((v.ntok, v.unroll, v.rows), (8, 4, 1));
+        assert_eq!(v.launch_config(28672, 19).grid_dim, (7168, 3, 1));
+        // Rows shorter than a warp: groups of 8 lanes.
+        let v = GemvQ8Variant::for_shape(GgmlType::Q8_0, 100, 256, 1, 132);
+        assert_eq!((v.tpr, v.unroll, v.rows_per_block()), (8, 1, 16));
     }
 
     #[test]

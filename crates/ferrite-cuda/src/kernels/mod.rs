@@ -20,6 +20,7 @@ pub mod dequant;
 pub mod embedding;
 pub mod gemv;
 pub mod norm;
+pub mod quantize;
 pub mod rope;
 pub mod sampling;
 

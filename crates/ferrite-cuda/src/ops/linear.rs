@@ -1,18 +1,23 @@
-//! `linear`: `out[t, r] = sum_c w[r, c] * x[t, c]`, dispatched between two kernel paths.
+//! `linear`: `out[t, r] = sum_c w[r, c] * x[t, c]`, dispatched between three kernel paths.
 //!
-//! - GEMV (few tokens): multiplies directly on the packed weights ([`crate::kernels::gemv`]).
+//! - int8 GEMV (few tokens, quantized weights): activations are quantized to int8 blocks
+//!   ([`quantize_q8`], which can also apply the RMSNorm of a norm-folded linear) and multiplied
+//!   with `dp4a` on the packed weights ([`linear_q8`], with bias and residual in the epilogue).
+//! - f32 GEMV (few tokens; float weights, or `FERRITE_CUDA_GEMV_ACTIVATIONS=f32`): multiplies
+//!   f32 activations on the packed weights ([`crate::kernels::gemv`]).
 //! - GEMM (many tokens): the weight is dequantized into scratch (skipped when it already has
 //!   the GEMM's input type) and cuBLAS multiplies, accumulating in f32.
 
 use super::{addr, addr_mut, as_u32, check_len, elems};
 use crate::error::{Context, CudaError};
 use crate::kernels::dequant::{ConvertParams, ConvertVariant, DequantParams, DequantVariant, OutType};
-use crate::kernels::gemv::{GemvParams, GemvVariant};
-use crate::weight::DeviceWeight;
+use crate::kernels::gemv::{GemvParams, GemvQ8Params, GemvQ8Variant, GemvVariant};
+use crate::kernels::quantize::{Prologue, QuantizeParams, QuantizeVariant};
+use crate::weight::{self, DeviceWeight};
 use crate::Gpu;
 use cudarc::cublas::result::gemm_ex;
 use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType_t};
-use cudarc::driver::{DevicePtr, DevicePtrMut};
+use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
 use ferrite_core::env;
 use ferrite_gguf::GgmlType;
 use std::ffi::c_void;
@@ -64,17 +69,32 @@ impl Precision {
     }
 }
 
+/// Activation format of the GEMV on quantized weights.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GemvActivations {
+    /// int8 blocks and `dp4a` (the CPU quantized path's numerics).
+    Q8,
+    /// f32 activations (matches the fp32 CPU reference to rounding).
+    F32,
+}
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct LinearOptions {
     pub path: LinearPath,
     pub precision: Precision,
     /// Largest token count that takes the GEMV in [`LinearPath::Auto`].
     pub gemv_max_tokens: usize,
+    pub activations: GemvActivations,
 }
 
 impl Default for LinearOptions {
     fn default() -> Self {
-        LinearOptions { path: LinearPath::Auto, precision: Precision::F32, gemv_max_tokens: 8 }
+        LinearOptions {
+            path: LinearPath::Auto,
+            precision: Precision::F32,
+            gemv_max_tokens: 8,
+            activations: GemvActivations::Q8,
+        }
     }
 }
 
@@ -102,14 +122,21 @@ impl LinearOptions {
             _ => d.precision,
         };
         let gemv_max_tokens = env::CUDA_GEMV_MAX_TOKENS.parse(d.gemv_max_tokens);
-        LinearOptions { path, precision, gemv_max_tokens }
+        let activations = match pick(&env::CUDA_GEMV_ACTIVATIONS, &["q8", "f32"]) {
+            Some(1) => GemvActivations::F32,
+            _ => d.activations,
+        };
+        LinearOptions { path, precision, gemv_max_tokens, activations }
     }
 }
 
 /// The kernel sequence [`linear`] runs for a shape.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum LinearPlan {
+    /// f32-activation GEMV.
     Gemv,
+    /// int8-activation GEMV (quantized weights only).
+    GemvQ8,
     Gemm {
         precision: Precision,
         /// Weight dequantized/converted into scratch first (false: cuBLAS reads it as stored).
@@ -129,7 +156,8 @@ pub fn linear_plan(dtype: GgmlType, cols: usize, n_tokens: usize, opts: &LinearO
         LinearPath::Auto => gemv_fits && n_tokens <= opts.gemv_max_tokens,
     };
     if gemv {
-        return LinearPlan::Gemv;
+        let quantized = weight::planes(dtype).is_some();
+        return if quantized && opts.activations == GemvActivations::Q8 { LinearPlan::GemvQ8 } else { LinearPlan::Gemv };
     }
     LinearPlan::Gemm {
         precision: opts.precision,
@@ -175,6 +203,14 @@ pub fn linear_with(
     }
     match plan {
         LinearPlan::Gemv => gemv(gpu, w, x, n_tokens, out)?,
+        LinearPlan::GemvQ8 => {
+            let (q_bytes, s_bytes) = Q8Activations::sizes(n_tokens * w.cols);
+            gpu.with_scratch(q_bytes + s_bytes, |scratch| {
+                let (xq, xs) = (scratch, scratch + q_bytes as u64);
+                quantize_raw(gpu, x, w.cols, n_tokens, w.cols, None, xq, xs)?;
+                gemv_q8(gpu, w, xq, xs, n_tokens, (out, w.rows, 0), &Epilogue::default())
+            })?
+        }
         LinearPlan::Gemm { precision, dequantize_weight, convert_input } => {
             gemm(gpu, w, x, n_tokens, out, precision, dequantize_weight, convert_input)?
         }
@@ -203,6 +239,192 @@ fn gemv(gpu: &Gpu, w: &DeviceWeight, x: u64, n_tokens: usize, out: u64) -> Resul
         return Err(CudaError::invalid(OP, format!("{n_tokens} tokens exceed the GEMV grid; use the GEMM path")));
     }
     gpu.launch(&variant, "gemv", cfg, &params)
+}
+
+/// Activations quantized for the int8 GEMV (see [`crate::kernels::quantize`] for the layout),
+/// in a device buffer sized once for the largest `rows x cols` it will hold.
+pub struct Q8Activations {
+    data: CudaSlice<u8>,
+    capacity: usize,
+    /// Shape of the last [`quantize_q8`] into this buffer.
+    rows: usize,
+    cols: usize,
+}
+
+impl Q8Activations {
+    pub fn new(gpu: &Gpu, max_elems: usize) -> Result<Self, CudaError> {
+        let (q, s) = Self::sizes(max_elems);
+        Ok(Q8Activations { data: gpu.alloc_zeros(q + s)?, capacity: max_elems, rows: 0, cols: 0 })
+    }
+
+    /// Bytes of the codes (padded for alignment) and of the block scales for `elems` values.
+    fn sizes(elems: usize) -> (usize, usize) {
+        (elems.next_multiple_of(SCRATCH_ALIGN), elems / 32 * 8)
+    }
+
+    fn ptrs(&self, gpu: &Gpu) -> (u64, u64) {
+        let base = addr(gpu, &self.data);
+        (base, base + Self::sizes(self.capacity).0 as u64)
+    }
+}
+
+/// RMSNorm applied before quantizing (the norm of a norm-folded linear).
+#[derive(Clone, Copy)]
+pub struct NormPrologue<'a> {
+    pub weight: &'a CudaSlice<f32>,
+    pub eps: f32,
+    /// Gemma's `(1 + w)` convention.
+    pub add_one: bool,
+}
+
+/// What the int8 GEMV adds before storing: `out = x W^T + bias + residual`, the residual laid
+/// out like the output.
+#[derive(Clone, Copy, Default)]
+pub struct Epilogue<'a> {
+    pub bias: Option<&'a CudaSlice<f32>>,
+    pub residual: Option<&'a CudaSlice<f32>>,
+}
+
+/// Quantize `n_rows` rows of `cols` f32 values (`cols % 32 == 0`) into `dst`, normalising each
+/// row first when `norm` is given.
+pub fn quantize_q8(
+    gpu: &Gpu,
+    x: &impl DevicePtr<f32>,
+    n_rows: usize,
+    cols: usize,
+    norm: Option<NormPrologue>,
+    dst: &mut Q8Activations,
+) -> Result<(), CudaError> {
+    const OP: &str = "quantize_q8";
+    if !cols.is_multiple_of(32) || cols == 0 {
+        return Err(CudaError::invalid(OP, format!("{cols} columns are not whole 32-value blocks")));
+    }
+    let n = elems(OP, &[n_rows, cols])?;
+    check_len(OP, "x", x.len(), n)?;
+    check_len(OP, "the quantized buffer", dst.capacity, n)?;
+    if let Some(nm) = &norm {
+        check_len(OP, "norm weight", nm.weight.len(), cols)?;
+    }
+    let (xq, xs) = dst.ptrs(gpu);
+    quantize_raw(gpu, addr(gpu, x), cols, n_rows, cols, norm, xq, xs)?;
+    (dst.rows, dst.cols) = (n_rows, cols);
+    Ok(())
+}
+
+#[allow(clippy::too_many_arguments)]
+fn quantize_raw(
+    gpu: &Gpu,
+    x: u64,
+    x_ld: usize,
+    n_rows: usize,
+    cols: usize,
+    norm: Option<NormPrologue>,
+    xq: u64,
+    xs: u64,
+) -> Result<(), CudaError> {
+    const OP: &str = "quantize_q8";
+    if n_rows == 0 {
+        return Ok(());
+    }
+    if n_rows > 65535 {
+        return Err(CudaError::invalid(OP, format!("{n_rows} rows exceed the launch grid (65535)")));
+    }
+    let prologue = if norm.is_some() { Prologue::RmsNorm } else { Prologue::Plain };
+    let variant = QuantizeVariant::for_cols(cols, prologue);
+    let params = QuantizeParams {
+        x,
+        norm_weight: norm.map_or(0, |n| addr(gpu, n.weight)),
+        xq,
+        xs,
+        cols: as_u32(OP, "cols", cols)?,
+        x_ld: as_u32(OP, "x_ld", x_ld)?,
+        eps: norm.map_or(0.0, |n| n.eps),
+        add_one: norm.is_some_and(|n| n.add_one) as u32,
+    };
+    gpu.launch(&variant, "quantize_q8", variant.launch_config(n_rows, cols), &params)
+}
+
+/// The int8 GEMV: `out[t, out_col + r] (row stride out_ld) = sum_c w[r, c] x[t, c] + epilogue`
+/// for the first `n_tokens` rows quantized into `x`.
+#[allow(clippy::too_many_arguments)]
+pub fn linear_q8(
+    gpu: &Gpu,
+    w: &DeviceWeight,
+    x: &Q8Activations,
+    n_tokens: usize,
+    out: &mut impl DevicePtrMut<f32>,
+    out_ld: usize,
+    out_col: usize,
+    epilogue: &Epilogue,
+) -> Result<(), CudaError> {
+    const OP: &str = "linear_q8";
+    if weight::planes(w.dtype).is_none() {
+        return Err(CudaError::invalid(OP, format!("the int8 GEMV needs a quantized weight, not {}", w.dtype)));
+    }
+    if x.cols != w.cols || x.rows < n_tokens {
+        return Err(CudaError::invalid(
+            OP,
+            format!("activations hold {} x {}, the weight needs {n_tokens} x {}", x.rows, x.cols, w.cols),
+        ));
+    }
+    if n_tokens == 0 {
+        return Ok(());
+    }
+    if out_col + w.rows > out_ld {
+        return Err(CudaError::invalid(OP, format!("columns {out_col}..{} exceed the row of {out_ld}", out_col + w.rows)));
+    }
+    let need = elems(OP, &[n_tokens - 1, out_ld])? + out_col + w.rows;
+    check_len(OP, "out", out.len(), need)?;
+    if let Some(res) = epilogue.residual {
+        check_len(OP, "residual", res.len(), need)?;
+    }
+    if let Some(b) = epilogue.bias {
+        check_len(OP, "bias", b.len(), w.rows)?;
+    }
+    let (xq, xs) = x.ptrs(gpu);
+    gemv_q8(gpu, w, xq, xs, n_tokens, (addr_mut(gpu, out), out_ld, out_col), epilogue)
+}
+
+fn gemv_q8(
+    gpu: &Gpu,
+    w: &DeviceWeight,
+    xq: u64,
+    xs: u64,
+    n_tokens: usize,
+    (out, out_ld, out_col): (u64, usize, usize),
+    epilogue: &Epilogue,
+) -> Result<(), CudaError> {
+    const OP: &str = "linear_q8";
+    let variant = GemvQ8Variant {
+        residual: epilogue.residual.is_some(),
+        bias: epilogue.bias.is_some(),
+        ..GemvQ8Variant::for_shape(w.dtype, w.rows, w.cols, n_tokens, gpu.sm_count())
+    };
+    let [w0, w1, w2, w3] = w.plane_ptrs(gpu);
+    let params = GemvQ8Params {
+        w0,
+        w1,
+        w2,
+        w3,
+        xq,
+        xs,
+        out,
+        residual: epilogue.residual.map_or(0, |r| addr(gpu, r)),
+        bias: epilogue.bias.map_or(0, |b| addr(gpu, b)),
+        rows: as_u32(OP, "rows", w.rows)?,
+        cols: as_u32(OP, "cols", w.cols)?,
+        n_tokens: as_u32(OP, "n_tokens", n_tokens)?,
+        out_ld: as_u32(OP, "out_ld", out_ld)?,
+        out_col: as_u32(OP, "out_col", out_col)?,
+        res_ld: as_u32(OP, "out_ld", out_ld)?,
+        res_col: as_u32(OP, "out_col", out_col)?,
+        pad: 0,
+    };
+    let cfg = variant.launch_config(w.rows, n_tokens);
+    if cfg.grid_dim.1 > 65535 {
+        return Err(CudaError::invalid(OP, format!("{n_tokens} tokens exceed the GEMV grid; use the GEMM path")));
+    }
+    gpu.launch(&variant, "gemv_q8", cfg, &params)
 }
 
 const SCRATCH_ALIGN: usize = 256;
@@ -285,8 +507,11 @@ mod tests {
     #[test]
     fn plan_follows_tokens_and_switch() {
         let auto = LinearOptions::default();
-        assert_eq!(linear_plan(GgmlType::Q4_0, 576, 1, &auto), LinearPlan::Gemv);
-        assert_eq!(linear_plan(GgmlType::Q4_0, 576, 8, &auto), LinearPlan::Gemv);
+        assert_eq!(linear_plan(GgmlType::Q4_0, 576, 1, &auto), LinearPlan::GemvQ8);
+        assert_eq!(linear_plan(GgmlType::Q4_0, 576, 8, &auto), LinearPlan::GemvQ8);
+        let f32_act = LinearOptions { activations: GemvActivations::F32, ..auto };
+        assert_eq!(linear_plan(GgmlType::Q4_0, 576, 8, &f32_act), LinearPlan::Gemv);
+        assert_eq!(linear_plan(GgmlType::F16, 576, 1, &auto), LinearPlan::Gemv);
         assert_eq!(
             linear_plan(GgmlType::Q4_0, 576, 9, &auto),
             LinearPlan::Gemm { precision: Precision::F32, dequantize_weight: true, convert_input: false }
@@ -301,7 +526,7 @@ mod tests {
             LinearPlan::Gemm { precision: Precision::F16, dequantize_weight: false, convert_input: true }
         );
         let gemv = LinearOptions { path: LinearPath::Gemv, ..auto };
-        assert_eq!(linear_plan(GgmlType::Q6_K, 256, 100, &gemv), LinearPlan::Gemv);
+        assert_eq!(linear_plan(GgmlType::Q6_K, 256, 100, &gemv), LinearPlan::GemvQ8);
     }
 
     #[test]

@@ -18,7 +18,10 @@ mod linear;
 mod sampling;
 
 pub use attention::{attention, kv_write, AttentionConfig, KvCache};
-pub use linear::{linear, linear_plan, linear_with, LinearOptions, LinearPath, LinearPlan, Precision};
+pub use linear::{
+    linear, linear_plan, linear_q8, linear_with, quantize_q8, Epilogue, GemvActivations, LinearOptions, LinearPath, LinearPlan,
+    NormPrologue, Precision, Q8Activations,
+};
 pub use sampling::{argmax, sample, SamplingConfig};
 
 pub use crate::kernels::attention::KvDtype;

@@ -1,0 +1,133 @@
+//! Activation quantization for the int8 GEMV: each row of f32 activations becomes 32-value
+//! blocks of int8 codes with one f32 scale, the numerics of ferrite-cpu's quantized path
+//! (`d = max|x| / 127`, codes rounded half to even, a NaN in a block makes `d` NaN).
+//!
+//! Layout (row `t`, block `b`, `units = cols / 32`): codes `xq[t * cols + 32 b + l]`, and
+//! `xs[t * units + b]` = (bits of `d`, code sum of elements 0..15 | code sum of 16..31 << 16),
+//! so the GEMV folds weight offsets and mins in with one multiply per half block.
+//!
+//! `PROLOGUE` computes what is quantized: the row as is, or the row RMS-normalised (the norm of
+//! a norm-folded linear, so normalisation and quantization are one launch).
+
+use super::common::HEADER;
+use super::{blocks_for, device_params, KernelVariant};
+use cudarc::driver::LaunchConfig;
+
+device_params! {
+    pub struct QuantizeParams {
+        pub x: u64,
+        pub norm_weight: u64,
+        pub xq: u64,
+        pub xs: u64,
+        pub cols: u32,
+        pub x_ld: u32,
+        pub eps: f32,
+        pub add_one: u32,
+    }
+}
+
+const SOURCE: &str = r#"
+#ifndef BLOCK_SIZE
+#error "BLOCK_SIZE (threads per row) must come from the kernel variant"
+#endif
+#ifndef PROLOGUE
+#error "PROLOGUE (0 plain, 1 RMS norm) must come from the kernel variant"
+#endif
+
+// Grid (x: groups of BLOCK_SIZE / 32 blocks of 32 values, y: rows); warp w of a block
+// quantizes one 32-value block (lane l: element l). With the norm, every block first sums the
+// squares of its whole row itself: rows are short enough that re-reading them from L2 is
+// cheaper than a second launch.
+extern "C" __global__ void __launch_bounds__(BLOCK_SIZE) quantize_q8(const QuantizeParams p) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const i64 row = blockIdx.y;
+  const float* x = reinterpret_cast<const float*>(p.x) + row * p.x_ld;
+  const u32 units = p.cols / 32;
+  const u32 b = blockIdx.x * (BLOCK_SIZE / 32) + warp;
+#if PROLOGUE == 1
+  __shared__ float scratch[32];
+  float ss = 0.f;
+  for (u32 i = threadIdx.x; i < p.cols; i += BLOCK_SIZE) ss += x[i] * x[i];
+  ss = block_sum(ss, scratch);
+  const float inv = 1.f / sqrtf(ss / (float)p.cols + p.eps);
+#endif
+  if (b >= units) return;  // after the block-wide sum
+  const u32 i = 32 * b + lane;
+  float v = x[i];
+#if PROLOGUE == 1
+  const float g = reinterpret_cast<const float*>(p.norm_weight)[i];
+  v = v * inv * (p.add_one ? 1.f + g : g);
+#endif
+  const bool nan = __any_sync(FULL_MASK, v != v);
+  const float amax = warp_max(fabsf(v));
+  const float inv_d = amax > 0.f ? 127.f / amax : 0.f;
+  const int q = nan ? 0 : __float2int_rn(v * inv_d);
+  reinterpret_cast<i8*>(p.xq)[row * p.cols + i] = (i8)q;
+  int s = q;  // code sums of each half: lanes 0..15 and 16..31
+#pragma unroll
+  for (int o = 8; o > 0; o >>= 1) s += __shfl_xor_sync(FULL_MASK, s, o);
+  const int s_hi = __shfl_sync(FULL_MASK, s, 16);
+  if (lane == 0) {
+    reinterpret_cast<uint2*>(p.xs)[row * units + b] =
+        make_uint2(__float_as_uint(nan ? QNAN : amax / 127.f), ((u32)s & 0xffffu) | ((u32)s_hi << 16));
+  }
+}
+"#;
+
+/// Prologue applied to each row before quantizing.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Prologue {
+    Plain = 0,
+    RmsNorm = 1,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct QuantizeVariant {
+    pub block_size: u32,
+    pub prologue: Prologue,
+}
+
+impl QuantizeVariant {
+    /// One warp per 32-value block, up to 8 warps per block.
+    pub fn for_cols(cols: usize, prologue: Prologue) -> Self {
+        QuantizeVariant { block_size: (cols.div_ceil(32) * 32).next_power_of_two().clamp(32, 256) as u32, prologue }
+    }
+
+    pub fn launch_config(&self, n_rows: usize, cols: usize) -> LaunchConfig {
+        let per_block = self.block_size as usize;
+        LaunchConfig {
+            grid_dim: (blocks_for(cols, per_block), n_rows as u32, 1),
+            block_dim: (self.block_size, 1, 1),
+            shared_mem_bytes: 0,
+        }
+    }
+}
+
+impl KernelVariant for QuantizeVariant {
+    const FAMILY: &'static str = "quantize";
+    const SOURCES: &'static [&'static str] = &[HEADER, QuantizeParams::C_DECL, SOURCE];
+    const ENTRY_POINTS: &'static [&'static str] = &["quantize_q8"];
+
+    fn macros(&self) -> Vec<(&'static str, String)> {
+        vec![("BLOCK_SIZE", self.block_size.to_string()), ("PROLOGUE", (self.prologue as u32).to_string())]
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn macros_match_source() {
+        crate::kernels::tests::assert_macros_match(QuantizeVariant::for_cols(576, Prologue::RmsNorm));
+    }
+
+    #[test]
+    fn block_size_follows_cols() {
+        assert_eq!(QuantizeVariant::for_cols(32, Prologue::Plain).block_size, 32);
+        assert_eq!(QuantizeVariant::for_cols(96, Prologue::Plain).block_size, 128);
+        let v = QuantizeVariant::for_cols(14336, Prologue::Plain);
+        assert_eq!(v.block_size, 256);
+        assert_eq!(v.launch_config(3, 14336).grid_dim, (56, 3, 1));
+    }
+}
