@@ -122,6 +122,9 @@ switches! {
     /// Token-count threshold of the CUDA GEMV.
     CUDA_GEMV_MAX_TOKENS = ("FERRITE_CUDA_GEMV_MAX_TOKENS", "8", AbTest,
         "Largest token count that takes the quantized GEMV under FERRITE_CUDA_LINEAR=auto; more tokens use dequantize + cuBLAS.");
+    /// Programmatic dependent launch on sm_90+.
+    DISABLE_CUDA_PDL = ("FERRITE_DISABLE_CUDA_PDL", "0", AbTest,
+        "1 launches CUDA kernels without programmatic dependent launch (each kernel then starts only after the previous one has finished, instead of overlapping its start-up and weight loads).");
     /// Activation format of the CUDA GEMV on quantized weights.
     CUDA_GEMV_ACTIVATIONS = ("FERRITE_CUDA_GEMV_ACTIVATIONS", "q8", AbTest,
         "q8|f32: q8 quantizes activations to int8 blocks (the CPU quantized path's numerics) and multiplies with dp4a, fusing norm, bias and residual; f32 multiplies f32 activations (matches the fp32 CPU reference to rounding).");

@@ -7,7 +7,7 @@ use crate::kernels::common::{ERR_POSITION, ERR_TOKEN_ID};
 use crate::kernels::KernelVariant;
 use crate::ops::LinearOptions;
 use cudarc::cublas::CudaBlas;
-use cudarc::driver::sys::CUdevice_attribute;
+use cudarc::driver::sys::{self, CUdevice_attribute};
 use cudarc::driver::{
     CudaContext, CudaSlice, CudaStream, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg, ValidAsZeroBits,
 };
@@ -73,11 +73,17 @@ pub struct GpuOptions {
     pub kernel_cache: KernelCacheDir,
     /// Default path/precision of [`crate::ops::linear`].
     pub linear: LinearOptions,
+    /// Launch kernels with programmatic dependent launch where the device has it (sm_90+).
+    pub dependent_launch: bool,
 }
 
 impl GpuOptions {
     pub fn from_env() -> Self {
-        GpuOptions { kernel_cache: KernelCacheDir::from_env(), linear: LinearOptions::from_env() }
+        GpuOptions {
+            kernel_cache: KernelCacheDir::from_env(),
+            linear: LinearOptions::from_env(),
+            dependent_launch: !env::DISABLE_CUDA_PDL.flag(false),
+        }
     }
 }
 
@@ -97,6 +103,7 @@ pub struct Gpu {
     error_flag_ptr: u64,
     scratch: Mutex<Option<CudaSlice<u8>>>,
     linear: LinearOptions,
+    dependent_launch: bool,
     props: DeviceProps,
     stream: Arc<CudaStream>,
     ctx: Arc<CudaContext>,
@@ -147,6 +154,7 @@ impl Gpu {
             error_flag_ptr,
             scratch: Mutex::new(None),
             linear: options.linear,
+            dependent_launch: options.dependent_launch && major >= 9,
             props: DeviceProps { name, compute_capability: (major as u32, minor as u32), sm_count: sm_count as u32 },
             stream,
             ctx,
@@ -263,16 +271,42 @@ impl Gpu {
         params: &P,
     ) -> Result<(), CudaError> {
         let module = self.modules.get(variant)?;
-        let mut builder = self.stream.launch_builder(module.function(entry));
-        builder.arg(params);
-        unsafe { builder.launch(cfg) }.context(|| {
-            format!(
-                "launching {}::{entry} ({variant:?}, grid {:?}, block {:?})",
-                V::FAMILY,
-                cfg.grid_dim,
-                cfg.block_dim
-            )
-        })?;
+        let function = module.function(entry);
+        let what = || {
+            format!("launching {}::{entry} ({variant:?}, grid {:?}, block {:?})", V::FAMILY, cfg.grid_dim, cfg.block_dim)
+        };
+        if !self.dependent_launch {
+            let mut builder = self.stream.launch_builder(function);
+            builder.arg(params);
+            unsafe { builder.launch(cfg) }.context(what)?;
+            return Ok(());
+        }
+        // Programmatic dependent launch: the kernel may be scheduled before the previous kernel
+        // in the stream has finished; every kernel waits for it (`pdl_wait` in the common
+        // header) before touching activations, so only its start-up and weight loads overlap.
+        let mut attribute = sys::CUlaunchAttribute {
+            id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
+            pad: [0; 4],
+            value: sys::CUlaunchAttributeValue { programmaticStreamSerializationAllowed: 1 },
+        };
+        let config = sys::CUlaunchConfig {
+            gridDimX: cfg.grid_dim.0,
+            gridDimY: cfg.grid_dim.1,
+            gridDimZ: cfg.grid_dim.2,
+            blockDimX: cfg.block_dim.0,
+            blockDimY: cfg.block_dim.1,
+            blockDimZ: cfg.block_dim.2,
+            sharedMemBytes: cfg.shared_mem_bytes,
+            hStream: self.stream.cu_stream(),
+            attrs: &mut attribute,
+            numAttrs: 1,
+        };
+        // One kernel argument: the parameter struct, passed by value.
+        let mut args = [params as *const P as *mut std::ffi::c_void];
+        self.ctx.bind_to_thread().context(what)?;
+        unsafe { sys::cuLaunchKernelEx(&config, function.cu_function(), args.as_mut_ptr(), std::ptr::null_mut()) }
+            .result()
+            .context(what)?;
         Ok(())
     }
 

@@ -52,6 +52,7 @@ __device__ __forceinline__ float gelu_tanh(float x) {
 
 // out = silu(gate) * up (out may alias either input)
 extern "C" __global__ void swiglu(const ElementwiseParams p) {
+  KERNEL_ENTRY();
   const float* gate = reinterpret_cast<const float*>(p.a);
   const float* up = reinterpret_cast<const float*>(p.b);
   float* out = reinterpret_cast<float*>(p.out);
@@ -60,6 +61,7 @@ extern "C" __global__ void swiglu(const ElementwiseParams p) {
 
 // out = gelu_tanh(gate) * up (out may alias either input)
 extern "C" __global__ void geglu(const ElementwiseParams p) {
+  KERNEL_ENTRY();
   const float* gate = reinterpret_cast<const float*>(p.a);
   const float* up = reinterpret_cast<const float*>(p.b);
   float* out = reinterpret_cast<float*>(p.out);
@@ -68,6 +70,7 @@ extern "C" __global__ void geglu(const ElementwiseParams p) {
 
 // acc += x (p.a = acc, p.b = x)
 extern "C" __global__ void add(const ElementwiseParams p) {
+  KERNEL_ENTRY();
   float* acc = reinterpret_cast<float*>(p.a);
   const float* x = reinterpret_cast<const float*>(p.b);
   GRID_STRIDE(i, p.n) acc[i] += x[i];
@@ -75,6 +78,7 @@ extern "C" __global__ void add(const ElementwiseParams p) {
 
 // dst[r, dst_col + c] = src[r, src_col + c] for c < n_cols, r < n_rows
 extern "C" __global__ void copy_cols(const CopyColsParams p) {
+  KERNEL_ENTRY();
   const float* src = reinterpret_cast<const float*>(p.src);
   float* dst = reinterpret_cast<float*>(p.dst);
   GRID_STRIDE(i, (i64)p.n_rows * p.n_cols) {
@@ -85,6 +89,7 @@ extern "C" __global__ void copy_cols(const CopyColsParams p) {
 
 // x[r, col + c] += bias[c] for c < n_cols, r < n_rows
 extern "C" __global__ void add_rows(const AddRowsParams p) {
+  KERNEL_ENTRY();
   float* x = reinterpret_cast<float*>(p.x);
   const float* bias = reinterpret_cast<const float*>(p.bias);
   GRID_STRIDE(i, (i64)p.n_rows * p.n_cols) {

@@ -58,6 +58,7 @@ device_params! {
 const KV_WRITE: &str = r#"
 // Copy each token's K and V rows (n_kv_heads * head_dim values) to cache row positions[t].
 extern "C" __global__ void kv_write(const KvWriteParams p) {
+  KERNEL_ENTRY();
   const u32* positions = reinterpret_cast<const u32*>(p.positions);
   const float* k = reinterpret_cast<const float*>(p.k);
   const float* v = reinterpret_cast<const float*>(p.v);
@@ -133,6 +134,7 @@ const ATTENTION: &str = r#"
 // online softmax (running max m, sum l, weighted V sum acc); lane holds dims lane + 32 i.
 // The warps' partial states are merged through shared memory at the end.
 extern "C" __global__ void __launch_bounds__(NWARPS * 32) attention(const AttentionParams p) {
+  KERNEL_ENTRY();
   __shared__ float s_m[NWARPS], s_l[NWARPS], s_acc[NWARPS][HEAD_DIM];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const u32 head = blockIdx.x, tok = blockIdx.y;

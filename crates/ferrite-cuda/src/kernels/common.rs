@@ -66,6 +66,28 @@ __device__ float block_sum(float v, float* scratch) {
   return warp_sum(lane < nwarps ? scratch[lane] : 0.f);
 }
 
+// Programmatic dependent launch (Hopper, see `Gpu::launch`): a kernel may be scheduled while the
+// previous kernel of the stream is still running. `pdl_wait` blocks until that kernel has
+// finished and its writes are visible, so every kernel calls it before it reads an activation
+// or writes anything (weights, which nothing writes, may be loaded before). `pdl_release` then
+// lets the next kernel be scheduled early. Both are no-ops for an ordinary launch.
+__device__ __forceinline__ void pdl_wait() {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_release() {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" :::);
+#endif
+}
+// The first statement of every kernel that has nothing to load before waiting.
+#define KERNEL_ENTRY() \
+  do {                 \
+    pdl_wait();        \
+    pdl_release();     \
+  } while (0)
+
 // Record the first device-side error (code, detail) in the flag the host checks later.
 __device__ __forceinline__ void report_error(u64 flag, u32 code, u32 detail) {
   u32* f = reinterpret_cast<u32*>(flag);

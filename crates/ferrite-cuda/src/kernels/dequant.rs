@@ -74,6 +74,7 @@ device_params! {
 const DEQUANT: &str = r#"
 // One block per row chunk: blockIdx.x = row, threads split the row.
 extern "C" __global__ void dequantize(const DequantParams p) {
+  KERNEL_ENTRY();
   const WeightRef w = {(const u8*)p.w0, (const u8*)p.w1, (const u8*)p.w2, (const u8*)p.w3, (i64)p.cols};
   const i64 row = blockIdx.x;
   const u64 out = p.out;
@@ -117,6 +118,7 @@ device_params! {
 
 const CONVERT: &str = r#"
 extern "C" __global__ void convert_f32(const ConvertParams p) {
+  KERNEL_ENTRY();
   const float* src = reinterpret_cast<const float*>(p.src);
   for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < (i64)p.n; i += (i64)gridDim.x * blockDim.x)
     store_out(p.dst, i, src[i]);

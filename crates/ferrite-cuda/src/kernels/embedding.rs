@@ -22,6 +22,7 @@ device_params! {
 
 const SOURCE: &str = r#"
 extern "C" __global__ void embed(const EmbedParams p) {
+  KERNEL_ENTRY();
   const WeightRef w = {(const u8*)p.w0, (const u8*)p.w1, (const u8*)p.w2, (const u8*)p.w3, (i64)p.dim};
   const i64 t = blockIdx.x;
   const u32 id = reinterpret_cast<const u32*>(p.ids)[t];

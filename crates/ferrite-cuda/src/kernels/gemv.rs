@@ -115,7 +115,10 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32) gemv_q8(const GemvQ8Pa
 #pragma unroll
     for (int t = 0; t < NTOK; ++t) acc[r][t] = 0.f;
 
-  // Lanes never leave early: the reduction below shuffles across the whole warp.
+  // Lanes never leave early: the reduction below shuffles across the whole warp. The first
+  // batch of weights is requested before waiting for the previous kernel (see pdl_wait): the
+  // weights stream in while that kernel finishes.
+  bool waited = false;
   if (row0 < p.rows) {
     for (int u0 = k; u0 < units; u0 += TPR * UNROLL) {
       // Issue all UNROLL x ROWS weight loads before any math, so that each lane keeps that many
@@ -125,6 +128,11 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32) gemv_q8(const GemvQ8Pa
       for (int j = 0; j < UNROLL; ++j)
 #pragma unroll
         for (int r = 0; r < ROWS; ++r) load_unit(w, min(row0 + r, (i64)p.rows - 1), min(u0 + j * TPR, units - 1), wu[j][r]);
+      if (!waited) {
+        pdl_wait();
+        pdl_release();
+        waited = true;
+      }
 #pragma unroll
       for (int t = 0; t < NTOK; ++t) {
         if (tok0 + t < (int)p.n_tokens) {
@@ -149,6 +157,11 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32) gemv_q8(const GemvQ8Pa
         }
       }
     }
+  }
+
+  if (!waited) {
+    pdl_wait();
+    pdl_release();
   }
 
   // A group is TPR consecutive lanes of one warp: xor offsets below TPR stay inside it.
@@ -187,6 +200,7 @@ __device__ __forceinline__ void load_x(const float* src, float* xv) {
 }
 
 extern "C" __global__ void __launch_bounds__(NWARPS * 32) gemv(const GemvParams p) {
+  KERNEL_ENTRY();
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const i64 row0 = ((i64)blockIdx.x * NWARPS + warp) * ROWS_PER_WARP;
   const int tok0 = blockIdx.y * NTOK;

@@ -115,6 +115,39 @@ pub(crate) mod tests {
         }
     }
 
+    /// Every kernel waits for its predecessor (programmatic dependent launch, see `pdl_wait` in
+    /// the common header): its body begins with `KERNEL_ENTRY()` or calls `pdl_wait()` itself.
+    #[test]
+    fn every_kernel_waits_for_the_previous_one() {
+        let families: [(&str, &[&str]); 12] = [
+            (activation::ActivationVariant::FAMILY, activation::ActivationVariant::SOURCES),
+            (attention::AttentionVariant::FAMILY, attention::AttentionVariant::SOURCES),
+            (attention::KvWriteVariant::FAMILY, attention::KvWriteVariant::SOURCES),
+            (dequant::DequantVariant::FAMILY, dequant::DequantVariant::SOURCES),
+            (dequant::ConvertVariant::FAMILY, dequant::ConvertVariant::SOURCES),
+            (embedding::EmbedVariant::FAMILY, embedding::EmbedVariant::SOURCES),
+            (gemv::GemvVariant::FAMILY, gemv::GemvVariant::SOURCES),
+            (gemv::GemvQ8Variant::FAMILY, gemv::GemvQ8Variant::SOURCES),
+            (norm::NormVariant::FAMILY, norm::NormVariant::SOURCES),
+            (quantize::QuantizeVariant::FAMILY, quantize::QuantizeVariant::SOURCES),
+            (rope::RopeVariant::FAMILY, rope::RopeVariant::SOURCES),
+            (sampling::SamplingVariant::FAMILY, sampling::SamplingVariant::SOURCES),
+        ];
+        let mut kernels = 0;
+        for (family, sources) in families {
+            let source = sources.concat();
+            for (start, _) in source.match_indices("__global__") {
+                let body = &source[start..];
+                let open = body.find('{').expect("kernel body");
+                let first = body[open + 1..].trim_start();
+                let waits = first.starts_with("KERNEL_ENTRY();") || body[..body.find("\n}\n").unwrap_or(body.len())].contains("pdl_wait();");
+                assert!(waits, "family {family}: kernel at {:?} does not wait for its predecessor", &body[..open]);
+                kernels += 1;
+            }
+        }
+        assert!(kernels >= 17, "found only {kernels} kernels");
+    }
+
     device_params! {
         pub struct Probe { pub ptr: u64, pub n: u32, pub scale: f32 }
     }

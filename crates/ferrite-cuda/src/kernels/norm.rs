@@ -22,6 +22,7 @@ const SOURCE: &str = r#"
 #endif
 // In place (out == x) is allowed: each thread reads an element before writing it.
 extern "C" __global__ void __launch_bounds__(BLOCK_SIZE) rms_norm(const RmsNormParams p) {
+  KERNEL_ENTRY();
   __shared__ float scratch[32];
   const i64 row = blockIdx.x;
   const float* x = reinterpret_cast<const float*>(p.x) + row * p.dim;

@@ -39,6 +39,7 @@ const SOURCE: &str = r#"
 // squares of its whole row itself: rows are short enough that re-reading them from L2 is
 // cheaper than a second launch.
 extern "C" __global__ void __launch_bounds__(BLOCK_SIZE) quantize_q8(const QuantizeParams p) {
+  KERNEL_ENTRY();
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const i64 row = blockIdx.y;
   const float* x = reinterpret_cast<const float*>(p.x) + row * p.x_ld;

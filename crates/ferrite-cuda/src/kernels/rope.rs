@@ -26,6 +26,7 @@ const SOURCE: &str = r#"
 // pair i turns by freq_scale * (pos * s^i), the power taken by i repeated multiplications
 // with s = theta^(-2 / rot_dim), so both backends round the same way.
 extern "C" __global__ void rope(const RopeParams p) {
+  KERNEL_ENTRY();
   const u32 half = p.rot_dim / 2;
   const i64 idx = (i64)blockIdx.x * blockDim.x + threadIdx.x;
   if (idx >= (i64)p.n_tokens * p.n_heads * half) return;

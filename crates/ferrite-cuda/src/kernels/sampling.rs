@@ -79,6 +79,7 @@ __device__ u32 block_argmax(const float* logits, u32 n, u32* s_key, u32* s_idx) 
 }
 
 extern "C" __global__ void __launch_bounds__(BLOCK_SIZE) argmax(const ArgmaxParams p) {
+  KERNEL_ENTRY();
   __shared__ u32 s_key[32], s_idx[32];
   const u32 best = block_argmax(reinterpret_cast<const float*>(p.logits), p.n, s_key, s_idx);
   if (threadIdx.x == 0) reinterpret_cast<u32*>(p.out)[0] = best;
@@ -131,6 +132,7 @@ struct Mine {
 };
 
 extern "C" __global__ void __launch_bounds__(BLOCK_SIZE) sample(const SampleParams p) {
+  KERNEL_ENTRY();
   __shared__ u32 s_key[32], s_idx[32], s_radix[2], s_hist[256];
   __shared__ float scratch[32];
   __shared__ float s_fscan[BLOCK_SIZE];
