@@ -129,8 +129,8 @@ switches! {
     CUDA_GEMV_ACTIVATIONS = ("FERRITE_CUDA_GEMV_ACTIVATIONS", "q8", AbTest,
         "q8|f32: q8 quantizes activations to int8 blocks (the CPU quantized path's numerics) and multiplies with dp4a, fusing norm, bias and residual; f32 multiplies f32 activations (matches the fp32 CPU reference to rounding).");
     /// Input type of the CUDA GEMM path.
-    CUDA_GEMM_PRECISION = ("FERRITE_CUDA_GEMM_PRECISION", "f32", Stable,
-        "f32|f16|bf16: input type of the cuBLAS GEMM path (weights dequantized to it, f32 accumulate); f32 matches the CPU reference.");
+    CUDA_GEMM_PRECISION = ("FERRITE_CUDA_GEMM_PRECISION", "bf16", Stable,
+        "f32|f16|bf16: input type of the cuBLAS GEMM path (prefill; weights dequantized to it, f32 accumulate): bf16 runs on tensor cores, f32 matches the CPU reference to rounding.");
 }
 
 /// Look a switch up by name (used by `ferrite env NAME`).

@@ -330,7 +330,8 @@ fn q8_bound(w: &[f32], step: &[f64]) -> f64 {
 fn linear_matches_cpu_for_every_dtype_and_path() {
     let Some(gpu) = gpu() else { return };
     let mut rng = Rng(4);
-    let auto = LinearOptions::default();
+    // f32 GEMM: every dtype's dequantization checked to f32 rounding (bf16, the default, below).
+    let auto = LinearOptions { precision: Precision::F32, ..LinearOptions::default() };
     let is_gemv: fn(&LinearPlan) -> bool = |p| matches!(p, LinearPlan::Gemv | LinearPlan::GemvQ8);
     let is_gemm: fn(&LinearPlan) -> bool = |p| matches!(p, LinearPlan::Gemm { .. });
     for dtype in ALL_TYPES {

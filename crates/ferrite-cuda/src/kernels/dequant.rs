@@ -72,14 +72,51 @@ device_params! {
 }
 
 const DEQUANT: &str = r#"
-// One block per row chunk: blockIdx.x = row, threads split the row.
+#if !IS_FLOAT
+// A unit's 32 values at out[at..at + 32] with 16-byte stores (`at` is a multiple of 32).
+__device__ __forceinline__ void store_unit(u64 out, i64 at, const Unit& un) {
+#if OUT_TYPE == 0
+  float4* dst = reinterpret_cast<float4*>(reinterpret_cast<float*>(out) + at);
+#pragma unroll
+  for (int i = 0; i < 8; ++i)
+    dst[i] = make_float4(unit_value(un, 4 * i), unit_value(un, 4 * i + 1), unit_value(un, 4 * i + 2), unit_value(un, 4 * i + 3));
+#else
+  uint4* dst = reinterpret_cast<uint4*>(reinterpret_cast<u16*>(out) + at);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    u32 pair[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const float a = unit_value(un, 8 * i + 2 * j), b = unit_value(un, 8 * i + 2 * j + 1);
+#if OUT_TYPE == 1
+      pair[j] = (u32)f32_to_f16(a) | ((u32)f32_to_f16(b) << 16);
+#else
+      pair[j] = (u32)f32_to_bf16(a) | ((u32)f32_to_bf16(b) << 16);
+#endif
+    }
+    dst[i] = make_uint4(pair[0], pair[1], pair[2], pair[3]);
+  }
+#endif
+}
+#endif
+
+// One block per row: blockIdx.x = row, threads split the row (quantized types: one 32-value
+// unit per thread and step, written with vector stores).
 extern "C" __global__ void dequantize(const DequantParams p) {
   KERNEL_ENTRY();
   const WeightRef w = {(const u8*)p.w0, (const u8*)p.w1, (const u8*)p.w2, (const u8*)p.w3, (i64)p.cols};
   const i64 row = blockIdx.x;
   const u64 out = p.out;
   const i64 base = row * p.cols;
+#if IS_FLOAT
   dequant_row(w, row, threadIdx.x, blockDim.x, [&](i64 c, float v) { store_out(out, base + c, v); });
+#else
+  for (int u = threadIdx.x; u < (int)(p.cols / 32); u += blockDim.x) {
+    Unit un;
+    load_unit(w, row, u, un);
+    store_unit(out, base + (i64)u * 32, un);
+  }
+#endif
 }
 "#;
 

@@ -91,7 +91,7 @@ impl Default for LinearOptions {
     fn default() -> Self {
         LinearOptions {
             path: LinearPath::Auto,
-            precision: Precision::F32,
+            precision: Precision::BF16,
             gemv_max_tokens: 8,
             activations: GemvActivations::Q8,
         }
@@ -514,10 +514,11 @@ mod tests {
         assert_eq!(linear_plan(GgmlType::F16, 576, 1, &auto), LinearPlan::Gemv);
         assert_eq!(
             linear_plan(GgmlType::Q4_0, 576, 9, &auto),
-            LinearPlan::Gemm { precision: Precision::F32, dequantize_weight: true, convert_input: false }
+            LinearPlan::Gemm { precision: Precision::BF16, dequantize_weight: true, convert_input: true }
         );
+        let f32_gemm = LinearOptions { precision: Precision::F32, ..auto };
         assert_eq!(
-            linear_plan(GgmlType::F32, 576, 64, &auto),
+            linear_plan(GgmlType::F32, 576, 64, &f32_gemm),
             LinearPlan::Gemm { precision: Precision::F32, dequantize_weight: false, convert_input: false }
         );
         let f16 = LinearOptions { precision: Precision::F16, path: LinearPath::Gemm, ..auto };

@@ -99,8 +99,8 @@ pub fn build(cfg: &ModelConfig, file: &GgufFile, fusion: FusionOptions, opts: De
                 g.push(Op::HeadNorm { x: qkv, col, n_heads, norm: NormSpec { weight, eps: cfg.norm_eps } });
             }
         }
-        g.push(Op::Rope { x: qkv, col: 0, n_heads: cfg.n_heads });
-        g.push(Op::Rope { x: qkv, col: qw, n_heads: cfg.n_kv_heads });
+        // Q and K heads are adjacent columns and rotate alike: one op for both.
+        g.push(Op::Rope { x: qkv, col: 0, n_heads: cfg.n_heads + cfg.n_kv_heads });
         let attn = g.value(t("attn"), qw, Rows::Tokens);
         g.push(Op::Attention { layer: l, qkv, out: attn, window: None });
         let wo = ws.add(file, &t("attn_output.weight"), d, qw)?;
