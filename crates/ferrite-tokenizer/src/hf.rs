@@ -328,7 +328,7 @@ mod tests {
 
     #[test]
     fn unsupported_layouts_are_refused_by_name() {
-        let err = |json: &str| TokenizerSpec::from_hf_json(json, None, None).err().expect("accepted").to_string();
+        let err = |json: &str| TokenizerSpec::from_hf_json(json, None, None).expect_err("accepted").to_string();
         assert!(err(r#"{"model": {"type": "Unigram", "vocab": []}}"#).contains("Unigram"));
         assert!(err("{ nope").contains("not valid JSON"));
         let wordlevel = r#"{"model": {"type": "BPE", "vocab": {"a": 0}, "merges": []}, "pre_tokenizer": {"type": "Whitespace"}}"#;
