@@ -141,6 +141,34 @@ fn gemma3_bad_metadata_is_refused() {
     assert!(err.to_string().contains("blk.3.post_ffw_norm.weight"), "{err}");
 }
 
+/// Gemma 3 safetensors configs the graph cannot honour are refused with the reason.
+#[test]
+fn gemma3_hf_configs_that_are_not_supported_are_refused() {
+    let src = workspace_root().join("fixtures/tiny/gemma3-hf");
+    let dir = std::env::temp_dir().join(format!("ferrite-hf-gemma3-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::copy(src.join("model.safetensors"), dir.join("model.safetensors")).unwrap();
+    let config: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(src.join("config.json")).unwrap()).unwrap();
+    let load_with = |key: &str, value: serde_json::Value| -> String {
+        let mut c = config.clone();
+        c[key] = value;
+        std::fs::write(dir.join("config.json"), c.to_string()).unwrap();
+        match Model::load(&dir, FusionOptions::ALL) {
+            Ok(_) => "loaded".into(),
+            Err(e) => e.to_string(),
+        }
+    };
+    assert_eq!(load_with("unused", serde_json::json!(0)), "loaded");
+    assert!(load_with("model_type", serde_json::json!("gemma3")).contains("multimodal"));
+    assert!(load_with("final_logit_softcapping", serde_json::json!(30.0)).contains("soft-capping"));
+    assert!(load_with("hidden_activation", serde_json::json!("gelu")).contains("activation `gelu`"));
+    assert!(load_with("use_bidirectional_attention", serde_json::json!(true)).contains("bidirectional"));
+    assert!(load_with("layer_types", serde_json::json!(["full_attention"])).contains("1 layer types for 7 layers"));
+    let yarn = serde_json::json!({"full_attention": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6}, "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}});
+    assert!(load_with("rope_parameters", yarn).contains("RoPE type `yarn`"));
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 #[test]
 fn broken_hf_folders_give_clear_errors() {
     let src = workspace_root().join("fixtures/tiny/qwen3-hf");
