@@ -83,6 +83,21 @@ fn truncated_and_corrupt_files_give_clear_errors() {
     assert_clean_error(&ferrite(&["compare", "--ids", "1,999999", "--backend", "cpu", "--model", hf.to_str().unwrap()]), "outside the vocabulary");
 }
 
+/// A safetensors folder with tokenizer.json and tokenizer_config.json (the tiny Gemma 3): `run`
+/// tokenizes, generates and decodes with them, `--chat` uses the config's chat template.
+#[test]
+fn hf_folder_with_tokenizer_json_runs() {
+    let hf = root().join("fixtures/tiny/gemma3-hf");
+    let hf = hf.to_str().unwrap();
+    let o = ferrite(&["run", "--model", hf, "--temp", "0", "-n", "6", "Hello world"]);
+    let (out, err) = text(&o);
+    assert!(o.status.success(), "{out}\n{err}");
+    assert!(out.starts_with("Hello world") && out.len() > "Hello world".len(), "{out}");
+    assert!(err.contains("generated: 6 tokens"), "{err}");
+    let o = ferrite(&["run", "--model", hf, "--chat", "--temp", "0", "-n", "4", "Hi"]);
+    assert!(o.status.success(), "{:?}", text(&o));
+}
+
 #[test]
 fn unknown_architecture_is_named() {
     let mut w = ferrite_gguf::GgufWriter::new();

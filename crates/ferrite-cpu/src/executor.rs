@@ -10,7 +10,7 @@ use ferrite_gguf::TensorInfo;
 use ferrite_model::graph::{NormSpec, Op, ValueId, WeightId};
 use ferrite_model::planner::{self, Plan};
 use ferrite_model::profile::OpProfile;
-use ferrite_model::{Executor, ExecutorOptions, LayerTrace, LoadProgress, Model, RopeStyle};
+use ferrite_model::{Executor, ExecutorOptions, LayerTrace, LoadProgress, Model, RopeConfig, RopeStyle};
 use std::sync::Arc;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -51,7 +51,6 @@ pub struct CpuExecutor {
     plan: Plan,
     buf: Buffers,
     options: ExecutorOptions,
-    rope: Rope,
     /// Rows in the last chunk (for reading traces back).
     last_rows: usize,
 }
@@ -80,16 +79,6 @@ impl CpuExecutor {
         let slots = plan.slot_elems.iter().map(|&n| vec![0f32; n]).collect();
         let cfg = &model.config;
         let kv = options.context_len * cfg.kv_width();
-        let rope = Rope {
-            style: match graph.rope.style {
-                RopeStyle::Normal => kernels::rope::RopeStyle::Normal,
-                RopeStyle::Neox => kernels::rope::RopeStyle::Neox,
-            },
-            head_dim: cfg.head_dim,
-            rot_dim: graph.rope.rot_dim,
-            theta: graph.rope.theta,
-            freq_scale: graph.rope.freq_scale,
-        };
         let buf = Buffers {
             slots,
             k_cache: (0..graph.n_layers).map(|_| vec![0f32; kv]).collect(),
@@ -97,7 +86,7 @@ impl CpuExecutor {
             profile: OpProfile::from_env(),
             ..Buffers::default()
         };
-        Ok(Self { model, precision, weights, plan, buf, options: ExecutorOptions { max_batch, ..options }, rope, last_rows: 0 })
+        Ok(Self { model, precision, weights, plan, buf, options: ExecutorOptions { max_batch, ..options }, last_rows: 0 })
     }
 
     fn f32_weight(&self, id: WeightId) -> &[f32] {
@@ -119,6 +108,20 @@ impl CpuExecutor {
             Some(CpuWeight::Packed(bytes)) => Ok(kernels::matmul(&view(bytes), x, n, out)?),
             Some(CpuWeight::InFile(t)) => Ok(kernels::matmul(&view(self.model.file.tensor_data(t)), x, n, out)?),
             None => bail!("weight `{}` was not loaded", spec.name),
+        }
+    }
+
+    /// The RoPE kernel's parameters for one op's config.
+    fn rope(&self, rope: &RopeConfig) -> Rope {
+        Rope {
+            style: match rope.style {
+                RopeStyle::Normal => kernels::rope::RopeStyle::Normal,
+                RopeStyle::Neox => kernels::rope::RopeStyle::Neox,
+            },
+            head_dim: self.model.graph.attention.head_dim,
+            rot_dim: rope.rot_dim,
+            theta: rope.theta,
+            freq_scale: rope.freq_scale,
         }
     }
 
@@ -170,7 +173,7 @@ impl CpuExecutor {
         let input = |v: ValueId| -> &[f32] { &slots[self.plan.slot(v)][..rows(v) * width(v)] };
         {
             match *op {
-                Op::Embed { table, .. } => {
+                Op::Embed { table, scale, .. } => {
                     let spec = model.weights.spec(table);
                     let dst = &mut out[..n * spec.cols];
                     match &self.weights[table.0 as usize] {
@@ -188,6 +191,9 @@ impl CpuExecutor {
                             let view = WeightView { dtype: spec.dtype, rows: spec.rows, cols: spec.cols, data: &bytes };
                             kernels::embedding::embed_rows(&view, ids, dst)?;
                         }
+                    }
+                    if scale != 1.0 {
+                        dst.iter_mut().for_each(|v| *v *= scale);
                     }
                 }
                 Op::RmsNorm { x, norm, .. } => self.rms_norm(norm, input(x), &mut out[..rows(x) * width(x)]),
@@ -225,12 +231,13 @@ impl CpuExecutor {
                         }
                     }
                 }
-                Op::Rope { x, col, n_heads } => {
+                Op::Rope { x, col, n_heads, ref rope } => {
                     // In place: `out` *is* x's buffer.
                     let w = width(x);
-                    let span = n_heads * self.rope.head_dim;
+                    let rope = self.rope(rope);
+                    let span = n_heads * rope.head_dim;
                     for (t, row) in out[..n * w].chunks_mut(w).enumerate() {
-                        self.rope.apply(&mut row[col..col + span], n_heads, &positions[t..t + 1]);
+                        rope.apply(&mut row[col..col + span], n_heads, &positions[t..t + 1]);
                     }
                 }
                 Op::HeadNorm { x, col, n_heads, norm } => {
@@ -281,12 +288,16 @@ impl CpuExecutor {
                         &mut out[..n * qw],
                     );
                 }
-                Op::SwiGlu { x, .. } => {
+                Op::SwiGlu { x, .. } | Op::GeGlu { x, .. } => {
+                    let act = match op {
+                        Op::SwiGlu { .. } => activation::swiglu,
+                        _ => activation::geglu_tanh,
+                    };
                     let (w2, src) = (width(x), input(x));
                     let w = w2 / 2;
                     for t in 0..rows(x) {
                         let row = &src[t * w2..(t + 1) * w2];
-                        activation::swiglu(&row[..w], &row[w..], &mut out[t * w..(t + 1) * w]);
+                        act(&row[..w], &row[w..], &mut out[t * w..(t + 1) * w]);
                     }
                 }
                 Op::Add { a, b, .. } => {

@@ -226,7 +226,7 @@ impl CudaExecutor {
         let slots = &buf.slots;
         let input = |v: ValueId| slots[plan.slot(v)].as_ref().expect("an op's input never shares its output's slot");
         match *op {
-            Op::Embed { table, .. } => ops::embed(gpu, matrix(table), &buf.ids, n, out)?,
+            Op::Embed { table, scale, .. } => ops::embed_scaled(gpu, matrix(table), &buf.ids, n, scale, out)?,
             Op::RmsNorm { x, norm, .. } => ops::rms_norm(gpu, input(x), vector(norm.weight), norm.eps, rows(x), width(x), false, out)?,
             Op::Linear { x, norm, w, bias, residual, out_col, .. }
                 if ops::linear_plan(matrix(w).dtype, width(x), rows(x), &gpu.linear_options()) == ops::LinearPlan::GemvQ8 =>
@@ -263,15 +263,15 @@ impl CudaExecutor {
                     ops::add(gpu, out, input(res), r * ow)?;
                 }
             }
-            Op::Rope { x, col, n_heads } => {
+            Op::Rope { x, col, n_heads, rope } => {
                 let a = graph.attention;
                 let cfg = RopeConfig {
                     n_heads,
                     head_dim: a.head_dim,
-                    rot_dim: graph.rope.rot_dim,
-                    theta: graph.rope.theta,
-                    freq_scale: graph.rope.freq_scale,
-                    neox: graph.rope.style == RopeStyle::Neox,
+                    rot_dim: rope.rot_dim,
+                    theta: rope.theta,
+                    freq_scale: rope.freq_scale,
+                    neox: rope.style == RopeStyle::Neox,
                 };
                 let (w, span) = (width(x), n_heads * a.head_dim);
                 if n == 1 {
@@ -307,16 +307,27 @@ impl CudaExecutor {
                     ops::attention(gpu, &buf.scratch_a, cache, &buf.positions, n, &cfg, out)?;
                 }
             }
-            Op::SwiGlu { x, .. } => {
+            Op::SwiGlu { x, .. } | Op::GeGlu { x, .. } => {
+                let swiglu = matches!(op, Op::SwiGlu { .. });
                 let (w2, r) = (width(x), rows(x));
                 let w = w2 / 2;
                 let src = input(x);
                 if r == 1 {
-                    ops::swiglu(gpu, &src.slice(0..w), &src.slice(w..w2), w, out)?;
+                    // The gate and up halves of the single row, as views.
+                    let (gate, up) = (src.slice(0..w), src.slice(w..w2));
+                    if swiglu {
+                        ops::swiglu(gpu, &gate, &up, w, out)?;
+                    } else {
+                        ops::geglu(gpu, &gate, &up, w, out)?;
+                    }
                 } else {
                     ops::copy_cols(gpu, src, w2, 0, &mut buf.scratch_a, w, 0, w, r)?;
                     ops::copy_cols(gpu, src, w2, w, &mut buf.scratch_b, w, 0, w, r)?;
-                    ops::swiglu(gpu, &buf.scratch_a, &buf.scratch_b, r * w, out)?;
+                    if swiglu {
+                        ops::swiglu(gpu, &buf.scratch_a, &buf.scratch_b, r * w, out)?;
+                    } else {
+                        ops::geglu(gpu, &buf.scratch_a, &buf.scratch_b, r * w, out)?;
+                    }
                 }
             }
             Op::Add { a, b, .. } => {

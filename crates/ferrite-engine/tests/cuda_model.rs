@@ -94,6 +94,15 @@ fn cuda_fp32_matches_cpu_reference_on_real_shapes() {
     let (worst, agreed) = compare(Arc::new(Model::load(qwen3, FusionOptions::from_env()).unwrap()), 32);
     println!("tiny qwen3: worst relative error {worst:.2e}, {agreed}/33 greedy steps agree");
     assert!(worst < 1e-4 && agreed == 33, "tiny qwen3: relative error {worst}, {agreed}/33 agree");
+    // Gemma 3 (sliding window 4 over a 53-token run, two RoPE bases, GeGLU, post-norms, scaled
+    // embeddings) on its tiny fixture, and on its real shape.
+    let gemma3 = common::workspace_root().join("fixtures/tiny/gemma3.gguf");
+    let (worst, agreed) = compare(Arc::new(Model::load(gemma3, FusionOptions::from_env()).unwrap()), 32);
+    println!("tiny gemma3: worst relative error {worst:.2e}, {agreed}/33 greedy steps agree");
+    assert!(worst < 1e-4 && agreed == 33, "tiny gemma3: relative error {worst}, {agreed}/33 agree");
+    let (worst, agreed) = compare(synthetic(synth::shape("gemma3-270m").unwrap(), GgmlType::Q8_0), 16);
+    println!("gemma3-270m Q8_0: worst relative error {worst:.2e}, {agreed}/17 greedy steps agree");
+    assert!(worst < 1e-4 && agreed == 17, "gemma3-270m: relative error {worst}, {agreed}/17 agree");
     // The default int8-activation GEMV quantizes activations like the CPU quantized path (int8
     // blocks, d = max/127, round half to even): against the fp32 reference it may drift no more
     // than that CPU path does, and the greedy tokens must agree.

@@ -55,6 +55,120 @@ fn llama_matches_transformers() {
     check("llama", "llama-hf");
 }
 
+/// Gemma 3: 7 layers of which layer 5 is global and the others slide over 4 positions (shorter
+/// than the 11-token prompt), QK-norm, GeGLU, post-norms, scaled embeddings. The GGUF stores the
+/// norms with llama.cpp's folded `1 + w`; from safetensors the loader adds the one itself.
+#[test]
+fn gemma3_matches_transformers() {
+    check("gemma3", "gemma3.gguf");
+    check("gemma3", "gemma3-hf");
+}
+
+/// The graph declares what makes Gemma 3: a window on every layer but layer 5, two RoPE bases,
+/// GeGLU, post-norms, the embedding scale; fused and unfused graphs give bit-identical logits.
+#[test]
+fn gemma3_graph_and_fusion() {
+    use ferrite_model::graph::Op;
+    let path = workspace_root().join("fixtures/tiny/gemma3.gguf");
+    let fused = Model::load(&path, FusionOptions::ALL).unwrap();
+    let g = &fused.graph;
+    let windows: Vec<Option<usize>> = g.ops.iter().filter_map(|o| if let Op::Attention { window, .. } = o { Some(*window) } else { None }).collect();
+    assert_eq!(windows, [Some(4), Some(4), Some(4), Some(4), Some(4), None, Some(4)]);
+    let thetas: Vec<f32> = g.ops.iter().filter_map(|o| if let Op::Rope { rope, .. } = o { Some(rope.theta) } else { None }).collect();
+    assert_eq!(thetas, [1e4, 1e4, 1e4, 1e4, 1e4, 1e6, 1e4]);
+    assert_eq!(g.ops.iter().filter(|o| matches!(o, Op::GeGlu { .. })).count(), 7);
+    assert!(matches!(g.ops[0], Op::Embed { scale, .. } if scale == 8.0));
+    assert_eq!(g.attention.scale, 1.0 / 32f32.sqrt());
+    // Post-norms (2 per layer) stay separate ops even with every fusion on.
+    assert_eq!(g.ops.iter().filter(|o| matches!(o, Op::RmsNorm { .. })).count(), 14);
+    let ids = [2u32, 40, 7, 255, 0, 91, 13, 13, 64, 5];
+    for precision in [CpuPrecision::Reference, CpuPrecision::Quantized] {
+        let logits = |fusion| {
+            let model = Arc::new(Model::load(&path, fusion).unwrap());
+            let opts = ExecutorOptions { max_batch: 4, context_len: 16, trace: false, progress: None };
+            let mut exec = CpuExecutor::new(model, precision, opts).unwrap();
+            exec.forward(&ids, 0).unwrap();
+            exec.logits().unwrap()
+        };
+        let (a, b) = (logits(FusionOptions::ALL), logits(FusionOptions::NONE));
+        assert!(a.iter().all(|v| v.is_finite()));
+        assert!(a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits()), "{precision:?}: fused and unfused Gemma 3 logits differ");
+    }
+}
+
+/// Gemma 3 GGUF metadata the graph cannot honour, or that is malformed, is refused clearly.
+#[test]
+fn gemma3_bad_metadata_is_refused() {
+    use ferrite_gguf::{GgufFile, GgufWriter, Value};
+    let src = GgufFile::open(workspace_root().join("fixtures/tiny/gemma3.gguf")).unwrap();
+    let with = |key: &str, value: Option<Value>| -> String {
+        let mut w = GgufWriter::new();
+        for (k, v) in src.metadata.iter() {
+            if k != key {
+                w.add_metadata(k, v.clone());
+            }
+        }
+        if let Some(v) = value {
+            w.add_metadata(key, v);
+        }
+        for t in &src.tensors {
+            w.add_tensor(&t.name, &t.shape, t.dtype, src.tensor_data(t).to_vec()).unwrap();
+        }
+        let mut bytes = Vec::new();
+        w.write_to(&mut bytes).unwrap();
+        match Model::from_file(GgufFile::from_bytes(bytes).unwrap(), FusionOptions::ALL) {
+            Ok(_) => "loaded".to_string(),
+            Err(e) => e.to_string(),
+        }
+    };
+    assert!(with("gemma3.final_logit_softcapping", Some(Value::F32(30.0))).contains("soft-capping"));
+    let pattern = "gemma3.attention.sliding_window_pattern";
+    assert!(with(pattern, Some(Value::Array(vec![Value::Bool(true); 3]))).contains("3 entries for 7 layers"));
+    assert!(with(pattern, Some(Value::String("x".into()))).contains(pattern));
+    assert_eq!(with(pattern, Some(Value::U32(2))), "loaded");
+    assert_eq!(with("gemma3.attention.sliding_window", None), "loaded");
+    // A missing post-norm tensor is a missing tensor, not a silently plain decoder.
+    let mut w = GgufWriter::new();
+    for (k, v) in src.metadata.iter() {
+        w.add_metadata(k, v.clone());
+    }
+    for t in src.tensors.iter().filter(|t| t.name != "blk.3.post_ffw_norm.weight") {
+        w.add_tensor(&t.name, &t.shape, t.dtype, src.tensor_data(t).to_vec()).unwrap();
+    }
+    let mut bytes = Vec::new();
+    w.write_to(&mut bytes).unwrap();
+    let err = Model::from_file(GgufFile::from_bytes(bytes).unwrap(), FusionOptions::ALL).err().expect("loaded without a post-norm");
+    assert!(err.to_string().contains("blk.3.post_ffw_norm.weight"), "{err}");
+}
+
+/// Gemma 3 safetensors configs the graph cannot honour are refused with the reason.
+#[test]
+fn gemma3_hf_configs_that_are_not_supported_are_refused() {
+    let src = workspace_root().join("fixtures/tiny/gemma3-hf");
+    let dir = std::env::temp_dir().join(format!("ferrite-hf-gemma3-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::copy(src.join("model.safetensors"), dir.join("model.safetensors")).unwrap();
+    let config: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(src.join("config.json")).unwrap()).unwrap();
+    let load_with = |key: &str, value: serde_json::Value| -> String {
+        let mut c = config.clone();
+        c[key] = value;
+        std::fs::write(dir.join("config.json"), c.to_string()).unwrap();
+        match Model::load(&dir, FusionOptions::ALL) {
+            Ok(_) => "loaded".into(),
+            Err(e) => e.to_string(),
+        }
+    };
+    assert_eq!(load_with("unused", serde_json::json!(0)), "loaded");
+    assert!(load_with("model_type", serde_json::json!("gemma3")).contains("multimodal"));
+    assert!(load_with("final_logit_softcapping", serde_json::json!(30.0)).contains("soft-capping"));
+    assert!(load_with("hidden_activation", serde_json::json!("gelu")).contains("activation `gelu`"));
+    assert!(load_with("use_bidirectional_attention", serde_json::json!(true)).contains("bidirectional"));
+    assert!(load_with("layer_types", serde_json::json!(["full_attention"])).contains("1 layer types for 7 layers"));
+    let yarn = serde_json::json!({"full_attention": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6}, "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}});
+    assert!(load_with("rope_parameters", yarn).contains("RoPE type `yarn`"));
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 #[test]
 fn broken_hf_folders_give_clear_errors() {
     let src = workspace_root().join("fixtures/tiny/qwen3-hf");

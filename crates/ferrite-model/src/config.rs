@@ -12,16 +12,20 @@ pub enum Arch {
     Qwen2,
     /// Qwen3 (dense): Llama layout plus per-head RMSNorm of Q and K (QK-norm), NeoX RoPE.
     Qwen3,
+    /// Gemma 3 (text): QK-norm, GeGLU, norms before and after attention and MLP, scaled
+    /// embeddings, sliding-window layers with their own RoPE base, NeoX RoPE.
+    Gemma3,
 }
 
 impl Arch {
-    pub const SUPPORTED: &'static str = "llama, qwen2, qwen3";
+    pub const SUPPORTED: &'static str = "llama, qwen2, qwen3, gemma3";
 
     pub fn from_name(name: &str) -> Option<Self> {
         match name {
             "llama" => Some(Self::Llama),
             "qwen2" => Some(Self::Qwen2),
             "qwen3" => Some(Self::Qwen3),
+            "gemma3" => Some(Self::Gemma3),
             _ => None,
         }
     }
@@ -31,6 +35,7 @@ impl Arch {
             Self::Llama => "llama",
             Self::Qwen2 => "qwen2",
             Self::Qwen3 => "qwen3",
+            Self::Gemma3 => "gemma3",
         }
     }
 }
@@ -112,6 +117,8 @@ impl ModelConfig {
             }
             None => 1.0,
         };
+        // Gemma's converter always writes the epsilon; its models use 1e-6.
+        let default_eps = if arch == Arch::Gemma3 { 1e-6 } else { 1e-5 };
         let cfg = Self {
             arch,
             name: m.str("general.name").unwrap_or(a).to_string(),
@@ -123,11 +130,11 @@ impl ModelConfig {
             n_ff: usize_key("feed_forward_length")?,
             vocab_size,
             context_length: m.u64_or(&key("context_length"), 2048)? as usize,
-            norm_eps: m.f32_or(&key("attention.layer_norm_rms_epsilon"), 1e-5)?,
+            norm_eps: m.f32_or(&key("attention.layer_norm_rms_epsilon"), default_eps)?,
             rope: RopeConfig {
                 style: match arch {
                     Arch::Llama => RopeStyle::Normal,
-                    Arch::Qwen2 | Arch::Qwen3 => RopeStyle::Neox,
+                    Arch::Qwen2 | Arch::Qwen3 | Arch::Gemma3 => RopeStyle::Neox,
                 },
                 rot_dim,
                 theta: m.f32_or(&key("rope.freq_base"), 10_000.0)?,

@@ -49,8 +49,8 @@ pub struct NormSpec {
 
 #[derive(Clone, Debug, PartialEq)]
 pub enum Op {
-    /// `out[t] = table[tokens[t]]`.
-    Embed { table: WeightId, out: ValueId },
+    /// `out[t] = table[tokens[t]] * scale` (`scale` is 1 except for Gemma's `sqrt(n_embd)`).
+    Embed { table: WeightId, out: ValueId, scale: f32 },
     /// `out = x / rms(x) * weight`.
     RmsNorm { x: ValueId, norm: NormSpec, out: ValueId },
     /// `out[:, out_col .. out_col + w.rows] = norm?(x) · wᵀ + bias + residual`.
@@ -64,8 +64,9 @@ pub enum Op {
         out: ValueId,
         out_col: usize,
     },
-    /// RoPE in place on `n_heads` heads of `x` starting at column `col`, at the batch positions.
-    Rope { x: ValueId, col: usize, n_heads: usize },
+    /// RoPE in place on `n_heads` heads of `x` starting at column `col`, at the batch positions,
+    /// with this layer's frequencies (Gemma 3's sliding-window layers use another base).
+    Rope { x: ValueId, col: usize, n_heads: usize, rope: RopeConfig },
     /// RMSNorm in place over each of `n_heads` heads (`head_dim` wide, one shared weight) of `x`
     /// starting at column `col`: Qwen3's QK-norm.
     HeadNorm { x: ValueId, col: usize, n_heads: usize, norm: NormSpec },
@@ -74,6 +75,8 @@ pub enum Op {
     Attention { layer: usize, qkv: ValueId, out: ValueId, window: Option<usize> },
     /// `out = silu(x[:, ..w]) * x[:, w..]` where `x` is `[gate | up]`, `2w` wide.
     SwiGlu { x: ValueId, out: ValueId },
+    /// `out = gelu_tanh(x[:, ..w]) * x[:, w..]` where `x` is `[gate | up]`, `2w` wide (Gemma).
+    GeGlu { x: ValueId, out: ValueId },
     /// `out = a + b`.
     Add { a: ValueId, b: ValueId, out: ValueId },
     /// `out = x[last row]`.
@@ -87,6 +90,7 @@ impl Op {
             Op::Embed { .. } => vec![],
             Op::RmsNorm { x, .. }
             | Op::SwiGlu { x, .. }
+            | Op::GeGlu { x, .. }
             | Op::LastRow { x, .. }
             | Op::Rope { x, .. }
             | Op::HeadNorm { x, .. } => vec![x],
@@ -104,6 +108,7 @@ impl Op {
             | Op::Linear { out, .. }
             | Op::Attention { out, .. }
             | Op::SwiGlu { out, .. }
+            | Op::GeGlu { out, .. }
             | Op::Add { out, .. }
             | Op::LastRow { out, .. } => out,
             Op::Rope { x, .. } | Op::HeadNorm { x, .. } => x,
@@ -120,6 +125,7 @@ impl Op {
             Op::HeadNorm { .. } => "head_norm",
             Op::Attention { .. } => "attention",
             Op::SwiGlu { .. } => "swiglu",
+            Op::GeGlu { .. } => "geglu",
             Op::Add { .. } => "add",
             Op::LastRow { .. } => "last_row",
         }
@@ -143,7 +149,6 @@ pub struct Graph {
     pub logits: ValueId,
     pub n_layers: usize,
     pub attention: AttentionShape,
-    pub rope: RopeConfig,
 }
 
 impl Graph {
@@ -159,6 +164,9 @@ impl Graph {
                 if !written[r.0 as usize] {
                     return Err(format!("op {i} ({}) reads `{}` before it is written", op.kind(), self.value(r).name));
                 }
+            }
+            if let Op::Attention { window: Some(0), .. } = op {
+                return Err(format!("op {i}: attention window of 0 positions"));
             }
             if let Op::Linear { w, out, out_col, .. } = op {
                 let width = self.value(*out).width;
@@ -203,8 +211,8 @@ impl GraphBuilder {
         self.ops.push(op);
     }
 
-    pub fn finish(self, logits: ValueId, n_layers: usize, attention: AttentionShape, rope: RopeConfig) -> Graph {
-        Graph { values: self.values, ops: self.ops, logits, n_layers, attention, rope }
+    pub fn finish(self, logits: ValueId, n_layers: usize, attention: AttentionShape) -> Graph {
+        Graph { values: self.values, ops: self.ops, logits, n_layers, attention }
     }
 }
 

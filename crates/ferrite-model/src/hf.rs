@@ -3,7 +3,9 @@
 //! reads — llama.cpp's tensor names and metadata keys — in memory.
 //!
 //! Llama checkpoints get their Q/K rows permuted as llama.cpp's converter does, because the
-//! `llama` graph uses GGML's adjacent-pair RoPE; Qwen architectures use NeoX RoPE and need none.
+//! `llama` graph uses GGML's adjacent-pair RoPE; Qwen and Gemma use NeoX RoPE and need none.
+//! Gemma 3 (`gemma3_text`) norms multiply by `1 + w`: as llama.cpp's converter does, the one is
+//! added to every `*norm.weight` here (in f32), so the graph's norms are plain RMSNorms.
 
 use crate::ModelError;
 use ferrite_gguf::{GgmlType, GgufFile, GgufWriter, Value};
@@ -53,7 +55,9 @@ fn shard_files(dir: &Path) -> Result<Vec<std::path::PathBuf>, ModelError> {
 }
 
 /// HF tensor name → GGUF tensor name (`None` for tensors ferrite does not use, e.g. rotary caches).
-fn gguf_name(hf: &str) -> Option<String> {
+/// `post_attention_layernorm` is the pre-MLP norm in Llama/Qwen but the attention output's
+/// post-norm in Gemma 3, which has its pre-MLP norm as `pre_feedforward_layernorm`.
+fn gguf_name(hf: &str, arch: &str) -> Option<String> {
     let fixed = match hf {
         "model.embed_tokens.weight" => Some("token_embd.weight"),
         "model.norm.weight" => Some("output_norm.weight"),
@@ -78,7 +82,10 @@ fn gguf_name(hf: &str) -> Option<String> {
         "mlp.up_proj" => "ffn_up",
         "mlp.down_proj" => "ffn_down",
         "input_layernorm" => "attn_norm",
+        "post_attention_layernorm" if arch == "gemma3" => "post_attention_norm",
         "post_attention_layernorm" => "ffn_norm",
+        "pre_feedforward_layernorm" if arch == "gemma3" => "ffn_norm",
+        "post_feedforward_layernorm" if arch == "gemma3" => "post_ffw_norm",
         _ => return None,
     };
     Some(format!("blk.{layer}.{name}.{kind}"))
@@ -100,13 +107,91 @@ fn permute_rows(data: &[u8], rows: usize, n_heads: usize) -> Vec<u8> {
     out
 }
 
+/// `1 + w` for Gemma's norm weights, as f32 bytes.
+fn plus_one_f32(name: &str, dtype: GgmlType, data: &[u8]) -> Result<Vec<u8>, ModelError> {
+    let n = data.len() / dtype.row_bytes(1).ok_or_else(|| ModelError::tensor(name, "unsupported dtype"))?;
+    let mut values = vec![0f32; n];
+    ferrite_gguf::dequantize(dtype, data, &mut values)?;
+    Ok(values.iter().flat_map(|v| (v + 1.0).to_le_bytes()).collect())
+}
+
+/// The Gemma 3 keys beyond the common ones: sliding window and which layers use it, the local
+/// RoPE base, RoPE scaling of the global layers, the attention scale; refuses what the graph
+/// does not implement.
+fn gemma3_metadata(cfg: &Json, n_layers: usize) -> Result<Vec<(&'static str, Value)>, ModelError> {
+    let act = cfg["hidden_activation"].as_str().or(cfg["hidden_act"].as_str()).unwrap_or("gelu_pytorch_tanh");
+    if act != "gelu_pytorch_tanh" {
+        return Err(config_error(format!("config.json: gemma3 activation `{act}` is not supported (gelu_pytorch_tanh is)")));
+    }
+    if cfg["use_bidirectional_attention"].as_bool() == Some(true) {
+        return Err(config_error("config.json: bidirectional attention (EmbeddingGemma) is not supported"));
+    }
+    let mut out = Vec::new();
+    for cap in ["final_logit_softcapping", "attn_logit_softcapping"] {
+        if let Some(v) = cfg[cap].as_f64() {
+            out.push((cap, Value::F32(v as f32))); // the graph builder refuses it with a clear error
+        }
+    }
+    let pattern = cfg["sliding_window_pattern"].as_u64().or(cfg["_sliding_window_pattern"].as_u64()).unwrap_or(6) as usize;
+    let sliding: Vec<bool> = match cfg["layer_types"].as_array() {
+        Some(types) => types
+            .iter()
+            .map(|t| match t.as_str() {
+                Some("sliding_attention") => Ok(true),
+                Some("full_attention") => Ok(false),
+                _ => Err(config_error(format!("config.json: unknown layer type {t}"))),
+            })
+            .collect::<Result<_, _>>()?,
+        None => (0..n_layers).map(|l| pattern == 0 || l % pattern < pattern - 1).collect(),
+    };
+    if sliding.len() != n_layers {
+        return Err(config_error(format!("config.json: {} layer types for {n_layers} layers", sliding.len())));
+    }
+    if sliding.iter().any(|&s| s) {
+        let window = cfg["sliding_window"].as_u64().filter(|&w| w > 0);
+        let window = window.ok_or_else(|| config_error("config.json: sliding layers but no positive `sliding_window`"))?;
+        out.push(("attention.sliding_window", Value::U32(window as u32)));
+        out.push(("attention.sliding_window_pattern", Value::Array(sliding.into_iter().map(Value::Bool).collect())));
+    }
+    let rope = &cfg["rope_parameters"];
+    let local = rope["sliding_attention"]["rope_theta"].as_f64().or(cfg["rope_local_base_freq"].as_f64()).unwrap_or(10_000.0);
+    out.push(("rope.freq_base_swa", Value::F32(local as f32)));
+    // Scaling of the global layers: transformers 5 `rope_parameters.full_attention`, else the
+    // older `rope_scaling`.
+    let scaling = if rope["full_attention"].is_object() { &rope["full_attention"] } else { &cfg["rope_scaling"] };
+    match scaling["rope_type"].as_str().or(scaling["type"].as_str()) {
+        None | Some("default") => {}
+        Some("linear") => {
+            let factor = scaling["factor"].as_f64().filter(|&f| f > 0.0);
+            let factor = factor.ok_or_else(|| config_error("config.json: linear RoPE scaling without a positive factor"))?;
+            out.push(("rope.scaling.factor", Value::F32(factor as f32)));
+        }
+        Some(other) => return Err(config_error(format!("config.json: RoPE type `{other}` is not supported for gemma3"))),
+    }
+    if rope["sliding_attention"]["rope_type"].as_str().is_some_and(|t| t != "default") {
+        return Err(config_error("config.json: RoPE scaling on sliding-window layers is not supported"));
+    }
+    let scalar = cfg["query_pre_attn_scalar"].as_f64().unwrap_or(256.0);
+    if scalar <= 0.0 {
+        return Err(config_error("config.json: `query_pre_attn_scalar` must be positive"));
+    }
+    out.push(("attention.scale", Value::F32((1.0 / scalar.sqrt()) as f32)));
+    Ok(out)
+}
+
 /// Load an HF checkpoint folder as an in-memory GGUF file.
 pub fn load_hf_dir(dir: &Path) -> Result<GgufFile, ModelError> {
     let cfg = read_json(&dir.join("config.json"))?;
     let model_type = cfg["model_type"].as_str().ok_or_else(|| config_error("config.json has no `model_type`"))?;
     let arch = match model_type {
         "llama" | "qwen2" | "qwen3" => model_type,
-        other => return Err(ModelError::UnsupportedArch(other.to_string(), "llama, qwen2, qwen3 (safetensors)")),
+        "gemma3_text" => "gemma3",
+        "gemma3" => {
+            return Err(config_error(
+                "config.json: `gemma3` is the multimodal Gemma 3 checkpoint; only text-only ones (`gemma3_text`, Gemma3ForCausalLM) are supported",
+            ))
+        }
+        other => return Err(ModelError::UnsupportedArch(other.to_string(), "llama, qwen2, qwen3, gemma3_text (safetensors)")),
     };
     let num = |key: &str| -> Result<u64, ModelError> {
         cfg[key].as_u64().ok_or_else(|| config_error(format!("config.json: `{key}` is missing or not an integer")))
@@ -118,8 +203,12 @@ pub fn load_hf_dir(dir: &Path) -> Result<GgufFile, ModelError> {
         return Err(config_error("config.json: head counts do not divide the hidden size"));
     }
     let head_dim = cfg["head_dim"].as_u64().unwrap_or(hidden / n_heads);
-    // transformers 5 moved rope_theta into `rope_parameters`.
-    let theta = cfg["rope_theta"].as_f64().or_else(|| cfg["rope_parameters"]["rope_theta"].as_f64()).unwrap_or(10_000.0);
+    // transformers 5 moved rope_theta into `rope_parameters` (per layer type for Gemma 3).
+    let theta = cfg["rope_theta"]
+        .as_f64()
+        .or_else(|| cfg["rope_parameters"]["rope_theta"].as_f64())
+        .or_else(|| cfg["rope_parameters"]["full_attention"]["rope_theta"].as_f64())
+        .unwrap_or(if arch == "gemma3" { 1_000_000.0 } else { 10_000.0 });
     let mut w = GgufWriter::new();
     w.add_metadata("general.architecture", Value::String(arch.into()));
     w.add_metadata("general.name", Value::String(dir.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default()));
@@ -139,12 +228,17 @@ pub fn load_hf_dir(dir: &Path) -> Result<GgufFile, ModelError> {
     ] {
         w.add_metadata(format!("{arch}.{key}"), value);
     }
+    if arch == "gemma3" {
+        for (key, value) in gemma3_metadata(&cfg, num("num_hidden_layers")? as usize)? {
+            w.add_metadata(format!("gemma3.{key}"), value);
+        }
+    }
     let mut tensors: BTreeMap<String, (Vec<u64>, GgmlType, Vec<u8>)> = BTreeMap::new();
     for file in shard_files(dir)? {
         let bytes = std::fs::read(&file).map_err(|e| config_error(format!("{}: {e}", file.display())))?;
         let st = SafeTensors::deserialize(&bytes).map_err(|e| config_error(format!("{}: not a valid safetensors file: {e}", file.display())))?;
         for (name, view) in st.tensors() {
-            let Some(gname) = gguf_name(&name) else { continue };
+            let Some(gname) = gguf_name(&name, arch) else { continue };
             let dtype = match view.dtype() {
                 Dtype::F32 => GgmlType::F32,
                 Dtype::F16 => GgmlType::F16,
@@ -153,7 +247,10 @@ pub fn load_hf_dir(dir: &Path) -> Result<GgufFile, ModelError> {
             };
             // GGML order: the contiguous dimension first.
             let shape: Vec<u64> = view.shape().iter().rev().map(|&d| d as u64).collect();
-            let mut data = view.data().to_vec();
+            let (mut dtype, mut data) = (dtype, view.data().to_vec());
+            if arch == "gemma3" && gname.ends_with("norm.weight") {
+                (dtype, data) = (GgmlType::F32, plus_one_f32(&name, dtype, &data)?);
+            }
             if arch == "llama" && (gname.ends_with("attn_q.weight") || gname.ends_with("attn_k.weight")) {
                 let heads = if gname.ends_with("attn_q.weight") { n_heads } else { n_kv } as usize;
                 data = permute_rows(&data, view.shape()[0], heads);
@@ -163,7 +260,8 @@ pub fn load_hf_dir(dir: &Path) -> Result<GgufFile, ModelError> {
             }
         }
     }
-    if cfg["tie_word_embeddings"].as_bool() == Some(true) {
+    // Gemma 3 ties them unless the config says otherwise (transformers' default).
+    if cfg["tie_word_embeddings"].as_bool().unwrap_or(arch == "gemma3") {
         tensors.remove("output.weight");
     }
     for (name, (shape, dtype, data)) in tensors {

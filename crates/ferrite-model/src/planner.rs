@@ -140,21 +140,19 @@ pub fn plan(graph: &Graph, max_tokens: usize, reuse: bool) -> Plan {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::{RopeConfig, RopeStyle};
     use crate::graph::{AttentionShape, GraphBuilder, NormSpec, Op, Rows, WeightId};
     use proptest::prelude::*;
 
     fn finish(g: GraphBuilder, logits: ValueId) -> Graph {
         let att = AttentionShape { n_heads: 1, n_kv_heads: 1, head_dim: 2, scale: 1.0 };
-        let rope = RopeConfig { style: RopeStyle::Normal, rot_dim: 2, theta: 1e4, freq_scale: 1.0 };
-        g.finish(logits, 0, att, rope)
+        g.finish(logits, 0, att)
     }
 
     /// A random chain of elementwise/linear ops where each op reads one or two earlier values.
     fn random_graph(choices: &[(u8, usize, usize)]) -> Graph {
         let mut g = GraphBuilder::new();
         let first = g.value("v0", 8, Rows::Tokens);
-        g.push(Op::Embed { table: WeightId(0), out: first });
+        g.push(Op::Embed { table: WeightId(0), out: first, scale: 1.0 });
         let mut vals = vec![first];
         for (i, &(kind, a, b)) in choices.iter().enumerate() {
             let a = vals[a % vals.len()];

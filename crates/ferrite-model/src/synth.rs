@@ -3,7 +3,8 @@
 //! Used to benchmark real shapes without shipping real weights (and loadable by other GGUF
 //! engines for side-by-side numbers). Weights are uniform with a standard deviation of 0.02
 //! (embeddings 1.0), norms are 1, so activations stay finite through every layer. The tokenizer
-//! is SmolLM2's (vocab 49152), embedded in this crate.
+//! is SmolLM2's (vocab 49152, also for shapes whose real vocabulary is larger, like Gemma 3's
+//! 262144), embedded in this crate.
 
 use ferrite_gguf::{GgmlType, GgufError, GgufFile, GgufWriter, Value};
 use rayon::prelude::*;
@@ -32,6 +33,7 @@ pub const SHAPES: &[SynthShape] = &[
     SynthShape { name: "smollm2-135m", arch: "llama", n_layers: 30, n_embd: 576, n_heads: 9, n_kv_heads: 3, head_dim: 64, n_ff: 1536, rope_theta: 100000.0, context_length: 8192, tied_embeddings: true },
     SynthShape { name: "llama-3.2-1b", arch: "llama", n_layers: 16, n_embd: 2048, n_heads: 32, n_kv_heads: 8, head_dim: 64, n_ff: 8192, rope_theta: 500000.0, context_length: 131072, tied_embeddings: true },
     SynthShape { name: "llama-3.1-8b", arch: "llama", n_layers: 32, n_embd: 4096, n_heads: 32, n_kv_heads: 8, head_dim: 128, n_ff: 14336, rope_theta: 500000.0, context_length: 131072, tied_embeddings: false },
+    SynthShape { name: "gemma3-270m", arch: "gemma3", n_layers: 18, n_embd: 640, n_heads: 4, n_kv_heads: 1, head_dim: 256, n_ff: 2048, rope_theta: 1000000.0, context_length: 32768, tied_embeddings: true },
     SynthShape { name: "qwen3-8b", arch: "qwen3", n_layers: 36, n_embd: 4096, n_heads: 32, n_kv_heads: 8, head_dim: 128, n_ff: 12288, rope_theta: 1000000.0, context_length: 40960, tied_embeddings: false },
 ];
 
@@ -49,9 +51,13 @@ fn tensors(s: &SynthShape) -> Vec<(String, Vec<u64>)> {
         t.push((b("attn_q.weight"), vec![d, q]));
         t.push((b("attn_k.weight"), vec![d, kv]));
         t.push((b("attn_v.weight"), vec![d, kv]));
-        if s.arch == "qwen3" {
+        if s.arch == "qwen3" || s.arch == "gemma3" {
             t.push((b("attn_q_norm.weight"), vec![s.head_dim as u64]));
             t.push((b("attn_k_norm.weight"), vec![s.head_dim as u64]));
+        }
+        if s.arch == "gemma3" {
+            t.push((b("post_attention_norm.weight"), vec![d]));
+            t.push((b("post_ffw_norm.weight"), vec![d]));
         }
         if s.arch == "qwen2" {
             t.push((b("attn_q.bias"), vec![q]));
@@ -109,6 +115,10 @@ pub fn write(path: &Path, shape: &SynthShape, dtype: GgmlType, seed: u64, mut pr
     w.add_metadata(format!("{a}.rope.freq_base"), Value::F32(shape.rope_theta));
     w.add_metadata(format!("{a}.attention.layer_norm_rms_epsilon"), Value::F32(1e-5));
     w.add_metadata(format!("{a}.vocab_size"), u(VOCAB));
+    if a == "gemma3" {
+        // Gemma 3's window; every 6th layer global, local RoPE base 10 000 (llama.cpp's defaults).
+        w.add_metadata("gemma3.attention.sliding_window", u(512));
+    }
     for (k, v) in tokenizer.metadata.iter() {
         if k.starts_with("tokenizer.") {
             w.add_metadata(k, v.clone());
@@ -198,6 +208,18 @@ mod tests {
         let unfused = Model::load(&path, FusionOptions::NONE).unwrap();
         let biased = unfused.graph.ops.iter().filter(|o| matches!(o, Op::Linear { bias: Some(_), .. })).count();
         assert_eq!(biased, 3);
+    }
+
+    /// A Gemma 3 shape: post-norms and QK-norm tensors, a 512-token window on all but every 6th layer.
+    #[test]
+    fn gemma3_shape_loads_with_sliding_layers() {
+        let s = SynthShape { name: "tiny-gemma3", arch: "gemma3", n_layers: 7, n_embd: 64, n_heads: 4, n_kv_heads: 1, head_dim: 32, n_ff: 96, rope_theta: 1e6, context_length: 128, tied_embeddings: true };
+        let path = write_temp(&s, GgmlType::Q8_0, 2).unwrap();
+        let m = Model::load(&path, FusionOptions::ALL).unwrap();
+        assert_eq!(m.config.arch, Arch::Gemma3);
+        let windows: Vec<Option<usize>> = m.graph.ops.iter().filter_map(|o| if let Op::Attention { window, .. } = o { Some(*window) } else { None }).collect();
+        assert_eq!(windows, [Some(512), Some(512), Some(512), Some(512), Some(512), None, Some(512)]);
+        assert!(m.file.tensor("blk.6.post_ffw_norm.weight").is_some());
     }
 
     /// A small custom shape written, reloaded and turned into a graph.

@@ -56,6 +56,9 @@ pub enum TokenizerError {
     )]
     Unencodable { byte: u8 },
 
+    #[error("Hugging Face tokenizer: {0}")]
+    HfTokenizer(String),
+
     #[error("chat template: {0}")]
     Template(String),
 

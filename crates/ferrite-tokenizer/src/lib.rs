@@ -2,7 +2,7 @@
 //! SentencePiece-style BPE (`"llama"`), a streaming detokenizer and Jinja chat templates.
 //!
 //! The core is built from a plain [`TokenizerSpec`]; [`Tokenizer::from_gguf`] fills one from GGUF
-//! metadata. Encodings match Hugging Face `tokenizers` / SentencePiece (see the known-answer tests
+//! metadata, [`Tokenizer::from_hf_dir`] from a Hugging Face `tokenizer.json` folder. Encodings match Hugging Face `tokenizers` / SentencePiece (see the known-answer tests
 //! and `scripts/fixtures/make_tokenizer_fixtures.py`).
 
 mod bpe;
@@ -11,6 +11,7 @@ mod chat;
 mod decoder;
 mod error;
 mod gguf;
+mod hf;
 mod pretokenize;
 mod spec;
 mod special;

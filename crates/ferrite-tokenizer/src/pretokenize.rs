@@ -7,7 +7,7 @@
 use crate::TokenizerError;
 use fancy_regex::Regex;
 
-const GPT2: &str = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+";
+pub(crate) const GPT2: &str = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+";
 
 const LLAMA3: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 
@@ -19,7 +19,7 @@ const GPT4O: &str = r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\
 
 const TEKKEN: &str = r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 
-const SINGLE_DIGITS: &str = r"\p{N}";
+pub(crate) const SINGLE_DIGITS: &str = r"\p{N}";
 
 /// DeepSeek LLM's letter class (cased letters), written as escapes so that no Unicode
 /// normalisation of this source file can change it.
@@ -163,6 +163,17 @@ impl PreTokenizer {
             },
             warning,
         ))
+    }
+
+    /// Explicit split stages (e.g. from a `tokenizer.json`).
+    pub(crate) fn from_patterns(patterns: &[String], ignore_merges: bool) -> Result<Self, TokenizerError> {
+        let stages = patterns
+            .iter()
+            .map(|pattern| {
+                Regex::new(pattern).map_err(|e| TokenizerError::Regex { pattern: pattern.clone(), message: e.to_string() })
+            })
+            .collect::<Result<_, _>>()?;
+        Ok(Self { stages, ignore_merges })
     }
 
     /// Splits `text` into words, as byte ranges in order. Both the matches of each stage and the

@@ -72,10 +72,20 @@ pub struct TokenizerSpec {
     pub scores: Vec<f32>,
     /// Per-token types; empty means every token is normal.
     pub token_types: Vec<TokenType>,
-    /// Byte-level BPE merges, `"left right"`, highest priority first.
+    /// Merges, `"left right"`, highest priority first: required for byte-level BPE; for
+    /// SentencePiece only used with `ranked_merges`.
     pub merges: Vec<String>,
+    /// SentencePiece vocabulary merged by the rank of `merges` instead of by `scores` (HF
+    /// `tokenizer.json` BPE with byte fallback). GGUF files (llama.cpp) always use the scores.
+    pub ranked_merges: bool,
     /// `tokenizer.ggml.pre`: names the pre-tokenizer split rules for byte-level BPE.
     pub pre_tokenizer: Option<String>,
+    /// Explicit split regexes for byte-level BPE (from a `tokenizer.json`), applied in order;
+    /// they take precedence over `pre_tokenizer`.
+    pub split_patterns: Option<Vec<String>>,
+    /// Look whole pre-tokenized words up before merging (HF `ignore_merges`); `None` follows the
+    /// named pre-tokenizer's rule.
+    pub ignore_merges: Option<bool>,
     pub bos_id: Option<u32>,
     pub eos_id: Option<u32>,
     pub unknown_id: Option<u32>,
@@ -99,7 +109,10 @@ impl TokenizerSpec {
             scores: Vec::new(),
             token_types: Vec::new(),
             merges: Vec::new(),
+            ranked_merges: false,
             pre_tokenizer: None,
+            split_patterns: None,
+            ignore_merges: None,
             bos_id: None,
             eos_id: None,
             unknown_id: None,

@@ -2,15 +2,21 @@
 //! merging the adjacent pair whose concatenation is the vocabulary token with the highest score.
 //! Characters that never become a token are written as `<0xNN>` byte tokens (byte fallback), or
 //! as the unknown token when the vocabulary has no byte tokens.
+//!
+//! Vocabularies from a Hugging Face `tokenizer.json` carry ranked merges instead of scores (HF's
+//! BPE with `byte_fallback`): then only listed pairs merge, the lowest rank first — the same loop
+//! with the pair's rank as its priority.
 
 use crate::spec::TokenType;
 use crate::vocab::{Vocab, SPM_SPACE};
 use crate::TokenizerError;
 use std::cmp::Ordering;
-use std::collections::BinaryHeap;
+use std::collections::{BinaryHeap, HashMap};
 
 pub(crate) struct SentencePieceEncoder {
     scores: Vec<f32>,
+    /// (left, right) token pair -> merge rank, when the vocabulary has ranked merges.
+    ranks: Option<HashMap<(u32, u32), u32>>,
     byte_tokens: [Option<u32>; 256],
     unknown: Option<u32>,
 }
@@ -58,12 +64,33 @@ impl PartialEq for Candidate {
 impl Eq for Candidate {}
 
 impl SentencePieceEncoder {
+    /// With `merges` (`"left right"`, best first) the merge order is their rank and `scores` may
+    /// be empty; otherwise every token needs a score.
     pub(crate) fn new(
         vocab: &Vocab,
         scores: Vec<f32>,
+        merges: &[String],
         byte_tokens: [Option<u32>; 256],
         unknown: Option<u32>,
     ) -> Result<Self, TokenizerError> {
+        if !merges.is_empty() {
+            if merges.len() >= 1 << 24 {
+                return Err(TokenizerError::LengthMismatch { what: "tokenizer merges (at most 2^24)", found: merges.len(), expected: 1 << 24 });
+            }
+            let mut ranks = HashMap::with_capacity(merges.len());
+            for (index, merge) in merges.iter().enumerate() {
+                let bad = |reason: String| TokenizerError::BadMerge { index, merge: merge.clone(), reason };
+                let (left, right) = merge.split_once(' ').ok_or_else(|| bad("expected two tokens separated by a space".into()))?;
+                let token = |text: &str| vocab.id(text).ok_or_else(|| bad(format!("`{text}` is not in the vocabulary")));
+                let pair = (token(left)?, token(right)?);
+                if vocab.id(&format!("{left}{right}")).is_none() {
+                    return Err(bad("the merged token is not in the vocabulary".into()));
+                }
+                // A repeated pair keeps its first (best) rank.
+                ranks.entry(pair).or_insert(index as u32);
+            }
+            return Ok(Self { scores, ranks: Some(ranks), byte_tokens, unknown });
+        }
         if scores.len() != vocab.len() {
             return Err(TokenizerError::LengthMismatch {
                 what: "tokenizer.ggml.scores",
@@ -73,6 +100,7 @@ impl SentencePieceEncoder {
         }
         Ok(Self {
             scores,
+            ranks: None,
             byte_tokens,
             unknown,
         })
@@ -161,14 +189,27 @@ impl SentencePieceEncoder {
             return;
         }
         let (start, end) = (symbols[left].start, symbols[right].end);
-        if let Some(id) = mergeable_token(vocab, &text[start..end]) {
-            heap.push(Candidate {
-                score: self.scores[id as usize],
-                left,
-                right,
-                len: end - start,
-            });
-        }
+        let Some(id) = mergeable_token(vocab, &text[start..end]) else {
+            return;
+        };
+        let score = match &self.ranks {
+            None => self.scores[id as usize],
+            Some(ranks) => {
+                let mid = symbols[right].start;
+                let pair = vocab.id(&text[start..mid]).zip(vocab.id(&text[mid..end]));
+                // Ranks stay below 2^24, so they are exact as f32; lower rank first.
+                match pair.and_then(|p| ranks.get(&p)) {
+                    Some(&rank) => -(rank as f32),
+                    None => return,
+                }
+            }
+        };
+        heap.push(Candidate {
+            score,
+            left,
+            right,
+            len: end - start,
+        });
     }
 
     fn push_fallback(&self, piece: &str, out: &mut Vec<u32>) -> Result<(), TokenizerError> {

@@ -46,7 +46,7 @@ pub struct Tokenizer {
     add_eos: bool,
     add_space_prefix: bool,
     chat_template: Option<String>,
-    warnings: Vec<String>,
+    pub(crate) warnings: Vec<String>,
 }
 
 impl Tokenizer {
@@ -83,8 +83,13 @@ impl Tokenizer {
         let mut warnings = Vec::new();
         let encoder = match spec.model {
             TokenizerModel::BytePairGpt2 => {
-                let (pre_tokenizer, warning) =
-                    PreTokenizer::for_name(spec.pre_tokenizer.as_deref())?;
+                let (pre_tokenizer, warning) = match &spec.split_patterns {
+                    Some(patterns) => (
+                        PreTokenizer::from_patterns(patterns, spec.ignore_merges.unwrap_or(false))?,
+                        None,
+                    ),
+                    None => PreTokenizer::for_name(spec.pre_tokenizer.as_deref())?,
+                };
                 warnings.extend(warning);
                 Encoder::BytePair(BytePairEncoder::new(
                     &vocab,
@@ -96,6 +101,7 @@ impl Tokenizer {
             TokenizerModel::SentencePiece => Encoder::SentencePiece(SentencePieceEncoder::new(
                 &vocab,
                 spec.scores,
+                if spec.ranked_merges { &spec.merges } else { &[] },
                 byte_tokens,
                 unknown,
             )?),
@@ -161,6 +167,17 @@ impl Tokenizer {
         }
         if add_special && self.add_eos {
             ids.extend(self.eos);
+        }
+        Ok(ids)
+    }
+
+    /// Encodes a prompt rendered by the chat template: as `encode(text, true)`, except that BOS is
+    /// not added a second time when the template already wrote it (most templates start with
+    /// `{{ bos_token }}`), as llama.cpp does.
+    pub fn encode_chat(&self, text: &str) -> Result<Vec<u32>, TokenizerError> {
+        let mut ids = self.encode(text, true)?;
+        if self.add_bos && self.bos.is_some() && ids.len() >= 2 && ids[0] == ids[1] && Some(ids[0]) == self.bos {
+            ids.remove(0);
         }
         Ok(ids)
     }

@@ -1,7 +1,7 @@
 use super::common::{load_model, ModelArgs, SamplingArgs};
 use anyhow::Result;
 use clap::Args;
-use ferrite_tokenizer::{ChatTemplate, Message, StreamDecoder};
+use ferrite_tokenizer::{Message, StreamDecoder};
 use std::io::{BufRead, Write};
 
 #[derive(Args)]
@@ -22,7 +22,7 @@ pub fn run(args: ChatArgs) -> Result<()> {
     let params = args.sampling.params()?;
     let loaded = load_model(&args.model)?;
     let tok = loaded.tokenizer()?;
-    let template = ChatTemplate::from_gguf(&loaded.model.file.metadata)?;
+    let template = tok.chat_template()?;
     if template.is_none() {
         eprintln!("note: the model has no chat template; using a plain `role: text` layout");
     }
@@ -50,7 +50,7 @@ pub fn run(args: ChatArgs) -> Result<()> {
             Some(t) => t.apply(&messages, true)?,
             None => messages.iter().map(|m| format!("{}: {}\n", m.role, m.content)).collect::<String>() + "assistant:",
         };
-        let ids = tok.encode(&prompt, true)?;
+        let ids = if template.is_some() { tok.encode_chat(&prompt)? } else { tok.encode(&prompt, true)? };
         if ids.len() + 1 >= session.context_len() {
             eprintln!("the conversation ({} tokens) no longer fits the context; use /reset", ids.len());
             messages.pop();

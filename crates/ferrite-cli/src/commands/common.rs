@@ -82,8 +82,8 @@ pub fn init_threads(threads: Option<usize>) {
 
 pub struct Loaded {
     pub model: Arc<Model>,
-    /// The tokenizer, or why the model has none (e.g. a safetensors folder: `info` and `bench`
-    /// work without one).
+    /// The tokenizer, or why the model has none (e.g. a safetensors folder without
+    /// tokenizer.json: `info` and `bench` work without one).
     tokenizer: Result<Tokenizer, String>,
 }
 
@@ -91,7 +91,9 @@ pub fn load_model(args: &ModelArgs) -> Result<Loaded> {
     init_threads(args.threads);
     let path = model_path::resolve(args.model.as_deref())?;
     let model = Model::load(&path, FusionOptions::from_env()).with_context(|| format!("loading {}", path.display()))?;
-    let tokenizer = Tokenizer::from_gguf(&model.file.metadata).map_err(|e| format!("this model has no usable tokenizer: {e}"));
+    // HF folders carry their tokenizer in tokenizer.json (+ tokenizer_config.json), GGUF files in metadata.
+    let tokenizer = if ferrite_model::hf::is_hf_dir(&path) { Tokenizer::from_hf_dir(&path) } else { Tokenizer::from_gguf(&model.file.metadata) }
+        .map_err(|e| format!("this model has no usable tokenizer: {e}"));
     for w in tokenizer.iter().flat_map(|t| t.warnings()) {
         eprintln!("warning: {w}");
     }

@@ -1,7 +1,7 @@
 use super::common::{load_model, ModelArgs, SamplingArgs};
 use anyhow::{bail, Result};
 use clap::Args;
-use ferrite_tokenizer::{ChatTemplate, Message, StreamDecoder};
+use ferrite_tokenizer::{Message, StreamDecoder};
 use std::io::Write;
 
 #[derive(Args)]
@@ -27,14 +27,12 @@ pub fn run(args: RunArgs) -> Result<()> {
     let params = args.sampling.params()?;
     let loaded = load_model(&args.model)?;
     let tok = loaded.tokenizer()?;
-    let text = if args.chat {
-        let tmpl = ChatTemplate::from_gguf(&loaded.model.file.metadata)?
-            .ok_or_else(|| anyhow::anyhow!("--chat: this model has no chat template"))?;
-        tmpl.apply(&[Message { role: "user".into(), content: args.prompt.clone() }], true)?
+    let ids = if args.chat {
+        let tmpl = tok.chat_template()?.ok_or_else(|| anyhow::anyhow!("--chat: this model has no chat template"))?;
+        tok.encode_chat(&tmpl.apply(&[Message { role: "user".into(), content: args.prompt.clone() }], true)?)?
     } else {
-        args.prompt.clone()
+        tok.encode(&args.prompt, true)?
     };
-    let ids = tok.encode(&text, true)?;
     if ids.is_empty() {
         bail!("the prompt is empty after tokenization");
     }

@@ -6,7 +6,7 @@ use std::path::PathBuf;
 
 #[derive(Args)]
 pub struct SynthArgs {
-    /// Model shape: smollm2-135m, llama-3.2-1b, llama-3.1-8b or qwen3-8b.
+    /// Model shape: smollm2-135m, llama-3.2-1b, llama-3.1-8b, gemma3-270m or qwen3-8b.
     #[arg(long)]
     pub shape: String,
     /// Weight type of the matrices: Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K, F16, BF16, F32.

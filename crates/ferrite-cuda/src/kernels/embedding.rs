@@ -17,6 +17,9 @@ device_params! {
         pub error_flag: u64,
         pub vocab: u32,
         pub dim: u32,
+        /// Multiplies every value (1 for a plain lookup).
+        pub scale: f32,
+        pub pad: u32,
     }
 }
 
@@ -33,7 +36,12 @@ extern "C" __global__ void embed(const EmbedParams p) {
     for (u32 c = threadIdx.x; c < p.dim; c += blockDim.x) out[c] = QNAN;
     return;
   }
-  dequant_row(w, (i64)id, threadIdx.x, blockDim.x, [&](i64 c, float v) { out[c] = v; });
+  const float scale = p.scale;
+  if (scale == 1.0f) {
+    dequant_row(w, (i64)id, threadIdx.x, blockDim.x, [&](i64 c, float v) { out[c] = v; });
+  } else {
+    dequant_row(w, (i64)id, threadIdx.x, blockDim.x, [&](i64 c, float v) { out[c] = v * scale; });
+  }
 }
 "#;
 

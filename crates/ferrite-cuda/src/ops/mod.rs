@@ -76,9 +76,24 @@ pub fn embed(
     n_tokens: usize,
     out: &mut impl DevicePtrMut<f32>,
 ) -> Result<(), CudaError> {
+    embed_scaled(gpu, table, ids, n_tokens, 1.0, out)
+}
+
+/// [`embed`] with every value multiplied by `scale` (Gemma's `sqrt(n_embd)`; 1 leaves the rows exact).
+pub fn embed_scaled(
+    gpu: &Gpu,
+    table: &DeviceWeight,
+    ids: &impl DevicePtr<u32>,
+    n_tokens: usize,
+    scale: f32,
+    out: &mut impl DevicePtrMut<f32>,
+) -> Result<(), CudaError> {
     const OP: &str = "embed";
     if n_tokens == 0 {
         return Ok(());
+    }
+    if !scale.is_finite() {
+        return Err(CudaError::invalid(OP, format!("scale {scale} is not finite")));
     }
     as_u32(OP, "n_tokens", n_tokens)?;
     check_len(OP, "ids", ids.len(), n_tokens)?;
@@ -95,6 +110,8 @@ pub fn embed(
         error_flag: gpu.error_flag_ptr(),
         vocab: as_u32(OP, "vocabulary", table.rows)?,
         dim: as_u32(OP, "dim", table.cols)?,
+        scale,
+        pad: 0,
     };
     gpu.launch(&variant, "embed", variant.launch_config(n_tokens), &params)
 }

@@ -1,7 +1,9 @@
 //! The dense pre-norm decoder shared by the Llama-like architectures (see `llama.rs`,
-//! `qwen3.rs`): per layer h += Wo · attn(rope(qk_norm?(Wqkv · norm(h) + bias?))) and
-//! h += Wdown · swiglu(Wgate_up · norm(h)). Each architecture file says which options it uses.
+//! `qwen3.rs`, `gemma3.rs`): per layer h += post_norm?(Wo · attn(rope(qk_norm?(Wqkv · norm(h) + bias?))))
+//! and h += post_norm?(Wdown · act(Wgate · norm(h)) * (Wup · norm(h))). Each architecture file says
+//! which options it uses.
 
+use crate::config::RopeConfig;
 use crate::graph::{AttentionShape, GraphBuilder, NormSpec, Op, Rows, ValueId, WeightId};
 use crate::{FusionOptions, Graph, ModelConfig, ModelError, WeightSet};
 use ferrite_gguf::GgufFile;
@@ -65,20 +67,86 @@ fn residual_linear(g: &mut GraphBuilder, x: ValueId, w: WeightId, residual: Valu
     out
 }
 
+/// `out = residual + post_norm(W · x)`: Gemma's norm on a block's output before the residual
+/// add. The norm sits between the linear and the add, so the add cannot be folded into the linear.
+struct PostNormResidual<'a> {
+    x: ValueId,
+    w: WeightId,
+    norm: NormSpec,
+    residual: ValueId,
+    name: &'a str,
+    width: usize,
+}
+
+fn post_norm_residual(g: &mut GraphBuilder, p: PostNormResidual) -> ValueId {
+    let proj = g.value(format!("{}.proj", p.name), p.width, Rows::Tokens);
+    g.push(Op::Linear { x: p.x, norm: None, w: p.w, bias: None, residual: None, out: proj, out_col: 0 });
+    let normed = g.value(format!("{}.post_norm", p.name), p.width, Rows::Tokens);
+    g.push(Op::RmsNorm { x: proj, norm: p.norm, out: normed });
+    let out = g.value(p.name, p.width, Rows::Tokens);
+    g.push(Op::Add { a: p.residual, b: normed, out });
+    out
+}
+
+/// The gate activation of the MLP: `act(gate) * up`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GatedActivation {
+    /// SwiGLU: `silu(gate) * up` (Llama, Qwen).
+    Silu,
+    /// GeGLU with the tanh approximation of GELU (Gemma).
+    GeluTanh,
+}
+
+/// The attention of one layer: its window (`None`: every earlier position) and its RoPE.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct LayerAttention {
+    pub window: Option<usize>,
+    pub rope: RopeConfig,
+}
+
 /// What distinguishes the architectures built by [`build`].
+#[derive(Clone, Debug, PartialEq)]
 pub struct DecoderOptions {
     /// Per-head RMSNorm of Q and K before RoPE (`attn_q_norm` / `attn_k_norm`, `head_dim` wide).
     pub qk_norm: bool,
+    /// RMSNorms of the attention and MLP outputs before their residual adds
+    /// (`post_attention_norm`, `post_ffw_norm`: Gemma 2/3).
+    pub post_norms: bool,
+    pub activation: GatedActivation,
+    /// Multiplies the token embeddings (Gemma: `sqrt(n_embd)`).
+    pub embed_scale: f32,
+    /// Multiplies q·k (usually `1 / sqrt(head_dim)`).
+    pub attention_scale: f32,
+    /// Window and RoPE of each layer (`n_layers` entries).
+    pub layers: Vec<LayerAttention>,
+}
+
+impl DecoderOptions {
+    /// The Llama layout: SwiGLU, no QK-norm or post-norms, every layer attends to the whole
+    /// context with the model's RoPE.
+    pub fn llama(cfg: &ModelConfig) -> Self {
+        Self {
+            qk_norm: false,
+            post_norms: false,
+            activation: GatedActivation::Silu,
+            embed_scale: 1.0,
+            attention_scale: 1.0 / (cfg.head_dim as f32).sqrt(),
+            layers: vec![LayerAttention { window: None, rope: cfg.rope }; cfg.n_layers],
+        }
+    }
 }
 
 pub fn build(cfg: &ModelConfig, file: &GgufFile, fusion: FusionOptions, opts: DecoderOptions) -> Result<(WeightSet, Graph), ModelError> {
+    if opts.layers.len() != cfg.n_layers {
+        return Err(ModelError::Config(format!("{} layer attention settings for {} layers", opts.layers.len(), cfg.n_layers)));
+    }
     let mut ws = WeightSet::default();
     let mut g = GraphBuilder::new();
     let (d, qw, kvw, ff) = (cfg.n_embd, cfg.q_width(), cfg.kv_width(), cfg.n_ff);
 
     let embd = ws.add(file, "token_embd.weight", cfg.vocab_size, d)?;
     let mut h = g.value("embd", d, Rows::Tokens);
-    g.push(Op::Embed { table: embd, out: h });
+    g.push(Op::Embed { table: embd, out: h, scale: opts.embed_scale });
 
     for l in 0..cfg.n_layers {
         let t = |s: &str| format!("blk.{l}.{s}");
@@ -99,12 +167,18 @@ pub fn build(cfg: &ModelConfig, file: &GgufFile, fusion: FusionOptions, opts: De
                 g.push(Op::HeadNorm { x: qkv, col, n_heads, norm: NormSpec { weight, eps: cfg.norm_eps } });
             }
         }
+        let LayerAttention { window, rope } = opts.layers[l];
         // Q and K heads are adjacent columns and rotate alike: one op for both.
-        g.push(Op::Rope { x: qkv, col: 0, n_heads: cfg.n_heads + cfg.n_kv_heads });
+        g.push(Op::Rope { x: qkv, col: 0, n_heads: cfg.n_heads + cfg.n_kv_heads, rope });
         let attn = g.value(t("attn"), qw, Rows::Tokens);
-        g.push(Op::Attention { layer: l, qkv, out: attn, window: None });
+        g.push(Op::Attention { layer: l, qkv, out: attn, window });
         let wo = ws.add(file, &t("attn_output.weight"), d, qw)?;
-        h = residual_linear(&mut g, attn, wo, h, fusion.residual_into_linear, &t("attn_out"), d);
+        h = if opts.post_norms {
+            let norm = NormSpec { weight: ws.add(file, &t("post_attention_norm.weight"), 1, d)?, eps: cfg.norm_eps };
+            post_norm_residual(&mut g, PostNormResidual { x: attn, w: wo, norm, residual: h, name: &t("attn_out"), width: d })
+        } else {
+            residual_linear(&mut g, attn, wo, h, fusion.residual_into_linear, &t("attn_out"), d)
+        };
 
         let ffn_norm = NormSpec { weight: ws.add(file, &t("ffn_norm.weight"), 1, d)?, eps: cfg.norm_eps };
         let gate = ws.add(file, &t("ffn_gate.weight"), ff, d)?;
@@ -113,9 +187,17 @@ pub fn build(cfg: &ModelConfig, file: &GgufFile, fusion: FusionOptions, opts: De
         let group = ProjectionGroup { x: h, norm: ffn_norm, parts: &[(gate, None), (up, None)], out: gate_up, normed_name: &t("ffn_norm") };
         projection_group(&mut g, &mut ws, group, fusion.gate_up, fold);
         let act = g.value(t("ffn_act"), ff, Rows::Tokens);
-        g.push(Op::SwiGlu { x: gate_up, out: act });
+        g.push(match opts.activation {
+            GatedActivation::Silu => Op::SwiGlu { x: gate_up, out: act },
+            GatedActivation::GeluTanh => Op::GeGlu { x: gate_up, out: act },
+        });
         let down = ws.add(file, &t("ffn_down.weight"), d, ff)?;
-        h = residual_linear(&mut g, act, down, h, fusion.residual_into_linear, &t("out"), d);
+        h = if opts.post_norms {
+            let norm = NormSpec { weight: ws.add(file, &t("post_ffw_norm.weight"), 1, d)?, eps: cfg.norm_eps };
+            post_norm_residual(&mut g, PostNormResidual { x: act, w: down, norm, residual: h, name: &t("out"), width: d })
+        } else {
+            residual_linear(&mut g, act, down, h, fusion.residual_into_linear, &t("out"), d)
+        };
         g.trace(h);
     }
 
@@ -141,7 +223,7 @@ pub fn build(cfg: &ModelConfig, file: &GgufFile, fusion: FusionOptions, opts: De
         n_heads: cfg.n_heads,
         n_kv_heads: cfg.n_kv_heads,
         head_dim: cfg.head_dim,
-        scale: 1.0 / (cfg.head_dim as f32).sqrt(),
+        scale: opts.attention_scale,
     };
-    Ok((ws, g.finish(logits, cfg.n_layers, attention, cfg.rope)))
+    Ok((ws, g.finish(logits, cfg.n_layers, attention)))
 }

@@ -6,5 +6,5 @@ use crate::{FusionOptions, Graph, ModelConfig, ModelError, WeightSet};
 use ferrite_gguf::GgufFile;
 
 pub fn build(cfg: &ModelConfig, file: &GgufFile, fusion: FusionOptions) -> Result<(WeightSet, Graph), ModelError> {
-    decoder::build(cfg, file, fusion, DecoderOptions { qk_norm: false })
+    decoder::build(cfg, file, fusion, DecoderOptions::llama(cfg))
 }

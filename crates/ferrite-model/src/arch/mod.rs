@@ -1,6 +1,7 @@
 //! One file per architecture: each turns a config and a GGUF file into weights and a graph.
 
 mod decoder;
+mod gemma3;
 mod llama;
 mod qwen3;
 
@@ -11,6 +12,7 @@ pub fn build(cfg: &ModelConfig, file: &GgufFile, fusion: FusionOptions) -> Resul
     let (weights, graph) = match cfg.arch {
         Arch::Llama | Arch::Qwen2 => llama::build(cfg, file, fusion)?,
         Arch::Qwen3 => qwen3::build(cfg, file, fusion)?,
+        Arch::Gemma3 => gemma3::build(cfg, file, fusion)?,
     };
     graph
         .validate(|w| weights.spec(w).rows)
