@@ -126,7 +126,10 @@ pub fn write(path: &Path, shape: &SynthShape, dtype: GgmlType, seed: u64, mut pr
     }
     let list = tensors(shape);
     for (name, dims) in &list {
-        w.add_tensor_info(name, dims, if dims.len() == 1 { GgmlType::F32 } else { dtype })?;
+        // Like llama.cpp's quantizer: rows that are not whole blocks of `dtype` (Gemma 3 270M's
+        // 640-wide rows under a 256-value k-quant) fall back to Q8_0.
+        let matrix_type = if dims[0] % dtype.block_size() as u64 == 0 { dtype } else { GgmlType::Q8_0 };
+        w.add_tensor_info(name, dims, if dims.len() == 1 { GgmlType::F32 } else { matrix_type })?;
     }
     let total = list.len();
     let mut done = 0;
@@ -220,6 +223,16 @@ mod tests {
         let windows: Vec<Option<usize>> = m.graph.ops.iter().filter_map(|o| if let Op::Attention { window, .. } = o { Some(*window) } else { None }).collect();
         assert_eq!(windows, [Some(512), Some(512), Some(512), Some(512), Some(512), None, Some(512)]);
         assert!(m.file.tensor("blk.6.post_ffw_norm.weight").is_some());
+    }
+
+    /// A k-quant whose blocks do not divide the rows: those tensors are written as Q8_0.
+    #[test]
+    fn ragged_rows_fall_back_to_q8_0() {
+        let s = SynthShape { name: "ragged", arch: "llama", n_layers: 1, n_embd: 96, n_heads: 2, n_kv_heads: 1, head_dim: 48, n_ff: 256, rope_theta: 1e4, context_length: 64, tied_embeddings: false };
+        let path = write_temp(&s, GgmlType::Q4_K, 3).unwrap();
+        let m = Model::load(&path, FusionOptions::ALL).unwrap();
+        assert_eq!(m.file.tensor("blk.0.ffn_up.weight").unwrap().dtype, GgmlType::Q8_0); // 96-wide rows
+        assert_eq!(m.file.tensor("blk.0.ffn_down.weight").unwrap().dtype, GgmlType::Q4_K); // 256-wide rows
     }
 
     /// A small custom shape written, reloaded and turned into a graph.

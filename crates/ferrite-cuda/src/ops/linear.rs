@@ -112,17 +112,20 @@ impl LinearOptions {
             found
         };
         let path = match pick(&env::CUDA_LINEAR, &["auto", "gemv", "gemm"]) {
+            Some(0) => LinearPath::Auto,
             Some(1) => LinearPath::Gemv,
             Some(2) => LinearPath::Gemm,
             _ => d.path,
         };
         let precision = match pick(&env::CUDA_GEMM_PRECISION, &["f32", "f16", "bf16"]) {
+            Some(0) => Precision::F32,
             Some(1) => Precision::F16,
             Some(2) => Precision::BF16,
             _ => d.precision,
         };
         let gemv_max_tokens = env::CUDA_GEMV_MAX_TOKENS.parse(d.gemv_max_tokens);
         let activations = match pick(&env::CUDA_GEMV_ACTIVATIONS, &["q8", "f32"]) {
+            Some(0) => GemvActivations::Q8,
             Some(1) => GemvActivations::F32,
             _ => d.activations,
         };
@@ -503,6 +506,30 @@ fn gemm(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Every spelled-out value selects its option, including the ones that are not the default.
+    /// (The only test of this crate's library that reads these switches.)
+    #[test]
+    fn switch_values_select_their_option() {
+        let with = |name: &str, value: &str| {
+            std::env::set_var(name, value);
+            let o = LinearOptions::from_env();
+            std::env::remove_var(name);
+            o
+        };
+        let precision = env::CUDA_GEMM_PRECISION.name;
+        assert_eq!(with(precision, "f32").precision, Precision::F32);
+        assert_eq!(with(precision, "F16").precision, Precision::F16);
+        assert_eq!(with(precision, "bf16").precision, Precision::BF16);
+        assert_eq!(with(precision, "fp8").precision, LinearOptions::default().precision);
+        let activations = env::CUDA_GEMV_ACTIVATIONS.name;
+        assert_eq!(with(activations, "f32").activations, GemvActivations::F32);
+        assert_eq!(with(activations, "q8").activations, GemvActivations::Q8);
+        let path = env::CUDA_LINEAR.name;
+        assert_eq!(with(path, "gemm").path, LinearPath::Gemm);
+        assert_eq!(with(path, "gemv").path, LinearPath::Gemv);
+        assert_eq!(with(path, "auto").path, LinearPath::Auto);
+    }
 
     #[test]
     fn plan_follows_tokens_and_switch() {
