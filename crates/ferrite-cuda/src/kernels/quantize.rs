@@ -47,10 +47,7 @@ extern "C" __global__ void __launch_bounds__(BLOCK_SIZE) quantize_q8(const Quant
   const u32 b = blockIdx.x * (BLOCK_SIZE / 32) + warp;
 #if PROLOGUE == 1
   __shared__ float scratch[32];
-  float ss = 0.f;
-  for (u32 i = threadIdx.x; i < p.cols; i += BLOCK_SIZE) ss += x[i] * x[i];
-  ss = block_sum(ss, scratch);
-  const float inv = 1.f / sqrtf(ss / (float)p.cols + p.eps);
+  const float inv = row_rms_inv(x, p.cols, p.eps, scratch);
 #endif
   if (b >= units) return;  // after the block-wide sum
   const u32 i = 32 * b + lane;
@@ -59,19 +56,8 @@ extern "C" __global__ void __launch_bounds__(BLOCK_SIZE) quantize_q8(const Quant
   const float g = reinterpret_cast<const float*>(p.norm_weight)[i];
   v = v * inv * (p.add_one ? 1.f + g : g);
 #endif
-  const bool nan = __any_sync(FULL_MASK, v != v);
-  const float amax = warp_max(fabsf(v));
-  const float inv_d = amax > 0.f ? 127.f / amax : 0.f;
-  const int q = nan ? 0 : __float2int_rn(v * inv_d);
-  reinterpret_cast<i8*>(p.xq)[row * p.cols + i] = (i8)q;
-  int s = q;  // code sums of each half: lanes 0..15 and 16..31
-#pragma unroll
-  for (int o = 8; o > 0; o >>= 1) s += __shfl_xor_sync(FULL_MASK, s, o);
-  const int s_hi = __shfl_sync(FULL_MASK, s, 16);
-  if (lane == 0) {
-    reinterpret_cast<uint2*>(p.xs)[row * units + b] =
-        make_uint2(__float_as_uint(nan ? QNAN : amax / 127.f), ((u32)s & 0xffffu) | ((u32)s_hi << 16));
-  }
+  quantize_block_warp(v, lane, reinterpret_cast<i8*>(p.xq) + row * p.cols + 32 * b,
+                      reinterpret_cast<uint2*>(p.xs) + row * units + b);
 }
 "#;
 
