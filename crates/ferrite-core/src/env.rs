@@ -105,6 +105,9 @@ switches! {
         "1 runs RMSNorm as its own op instead of folding it into the next projection's prologue.");
     DISABLE_RESIDUAL_FUSION = ("FERRITE_DISABLE_RESIDUAL_FUSION", "0", AbTest,
         "1 runs the residual add as its own op instead of the output/down projection's epilogue.");
+    /// Fusion of the MLP activation into the gate/up linear.
+    DISABLE_GLU_FUSION = ("FERRITE_DISABLE_GLU_FUSION", "0", AbTest,
+        "1 keeps SwiGLU/GeGLU as a separate op after the fused gate/up projection instead of its epilogue.");
     DISABLE_CUDA_GRAPH = ("FERRITE_DISABLE_CUDA_GRAPH", "0", AbTest,
         "1 launches every decode op separately instead of replaying the decode step captured as a CUDA graph.");
     CUDA_KV_DTYPE = ("FERRITE_CUDA_KV_DTYPE", "f16", Stable,

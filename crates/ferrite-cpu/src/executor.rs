@@ -7,7 +7,7 @@
 use crate::kernels::{self, activation, attention::AttentionParams, norm, rope::Rope, WeightView};
 use anyhow::{anyhow, bail, Context};
 use ferrite_gguf::TensorInfo;
-use ferrite_model::graph::{NormSpec, Op, ValueId, WeightId};
+use ferrite_model::graph::{GatedActivation, NormSpec, Op, ValueId, WeightId};
 use ferrite_model::planner::{self, Plan};
 use ferrite_model::profile::OpProfile;
 use ferrite_model::{Executor, ExecutorOptions, LayerTrace, LoadProgress, Model, RopeConfig, RopeStyle};
@@ -231,6 +231,27 @@ impl CpuExecutor {
                         }
                     }
                 }
+                Op::GatedLinear { x, norm, w, act, .. } => {
+                    // The projection into scratch, then `act(gate) * up` row by row: the same
+                    // arithmetic as a Linear followed by a SwiGlu/GeGlu op.
+                    let spec = model.weights.spec(w);
+                    let (r, xw, half) = (rows(x), width(x), spec.rows / 2);
+                    let xs = &mut buf.scratch;
+                    let xin: &[f32] = match norm {
+                        Some(nm) => {
+                            xs.resize(r * xw, 0.0);
+                            self.rms_norm(nm, input(x), xs);
+                            xs
+                        }
+                        None => input(x),
+                    };
+                    let tmp = &mut buf.scratch2;
+                    tmp.resize(r * spec.rows, 0.0);
+                    self.matmul(w, xin, r, tmp)?;
+                    for (t, row) in tmp.chunks(spec.rows).enumerate() {
+                        gated_activation(act)(&row[..half], &row[half..], &mut out[t * half..(t + 1) * half]);
+                    }
+                }
                 Op::Rope { x, col, n_heads, ref rope } => {
                     // In place: `out` *is* x's buffer.
                     let w = width(x);
@@ -289,10 +310,10 @@ impl CpuExecutor {
                     );
                 }
                 Op::SwiGlu { x, .. } | Op::GeGlu { x, .. } => {
-                    let act = match op {
-                        Op::SwiGlu { .. } => activation::swiglu,
-                        _ => activation::geglu_tanh,
-                    };
+                    let act = gated_activation(match op {
+                        Op::SwiGlu { .. } => GatedActivation::Silu,
+                        _ => GatedActivation::GeluTanh,
+                    });
                     let (w2, src) = (width(x), input(x));
                     let w = w2 / 2;
                     for t in 0..rows(x) {
@@ -405,5 +426,13 @@ impl Drop for CpuExecutor {
         if let Some(p) = &self.buf.profile {
             eprint!("{}", p.report(&self.describe()));
         }
+    }
+}
+
+/// The kernel of a gated MLP activation: `out = act(gate) * up`.
+fn gated_activation(act: GatedActivation) -> fn(&[f32], &[f32], &mut [f32]) {
+    match act {
+        GatedActivation::Silu => activation::swiglu,
+        GatedActivation::GeluTanh => activation::geglu_tanh,
     }
 }

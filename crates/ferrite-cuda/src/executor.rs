@@ -13,7 +13,7 @@ use anyhow::{anyhow, bail, Context};
 use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
 use cudarc::driver::{CudaGraph, CudaSlice};
 use ferrite_core::env;
-use ferrite_model::graph::{Op, ValueId, WeightId};
+use ferrite_model::graph::{GatedActivation, Op, ValueId, WeightId};
 use ferrite_model::planner::{self, Plan};
 use ferrite_model::profile::OpProfile;
 use ferrite_model::{DeviceSampling, Executor, ExecutorOptions, HardwareCeilings, LayerTrace, LoadProgress, Model, RopeStyle};
@@ -235,7 +235,7 @@ impl CudaExecutor {
                 let (r, xw, ow) = (rows(x), width(x), width(op.writes()));
                 let prologue = norm.map(|nm| ops::NormPrologue { weight: vector(nm.weight), eps: nm.eps, add_one: false });
                 ops::quantize_q8(gpu, input(x), r, xw, prologue, &mut buf.q8)?;
-                let epilogue = ops::Epilogue { bias: bias.map(vector), residual: residual.map(input) };
+                let epilogue = ops::Epilogue { bias: bias.map(vector), residual: residual.map(input), glu: None };
                 ops::linear_q8(gpu, matrix(w), &buf.q8, r, out, ow, out_col, &epilogue)?;
             }
             Op::Linear { x, norm, w, bias, residual, out_col, .. } => {
@@ -308,26 +308,32 @@ impl CudaExecutor {
                 }
             }
             Op::SwiGlu { x, .. } | Op::GeGlu { x, .. } => {
-                let swiglu = matches!(op, Op::SwiGlu { .. });
-                let (w2, r) = (width(x), rows(x));
-                let w = w2 / 2;
-                let src = input(x);
-                if r == 1 {
-                    // The gate and up halves of the single row, as views.
-                    let (gate, up) = (src.slice(0..w), src.slice(w..w2));
-                    if swiglu {
-                        ops::swiglu(gpu, &gate, &up, w, out)?;
-                    } else {
-                        ops::geglu(gpu, &gate, &up, w, out)?;
-                    }
+                let glu = if matches!(op, Op::SwiGlu { .. }) { ops::Glu::SwiGlu } else { ops::Glu::GeGlu };
+                gated_rows(gpu, input(x), rows(x), width(x) / 2, glu, out, &mut buf.scratch_a, &mut buf.scratch_b)?;
+            }
+            Op::GatedLinear { x, norm, w, act, .. } => {
+                let glu = match act {
+                    GatedActivation::Silu => ops::Glu::SwiGlu,
+                    GatedActivation::GeluTanh => ops::Glu::GeGlu,
+                };
+                let (r, xw, half) = (rows(x), width(x), width(op.writes()));
+                if ops::linear_plan(matrix(w).dtype, xw, r, &gpu.linear_options()) == ops::LinearPlan::GemvQ8 {
+                    // Quantize (+ norm), then one GEMV whose epilogue applies the activation.
+                    let prologue = norm.map(|nm| ops::NormPrologue { weight: vector(nm.weight), eps: nm.eps, add_one: false });
+                    ops::quantize_q8(gpu, input(x), r, xw, prologue, &mut buf.q8)?;
+                    let epilogue = ops::Epilogue { glu: Some(glu), ..Default::default() };
+                    ops::linear_q8(gpu, matrix(w), &buf.q8, r, out, half, 0, &epilogue)?;
                 } else {
-                    ops::copy_cols(gpu, src, w2, 0, &mut buf.scratch_a, w, 0, w, r)?;
-                    ops::copy_cols(gpu, src, w2, w, &mut buf.scratch_b, w, 0, w, r)?;
-                    if swiglu {
-                        ops::swiglu(gpu, &buf.scratch_a, &buf.scratch_b, r * w, out)?;
-                    } else {
-                        ops::geglu(gpu, &buf.scratch_a, &buf.scratch_b, r * w, out)?;
-                    }
+                    // Other paths: the projection into scratch, then the activation kernel.
+                    let x_in = match norm {
+                        Some(nm) => {
+                            ops::rms_norm(gpu, input(x), vector(nm.weight), nm.eps, r, xw, false, &mut buf.scratch_a)?;
+                            &buf.scratch_a
+                        }
+                        None => input(x),
+                    };
+                    ops::linear(gpu, matrix(w), x_in, r, &mut buf.scratch_c)?;
+                    gated_rows(gpu, &buf.scratch_c, r, half, glu, out, &mut buf.scratch_a, &mut buf.scratch_b)?;
                 }
             }
             Op::Add { a, b, .. } => {
@@ -454,6 +460,31 @@ impl Drop for CudaExecutor {
             eprint!("{}", p.report(&self.describe()));
         }
     }
+}
+
+/// `out[t] = act(src[t, ..half]) * src[t, half..]` for `r` rows of `2 * half`: views of the one
+/// row when `r == 1`, else the halves gathered into the two scratch buffers first.
+#[allow(clippy::too_many_arguments)]
+fn gated_rows(
+    gpu: &Gpu,
+    src: &CudaSlice<f32>,
+    r: usize,
+    half: usize,
+    glu: ops::Glu,
+    out: &mut CudaSlice<f32>,
+    scratch_gate: &mut CudaSlice<f32>,
+    scratch_up: &mut CudaSlice<f32>,
+) -> Result<(), CudaError> {
+    let act = |gate: &_, up: &_, n, out: &mut CudaSlice<f32>| match glu {
+        ops::Glu::SwiGlu => ops::swiglu(gpu, gate, up, n, out),
+        ops::Glu::GeGlu => ops::geglu(gpu, gate, up, n, out),
+    };
+    if r == 1 {
+        return act(&src.slice(0..half), &src.slice(half..2 * half), half, out);
+    }
+    ops::copy_cols(gpu, src, 2 * half, 0, scratch_gate, half, 0, half, r)?;
+    ops::copy_cols(gpu, src, 2 * half, half, scratch_up, half, 0, half, r)?;
+    act(&scratch_gate.slice(0..r * half), &scratch_up.slice(0..r * half), r * half, out)
 }
 
 /// Open the CUDA executor, or explain why there is no usable GPU.

@@ -393,7 +393,7 @@ fn linear_q8_fuses_norm_bias_and_residual() {
         let prologue = ops::NormPrologue { weight: &upload(gpu, &g), eps: 1e-5, add_one: false };
         ops::quantize_q8(gpu, &upload(gpu, &x), n, cols, Some(prologue), &mut q8).unwrap();
         let (bias_d, res_d) = (upload(gpu, &bias), upload(gpu, &res));
-        let epilogue = ops::Epilogue { bias: Some(&bias_d), residual: Some(&res_d) };
+        let epilogue = ops::Epilogue { bias: Some(&bias_d), residual: Some(&res_d), glu: None };
         ops::linear_q8(gpu, &weight, &q8, n, &mut out, ld, col, &epilogue).unwrap();
         let got_all = download(gpu, &out);
         let mut got = Vec::new();
@@ -412,6 +412,49 @@ fn linear_q8_fuses_norm_bias_and_residual() {
             let mag: f64 = (0..cols).map(|c| (w[r * cols + c] * normed[t * cols + c]).abs() as f64).sum();
             q8_bound(&w[r * cols..(r + 1) * cols], &step[t * cols..(t + 1) * cols]) + 2e-5 * (mag + 4.0)
         });
+    }
+}
+
+/// The gated epilogue: a `[gate; up]` weight of 2h rows gives `act(gate . x) * (up . x)`, h wide.
+#[test]
+fn linear_q8_gated_epilogue_matches_cpu() {
+    let Some(gpu) = gpu() else { return };
+    let mut rng = Rng(43);
+    let silu = |v: f64| v / (1.0 + (-v).exp());
+    let gelu = |v: f64| 0.5 * v * (1.0 + (0.7978845608028654 * (v + 0.044715 * v * v * v)).tanh());
+    for (dtype, half, cols, n, glu) in [
+        (GgmlType::Q4_0, 96, 576, 1, ops::Glu::SwiGlu),
+        (GgmlType::Q4_K, 300, 1024, 3, ops::Glu::SwiGlu),
+        (GgmlType::Q8_0, 70, 512, 1, ops::Glu::GeGlu),
+        (GgmlType::Q6_K, 64, 512, 8, ops::Glu::GeGlu),
+    ] {
+        let rows = 2 * half;
+        let (bytes, w) = random_weight(&mut rng, dtype, rows, cols);
+        let weight = gpu.upload_weight(dtype, rows, cols, &bytes).unwrap();
+        let x = rng.vec(n * cols, -2.0, 2.0);
+        let mut q8 = ops::Q8Activations::new(gpu, n * cols).unwrap();
+        ops::quantize_q8(gpu, &upload(gpu, &x), n, cols, None, &mut q8).unwrap();
+        let mut out = poisoned(gpu, n * half);
+        let epilogue = ops::Epilogue { glu: Some(glu), ..Default::default() };
+        ops::linear_q8(gpu, &weight, &q8, n, &mut out, half, 0, &epilogue).unwrap();
+        let step = q8_steps(&x, cols);
+        let (mut want, mut bound) = (Vec::new(), Vec::new());
+        for t in 0..n {
+            let xt = &x[t * cols..(t + 1) * cols];
+            let dot = |r: usize| -> f64 { (0..cols).map(|c| w[r * cols + c] as f64 * xt[c] as f64).sum() };
+            for r in 0..half {
+                let (g, u) = (dot(r), dot(half + r));
+                let (act, slope) = match glu {
+                    ops::Glu::SwiGlu => (silu(g), 1.1),
+                    ops::Glu::GeGlu => (gelu(g), 1.13),
+                };
+                want.push((act * u) as f32);
+                let eg = q8_bound(&w[r * cols..(r + 1) * cols], &step[t * cols..(t + 1) * cols]);
+                let eu = q8_bound(&w[(half + r) * cols..(half + r + 1) * cols], &step[t * cols..(t + 1) * cols]);
+                bound.push(slope * eg * (u.abs() + eu) + act.abs() * eu + 1e-5 * (act * u).abs() + 1e-6);
+            }
+        }
+        check("linear_q8", &format!("{dtype} [gate;up] {rows}x{cols} n={n} {glu:?}"), &download(gpu, &out), &want, |i| bound[i]);
     }
 }
 
@@ -870,6 +913,8 @@ fn every_kernel_variant_compiles_for_sm90() {
             {
                 let v = GemvQ8Variant { residual, bias, ..GemvQ8Variant::for_shape(dtype, rows, cols, n, 132) };
                 check(format!("{v:?}"), compile_variant(&v, "sm_90"));
+                let gated = GemvQ8Variant::for_gated(dtype, rows, cols, n, 132, 1 + (rows % 2) as u32);
+                check(format!("{gated:?}"), compile_variant(&gated, "sm_90"));
             }
         }
         for out in [OutType::F32, OutType::F16, OutType::BF16] {

@@ -96,7 +96,7 @@ impl TokenWork {
         let mut weight_bytes = 0;
         let mut linear_flops = 0.0;
         for op in &model.graph.ops {
-            if let Op::Linear { w, .. } = op {
+            if let Op::Linear { w, .. } | Op::GatedLinear { w, .. } = op {
                 let spec = model.weights.spec(*w);
                 weight_bytes += spec.rows * spec.dtype.row_bytes(spec.cols).unwrap_or(0);
                 linear_flops += 2.0 * (spec.rows * spec.cols) as f64;

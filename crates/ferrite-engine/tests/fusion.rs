@@ -39,12 +39,17 @@ fn fusion_options_change_the_graph() {
     let fused = smollm2(FusionOptions::ALL);
     let unfused = smollm2(FusionOptions::NONE);
     let count = |g: &ferrite_model::Graph, f: fn(&Op) -> bool| g.ops.iter().filter(|o| f(o)).count();
-    let linear = |o: &Op| matches!(o, Op::Linear { .. });
+    let linear = |o: &Op| matches!(o, Op::Linear { .. } | Op::GatedLinear { .. });
+    let gated = |o: &Op| matches!(o, Op::GatedLinear { .. });
+    let glu = |o: &Op| matches!(o, Op::SwiGlu { .. });
     let norm = |o: &Op| matches!(o, Op::RmsNorm { .. });
     let layers = fused.config.n_layers;
-    // Unfused: q, k, v, o, gate, up, down per layer + head; fused: qkv, o, gate_up, down + head.
+    // Unfused: q, k, v, o, gate, up, down per layer + head, and SwiGLU; fused: qkv, o,
+    // gate_up with SwiGLU in its epilogue, down + head.
     assert_eq!(count(&unfused.graph, linear), 7 * layers + 1);
     assert_eq!(count(&fused.graph, linear), 4 * layers + 1);
+    assert_eq!((count(&unfused.graph, gated), count(&unfused.graph, glu)), (0, layers));
+    assert_eq!((count(&fused.graph, gated), count(&fused.graph, glu)), (layers, 0));
     assert_eq!(count(&unfused.graph, norm), 2 * layers + 1);
     assert_eq!(count(&fused.graph, norm), 0);
 }

@@ -68,7 +68,7 @@ fn gemma3_matches_transformers() {
 /// GeGLU, post-norms, the embedding scale; fused and unfused graphs give bit-identical logits.
 #[test]
 fn gemma3_graph_and_fusion() {
-    use ferrite_model::graph::Op;
+    use ferrite_model::graph::{GatedActivation, Op};
     let path = workspace_root().join("fixtures/tiny/gemma3.gguf");
     let fused = Model::load(&path, FusionOptions::ALL).unwrap();
     let g = &fused.graph;
@@ -76,7 +76,8 @@ fn gemma3_graph_and_fusion() {
     assert_eq!(windows, [Some(4), Some(4), Some(4), Some(4), Some(4), None, Some(4)]);
     let thetas: Vec<f32> = g.ops.iter().filter_map(|o| if let Op::Rope { rope, .. } = o { Some(rope.theta) } else { None }).collect();
     assert_eq!(thetas, [1e4, 1e4, 1e4, 1e4, 1e4, 1e6, 1e4]);
-    assert_eq!(g.ops.iter().filter(|o| matches!(o, Op::GeGlu { .. })).count(), 7);
+    let geglu = |o: &&Op| matches!(o, Op::GatedLinear { act: GatedActivation::GeluTanh, .. });
+    assert_eq!(g.ops.iter().filter(geglu).count(), 7);
     assert!(matches!(g.ops[0], Op::Embed { scale, .. } if scale == 8.0));
     assert_eq!(g.attention.scale, 1.0 / 32f32.sqrt());
     // Post-norms (2 per layer) stay separate ops even with every fusion on.

@@ -13,11 +13,16 @@ pub struct FusionOptions {
     pub norm_into_linear: bool,
     /// Residual add folded into the epilogue of the output/down projections.
     pub residual_into_linear: bool,
+    /// The MLP's gate activation (SwiGLU/GeGLU) folded into the epilogue of the fused gate/up
+    /// linear (needs `gate_up`).
+    pub glu_into_linear: bool,
 }
 
 impl FusionOptions {
-    pub const ALL: Self = Self { qkv: true, gate_up: true, norm_into_linear: true, residual_into_linear: true };
-    pub const NONE: Self = Self { qkv: false, gate_up: false, norm_into_linear: false, residual_into_linear: false };
+    pub const ALL: Self =
+        Self { qkv: true, gate_up: true, norm_into_linear: true, residual_into_linear: true, glu_into_linear: true };
+    pub const NONE: Self =
+        Self { qkv: false, gate_up: false, norm_into_linear: false, residual_into_linear: false, glu_into_linear: false };
 
     /// All fusions on, except those disabled by `FERRITE_DISABLE_*_FUSION=1`.
     pub fn from_env() -> Self {
@@ -26,6 +31,7 @@ impl FusionOptions {
             gate_up: !env::DISABLE_GATE_UP_FUSION.flag(false),
             norm_into_linear: !env::DISABLE_NORM_FUSION.flag(false),
             residual_into_linear: !env::DISABLE_RESIDUAL_FUSION.flag(false),
+            glu_into_linear: !env::DISABLE_GLU_FUSION.flag(false),
         }
     }
 }

@@ -40,6 +40,15 @@ impl ValueInfo {
     }
 }
 
+/// The gate activation of a gated MLP: `act(gate) * up`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GatedActivation {
+    /// SwiGLU: `silu(gate) * up` (Llama, Qwen).
+    Silu,
+    /// GeGLU with the tanh approximation of GELU (Gemma).
+    GeluTanh,
+}
+
 /// An RMSNorm folded into the prologue of the op that consumes its output.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct NormSpec {
@@ -77,6 +86,10 @@ pub enum Op {
     SwiGlu { x: ValueId, out: ValueId },
     /// `out = gelu_tanh(x[:, ..w]) * x[:, w..]` where `x` is `[gate | up]`, `2w` wide (Gemma).
     GeGlu { x: ValueId, out: ValueId },
+    /// The gate/up projection with its activation folded into the epilogue (declared by the
+    /// `glu_into_linear` fusion): `[gate | up] = norm?(x) · wᵀ`, `out = act(gate) * up`, where
+    /// `w` is the fused gate+up weight and `out` is half its rows wide.
+    GatedLinear { x: ValueId, norm: Option<NormSpec>, w: WeightId, act: GatedActivation, out: ValueId },
     /// `out = a + b`.
     Add { a: ValueId, b: ValueId, out: ValueId },
     /// `out = x[last row]`.
@@ -93,6 +106,7 @@ impl Op {
             | Op::GeGlu { x, .. }
             | Op::LastRow { x, .. }
             | Op::Rope { x, .. }
+            | Op::GatedLinear { x, .. }
             | Op::HeadNorm { x, .. } => vec![x],
             Op::Linear { x, residual, .. } => std::iter::once(x).chain(residual).collect(),
             Op::Attention { qkv, .. } => vec![qkv],
@@ -106,6 +120,7 @@ impl Op {
             Op::Embed { out, .. }
             | Op::RmsNorm { out, .. }
             | Op::Linear { out, .. }
+            | Op::GatedLinear { out, .. }
             | Op::Attention { out, .. }
             | Op::SwiGlu { out, .. }
             | Op::GeGlu { out, .. }
@@ -121,6 +136,8 @@ impl Op {
             Op::RmsNorm { .. } => "rms_norm",
             Op::Linear { norm: Some(_), .. } => "norm+linear",
             Op::Linear { .. } => "linear",
+            Op::GatedLinear { norm: Some(_), .. } => "norm+gated_linear",
+            Op::GatedLinear { .. } => "gated_linear",
             Op::Rope { .. } => "rope",
             Op::HeadNorm { .. } => "head_norm",
             Op::Attention { .. } => "attention",
@@ -172,6 +189,11 @@ impl Graph {
                 let width = self.value(*out).width;
                 if out_col + weight_rows(*w) > width {
                     return Err(format!("op {i}: linear output columns exceed `{}`", self.value(*out).name));
+                }
+            }
+            if let Op::GatedLinear { w, out, .. } = op {
+                if weight_rows(*w) != 2 * self.value(*out).width {
+                    return Err(format!("op {i}: gated linear weight is not twice as tall as `{}`", self.value(*out).name));
                 }
             }
             written[op.writes().0 as usize] = true;

@@ -149,6 +149,10 @@ impl WeightSet {
                     ids.extend(norm.map(|n| n.weight));
                     ids.extend(*bias);
                 }
+                Op::GatedLinear { norm, w, .. } => {
+                    ids.push(*w);
+                    ids.extend(norm.map(|n| n.weight));
+                }
                 _ => {}
             }
         }

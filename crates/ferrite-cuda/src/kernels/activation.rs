@@ -42,13 +42,6 @@ device_params! {
 const SOURCE: &str = r#"
 #define GRID_STRIDE(i, n) for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < (i64)(n); i += (i64)gridDim.x * blockDim.x)
 
-__device__ __forceinline__ float silu(float x) { return x / (1.f + expf(-x)); }
-// GELU, tanh approximation (PyTorch's approximate="tanh", used by Gemma's GeGLU), written as
-// x * sigmoid(2z) = x * (1 + tanh z) / 2: no cancellation in 1 + tanh z for negative x.
-__device__ __forceinline__ float gelu_tanh(float x) {
-  const float z2 = 1.5957691216057308f * (x + 0.044715f * x * x * x);
-  return x / (1.f + expf(-z2));
-}
 
 // out = silu(gate) * up (out may alias either input)
 extern "C" __global__ void swiglu(const ElementwiseParams p) {

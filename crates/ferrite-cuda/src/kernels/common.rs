@@ -66,6 +66,14 @@ __device__ float block_sum(float v, float* scratch) {
   return warp_sum(lane < nwarps ? scratch[lane] : 0.f);
 }
 
+__device__ __forceinline__ float silu(float x) { return x / (1.f + expf(-x)); }
+// GELU, tanh approximation (PyTorch's approximate="tanh", used by Gemma's GeGLU), written as
+// x * sigmoid(2z) = x * (1 + tanh z) / 2: no cancellation in 1 + tanh z for negative x.
+__device__ __forceinline__ float gelu_tanh(float x) {
+  const float z2 = 1.5957691216057308f * (x + 0.044715f * x * x * x);
+  return x / (1.f + expf(-z2));
+}
+
 // Programmatic dependent launch (Hopper, see `Gpu::launch`): a kernel may be scheduled while the
 // previous kernel of the stream is still running. `pdl_wait` blocks until that kernel has
 // finished and its writes are visible, so every kernel calls it before it reads an activation

@@ -88,6 +88,21 @@ const SOURCE_Q8: &str = r#"
 #ifndef BIAS
 #error "BIAS (0/1: add a bias in the epilogue) must come from the kernel variant"
 #endif
+#ifndef GLU
+#error "GLU (0 none, 1 SwiGLU, 2 GeGLU over [gate | up] weight rows) must come from the kernel variant"
+#endif
+
+// Accumulators per lane group: ROWS output rows, or with GLU their gate rows then their up rows
+// (the fused weight is [gate; up], p.rows output rows each).
+#if GLU
+#define WROWS (2 * ROWS)
+#else
+#define WROWS ROWS
+#endif
+__device__ __forceinline__ i64 weight_row(const GemvQ8Params& p, i64 row0, int i) {
+  const i64 row = min(row0 + i % ROWS, (i64)p.rows - 1);  // past the end: a safe re-read
+  return GLU && i >= ROWS ? (i64)p.rows + row : row;
+}
 
 __device__ __forceinline__ void store_q8(const GemvQ8Params& p, i64 row, int tok, float s) {
   if (row >= p.rows || tok >= (int)p.n_tokens) return;
@@ -109,9 +124,9 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32) gemv_q8(const GemvQ8Pa
   const int4* xq = reinterpret_cast<const int4*>(p.xq);
   const uint2* xs = reinterpret_cast<const uint2*>(p.xs);
 
-  float acc[ROWS][NTOK];
+  float acc[WROWS][NTOK];
 #pragma unroll
-  for (int r = 0; r < ROWS; ++r)
+  for (int r = 0; r < WROWS; ++r)
 #pragma unroll
     for (int t = 0; t < NTOK; ++t) acc[r][t] = 0.f;
 
@@ -123,11 +138,11 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32) gemv_q8(const GemvQ8Pa
     for (int u0 = k; u0 < units; u0 += TPR * UNROLL) {
       // Issue all UNROLL x ROWS weight loads before any math, so that each lane keeps that many
       // bytes in flight. Indices past the end are clamped (a safe re-read, never used).
-      Unit wu[UNROLL][ROWS];
+      Unit wu[UNROLL][WROWS];
 #pragma unroll
       for (int j = 0; j < UNROLL; ++j)
 #pragma unroll
-        for (int r = 0; r < ROWS; ++r) load_unit(w, min(row0 + r, (i64)p.rows - 1), min(u0 + j * TPR, units - 1), wu[j][r]);
+        for (int r = 0; r < WROWS; ++r) load_unit(w, weight_row(p, row0, r), min(u0 + j * TPR, units - 1), wu[j][r]);
       if (!waited) {
         pdl_wait();
         pdl_release();
@@ -151,7 +166,7 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32) gemv_q8(const GemvQ8Pa
               const float dx = __uint_as_float(sc[j].x);
               const float sq0 = (float)(int)(short)(sc[j].y & 0xffffu), sq1 = (float)((int)sc[j].y >> 16);
 #pragma unroll
-              for (int r = 0; r < ROWS; ++r) acc[r][t] += unit_dot_q8(wu[j][r], xa[j], xb[j], dx, sq0, sq1);
+              for (int r = 0; r < WROWS; ++r) acc[r][t] += unit_dot_q8(wu[j][r], xa[j], xb[j], dx, sq0, sq1);
             }
           }
         }
@@ -166,14 +181,27 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32) gemv_q8(const GemvQ8Pa
 
   // A group is TPR consecutive lanes of one warp: xor offsets below TPR stay inside it.
 #pragma unroll
-  for (int r = 0; r < ROWS; ++r)
+  for (int r = 0; r < WROWS; ++r)
 #pragma unroll
     for (int t = 0; t < NTOK; ++t) {
-      float v = acc[r][t];
 #pragma unroll
-      for (int o = TPR / 2; o > 0; o >>= 1) v += __shfl_xor_sync(FULL_MASK, v, o);
-      if (k == 0) store_q8(p, row0 + r, tok0 + t, v);
+      for (int o = TPR / 2; o > 0; o >>= 1) acc[r][t] += __shfl_xor_sync(FULL_MASK, acc[r][t], o);
     }
+  if (k == 0) {
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r)
+#pragma unroll
+      for (int t = 0; t < NTOK; ++t) {
+#if GLU == 1
+        const float v = silu(acc[r][t]) * acc[ROWS + r][t];
+#elif GLU == 2
+        const float v = gelu_tanh(acc[r][t]) * acc[ROWS + r][t];
+#else
+        const float v = acc[r][t];
+#endif
+        store_q8(p, row0 + r, tok0 + t, v);
+      }
+  }
 }
 "#;
 
@@ -315,6 +343,8 @@ pub struct GemvQ8Variant {
     pub ntok: u32,
     pub residual: bool,
     pub bias: bool,
+    /// Gated activation over `[gate; up]` weight rows: 0 none, 1 SwiGLU, 2 GeGLU.
+    pub glu: u32,
 }
 
 impl GemvQ8Variant {
@@ -350,7 +380,15 @@ impl GemvQ8Variant {
             ntok: ntok as u32,
             residual: false,
             bias: false,
+            glu: 0,
         }
+    }
+
+    /// [`Self::for_shape`] for a gated linear with `out_rows` outputs: each output reads a gate
+    /// and an up row, so half as many outputs per group keep the register budget.
+    pub fn for_gated(wtype: GgmlType, out_rows: usize, cols: usize, n_tokens: usize, sm_count: u32, glu: u32) -> Self {
+        let v = Self::for_shape(wtype, 2 * out_rows, cols, n_tokens, sm_count);
+        GemvQ8Variant { rows: (v.rows / 2).max(1), glu, ..v }
     }
 
     pub fn rows_per_block(&self) -> usize {
@@ -381,6 +419,7 @@ impl KernelVariant for GemvQ8Variant {
             ("NTOK", self.ntok.to_string()),
             ("RESIDUAL", u32::from(self.residual).to_string()),
             ("BIAS", u32::from(self.bias).to_string()),
+            ("GLU", self.glu.to_string()),
         ]
     }
 }

@@ -280,12 +280,21 @@ pub struct NormPrologue<'a> {
     pub add_one: bool,
 }
 
-/// What the int8 GEMV adds before storing: `out = x W^T + bias + residual`, the residual laid
-/// out like the output.
+/// The gated activation of a `[gate; up]` weight: `out = act(x gate^T) * (x up^T)`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Glu {
+    SwiGlu = 1,
+    GeGlu = 2,
+}
+
+/// What the int8 GEMV does before storing: `out = x W^T + bias + residual`, the residual laid
+/// out like the output; or, with `glu`, `out = act(gate) * up` over the two halves of `W`'s
+/// rows (no bias or residual then).
 #[derive(Clone, Copy, Default)]
 pub struct Epilogue<'a> {
     pub bias: Option<&'a CudaSlice<f32>>,
     pub residual: Option<&'a CudaSlice<f32>>,
+    pub glu: Option<Glu>,
 }
 
 /// Quantize `n_rows` rows of `cols` f32 values (`cols % 32 == 0`) into `dst`, normalising each
@@ -373,10 +382,20 @@ pub fn linear_q8(
     if n_tokens == 0 {
         return Ok(());
     }
-    if out_col + w.rows > out_ld {
-        return Err(CudaError::invalid(OP, format!("columns {out_col}..{} exceed the row of {out_ld}", out_col + w.rows)));
+    let out_rows = match epilogue.glu {
+        Some(_) if w.rows % 2 != 0 || epilogue.bias.is_some() || epilogue.residual.is_some() => {
+            return Err(CudaError::invalid(
+                OP,
+                format!("a gated epilogue needs an even number of weight rows ({}) and no bias or residual", w.rows),
+            ))
+        }
+        Some(_) => w.rows / 2,
+        None => w.rows,
+    };
+    if out_col + out_rows > out_ld {
+        return Err(CudaError::invalid(OP, format!("columns {out_col}..{} exceed the row of {out_ld}", out_col + out_rows)));
     }
-    let need = elems(OP, &[n_tokens - 1, out_ld])? + out_col + w.rows;
+    let need = elems(OP, &[n_tokens - 1, out_ld])? + out_col + out_rows;
     check_len(OP, "out", out.len(), need)?;
     if let Some(res) = epilogue.residual {
         check_len(OP, "residual", res.len(), need)?;
@@ -398,11 +417,11 @@ fn gemv_q8(
     epilogue: &Epilogue,
 ) -> Result<(), CudaError> {
     const OP: &str = "linear_q8";
-    let variant = GemvQ8Variant {
-        residual: epilogue.residual.is_some(),
-        bias: epilogue.bias.is_some(),
-        ..GemvQ8Variant::for_shape(w.dtype, w.rows, w.cols, n_tokens, gpu.sm_count())
+    let (tiling, out_rows) = match epilogue.glu {
+        Some(glu) => (GemvQ8Variant::for_gated(w.dtype, w.rows / 2, w.cols, n_tokens, gpu.sm_count(), glu as u32), w.rows / 2),
+        None => (GemvQ8Variant::for_shape(w.dtype, w.rows, w.cols, n_tokens, gpu.sm_count()), w.rows),
     };
+    let variant = GemvQ8Variant { residual: epilogue.residual.is_some(), bias: epilogue.bias.is_some(), ..tiling };
     let [w0, w1, w2, w3] = w.plane_ptrs(gpu);
     let params = GemvQ8Params {
         w0,
@@ -414,7 +433,7 @@ fn gemv_q8(
         out,
         residual: epilogue.residual.map_or(0, |r| addr(gpu, r)),
         bias: epilogue.bias.map_or(0, |b| addr(gpu, b)),
-        rows: as_u32(OP, "rows", w.rows)?,
+        rows: as_u32(OP, "rows", out_rows)?,
         cols: as_u32(OP, "cols", w.cols)?,
         n_tokens: as_u32(OP, "n_tokens", n_tokens)?,
         out_ld: as_u32(OP, "out_ld", out_ld)?,
@@ -423,7 +442,7 @@ fn gemv_q8(
         res_col: as_u32(OP, "out_col", out_col)?,
         pad: 0,
     };
-    let cfg = variant.launch_config(w.rows, n_tokens);
+    let cfg = variant.launch_config(out_rows, n_tokens);
     if cfg.grid_dim.1 > 65535 {
         return Err(CudaError::invalid(OP, format!("{n_tokens} tokens exceed the GEMV grid; use the GEMM path")));
     }

@@ -19,7 +19,7 @@ mod sampling;
 
 pub use attention::{attention, kv_write, AttentionConfig, KvCache};
 pub use linear::{
-    linear, linear_plan, linear_q8, linear_with, quantize_q8, Epilogue, GemvActivations, LinearOptions, LinearPath, LinearPlan,
+    linear, linear_plan, linear_q8, linear_with, quantize_q8, Epilogue, GemvActivations, Glu, LinearOptions, LinearPath, LinearPlan,
     NormPrologue, Precision, Q8Activations,
 };
 pub use sampling::{argmax, sample, SamplingConfig};

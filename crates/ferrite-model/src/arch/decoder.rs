@@ -4,6 +4,7 @@
 //! which options it uses.
 
 use crate::config::RopeConfig;
+pub use crate::graph::GatedActivation;
 use crate::graph::{AttentionShape, GraphBuilder, NormSpec, Op, Rows, ValueId, WeightId};
 use crate::{FusionOptions, Graph, ModelConfig, ModelError, WeightSet};
 use ferrite_gguf::GgufFile;
@@ -86,15 +87,6 @@ fn post_norm_residual(g: &mut GraphBuilder, p: PostNormResidual) -> ValueId {
     let out = g.value(p.name, p.width, Rows::Tokens);
     g.push(Op::Add { a: p.residual, b: normed, out });
     out
-}
-
-/// The gate activation of the MLP: `act(gate) * up`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum GatedActivation {
-    /// SwiGLU: `silu(gate) * up` (Llama, Qwen).
-    Silu,
-    /// GeGLU with the tanh approximation of GELU (Gemma).
-    GeluTanh,
 }
 
 /// The attention of one layer: its window (`None`: every earlier position) and its RoPE.
@@ -183,14 +175,27 @@ pub fn build(cfg: &ModelConfig, file: &GgufFile, fusion: FusionOptions, opts: De
         let ffn_norm = NormSpec { weight: ws.add(file, &t("ffn_norm.weight"), 1, d)?, eps: cfg.norm_eps };
         let gate = ws.add(file, &t("ffn_gate.weight"), ff, d)?;
         let up = ws.add(file, &t("ffn_up.weight"), ff, d)?;
-        let gate_up = g.value(t("gate_up"), 2 * ff, Rows::Tokens);
-        let group = ProjectionGroup { x: h, norm: ffn_norm, parts: &[(gate, None), (up, None)], out: gate_up, normed_name: &t("ffn_norm") };
-        projection_group(&mut g, &mut ws, group, fusion.gate_up, fold);
         let act = g.value(t("ffn_act"), ff, Rows::Tokens);
-        g.push(match opts.activation {
-            GatedActivation::Silu => Op::SwiGlu { x: gate_up, out: act },
-            GatedActivation::GeluTanh => Op::GeGlu { x: gate_up, out: act },
-        });
+        // With gate/up fused into one weight, the activation can be that linear's epilogue.
+        let gated = if fusion.gate_up && fusion.glu_into_linear { ws.fuse(&[gate, up]) } else { None };
+        if let Some(w) = gated {
+            let (x, norm) = if fold {
+                (h, Some(ffn_norm))
+            } else {
+                let xn = g.value(t("ffn_norm"), d, Rows::Tokens);
+                g.push(Op::RmsNorm { x: h, norm: ffn_norm, out: xn });
+                (xn, None)
+            };
+            g.push(Op::GatedLinear { x, norm, w, act: opts.activation, out: act });
+        } else {
+            let gate_up = g.value(t("gate_up"), 2 * ff, Rows::Tokens);
+            let group = ProjectionGroup { x: h, norm: ffn_norm, parts: &[(gate, None), (up, None)], out: gate_up, normed_name: &t("ffn_norm") };
+            projection_group(&mut g, &mut ws, group, fusion.gate_up, fold);
+            g.push(match opts.activation {
+                GatedActivation::Silu => Op::SwiGlu { x: gate_up, out: act },
+                GatedActivation::GeluTanh => Op::GeGlu { x: gate_up, out: act },
+            });
+        }
         let down = ws.add(file, &t("ffn_down.weight"), d, ff)?;
         h = if opts.post_norms {
             let norm = NormSpec { weight: ws.add(file, &t("post_ffw_norm.weight"), 1, d)?, eps: cfg.norm_eps };
