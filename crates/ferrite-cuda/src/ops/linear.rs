@@ -383,7 +383,7 @@ pub fn linear_q8(
         return Ok(());
     }
     let out_rows = match epilogue.glu {
-        Some(_) if w.rows % 2 != 0 || epilogue.bias.is_some() || epilogue.residual.is_some() => {
+        Some(_) if !w.rows.is_multiple_of(2) || epilogue.bias.is_some() || epilogue.residual.is_some() => {
             return Err(CudaError::invalid(
                 OP,
                 format!("a gated epilogue needs an even number of weight rows ({}) and no bias or residual", w.rows),
