@@ -44,6 +44,8 @@ pub struct EngineConfig {
     pub max_queue: usize,
     /// Most tokens (prompt + generated) of one sequence.
     pub max_context: usize,
+    /// Reuse the cached blocks of equal prompt prefixes.
+    pub prefix_cache: bool,
 }
 
 impl EngineConfig {
@@ -455,7 +457,8 @@ impl Scheduler {
             let hashes = prefix_hashes(&s.tokens, bs);
             // At least the last token is computed, so its logits exist.
             let reusable = (s.tokens.len() - 1) / bs;
-            s.table = self.pool.lookup(&hashes[..reusable.min(hashes.len())]);
+            let reusable = if self.config.prefix_cache { reusable.min(hashes.len()) } else { 0 };
+            s.table = self.pool.lookup(&hashes[..reusable]);
             s.hashes = hashes[..s.table.len()].to_vec();
             s.computed = s.table.len() * bs;
             let n = (s.tokens.len() - s.computed).min(budget);
@@ -654,7 +657,7 @@ mod tests {
 
     #[test]
     fn config_must_hold_one_full_sequence() {
-        let c = EngineConfig { block_size: 16, n_blocks: 3, max_seqs: 4, max_batch_tokens: 64, max_queue: 8, max_context: 64 };
+        let c = EngineConfig { block_size: 16, n_blocks: 3, max_seqs: 4, max_batch_tokens: 64, max_queue: 8, max_context: 64, prefix_cache: true };
         assert!(c.validate().unwrap_err().to_string().contains("needs 4"));
         assert!(EngineConfig { n_blocks: 4, ..c }.validate().is_ok());
     }

@@ -23,7 +23,7 @@ fn start(model: &Arc<Model>, config: EngineConfig) -> EngineHandle {
 }
 
 fn config() -> EngineConfig {
-    EngineConfig { block_size: 16, n_blocks: 64, max_seqs: 3, max_batch_tokens: 32, max_queue: 16, max_context: 256 }
+    EngineConfig { block_size: 16, n_blocks: 64, max_seqs: 3, max_batch_tokens: 32, max_queue: 16, max_context: 256, prefix_cache: true }
 }
 
 fn prompt(seed: u32, len: usize) -> Vec<u32> {
@@ -134,6 +134,10 @@ fn repeated_prefix_is_served_from_the_cache() {
     assert_eq!(third.tokens, reference(&model, &q, 5));
     assert_eq!(EngineMetrics::get(&engine.metrics().prefix_cache_hit_tokens), 64);
     wait_idle(engine.metrics());
+    // With the prefix cache off nothing is reused.
+    let engine = start(&model, EngineConfig { prefix_cache: false, ..config() });
+    collect(engine.submit(greedy(p.clone(), 5)).unwrap());
+    assert_eq!(collect(engine.submit(greedy(p, 5)).unwrap()).cached, 0);
 }
 
 #[test]

@@ -606,3 +606,25 @@ async fn completions_inner(state: AppState, body: Result<Bytes, BytesRejection>)
         }
     }
 }
+
+/// How to start a server over a model.
+#[derive(Clone, Debug)]
+pub struct ServeOptions {
+    pub backend: ferrite_engine::BackendKind,
+    pub executor: ferrite_model::ExecutorOptions,
+    pub engine: ferrite_engine::EngineConfig,
+    pub api_key: Option<String>,
+    pub model_id: String,
+}
+
+/// Start the engine thread for `model` (the executor is created on it) and build the server
+/// state: tokenizer, chat template, stop tokens.
+pub fn start_engine(model: Arc<ferrite_model::Model>, opts: &ServeOptions) -> anyhow::Result<(ServerState, std::thread::JoinHandle<()>)> {
+    use anyhow::Context as _;
+    let tokenizer = Tokenizer::from_gguf(&model.file.metadata).context("ferrite serve needs the model's tokenizer")?;
+    let template = tokenizer.chat_template().context("the model's chat template does not compile")?;
+    let (backend, exec_opts) = (opts.backend, opts.executor.clone());
+    let make = move || ferrite_engine::open_executor(model, backend, exec_opts);
+    let (engine, thread) = EngineHandle::start(make, opts.engine.clone())?;
+    Ok((ServerState::new(engine, tokenizer, template, opts.model_id.clone(), opts.api_key.clone()), thread))
+}
