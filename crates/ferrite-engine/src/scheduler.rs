@@ -573,16 +573,17 @@ impl Scheduler {
             }
         }
         let tok = s.sampler.sample(logits, &s.tokens);
-        if s.req.stop_tokens.contains(&tok) {
-            return Some(FinishReason::Stop);
-        }
-        let logprob = logprob_of.map(|(lp, k)| TokenLogprob { logprob: lp[tok as usize], top: top_k(&lp, k) });
+        // TTFT counts the first sampled token even when it ends generation at once.
         let now = Instant::now();
         match s.last_token {
             None => metrics.ttft.observe(now.duration_since(s.arrived).as_secs_f64()),
             Some(t) => metrics.tpot.observe(now.duration_since(t).as_secs_f64()),
         }
         s.last_token = Some(now);
+        if s.req.stop_tokens.contains(&tok) {
+            return Some(FinishReason::Stop);
+        }
+        let logprob = logprob_of.map(|(lp, k)| TokenLogprob { logprob: lp[tok as usize], top: top_k(&lp, k) });
         s.tokens.push(tok);
         *s.counts.entry(tok).or_default() += 1;
         s.generated += 1;
