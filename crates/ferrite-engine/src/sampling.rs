@@ -190,7 +190,7 @@ mod tests {
         // Softmax of [10, 9, 0, 0, 0]: the first two hold > 99.9% of the mass.
         let mut s = Sampler::new(SamplerParams { top_k: 0, top_p: 0.9, min_p: 0.0, temperature: 1.0, ..SamplerParams::default() });
         for _ in 0..200 {
-            let t = s.sample(&mut vec![10.0, 9.0, 0.0, 0.0, 0.0], &[]);
+            let t = s.sample(&mut [10.0, 9.0, 0.0, 0.0, 0.0], &[]);
             assert!(t <= 1);
         }
     }
@@ -200,7 +200,7 @@ mod tests {
         let mut s = Sampler::new(SamplerParams { top_k: 0, top_p: 1.0, min_p: 0.5, temperature: 1.0, ..SamplerParams::default() });
         for _ in 0..200 {
             // p(1)/p(0) = e^-0.1 > 0.5, p(2)/p(0) = e^-5 < 0.5.
-            let t = s.sample(&mut vec![5.0, 4.9, 0.0], &[]);
+            let t = s.sample(&mut [5.0, 4.9, 0.0], &[]);
             assert!(t <= 1);
         }
     }

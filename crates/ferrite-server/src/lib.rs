@@ -204,7 +204,8 @@ fn in_range(name: &str, v: Option<f32>, lo: f32, hi: f32) -> Result<Option<f32>,
     }
 }
 
-fn plan(state: &ServerState, prompt: Vec<u32>, p: CommonParams, max_tokens: Option<u32>, default_max: Option<usize>, logprobs: Option<usize>) -> Result<Plan, ApiError> {
+#[allow(clippy::too_many_arguments)]
+fn plan(state: &ServerState, prompt: Vec<u32>, p: CommonParams, max_tokens: Option<u32>, default_max: Option<usize>, logprobs: Option<usize>, ignore_eos: bool) -> Result<Plan, ApiError> {
     if p.n.is_some_and(|n| n != 1) {
         return Err(ApiError::bad_request("only `n: 1` is supported").param("n"));
     }
@@ -261,7 +262,7 @@ fn plan(state: &ServerState, prompt: Vec<u32>, p: CommonParams, max_tokens: Opti
         frequency_penalty: frequency,
         logit_bias,
         logprobs,
-        stop_tokens: state.stop_tokens.clone(),
+        stop_tokens: if ignore_eos { Vec::new() } else { state.stop_tokens.clone() },
     };
     Ok(Plan { req, stops })
 }
@@ -442,7 +443,7 @@ async fn chat_inner(state: AppState, body: Result<Bytes, BytesRejection>) -> Res
     };
     let prompt = chat_prompt(&state, &req.messages)?;
     let max_tokens = req.max_completion_tokens.or(req.max_tokens);
-    let plan = plan(&state, prompt, req.common(), max_tokens, None, logprobs)?;
+    let plan = plan(&state, prompt, req.common(), max_tokens, None, logprobs, req.ignore_eos)?;
     let mut rx = start(&state, plan)?;
     let (id, created, model) = (new_id("chatcmpl"), now(), state.model_id.clone());
     if req.stream {
@@ -545,7 +546,7 @@ async fn completions_inner(state: AppState, body: Result<Bytes, BytesRejection>)
     };
     // OpenAI's default for completions is 16 tokens.
     let logprobs = req.logprobs.map(|n| n as usize);
-    let plan = plan(&state, prompt, req.common(), req.max_tokens, Some(16), logprobs)?;
+    let plan = plan(&state, prompt, req.common(), req.max_tokens, Some(16), logprobs, req.ignore_eos)?;
     let mut rx = start(&state, plan)?;
     let (id, created, model) = (new_id("cmpl"), now(), state.model_id.clone());
     if req.stream {

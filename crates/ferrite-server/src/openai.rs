@@ -78,6 +78,9 @@ pub struct ChatMessage {
 #[serde(deny_unknown_fields)]
 pub struct ChatCompletionRequest {
     pub model: Option<String>,
+    /// Extension (as vLLM): keep generating through end-of-generation tokens (for benchmarks).
+    #[serde(default)]
+    pub ignore_eos: bool,
     pub messages: Vec<ChatMessage>,
     pub max_tokens: Option<u32>,
     pub max_completion_tokens: Option<u32>,
@@ -113,6 +116,9 @@ pub enum Prompt {
 #[serde(deny_unknown_fields)]
 pub struct CompletionRequest {
     pub model: Option<String>,
+    /// Extension (as vLLM): keep generating through end-of-generation tokens (for benchmarks).
+    #[serde(default)]
+    pub ignore_eos: bool,
     pub prompt: Prompt,
     pub max_tokens: Option<u32>,
     #[serde(default)]

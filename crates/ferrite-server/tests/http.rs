@@ -246,8 +246,8 @@ async fn client_disconnect_mid_stream_frees_the_sequence() {
     s.wait_idle().await;
     assert_eq!(s.metric("ferrite_requests_cancelled_total").await, 1.0);
     assert!(s.metric("ferrite_generation_tokens_total").await < 400.0, "generation went on after the disconnect");
-    // Non-streaming request abandoned by a client timeout.
-    let r = s.post("/v1/completions").timeout(Duration::from_millis(300)).json(&json!({"prompt": "Count to a thousand.", "max_tokens": 450, "temperature": 0, "logit_bias": no_end})).send().await;
+    // Non-streaming request abandoned by a client timeout (`ignore_eos` keeps it going).
+    let r = s.post("/v1/completions").timeout(Duration::from_millis(300)).json(&json!({"prompt": "Count to a thousand.", "max_tokens": 450, "temperature": 0, "ignore_eos": true})).send().await;
     assert!(r.is_err(), "expected the client timeout");
     s.wait_idle().await;
     assert_eq!(s.metric("ferrite_requests_cancelled_total").await, 2.0);

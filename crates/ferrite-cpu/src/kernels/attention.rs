@@ -215,8 +215,11 @@ pub(crate) fn attention_paged_at(
 /// Safety: the functions may use the CPU features of the level they were selected for.
 struct Kernels {
     scores: unsafe fn(&[f32], &[f32], usize, f32, &mut [f32]),
-    weighted_sum: unsafe fn(&[f32], &[f32], usize, f32, &mut [f32], bool),
+    weighted_sum: WeightedSum,
 }
+
+/// `(weights, values, stride, norm, out, accumulate)`.
+type WeightedSum = unsafe fn(&[f32], &[f32], usize, f32, &mut [f32], bool);
 
 impl Kernels {
     fn for_level(level: SimdLevel, head_dim: usize) -> Kernels {
