@@ -402,7 +402,11 @@ impl CpuExecutor {
         let step = Step { ids: &ids, positions: &positions, seqs: &seqs, block_size: Some(c.block_size) };
         let Paged { plan, buf, .. } = paged;
         // On a pool worker, like `forward`.
-        rayon::scope(|_| self.run_ops(buf, plan, &step)).context("batched forward pass")?;
+        let result = rayon::scope(|_| self.run_ops(buf, plan, &step));
+        if let Some(p) = buf.profile.as_mut() {
+            p.end_forward();
+        }
+        result.context("batched forward pass")?;
         let g = &self.model.graph;
         let w = g.value(g.logits).width;
         let logits = &buf.slots[plan.slot(g.logits)];
@@ -522,6 +526,7 @@ impl Executor for CpuExecutor {
             slots: plan.slot_elems.iter().map(|&n| vec![0f32; n]).collect(),
             k_cache: (0..graph.n_layers).map(|_| vec![0f32; elems]).collect(),
             v_cache: (0..graph.n_layers).map(|_| vec![0f32; elems]).collect(),
+            profile: OpProfile::from_env(),
             ..Buffers::default()
         };
         self.paged = Some(Paged { config, plan, buf });
@@ -540,6 +545,9 @@ impl Drop for CpuExecutor {
     fn drop(&mut self) {
         if let Some(p) = &self.buf.profile {
             eprint!("{}", p.report(&self.describe()));
+        }
+        if let Some(p) = self.paged.as_ref().and_then(|p| p.buf.profile.as_ref()) {
+            eprint!("{}", p.report(&format!("{}, batched steps", self.describe())));
         }
     }
 }

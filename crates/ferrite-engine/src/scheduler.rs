@@ -205,6 +205,9 @@ impl EngineHandle {
         if req.prompt.is_empty() {
             return Err(SubmitError::BadPrompt("the prompt is empty".into()));
         }
+        if req.max_tokens == 0 {
+            return Err(SubmitError::BadPrompt("max_tokens must be at least 1".into()));
+        }
         if req.prompt.len() >= self.config.max_context {
             return Err(SubmitError::BadPrompt(format!(
                 "the prompt has {} tokens but the context holds {} (prompt plus at least one generated token)",

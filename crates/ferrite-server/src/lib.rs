@@ -44,6 +44,8 @@ pub struct ServerState {
     pub api_key: Option<String>,
     /// Token ids that end generation.
     pub stop_tokens: Vec<u32>,
+    /// Token ids accepted in prompts: below both the tokenizer's and the model's vocabulary.
+    pub vocab_limit: usize,
     pub created: u64,
     pub http: metrics::HttpMetrics,
 }
@@ -51,12 +53,14 @@ pub struct ServerState {
 impl ServerState {
     pub fn new(engine: EngineHandle, tokenizer: Tokenizer, template: Option<ChatTemplate>, model_id: String, api_key: Option<String>) -> Self {
         let stop_tokens = (0..tokenizer.vocab_size() as u32).filter(|&t| tokenizer.is_end_of_generation(t)).collect();
+        let vocab_limit = tokenizer.vocab_size();
         Self {
             engine,
             tokenizer: Arc::new(tokenizer),
             template,
             model_id,
             api_key,
+            vocab_limit,
             stop_tokens,
             created: now(),
             http: metrics::HttpMetrics::default(),
@@ -538,6 +542,7 @@ async fn completions_inner(state: AppState, body: Result<Bytes, BytesRejection>)
         Prompt::Texts(v) if v.len() == 1 => state.tokenizer.encode(&v[0], true).map_err(|e| ApiError::bad_request(format!("cannot tokenize the prompt: {e}")))?,
         Prompt::Texts(_) => return Err(ApiError::bad_request("only one prompt per request is supported").param("prompt")),
         Prompt::Tokens(ids) => {
+            let vocab = vocab.min(state.vocab_limit);
             if let Some(bad) = ids.iter().find(|&&t| t as usize >= vocab) {
                 return Err(ApiError::bad_request(format!("token id {bad} is outside the vocabulary ({vocab})")).param("prompt"));
             }
@@ -625,7 +630,10 @@ pub fn start_engine(model: Arc<ferrite_model::Model>, opts: &ServeOptions) -> an
     let tokenizer = Tokenizer::from_gguf(&model.file.metadata).context("ferrite serve needs the model's tokenizer")?;
     let template = tokenizer.chat_template().context("the model's chat template does not compile")?;
     let (backend, exec_opts) = (opts.backend, opts.executor.clone());
+    let model_vocab = model.config.vocab_size;
     let make = move || ferrite_engine::open_executor(model, backend, exec_opts);
     let (engine, thread) = EngineHandle::start(make, opts.engine.clone())?;
-    Ok((ServerState::new(engine, tokenizer, template, opts.model_id.clone(), opts.api_key.clone()), thread))
+    let mut state = ServerState::new(engine, tokenizer, template, opts.model_id.clone(), opts.api_key.clone());
+    state.vocab_limit = state.vocab_limit.min(model_vocab);
+    Ok((state, thread))
 }

@@ -89,7 +89,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
         prefix_cache: !args.no_prefix_cache,
     };
     let opts = ServeOptions { backend: margs.backend, executor, engine: engine.clone(), api_key, model_id: model_id.clone() };
-    let (state, _engine_thread) = ferrite_server::start_engine(Arc::clone(&loaded.model), &opts).with_context(|| format!("starting the {} backend for serving", margs.backend))?;
+    let (state, engine_thread) = ferrite_server::start_engine(Arc::clone(&loaded.model), &opts).with_context(|| format!("starting the {} backend for serving", margs.backend))?;
     eprintln!("backend: {}", state.engine.describe());
     eprintln!(
         "kv cache: {} blocks of {} positions ({:.0} MiB, {} tokens); up to {} sequences, {} tokens per step, context {}{}",
@@ -103,15 +103,22 @@ pub fn run(args: ServeArgs) -> Result<()> {
         if engine.prefix_cache { ", prefix cache on" } else { "" }
     );
     let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().context("starting the async runtime")?;
-    runtime.block_on(async move {
+    let served: Result<()> = runtime.block_on(async move {
         let addr = format!("{}:{}", args.host, args.port);
         let listener = tokio::net::TcpListener::bind(&addr).await.with_context(|| format!("cannot listen on {addr}"))?;
         let local = listener.local_addr()?;
         eprintln!("serving `{model_id}` on http://{local} (OpenAI API under /v1; /health, /metrics){}", if state.api_key.is_some() { "; API key required" } else { "" });
         ferrite_server::serve(listener, Arc::new(state), shutdown_signal()).await.context("server error")?;
-        eprintln!("all requests finished; bye");
         Ok(())
-    })
+    });
+    // Dropping the runtime drops the last engine handles; the engine thread then ends.
+    drop(runtime);
+    if engine_thread.join().is_err() {
+        bail!("the engine thread panicked");
+    }
+    served?;
+    eprintln!("all requests finished; bye");
+    Ok(())
 }
 
 /// Resolves on Ctrl-C or SIGTERM.
