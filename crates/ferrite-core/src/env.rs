@@ -114,6 +114,8 @@ switches! {
         "ferrite serve: require `Authorization: Bearer <value>` on /v1/* (--api-key takes precedence).");
     SKIP_FUZZ = ("FERRITE_SKIP_FUZZ", "0", Stable,
         "scripts/test.sh: 1 skips the bounded cargo-fuzz run of the GGUF parser.");
+    SKIP_OPENAI_CHECK = ("FERRITE_SKIP_OPENAI_CHECK", "0", Stable,
+        "scripts/test.sh: 1 skips checking `ferrite serve` with the official openai Python client (scripts/openai-check.sh).");
     FUZZ_SECONDS = ("FERRITE_FUZZ_SECONDS", "30", Stable,
         "scripts/test.sh: length of the GGUF parser fuzzing run in seconds.");
     /// Per-op profiling.
