@@ -405,11 +405,11 @@ async fn stop_strings_seeds_logprobs_and_penalties() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn shutdown_drains_streams_in_flight() {
     let s = start().await;
-    let r = s.post("/v1/completions").json(&json!({"prompt": "Once upon a time", "max_tokens": 30, "stream": true, "stream_options": {"include_usage": true}})).send().await.unwrap();
+    let r = s.post("/v1/completions").json(&json!({"prompt": "Once upon a time", "max_tokens": 120, "ignore_eos": true, "stream": true, "stream_options": {"include_usage": true}})).send().await.unwrap();
     let reader = tokio::spawn(async move { r.text().await.unwrap() });
     tokio::time::sleep(Duration::from_millis(100)).await;
     s.stop().await;
     let text = reader.await.unwrap();
     assert!(text.trim_end().ends_with("data: [DONE]"), "stream cut short: {text}");
-    assert!(text.contains("\"completion_tokens\":30"), "{text}");
+    assert!(text.contains("\"completion_tokens\":120"), "{text}");
 }
