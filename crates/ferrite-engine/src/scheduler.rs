@@ -154,6 +154,8 @@ struct Submission {
 #[derive(Clone)]
 pub struct EngineHandle {
     tx: mpsc::Sender<Submission>,
+    /// Cleared when the engine thread ends (normally or by a panic).
+    alive: Arc<std::sync::atomic::AtomicBool>,
     queued: Arc<AtomicU64>,
     metrics: Arc<EngineMetrics>,
     config: EngineConfig,
@@ -171,10 +173,18 @@ impl EngineHandle {
         let (ready_tx, ready_rx) = mpsc::channel();
         let metrics = Arc::new(EngineMetrics::default());
         let queued = Arc::new(AtomicU64::new(0));
-        let (m, q, c) = (Arc::clone(&metrics), Arc::clone(&queued), config.clone());
+        let alive = Arc::new(std::sync::atomic::AtomicBool::new(true));
+        let (m, q, c, a) = (Arc::clone(&metrics), Arc::clone(&queued), config.clone(), Arc::clone(&alive));
         let thread = std::thread::Builder::new()
             .name("ferrite-engine".into())
             .spawn(move || {
+                struct Alive(Arc<std::sync::atomic::AtomicBool>);
+                impl Drop for Alive {
+                    fn drop(&mut self) {
+                        self.0.store(false, Relaxed);
+                    }
+                }
+                let _alive = Alive(a);
                 let setup = make_executor().and_then(|mut exec| {
                     exec.init_paged(PagedKvConfig {
                         n_blocks: c.n_blocks,
@@ -196,7 +206,7 @@ impl EngineHandle {
             })
             .context("starting the engine thread")?;
         let describe = ready_rx.recv().context("the engine thread ended during startup")??;
-        Ok((EngineHandle { tx, queued, metrics, config, describe }, thread))
+        Ok((EngineHandle { tx, alive, queued, metrics, config, describe }, thread))
     }
 
     /// Queue a request; its events arrive on the returned receiver. Dropping the receiver cancels
@@ -229,6 +239,11 @@ impl EngineHandle {
 
     pub fn metrics(&self) -> &EngineMetrics {
         &self.metrics
+    }
+
+    /// Whether the engine thread is still running (false after a panic).
+    pub fn is_alive(&self) -> bool {
+        self.alive.load(Relaxed)
     }
 
     pub fn config(&self) -> &EngineConfig {
@@ -495,8 +510,9 @@ impl Scheduler {
             budget -= n;
         }
         if batch.is_empty() {
-            // Nothing fits (every block is held by the running sequences, which are waiting on
-            // nothing): cannot happen with a validated config unless all were failed above.
+            // Nothing could be scheduled (only possible if every sequence failed above); do not
+            // spin while waiting for the next submission.
+            std::thread::sleep(Duration::from_millis(1));
             return;
         }
         debug_assert!(batch.iter().enumerate().all(|(k, &p)| k == p));

@@ -174,3 +174,58 @@ fn stop_tokens_end_generation_and_bad_submissions_are_refused() {
     assert_eq!(got.tokens, want[..want.iter().position(|&t| t == want[2]).unwrap()].to_vec());
     wait_idle(engine.metrics());
 }
+
+/// A backend double: no batched serving at all, or one whose batched step panics.
+struct FakeBackend {
+    paged: bool,
+}
+
+impl Executor for FakeBackend {
+    fn describe(&self) -> String {
+        "fake".into()
+    }
+    fn forward(&mut self, _: &[u32], _: usize) -> anyhow::Result<()> {
+        Ok(())
+    }
+    fn logits(&mut self) -> anyhow::Result<Vec<f32>> {
+        Ok(vec![0.0; 4])
+    }
+    fn traces(&mut self) -> anyhow::Result<Vec<ferrite_model::LayerTrace>> {
+        Ok(vec![])
+    }
+    fn context_len(&self) -> usize {
+        256
+    }
+    fn kv_bytes_per_position(&self) -> usize {
+        8
+    }
+    fn memory_report(&self) -> String {
+        String::new()
+    }
+    fn init_paged(&mut self, _: ferrite_model::PagedKvConfig) -> anyhow::Result<()> {
+        if self.paged {
+            Ok(())
+        } else {
+            anyhow::bail!("backend fake does not support batched serving yet")
+        }
+    }
+    fn forward_paged(&mut self, _: &[ferrite_model::SeqChunk<'_>]) -> anyhow::Result<Vec<Vec<f32>>> {
+        panic!("simulated backend crash");
+    }
+}
+
+#[test]
+fn a_backend_without_batching_is_refused_and_a_dead_engine_is_reported() {
+    let err = EngineHandle::start(|| Ok(Box::new(FakeBackend { paged: false }) as Box<dyn Executor>), config()).err().expect("start must fail");
+    assert!(err.to_string().contains("does not support batched serving yet"), "{err}");
+    let (engine, thread) = EngineHandle::start(|| Ok(Box::new(FakeBackend { paged: true }) as Box<dyn Executor>), config()).unwrap();
+    assert!(engine.is_alive());
+    let mut rx = engine.submit(greedy(prompt(1, 4), 3)).unwrap();
+    // The request in flight ends (its sender is dropped by the unwinding thread) instead of hanging.
+    while let Some(e) = rx.blocking_recv() {
+        assert!(matches!(e, GenEvent::Started { .. }), "{e:?}");
+    }
+    assert!(thread.join().is_err(), "the engine thread should have panicked");
+    assert!(!engine.is_alive());
+    assert_eq!(engine.submit(greedy(prompt(1, 4), 3)).unwrap_err(), SubmitError::Stopped);
+}

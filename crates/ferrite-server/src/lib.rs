@@ -163,8 +163,12 @@ async fn auth(State(state): State<AppState>, headers: HeaderMap, req: Request, n
     next.run(req).await
 }
 
-async fn health() -> impl IntoResponse {
-    Json(serde_json::json!({ "status": "ok" }))
+async fn health(State(state): State<AppState>) -> Response {
+    if state.engine.is_alive() {
+        Json(serde_json::json!({ "status": "ok" })).into_response()
+    } else {
+        ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "server_error", "the engine thread has stopped").into_response()
+    }
 }
 
 async fn models(State(state): State<AppState>) -> impl IntoResponse {

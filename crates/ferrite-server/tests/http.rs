@@ -304,6 +304,10 @@ async fn bad_requests_get_openai_errors() {
         let (st, b) = s.json(path, body.clone()).await;
         assert_error(st, &b, want, needle);
     }
+    // Over the 2 MB body limit: 413 with an OpenAI error body.
+    let huge = json!({"prompt": "x".repeat(3 << 20)});
+    let (st, b) = s.json("/v1/completions", huge).await;
+    assert_error(st, &b, 413, "body");
     let r = s.client.get(format!("{}/v1/nothing", s.base)).send().await.unwrap();
     assert_eq!(r.status().as_u16(), 404);
     assert!(r.json::<Value>().await.unwrap()["error"]["message"].is_string());

@@ -31,10 +31,11 @@ pub struct ServeArgs {
     /// Most requests waiting for a place in the batch; more get 429.
     #[arg(long, default_value_t = 64)]
     pub max_queue: usize,
-    /// Tokens per engine step over all sequences (long prompts are prefilled in chunks within it)
-    /// [default: --batch-size].
-    #[arg(long)]
-    pub max_batch_tokens: Option<usize>,
+    /// Tokens per engine step over all sequences: long prompts are prefilled in chunks within it,
+    /// so it bounds how long a prefill stalls the others' decoding (64 tokens already run the CPU
+    /// matmuls at full efficiency).
+    #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u64).range(1..=65536))]
+    pub max_batch_tokens: u64,
     /// Turn the prefix cache off (every prompt is computed in full).
     #[arg(long)]
     pub no_prefix_cache: bool,
@@ -83,7 +84,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
         block_size,
         n_blocks: EngineConfig::blocks_for_memory(kv_bytes, per_position, block_size),
         max_seqs: args.max_seqs as usize,
-        max_batch_tokens: args.max_batch_tokens.unwrap_or(executor.max_batch).max(1),
+        max_batch_tokens: args.max_batch_tokens as usize,
         max_queue: args.max_queue,
         max_context: executor.context_len,
         prefix_cache: !args.no_prefix_cache,
