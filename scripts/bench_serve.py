@@ -4,7 +4,11 @@
 Throughput mode (default): for each concurrency level C, C client threads each send streamed
 completions back to back until R requests are done. Every request generates exactly
 --max-tokens tokens (`ignore_eos`). Reports aggregate generated tokens/s, time to first token
-(TTFT) and time per output token (TPOT = (last token - first token) / (tokens - 1)) per request.
+(TTFT) and time per output token (TPOT = (last token - first token) / (tokens - 1)) per request,
+and the inter-token latency (ITL: every gap between two streamed chunks of a request).
+
+With --long-every K, every K-th request has a long prompt (--long-words), so TPOT shows how much
+the chunked prefill of long prompts delays the other streams' decoding (see --max-batch-tokens).
 
 Prefix mode (--prefix): sequential chat requests that share a long system prompt and differ in
 the user message; reports the TTFT of the first (cold) request and of the later ones, which can
@@ -63,7 +67,7 @@ def post_stream(url, body, key):
 def throughput(args, streams):
     url = args.url + "/v1/completions"
     lock = threading.Lock()
-    state = {"next": 0, "results": []}
+    state = {"next": 0, "results": [], "gaps": []}
 
     def worker():
         while True:
@@ -72,8 +76,12 @@ def throughput(args, streams):
                 if i >= args.requests:
                     return
                 state["next"] += 1
+            prompt = f"Request {i}: " + args.prompt
+            if args.long_every and i % args.long_every == args.long_every - 1:
+                # A long prompt: its prefill runs in chunks while the other streams decode.
+                prompt = f"Request {i}: " + " ".join(f"item {k}," for k in range(args.long_words // 2)) + " " + args.prompt
             body = {
-                "prompt": f"Request {i}: " + args.prompt,
+                "prompt": prompt,
                 "max_tokens": args.max_tokens,
                 "temperature": 0,
                 "ignore_eos": True,
@@ -83,8 +91,10 @@ def throughput(args, streams):
             times, usage = post_stream(url, body, args.api_key)
             n = usage["completion_tokens"]
             tpot = (times[-1] - times[0]) / (n - 1) if n > 1 and len(times) > 1 else float("nan")
+            gaps = [b - a for a, b in zip(times, times[1:])]
             with lock:
                 state["results"].append((times[0], tpot, n))
+                state["gaps"].extend(gaps)
 
     t0 = time.perf_counter()
     threads = [threading.Thread(target=worker) for _ in range(streams)]
@@ -107,6 +117,8 @@ def throughput(args, streams):
         "ttft_p99": percentile(ttft, 0.99),
         "tpot_p50": percentile(tpot, 0.5),
         "tpot_p99": percentile(tpot, 0.99),
+        "itl_p99": percentile(state["gaps"], 0.99),
+        "itl_max": max(state["gaps"], default=float("nan")),
     }
 
 
@@ -143,6 +155,8 @@ def main():
     ap.add_argument("--requests", type=int, default=16, help="requests per level")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--prompt", default="Write a short story about a lighthouse keeper and a storm.")
+    ap.add_argument("--long-every", type=int, default=0, help="every K-th request gets a long prompt (0: none)")
+    ap.add_argument("--long-words", type=int, default=600, help="length of the long prompts in words")
     ap.add_argument("--prefix", action="store_true", help="measure TTFT with a shared system prompt")
     ap.add_argument("--prefix-rules", type=int, default=20, help="length of the shared system prompt")
     args = ap.parse_args()
@@ -150,12 +164,13 @@ def main():
         prefix(args)
         return
     rows = [throughput(args, int(s)) for s in args.streams.split(",")]
-    print("| streams | requests | tokens | wall s | aggregate tok/s | TTFT p50 / p99 ms | TPOT p50 / p99 ms |")
-    print("|---|---|---|---|---|---|---|")
+    print("| streams | requests | tokens | wall s | aggregate tok/s | TTFT p50 / p99 ms | TPOT p50 / p99 ms | ITL p99 / max ms |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(
             f"| {r['streams']} | {r['requests']} | {r['tokens']} | {r['wall']:.1f} | {r['tps']:.1f} | "
-            f"{r['ttft_p50']*1e3:.0f} / {r['ttft_p99']*1e3:.0f} | {r['tpot_p50']*1e3:.1f} / {r['tpot_p99']*1e3:.1f} |"
+            f"{r['ttft_p50']*1e3:.0f} / {r['ttft_p99']*1e3:.0f} | {r['tpot_p50']*1e3:.1f} / {r['tpot_p99']*1e3:.1f} | "
+            f"{r['itl_p99']*1e3:.0f} / {r['itl_max']*1e3:.0f} |"
         )
 
 
