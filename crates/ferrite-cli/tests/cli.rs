@@ -149,13 +149,23 @@ fn http(port: u16, method: &str, path: &str, body: &str) -> String {
 fn serve_answers_and_drains_on_sigterm() {
     use std::io::BufRead;
     let m = model();
-    let mut child = Command::new(env!("CARGO_BIN_EXE_ferrite"))
-        .args(["serve", "--port", "0", "--kv-memory", "64MiB", "--ctx-size", "512", "--model", m.to_str().unwrap()])
-        .env("FERRITE_THREADS", "2")
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut lines = std::io::BufReader::new(child.stderr.take().unwrap()).lines();
+    /// Kills the server if the test fails before it exits.
+    struct Guard(std::process::Child);
+    impl Drop for Guard {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+    let mut child = Guard(
+        Command::new(env!("CARGO_BIN_EXE_ferrite"))
+            .args(["serve", "--port", "0", "--kv-memory", "64MiB", "--ctx-size", "512", "--model", m.to_str().unwrap()])
+            .env("FERRITE_THREADS", "2")
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap(),
+    );
+    let mut lines = std::io::BufReader::new(child.0.stderr.take().unwrap()).lines();
     let port: u16 = loop {
         let line = lines.next().expect("serve exited before listening").unwrap();
         if let Some(rest) = line.split("http://127.0.0.1:").nth(1) {
@@ -170,10 +180,10 @@ fn serve_answers_and_drains_on_sigterm() {
         http(port, "POST", "/v1/completions", r#"{"prompt": "Once upon a time", "max_tokens": 200, "temperature": 0, "ignore_eos": true, "stream": true}"#)
     });
     std::thread::sleep(std::time::Duration::from_millis(300));
-    assert!(Command::new("kill").args(["-TERM", &child.id().to_string()]).status().unwrap().success());
+    assert!(Command::new("kill").args(["-TERM", &child.0.id().to_string()]).status().unwrap().success());
     let streamed = streamer.join().unwrap();
     assert!(streamed.contains("\"finish_reason\":\"length\"") && streamed.contains("data: [DONE]"), "stream cut short: {streamed}");
-    let status = child.wait().unwrap();
+    let status = child.0.wait().unwrap();
     let rest: Vec<String> = lines.map_while(Result::ok).collect();
     assert!(status.success(), "serve exited with {status}: {rest:?}");
     assert!(rest.iter().any(|l| l.contains("all requests finished")), "{rest:?}");
