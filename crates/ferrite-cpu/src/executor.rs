@@ -10,7 +10,9 @@ use ferrite_gguf::TensorInfo;
 use ferrite_model::graph::{GatedActivation, NormSpec, Op, ValueId, WeightId};
 use ferrite_model::planner::{self, Plan};
 use ferrite_model::profile::OpProfile;
-use ferrite_model::{Executor, ExecutorOptions, LayerTrace, LoadProgress, Model, RopeConfig, RopeStyle};
+use ferrite_model::{
+    Executor, ExecutorOptions, LayerTrace, LoadProgress, Model, PagedKvConfig, RopeConfig, RopeStyle, SeqChunk,
+};
 use std::sync::Arc;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -35,6 +37,8 @@ enum CpuWeight {
 #[derive(Default)]
 struct Buffers {
     slots: Vec<Vec<f32>>,
+    /// Per layer: the contiguous cache (`context_len` rows, allocated on the first `forward`), or
+    /// the block arena of the paged cache (`n_blocks * block_size` rows).
     k_cache: Vec<Vec<f32>>,
     v_cache: Vec<Vec<f32>>,
     /// Normalized input of a norm-folded linear; gathered Q of attention.
@@ -44,12 +48,39 @@ struct Buffers {
     profile: Option<OpProfile>,
 }
 
+/// The batched-serving state: a paged cache and activation buffers planned for a batch of
+/// sequences.
+struct Paged {
+    config: PagedKvConfig,
+    plan: Plan,
+    buf: Buffers,
+}
+
+/// The rows of one forward step: which sequences they belong to and where their cache lives.
+struct Step<'a> {
+    ids: &'a [u32],
+    /// Position of every row.
+    positions: &'a [u32],
+    seqs: &'a [StepSeq<'a>],
+    /// Block size of the paged cache; `None`: the contiguous cache.
+    block_size: Option<usize>,
+}
+
+struct StepSeq<'a> {
+    first_row: usize,
+    n: usize,
+    start_pos: usize,
+    /// Block table (paged cache only).
+    blocks: &'a [u32],
+}
+
 pub struct CpuExecutor {
     model: Arc<Model>,
     precision: CpuPrecision,
     weights: Vec<Option<CpuWeight>>,
     plan: Plan,
     buf: Buffers,
+    paged: Option<Paged>,
     options: ExecutorOptions,
     /// Rows in the last chunk (for reading traces back).
     last_rows: usize,
@@ -77,16 +108,13 @@ impl CpuExecutor {
         let plan = planner::plan(graph, max_batch, !options.trace);
         plan.check(graph).map_err(|e| anyhow!("memory plan violates the aliasing rule: {e}"))?;
         let slots = plan.slot_elems.iter().map(|&n| vec![0f32; n]).collect();
-        let cfg = &model.config;
-        let kv = options.context_len * cfg.kv_width();
-        let buf = Buffers {
-            slots,
-            k_cache: (0..graph.n_layers).map(|_| vec![0f32; kv]).collect(),
-            v_cache: (0..graph.n_layers).map(|_| vec![0f32; kv]).collect(),
-            profile: OpProfile::from_env(),
-            ..Buffers::default()
-        };
-        Ok(Self { model, precision, weights, plan, buf, options: ExecutorOptions { max_batch, ..options }, last_rows: 0 })
+        let buf = Buffers { slots, profile: OpProfile::from_env(), ..Buffers::default() };
+        Ok(Self { model, precision, weights, plan, buf, paged: None, options: ExecutorOptions { max_batch, ..options }, last_rows: 0 })
+    }
+
+    /// Floats of one cached position of one layer (K or V).
+    fn kv_width(&self) -> usize {
+        self.model.config.kv_width()
     }
 
     fn f32_weight(&self, id: WeightId) -> &[f32] {
@@ -131,7 +159,15 @@ impl CpuExecutor {
 
     fn run_chunk(&mut self, ids: &[u32], start_pos: usize) -> anyhow::Result<()> {
         let mut buf = std::mem::take(&mut self.buf);
-        let result = self.run_ops(&mut buf, ids, start_pos);
+        if buf.k_cache.is_empty() {
+            let kv = self.options.context_len * self.kv_width();
+            buf.k_cache = (0..self.model.graph.n_layers).map(|_| vec![0f32; kv]).collect();
+            buf.v_cache = (0..self.model.graph.n_layers).map(|_| vec![0f32; kv]).collect();
+        }
+        let positions: Vec<u32> = (start_pos..start_pos + ids.len()).map(|p| p as u32).collect();
+        let seqs = [StepSeq { first_row: 0, n: ids.len(), start_pos, blocks: &[] }];
+        let step = Step { ids, positions: &positions, seqs: &seqs, block_size: None };
+        let result = self.run_ops(&mut buf, &self.plan, &step);
         if let Some(p) = buf.profile.as_mut() {
             p.end_forward();
         }
@@ -140,19 +176,17 @@ impl CpuExecutor {
         result
     }
 
-    fn run_ops(&self, buf: &mut Buffers, ids: &[u32], start_pos: usize) -> anyhow::Result<()> {
+    fn run_ops(&self, buf: &mut Buffers, plan: &Plan, step: &Step<'_>) -> anyhow::Result<()> {
         let model = &*self.model;
         let graph = &model.graph;
-        let n = ids.len();
-        let positions: Vec<u32> = (start_pos..start_pos + n).map(|p| p as u32).collect();
         for op in &graph.ops {
             let out_id = op.writes();
-            let out_slot = self.plan.slot(out_id);
+            let out_slot = plan.slot(out_id);
             // Take the output buffer out so inputs can be borrowed alongside it; the plan
             // guarantees no input lives in the same slot (except in-place ops, handled below).
             let mut out = std::mem::take(&mut buf.slots[out_slot]);
             let t = buf.profile.is_some().then(std::time::Instant::now);
-            let result = self.run_op(op, buf, &mut out, ids, start_pos, &positions);
+            let result = self.run_op(op, buf, plan, &mut out, step);
             if let (Some(p), Some(t)) = (buf.profile.as_mut(), t) {
                 p.add(op.kind(), t.elapsed().as_secs_f64() * 1e3);
             }
@@ -162,15 +196,16 @@ impl CpuExecutor {
         Ok(())
     }
 
-    fn run_op(&self, op: &Op, buf: &mut Buffers, out: &mut [f32], ids: &[u32], start_pos: usize, positions: &[u32]) -> anyhow::Result<()> {
+    fn run_op(&self, op: &Op, buf: &mut Buffers, plan: &Plan, out: &mut [f32], step: &Step<'_>) -> anyhow::Result<()> {
         let model = &*self.model;
         let graph = &model.graph;
+        let (ids, positions) = (step.ids, step.positions);
         let n = ids.len();
         let width = |v: ValueId| graph.value(v).width;
-        let rows = |v: ValueId| graph.value(v).n_rows(n);
+        let rows = |v: ValueId| graph.value(v).rows_for(n, step.seqs.len());
         let out_id = op.writes();
         let slots = &buf.slots;
-        let input = |v: ValueId| -> &[f32] { &slots[self.plan.slot(v)][..rows(v) * width(v)] };
+        let input = |v: ValueId| -> &[f32] { &slots[plan.slot(v)][..rows(v) * width(v)] };
         {
             match *op {
                 Op::Embed { table, scale, .. } => {
@@ -278,19 +313,6 @@ impl CpuExecutor {
                     let (qw, kvw) = (a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim);
                     let src = input(qkv);
                     let w = width(qkv);
-                    if start_pos + n > self.options.context_len {
-                        bail!("context full: {} tokens do not fit in {}", start_pos + n, self.options.context_len);
-                    }
-                    let q = &mut buf.scratch;
-                    q.resize(n * qw, 0.0);
-                    for t in 0..n {
-                        let row = &src[t * w..(t + 1) * w];
-                        q[t * qw..(t + 1) * qw].copy_from_slice(&row[..qw]);
-                        let p = (start_pos + t) * kvw;
-                        buf.k_cache[layer][p..p + kvw].copy_from_slice(&row[qw..qw + kvw]);
-                        buf.v_cache[layer][p..p + kvw].copy_from_slice(&row[qw + kvw..qw + 2 * kvw]);
-                    }
-                    let kv_len = start_pos + n;
                     let params = AttentionParams {
                         n_heads: a.n_heads,
                         n_kv_heads: a.n_kv_heads,
@@ -299,15 +321,58 @@ impl CpuExecutor {
                         window,
                         softcap: None,
                     };
-                    kernels::attention::attention(
-                        &params,
-                        q,
-                        &buf.k_cache[layer][..kv_len * kvw],
-                        &buf.v_cache[layer][..kv_len * kvw],
-                        start_pos,
-                        n,
-                        &mut out[..n * qw],
-                    );
+                    for seq in step.seqs {
+                        let (start_pos, n) = (seq.start_pos, seq.n);
+                        let rows = seq.first_row..seq.first_row + n;
+                        // Cache row of each position: contiguous, or through the block table.
+                        let cache_row = |p: usize| match step.block_size {
+                            None => p,
+                            Some(bs) => seq.blocks[p / bs] as usize * bs + p % bs,
+                        };
+                        let capacity = buf.k_cache[layer].len() / kvw;
+                        match step.block_size {
+                            None if start_pos + n > self.options.context_len => {
+                                bail!("context full: {} tokens do not fit in {}", start_pos + n, self.options.context_len)
+                            }
+                            Some(bs) if seq.blocks.len() * bs < start_pos + n || seq.blocks.iter().any(|&b| (b as usize + 1) * bs > capacity) => {
+                                bail!("block table of {} blocks does not cover {} positions in a cache of {capacity} rows", seq.blocks.len(), start_pos + n)
+                            }
+                            _ => {}
+                        }
+                        let q = &mut buf.scratch;
+                        q.resize(n * qw, 0.0);
+                        for t in 0..n {
+                            let row = &src[(rows.start + t) * w..(rows.start + t + 1) * w];
+                            q[t * qw..(t + 1) * qw].copy_from_slice(&row[..qw]);
+                            let p = cache_row(start_pos + t) * kvw;
+                            buf.k_cache[layer][p..p + kvw].copy_from_slice(&row[qw..qw + kvw]);
+                            buf.v_cache[layer][p..p + kvw].copy_from_slice(&row[qw + kvw..qw + 2 * kvw]);
+                        }
+                        let dst = &mut out[rows.start * qw..rows.end * qw];
+                        match step.block_size {
+                            None => {
+                                let kv_len = start_pos + n;
+                                kernels::attention::attention(
+                                    &params,
+                                    q,
+                                    &buf.k_cache[layer][..kv_len * kvw],
+                                    &buf.v_cache[layer][..kv_len * kvw],
+                                    start_pos,
+                                    n,
+                                    dst,
+                                )
+                            }
+                            Some(block_size) => {
+                                let kv = kernels::attention::PagedKv {
+                                    k: &buf.k_cache[layer],
+                                    v: &buf.v_cache[layer],
+                                    block_size,
+                                    blocks: seq.blocks,
+                                };
+                                kernels::attention::attention_paged(&params, q, &kv, start_pos, n, dst)
+                            }
+                        }
+                    }
                 }
                 Op::SwiGlu { x, .. } | Op::GeGlu { x, .. } => {
                     let act = gated_activation(match op {
@@ -328,11 +393,57 @@ impl CpuExecutor {
                 }
                 Op::LastRow { x, .. } => {
                     let w = width(x);
-                    out[..w].copy_from_slice(&input(x)[(n - 1) * w..n * w]);
+                    for (i, seq) in step.seqs.iter().enumerate() {
+                        let last = seq.first_row + seq.n - 1;
+                        out[i * w..(i + 1) * w].copy_from_slice(&input(x)[last * w..(last + 1) * w]);
+                    }
                 }
             }
         }
         Ok(())
+    }
+}
+
+impl CpuExecutor {
+    fn run_paged(&self, paged: &mut Paged, batch: &[SeqChunk<'_>]) -> anyhow::Result<Vec<Vec<f32>>> {
+        let c = paged.config;
+        let n: usize = batch.iter().map(|s| s.tokens.len()).sum();
+        if batch.is_empty() || batch.len() > c.max_seqs {
+            bail!("a batch holds 1 to {} sequences, got {}", c.max_seqs, batch.len());
+        }
+        if n > c.max_tokens {
+            bail!("a batch holds at most {} tokens, got {n}", c.max_tokens);
+        }
+        let mut ids = Vec::with_capacity(n);
+        let mut positions = Vec::with_capacity(n);
+        let mut seqs = Vec::with_capacity(batch.len());
+        for (i, s) in batch.iter().enumerate() {
+            if s.tokens.is_empty() {
+                bail!("sequence {i} of the batch has no tokens");
+            }
+            let end = s.start_pos + s.tokens.len();
+            if s.block_table.len() * c.block_size < end {
+                bail!("sequence {i}: {} blocks cannot hold {end} positions", s.block_table.len());
+            }
+            if let Some(&b) = s.block_table.iter().find(|&&b| b as usize >= c.n_blocks) {
+                bail!("sequence {i}: block {b} is outside the cache ({} blocks)", c.n_blocks);
+            }
+            seqs.push(StepSeq { first_row: ids.len(), n: s.tokens.len(), start_pos: s.start_pos, blocks: s.block_table });
+            ids.extend_from_slice(s.tokens);
+            positions.extend((s.start_pos..end).map(|p| p as u32));
+        }
+        let step = Step { ids: &ids, positions: &positions, seqs: &seqs, block_size: Some(c.block_size) };
+        let Paged { plan, buf, .. } = paged;
+        // On a pool worker, like `forward`.
+        let result = rayon::scope(|_| self.run_ops(buf, plan, &step));
+        if let Some(p) = buf.profile.as_mut() {
+            p.end_forward();
+        }
+        result.context("batched forward pass")?;
+        let g = &self.model.graph;
+        let w = g.value(g.logits).width;
+        let logits = &buf.slots[plan.slot(g.logits)];
+        Ok((0..batch.len()).map(|i| logits[i * w..(i + 1) * w].to_vec()).collect())
     }
 }
 
@@ -396,7 +507,7 @@ impl Executor for CpuExecutor {
     }
 
     fn kv_bytes_per_position(&self) -> usize {
-        self.buf.k_cache.len() * 2 * self.model.config.kv_width() * 4
+        self.model.graph.n_layers * 2 * self.kv_width() * 4
     }
 
     fn memory_report(&self) -> String {
@@ -410,14 +521,56 @@ impl Executor for CpuExecutor {
                 _ => 0,
             })
             .sum();
-        let kv: usize = self.buf.k_cache.iter().chain(&self.buf.v_cache).map(|c| c.len() * 4).sum();
-        format!(
+        let kv = self.options.context_len * self.kv_bytes_per_position();
+        let mut report = format!(
             "weights copied to RAM: {:.1} MiB (the rest is used in place from the mapped file)\nkv cache (f32): {:.1} MiB\nactivations: {:.1} MiB in {} buffers",
             mib(weights),
             mib(kv),
             mib(self.plan.total_elems() * 4),
             self.plan.slot_elems.len()
-        )
+        );
+        if let Some(p) = &self.paged {
+            let c = p.config;
+            report += &format!(
+                "\npaged kv cache (f32): {:.1} MiB in {} blocks of {} positions\nbatch activations: {:.1} MiB for {} tokens / {} sequences",
+                mib(c.n_blocks * c.block_size * self.kv_bytes_per_position()),
+                c.n_blocks,
+                c.block_size,
+                mib(p.plan.total_elems() * 4),
+                c.max_tokens,
+                c.max_seqs
+            );
+        }
+        report
+    }
+
+    fn init_paged(&mut self, config: PagedKvConfig) -> anyhow::Result<()> {
+        let PagedKvConfig { n_blocks, block_size, max_seqs, max_tokens } = config;
+        if n_blocks == 0 || block_size == 0 || max_seqs == 0 || max_tokens == 0 {
+            bail!("paged kv cache: every size must be positive, got {config:?}");
+        }
+        let graph = &self.model.graph;
+        let plan = planner::plan_rows(graph, max_tokens, max_seqs, true);
+        plan.check(graph).map_err(|e| anyhow!("batch memory plan violates the aliasing rule: {e}"))?;
+        let rows = n_blocks.checked_mul(block_size).and_then(|r| r.checked_mul(self.kv_width()));
+        let Some(elems) = rows else { bail!("paged kv cache of {n_blocks} blocks x {block_size} is too large") };
+        self.paged = None; // free the old cache first
+        let buf = Buffers {
+            slots: plan.slot_elems.iter().map(|&n| vec![0f32; n]).collect(),
+            k_cache: (0..graph.n_layers).map(|_| vec![0f32; elems]).collect(),
+            v_cache: (0..graph.n_layers).map(|_| vec![0f32; elems]).collect(),
+            profile: OpProfile::from_env(),
+            ..Buffers::default()
+        };
+        self.paged = Some(Paged { config, plan, buf });
+        Ok(())
+    }
+
+    fn forward_paged(&mut self, batch: &[SeqChunk<'_>]) -> anyhow::Result<Vec<Vec<f32>>> {
+        let Some(mut paged) = self.paged.take() else { bail!("forward_paged before init_paged") };
+        let result = self.run_paged(&mut paged, batch);
+        self.paged = Some(paged);
+        result
     }
 }
 
@@ -425,6 +578,9 @@ impl Drop for CpuExecutor {
     fn drop(&mut self) {
         if let Some(p) = &self.buf.profile {
             eprint!("{}", p.report(&self.describe()));
+        }
+        if let Some(p) = self.paged.as_ref().and_then(|p| p.buf.profile.as_ref()) {
+            eprint!("{}", p.report(&format!("{}, batched steps", self.describe())));
         }
     }
 }

@@ -68,6 +68,34 @@ pub struct HardwareCeilings {
     pub matmul: String,
 }
 
+/// Geometry of a paged KV cache, for serving many sequences in one batch (see
+/// [`Executor::forward_paged`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PagedKvConfig {
+    /// Blocks in the cache.
+    pub n_blocks: usize,
+    /// Positions per block.
+    pub block_size: usize,
+    /// Most sequences in one `forward_paged` call.
+    pub max_seqs: usize,
+    /// Most tokens, over all sequences, in one `forward_paged` call.
+    pub max_tokens: usize,
+}
+
+/// One sequence's part of a batched step: `tokens` at positions `start_pos..`, its cache rows
+/// found through `block_table` (position `p` is row `p % block_size` of block
+/// `block_table[p / block_size]`). The table covers at least `start_pos + tokens.len()` positions.
+#[derive(Clone, Copy, Debug)]
+pub struct SeqChunk<'a> {
+    pub tokens: &'a [u32],
+    pub start_pos: usize,
+    pub block_table: &'a [u32],
+}
+
+fn no_batched_serving(backend: String) -> anyhow::Error {
+    anyhow::anyhow!("backend {backend} does not support batched serving yet")
+}
+
 pub trait Executor {
     /// Human-readable backend description (`cpu (fp32 reference)`, `cuda: NVIDIA H200`...).
     fn describe(&self) -> String;
@@ -102,4 +130,17 @@ pub trait Executor {
 
     /// Memory in use, one line per category.
     fn memory_report(&self) -> String;
+
+    /// Allocate the paged KV cache used by [`Executor::forward_paged`] (replacing any earlier one).
+    /// It is separate from the contiguous cache of `forward`.
+    fn init_paged(&mut self, _config: PagedKvConfig) -> anyhow::Result<()> {
+        Err(no_batched_serving(self.describe()))
+    }
+
+    /// Run one step for a batch of sequences: each chunk's K/V are written into the paged cache at
+    /// its positions and its queries attend over its own blocks. Returns the logits of the last
+    /// token of every chunk, in order. The weights are applied to all chunks' rows at once.
+    fn forward_paged(&mut self, _batch: &[SeqChunk<'_>]) -> anyhow::Result<Vec<Vec<f32>>> {
+        Err(no_batched_serving(self.describe()))
+    }
 }

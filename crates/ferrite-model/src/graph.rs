@@ -38,6 +38,14 @@ impl ValueInfo {
             Rows::Last => 1,
         }
     }
+
+    /// Rows in a batch of `n_tokens` tokens from `n_seqs` sequences (one last row per sequence).
+    pub fn rows_for(&self, n_tokens: usize, n_seqs: usize) -> usize {
+        match self.rows {
+            Rows::Tokens => n_tokens,
+            Rows::Last => n_seqs,
+        }
+    }
 }
 
 /// The gate activation of a gated MLP: `act(gate) * up`.

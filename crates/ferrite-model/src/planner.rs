@@ -15,6 +15,9 @@ pub struct Plan {
     /// Size of each slot in f32 elements for the batch size the plan was made for.
     pub slot_elems: Vec<usize>,
     pub max_tokens: usize,
+    /// Rows of the values computed on the last token (`Rows::Last`): 1 for one sequence, the
+    /// number of sequences for a batch of sequences (one last row each).
+    pub max_last_rows: usize,
 }
 
 impl Plan {
@@ -45,7 +48,7 @@ impl Plan {
         // Two values may share a slot only if their lifetimes are disjoint.
         let life = lifetimes(graph);
         for a in 0..graph.values.len() {
-            let need = graph.values[a].width * graph.values[a].n_rows(self.max_tokens);
+            let need = graph.values[a].width * graph.values[a].rows_for(self.max_tokens, self.max_last_rows);
             if need > self.slot_elems[self.slot_of[a]] {
                 return Err(format!("slot of `{}` is too small", graph.values[a].name));
             }
@@ -99,6 +102,12 @@ fn lifetimes(graph: &Graph) -> Vec<Interval> {
 /// fits (or grow the largest free one), and release it after their last access.
 /// With `reuse == false` every value gets its own slot (used to test the planner itself).
 pub fn plan(graph: &Graph, max_tokens: usize, reuse: bool) -> Plan {
+    plan_rows(graph, max_tokens, 1, reuse)
+}
+
+/// [`plan`] for batches of up to `max_last_rows` sequences, whose `Rows::Last` values hold one
+/// row per sequence.
+pub fn plan_rows(graph: &Graph, max_tokens: usize, max_last_rows: usize, reuse: bool) -> Plan {
     let life = lifetimes(graph);
     let mut order: Vec<usize> = (0..graph.values.len()).filter(|&v| life[v].is_some()).collect();
     order.sort_by_key(|&v| life[v].unwrap().0);
@@ -108,7 +117,7 @@ pub fn plan(graph: &Graph, max_tokens: usize, reuse: bool) -> Plan {
     let mut busy_until: Vec<usize> = Vec::new();
     for v in order {
         let (start, end) = life[v].unwrap();
-        let need = graph.values[v].width * graph.values[v].n_rows(max_tokens);
+        let need = graph.values[v].width * graph.values[v].rows_for(max_tokens, max_last_rows);
         let free = (0..slot_elems.len()).filter(|&s| reuse && busy_until[s] < start);
         let best = free
             .clone()
@@ -130,11 +139,11 @@ pub fn plan(graph: &Graph, max_tokens: usize, reuse: bool) -> Plan {
     // Values no op touches get a slot of their own so every id maps somewhere valid.
     for (v, s) in slot_of.iter_mut().enumerate() {
         if *s == usize::MAX {
-            slot_elems.push(graph.values[v].width * graph.values[v].n_rows(max_tokens));
+            slot_elems.push(graph.values[v].width * graph.values[v].rows_for(max_tokens, max_last_rows));
             *s = slot_elems.len() - 1;
         }
     }
-    Plan { slot_of, slot_elems, max_tokens }
+    Plan { slot_of, slot_elems, max_tokens, max_last_rows }
 }
 
 #[cfg(test)]

@@ -7,4 +7,5 @@ pub mod compare;
 pub mod env;
 pub mod info;
 pub mod run;
+pub mod serve;
 pub mod synth;

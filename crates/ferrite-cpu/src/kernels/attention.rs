@@ -120,17 +120,106 @@ pub(crate) fn attention_at(
         }
         let sum = softmax_unnormalized(&mut scores);
         // SAFETY: as above.
-        unsafe { (kernels.weighted_sum)(&scores, values, kvw, 1.0 / sum, out) };
+        unsafe { (kernels.weighted_sum)(&scores, values, kvw, 1.0 / sum, out, false) };
+    });
+}
+
+/// Where a sequence's cached rows live in a paged KV cache: row `p` is row `p % block_size` of
+/// physical block `blocks[p / block_size]`; a block holds `block_size` rows of the cache width.
+#[derive(Clone, Copy, Debug)]
+pub struct PagedKv<'a> {
+    pub k: &'a [f32],
+    pub v: &'a [f32],
+    pub block_size: usize,
+    pub blocks: &'a [u32],
+}
+
+/// [`attention`] over a paged cache: the same arithmetic in the same order as the contiguous
+/// kernel, so a sequence gets bit-identical outputs whichever layout holds its cache.
+/// Panics on inconsistent sizes (a block table too short for `start_pos + n_tokens` rows, a
+/// block outside the cache).
+pub fn attention_paged(p: &AttentionParams, q: &[f32], kv: &PagedKv<'_>, start_pos: usize, n_tokens: usize, out: &mut [f32]) {
+    attention_paged_at(simd_level(), p, q, kv, start_pos, n_tokens, out)
+}
+
+pub(crate) fn attention_paged_at(
+    level: SimdLevel,
+    p: &AttentionParams,
+    q: &[f32],
+    kv: &PagedKv<'_>,
+    start_pos: usize,
+    n_tokens: usize,
+    out: &mut [f32],
+) {
+    let (nh, nkv, hd) = (p.n_heads, p.n_kv_heads, p.head_dim);
+    assert!(nkv > 0 && nh % nkv == 0 && hd > 0, "attention: {nh} heads cannot share {nkv} KV heads of {hd}");
+    assert!(p.window != Some(0), "attention: a window of 0 sees no key");
+    assert!(level.is_available(), "attention: {level:?} is not available on this CPU");
+    let (qw, kvw, bs) = (nh * hd, nkv * hd, kv.block_size);
+    assert!(bs > 0, "attention: block size 0");
+    assert_eq!(q.len(), n_tokens * qw, "attention: q has {} values, expected {n_tokens} x {qw}", q.len());
+    assert_eq!(out.len(), n_tokens * qw, "attention: out has {} values, expected {n_tokens} x {qw}", out.len());
+    let kv_len = start_pos + n_tokens;
+    assert!(kv.blocks.len() * bs >= kv_len, "attention: {} blocks of {bs} cannot hold {kv_len} rows", kv.blocks.len());
+    let block_elems = bs * kvw;
+    for &b in &kv.blocks[..kv_len.div_ceil(bs)] {
+        let end = (b as usize + 1) * block_elems;
+        assert!(end <= kv.k.len() && end <= kv.v.len(), "attention: block {b} is outside the cache");
+    }
+    let group = nh / nkv;
+    out.par_chunks_mut(hd).enumerate().for_each(|(i, out)| {
+        let (t, h) = (i / nh, i % nh);
+        let pos = start_pos + t;
+        let first = p.window.map_or(0, |w| (pos + 1).saturating_sub(w));
+        let query = &q[t * qw + h * hd..][..hd];
+        let col = h / group * hd;
+        let kernels = Kernels::for_level(level, hd);
+        // Runs of consecutive rows inside one block: (row in the sequence, offset in the cache, length).
+        let segments = || {
+            let mut r = first;
+            std::iter::from_fn(move || {
+                (r <= pos).then(|| {
+                    let (b, off) = (r / bs, r % bs);
+                    let len = (bs - off).min(pos + 1 - r);
+                    let seg = (r - first, (kv.blocks[b] as usize * bs + off) * kvw + col, len);
+                    r += len;
+                    seg
+                })
+            })
+        };
+        let mut scores = vec![0f32; pos + 1 - first];
+        for (at, offset, len) in segments() {
+            let keys = &kv.k[offset..offset + (len - 1) * kvw + hd];
+            // SAFETY: the kernels were selected for `level`, checked available above.
+            unsafe { (kernels.scores)(query, keys, kvw, p.scale, &mut scores[at..at + len]) };
+        }
+        if let Some(cap) = p.softcap {
+            scores.iter_mut().for_each(|s| *s = cap * tanh(*s / cap));
+        }
+        let sum = softmax_unnormalized(&mut scores);
+        let n_seg = segments().count();
+        for (k, (at, offset, len)) in segments().enumerate() {
+            let values = &kv.v[offset..offset + (len - 1) * kvw + hd];
+            // The sum accumulates across segments in `out`; only the last one applies the norm
+            // (multiplying by 1.0 is exact, so the result equals the contiguous kernel's).
+            let norm = if k + 1 == n_seg { 1.0 / sum } else { 1.0 };
+            // SAFETY: as above.
+            unsafe { (kernels.weighted_sum)(&scores[at..at + len], values, kvw, norm, out, k > 0) };
+        }
     });
 }
 
 /// The two inner loops of one head: scores `q · k_j * scale` and `out = Σ_j w_j v_j * norm`.
-/// `keys`/`values` start at the head's first row and step `stride` floats per row.
+/// `keys`/`values` start at the head's first row and step `stride` floats per row. With its last
+/// argument set, `weighted_sum` adds to the sum already in `out` instead of starting from zero.
 /// Safety: the functions may use the CPU features of the level they were selected for.
 struct Kernels {
     scores: unsafe fn(&[f32], &[f32], usize, f32, &mut [f32]),
-    weighted_sum: unsafe fn(&[f32], &[f32], usize, f32, &mut [f32]),
+    weighted_sum: WeightedSum,
 }
+
+/// `(weights, values, stride, norm, out, accumulate)`.
+type WeightedSum = unsafe fn(&[f32], &[f32], usize, f32, &mut [f32], bool);
 
 impl Kernels {
     fn for_level(level: SimdLevel, head_dim: usize) -> Kernels {
@@ -163,9 +252,12 @@ fn weighted_sum_portable(
     stride: usize,
     norm: f32,
     out: &mut [f32],
+    accumulate: bool,
 ) {
     let hd = out.len();
-    out.fill(0.0);
+    if !accumulate {
+        out.fill(0.0);
+    }
     for (j, &w) in weights.iter().enumerate() {
         for (o, &v) in out.iter_mut().zip(&values[j * stride..][..hd]) {
             *o += w * v;
@@ -206,6 +298,7 @@ mod x86 {
         stride: usize,
         norm: f32,
         out: &mut [f32],
+        accumulate: bool,
     ) {
         let n = weights.len();
         assert!(
@@ -214,7 +307,7 @@ mod x86 {
             "attention sum: sizes"
         );
         // SAFETY: as in `scores`.
-        weighted_sum_avx2(weights, values, stride, norm, out)
+        weighted_sum_avx2(weights, values, stride, norm, out, accumulate)
     }
 
     #[target_feature(enable = "avx2,fma")]
@@ -251,9 +344,15 @@ mod x86 {
         stride: usize,
         norm: f32,
         out: &mut [f32],
+        accumulate: bool,
     ) {
         for c in (0..out.len()).step_by(CHUNK) {
             let mut acc = [_mm256_setzero_ps(); 8];
+            if accumulate {
+                for (i, a) in acc.iter_mut().enumerate() {
+                    *a = _mm256_loadu_ps(out.as_ptr().add(c + 8 * i));
+                }
+            }
             for (j, &w) in weights.iter().enumerate() {
                 let (w, v) = (_mm256_set1_ps(w), values.as_ptr().add(j * stride + c));
                 for (i, a) in acc.iter_mut().enumerate() {
@@ -370,6 +469,40 @@ mod tests {
                         "{level:?} case {nh}/{nkv}/{hd} start {start} at {i}: {got} vs {want}"
                     );
                 }
+            }
+        }
+    }
+
+    /// Scatter a contiguous cache into blocks (in a shuffled order, with unused blocks between).
+    fn to_pages(cache: &[f32], kvw: usize, bs: usize, blocks: &[u32], n_blocks: usize) -> Vec<f32> {
+        let mut arena = vec![f32::NAN; n_blocks * bs * kvw];
+        for (r, row) in cache.chunks(kvw).enumerate() {
+            let at = (blocks[r / bs] as usize * bs + r % bs) * kvw;
+            arena[at..at + kvw].copy_from_slice(row);
+        }
+        arena
+    }
+
+    #[test]
+    fn paged_attention_is_bit_identical_to_contiguous() {
+        let cases = [(9, 3, 64, 0, 1, None, 4), (9, 3, 64, 5, 7, None, 4), (4, 2, 128, 17, 3, None, 16), (9, 3, 64, 13, 4, Some(6), 3), (2, 1, 80, 2, 30, None, 5), (4, 1, 16, 6, 9, Some(3), 1)];
+        for (nh, nkv, hd, start, n, window, bs) in cases {
+            let p = AttentionParams { window, ..AttentionParams::new(nh, nkv, hd) };
+            let (kvw, kv_len) = (nkv * hd, start + n);
+            let q = values(n * nh * hd, 1);
+            let k = values(kv_len * kvw, 2);
+            let v = values(kv_len * kvw, 3);
+            let n_used = kv_len.div_ceil(bs);
+            let n_blocks = 2 * n_used + 1;
+            let blocks: Vec<u32> = (0..n_used as u32).map(|b| (n_blocks as u32 - 1) - 2 * b).collect();
+            let (ka, va) = (to_pages(&k, kvw, bs, &blocks, n_blocks), to_pages(&v, kvw, bs, &blocks, n_blocks));
+            for level in SimdLevel::available() {
+                let mut want = vec![0f32; q.len()];
+                attention_at(level, &p, &q, &k, &v, start, n, &mut want);
+                let mut got = vec![0f32; q.len()];
+                let kv = PagedKv { k: &ka, v: &va, block_size: bs, blocks: &blocks };
+                attention_paged_at(level, &p, &q, &kv, start, n, &mut got);
+                assert_eq!(got, want, "{level:?} case {nh}/{nkv}/{hd} start {start} n {n} block {bs}");
             }
         }
     }

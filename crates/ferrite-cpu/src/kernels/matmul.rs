@@ -124,6 +124,7 @@ fn run<K: DotKernel>(
 ) {
     let acts = K::prepare(x, w.cols, n_tokens);
     let dot_one = K::row_dot::<1>(level);
+    let dot_pair = K::row_dot::<2>(level);
     let dot_tile = K::row_dot::<TOKEN_TILE>(level);
     let rows = w.rows;
     let chunk = chunk_rows(rows, row_bytes, n_tokens);
@@ -157,6 +158,17 @@ fn run<K: DotKernel>(
                         }
                     }
                     t += TOKEN_TILE;
+                }
+                // Two or three tokens left (batched decoding of a few sequences): a pair still
+                // unpacks each row once for both.
+                if t + 2 <= n_tokens {
+                    for r in block.clone() {
+                        // SAFETY: as above.
+                        let v = unsafe { dot_pair(row(r), &acts, t) };
+                        outs[t][r] = v[0];
+                        outs[t + 1][r] = v[1];
+                    }
+                    t += 2;
                 }
                 for (t, out) in outs.iter_mut().enumerate().skip(t) {
                     for r in block.clone() {

@@ -1,0 +1,231 @@
+//! The continuous-batching engine on the real SmolLM2 model: greedy outputs equal
+//! `Session::generate`'s whatever the batching (chunked prefill, queueing, preemption, prefix
+//! cache), cancellation frees everything, and no KV block leaks.
+
+mod common;
+
+use common::smollm2;
+use ferrite_cpu::{CpuExecutor, CpuPrecision};
+use ferrite_engine::metrics::EngineMetrics;
+use ferrite_engine::{EngineConfig, EngineHandle, FinishReason, GenEvent, GenRequest, SamplerParams, Session, SubmitError};
+use ferrite_model::{Executor, ExecutorOptions, FusionOptions, Model};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+fn options() -> ExecutorOptions {
+    ExecutorOptions { max_batch: 64, context_len: 256, trace: false, progress: None }
+}
+
+fn start(model: &Arc<Model>, config: EngineConfig) -> EngineHandle {
+    let m = Arc::clone(model);
+    let make = move || -> anyhow::Result<Box<dyn Executor>> { Ok(Box::new(CpuExecutor::new(m, CpuPrecision::Quantized, options())?)) };
+    EngineHandle::start(make, config).unwrap().0
+}
+
+fn config() -> EngineConfig {
+    EngineConfig { block_size: 16, n_blocks: 64, max_seqs: 3, max_batch_tokens: 32, max_queue: 16, max_context: 256, prefix_cache: true }
+}
+
+fn prompt(seed: u32, len: usize) -> Vec<u32> {
+    (0..len as u32).map(|i| (i * 7919 + seed * 104_729) % 40_000 + 100).collect()
+}
+
+fn greedy(prompt: Vec<u32>, max_tokens: usize) -> GenRequest {
+    GenRequest {
+        prompt,
+        max_tokens,
+        sampling: SamplerParams::greedy(),
+        presence_penalty: 0.0,
+        frequency_penalty: 0.0,
+        logit_bias: vec![],
+        logprobs: None,
+        stop_tokens: vec![],
+    }
+}
+
+/// What `Session::generate` produces alone.
+fn reference(model: &Arc<Model>, prompt: &[u32], max_tokens: usize) -> Vec<u32> {
+    let mut s = Session::new(Box::new(CpuExecutor::new(Arc::clone(model), CpuPrecision::Quantized, options()).unwrap()));
+    let mut out = vec![];
+    s.generate(prompt, max_tokens, &SamplerParams::greedy(), |_| false, |t| {
+        out.push(t);
+        true
+    })
+    .unwrap();
+    out
+}
+
+struct Outcome {
+    tokens: Vec<u32>,
+    reason: FinishReason,
+    cached: usize,
+    completion_tokens: usize,
+}
+
+fn collect(mut rx: tokio::sync::mpsc::UnboundedReceiver<GenEvent>) -> Outcome {
+    let mut tokens = vec![];
+    let mut cached = 0;
+    loop {
+        match rx.blocking_recv().expect("the engine ended a stream without Finished") {
+            GenEvent::Started { cached_tokens } => cached = cached_tokens,
+            GenEvent::Token { id, .. } => tokens.push(id),
+            GenEvent::Finished { reason, usage } => return Outcome { completion_tokens: usage.completion_tokens, tokens, reason, cached },
+            GenEvent::Error(e) => panic!("engine error: {e}"),
+        }
+    }
+}
+
+fn wait_idle(m: &EngineMetrics) {
+    let t = Instant::now();
+    while (EngineMetrics::get(&m.running) > 0 || EngineMetrics::get(&m.kv_blocks_in_use) > 0 || EngineMetrics::get(&m.waiting) > 0) && t.elapsed() < Duration::from_secs(20) {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert_eq!(EngineMetrics::get(&m.running), 0, "sequences still running");
+    assert_eq!(EngineMetrics::get(&m.kv_blocks_in_use), 0, "KV blocks leaked");
+}
+
+#[test]
+fn batched_greedy_equals_session_generate() {
+    let model = smollm2(FusionOptions::ALL);
+    let engine = start(&model, config());
+    // Five requests, three running at most; the 70-token prompt is prefilled over several steps.
+    let cases = [(1, 5, 10), (2, 70, 12), (3, 17, 6), (4, 33, 9), (5, 2, 14)];
+    let rxs: Vec<_> = cases.iter().map(|&(s, l, n)| engine.submit(greedy(prompt(s, l), n)).unwrap()).collect();
+    for ((s, l, n), rx) in cases.into_iter().zip(rxs) {
+        let got = collect(rx);
+        assert_eq!(got.tokens, reference(&model, &prompt(s, l), n), "request {s}");
+        assert_eq!((got.reason, got.completion_tokens), (FinishReason::Length, n));
+    }
+    wait_idle(engine.metrics());
+    assert_eq!(EngineMetrics::get(&engine.metrics().requests_finished), 5);
+}
+
+#[test]
+fn preemption_by_recompute_keeps_outputs_exact() {
+    let model = smollm2(FusionOptions::ALL);
+    // 64-token context: 4 blocks per sequence, 6 blocks for three growing sequences.
+    let cfg = EngineConfig { n_blocks: 6, max_context: 64, max_seqs: 3, ..config() };
+    let engine = start(&model, cfg);
+    let cases = [(7, 14, 30), (8, 20, 30), (9, 9, 30)];
+    let rxs: Vec<_> = cases.iter().map(|&(s, l, n)| engine.submit(greedy(prompt(s, l), n)).unwrap()).collect();
+    for ((s, l, n), rx) in cases.into_iter().zip(rxs) {
+        assert_eq!(collect(rx).tokens, reference(&model, &prompt(s, l), n), "request {s}");
+    }
+    let m = engine.metrics();
+    assert!(EngineMetrics::get(&m.preemptions) > 0, "the cache was large enough: nothing was preempted");
+    wait_idle(m);
+}
+
+#[test]
+fn repeated_prefix_is_served_from_the_cache() {
+    let model = smollm2(FusionOptions::ALL);
+    let engine = start(&model, config());
+    let p = prompt(11, 40);
+    let first = collect(engine.submit(greedy(p.clone(), 5)).unwrap());
+    let second = collect(engine.submit(greedy(p.clone(), 5)).unwrap());
+    assert_eq!(first.cached, 0);
+    assert_eq!(second.cached, 32, "two full blocks of 16 reused");
+    assert_eq!(first.tokens, second.tokens);
+    // A different continuation of the same prefix shares its first two blocks too.
+    let mut q = p[..36].to_vec();
+    q.extend([5, 6, 7, 8, 9]);
+    let third = collect(engine.submit(greedy(q.clone(), 5)).unwrap());
+    assert_eq!(third.cached, 32);
+    assert_eq!(third.tokens, reference(&model, &q, 5));
+    assert_eq!(EngineMetrics::get(&engine.metrics().prefix_cache_hit_tokens), 64);
+    wait_idle(engine.metrics());
+    // With the prefix cache off nothing is reused.
+    let engine = start(&model, EngineConfig { prefix_cache: false, ..config() });
+    collect(engine.submit(greedy(p.clone(), 5)).unwrap());
+    assert_eq!(collect(engine.submit(greedy(p, 5)).unwrap()).cached, 0);
+}
+
+#[test]
+fn dropping_the_receiver_cancels_and_frees_blocks() {
+    let model = smollm2(FusionOptions::ALL);
+    let engine = start(&model, config());
+    let mut rx = engine.submit(greedy(prompt(12, 30), 200)).unwrap();
+    let mut seen = 0;
+    while seen < 2 {
+        if let Some(GenEvent::Token { .. }) = rx.blocking_recv() {
+            seen += 1;
+        }
+    }
+    drop(rx);
+    wait_idle(engine.metrics());
+    assert_eq!(EngineMetrics::get(&engine.metrics().requests_cancelled), 1);
+    // The engine keeps serving.
+    assert_eq!(collect(engine.submit(greedy(prompt(13, 4), 3)).unwrap()).tokens.len(), 3);
+}
+
+#[test]
+fn stop_tokens_end_generation_and_bad_submissions_are_refused() {
+    let model = smollm2(FusionOptions::ALL);
+    let engine = start(&model, EngineConfig { max_queue: 0, ..config() });
+    assert_eq!(engine.submit(greedy(prompt(1, 3), 3)).unwrap_err(), SubmitError::QueueFull);
+    let engine = start(&model, config());
+    assert!(matches!(engine.submit(greedy(vec![], 3)), Err(SubmitError::BadPrompt(_))));
+    assert!(matches!(engine.submit(greedy(prompt(1, 256), 3)), Err(SubmitError::BadPrompt(_))));
+    // Stop at the third greedy token.
+    let want = reference(&model, &prompt(14, 8), 5);
+    let req = GenRequest { stop_tokens: vec![want[2]], ..greedy(prompt(14, 8), 5) };
+    let got = collect(engine.submit(req).unwrap());
+    assert_eq!(got.reason, FinishReason::Stop);
+    assert_eq!(got.tokens, want[..want.iter().position(|&t| t == want[2]).unwrap()].to_vec());
+    wait_idle(engine.metrics());
+}
+
+/// A backend double: no batched serving at all, or one whose batched step panics.
+struct FakeBackend {
+    paged: bool,
+}
+
+impl Executor for FakeBackend {
+    fn describe(&self) -> String {
+        "fake".into()
+    }
+    fn forward(&mut self, _: &[u32], _: usize) -> anyhow::Result<()> {
+        Ok(())
+    }
+    fn logits(&mut self) -> anyhow::Result<Vec<f32>> {
+        Ok(vec![0.0; 4])
+    }
+    fn traces(&mut self) -> anyhow::Result<Vec<ferrite_model::LayerTrace>> {
+        Ok(vec![])
+    }
+    fn context_len(&self) -> usize {
+        256
+    }
+    fn kv_bytes_per_position(&self) -> usize {
+        8
+    }
+    fn memory_report(&self) -> String {
+        String::new()
+    }
+    fn init_paged(&mut self, _: ferrite_model::PagedKvConfig) -> anyhow::Result<()> {
+        if self.paged {
+            Ok(())
+        } else {
+            anyhow::bail!("backend fake does not support batched serving yet")
+        }
+    }
+    fn forward_paged(&mut self, _: &[ferrite_model::SeqChunk<'_>]) -> anyhow::Result<Vec<Vec<f32>>> {
+        panic!("simulated backend crash");
+    }
+}
+
+#[test]
+fn a_backend_without_batching_is_refused_and_a_dead_engine_is_reported() {
+    let err = EngineHandle::start(|| Ok(Box::new(FakeBackend { paged: false }) as Box<dyn Executor>), config()).err().expect("start must fail");
+    assert!(err.to_string().contains("does not support batched serving yet"), "{err}");
+    let (engine, thread) = EngineHandle::start(|| Ok(Box::new(FakeBackend { paged: true }) as Box<dyn Executor>), config()).unwrap();
+    assert!(engine.is_alive());
+    let mut rx = engine.submit(greedy(prompt(1, 4), 3)).unwrap();
+    // The request in flight ends (its sender is dropped by the unwinding thread) instead of hanging.
+    while let Some(e) = rx.blocking_recv() {
+        assert!(matches!(e, GenEvent::Started { .. }), "{e:?}");
+    }
+    assert!(thread.join().is_err(), "the engine thread should have panicked");
+    assert!(!engine.is_alive());
+    assert_eq!(engine.submit(greedy(prompt(1, 4), 3)).unwrap_err(), SubmitError::Stopped);
+}
