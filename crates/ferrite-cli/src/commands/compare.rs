@@ -17,8 +17,9 @@ pub struct CompareArgs {
     /// Greedy tokens to generate on both and compare.
     #[arg(long, default_value_t = 32)]
     pub steps: usize,
-    /// GPU compute precision: f32 (f32 KV cache and GEMM) or f16 (f16 KV cache and GEMM).
-    /// Shorthand for FERRITE_CUDA_KV_DTYPE and FERRITE_CUDA_GEMM_PRECISION.
+    /// GPU compute precision: f32 (f32 KV cache, GEMM and GEMV activations: the paths that match
+    /// the fp32 CPU oracle) or f16 (f16 KV cache and GEMM, int8 GEMV activations). Shorthand for
+    /// FERRITE_CUDA_KV_DTYPE, FERRITE_CUDA_GEMM_PRECISION and FERRITE_CUDA_GEMV_ACTIVATIONS.
     #[arg(long, value_parser = ["f32", "f16"])]
     pub gpu_precision: Option<String>,
     /// The backend under test is --backend.
@@ -45,6 +46,8 @@ pub fn run(args: CompareArgs) -> Result<()> {
         // Set before any backend exists; both switches are read when the GPU executor is created.
         std::env::set_var(ferrite_core::env::CUDA_KV_DTYPE.name, p);
         std::env::set_var(ferrite_core::env::CUDA_GEMM_PRECISION.name, p);
+        let activations = if p == "f32" { "f32" } else { "q8" };
+        std::env::set_var(ferrite_core::env::CUDA_GEMV_ACTIVATIONS.name, activations);
     }
     let loaded = load_model(&args.model)?;
     let ids = if args.ids.is_empty() { loaded.tokenizer()?.encode(&args.prompt, true)? } else { args.ids.clone() };
