@@ -4,7 +4,7 @@
 //! the correctness oracle for every other path —, `Quantized` multiplies directly on the packed
 //! GGUF weights with SIMD integer dot products.
 
-use crate::kernels::{self, activation, attention::AttentionParams, norm, rope::Rope, WeightView};
+use crate::kernels::{self, activation, attention::AttentionParams, gdn, norm, rope::Rope, WeightView};
 use anyhow::{anyhow, bail, Context};
 use ferrite_gguf::TensorInfo;
 use ferrite_model::graph::{NormSpec, Op, ValueId, WeightId};
@@ -35,8 +35,13 @@ enum CpuWeight {
 #[derive(Default)]
 struct Buffers {
     slots: Vec<Vec<f32>>,
+    /// Per layer (empty for layers without attention).
     k_cache: Vec<Vec<f32>>,
     v_cache: Vec<Vec<f32>>,
+    /// Recurrent state per layer (empty for layers without a Gated DeltaNet): the conv window and
+    /// the delta-rule matrices.
+    conv_state: Vec<Vec<f32>>,
+    ssm_state: Vec<Vec<f32>>,
     /// Normalized input of a norm-folded linear; gathered Q of attention.
     scratch: Vec<f32>,
     /// Output of a linear that fills a column range.
@@ -53,6 +58,9 @@ pub struct CpuExecutor {
     options: ExecutorOptions,
     /// Rows in the last chunk (for reading traces back).
     last_rows: usize,
+    /// Tokens the recurrent state has consumed (`None`: unusable after a failed forward; only a
+    /// forward at position 0 resets it). Unused without recurrent layers.
+    state_pos: Option<usize>,
 }
 
 impl CpuExecutor {
@@ -60,10 +68,13 @@ impl CpuExecutor {
         let graph = &model.graph;
         let mut weights: Vec<Option<CpuWeight>> = (0..model.weights.len()).map(|_| None).collect();
         let used = model.weights.used_by(graph);
+        // Weights that ops read element-wise rather than through a matmul: always f32.
+        let host_f32: Vec<WeightId> =
+            graph.ops.iter().filter_map(|o| if let Op::GatedDeltaNet { conv, .. } = o { Some(*conv) } else { None }).collect();
         for (i, &id) in used.iter().enumerate() {
             LoadProgress::report(&options.progress, i, used.len());
             let spec = model.weights.spec(id);
-            let w = if spec.is_vector() || precision == CpuPrecision::Reference {
+            let w = if spec.is_vector() || precision == CpuPrecision::Reference || host_f32.contains(&id) {
                 CpuWeight::F32(model.weights.to_f32(&model.file, id)?)
             } else if spec.parts.len() > 1 {
                 CpuWeight::Packed(model.weights.bytes(&model.file, id)?.into_owned())
@@ -79,14 +90,26 @@ impl CpuExecutor {
         let slots = plan.slot_elems.iter().map(|&n| vec![0f32; n]).collect();
         let cfg = &model.config;
         let kv = options.context_len * cfg.kv_width();
+        let attn_layers = graph.attention_layers();
+        let cache = |l: usize| if attn_layers.contains(&l) { vec![0f32; kv] } else { Vec::new() };
+        let (mut conv_state, mut ssm_state) = (vec![Vec::new(); graph.n_layers], vec![Vec::new(); graph.n_layers]);
+        for op in &graph.ops {
+            if let Op::GatedDeltaNet { layer, shape, .. } = op {
+                conv_state[*layer] = vec![0f32; shape.conv_state_len()];
+                ssm_state[*layer] = vec![0f32; shape.ssm_state_len()];
+            }
+        }
         let buf = Buffers {
             slots,
-            k_cache: (0..graph.n_layers).map(|_| vec![0f32; kv]).collect(),
-            v_cache: (0..graph.n_layers).map(|_| vec![0f32; kv]).collect(),
+            k_cache: (0..graph.n_layers).map(cache).collect(),
+            v_cache: (0..graph.n_layers).map(cache).collect(),
+            conv_state,
+            ssm_state,
             profile: OpProfile::from_env(),
             ..Buffers::default()
         };
-        Ok(Self { model, precision, weights, plan, buf, options: ExecutorOptions { max_batch, ..options }, last_rows: 0 })
+        let options = ExecutorOptions { max_batch, ..options };
+        Ok(Self { model, precision, weights, plan, buf, options, last_rows: 0, state_pos: Some(0) })
     }
 
     fn f32_weight(&self, id: WeightId) -> &[f32] {
@@ -309,6 +332,39 @@ impl CpuExecutor {
                     let w = width(x);
                     out[..w].copy_from_slice(&input(x)[(n - 1) * w..n * w]);
                 }
+                Op::SplitGatedQuery { x, n_heads, head_dim, .. } => {
+                    let (xw, ow) = (width(x), width(out_id));
+                    for (src, dst) in input(x).chunks_exact(xw).zip(out.chunks_exact_mut(ow)).take(rows(x)) {
+                        for h in 0..n_heads {
+                            dst[h * head_dim..(h + 1) * head_dim].copy_from_slice(&src[2 * h * head_dim..(2 * h + 1) * head_dim]);
+                        }
+                    }
+                }
+                Op::SigmoidGate { x, gate, n_heads, head_dim, .. } => {
+                    let (xw, gw) = (width(x), width(gate));
+                    let (src, gates) = (input(x), input(gate));
+                    for t in 0..rows(x) {
+                        for h in 0..n_heads {
+                            let g = &gates[t * gw + (2 * h + 1) * head_dim..t * gw + (2 * h + 2) * head_dim];
+                            let base = t * xw + h * head_dim;
+                            for ((o, &v), &g) in out[base..base + head_dim].iter_mut().zip(&src[base..base + head_dim]).zip(g) {
+                                *o = v / (1.0 + (-g).exp());
+                            }
+                        }
+                    }
+                }
+                Op::GatedDeltaNet { layer, x, conv, a_coef, dt_bias, norm, shape, .. } => {
+                    let p = gdn::GdnParams {
+                        shape,
+                        conv: self.f32_weight(conv),
+                        a_coef: self.f32_weight(a_coef),
+                        dt_bias: self.f32_weight(dt_bias),
+                        norm: self.f32_weight(norm.weight),
+                        eps: norm.eps,
+                    };
+                    let (conv_state, ssm_state) = (&mut buf.conv_state[layer], &mut buf.ssm_state[layer]);
+                    gdn::gated_delta_net(&p, &slots[self.plan.slot(x)][..n * width(x)], n, conv_state, ssm_state, &mut out[..n * width(out_id)]);
+                }
             }
         }
         Ok(())
@@ -335,6 +391,20 @@ impl Executor for CpuExecutor {
                 self.options.context_len
             );
         }
+        if self.model.graph.has_recurrent_state() {
+            if start_pos == 0 {
+                self.buf.conv_state.iter_mut().chain(self.buf.ssm_state.iter_mut()).for_each(|s| s.fill(0.0));
+            } else if self.state_pos != Some(start_pos) {
+                bail!(
+                    "this model has recurrent (Gated DeltaNet) layers whose state cannot be rewound: a forward must start at position 0 or continue at {}, not at {start_pos}",
+                    match self.state_pos {
+                        Some(p) => p.to_string(),
+                        None => "(nothing: a failed forward left the state unusable)".into(),
+                    }
+                );
+            }
+            self.state_pos = None;
+        }
         // Run on a pool worker: the kernels' parallel loops then fork from inside the pool,
         // instead of paying a cross-thread hand-off and wake-up per kernel (3x on decode).
         let step = self.options.max_batch;
@@ -343,8 +413,14 @@ impl Executor for CpuExecutor {
                 self.run_chunk(chunk, start_pos + i * step)
                     .with_context(|| format!("forward pass at position {}", start_pos + i * step))?;
             }
-            Ok(())
-        })
+            Ok::<(), anyhow::Error>(())
+        })?;
+        self.state_pos = Some(start_pos + tokens.len());
+        Ok(())
+    }
+
+    fn has_recurrent_state(&self) -> bool {
+        self.model.graph.has_recurrent_state()
     }
 
     fn logits(&mut self) -> anyhow::Result<Vec<f32>> {
@@ -375,7 +451,7 @@ impl Executor for CpuExecutor {
     }
 
     fn kv_bytes_per_position(&self) -> usize {
-        self.buf.k_cache.len() * 2 * self.model.config.kv_width() * 4
+        self.model.graph.attention_layers().len() * 2 * self.model.config.kv_width() * 4
     }
 
     fn memory_report(&self) -> String {
@@ -390,10 +466,12 @@ impl Executor for CpuExecutor {
             })
             .sum();
         let kv: usize = self.buf.k_cache.iter().chain(&self.buf.v_cache).map(|c| c.len() * 4).sum();
+        let state: usize = self.buf.conv_state.iter().chain(&self.buf.ssm_state).map(|c| c.len() * 4).sum();
         format!(
-            "weights copied to RAM: {:.1} MiB (the rest is used in place from the mapped file)\nkv cache (f32): {:.1} MiB\nactivations: {:.1} MiB in {} buffers",
+            "weights copied to RAM: {:.1} MiB (the rest is used in place from the mapped file)\nkv cache (f32): {:.1} MiB\nrecurrent state (f32): {:.2} MiB\nactivations: {:.1} MiB in {} buffers",
             mib(weights),
             mib(kv),
+            mib(state),
             mib(self.plan.total_elems() * 4),
             self.plan.slot_elems.len()
         )

@@ -192,3 +192,12 @@ fn broken_hf_folders_give_clear_errors() {
     assert!(err(&dir).contains("invalid JSON"));
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// Qwen3.5 hybrid: 5 layers (Gated DeltaNet 0-2 and 4, gated attention 3), 2 key / 4 value heads
+/// in llama.cpp's tiled order, key dim 16 != value dim 12, partial RoPE. The CPU reference runs
+/// the delta rule token by token; transformers uses its chunked torch fallback. `check` prefills
+/// in chunks of 4 (the state carries across chunks) and decodes token by token.
+#[test]
+fn qwen35_matches_transformers() {
+    check("qwen35", "qwen35.gguf");
+}

@@ -149,6 +149,7 @@ impl WeightSet {
                     ids.extend(norm.map(|n| n.weight));
                     ids.extend(*bias);
                 }
+                Op::GatedDeltaNet { conv, a_coef, dt_bias, norm, .. } => ids.extend([*conv, *a_coef, *dt_bias, norm.weight]),
                 _ => {}
             }
         }
