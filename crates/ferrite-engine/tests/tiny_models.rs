@@ -201,3 +201,120 @@ fn broken_hf_folders_give_clear_errors() {
 fn qwen35_matches_transformers() {
     check("qwen35", "qwen35.gguf");
 }
+
+fn qwen35_exec(fusion: FusionOptions, precision: CpuPrecision, max_batch: usize) -> CpuExecutor {
+    let model = Arc::new(Model::load(workspace_root().join("fixtures/tiny/qwen35.gguf"), fusion).unwrap());
+    let opts = ExecutorOptions { max_batch, context_len: 64, trace: false, progress: None };
+    CpuExecutor::new(model, precision, opts).unwrap()
+}
+
+/// The graph: four Gated DeltaNet ops on layers 0-2 and 4, one attention on layer 3 with the gate
+/// ops around it, partial RoPE on 8 of 32 dims; a KV cache only for layer 3.
+#[test]
+fn qwen35_graph() {
+    use ferrite_model::graph::Op;
+    let exec = qwen35_exec(FusionOptions::ALL, CpuPrecision::Reference, 4);
+    let model = Model::load(workspace_root().join("fixtures/tiny/qwen35.gguf"), FusionOptions::ALL).unwrap();
+    let g = &model.graph;
+    let gdn: Vec<usize> = g.ops.iter().filter_map(|o| if let Op::GatedDeltaNet { layer, .. } = o { Some(*layer) } else { None }).collect();
+    assert_eq!(gdn, [0, 1, 2, 4]);
+    assert_eq!(g.attention_layers(), [3]);
+    assert!(g.has_recurrent_state());
+    assert_eq!(g.ops.iter().filter(|o| matches!(o, Op::SigmoidGate { .. } | Op::SplitGatedQuery { .. })).count(), 2);
+    let rot: Vec<usize> = g.ops.iter().filter_map(|o| if let Op::Rope { rope, .. } = o { Some(rope.rot_dim) } else { None }).collect();
+    assert_eq!(rot, [8]);
+    if let Some(Op::GatedDeltaNet { shape, .. }) = g.ops.iter().find(|o| matches!(o, Op::GatedDeltaNet { .. })) {
+        assert_eq!((shape.n_k_heads, shape.n_v_heads, shape.k_dim, shape.v_dim, shape.conv_kernel), (2, 4, 16, 12, 4));
+    }
+    assert!(exec.has_recurrent_state());
+    // K and V of one layer, 2 kv heads x 32, f32.
+    assert_eq!(exec.kv_bytes_per_position(), 2 * 64 * 4);
+}
+
+/// State continuity: one prefill of the whole prompt, prefill in chunks of 3, and token-by-token
+/// decode give the same logits at every shared position; fused and unfused graphs are bit-identical.
+#[test]
+fn qwen35_state_continuity_and_fusion() {
+    let ids = [1u32, 17, 200, 33, 5, 250, 99, 7, 64, 128, 3, 42, 0, 255];
+    for precision in [CpuPrecision::Reference, CpuPrecision::Quantized] {
+        let mut whole = qwen35_exec(FusionOptions::ALL, precision, 64);
+        let mut chunked = qwen35_exec(FusionOptions::ALL, precision, 3);
+        let mut step = qwen35_exec(FusionOptions::ALL, precision, 64);
+        let mut unfused = qwen35_exec(FusionOptions::NONE, precision, 64);
+        let mut worst = 0f64;
+        for n in 1..=ids.len() {
+            whole.forward(&ids[..n], 0).unwrap();
+            chunked.forward(&ids[..n], 0).unwrap();
+            step.forward(&ids[n - 1..n], n - 1).unwrap();
+            unfused.forward(&ids[..n], 0).unwrap();
+            let want = whole.logits().unwrap();
+            assert!(want.iter().all(|v| v.is_finite()));
+            for (what, got) in [("chunked", chunked.logits().unwrap()), ("token by token", step.logits().unwrap())] {
+                let (_, rel) = diff(&want, &got);
+                worst = worst.max(rel);
+                assert!(rel < 1e-6, "{precision:?} {what}: logits at position {} differ from one prefill: relative {rel}", n - 1);
+            }
+            let u = unfused.logits().unwrap();
+            assert!(want.iter().zip(&u).all(|(a, b)| a.to_bits() == b.to_bits()), "{precision:?}: fused and unfused logits differ at {n}");
+        }
+        println!("qwen35 {precision:?}: chunked / token-by-token vs one prefill, worst relative {worst:.2e}");
+    }
+}
+
+/// Recurrent state cannot be rewound: position 0 resets it, the consumed position continues it,
+/// anything else is a clear error; after the error a restart at 0 works.
+#[test]
+fn qwen35_forward_positions() {
+    let ids = [5u32, 6, 7, 8, 9, 10];
+    let mut exec = qwen35_exec(FusionOptions::ALL, CpuPrecision::Reference, 4);
+    exec.forward(&ids, 0).unwrap();
+    let fresh = exec.logits().unwrap();
+    exec.forward(&[1, 2, 3], 0).unwrap();
+    let err = exec.forward(&ids[4..], 4).unwrap_err().to_string();
+    assert!(err.contains("cannot be rewound") && err.contains("continue at 3, not at 4"), "{err}");
+    // Position 0 resets both the conv window and the delta-rule state.
+    exec.forward(&ids[..3], 0).unwrap();
+    exec.forward(&ids[3..], 3).unwrap();
+    assert_eq!(exec.logits().unwrap(), fresh);
+    let err = exec.forward(&[1], 2).unwrap_err().to_string();
+    assert!(err.contains("continue at 6, not at 2"), "{err}");
+}
+
+/// `ferrite run` / `chat` with a hybrid model: the session reuses the cache only when all of it
+/// is a prefix of the new prompt, and otherwise recomputes from 0 — with the same logits as a
+/// fresh session either way.
+#[test]
+fn qwen35_session_prefix_reuse() {
+    use ferrite_engine::session::Session;
+    let fresh = |prompt: &[u32]| {
+        let mut s = Session::new(Box::new(qwen35_exec(FusionOptions::ALL, CpuPrecision::Reference, 4)));
+        assert_eq!(s.prefill(prompt).unwrap(), prompt.len());
+        s.executor().logits().unwrap()
+    };
+    let mut s = Session::new(Box::new(qwen35_exec(FusionOptions::ALL, CpuPrecision::Reference, 4)));
+    let a = [1u32, 17, 200, 33, 5, 250];
+    assert_eq!(s.prefill(&a).unwrap(), 6);
+    s.step(99).unwrap();
+    // A conversation that goes on: the whole cache is a prefix, only the new tokens run.
+    let b = [1u32, 17, 200, 33, 5, 250, 99, 7, 64];
+    assert_eq!(s.prefill(&b).unwrap(), 2);
+    assert_eq!(s.executor().logits().unwrap(), fresh(&b));
+    // A prompt that shares only part of the cache (edited history): recomputed from 0.
+    let c = [1u32, 17, 200, 8, 8];
+    assert_eq!(s.prefill(&c).unwrap(), 5);
+    assert_eq!(s.executor().logits().unwrap(), fresh(&c));
+    // The same prompt again (the last token must be recomputed): recomputed from 0.
+    assert_eq!(s.prefill(&c).unwrap(), 5);
+    assert_eq!(s.executor().logits().unwrap(), fresh(&c));
+    assert_eq!(s.cached_tokens(), c);
+}
+
+/// The CUDA backend refuses hybrid graphs with a clear error (checked before any device work).
+#[test]
+fn qwen35_is_refused_by_cuda() {
+    let model = Model::load(workspace_root().join("fixtures/tiny/qwen35.gguf"), FusionOptions::ALL).unwrap();
+    let err = ferrite_cuda::check_supported(&model.graph).unwrap_err().to_string();
+    assert!(err.contains("Gated DeltaNet is not implemented on CUDA yet"), "{err}");
+    let qwen3 = Model::load(workspace_root().join("fixtures/tiny/qwen3.gguf"), FusionOptions::ALL).unwrap();
+    ferrite_cuda::check_supported(&qwen3.graph).unwrap();
+}
