@@ -318,3 +318,10 @@ fn qwen35_is_refused_by_cuda() {
     let qwen3 = Model::load(workspace_root().join("fixtures/tiny/qwen3.gguf"), FusionOptions::ALL).unwrap();
     ferrite_cuda::check_supported(&qwen3.graph).unwrap();
 }
+
+/// The same model from safetensors: the loader applies llama.cpp's converter transforms itself
+/// (norm `1 + w` except the GDN norm, `-exp(A_log)`, conv squeeze, grouped -> tiled value heads).
+#[test]
+fn qwen35_hf_matches_transformers() {
+    check("qwen35", "qwen35-hf");
+}
