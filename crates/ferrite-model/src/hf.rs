@@ -218,7 +218,7 @@ fn qwen35_tensor(gname: &str, hf: &str, gdn: &Gdn, dtype: GgmlType, mut data: Ve
         }
         "attn_qkv.weight" | "ssm_conv1d.weight" => {
             let rows = qkv_rows;
-            if data.len() % rows != 0 {
+            if !data.len().is_multiple_of(rows) {
                 return Err(ModelError::tensor(hf, format!("not {rows} rows (2 * key heads * key dim + value heads * value dim)")));
             }
             let row = data.len() / rows;
@@ -235,7 +235,7 @@ fn qwen35_tensor(gname: &str, hf: &str, gdn: &Gdn, dtype: GgmlType, mut data: Ve
             Ok((dtype, data))
         }
         "ssm_out.weight" => {
-            if data.len() % (gdn.n_v * gdn.dv * elem) != 0 {
+            if !data.len().is_multiple_of(gdn.n_v * gdn.dv * elem) {
                 return Err(ModelError::tensor(hf, "rows are not value heads * value dim wide"));
             }
             if reorder {
@@ -249,12 +249,14 @@ fn qwen35_tensor(gname: &str, hf: &str, gdn: &Gdn, dtype: GgmlType, mut data: Ve
 
 /// The Qwen3.5 keys beyond the common ones: the GDN shape, the layer schedule (as llama.cpp's
 /// `full_attention_interval`), partial RoPE. Refuses what the graph does not implement.
-fn qwen35_metadata(cfg: &Json, n_layers: usize, head_dim: u64) -> Result<(Vec<(&'static str, Value)>, Gdn), ModelError> {
+type ArchMetadata = Vec<(&'static str, Value)>;
+
+fn qwen35_metadata(cfg: &Json, n_layers: usize, head_dim: u64) -> Result<(ArchMetadata, Gdn), ModelError> {
     let num = |key: &str| -> Result<usize, ModelError> {
         cfg[key].as_u64().map(|v| v as usize).ok_or_else(|| config_error(format!("config.json: `{key}` is missing or not an integer")))
     };
     let gdn = Gdn { n_k: num("linear_num_key_heads")?, n_v: num("linear_num_value_heads")?, dk: num("linear_key_head_dim")?, dv: num("linear_value_head_dim")? };
-    if gdn.n_k == 0 || gdn.n_v % gdn.n_k != 0 || gdn.dk == 0 || gdn.dv == 0 {
+    if gdn.n_k == 0 || !gdn.n_v.is_multiple_of(gdn.n_k) || gdn.dk == 0 || gdn.dv == 0 {
         return Err(config_error(format!("config.json: unsupported linear attention heads {gdn:?}")));
     }
     let act = cfg["hidden_act"].as_str().unwrap_or("silu");
