@@ -502,3 +502,58 @@ pub fn load_hf_dir(dir: &Path) -> Result<GgufFile, ModelError> {
     w.write_to(&mut bytes)?;
     Ok(GgufFile::from_bytes(bytes)?)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn fixture_dir() -> std::path::PathBuf {
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/tiny/qwen35-hf")
+    }
+
+    /// The multimodal Qwen3.5 layout (`qwen3_5` with `text_config`, text weights under
+    /// `model.language_model.*`, a vision tower and MTP weights to skip) loads to exactly the
+    /// same tensors and keys as the text-only checkpoint.
+    #[test]
+    fn qwen3_5_multimodal_layout_loads_its_text_model() {
+        let src = fixture_dir();
+        let text = load_hf_dir(&src).unwrap();
+        let bytes = std::fs::read(src.join("model.safetensors")).unwrap();
+        let st = SafeTensors::deserialize(&bytes).unwrap();
+        let extra = vec![0u8; 4 * 8];
+        let mut views: Vec<(String, safetensors::tensor::TensorView)> = st
+            .tensors()
+            .into_iter()
+            .map(|(n, v)| (n.strip_prefix("model.").map_or(n.clone(), |r| format!("model.language_model.{r}")), v))
+            .collect();
+        for name in ["model.visual.blocks.0.attn.qkv.weight", "mtp.fc.weight"] {
+            views.push((name.into(), safetensors::tensor::TensorView::new(Dtype::F32, vec![2, 4], &extra).unwrap()));
+        }
+        let dir = std::env::temp_dir().join(format!("ferrite-qwen3_5-mm-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(dir.join("model.safetensors"), safetensors::serialize(views, None).unwrap()).unwrap();
+        let text_cfg = read_json(&src.join("config.json")).unwrap();
+        let cfg = serde_json::json!({"model_type": "qwen3_5", "text_config": text_cfg, "vision_config": {"depth": 1}});
+        std::fs::write(dir.join("config.json"), cfg.to_string()).unwrap();
+        let mm = load_hf_dir(&dir).unwrap();
+        let names = |f: &GgufFile| f.tensors.iter().map(|t| t.name.clone()).collect::<Vec<_>>();
+        assert_eq!(names(&mm), names(&text));
+        for t in &text.tensors {
+            let o = mm.tensor(&t.name).unwrap();
+            assert_eq!((&o.shape, o.dtype), (&t.shape, t.dtype), "{}", t.name);
+            assert_eq!(mm.tensor_data(o), text.tensor_data(t), "{}", t.name);
+        }
+        for key in ["qwen35.ssm.time_step_rank", "qwen35.rope.dimension_count", "qwen35.full_attention_interval"] {
+            assert_eq!(mm.metadata.u64(key).unwrap(), text.metadata.u64(key).unwrap(), "{key}");
+        }
+        assert_eq!(text.metadata.u64("qwen35.rope.dimension_count").unwrap(), 8);
+        assert_eq!(text.tensor("blk.0.ssm_conv1d.weight").unwrap().shape, [4, 2 * 32 + 48]);
+        // A schedule other than "every n-th layer is full attention" is refused.
+        let mut bad = cfg.clone();
+        bad["text_config"]["layer_types"][0] = serde_json::json!("full_attention");
+        std::fs::write(dir.join("config.json"), bad.to_string()).unwrap();
+        let err = load_hf_dir(&dir).unwrap_err().to_string();
+        assert!(err.contains("layer_types"), "{err}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}
