@@ -476,6 +476,8 @@ impl Drop for CudaExecutor {
 
 /// Open the CUDA executor, or explain why there is no usable GPU.
 pub fn open_executor(model: Arc<Model>, options: ExecutorOptions) -> anyhow::Result<Box<dyn Executor>> {
+    // The model's needs first: the same answer on machines with and without a GPU.
+    check_supported(&model.graph)?;
     crate::cuda_available()?;
     Ok(Box::new(CudaExecutor::new(model, options)?))
 }
