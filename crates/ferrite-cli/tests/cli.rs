@@ -203,3 +203,34 @@ fn serve_answers_and_drains_on_sigterm() {
     assert!(status.success(), "serve exited with {status}: {rest:?}");
     assert!(rest.iter().any(|l| l.contains("all requests finished")), "{rest:?}");
 }
+
+/// A Qwen3.5 hybrid (synthetic weights, SmolLM2's tokenizer) through `run` and a two-turn `chat`:
+/// the second turn continues the recurrent state (the session reuses the whole cache) and the
+/// generation loop works with recurrent layers.
+#[test]
+fn qwen35_hybrid_runs_and_chats() {
+    use ferrite_model::synth::{self, SynthGdn, SynthShape};
+    let gdn = Some(SynthGdn { n_k_heads: 2, n_v_heads: 4, k_dim: 32, v_dim: 32 });
+    let s = SynthShape { name: "cli-qwen35", arch: "qwen35", n_layers: 4, n_embd: 128, n_heads: 4, n_kv_heads: 2, head_dim: 64, n_ff: 256, rope_theta: 1e7, context_length: 512, tied_embeddings: false, gdn };
+    let path = synth::write_temp(&s, ferrite_gguf::GgmlType::Q8_0, 6).unwrap();
+    let m = path.to_str().unwrap();
+    for backend in ["cpu", "cpu-ref"] {
+        let o = ferrite(&["run", "--temp", "0", "-n", "8", "--backend", backend, "--model", m, "Hello there"]);
+        let (_, err) = text(&o);
+        assert!(o.status.success(), "{backend}: {err}");
+    }
+    let mut child = Command::new(env!("CARGO_BIN_EXE_ferrite"))
+        .args(["chat", "--temp", "0", "-n", "6", "--model", m])
+        .env("FERRITE_THREADS", "2")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    child.stdin.take().unwrap().write_all(b"Hi\nAnd again?\n").unwrap();
+    let o = child.wait_with_output().unwrap();
+    let (_, err) = text(&o);
+    assert!(o.status.success(), "{err}");
+    assert!(!err.contains("cannot be rewound"), "{err}");
+    assert_clean_error(&ferrite(&["run", "x", "--backend", "cuda", "--model", m]), "Gated DeltaNet is not implemented on CUDA yet");
+}

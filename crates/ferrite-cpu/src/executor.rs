@@ -4,7 +4,7 @@
 //! the correctness oracle for every other path —, `Quantized` multiplies directly on the packed
 //! GGUF weights with SIMD integer dot products.
 
-use crate::kernels::{self, activation, attention::AttentionParams, norm, rope::Rope, WeightView};
+use crate::kernels::{self, activation, attention::AttentionParams, gdn, norm, rope::Rope, WeightView};
 use anyhow::{anyhow, bail, Context};
 use ferrite_gguf::TensorInfo;
 use ferrite_model::graph::{GatedActivation, NormSpec, Op, ValueId, WeightId};
@@ -37,10 +37,15 @@ enum CpuWeight {
 #[derive(Default)]
 struct Buffers {
     slots: Vec<Vec<f32>>,
-    /// Per layer: the contiguous cache (`context_len` rows, allocated on the first `forward`), or
-    /// the block arena of the paged cache (`n_blocks * block_size` rows).
+    /// Per layer: the contiguous cache (`context_len` rows, allocated on the first `forward`;
+    /// empty for layers without attention), or the block arena of the paged cache
+    /// (`n_blocks * block_size` rows).
     k_cache: Vec<Vec<f32>>,
     v_cache: Vec<Vec<f32>>,
+    /// Recurrent state per layer (empty for layers without a Gated DeltaNet): the conv window and
+    /// the delta-rule matrices.
+    conv_state: Vec<Vec<f32>>,
+    ssm_state: Vec<Vec<f32>>,
     /// Normalized input of a norm-folded linear; gathered Q of attention.
     scratch: Vec<f32>,
     /// Output of a linear that fills a column range.
@@ -84,6 +89,9 @@ pub struct CpuExecutor {
     options: ExecutorOptions,
     /// Rows in the last chunk (for reading traces back).
     last_rows: usize,
+    /// Tokens the recurrent state has consumed (`None`: unusable after a failed forward; only a
+    /// forward at position 0 resets it). Unused without recurrent layers.
+    state_pos: Option<usize>,
 }
 
 impl CpuExecutor {
@@ -91,10 +99,13 @@ impl CpuExecutor {
         let graph = &model.graph;
         let mut weights: Vec<Option<CpuWeight>> = (0..model.weights.len()).map(|_| None).collect();
         let used = model.weights.used_by(graph);
+        // Weights that ops read element-wise rather than through a matmul: always f32.
+        let host_f32: Vec<WeightId> =
+            graph.ops.iter().filter_map(|o| if let Op::GatedDeltaNet { conv, .. } = o { Some(*conv) } else { None }).collect();
         for (i, &id) in used.iter().enumerate() {
             LoadProgress::report(&options.progress, i, used.len());
             let spec = model.weights.spec(id);
-            let w = if spec.is_vector() || precision == CpuPrecision::Reference {
+            let w = if spec.is_vector() || precision == CpuPrecision::Reference || host_f32.contains(&id) {
                 CpuWeight::F32(model.weights.to_f32(&model.file, id)?)
             } else if spec.parts.len() > 1 {
                 CpuWeight::Packed(model.weights.bytes(&model.file, id)?.into_owned())
@@ -108,8 +119,16 @@ impl CpuExecutor {
         let plan = planner::plan(graph, max_batch, !options.trace);
         plan.check(graph).map_err(|e| anyhow!("memory plan violates the aliasing rule: {e}"))?;
         let slots = plan.slot_elems.iter().map(|&n| vec![0f32; n]).collect();
-        let buf = Buffers { slots, profile: OpProfile::from_env(), ..Buffers::default() };
-        Ok(Self { model, precision, weights, plan, buf, paged: None, options: ExecutorOptions { max_batch, ..options }, last_rows: 0 })
+        let (mut conv_state, mut ssm_state) = (vec![Vec::new(); graph.n_layers], vec![Vec::new(); graph.n_layers]);
+        for op in &graph.ops {
+            if let Op::GatedDeltaNet { layer, shape, .. } = op {
+                conv_state[*layer] = vec![0f32; shape.conv_state_len()];
+                ssm_state[*layer] = vec![0f32; shape.ssm_state_len()];
+            }
+        }
+        let buf = Buffers { slots, conv_state, ssm_state, profile: OpProfile::from_env(), ..Buffers::default() };
+        let options = ExecutorOptions { max_batch, ..options };
+        Ok(Self { model, precision, weights, plan, buf, paged: None, options, last_rows: 0, state_pos: Some(0) })
     }
 
     /// Floats of one cached position of one layer (K or V).
@@ -160,9 +179,12 @@ impl CpuExecutor {
     fn run_chunk(&mut self, ids: &[u32], start_pos: usize) -> anyhow::Result<()> {
         let mut buf = std::mem::take(&mut self.buf);
         if buf.k_cache.is_empty() {
+            // Attention layers only: Gated DeltaNet layers keep recurrent state instead.
             let kv = self.options.context_len * self.kv_width();
-            buf.k_cache = (0..self.model.graph.n_layers).map(|_| vec![0f32; kv]).collect();
-            buf.v_cache = (0..self.model.graph.n_layers).map(|_| vec![0f32; kv]).collect();
+            let attention_layers = self.model.graph.attention_layers();
+            let cache = |l: usize| if attention_layers.contains(&l) { vec![0f32; kv] } else { Vec::new() };
+            buf.k_cache = (0..self.model.graph.n_layers).map(cache).collect();
+            buf.v_cache = (0..self.model.graph.n_layers).map(cache).collect();
         }
         let positions: Vec<u32> = (start_pos..start_pos + ids.len()).map(|p| p as u32).collect();
         let seqs = [StepSeq { first_row: 0, n: ids.len(), start_pos, blocks: &[] }];
@@ -398,6 +420,39 @@ impl CpuExecutor {
                         out[i * w..(i + 1) * w].copy_from_slice(&input(x)[last * w..(last + 1) * w]);
                     }
                 }
+                Op::SplitGatedQuery { x, n_heads, head_dim, .. } => {
+                    let (xw, ow) = (width(x), width(out_id));
+                    for (src, dst) in input(x).chunks_exact(xw).zip(out.chunks_exact_mut(ow)).take(rows(x)) {
+                        for h in 0..n_heads {
+                            dst[h * head_dim..(h + 1) * head_dim].copy_from_slice(&src[2 * h * head_dim..(2 * h + 1) * head_dim]);
+                        }
+                    }
+                }
+                Op::SigmoidGate { x, gate, n_heads, head_dim, .. } => {
+                    let (xw, gw) = (width(x), width(gate));
+                    let (src, gates) = (input(x), input(gate));
+                    for t in 0..rows(x) {
+                        for h in 0..n_heads {
+                            let g = &gates[t * gw + (2 * h + 1) * head_dim..t * gw + (2 * h + 2) * head_dim];
+                            let base = t * xw + h * head_dim;
+                            for ((o, &v), &g) in out[base..base + head_dim].iter_mut().zip(&src[base..base + head_dim]).zip(g) {
+                                *o = v / (1.0 + (-g).exp());
+                            }
+                        }
+                    }
+                }
+                Op::GatedDeltaNet { layer, x, conv, a_coef, dt_bias, norm, shape, .. } => {
+                    let p = gdn::GdnParams {
+                        shape,
+                        conv: self.f32_weight(conv),
+                        a_coef: self.f32_weight(a_coef),
+                        dt_bias: self.f32_weight(dt_bias),
+                        norm: self.f32_weight(norm.weight),
+                        eps: norm.eps,
+                    };
+                    let (conv_state, ssm_state) = (&mut buf.conv_state[layer], &mut buf.ssm_state[layer]);
+                    gdn::gated_delta_net(&p, &slots[self.plan.slot(x)][..n * width(x)], n, conv_state, ssm_state, &mut out[..n * width(out_id)]);
+                }
             }
         }
         Ok(())
@@ -467,6 +522,20 @@ impl Executor for CpuExecutor {
                 self.options.context_len
             );
         }
+        if self.model.graph.has_recurrent_state() {
+            if start_pos == 0 {
+                self.buf.conv_state.iter_mut().chain(self.buf.ssm_state.iter_mut()).for_each(|s| s.fill(0.0));
+            } else if self.state_pos != Some(start_pos) {
+                bail!(
+                    "this model has recurrent (Gated DeltaNet) layers whose state cannot be rewound: a forward must start at position 0 or continue at {}, not at {start_pos}",
+                    match self.state_pos {
+                        Some(p) => p.to_string(),
+                        None => "(nothing: a failed forward left the state unusable)".into(),
+                    }
+                );
+            }
+            self.state_pos = None;
+        }
         // Run on a pool worker: the kernels' parallel loops then fork from inside the pool,
         // instead of paying a cross-thread hand-off and wake-up per kernel (3x on decode).
         let step = self.options.max_batch;
@@ -475,8 +544,14 @@ impl Executor for CpuExecutor {
                 self.run_chunk(chunk, start_pos + i * step)
                     .with_context(|| format!("forward pass at position {}", start_pos + i * step))?;
             }
-            Ok(())
-        })
+            Ok::<(), anyhow::Error>(())
+        })?;
+        self.state_pos = Some(start_pos + tokens.len());
+        Ok(())
+    }
+
+    fn has_recurrent_state(&self) -> bool {
+        self.model.graph.has_recurrent_state()
     }
 
     fn logits(&mut self) -> anyhow::Result<Vec<f32>> {
@@ -507,7 +582,7 @@ impl Executor for CpuExecutor {
     }
 
     fn kv_bytes_per_position(&self) -> usize {
-        self.model.graph.n_layers * 2 * self.kv_width() * 4
+        self.model.graph.attention_layers().len() * 2 * self.kv_width() * 4
     }
 
     fn memory_report(&self) -> String {
@@ -522,10 +597,12 @@ impl Executor for CpuExecutor {
             })
             .sum();
         let kv = self.options.context_len * self.kv_bytes_per_position();
+        let state: usize = self.buf.conv_state.iter().chain(&self.buf.ssm_state).map(|c| c.len() * 4).sum();
         let mut report = format!(
-            "weights copied to RAM: {:.1} MiB (the rest is used in place from the mapped file)\nkv cache (f32): {:.1} MiB\nactivations: {:.1} MiB in {} buffers",
+            "weights copied to RAM: {:.1} MiB (the rest is used in place from the mapped file)\nkv cache (f32): {:.1} MiB\nrecurrent state (f32): {:.2} MiB\nactivations: {:.1} MiB in {} buffers",
             mib(weights),
             mib(kv),
+            mib(state),
             mib(self.plan.total_elems() * 4),
             self.plan.slot_elems.len()
         );
@@ -550,6 +627,9 @@ impl Executor for CpuExecutor {
             bail!("paged kv cache: every size must be positive, got {config:?}");
         }
         let graph = &self.model.graph;
+        if graph.has_recurrent_state() {
+            bail!("batched serving of models with recurrent (Gated DeltaNet) layers is not supported yet");
+        }
         let plan = planner::plan_rows(graph, max_tokens, max_seqs, true);
         plan.check(graph).map_err(|e| anyhow!("batch memory plan violates the aliasing rule: {e}"))?;
         let rows = n_blocks.checked_mul(block_size).and_then(|r| r.checked_mul(self.kv_width()));

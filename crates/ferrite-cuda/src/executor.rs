@@ -74,8 +74,23 @@ fn kv_dtype() -> KvDtype {
     }
 }
 
+/// Refuses graphs with ops this backend has no kernels for (before touching the device).
+pub fn check_supported(graph: &ferrite_model::Graph) -> anyhow::Result<()> {
+    for op in &graph.ops {
+        match op {
+            Op::GatedDeltaNet { .. } => bail!("Gated DeltaNet is not implemented on CUDA yet (Qwen3.5 hybrid models run on the CPU backends, cpu and cpu-ref)"),
+            Op::SplitGatedQuery { .. } | Op::SigmoidGate { .. } => {
+                bail!("gated attention (Qwen3.5 / Qwen3-Next) is not implemented on CUDA yet (use the CPU backend)")
+            }
+            _ => {}
+        }
+    }
+    Ok(())
+}
+
 impl CudaExecutor {
     pub fn new(model: Arc<Model>, options: ExecutorOptions) -> anyhow::Result<Self> {
+        check_supported(&model.graph)?;
         let gpu = Gpu::new(0)?;
         let graph = &model.graph;
         let cfg = &model.config;
@@ -346,6 +361,9 @@ impl CudaExecutor {
                 // The batch as one row of n * w: its last w columns are the last token.
                 ops::copy_cols(gpu, input(x), n * w, (n - 1) * w, out, w, 0, w, 1)?;
             }
+            Op::GatedDeltaNet { .. } | Op::SplitGatedQuery { .. } | Op::SigmoidGate { .. } => {
+                check_supported(&self.model.graph)?;
+            }
         }
         Ok(())
     }
@@ -489,6 +507,8 @@ fn gated_rows(
 
 /// Open the CUDA executor, or explain why there is no usable GPU.
 pub fn open_executor(model: Arc<Model>, options: ExecutorOptions) -> anyhow::Result<Box<dyn Executor>> {
+    // The model's needs first: the same answer on machines with and without a GPU.
+    check_supported(&model.graph)?;
     crate::cuda_available()?;
     Ok(Box::new(CudaExecutor::new(model, options)?))
 }

@@ -24,5 +24,5 @@ pub use cache::{compile_variant, CacheKey, CacheStats, DiskCache, DiskLookup, Ke
 pub use cudarc::driver::{CudaSlice, CudaView, CudaViewMut};
 pub use device::{cuda_available, Gpu, GpuOptions, KernelCacheDir};
 pub use error::CudaError;
-pub use executor::{open_executor, CudaExecutor};
+pub use executor::{check_supported, open_executor, CudaExecutor};
 pub use weight::{supported as weight_supported, DeviceWeight};

@@ -66,7 +66,9 @@ impl Session {
     }
 
     /// Make the cache hold exactly `tokens` and the logits be those of the last one. The longest
-    /// common prefix with what is cached is reused (at least the last token is recomputed).
+    /// common prefix with what is cached is reused (at least the last token is recomputed). With
+    /// recurrent layers (Gated DeltaNet) only the whole cache can be reused, when it is a strict
+    /// prefix of `tokens`; otherwise everything is recomputed from position 0.
     /// Returns how many tokens were computed.
     pub fn prefill(&mut self, tokens: &[u32]) -> Result<usize> {
         if tokens.is_empty() {
@@ -75,11 +77,21 @@ impl Session {
         if tokens.len() > self.context_len() {
             bail!("prompt of {} tokens does not fit in the context of {} tokens", tokens.len(), self.context_len());
         }
-        let common = self.cached.iter().zip(tokens).take_while(|(a, b)| a == b).count().min(tokens.len() - 1);
+        let mut common = self.cached.iter().zip(tokens).take_while(|(a, b)| a == b).count().min(tokens.len() - 1);
+        let recurrent = self.exec.has_recurrent_state();
+        if recurrent && common != self.cached.len() {
+            // A recurrent state cannot be rewound: reuse the cache only when all of it is a
+            // prefix of the new prompt (a conversation that goes on), else start over.
+            common = 0;
+        }
         self.cached.truncate(common);
         let result = self.exec.forward(&tokens[common..], common);
         if result.is_err() {
-            // The cache beyond `common` may be partially written: forget it.
+            // The cache beyond `common` may be partially written: forget it (all of it when a
+            // recurrent state may be half-updated).
+            if recurrent {
+                self.cached.clear();
+            }
             return result.map(|_| 0);
         }
         self.cached.extend_from_slice(&tokens[common..]);
@@ -91,7 +103,12 @@ impl Session {
         if self.cached.len() >= self.context_len() {
             bail!("context full ({} tokens)", self.context_len());
         }
-        self.exec.forward(&[token], self.cached.len())?;
+        if let Err(e) = self.exec.forward(&[token], self.cached.len()) {
+            if self.exec.has_recurrent_state() {
+                self.cached.clear();
+            }
+            return Err(e);
+        }
         self.cached.push(token);
         Ok(())
     }

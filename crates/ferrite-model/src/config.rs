@@ -15,10 +15,13 @@ pub enum Arch {
     /// Gemma 3 (text): QK-norm, GeGLU, norms before and after attention and MLP, scaled
     /// embeddings, sliding-window layers with their own RoPE base, NeoX RoPE.
     Gemma3,
+    /// Qwen3.5 (dense FFN): hybrid of Gated DeltaNet (linear attention with recurrent state) and
+    /// gated full attention with partial RoPE, 3:1 by default.
+    Qwen35,
 }
 
 impl Arch {
-    pub const SUPPORTED: &'static str = "llama, qwen2, qwen3, gemma3";
+    pub const SUPPORTED: &'static str = "llama, qwen2, qwen3, gemma3, qwen35";
 
     pub fn from_name(name: &str) -> Option<Self> {
         match name {
@@ -26,6 +29,7 @@ impl Arch {
             "qwen2" => Some(Self::Qwen2),
             "qwen3" => Some(Self::Qwen3),
             "gemma3" => Some(Self::Gemma3),
+            "qwen35" => Some(Self::Qwen35),
             _ => None,
         }
     }
@@ -36,6 +40,7 @@ impl Arch {
             Self::Qwen2 => "qwen2",
             Self::Qwen3 => "qwen3",
             Self::Gemma3 => "gemma3",
+            Self::Qwen35 => "qwen35",
         }
     }
 }
@@ -118,7 +123,7 @@ impl ModelConfig {
             None => 1.0,
         };
         // Gemma's converter always writes the epsilon; its models use 1e-6.
-        let default_eps = if arch == Arch::Gemma3 { 1e-6 } else { 1e-5 };
+        let default_eps = if matches!(arch, Arch::Gemma3 | Arch::Qwen35) { 1e-6 } else { 1e-5 };
         let cfg = Self {
             arch,
             name: m.str("general.name").unwrap_or(a).to_string(),
@@ -134,7 +139,7 @@ impl ModelConfig {
             rope: RopeConfig {
                 style: match arch {
                     Arch::Llama => RopeStyle::Normal,
-                    Arch::Qwen2 | Arch::Qwen3 | Arch::Gemma3 => RopeStyle::Neox,
+                    Arch::Qwen2 | Arch::Qwen3 | Arch::Gemma3 | Arch::Qwen35 => RopeStyle::Neox,
                 },
                 rot_dim,
                 theta: m.f32_or(&key("rope.freq_base"), 10_000.0)?,

@@ -103,7 +103,18 @@ pub trait Executor {
     /// Run `tokens` at positions `start_pos..start_pos + tokens.len()`, writing their K/V into the
     /// cache (overwriting anything already stored at those positions). Afterwards the logits of
     /// the last token are available. `tokens.len()` may exceed `max_batch`: it is chunked.
+    ///
+    /// Models with recurrent layers (Gated DeltaNet, see [`Executor::has_recurrent_state`]) also
+    /// carry a state that cannot be rewound: `start_pos == 0` resets it, `start_pos` equal to the
+    /// number of tokens consumed so far continues it, anything else is an error (as is any
+    /// `start_pos > 0` after a failed forward).
     fn forward(&mut self, tokens: &[u32], start_pos: usize) -> anyhow::Result<()>;
+
+    /// True if the model keeps recurrent state besides the KV cache: a forward must then start
+    /// at 0 or exactly where the previous one ended (no rewinding for prefix reuse).
+    fn has_recurrent_state(&self) -> bool {
+        false
+    }
 
     /// Logits of the last token of the last `forward`.
     fn logits(&mut self) -> anyhow::Result<Vec<f32>>;

@@ -64,6 +64,51 @@ pub struct NormSpec {
     pub eps: f32,
 }
 
+/// Shapes of a Gated DeltaNet layer (Qwen3.5 / Qwen3-Next linear attention).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct GdnShape {
+    /// Key (and query) heads (`ssm.group_count`).
+    pub n_k_heads: usize,
+    /// Value heads (`ssm.time_step_rank`), a multiple of `n_k_heads`.
+    pub n_v_heads: usize,
+    /// Key head dimension (`ssm.state_size`).
+    pub k_dim: usize,
+    /// Value head dimension (`ssm.inner_size / n_v_heads`).
+    pub v_dim: usize,
+    /// Causal conv1d taps (`ssm.conv_kernel`, 4).
+    pub conv_kernel: usize,
+}
+
+impl GdnShape {
+    pub fn key_width(&self) -> usize {
+        self.n_k_heads * self.k_dim
+    }
+
+    pub fn value_width(&self) -> usize {
+        self.n_v_heads * self.v_dim
+    }
+
+    /// Channels of the causal conv: `q | k | v`.
+    pub fn conv_width(&self) -> usize {
+        2 * self.key_width() + self.value_width()
+    }
+
+    /// Width of the projected input the op reads: `q | k | v | z | b | a`.
+    pub fn proj_width(&self) -> usize {
+        self.conv_width() + self.value_width() + 2 * self.n_v_heads
+    }
+
+    /// f32 elements of the conv state (the last `conv_kernel - 1` inputs of each channel).
+    pub fn conv_state_len(&self) -> usize {
+        (self.conv_kernel - 1) * self.conv_width()
+    }
+
+    /// f32 elements of the delta-rule state (`n_v_heads` matrices `k_dim x v_dim`).
+    pub fn ssm_state_len(&self) -> usize {
+        self.n_v_heads * self.k_dim * self.v_dim
+    }
+}
+
 #[derive(Clone, Debug, PartialEq)]
 pub enum Op {
     /// `out[t] = table[tokens[t]] * scale` (`scale` is 1 except for Gemma's `sqrt(n_embd)`).
@@ -102,6 +147,31 @@ pub enum Op {
     Add { a: ValueId, b: ValueId, out: ValueId },
     /// `out = x[last row]`.
     LastRow { x: ValueId, out: ValueId },
+    /// Copies the query half of each head of a gated query projection (`x`: per head
+    /// `[query (head_dim) | gate (head_dim)]`, Qwen3.5 / Qwen3-Next) into columns
+    /// `0 .. n_heads * head_dim` of `out` (the Q part of a QKV value).
+    SplitGatedQuery { x: ValueId, n_heads: usize, head_dim: usize, out: ValueId },
+    /// `out[h*hd + j] = x[h*hd + j] * sigmoid(gate[h*2hd + hd + j])`: the output gate of gated
+    /// attention, read from the gate halves of the gated query projection.
+    SigmoidGate { x: ValueId, gate: ValueId, n_heads: usize, head_dim: usize, out: ValueId },
+    /// One Gated DeltaNet mixer of layer `layer` on `x` = `q | k | v | z | b | a` (see [`GdnShape`]):
+    /// causal depthwise conv (`conv`, `[conv_width x conv_kernel]`, last tap on the current token)
+    /// and SiLU over `q | k | v`; L2-normalised q (scaled by `k_dim^-1/2`) and k; per value head
+    /// `beta = sigmoid(b)`, `g = a_coef * softplus(a + dt_bias)` (`a_coef` = `ssm_a` = `-exp(A_log)`);
+    /// the delta rule on the layer's recurrent state `S` (`k_dim x v_dim` per value head, f32):
+    /// `S = exp(g) S; S += k (beta (v - Sᵀk))ᵀ; o = Sᵀq`; then `out = norm(o) * silu(z)` per value head
+    /// (plain RMSNorm weight). Value head `h` uses key head `h % n_k_heads` (llama.cpp's tiled
+    /// order). Reads and updates the layer's conv and delta-rule state: the session state.
+    GatedDeltaNet {
+        layer: usize,
+        x: ValueId,
+        out: ValueId,
+        conv: WeightId,
+        a_coef: WeightId,
+        dt_bias: WeightId,
+        norm: NormSpec,
+        shape: GdnShape,
+    },
 }
 
 impl Op {
@@ -115,7 +185,10 @@ impl Op {
             | Op::LastRow { x, .. }
             | Op::Rope { x, .. }
             | Op::GatedLinear { x, .. }
-            | Op::HeadNorm { x, .. } => vec![x],
+            | Op::HeadNorm { x, .. }
+            | Op::SplitGatedQuery { x, .. }
+            | Op::GatedDeltaNet { x, .. } => vec![x],
+            Op::SigmoidGate { x, gate, .. } => vec![x, gate],
             Op::Linear { x, residual, .. } => std::iter::once(x).chain(residual).collect(),
             Op::Attention { qkv, .. } => vec![qkv],
             Op::Add { a, b, .. } => vec![a, b],
@@ -133,7 +206,10 @@ impl Op {
             | Op::SwiGlu { out, .. }
             | Op::GeGlu { out, .. }
             | Op::Add { out, .. }
-            | Op::LastRow { out, .. } => out,
+            | Op::LastRow { out, .. }
+            | Op::SplitGatedQuery { out, .. }
+            | Op::SigmoidGate { out, .. }
+            | Op::GatedDeltaNet { out, .. } => out,
             Op::Rope { x, .. } | Op::HeadNorm { x, .. } => x,
         }
     }
@@ -153,6 +229,9 @@ impl Op {
             Op::GeGlu { .. } => "geglu",
             Op::Add { .. } => "add",
             Op::LastRow { .. } => "last_row",
+            Op::SplitGatedQuery { .. } => "split_gated_query",
+            Op::SigmoidGate { .. } => "sigmoid_gate",
+            Op::GatedDeltaNet { .. } => "gated_delta_net",
         }
     }
 }
@@ -181,6 +260,17 @@ impl Graph {
         &self.values[id.0 as usize]
     }
 
+    /// True if some op keeps recurrent state across `forward` calls (Gated DeltaNet): such a
+    /// state cannot be rewound, so a forward must start at 0 or where the last one ended.
+    pub fn has_recurrent_state(&self) -> bool {
+        self.ops.iter().any(|o| matches!(o, Op::GatedDeltaNet { .. }))
+    }
+
+    /// Layers with a KV cache (an `Attention` op).
+    pub fn attention_layers(&self) -> Vec<usize> {
+        self.ops.iter().filter_map(|o| if let Op::Attention { layer, .. } = o { Some(*layer) } else { None }).collect()
+    }
+
     /// Check that every value is written before it is read and that column ranges fit.
     pub fn validate(&self, weight_rows: impl Fn(WeightId) -> usize) -> Result<(), String> {
         let mut written = vec![false; self.values.len()];
@@ -192,6 +282,15 @@ impl Graph {
             }
             if let Op::Attention { window: Some(0), .. } = op {
                 return Err(format!("op {i}: attention window of 0 positions"));
+            }
+            if let Op::GatedDeltaNet { x, out, shape, .. } = op {
+                let s = shape;
+                if s.n_k_heads == 0 || s.n_v_heads % s.n_k_heads != 0 || s.k_dim == 0 || s.v_dim == 0 || s.conv_kernel == 0 {
+                    return Err(format!("op {i}: bad Gated DeltaNet shape {s:?}"));
+                }
+                if self.value(*x).width != s.proj_width() || self.value(*out).width != s.value_width() {
+                    return Err(format!("op {i}: Gated DeltaNet input/output widths do not match {s:?}"));
+                }
             }
             if let Op::Linear { w, out, out_col, .. } = op {
                 let width = self.value(*out).width;

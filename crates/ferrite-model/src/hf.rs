@@ -70,8 +70,23 @@ fn gguf_name(hf: &str, arch: &str) -> Option<String> {
     let rest = hf.strip_prefix("model.layers.")?;
     let (layer, rest) = rest.split_once('.')?;
     let layer: usize = layer.parse().ok()?;
+    if arch == "qwen35" {
+        match rest {
+            "linear_attn.A_log" => return Some(format!("blk.{layer}.ssm_a")),
+            "linear_attn.dt_bias" => return Some(format!("blk.{layer}.ssm_dt.bias")),
+            _ => {}
+        }
+    }
     let (module, kind) = rest.rsplit_once('.')?;
     let name = match module {
+        "linear_attn.in_proj_qkv" if arch == "qwen35" => "attn_qkv",
+        "linear_attn.in_proj_z" if arch == "qwen35" => "attn_gate",
+        "linear_attn.in_proj_b" if arch == "qwen35" => "ssm_beta",
+        "linear_attn.in_proj_a" if arch == "qwen35" => "ssm_alpha",
+        "linear_attn.conv1d" if arch == "qwen35" => "ssm_conv1d",
+        "linear_attn.norm" if arch == "qwen35" => "ssm_norm",
+        "linear_attn.out_proj" if arch == "qwen35" => "ssm_out",
+        "post_attention_layernorm" if arch == "qwen35" => "post_attention_norm",
         "self_attn.q_proj" => "attn_q",
         "self_attn.k_proj" => "attn_k",
         "self_attn.v_proj" => "attn_v",
@@ -113,6 +128,185 @@ fn plus_one_f32(name: &str, dtype: GgmlType, data: &[u8]) -> Result<Vec<u8>, Mod
     let mut values = vec![0f32; n];
     ferrite_gguf::dequantize(dtype, data, &mut values)?;
     Ok(values.iter().flat_map(|v| (v + 1.0).to_le_bytes()).collect())
+}
+
+/// Qwen3.5's Gated DeltaNet geometry from config.json.
+#[derive(Clone, Copy, Debug)]
+struct Gdn {
+    n_k: usize,
+    n_v: usize,
+    dk: usize,
+    dv: usize,
+}
+
+impl Gdn {
+    /// Grouped value head order (HF: the value heads of key head `j` are `j*r .. j*r + r`) to
+    /// llama.cpp's tiled order (`[K0v0, K1v0, .., K0v1, ..]`): tiled head `n` is grouped head
+    /// `(n % n_k) * r + n / n_k`.
+    fn source_head(&self, n: usize) -> usize {
+        (n % self.n_k) * (self.n_v / self.n_k) + n / self.n_k
+    }
+
+    /// Reorder `n_v` blocks of `unit` consecutive rows (rows of `row_bytes`) of `data[start..]`.
+    fn reorder_rows(&self, data: &mut [u8], start_row: usize, unit: usize, row_bytes: usize) {
+        let block = unit * row_bytes;
+        let base = start_row * row_bytes;
+        let src = data[base..base + self.n_v * block].to_vec();
+        for n in 0..self.n_v {
+            let o = self.source_head(n);
+            data[base + n * block..base + (n + 1) * block].copy_from_slice(&src[o * block..(o + 1) * block]);
+        }
+    }
+
+    /// Reorder the columns (`n_v` blocks of `dv` elements of `elem` bytes) of every row.
+    fn reorder_cols(&self, data: &mut [u8], elem: usize) {
+        let block = self.dv * elem;
+        let row = self.n_v * block;
+        for r in data.chunks_exact_mut(row) {
+            let src = r.to_vec();
+            for n in 0..self.n_v {
+                let o = self.source_head(n);
+                r[n * block..(n + 1) * block].copy_from_slice(&src[o * block..(o + 1) * block]);
+            }
+        }
+    }
+}
+
+/// Qwen3.5 tensors as llama.cpp's converter writes them: `1 + w` for every norm but the GDN
+/// output norm, `ssm_a = -exp(A_log)`, and the GDN value heads in tiled order (see [`Gdn`]).
+/// Returns the new dtype and bytes. The conv weight's `[C, 1, K]` shape is squeezed by the caller.
+fn qwen35_tensor(gname: &str, hf: &str, gdn: &Gdn, dtype: GgmlType, mut data: Vec<u8>) -> Result<(GgmlType, Vec<u8>), ModelError> {
+    let f32s = |data: &[u8]| -> Result<Vec<f32>, ModelError> {
+        let n = data.len() / dtype.row_bytes(1).ok_or_else(|| ModelError::tensor(hf, "unsupported dtype"))?;
+        let mut v = vec![0f32; n];
+        ferrite_gguf::dequantize(dtype, data, &mut v)?;
+        Ok(v)
+    };
+    let bytes = |v: Vec<f32>| -> Vec<u8> { v.iter().flat_map(|x| x.to_le_bytes()).collect() };
+    let elem = dtype.row_bytes(1).ok_or_else(|| ModelError::tensor(hf, "unsupported dtype"))?;
+    let kd = gdn.n_k * gdn.dk;
+    // `blk.N.attn_qkv.weight` -> `attn_qkv.weight`; non-layer names stay whole.
+    let suffix = match gname.strip_prefix("blk.") {
+        Some(rest) => rest.split_once('.').map_or(rest, |(_, r)| r),
+        None => gname,
+    };
+    let check = |want: usize| -> Result<(), ModelError> {
+        if data.len() != want * elem {
+            return Err(ModelError::tensor(hf, format!("{} elements, expected {want} from config.json", data.len() / elem)));
+        }
+        Ok(())
+    };
+    let qkv_rows = 2 * kd + gdn.n_v * gdn.dv;
+    let reorder = gdn.n_k != gdn.n_v;
+    match suffix {
+        "ssm_norm.weight" => Ok((dtype, data)),
+        s if s.ends_with("norm.weight") => Ok((GgmlType::F32, bytes(f32s(&data)?.into_iter().map(|w| w + 1.0).collect()))),
+        "ssm_a" => {
+            check(gdn.n_v)?;
+            let mut a = bytes(f32s(&data)?.into_iter().map(|v| -v.exp()).collect());
+            if reorder {
+                gdn.reorder_rows(&mut a, 0, 1, 4);
+            }
+            Ok((GgmlType::F32, a))
+        }
+        "ssm_dt.bias" | "ssm_beta.weight" | "ssm_alpha.weight" => {
+            let row = data.len() / gdn.n_v;
+            if reorder {
+                gdn.reorder_rows(&mut data, 0, 1, row);
+            }
+            Ok((dtype, data))
+        }
+        "attn_qkv.weight" | "ssm_conv1d.weight" => {
+            let rows = qkv_rows;
+            if !data.len().is_multiple_of(rows) {
+                return Err(ModelError::tensor(hf, format!("not {rows} rows (2 * key heads * key dim + value heads * value dim)")));
+            }
+            let row = data.len() / rows;
+            if reorder {
+                gdn.reorder_rows(&mut data, 2 * kd, gdn.dv, row);
+            }
+            Ok((dtype, data))
+        }
+        "attn_gate.weight" => {
+            let row = data.len() / (gdn.n_v * gdn.dv);
+            if reorder {
+                gdn.reorder_rows(&mut data, 0, gdn.dv, row);
+            }
+            Ok((dtype, data))
+        }
+        "ssm_out.weight" => {
+            if !data.len().is_multiple_of(gdn.n_v * gdn.dv * elem) {
+                return Err(ModelError::tensor(hf, "rows are not value heads * value dim wide"));
+            }
+            if reorder {
+                gdn.reorder_cols(&mut data, elem);
+            }
+            Ok((dtype, data))
+        }
+        _ => Ok((dtype, data)),
+    }
+}
+
+/// The Qwen3.5 keys beyond the common ones: the GDN shape, the layer schedule (as llama.cpp's
+/// `full_attention_interval`), partial RoPE. Refuses what the graph does not implement.
+type ArchMetadata = Vec<(&'static str, Value)>;
+
+fn qwen35_metadata(cfg: &Json, n_layers: usize, head_dim: u64) -> Result<(ArchMetadata, Gdn), ModelError> {
+    let num = |key: &str| -> Result<usize, ModelError> {
+        cfg[key].as_u64().map(|v| v as usize).ok_or_else(|| config_error(format!("config.json: `{key}` is missing or not an integer")))
+    };
+    let gdn = Gdn { n_k: num("linear_num_key_heads")?, n_v: num("linear_num_value_heads")?, dk: num("linear_key_head_dim")?, dv: num("linear_value_head_dim")? };
+    if gdn.n_k == 0 || !gdn.n_v.is_multiple_of(gdn.n_k) || gdn.dk == 0 || gdn.dv == 0 {
+        return Err(config_error(format!("config.json: unsupported linear attention heads {gdn:?}")));
+    }
+    let act = cfg["hidden_act"].as_str().unwrap_or("silu");
+    if act != "silu" {
+        return Err(config_error(format!("config.json: qwen3.5 activation `{act}` is not supported (silu is)")));
+    }
+    if cfg["num_experts"].as_u64().is_some_and(|e| e > 0) {
+        return Err(config_error("config.json: Qwen3.5 MoE is not supported yet (dense only)"));
+    }
+    let interval = cfg["full_attention_interval"].as_u64().unwrap_or(4) as usize;
+    if interval == 0 {
+        return Err(config_error("config.json: `full_attention_interval` must be positive"));
+    }
+    if let Some(types) = cfg["layer_types"].as_array() {
+        let full: Vec<bool> = types
+            .iter()
+            .map(|t| match t.as_str() {
+                Some("full_attention") => Ok(true),
+                Some("linear_attention") => Ok(false),
+                _ => Err(config_error(format!("config.json: unknown layer type {t}"))),
+            })
+            .collect::<Result<_, _>>()?;
+        if full.len() != n_layers {
+            return Err(config_error(format!("config.json: {} layer types for {n_layers} layers", full.len())));
+        }
+        if full.iter().enumerate().any(|(l, &f)| f != ((l + 1) % interval == 0)) {
+            return Err(config_error(format!(
+                "config.json: `layer_types` does not follow a full-attention layer every {interval} layers, which is the only schedule supported"
+            )));
+        }
+    }
+    let rope = &cfg["rope_parameters"];
+    if rope["rope_type"].as_str().is_some_and(|t| t != "default") {
+        return Err(config_error(format!("config.json: RoPE type `{}` is not supported for qwen3.5", rope["rope_type"])));
+    }
+    let factor = rope["partial_rotary_factor"].as_f64().or(cfg["partial_rotary_factor"].as_f64()).unwrap_or(0.25);
+    let rot = (head_dim as f64 * factor) as u64;
+    let u = |v: usize| Value::U32(v as u32);
+    Ok((
+        vec![
+            ("ssm.conv_kernel", u(cfg["linear_conv_kernel_dim"].as_u64().unwrap_or(4) as usize)),
+            ("ssm.state_size", u(gdn.dk)),
+            ("ssm.group_count", u(gdn.n_k)),
+            ("ssm.time_step_rank", u(gdn.n_v)),
+            ("ssm.inner_size", u(gdn.n_v * gdn.dv)),
+            ("full_attention_interval", u(interval)),
+            ("rope.dimension_count", Value::U32(rot as u32)),
+        ],
+        gdn,
+    ))
 }
 
 /// The Gemma 3 keys beyond the common ones: sliding window and which layers use it, the local
@@ -181,17 +375,32 @@ fn gemma3_metadata(cfg: &Json, n_layers: usize) -> Result<Vec<(&'static str, Val
 
 /// Load an HF checkpoint folder as an in-memory GGUF file.
 pub fn load_hf_dir(dir: &Path) -> Result<GgufFile, ModelError> {
-    let cfg = read_json(&dir.join("config.json"))?;
-    let model_type = cfg["model_type"].as_str().ok_or_else(|| config_error("config.json has no `model_type`"))?;
+    let top = read_json(&dir.join("config.json"))?;
+    let model_type = top["model_type"].as_str().ok_or_else(|| config_error("config.json has no `model_type`"))?;
+    // Multimodal Qwen3.5 checkpoints: the text model's config is `text_config`, its weights are
+    // `model.language_model.*` (the vision tower `model.visual.*` and `mtp.*` are skipped).
+    let cfg = if model_type == "qwen3_5" {
+        let mut c = top["text_config"].clone();
+        if !c.is_object() {
+            return Err(config_error("config.json: `qwen3_5` without a `text_config`"));
+        }
+        if c["tie_word_embeddings"].is_null() {
+            c["tie_word_embeddings"] = top["tie_word_embeddings"].clone();
+        }
+        c
+    } else {
+        top.clone()
+    };
     let arch = match model_type {
         "llama" | "qwen2" | "qwen3" => model_type,
+        "qwen3_5_text" | "qwen3_5" => "qwen35",
         "gemma3_text" => "gemma3",
         "gemma3" => {
             return Err(config_error(
                 "config.json: `gemma3` is the multimodal Gemma 3 checkpoint; only text-only ones (`gemma3_text`, Gemma3ForCausalLM) are supported",
             ))
         }
-        other => return Err(ModelError::UnsupportedArch(other.to_string(), "llama, qwen2, qwen3, gemma3_text (safetensors)")),
+        other => return Err(ModelError::UnsupportedArch(other.to_string(), "llama, qwen2, qwen3, gemma3_text, qwen3_5(_text) (safetensors)")),
     };
     let num = |key: &str| -> Result<u64, ModelError> {
         cfg[key].as_u64().ok_or_else(|| config_error(format!("config.json: `{key}` is missing or not an integer")))
@@ -233,12 +442,25 @@ pub fn load_hf_dir(dir: &Path) -> Result<GgufFile, ModelError> {
             w.add_metadata(format!("gemma3.{key}"), value);
         }
     }
+    let gdn = if arch == "qwen35" {
+        let (meta, gdn) = qwen35_metadata(&cfg, num("num_hidden_layers")? as usize, head_dim)?;
+        for (key, value) in meta {
+            w.add_metadata(format!("qwen35.{key}"), value);
+        }
+        Some(gdn)
+    } else {
+        None
+    };
     let mut tensors: BTreeMap<String, (Vec<u64>, GgmlType, Vec<u8>)> = BTreeMap::new();
     for file in shard_files(dir)? {
         let bytes = std::fs::read(&file).map_err(|e| config_error(format!("{}: {e}", file.display())))?;
         let st = SafeTensors::deserialize(&bytes).map_err(|e| config_error(format!("{}: not a valid safetensors file: {e}", file.display())))?;
         for (name, view) in st.tensors() {
-            let Some(gname) = gguf_name(&name, arch) else { continue };
+            let hf_name = match name.strip_prefix("model.language_model.") {
+                Some(rest) if model_type == "qwen3_5" => format!("model.{rest}"),
+                _ => name.clone(),
+            };
+            let Some(gname) = gguf_name(&hf_name, arch) else { continue };
             let dtype = match view.dtype() {
                 Dtype::F32 => GgmlType::F32,
                 Dtype::F16 => GgmlType::F16,
@@ -246,8 +468,17 @@ pub fn load_hf_dir(dir: &Path) -> Result<GgufFile, ModelError> {
                 other => return Err(ModelError::tensor(&name, format!("safetensors dtype {other:?} is not supported"))),
             };
             // GGML order: the contiguous dimension first.
-            let shape: Vec<u64> = view.shape().iter().rev().map(|&d| d as u64).collect();
+            let mut shape: Vec<u64> = view.shape().iter().rev().map(|&d| d as u64).collect();
             let (mut dtype, mut data) = (dtype, view.data().to_vec());
+            if let Some(gdn) = &gdn {
+                (dtype, data) = qwen35_tensor(&gname, &name, gdn, dtype, data)?;
+                if gname.ends_with("ssm_conv1d.weight") {
+                    // [C, 1, K] -> [C, K]
+                    if shape.len() == 3 && shape[1] == 1 {
+                        shape.remove(1);
+                    }
+                }
+            }
             if arch == "gemma3" && gname.ends_with("norm.weight") {
                 (dtype, data) = (GgmlType::F32, plus_one_f32(&name, dtype, &data)?);
             }
@@ -270,4 +501,59 @@ pub fn load_hf_dir(dir: &Path) -> Result<GgufFile, ModelError> {
     let mut bytes = Vec::new();
     w.write_to(&mut bytes)?;
     Ok(GgufFile::from_bytes(bytes)?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn fixture_dir() -> std::path::PathBuf {
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/tiny/qwen35-hf")
+    }
+
+    /// The multimodal Qwen3.5 layout (`qwen3_5` with `text_config`, text weights under
+    /// `model.language_model.*`, a vision tower and MTP weights to skip) loads to exactly the
+    /// same tensors and keys as the text-only checkpoint.
+    #[test]
+    fn qwen3_5_multimodal_layout_loads_its_text_model() {
+        let src = fixture_dir();
+        let text = load_hf_dir(&src).unwrap();
+        let bytes = std::fs::read(src.join("model.safetensors")).unwrap();
+        let st = SafeTensors::deserialize(&bytes).unwrap();
+        let extra = vec![0u8; 4 * 8];
+        let mut views: Vec<(String, safetensors::tensor::TensorView)> = st
+            .tensors()
+            .into_iter()
+            .map(|(n, v)| (n.strip_prefix("model.").map_or(n.clone(), |r| format!("model.language_model.{r}")), v))
+            .collect();
+        for name in ["model.visual.blocks.0.attn.qkv.weight", "mtp.fc.weight"] {
+            views.push((name.into(), safetensors::tensor::TensorView::new(Dtype::F32, vec![2, 4], &extra).unwrap()));
+        }
+        let dir = std::env::temp_dir().join(format!("ferrite-qwen3_5-mm-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(dir.join("model.safetensors"), safetensors::serialize(views, None).unwrap()).unwrap();
+        let text_cfg = read_json(&src.join("config.json")).unwrap();
+        let cfg = serde_json::json!({"model_type": "qwen3_5", "text_config": text_cfg, "vision_config": {"depth": 1}});
+        std::fs::write(dir.join("config.json"), cfg.to_string()).unwrap();
+        let mm = load_hf_dir(&dir).unwrap();
+        let names = |f: &GgufFile| f.tensors.iter().map(|t| t.name.clone()).collect::<Vec<_>>();
+        assert_eq!(names(&mm), names(&text));
+        for t in &text.tensors {
+            let o = mm.tensor(&t.name).unwrap();
+            assert_eq!((&o.shape, o.dtype), (&t.shape, t.dtype), "{}", t.name);
+            assert_eq!(mm.tensor_data(o), text.tensor_data(t), "{}", t.name);
+        }
+        for key in ["qwen35.ssm.time_step_rank", "qwen35.rope.dimension_count", "qwen35.full_attention_interval"] {
+            assert_eq!(mm.metadata.u64(key).unwrap(), text.metadata.u64(key).unwrap(), "{key}");
+        }
+        assert_eq!(text.metadata.u64("qwen35.rope.dimension_count").unwrap(), 8);
+        assert_eq!(text.tensor("blk.0.ssm_conv1d.weight").unwrap().shape, [4, 2 * 32 + 48]);
+        // A schedule other than "every n-th layer is full attention" is refused.
+        let mut bad = cfg.clone();
+        bad["text_config"]["layer_types"][0] = serde_json::json!("full_attention");
+        std::fs::write(dir.join("config.json"), bad.to_string()).unwrap();
+        let err = load_hf_dir(&dir).unwrap_err().to_string();
+        assert!(err.contains("layer_types"), "{err}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 }

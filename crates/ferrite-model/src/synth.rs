@@ -27,14 +27,29 @@ pub struct SynthShape {
     pub rope_theta: f32,
     pub context_length: usize,
     pub tied_embeddings: bool,
+    /// Gated DeltaNet layers (arch `qwen35`): every layer but each 4th is one.
+    pub gdn: Option<SynthGdn>,
 }
 
+/// The Gated DeltaNet dimensions of a hybrid shape.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct SynthGdn {
+    pub n_k_heads: usize,
+    pub n_v_heads: usize,
+    pub k_dim: usize,
+    pub v_dim: usize,
+}
+
+const QWEN35_INTERVAL: usize = 4;
+
 pub const SHAPES: &[SynthShape] = &[
-    SynthShape { name: "smollm2-135m", arch: "llama", n_layers: 30, n_embd: 576, n_heads: 9, n_kv_heads: 3, head_dim: 64, n_ff: 1536, rope_theta: 100000.0, context_length: 8192, tied_embeddings: true },
-    SynthShape { name: "llama-3.2-1b", arch: "llama", n_layers: 16, n_embd: 2048, n_heads: 32, n_kv_heads: 8, head_dim: 64, n_ff: 8192, rope_theta: 500000.0, context_length: 131072, tied_embeddings: true },
-    SynthShape { name: "llama-3.1-8b", arch: "llama", n_layers: 32, n_embd: 4096, n_heads: 32, n_kv_heads: 8, head_dim: 128, n_ff: 14336, rope_theta: 500000.0, context_length: 131072, tied_embeddings: false },
-    SynthShape { name: "gemma3-270m", arch: "gemma3", n_layers: 18, n_embd: 640, n_heads: 4, n_kv_heads: 1, head_dim: 256, n_ff: 2048, rope_theta: 1000000.0, context_length: 32768, tied_embeddings: true },
-    SynthShape { name: "qwen3-8b", arch: "qwen3", n_layers: 36, n_embd: 4096, n_heads: 32, n_kv_heads: 8, head_dim: 128, n_ff: 12288, rope_theta: 1000000.0, context_length: 40960, tied_embeddings: false },
+    SynthShape { name: "smollm2-135m", arch: "llama", n_layers: 30, n_embd: 576, n_heads: 9, n_kv_heads: 3, head_dim: 64, n_ff: 1536, rope_theta: 100000.0, context_length: 8192, tied_embeddings: true, gdn: None },
+    SynthShape { name: "llama-3.2-1b", arch: "llama", n_layers: 16, n_embd: 2048, n_heads: 32, n_kv_heads: 8, head_dim: 64, n_ff: 8192, rope_theta: 500000.0, context_length: 131072, tied_embeddings: true, gdn: None },
+    SynthShape { name: "llama-3.1-8b", arch: "llama", n_layers: 32, n_embd: 4096, n_heads: 32, n_kv_heads: 8, head_dim: 128, n_ff: 14336, rope_theta: 500000.0, context_length: 131072, tied_embeddings: false, gdn: None },
+    SynthShape { name: "gemma3-270m", arch: "gemma3", n_layers: 18, n_embd: 640, n_heads: 4, n_kv_heads: 1, head_dim: 256, n_ff: 2048, rope_theta: 1000000.0, context_length: 32768, tied_embeddings: true, gdn: None },
+    // transformers' Qwen3_5TextConfig defaults ("Qwen3.5-9B style"); CPU backends only for now.
+    SynthShape { name: "qwen3.5-9b", arch: "qwen35", n_layers: 32, n_embd: 4096, n_heads: 16, n_kv_heads: 4, head_dim: 256, n_ff: 12288, rope_theta: 1e7, context_length: 262144, tied_embeddings: false, gdn: Some(SynthGdn { n_k_heads: 16, n_v_heads: 32, k_dim: 128, v_dim: 128 }) },
+    SynthShape { name: "qwen3-8b", arch: "qwen3", n_layers: 36, n_embd: 4096, n_heads: 32, n_kv_heads: 8, head_dim: 128, n_ff: 12288, rope_theta: 1000000.0, context_length: 40960, tied_embeddings: false, gdn: None },
 ];
 
 pub fn shape(name: &str) -> Option<&'static SynthShape> {
@@ -48,6 +63,32 @@ fn tensors(s: &SynthShape) -> Vec<(String, Vec<u64>)> {
     for l in 0..s.n_layers {
         let b = |n: &str| format!("blk.{l}.{n}");
         t.push((b("attn_norm.weight"), vec![d]));
+        if let Some(g) = s.gdn {
+            let (kw, vw, hv) = ((g.n_k_heads * g.k_dim) as u64, (g.n_v_heads * g.v_dim) as u64, g.n_v_heads as u64);
+            if (l + 1) % QWEN35_INTERVAL != 0 {
+                t.push((b("attn_qkv.weight"), vec![d, 2 * kw + vw]));
+                t.push((b("attn_gate.weight"), vec![d, vw]));
+                t.push((b("ssm_beta.weight"), vec![d, hv]));
+                t.push((b("ssm_alpha.weight"), vec![d, hv]));
+                t.push((b("ssm_conv1d.weight"), vec![4, 2 * kw + vw]));
+                t.push((b("ssm_a"), vec![hv]));
+                t.push((b("ssm_dt.bias"), vec![hv]));
+                t.push((b("ssm_norm.weight"), vec![g.v_dim as u64]));
+                t.push((b("ssm_out.weight"), vec![vw, d]));
+            } else {
+                t.push((b("attn_q.weight"), vec![d, 2 * q]));
+                t.push((b("attn_k.weight"), vec![d, kv]));
+                t.push((b("attn_v.weight"), vec![d, kv]));
+                t.push((b("attn_q_norm.weight"), vec![s.head_dim as u64]));
+                t.push((b("attn_k_norm.weight"), vec![s.head_dim as u64]));
+                t.push((b("attn_output.weight"), vec![q, d]));
+            }
+            t.push((b("post_attention_norm.weight"), vec![d]));
+            t.push((b("ffn_gate.weight"), vec![d, ff]));
+            t.push((b("ffn_up.weight"), vec![d, ff]));
+            t.push((b("ffn_down.weight"), vec![ff, d]));
+            continue;
+        }
         t.push((b("attn_q.weight"), vec![d, q]));
         t.push((b("attn_k.weight"), vec![d, kv]));
         t.push((b("attn_v.weight"), vec![d, kv]));
@@ -111,10 +152,22 @@ pub fn write(path: &Path, shape: &SynthShape, dtype: GgmlType, seed: u64, mut pr
     w.add_metadata(format!("{a}.attention.head_count_kv"), u(shape.n_kv_heads));
     w.add_metadata(format!("{a}.attention.key_length"), u(shape.head_dim));
     w.add_metadata(format!("{a}.attention.value_length"), u(shape.head_dim));
-    w.add_metadata(format!("{a}.rope.dimension_count"), u(shape.head_dim));
+    if shape.gdn.is_none() {
+        w.add_metadata(format!("{a}.rope.dimension_count"), u(shape.head_dim));
+    }
     w.add_metadata(format!("{a}.rope.freq_base"), Value::F32(shape.rope_theta));
     w.add_metadata(format!("{a}.attention.layer_norm_rms_epsilon"), Value::F32(1e-5));
     w.add_metadata(format!("{a}.vocab_size"), u(VOCAB));
+    if let Some(g) = shape.gdn {
+        // Partial RoPE over a quarter of the head, as Qwen3.5.
+        w.add_metadata(format!("{a}.rope.dimension_count"), u(shape.head_dim / 4));
+        w.add_metadata(format!("{a}.ssm.conv_kernel"), u(4));
+        w.add_metadata(format!("{a}.ssm.state_size"), u(g.k_dim));
+        w.add_metadata(format!("{a}.ssm.group_count"), u(g.n_k_heads));
+        w.add_metadata(format!("{a}.ssm.time_step_rank"), u(g.n_v_heads));
+        w.add_metadata(format!("{a}.ssm.inner_size"), u(g.n_v_heads * g.v_dim));
+        w.add_metadata(format!("{a}.full_attention_interval"), u(QWEN35_INTERVAL));
+    }
     if a == "gemma3" {
         // Gemma 3's window; every 6th layer global, local RoPE base 10 000 (llama.cpp's defaults).
         w.add_metadata("gemma3.attention.sliding_window", u(512));
@@ -128,7 +181,13 @@ pub fn write(path: &Path, shape: &SynthShape, dtype: GgmlType, seed: u64, mut pr
     for (name, dims) in &list {
         // Like llama.cpp's quantizer: rows that are not whole blocks of `dtype` (Gemma 3 270M's
         // 640-wide rows under a 256-value k-quant) fall back to Q8_0.
-        let matrix_type = if dims[0] % dtype.block_size() as u64 == 0 { dtype } else { GgmlType::Q8_0 };
+        let matrix_type = if dims[0] % dtype.block_size() as u64 == 0 {
+            dtype
+        } else if dims[0] % GgmlType::Q8_0.block_size() as u64 == 0 {
+            GgmlType::Q8_0
+        } else {
+            GgmlType::F32 // the 4-tap conv of Gated DeltaNet (llama.cpp keeps it in f32 too)
+        };
         w.add_tensor_info(name, dims, if dims.len() == 1 { GgmlType::F32 } else { matrix_type })?;
     }
     let total = list.len();
@@ -144,6 +203,8 @@ pub fn write(path: &Path, shape: &SynthShape, dtype: GgmlType, seed: u64, mut pr
             let mut row = vec![0f32; cols];
             if info.name.ends_with(".bias") {
                 random_row(splitmix(seed ^ (index << 32)), 0.1, &mut row);
+            } else if info.name.ends_with("ssm_a") {
+                row.fill(-1.0); // -exp(A_log): a decay, negative
             } else if rows == 1 {
                 row.fill(1.0); // norm weights
             } else {
@@ -196,7 +257,7 @@ mod tests {
 
     #[test]
     fn qwen2_shape_loads_with_biases_fused() {
-        let s = SynthShape { name: "tiny-qwen2", arch: "qwen2", n_layers: 1, n_embd: 64, n_heads: 4, n_kv_heads: 2, head_dim: 16, n_ff: 96, rope_theta: 1e6, context_length: 128, tied_embeddings: true };
+        let s = SynthShape { name: "tiny-qwen2", arch: "qwen2", n_layers: 1, n_embd: 64, n_heads: 4, n_kv_heads: 2, head_dim: 16, n_ff: 96, rope_theta: 1e6, context_length: 128, tied_embeddings: true, gdn: None };
         let path = write_temp(&s, GgmlType::Q4_0, 1).unwrap();
         let fused = Model::load(&path, FusionOptions::ALL).unwrap();
         assert_eq!(fused.config.arch, Arch::Qwen2);
@@ -216,7 +277,7 @@ mod tests {
     /// A Gemma 3 shape: post-norms and QK-norm tensors, a 512-token window on all but every 6th layer.
     #[test]
     fn gemma3_shape_loads_with_sliding_layers() {
-        let s = SynthShape { name: "tiny-gemma3", arch: "gemma3", n_layers: 7, n_embd: 64, n_heads: 4, n_kv_heads: 1, head_dim: 32, n_ff: 96, rope_theta: 1e6, context_length: 128, tied_embeddings: true };
+        let s = SynthShape { name: "tiny-gemma3", arch: "gemma3", n_layers: 7, n_embd: 64, n_heads: 4, n_kv_heads: 1, head_dim: 32, n_ff: 96, rope_theta: 1e6, context_length: 128, tied_embeddings: true, gdn: None };
         let path = write_temp(&s, GgmlType::Q8_0, 2).unwrap();
         let m = Model::load(&path, FusionOptions::ALL).unwrap();
         assert_eq!(m.config.arch, Arch::Gemma3);
@@ -225,10 +286,29 @@ mod tests {
         assert!(m.file.tensor("blk.6.post_ffw_norm.weight").is_some());
     }
 
+    /// A Qwen3.5 hybrid shape: GDN layers 0-2 and 4, gated attention on layer 3, the conv in f32.
+    #[test]
+    fn qwen35_shape_loads_as_a_hybrid() {
+        let gdn = Some(SynthGdn { n_k_heads: 2, n_v_heads: 4, k_dim: 16, v_dim: 32 });
+        let s = SynthShape { name: "tiny-qwen35", arch: "qwen35", n_layers: 5, n_embd: 64, n_heads: 4, n_kv_heads: 2, head_dim: 32, n_ff: 96, rope_theta: 1e7, context_length: 128, tied_embeddings: false, gdn };
+        let path = write_temp(&s, GgmlType::Q8_0, 4).unwrap();
+        let m = Model::load(&path, FusionOptions::ALL).unwrap();
+        assert_eq!(m.config.arch, Arch::Qwen35);
+        assert_eq!(m.config.rope.rot_dim, 8);
+        assert_eq!(m.graph.attention_layers(), [3]);
+        let gdn_layers: Vec<usize> = m.graph.ops.iter().filter_map(|o| if let Op::GatedDeltaNet { layer, .. } = o { Some(*layer) } else { None }).collect();
+        assert_eq!(gdn_layers, [0, 1, 2, 4]);
+        assert_eq!(m.file.tensor("blk.0.ssm_conv1d.weight").unwrap().dtype, GgmlType::F32);
+        assert_eq!(m.file.tensor("blk.0.attn_qkv.weight").unwrap().dtype, GgmlType::Q8_0);
+        let a = ferrite_gguf::dequantize_tensor(&m.file, m.file.tensor("blk.4.ssm_a").unwrap()).unwrap();
+        assert!(a.iter().all(|&v| v == -1.0));
+        assert!(shape("qwen3.5-9b").is_some_and(|s| s.gdn.is_some()));
+    }
+
     /// A k-quant whose blocks do not divide the rows: those tensors are written as Q8_0.
     #[test]
     fn ragged_rows_fall_back_to_q8_0() {
-        let s = SynthShape { name: "ragged", arch: "llama", n_layers: 1, n_embd: 96, n_heads: 2, n_kv_heads: 1, head_dim: 48, n_ff: 256, rope_theta: 1e4, context_length: 64, tied_embeddings: false };
+        let s = SynthShape { name: "ragged", arch: "llama", n_layers: 1, n_embd: 96, n_heads: 2, n_kv_heads: 1, head_dim: 48, n_ff: 256, rope_theta: 1e4, context_length: 64, tied_embeddings: false, gdn: None };
         let path = write_temp(&s, GgmlType::Q4_K, 3).unwrap();
         let m = Model::load(&path, FusionOptions::ALL).unwrap();
         assert_eq!(m.file.tensor("blk.0.ffn_up.weight").unwrap().dtype, GgmlType::Q8_0); // 96-wide rows
@@ -238,7 +318,7 @@ mod tests {
     /// A small custom shape written, reloaded and turned into a graph.
     #[test]
     fn synthetic_model_loads_with_expected_shapes() {
-        let s = SynthShape { name: "tiny", arch: "llama", n_layers: 2, n_embd: 64, n_heads: 4, n_kv_heads: 2, head_dim: 16, n_ff: 128, rope_theta: 1e4, context_length: 256, tied_embeddings: false };
+        let s = SynthShape { name: "tiny", arch: "llama", n_layers: 2, n_embd: 64, n_heads: 4, n_kv_heads: 2, head_dim: 16, n_ff: 128, rope_theta: 1e4, context_length: 256, tied_embeddings: false, gdn: None };
         let path = write_temp(&s, GgmlType::Q8_0, 7).unwrap();
         let m = Model::load(&path, FusionOptions::ALL).unwrap();
         assert_eq!((m.config.n_layers, m.config.n_embd, m.config.n_kv_heads, m.config.vocab_size), (2, 64, 2, VOCAB));

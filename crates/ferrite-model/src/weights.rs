@@ -153,6 +153,7 @@ impl WeightSet {
                     ids.push(*w);
                     ids.extend(norm.map(|n| n.weight));
                 }
+                Op::GatedDeltaNet { conv, a_coef, dt_bias, norm, .. } => ids.extend([*conv, *a_coef, *dt_bias, norm.weight]),
                 _ => {}
             }
         }

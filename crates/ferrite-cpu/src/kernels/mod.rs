@@ -7,6 +7,7 @@
 pub mod activation;
 pub mod attention;
 pub mod embedding;
+pub mod gdn;
 pub mod matmul;
 pub mod norm;
 pub mod rope;

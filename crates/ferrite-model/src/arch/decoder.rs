@@ -10,18 +10,18 @@ use crate::{FusionOptions, Graph, ModelConfig, ModelError, WeightSet};
 use ferrite_gguf::GgufFile;
 
 /// Projections (weight, optional bias) that read `norm(x)` and fill column ranges of `out`.
-struct ProjectionGroup<'a> {
-    x: ValueId,
-    norm: NormSpec,
-    parts: &'a [(WeightId, Option<WeightId>)],
-    out: ValueId,
+pub(super) struct ProjectionGroup<'a> {
+    pub x: ValueId,
+    pub norm: NormSpec,
+    pub parts: &'a [(WeightId, Option<WeightId>)],
+    pub out: ValueId,
     /// Name of the normalised input when the norm runs as its own op.
-    normed_name: &'a str,
+    pub normed_name: &'a str,
 }
 
 /// Emit a projection group: fused into a single linear when `fuse` and the weights allow, and
 /// the norm folded into that linear only if `fold_norm` and the group is a single linear.
-fn projection_group(g: &mut GraphBuilder, ws: &mut WeightSet, group: ProjectionGroup, fuse: bool, fold_norm: bool) {
+pub(super) fn projection_group(g: &mut GraphBuilder, ws: &mut WeightSet, group: ProjectionGroup, fuse: bool, fold_norm: bool) {
     let ProjectionGroup { x, norm, parts, out, normed_name } = group;
     let weights: Vec<WeightId> = parts.iter().map(|p| p.0).collect();
     let biases: Option<Vec<WeightId>> = parts.iter().map(|p| p.1).collect();
@@ -56,7 +56,7 @@ fn projection_group(g: &mut GraphBuilder, ws: &mut WeightSet, group: ProjectionG
 }
 
 /// `out = residual + W · x`, fused into the linear's epilogue or as a separate add.
-fn residual_linear(g: &mut GraphBuilder, x: ValueId, w: WeightId, residual: ValueId, fuse: bool, name: &str, width: usize) -> ValueId {
+pub(super) fn residual_linear(g: &mut GraphBuilder, x: ValueId, w: WeightId, residual: ValueId, fuse: bool, name: &str, width: usize) -> ValueId {
     let out = g.value(name, width, Rows::Tokens);
     if fuse {
         g.push(Op::Linear { x, norm: None, w, bias: None, residual: Some(residual), out, out_col: 0 });
@@ -128,13 +128,95 @@ impl DecoderOptions {
     }
 }
 
+/// The gated MLP of layer `l` with its residual: `h + post_norm?(Wdown · act(Wgate · n(h)) * (Wup · n(h)))`
+/// where `n` is the RMSNorm `blk.{l}.{norm_name}` (`ffn_norm`; Qwen3.5 calls it `post_attention_norm`).
+#[allow(clippy::too_many_arguments)]
+pub(super) fn mlp_block(
+    g: &mut GraphBuilder,
+    ws: &mut WeightSet,
+    file: &GgufFile,
+    cfg: &ModelConfig,
+    fusion: FusionOptions,
+    opts: &DecoderOptions,
+    l: usize,
+    norm_name: &str,
+    h: ValueId,
+) -> Result<ValueId, ModelError> {
+    let (d, ff) = (cfg.n_embd, cfg.n_ff);
+    let t = |s: &str| format!("blk.{l}.{s}");
+    let ffn_norm = NormSpec { weight: ws.add(file, &t(&format!("{norm_name}.weight")), 1, d)?, eps: cfg.norm_eps };
+    let gate = ws.add(file, &t("ffn_gate.weight"), ff, d)?;
+    let up = ws.add(file, &t("ffn_up.weight"), ff, d)?;
+    let act = g.value(t("ffn_act"), ff, Rows::Tokens);
+    // With gate/up fused into one weight, the activation can be that linear's epilogue.
+    let gated = if fusion.gate_up && fusion.glu_into_linear { ws.fuse(&[gate, up]) } else { None };
+    if let Some(w) = gated {
+        let (x, norm) = if fusion.norm_into_linear {
+            (h, Some(ffn_norm))
+        } else {
+            let xn = g.value(t(norm_name), d, Rows::Tokens);
+            g.push(Op::RmsNorm { x: h, norm: ffn_norm, out: xn });
+            (xn, None)
+        };
+        g.push(Op::GatedLinear { x, norm, w, act: opts.activation, out: act });
+    } else {
+        let gate_up = g.value(t("gate_up"), 2 * ff, Rows::Tokens);
+        let group = ProjectionGroup { x: h, norm: ffn_norm, parts: &[(gate, None), (up, None)], out: gate_up, normed_name: &t(norm_name) };
+        projection_group(g, ws, group, fusion.gate_up, fusion.norm_into_linear);
+        g.push(match opts.activation {
+            GatedActivation::Silu => Op::SwiGlu { x: gate_up, out: act },
+            GatedActivation::GeluTanh => Op::GeGlu { x: gate_up, out: act },
+        });
+    }
+    let down = ws.add(file, &t("ffn_down.weight"), d, ff)?;
+    let h = if opts.post_norms {
+        let norm = NormSpec { weight: ws.add(file, &t("post_ffw_norm.weight"), 1, d)?, eps: cfg.norm_eps };
+        post_norm_residual(g, PostNormResidual { x: act, w: down, norm, residual: h, name: &t("out"), width: d })
+    } else {
+        residual_linear(g, act, down, h, fusion.residual_into_linear, &t("out"), d)
+    };
+    g.trace(h);
+    Ok(h)
+}
+
+/// Final norm and output head on the last token (`output.weight`, or the tied embedding table).
+pub(super) fn output_head(
+    g: &mut GraphBuilder,
+    ws: &mut WeightSet,
+    file: &GgufFile,
+    cfg: &ModelConfig,
+    fusion: FusionOptions,
+    embd: WeightId,
+    h: ValueId,
+) -> Result<ValueId, ModelError> {
+    let d = cfg.n_embd;
+    let last = g.value("last", d, Rows::Last);
+    g.push(Op::LastRow { x: h, out: last });
+    let out_norm = NormSpec { weight: ws.add(file, "output_norm.weight", 1, d)?, eps: cfg.norm_eps };
+    // Tied embeddings: no output.weight, the embedding table doubles as the output head.
+    let head = match file.tensor("output.weight") {
+        Some(_) => ws.add(file, "output.weight", cfg.vocab_size, d)?,
+        None => embd,
+    };
+    let logits = g.value("logits", cfg.vocab_size, Rows::Last);
+    if fusion.norm_into_linear {
+        g.push(Op::Linear { x: last, norm: Some(out_norm), w: head, bias: None, residual: None, out: logits, out_col: 0 });
+    } else {
+        let normed = g.value("output_norm", d, Rows::Last);
+        g.push(Op::RmsNorm { x: last, norm: out_norm, out: normed });
+        g.push(Op::Linear { x: normed, norm: None, w: head, bias: None, residual: None, out: logits, out_col: 0 });
+    }
+    g.trace(logits);
+    Ok(logits)
+}
+
 pub fn build(cfg: &ModelConfig, file: &GgufFile, fusion: FusionOptions, opts: DecoderOptions) -> Result<(WeightSet, Graph), ModelError> {
     if opts.layers.len() != cfg.n_layers {
         return Err(ModelError::Config(format!("{} layer attention settings for {} layers", opts.layers.len(), cfg.n_layers)));
     }
     let mut ws = WeightSet::default();
     let mut g = GraphBuilder::new();
-    let (d, qw, kvw, ff) = (cfg.n_embd, cfg.q_width(), cfg.kv_width(), cfg.n_ff);
+    let (d, qw, kvw) = (cfg.n_embd, cfg.q_width(), cfg.kv_width());
 
     let embd = ws.add(file, "token_embd.weight", cfg.vocab_size, d)?;
     let mut h = g.value("embd", d, Rows::Tokens);
@@ -172,57 +254,10 @@ pub fn build(cfg: &ModelConfig, file: &GgufFile, fusion: FusionOptions, opts: De
             residual_linear(&mut g, attn, wo, h, fusion.residual_into_linear, &t("attn_out"), d)
         };
 
-        let ffn_norm = NormSpec { weight: ws.add(file, &t("ffn_norm.weight"), 1, d)?, eps: cfg.norm_eps };
-        let gate = ws.add(file, &t("ffn_gate.weight"), ff, d)?;
-        let up = ws.add(file, &t("ffn_up.weight"), ff, d)?;
-        let act = g.value(t("ffn_act"), ff, Rows::Tokens);
-        // With gate/up fused into one weight, the activation can be that linear's epilogue.
-        let gated = if fusion.gate_up && fusion.glu_into_linear { ws.fuse(&[gate, up]) } else { None };
-        if let Some(w) = gated {
-            let (x, norm) = if fold {
-                (h, Some(ffn_norm))
-            } else {
-                let xn = g.value(t("ffn_norm"), d, Rows::Tokens);
-                g.push(Op::RmsNorm { x: h, norm: ffn_norm, out: xn });
-                (xn, None)
-            };
-            g.push(Op::GatedLinear { x, norm, w, act: opts.activation, out: act });
-        } else {
-            let gate_up = g.value(t("gate_up"), 2 * ff, Rows::Tokens);
-            let group = ProjectionGroup { x: h, norm: ffn_norm, parts: &[(gate, None), (up, None)], out: gate_up, normed_name: &t("ffn_norm") };
-            projection_group(&mut g, &mut ws, group, fusion.gate_up, fold);
-            g.push(match opts.activation {
-                GatedActivation::Silu => Op::SwiGlu { x: gate_up, out: act },
-                GatedActivation::GeluTanh => Op::GeGlu { x: gate_up, out: act },
-            });
-        }
-        let down = ws.add(file, &t("ffn_down.weight"), d, ff)?;
-        h = if opts.post_norms {
-            let norm = NormSpec { weight: ws.add(file, &t("post_ffw_norm.weight"), 1, d)?, eps: cfg.norm_eps };
-            post_norm_residual(&mut g, PostNormResidual { x: act, w: down, norm, residual: h, name: &t("out"), width: d })
-        } else {
-            residual_linear(&mut g, act, down, h, fusion.residual_into_linear, &t("out"), d)
-        };
-        g.trace(h);
+        h = mlp_block(&mut g, &mut ws, file, cfg, fusion, &opts, l, "ffn_norm", h)?;
     }
 
-    let last = g.value("last", d, Rows::Last);
-    g.push(Op::LastRow { x: h, out: last });
-    let out_norm = NormSpec { weight: ws.add(file, "output_norm.weight", 1, d)?, eps: cfg.norm_eps };
-    // Tied embeddings: no output.weight, the embedding table doubles as the output head.
-    let head = match file.tensor("output.weight") {
-        Some(_) => ws.add(file, "output.weight", cfg.vocab_size, d)?,
-        None => embd,
-    };
-    let logits = g.value("logits", cfg.vocab_size, Rows::Last);
-    if fusion.norm_into_linear {
-        g.push(Op::Linear { x: last, norm: Some(out_norm), w: head, bias: None, residual: None, out: logits, out_col: 0 });
-    } else {
-        let normed = g.value("output_norm", d, Rows::Last);
-        g.push(Op::RmsNorm { x: last, norm: out_norm, out: normed });
-        g.push(Op::Linear { x: normed, norm: None, w: head, bias: None, residual: None, out: logits, out_col: 0 });
-    }
-    g.trace(logits);
+    let logits = output_head(&mut g, &mut ws, file, cfg, fusion, embd, h)?;
 
     let attention = AttentionShape {
         n_heads: cfg.n_heads,

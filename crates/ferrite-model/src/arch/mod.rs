@@ -4,6 +4,7 @@ mod decoder;
 mod gemma3;
 mod llama;
 mod qwen3;
+mod qwen35;
 
 use crate::{Arch, FusionOptions, Graph, ModelConfig, ModelError, WeightSet};
 use ferrite_gguf::GgufFile;
@@ -13,6 +14,7 @@ pub fn build(cfg: &ModelConfig, file: &GgufFile, fusion: FusionOptions) -> Resul
         Arch::Llama | Arch::Qwen2 => llama::build(cfg, file, fusion)?,
         Arch::Qwen3 => qwen3::build(cfg, file, fusion)?,
         Arch::Gemma3 => gemma3::build(cfg, file, fusion)?,
+        Arch::Qwen35 => qwen35::build(cfg, file, fusion)?,
     };
     graph
         .validate(|w| weights.spec(w).rows)

@@ -1,0 +1,154 @@
+//! Gated DeltaNet (Qwen3.5 / Qwen3-Next linear attention), one token at a time: the reference
+//! recurrent form (prefill loops over its tokens).
+
+use super::norm;
+use ferrite_model::graph::GdnShape;
+
+/// The per-layer parameters of a Gated DeltaNet mixer, as f32.
+pub struct GdnParams<'a> {
+    pub shape: GdnShape,
+    /// `[conv_width x conv_kernel]`, tap `conv_kernel - 1` on the current token.
+    pub conv: &'a [f32],
+    /// Per value head: `-exp(A_log)` (llama.cpp's `ssm_a`).
+    pub a_coef: &'a [f32],
+    pub dt_bias: &'a [f32],
+    /// Gated RMSNorm weight (`v_dim`, plain multiply).
+    pub norm: &'a [f32],
+    pub eps: f32,
+}
+
+fn silu(x: f32) -> f32 {
+    x / (1.0 + (-x).exp())
+}
+
+fn sigmoid(x: f32) -> f32 {
+    1.0 / (1.0 + (-x).exp())
+}
+
+/// torch's `softplus` (beta 1, threshold 20).
+fn softplus(x: f32) -> f32 {
+    if x > 20.0 {
+        x
+    } else {
+        x.exp().ln_1p()
+    }
+}
+
+/// `x / sqrt(sum(x^2) + 1e-6)` in place, as HF's and fla's `l2norm`.
+fn l2_normalize(x: &mut [f32], scale: f32) {
+    let ss: f64 = x.iter().map(|&v| v as f64 * v as f64).sum();
+    let inv = (1.0 / (ss + 1e-6).sqrt()) as f32 * scale;
+    x.iter_mut().for_each(|v| *v *= inv);
+}
+
+/// Runs `n` tokens: `x` is `n` rows of `q | k | v | z | b | a` (`shape.proj_width()`), `out` gets
+/// `n` rows of `shape.value_width()`. `conv_state` (`conv_state_len`: the last `conv_kernel - 1`
+/// conv inputs, oldest first, `conv_width` each) and `ssm_state` (`ssm_state_len`: per value head a
+/// `k_dim x v_dim` row-major matrix) carry over from the previous call and are updated.
+/// Panics on inconsistent lengths.
+pub fn gated_delta_net(p: &GdnParams, x: &[f32], n: usize, conv_state: &mut [f32], ssm_state: &mut [f32], out: &mut [f32]) {
+    let s = p.shape;
+    let (cw, kw, vw, kc) = (s.conv_width(), s.key_width(), s.value_width(), s.conv_kernel);
+    let (dk, dv, hk, hv) = (s.k_dim, s.v_dim, s.n_k_heads, s.n_v_heads);
+    let pw = s.proj_width();
+    assert_eq!(x.len(), n * pw, "gdn: input is not {n} rows of {pw}");
+    assert_eq!(out.len(), n * vw, "gdn: output is not {n} rows of {vw}");
+    assert_eq!(conv_state.len(), s.conv_state_len(), "gdn: conv state length");
+    assert_eq!(ssm_state.len(), s.ssm_state_len(), "gdn: recurrent state length");
+    assert_eq!(p.conv.len(), cw * kc, "gdn: conv weight length");
+    assert!(p.a_coef.len() == hv && p.dt_bias.len() == hv && p.norm.len() == dv, "gdn: parameter lengths");
+    let q_scale = 1.0 / (dk as f32).sqrt();
+    let mut y = vec![0f32; cw];
+    let mut pred = vec![0f32; dv];
+    let mut o = vec![0f32; dv];
+    let mut normed = vec![0f32; dv];
+    for (row, out_row) in x.chunks_exact(pw).zip(out.chunks_exact_mut(vw)) {
+        // Causal depthwise conv over q | k | v, SiLU; then shift the window.
+        let xin = &row[..cw];
+        for c in 0..cw {
+            let w = &p.conv[c * kc..(c + 1) * kc];
+            let mut acc = w[kc - 1] * xin[c];
+            for j in 0..kc - 1 {
+                acc += w[j] * conv_state[j * cw + c];
+            }
+            y[c] = silu(acc);
+        }
+        if kc > 1 {
+            conv_state.copy_within(cw.., 0);
+            conv_state[(kc - 2) * cw..].copy_from_slice(xin);
+        }
+        let (q, rest) = y.split_at_mut(kw);
+        let (k, v) = rest.split_at_mut(kw);
+        for (qh, kh) in q.chunks_exact_mut(dk).zip(k.chunks_exact_mut(dk)) {
+            l2_normalize(qh, q_scale);
+            l2_normalize(kh, 1.0);
+        }
+        let z = &row[cw..cw + vw];
+        let b = &row[cw + vw..cw + vw + hv];
+        let a = &row[cw + vw + hv..cw + vw + 2 * hv];
+        for h in 0..hv {
+            // Tiled head order: value head h reads key head h % hk.
+            let kh = h % hk;
+            let (qh, kh_vec) = (&q[kh * dk..(kh + 1) * dk], &k[kh * dk..(kh + 1) * dk]);
+            let vh = &v[h * dv..(h + 1) * dv];
+            let beta = sigmoid(b[h]);
+            let decay = (p.a_coef[h] * softplus(a[h] + p.dt_bias[h])).exp();
+            let st = &mut ssm_state[h * dk * dv..(h + 1) * dk * dv];
+            st.iter_mut().for_each(|v| *v *= decay);
+            pred.fill(0.0);
+            for (srow, &ki) in st.chunks_exact(dv).zip(kh_vec) {
+                for (pj, &sij) in pred.iter_mut().zip(srow) {
+                    *pj += sij * ki;
+                }
+            }
+            for (pj, &vj) in pred.iter_mut().zip(vh) {
+                *pj = beta * (vj - *pj);
+            }
+            o.fill(0.0);
+            for ((srow, &ki), &qi) in st.chunks_exact_mut(dv).zip(kh_vec).zip(qh) {
+                for ((sij, &dj), oj) in srow.iter_mut().zip(pred.iter()).zip(o.iter_mut()) {
+                    *sij += ki * dj;
+                    *oj += *sij * qi;
+                }
+            }
+            norm::rms_norm(&o, p.norm, p.eps, &mut normed);
+            let zh = &z[h * dv..(h + 1) * dv];
+            for ((dst, &nv), &zv) in out_row[h * dv..(h + 1) * dv].iter_mut().zip(&normed).zip(zh) {
+                *dst = nv * silu(zv);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A closed-form check on one head: with k = q = e0 (dk = 1... via normalisation), the state
+    /// follows S_t = a_t (1 - beta_t) S_{t-1} + beta_t v_t, and o_t = S_t / sqrt(dk).
+    #[test]
+    fn delta_rule_on_one_direction() {
+        let shape = GdnShape { n_k_heads: 1, n_v_heads: 1, k_dim: 4, v_dim: 1, conv_kernel: 1 };
+        // conv_kernel 1 with tap weight 1 would still apply SiLU: use a large input so that
+        // silu(x) ~= x for the one non-zero key/query channel, and compute the expectation from
+        // the actual silu values.
+        let conv = vec![1.0; shape.conv_width()];
+        let p = GdnParams { shape, conv: &conv, a_coef: &[-0.5], dt_bias: &[0.3], norm: &[1.0], eps: 0.0 };
+        let (mut cs, mut ss) = (vec![], vec![0f32; 4]);
+        let mut s_expect = 0f64;
+        for (t, (vin, bin, ain)) in [(2.0f32, 0.4f32, -1.0f32), (-1.0, -0.2, 0.5), (0.5, 1.5, 2.0)].into_iter().enumerate() {
+            // q = k = (3, 0, 0, 0) before the conv; v = vin; z large so silu(z) ~ z, norm eps 0
+            // on a 1-wide head gives sign(o): check the state instead.
+            let row = [3.0, 0.0, 0.0, 0.0, 3.0, 0.0, 0.0, 0.0, vin, 30.0, bin, ain];
+            let mut out = [0f32; 1];
+            gated_delta_net(&p, &row, 1, &mut cs, &mut ss, &mut out);
+            let v = silu(vin) as f64;
+            let beta = 1.0 / (1.0 + (-(bin as f64)).exp());
+            let g = -0.5 * ((ain as f64 + 0.3).exp()).ln_1p();
+            s_expect = g.exp() * (1.0 - beta) * s_expect + beta * v;
+            assert!((ss[0] as f64 - s_expect).abs() < 1e-5, "step {t}: state {} != {s_expect}", ss[0]);
+            assert!(ss[1..].iter().all(|&x| x == 0.0));
+            assert_eq!(out[0].signum() as f64, s_expect.signum());
+        }
+    }
+}

@@ -1,0 +1,124 @@
+//! Qwen3.5 (dense FFN, llama.cpp arch `qwen35`): a hybrid of Gated DeltaNet layers (linear
+//! attention with a recurrent state) and gated full-attention layers; layer `l` is full attention
+//! iff `(l + 1) % full_attention_interval == 0` (default 4: three GDN layers, then one attention).
+//! Every layer is pre-norm with the SwiGLU MLP of the shared decoder (`post_attention_norm` is
+//! the pre-MLP norm).
+//!
+//! * Gated DeltaNet (see [`Op::GatedDeltaNet`]): `attn_qkv` (q | k | v), `attn_gate` (z),
+//!   `ssm_beta` (b), `ssm_alpha` (a) project the normed input into one value (a single fused,
+//!   norm-folded linear when fusions are on), then the op (conv1d `ssm_conv1d`, `ssm_a` =
+//!   `-exp(A_log)`, `ssm_dt.bias`, gated norm `ssm_norm`), then `ssm_out` and the residual.
+//! * Gated attention: `attn_q` yields per head `[query | gate]`; the queries join `attn_k` /
+//!   `attn_v` in a QKV value, get QK-norm and partial NeoX RoPE (`rope.dimension_count` of the
+//!   head dimensions), attention, then `out * sigmoid(gate)` before `attn_output`.
+//!
+//! llama.cpp's converter stores `1 + w` for the zero-centred norms (all but `ssm_norm`) and the
+//! GDN value heads in tiled order, so every norm here is a plain RMSNorm and value head `h` uses
+//! key head `h % n_k_heads`. Text positions only: Qwen3.5's interleaved MRoPE reduces to 1-D
+//! RoPE when the three position components are equal, which they are for text.
+
+use super::decoder::{self, DecoderOptions, ProjectionGroup};
+use crate::graph::{AttentionShape, GdnShape, GraphBuilder, NormSpec, Op, Rows};
+use crate::{FusionOptions, Graph, ModelConfig, ModelError, WeightSet};
+use ferrite_gguf::GgufFile;
+
+/// The per-layer schedule and GDN shape from `qwen35.*` metadata.
+pub fn hybrid_layout(cfg: &ModelConfig, file: &GgufFile) -> Result<(Vec<bool>, GdnShape), ModelError> {
+    let m = &file.metadata;
+    let key = |k: &str| format!("qwen35.{k}");
+    let get = |k: &str| -> Result<usize, ModelError> {
+        let v = m.u64(&key(k)).map_err(|_| ModelError::Config(format!("qwen35: `{}` is missing or not an integer", key(k))))?;
+        usize::try_from(v).map_err(|_| ModelError::Config(format!("qwen35: `{}` = {v} is too large", key(k))))
+    };
+    let interval = m.u64_or(&key("full_attention_interval"), 4)? as usize;
+    if interval == 0 {
+        return Err(ModelError::Config("qwen35: `full_attention_interval` must be positive".into()));
+    }
+    let full: Vec<bool> = (0..cfg.n_layers).map(|l| (l + 1) % interval == 0).collect();
+    let (n_k_heads, n_v_heads, k_dim, inner, conv_kernel) =
+        (get("ssm.group_count")?, get("ssm.time_step_rank")?, get("ssm.state_size")?, get("ssm.inner_size")?, get("ssm.conv_kernel")?);
+    if n_k_heads == 0 || n_v_heads == 0 || n_v_heads % n_k_heads != 0 {
+        return Err(ModelError::Config(format!(
+            "qwen35: {n_v_heads} value heads (ssm.time_step_rank) must be a non-zero multiple of {n_k_heads} key heads (ssm.group_count)"
+        )));
+    }
+    if inner == 0 || inner % n_v_heads != 0 {
+        return Err(ModelError::Config(format!("qwen35: ssm.inner_size {inner} is not a multiple of {n_v_heads} value heads")));
+    }
+    if k_dim == 0 || conv_kernel == 0 || conv_kernel > 16 {
+        return Err(ModelError::Config(format!("qwen35: unsupported ssm.state_size {k_dim} / ssm.conv_kernel {conv_kernel}")));
+    }
+    Ok((full, GdnShape { n_k_heads, n_v_heads, k_dim, v_dim: inner / n_v_heads, conv_kernel }))
+}
+
+pub fn build(cfg: &ModelConfig, file: &GgufFile, fusion: FusionOptions) -> Result<(WeightSet, Graph), ModelError> {
+    let (full, shape) = hybrid_layout(cfg, file)?;
+    let opts = DecoderOptions::llama(cfg);
+    let mut ws = WeightSet::default();
+    let mut g = GraphBuilder::new();
+    let (d, qw, kvw, hd) = (cfg.n_embd, cfg.q_width(), cfg.kv_width(), cfg.head_dim);
+    let eps = cfg.norm_eps;
+
+    let embd = ws.add(file, "token_embd.weight", cfg.vocab_size, d)?;
+    let mut h = g.value("embd", d, Rows::Tokens);
+    g.push(Op::Embed { table: embd, out: h, scale: 1.0 });
+
+    for (l, &is_full) in full.iter().enumerate() {
+        let t = |s: &str| format!("blk.{l}.{s}");
+        let attn_norm = NormSpec { weight: ws.add(file, &t("attn_norm.weight"), 1, d)?, eps };
+        let (mixed, wo) = if is_full {
+            // Every projection reads the normed input: the norm runs once, as its own op.
+            let xn = g.value(t("attn_norm"), d, Rows::Tokens);
+            g.push(Op::RmsNorm { x: h, norm: attn_norm, out: xn });
+            let wq = ws.add(file, &t("attn_q.weight"), 2 * qw, d)?;
+            let qg = g.value(t("q_gate"), 2 * qw, Rows::Tokens);
+            g.push(Op::Linear { x: xn, norm: None, w: wq, bias: None, residual: None, out: qg, out_col: 0 });
+            let qkv = g.value(t("qkv"), cfg.qkv_width(), Rows::Tokens);
+            g.push(Op::SplitGatedQuery { x: qg, n_heads: cfg.n_heads, head_dim: hd, out: qkv });
+            let wk = ws.add(file, &t("attn_k.weight"), kvw, d)?;
+            let wv = ws.add(file, &t("attn_v.weight"), kvw, d)?;
+            let kv = if fusion.qkv { ws.fuse(&[wk, wv]).map(|w| vec![w]) } else { None }.unwrap_or(vec![wk, wv]);
+            let mut col = qw;
+            for w in kv {
+                g.push(Op::Linear { x: xn, norm: None, w, bias: None, residual: None, out: qkv, out_col: col });
+                col += ws.spec(w).rows;
+            }
+            for (name, col, n_heads) in [("attn_q_norm", 0, cfg.n_heads), ("attn_k_norm", qw, cfg.n_kv_heads)] {
+                let weight = ws.add(file, &t(&format!("{name}.weight")), 1, hd)?;
+                g.push(Op::HeadNorm { x: qkv, col, n_heads, norm: NormSpec { weight, eps } });
+            }
+            g.push(Op::Rope { x: qkv, col: 0, n_heads: cfg.n_heads + cfg.n_kv_heads, rope: cfg.rope });
+            let attn = g.value(t("attn"), qw, Rows::Tokens);
+            g.push(Op::Attention { layer: l, qkv, out: attn, window: None });
+            let gated = g.value(t("attn_gated"), qw, Rows::Tokens);
+            g.push(Op::SigmoidGate { x: attn, gate: qg, n_heads: cfg.n_heads, head_dim: hd, out: gated });
+            (gated, ws.add(file, &t("attn_output.weight"), d, qw)?)
+        } else {
+            let s = shape;
+            let vw = s.value_width();
+            let parts = [
+                (ws.add(file, &t("attn_qkv.weight"), s.conv_width(), d)?, None),
+                (ws.add(file, &t("attn_gate.weight"), vw, d)?, None),
+                (ws.add(file, &t("ssm_beta.weight"), s.n_v_heads, d)?, None),
+                (ws.add(file, &t("ssm_alpha.weight"), s.n_v_heads, d)?, None),
+            ];
+            let proj = g.value(t("gdn_proj"), s.proj_width(), Rows::Tokens);
+            let group = ProjectionGroup { x: h, norm: attn_norm, parts: &parts, out: proj, normed_name: &t("attn_norm") };
+            decoder::projection_group(&mut g, &mut ws, group, fusion.qkv, fusion.norm_into_linear);
+            let conv = ws.add(file, &t("ssm_conv1d.weight"), s.conv_width(), s.conv_kernel)?;
+            let a_coef = ws.add(file, &t("ssm_a"), 1, s.n_v_heads)?;
+            let dt_bias = ws.add_first_of(file, &[&t("ssm_dt.bias"), &t("ssm_dt")], 1, s.n_v_heads)?;
+            let norm = NormSpec { weight: ws.add(file, &t("ssm_norm.weight"), 1, s.v_dim)?, eps };
+            let out = g.value(t("gdn"), vw, Rows::Tokens);
+            g.push(Op::GatedDeltaNet { layer: l, x: proj, out, conv, a_coef, dt_bias, norm, shape: s });
+            (out, ws.add(file, &t("ssm_out.weight"), d, vw)?)
+        };
+        let width = g.width(mixed);
+        debug_assert_eq!(ws.spec(wo).cols, width);
+        h = decoder::residual_linear(&mut g, mixed, wo, h, fusion.residual_into_linear, &t("attn_out"), d);
+        h = decoder::mlp_block(&mut g, &mut ws, file, cfg, fusion, &opts, l, "post_attention_norm", h)?;
+    }
+    let logits = decoder::output_head(&mut g, &mut ws, file, cfg, fusion, embd, h)?;
+    let attention = AttentionShape { n_heads: cfg.n_heads, n_kv_heads: cfg.n_kv_heads, head_dim: hd, scale: opts.attention_scale };
+    Ok((ws, g.finish(logits, cfg.n_layers, attention)))
+}
