@@ -176,6 +176,18 @@ impl CpuExecutor {
         norm::rms_norm(x, self.f32_weight(norm.weight), norm.eps, out);
     }
 
+    /// A linear's input: `x` as is, or RMS-normalised into `scratch` (a norm-folded linear).
+    fn linear_input<'a>(&self, norm: Option<NormSpec>, x: &'a [f32], scratch: &'a mut Vec<f32>) -> &'a [f32] {
+        match norm {
+            Some(nm) => {
+                scratch.resize(x.len(), 0.0);
+                self.rms_norm(nm, x, scratch);
+                scratch
+            }
+            None => x,
+        }
+    }
+
     fn run_chunk(&mut self, ids: &[u32], start_pos: usize) -> anyhow::Result<()> {
         let mut buf = std::mem::take(&mut self.buf);
         if buf.k_cache.is_empty() {
@@ -256,16 +268,8 @@ impl CpuExecutor {
                 Op::RmsNorm { x, norm, .. } => self.rms_norm(norm, input(x), &mut out[..rows(x) * width(x)]),
                 Op::Linear { x, norm, w, bias, residual, out_col, .. } => {
                     let spec = model.weights.spec(w);
-                    let (r, xw, ow) = (rows(x), width(x), width(out_id));
-                    let xs = &mut buf.scratch;
-                    let xin: &[f32] = match norm {
-                        Some(nm) => {
-                            xs.resize(r * xw, 0.0);
-                            self.rms_norm(nm, input(x), xs);
-                            xs
-                        }
-                        None => input(x),
-                    };
+                    let (r, ow) = (rows(x), width(out_id));
+                    let xin = self.linear_input(norm, input(x), &mut buf.scratch);
                     let direct = out_col == 0 && spec.rows == ow;
                     let tmp = &mut buf.scratch2;
                     if direct {
@@ -292,16 +296,8 @@ impl CpuExecutor {
                     // The projection into scratch, then `act(gate) * up` row by row: the same
                     // arithmetic as a Linear followed by a SwiGlu/GeGlu op.
                     let spec = model.weights.spec(w);
-                    let (r, xw, half) = (rows(x), width(x), spec.rows / 2);
-                    let xs = &mut buf.scratch;
-                    let xin: &[f32] = match norm {
-                        Some(nm) => {
-                            xs.resize(r * xw, 0.0);
-                            self.rms_norm(nm, input(x), xs);
-                            xs
-                        }
-                        None => input(x),
-                    };
+                    let (r, half) = (rows(x), spec.rows / 2);
+                    let xin = self.linear_input(norm, input(x), &mut buf.scratch);
                     let tmp = &mut buf.scratch2;
                     tmp.resize(r * spec.rows, 0.0);
                     self.matmul(w, xin, r, tmp)?;
