@@ -25,11 +25,15 @@ pub struct SamplerParams {
 
 impl Default for SamplerParams {
     fn default() -> Self {
-        Self { temperature: 0.8, top_k: 40, top_p: 0.95, min_p: 0.05, repeat_penalty: 1.0, repeat_last_n: 64, seed: 0 }
+        Self::DEFAULT
     }
 }
 
 impl SamplerParams {
+    /// llama.cpp's defaults; the CLI flags take theirs from here.
+    pub const DEFAULT: Self =
+        Self { temperature: 0.8, top_k: 40, top_p: 0.95, min_p: 0.05, repeat_penalty: 1.0, repeat_last_n: 64, seed: 0 };
+
     pub fn greedy() -> Self {
         Self { temperature: 0.0, ..Self::default() }
     }

@@ -260,7 +260,7 @@ fn plan(state: &ServerState, prompt: Vec<u32>, p: CommonParams, max_tokens: Opti
     }
     let room = config.max_context - prompt.len();
     let max_tokens = max_tokens.map(|m| m as usize).or(default_max).unwrap_or(room).min(room);
-    let sampling = SamplerParams { temperature, top_k, top_p, min_p, repeat_penalty: repeat, repeat_last_n: 64, seed };
+    let sampling = SamplerParams { temperature, top_k, top_p, min_p, repeat_penalty: repeat, repeat_last_n: SamplerParams::DEFAULT.repeat_last_n, seed };
     sampling.validate().map_err(ApiError::bad_request)?;
     let req = GenRequest {
         prompt,

@@ -32,22 +32,22 @@ pub struct ModelArgs {
 #[derive(Args, Clone, Debug)]
 pub struct SamplingArgs {
     /// Sampling temperature; 0 means greedy.
-    #[arg(long = "temp", default_value_t = 0.8)]
+    #[arg(long = "temp", default_value_t = SamplerParams::DEFAULT.temperature)]
     pub temperature: f32,
     /// Top-k sampling (0 = off).
-    #[arg(long, default_value_t = 40)]
+    #[arg(long, default_value_t = SamplerParams::DEFAULT.top_k)]
     pub top_k: usize,
     /// Top-p (nucleus) sampling (1.0 = off).
-    #[arg(long, default_value_t = 0.95)]
+    #[arg(long, default_value_t = SamplerParams::DEFAULT.top_p)]
     pub top_p: f32,
     /// Min-p sampling (0 = off).
-    #[arg(long, default_value_t = 0.05)]
+    #[arg(long, default_value_t = SamplerParams::DEFAULT.min_p)]
     pub min_p: f32,
     /// Repetition penalty (1.0 = off).
-    #[arg(long, default_value_t = 1.0)]
+    #[arg(long, default_value_t = SamplerParams::DEFAULT.repeat_penalty)]
     pub repeat_penalty: f32,
     /// Tokens the repetition penalty looks back over.
-    #[arg(long, default_value_t = 64)]
+    #[arg(long, default_value_t = SamplerParams::DEFAULT.repeat_last_n)]
     pub repeat_last_n: usize,
     /// RNG seed [default: random].
     #[arg(long)]
