@@ -9,21 +9,13 @@ mod common;
 // Skip notes go straight to stderr, past the test harness capture, so CI logs show them.
 use std::io::Write as _;
 
-use common::{diff, read_f32, workspace_root};
+use common::{diff, follow_greedy, logits_cases, workspace_root, LogitsCase};
 use ferrite_cpu::{CpuExecutor, CpuPrecision};
 use ferrite_engine::sampling::argmax;
 use ferrite_engine::Session;
 use ferrite_model::{ExecutorOptions, FusionOptions, Model};
 use ferrite_tokenizer::Tokenizer;
 use std::sync::Arc;
-
-struct Case {
-    name: String,
-    text: String,
-    ids: Vec<u32>,
-    greedy: Vec<u32>,
-    logits: Vec<f32>,
-}
 
 fn model_or_skip() -> Option<Arc<Model>> {
     let path = workspace_root().join("models/gemma-3-270m-q4_k_m.gguf");
@@ -34,48 +26,13 @@ fn model_or_skip() -> Option<Arc<Model>> {
     Some(Arc::new(Model::load(&path, FusionOptions::from_env()).expect("load Gemma 3 270M")))
 }
 
-fn cases() -> Vec<Case> {
-    let dir = workspace_root().join("fixtures/logits/gemma3-270m");
-    let json: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.join("cases.json")).unwrap()).unwrap();
-    let ids = |v: &serde_json::Value| v.as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect::<Vec<_>>();
-    json["cases"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|c| {
-            let name = c["name"].as_str().unwrap().to_string();
-            Case {
-                logits: read_f32(&dir.join(format!("{name}.logits.f32"))),
-                text: c["text"].as_str().unwrap().to_string(),
-                ids: ids(&c["ids"]),
-                greedy: ids(&c["greedy"]),
-                name,
-            }
-        })
-        .collect()
+fn cases() -> Vec<LogitsCase> {
+    logits_cases(&workspace_root().join("fixtures/logits/gemma3-270m"))
 }
 
 fn session(model: Arc<Model>, precision: CpuPrecision) -> Session {
     let opts = ExecutorOptions { max_batch: 128, context_len: 1024, trace: false, progress: None };
     Session::new(Box::new(CpuExecutor::new(model, precision, opts).unwrap()))
-}
-
-/// Follow the reference's greedy tokens; where our argmax differs the reference's token must be
-/// within `tie` of ours. Returns how many steps agreed.
-fn follow_greedy(s: &mut Session, case: &Case, tie: f32) -> usize {
-    s.reset();
-    s.prefill(&case.ids).unwrap();
-    for (i, &want) in case.greedy.iter().enumerate() {
-        let logits = s.executor().logits().unwrap();
-        let got = argmax(&logits);
-        if got != want {
-            let gap = logits[got as usize] - logits[want as usize];
-            assert!(gap < tie, "{}: step {i}: we pick {got}, transformers {want}; logit gap {gap} is not a tie", case.name);
-            return i;
-        }
-        s.step(want).unwrap();
-    }
-    case.greedy.len()
 }
 
 #[test]

@@ -4,57 +4,20 @@
 
 mod common;
 
-use common::{diff, read_f32, smollm2, workspace_root};
+use common::{diff, follow_greedy, logits_cases, smollm2, workspace_root, LogitsCase};
 use ferrite_cpu::{CpuExecutor, CpuPrecision};
 use ferrite_engine::sampling::argmax;
 use ferrite_engine::Session;
 use ferrite_model::{ExecutorOptions, FusionOptions};
 
-struct Case {
-    name: String,
-    ids: Vec<u32>,
-    greedy: Vec<u32>,
-    logits: Vec<f32>,
-}
-
-fn cases() -> Vec<Case> {
-    let dir = workspace_root().join("fixtures/logits");
-    let json: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.join("cases.json")).unwrap()).unwrap();
-    let ids = |v: &serde_json::Value| v.as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect::<Vec<_>>();
-    json["cases"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|c| {
-            let name = c["name"].as_str().unwrap().to_string();
-            Case { logits: read_f32(&dir.join(format!("{name}.logits.f32"))), ids: ids(&c["ids"]), greedy: ids(&c["greedy"]), name }
-        })
-        .collect()
+fn cases() -> Vec<LogitsCase> {
+    logits_cases(&workspace_root().join("fixtures/logits"))
 }
 
 fn session(precision: CpuPrecision) -> Session {
     let model = smollm2(FusionOptions::ALL);
     let opts = ExecutorOptions { max_batch: 64, context_len: 256, trace: false, progress: None };
     Session::new(Box::new(CpuExecutor::new(model, precision, opts).unwrap()))
-}
-
-/// Follow the reference's greedy tokens step by step. Where our argmax differs, the reference's
-/// token must be a near-tie in our logits (fp32 summation order differs between the engines);
-/// the comparison ends there. Returns how many steps agreed.
-fn follow_greedy(s: &mut Session, case: &Case, tie: f32) -> usize {
-    s.reset();
-    s.prefill(&case.ids).unwrap();
-    for (i, &want) in case.greedy.iter().enumerate() {
-        let logits = s.executor().logits().unwrap();
-        let got = argmax(&logits);
-        if got != want {
-            let gap = logits[got as usize] - logits[want as usize];
-            assert!(gap < tie, "{}: step {i}: we pick {got}, transformers {want}; logit gap {gap} is not a tie", case.name);
-            return i;
-        }
-        s.step(want).unwrap();
-    }
-    case.greedy.len()
 }
 
 #[test]
