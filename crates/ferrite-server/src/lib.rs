@@ -541,9 +541,12 @@ async fn completions_inner(state: AppState, body: Result<Bytes, BytesRejection>)
         return Err(ApiError::bad_request("`logprobs` must be between 0 and 20").param("logprobs"));
     }
     let vocab = state.tokenizer.vocab_size();
+    let encode = |text: &str| {
+        state.tokenizer.encode(text, true).map_err(|e| ApiError::bad_request(format!("cannot tokenize the prompt: {e}")))
+    };
     let prompt = match &req.prompt {
-        Prompt::Text(t) => state.tokenizer.encode(t, true).map_err(|e| ApiError::bad_request(format!("cannot tokenize the prompt: {e}")))?,
-        Prompt::Texts(v) if v.len() == 1 => state.tokenizer.encode(&v[0], true).map_err(|e| ApiError::bad_request(format!("cannot tokenize the prompt: {e}")))?,
+        Prompt::Text(t) => encode(t)?,
+        Prompt::Texts(v) if v.len() == 1 => encode(&v[0])?,
         Prompt::Texts(_) => return Err(ApiError::bad_request("only one prompt per request is supported").param("prompt")),
         Prompt::Tokens(ids) => {
             let vocab = vocab.min(state.vocab_limit);
