@@ -107,21 +107,46 @@ pub(crate) fn attention_at(
         let pos = start_pos + t;
         let first = p.window.map_or(0, |w| (pos + 1).saturating_sub(w));
         let query = &q[t * qw + h * hd..][..hd];
-        // This head's columns of the cache rows `first..=pos`.
-        let kv_at = first * kvw + h / group * hd;
-        let keys = &k_cache[kv_at..pos * kvw + h / group * hd + hd];
-        let values = &v_cache[kv_at..pos * kvw + h / group * hd + hd];
-        let mut scores = vec![0f32; pos + 1 - first];
-        let kernels = Kernels::for_level(level, hd);
-        // SAFETY: the kernels were selected for `level`, checked available above.
-        unsafe { (kernels.scores)(query, keys, kvw, p.scale, &mut scores) };
-        if let Some(cap) = p.softcap {
-            scores.iter_mut().for_each(|s| *s = cap * tanh(*s / cap));
-        }
-        let sum = softmax_unnormalized(&mut scores);
-        // SAFETY: as above.
-        unsafe { (kernels.weighted_sum)(&scores, values, kvw, 1.0 / sum, out, false) };
+        // This head's columns of the cache rows `first..=pos`: one run of rows.
+        let run = [(0, first * kvw + h / group * hd, pos + 1 - first)];
+        attend(level, p, query, k_cache, v_cache, kvw, &run, out);
     });
+}
+
+/// One query head over its cache rows, given as runs `(index among the rows, offset of the run's
+/// first row in the cache, rows)` that step `stride` floats per row: scores, soft-cap, softmax,
+/// then the weighted sum of the values, accumulated run by run in `out` and normalised with the
+/// last run (multiplying the others by 1.0 is exact, so one run or many give the same result).
+#[allow(clippy::too_many_arguments)]
+fn attend(
+    level: SimdLevel,
+    p: &AttentionParams,
+    query: &[f32],
+    k: &[f32],
+    v: &[f32],
+    stride: usize,
+    runs: &[(usize, usize, usize)],
+    out: &mut [f32],
+) {
+    let hd = p.head_dim;
+    let kernels = Kernels::for_level(level, hd);
+    let n_rows = runs.iter().map(|r| r.2).sum();
+    let mut scores = vec![0f32; n_rows];
+    for &(at, offset, len) in runs {
+        let keys = &k[offset..offset + (len - 1) * stride + hd];
+        // SAFETY: the callers checked that `level` is available.
+        unsafe { (kernels.scores)(query, keys, stride, p.scale, &mut scores[at..at + len]) };
+    }
+    if let Some(cap) = p.softcap {
+        scores.iter_mut().for_each(|s| *s = cap * tanh(*s / cap));
+    }
+    let sum = softmax_unnormalized(&mut scores);
+    for (i, &(at, offset, len)) in runs.iter().enumerate() {
+        let values = &v[offset..offset + (len - 1) * stride + hd];
+        let norm = if i + 1 == runs.len() { 1.0 / sum } else { 1.0 };
+        // SAFETY: as above.
+        unsafe { (kernels.weighted_sum)(&scores[at..at + len], values, stride, norm, out, i > 0) };
+    }
 }
 
 /// Where a sequence's cached rows live in a paged KV cache: row `p` is row `p % block_size` of
@@ -173,39 +198,16 @@ pub(crate) fn attention_paged_at(
         let first = p.window.map_or(0, |w| (pos + 1).saturating_sub(w));
         let query = &q[t * qw + h * hd..][..hd];
         let col = h / group * hd;
-        let kernels = Kernels::for_level(level, hd);
         // Runs of consecutive rows inside one block: (row in the sequence, offset in the cache, length).
-        let segments = || {
-            let mut r = first;
-            std::iter::from_fn(move || {
-                (r <= pos).then(|| {
-                    let (b, off) = (r / bs, r % bs);
-                    let len = (bs - off).min(pos + 1 - r);
-                    let seg = (r - first, (kv.blocks[b] as usize * bs + off) * kvw + col, len);
-                    r += len;
-                    seg
-                })
-            })
-        };
-        let mut scores = vec![0f32; pos + 1 - first];
-        for (at, offset, len) in segments() {
-            let keys = &kv.k[offset..offset + (len - 1) * kvw + hd];
-            // SAFETY: the kernels were selected for `level`, checked available above.
-            unsafe { (kernels.scores)(query, keys, kvw, p.scale, &mut scores[at..at + len]) };
+        let mut runs = Vec::new();
+        let mut r = first;
+        while r <= pos {
+            let (b, off) = (r / bs, r % bs);
+            let len = (bs - off).min(pos + 1 - r);
+            runs.push((r - first, (kv.blocks[b] as usize * bs + off) * kvw + col, len));
+            r += len;
         }
-        if let Some(cap) = p.softcap {
-            scores.iter_mut().for_each(|s| *s = cap * tanh(*s / cap));
-        }
-        let sum = softmax_unnormalized(&mut scores);
-        let n_seg = segments().count();
-        for (k, (at, offset, len)) in segments().enumerate() {
-            let values = &kv.v[offset..offset + (len - 1) * kvw + hd];
-            // The sum accumulates across segments in `out`; only the last one applies the norm
-            // (multiplying by 1.0 is exact, so the result equals the contiguous kernel's).
-            let norm = if k + 1 == n_seg { 1.0 / sum } else { 1.0 };
-            // SAFETY: as above.
-            unsafe { (kernels.weighted_sum)(&scores[at..at + len], values, kvw, norm, out, k > 0) };
-        }
+        attend(level, p, query, kv.k, kv.v, kvw, &runs, out);
     });
 }
 
