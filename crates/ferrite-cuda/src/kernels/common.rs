@@ -105,22 +105,6 @@ __device__ __forceinline__ float row_rms_inv(const float* x, u32 cols, float eps
   return 1.f / sqrtf(ss / (float)cols + eps);
 }
 
-// Quantize one 32-value block held one value per lane (the int8 GEMV's activation format, see
-// kernels/quantize.rs): writes lane l's code to q[l] and, from lane 0, the block's scale and the
-// code sums of its two halves to *scale. A NaN anywhere in the block makes the scale NaN.
-__device__ __forceinline__ void quantize_block_warp(float v, int lane, i8* q, uint2* scale) {
-  const bool nan = __any_sync(FULL_MASK, v != v);
-  const float amax = warp_max(fabsf(v));
-  const float inv_d = amax > 0.f ? 127.f / amax : 0.f;
-  const int c = nan ? 0 : __float2int_rn(v * inv_d);
-  q[lane] = (i8)c;
-  int s = c;  // code sums of each half: lanes 0..15 and 16..31
-#pragma unroll
-  for (int o = 8; o > 0; o >>= 1) s += __shfl_xor_sync(FULL_MASK, s, o);
-  const int s_hi = __shfl_sync(FULL_MASK, s, 16);
-  if (lane == 0) *scale = make_uint2(__float_as_uint(nan ? QNAN : amax / 127.f), ((u32)s & 0xffffu) | ((u32)s_hi << 16));
-}
-
 // Record the first device-side error (code, detail) in the flag the host checks later.
 __device__ __forceinline__ void report_error(u64 flag, u32 code, u32 detail) {
   u32* f = reinterpret_cast<u32*>(flag);

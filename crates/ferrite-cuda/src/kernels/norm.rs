@@ -28,10 +28,7 @@ extern "C" __global__ void __launch_bounds__(BLOCK_SIZE) rms_norm(const RmsNormP
   const float* x = reinterpret_cast<const float*>(p.x) + row * p.dim;
   const float* wt = reinterpret_cast<const float*>(p.weight);
   float* out = reinterpret_cast<float*>(p.out) + row * p.dim;
-  float ss = 0.f;
-  for (u32 i = threadIdx.x; i < p.dim; i += BLOCK_SIZE) ss += x[i] * x[i];
-  ss = block_sum(ss, scratch);
-  const float inv = 1.f / sqrtf(ss / (float)p.dim + p.eps);
+  const float inv = row_rms_inv(x, p.dim, p.eps, scratch);
   for (u32 i = threadIdx.x; i < p.dim; i += BLOCK_SIZE) {
     const float g = p.add_one ? 1.f + wt[i] : wt[i];
     out[i] = x[i] * inv * g;

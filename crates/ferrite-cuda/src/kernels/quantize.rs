@@ -34,6 +34,22 @@ const SOURCE: &str = r#"
 #error "PROLOGUE (0 plain, 1 RMS norm) must come from the kernel variant"
 #endif
 
+// Quantize one 32-value block held one value per lane: writes lane l's code to q[l] and, from
+// lane 0, the block's scale and the code sums of its two halves to *scale. A NaN anywhere in the
+// block makes the scale NaN.
+__device__ __forceinline__ void quantize_block_warp(float v, int lane, i8* q, uint2* scale) {
+  const bool nan = __any_sync(FULL_MASK, v != v);
+  const float amax = warp_max(fabsf(v));
+  const float inv_d = amax > 0.f ? 127.f / amax : 0.f;
+  const int c = nan ? 0 : __float2int_rn(v * inv_d);
+  q[lane] = (i8)c;
+  int s = c;  // code sums of each half: lanes 0..15 and 16..31
+#pragma unroll
+  for (int o = 8; o > 0; o >>= 1) s += __shfl_xor_sync(FULL_MASK, s, o);
+  const int s_hi = __shfl_sync(FULL_MASK, s, 16);
+  if (lane == 0) *scale = make_uint2(__float_as_uint(nan ? QNAN : amax / 127.f), ((u32)s & 0xffffu) | ((u32)s_hi << 16));
+}
+
 // Grid (x: groups of BLOCK_SIZE / 32 blocks of 32 values, y: rows); warp w of a block
 // quantizes one 32-value block (lane l: element l). With the norm, every block first sums the
 // squares of its whole row itself: rows are short enough that re-reading them from L2 is
