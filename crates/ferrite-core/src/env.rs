@@ -133,6 +133,9 @@ switches! {
     /// Programmatic dependent launch on sm_90+.
     DISABLE_CUDA_PDL = ("FERRITE_DISABLE_CUDA_PDL", "0", AbTest,
         "1 launches CUDA kernels without programmatic dependent launch (each kernel then starts only after the previous one has finished, instead of overlapping its start-up and weight loads).");
+    /// Split-KV (flash-decoding) attention for decode on CUDA.
+    DISABLE_SPLIT_ATTENTION = ("FERRITE_DISABLE_SPLIT_ATTENTION", "0", AbTest,
+        "1 runs CUDA decode attention with one block per head and query (all keys in one block) instead of cutting the keys into shares computed in parallel and merged by a second kernel.");
     /// Activation format of the CUDA GEMV on quantized weights.
     CUDA_GEMV_ACTIVATIONS = ("FERRITE_CUDA_GEMV_ACTIVATIONS", "q8", AbTest,
         "q8|f32: q8 quantizes activations to int8 blocks (the CPU quantized path's numerics) and multiplies with dp4a, fusing norm, bias and residual; f32 multiplies f32 activations (matches the fp32 CPU reference to rounding).");

@@ -36,6 +36,10 @@ struct Buffers {
     /// int8 activations of the linear being run (the int8 GEMV path).
     q8: ops::Q8Activations,
     kv: Vec<KvCache>,
+    /// Key shares of decode attention per batch size (`attention_splits`; 1: no split) and the
+    /// partial states of split attention.
+    attention_splits: Vec<usize>,
+    partials: CudaSlice<f32>,
     ids: CudaSlice<u32>,
     positions: CudaSlice<u32>,
     token: CudaSlice<u32>,
@@ -129,7 +133,21 @@ impl CudaExecutor {
         let kv = (0..graph.n_layers)
             .map(|_| KvCache::new(&gpu, kv_dtype(), options.context_len, cfg.n_kv_heads, cfg.head_dim))
             .collect::<Result<_, _>>()?;
+        let split_attention = !env::DISABLE_SPLIT_ATTENTION.flag(false);
+        let attention_splits: Vec<usize> = (0..=max_batch)
+            .map(|n| {
+                let splits = ops::attention_splits(gpu.sm_count() as usize, cfg.n_heads, n, options.context_len);
+                if split_attention { splits } else { 1 }
+            })
+            .collect();
+        let partials_len = (1..=max_batch)
+            .map(|n| ops::attention_partials_len(cfg.n_heads, n, attention_splits[n], cfg.head_dim))
+            .filter(|_| split_attention)
+            .max()
+            .unwrap_or(1);
         let buf = Buffers {
+            partials: gpu.alloc_zeros(partials_len)?,
+            attention_splits,
             scratch_a: gpu.alloc_zeros(scratch)?,
             scratch_b: gpu.alloc_zeros(scratch)?,
             scratch_c: gpu.alloc_zeros(scratch)?,
@@ -311,15 +329,19 @@ impl CudaExecutor {
                 let cfg = AttentionConfig { n_heads: a.n_heads, scale: a.scale, window, softcap: None };
                 let src = input(qkv);
                 let cache = &mut buf.kv[layer];
-                if n == 1 {
+                let q = if n == 1 {
                     ops::kv_write(gpu, cache, &src.slice(qw..qw + kvw), &src.slice(qw + kvw..qw + 2 * kvw), &buf.positions, 1)?;
-                    ops::attention(gpu, &src.slice(0..qw), cache, &buf.positions, 1, &cfg, out)?;
+                    src.slice(0..qw)
                 } else {
                     ops::copy_cols(gpu, src, w, 0, &mut buf.scratch_a, qw, 0, qw, n)?;
                     ops::copy_cols(gpu, src, w, qw, &mut buf.scratch_b, kvw, 0, kvw, n)?;
                     ops::copy_cols(gpu, src, w, qw + kvw, &mut buf.scratch_c, kvw, 0, kvw, n)?;
                     ops::kv_write(gpu, cache, &buf.scratch_b, &buf.scratch_c, &buf.positions, n)?;
-                    ops::attention(gpu, &buf.scratch_a, cache, &buf.positions, n, &cfg, out)?;
+                    buf.scratch_a.slice(0..n * qw)
+                };
+                match buf.attention_splits[n] {
+                    1 => ops::attention(gpu, &q, cache, &buf.positions, n, &cfg, out)?,
+                    splits => ops::attention_split(gpu, &q, cache, &buf.positions, n, &cfg, splits, &mut buf.partials, out)?,
                 }
             }
             Op::SwiGlu { x, .. } | Op::GeGlu { x, .. } => {

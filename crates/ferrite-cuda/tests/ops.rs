@@ -526,6 +526,54 @@ fn attention_matches_cpu_prefill_and_decode() {
     }
 }
 
+/// Split-KV attention over long caches (shares of a few keys, shares with no keys, windows,
+/// GQA) matches the CPU; the same split count serves every cache length, as in a replayed graph.
+#[test]
+fn split_attention_matches_cpu_on_long_caches() {
+    let Some(gpu) = gpu() else { return };
+    let mut rng = Rng(11);
+    // (query heads, KV heads, head_dim, KV type, window, splits)
+    let cases = [
+        (9, 3, 64, KvDtype::F16, None, 30),
+        (32, 8, 128, KvDtype::F16, None, 8),
+        (4, 4, 128, KvDtype::F32, Some(100), 5),
+        (8, 2, 256, KvDtype::F32, None, 3),
+    ];
+    for (n_heads, n_kv, hd, kv_dtype, window, splits) in cases {
+        let max_seq = 600;
+        let mut cache = KvCache::new(gpu, kv_dtype, max_seq, n_kv, hd).unwrap();
+        let (qw, kvw) = (n_heads * hd, n_kv * hd);
+        let cfg = AttentionConfig { n_heads, scale: 1.0 / (hd as f32).sqrt(), window, softcap: None };
+        let cpu =
+            attention::AttentionParams { n_heads, n_kv_heads: n_kv, head_dim: hd, scale: cfg.scale, window, softcap: None };
+        let stored = |x: &[f32]| if kv_dtype == KvDtype::F16 { round_f16(x) } else { x.to_vec() };
+        let (mut k_host, mut v_host) = (Vec::new(), Vec::new());
+        let mut start = 0;
+        // A long prefill, then decode steps and a 3-token batch, all through the split kernel.
+        for chunk in [1, 2, 517, 1, 3, 1] {
+            let positions: Vec<u32> = (start..start + chunk).map(|p| p as u32).collect();
+            let (q, k, v) = (rng.vec(chunk * qw, -1.0, 1.0), rng.vec(chunk * kvw, -1.0, 1.0), rng.vec(chunk * kvw, -2.0, 2.0));
+            let pos_dev = upload(gpu, &positions);
+            ops::kv_write(gpu, &mut cache, &upload(gpu, &k), &upload(gpu, &v), &pos_dev, chunk).unwrap();
+            k_host.extend(stored(&k));
+            v_host.extend(stored(&v));
+            let mut want = vec![0f32; chunk * qw];
+            attention::attention(&cpu, &q, &k_host, &v_host, start, chunk, &mut want);
+            let mut partials = gpu.alloc_zeros::<f32>(ops::attention_partials_len(n_heads, chunk, splits, hd)).unwrap();
+            let mut out = poisoned(gpu, chunk * qw);
+            ops::attention_split(gpu, &upload(gpu, &q), &cache, &pos_dev, chunk, &cfg, splits, &mut partials, &mut out)
+                .unwrap();
+            let name = format!("h{n_heads}/{n_kv} d{hd} {kv_dtype:?} w{window:?} s{splits} pos{start}+{chunk}");
+            close("attn_split", &name, &download(gpu, &out), &want, 1e-5, 2e-6);
+            start += chunk;
+        }
+    }
+    assert_eq!(ops::attention_splits(132, 32, 1, 4096), 9, "264 blocks over 32 heads");
+    assert_eq!(ops::attention_splits(132, 32, 1, 256), 1, "short caches are not split");
+    assert_eq!(ops::attention_splits(132, 32, 9, 4096), 1, "prefill batches are not split");
+    assert_eq!(ops::attention_splits(132, 1, 1, 320), 10, "at least 32 positions per share");
+}
+
 #[test]
 fn attention_reports_positions_beyond_the_cache() {
     let Some(gpu) = own_gpu(KernelCacheDir::from_env()) else { return };
@@ -548,6 +596,15 @@ fn attention_reports_positions_beyond_the_cache() {
     let err = ops::attention(&gpu, &kv, &cache2, &pos, 1, &bad, &mut out).unwrap_err().to_string();
     assert!(err.contains("not a multiple of 2 KV heads"), "{err}");
     assert!(KvCache::new(&gpu, KvDtype::F32, 4, 1, 40).is_err());
+    // The split kernel reports and poisons the same way.
+    let mut partials = gpu.alloc_zeros::<f32>(ops::attention_partials_len(1, 1, 4, hd)).unwrap();
+    let mut out = poisoned(&gpu, hd);
+    ops::attention_split(&gpu, &kv, &cache, &pos, 1, &cfg, 4, &mut partials, &mut out).unwrap();
+    assert!(gpu.check_device().is_err());
+    assert!(download(&gpu, &out).iter().all(|v| v.is_nan()));
+    let mut short = gpu.alloc_zeros::<f32>(3).unwrap();
+    let err = ops::attention_split(&gpu, &kv, &cache, &pos, 1, &cfg, 4, &mut short, &mut out).unwrap_err().to_string();
+    assert!(err.contains("partials"), "{err}");
     let zero_window = AttentionConfig { window: Some(0), ..cfg };
     assert!(ops::kv_write(&gpu, &mut cache2, &kv, &kv, &pos, 1).is_err(), "k holds 32 < 64 values");
     assert!(ops::attention(&gpu, &kv, &cache, &pos, 1, &zero_window, &mut out).is_err());
@@ -937,8 +994,14 @@ fn every_kernel_variant_compiles_for_sm90() {
     for kv in [KvDtype::F16, KvDtype::F32] {
         check(format!("kv_write {kv:?}"), compile_variant(&KvWriteVariant { kv }, "sm_90"));
         for hd in [32, 64, 128, 256] {
-            check(format!("attention {hd} {kv:?}"), compile_variant(&AttentionVariant::new(hd, kv), "sm_90"));
+            for split in [false, true] {
+                let v = AttentionVariant::new(hd, kv, split);
+                check(format!("{v:?}"), compile_variant(&v, "sm_90"));
+            }
         }
+    }
+    for head_dim in [32, 64, 128, 256] {
+        check(format!("combine {head_dim}"), compile_variant(&CombineVariant { head_dim }, "sm_90"));
     }
     check("sampling".into(), compile_variant(&SamplingVariant::DEFAULT, "sm_90"));
     println!("compiled {compiled} kernel variants for sm_90");

@@ -32,18 +32,27 @@ fn opts(max_batch: usize) -> ExecutorOptions {
     ExecutorOptions { max_batch, context_len: 256, trace: true, progress: None }
 }
 
+/// Prompt of the comparisons: 21 tokens (two prefill chunks of `opts(16)`).
+const PROMPT: usize = 21;
+
 /// Prefill a prompt (two chunks), then decode `steps` greedy tokens on both executors, feeding
 /// the reference's choice to both. Returns (worst relative logit error, steps whose argmax agreed
 /// or differed only at a near-tie).
 fn compare(model: Arc<Model>, steps: usize) -> (f64, usize) {
     let cpu = CpuExecutor::new(Arc::clone(&model), CpuPrecision::Reference, opts(16)).unwrap();
     let gpu = ferrite_cuda::CudaExecutor::new(Arc::clone(&model), opts(16)).unwrap();
-    compare_executors(&model, cpu, gpu, steps)
+    compare_executors(&model, cpu, gpu, PROMPT, steps)
 }
 
 /// `compare` for any pair: `cpu` is the reference whose greedy choices are fed to both.
-fn compare_executors(model: &Model, mut cpu: impl Executor, mut gpu: impl Executor, steps: usize) -> (f64, usize) {
-    let prompt: Vec<u32> = (0..21).map(|i| (i * 977 + 5) % model.config.vocab_size as u32).collect();
+fn compare_executors(
+    model: &Model,
+    mut cpu: impl Executor,
+    mut gpu: impl Executor,
+    prompt_len: usize,
+    steps: usize,
+) -> (f64, usize) {
+    let prompt: Vec<u32> = (0..prompt_len as u32).map(|i| (i * 977 + 5) % model.config.vocab_size as u32).collect();
     let mut worst = 0f64;
     let mut pos = 0;
     let mut tokens = prompt.clone();
@@ -111,7 +120,7 @@ fn cuda_fp32_matches_cpu_reference_on_real_shapes() {
         let model = synthetic(synth::shape(shape).unwrap(), dtype);
         let reference = || CpuExecutor::new(Arc::clone(&model), CpuPrecision::Reference, opts(16)).unwrap();
         let cpu_q8 = CpuExecutor::new(Arc::clone(&model), CpuPrecision::Quantized, opts(16)).unwrap();
-        let (cpu_worst, cpu_agreed) = compare_executors(&model, reference(), cpu_q8, 64);
+        let (cpu_worst, cpu_agreed) = compare_executors(&model, reference(), cpu_q8, PROMPT, 64);
         let (worst, agreed) = compare(Arc::clone(&model), 64);
         println!(
             "{shape} {dtype} vs fp32 reference: CUDA q8 GEMV worst relative error {worst:.2e}, {agreed}/65 agree; \
@@ -120,6 +129,15 @@ fn cuda_fp32_matches_cpu_reference_on_real_shapes() {
         assert!(worst <= 1.5 * cpu_worst, "{shape} {dtype}: relative error {worst}, the CPU quantized path has {cpu_worst}");
         assert_eq!(agreed, 65, "{shape} {dtype}: greedy tokens differ from the fp32 reference");
     }
+    // Long caches take split-KV decode attention (more than 256 positions): a 530-token prompt,
+    // then decode, against the CPU oracle.
+    let model = synthetic(synth::shape("smollm2-135m").unwrap(), GgmlType::Q8_0);
+    let long = ExecutorOptions { context_len: 1024, ..opts(64) };
+    let cpu = CpuExecutor::new(Arc::clone(&model), CpuPrecision::Reference, long.clone()).unwrap();
+    let gpu = ferrite_cuda::CudaExecutor::new(Arc::clone(&model), long).unwrap();
+    let (worst, agreed) = compare_executors(&model, cpu, gpu, 530, 24);
+    println!("split-KV attention, 530-token prompt: worst relative error {worst:.2e}, {agreed}/25 greedy steps agree");
+    assert!(worst < 1e-4 && agreed == 25, "split attention: relative error {worst}, {agreed}/25 agree");
     // The default f16 KV cache: small drift, same greedy tokens. (One test, because the
     // switches are process-wide.)
     std::env::set_var("FERRITE_CUDA_KV_DTYPE", "f16");

@@ -3,6 +3,11 @@
 //! Cache layout per layer: `[max_seq, n_kv_heads, head_dim]`, f16 (default) or f32.
 //! Query/output layout: `[n_tokens, n_heads, head_dim]` f32. Positions come from device
 //! memory; query `t` attends to cache rows `first..=positions[t]` (causal, optional window).
+//!
+//! Split-KV (flash-decoding): with `SPLIT`, the grid's z dimension cuts each query's keys into
+//! equal shares computed by separate blocks, which write unnormalised partial softmax states;
+//! `attention_combine` merges them. The shares follow the key count read from device memory, so
+//! one captured decode graph serves every position.
 
 use super::common::HEADER;
 use super::{blocks_for, device_params, KernelVariant};
@@ -110,6 +115,8 @@ device_params! {
         pub v_cache: u64,
         pub positions: u64,
         pub out: u64,
+        /// SPLIT only: `[n_tokens, n_heads, splits, 2 + head_dim]` partial states `(m, l, acc)`.
+        pub partials: u64,
         pub error_flag: u64,
         pub n_heads: u32,
         pub n_kv_heads: u32,
@@ -128,11 +135,14 @@ const ATTENTION: &str = r#"
 #ifndef NWARPS
 #error "NWARPS (warps per block) must come from the kernel variant"
 #endif
+#ifndef SPLIT
+#error "SPLIT (1: write partial states for attention_combine, 0: write the output) must come from the kernel variant"
+#endif
 #define DIMS_PER_LANE (HEAD_DIM / 32)
 
-// One block per (head, query token). Each warp takes every NWARPS-th key and keeps an
-// online softmax (running max m, sum l, weighted V sum acc); lane holds dims lane + 32 i.
-// The warps' partial states are merged through shared memory at the end.
+// One block per (head, query token, key share). Each warp takes every NWARPS-th key of the
+// block's share and keeps an online softmax (running max m, sum l, weighted V sum acc); lane
+// holds dims lane + 32 i. The warps' states are merged through shared memory at the end.
 extern "C" __global__ void __launch_bounds__(NWARPS * 32) attention(const AttentionParams p) {
   KERNEL_ENTRY();
   __shared__ float s_m[NWARPS], s_l[NWARPS], s_acc[NWARPS][HEAD_DIM];
@@ -143,11 +153,15 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32) attention(const Attent
   const u32 pos = reinterpret_cast<const u32*>(p.positions)[tok];
   if (pos >= p.max_seq) {  // block-uniform, before any barrier
     if (threadIdx.x == 0) report_error(p.error_flag, ERR_POSITION, pos);
+#if !SPLIT  // (attention_combine writes the NaNs)
     for (int d = threadIdx.x; d < HEAD_DIM; d += NWARPS * 32) out[d] = QNAN;
+#endif
     return;
   }
   const u32 kv_head = head / (p.n_heads / p.n_kv_heads);
   const u32 first = (p.window > 0 && pos + 1 > p.window) ? pos + 1 - p.window : 0;
+  const u32 share = (pos + 1 - first + gridDim.z - 1) / gridDim.z;
+  const u32 begin = first + blockIdx.z * share, end = min(pos + 1, begin + share);
   const i64 row = (i64)p.n_kv_heads * HEAD_DIM;
   const kv_t* kc = reinterpret_cast<const kv_t*>(p.k_cache) + (i64)kv_head * HEAD_DIM;
   const kv_t* vc = reinterpret_cast<const kv_t*>(p.v_cache) + (i64)kv_head * HEAD_DIM;
@@ -160,7 +174,7 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32) attention(const Attent
     acc[i] = 0.f;
   }
   float m = NEG_INF, l = 0.f;
-  for (u32 j = first + warp; j <= pos; j += NWARPS) {
+  for (u32 j = begin + warp; j < end; j += NWARPS) {
     float s = 0.f;
 #pragma unroll
     for (int i = 0; i < DIMS_PER_LANE; ++i) s += qv[i] * kv_load(kc, (i64)j * row + lane + 32 * i);
@@ -186,11 +200,59 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32) attention(const Attent
     f[w] = s_m[w] == NEG_INF ? 0.f : expf(s_m[w] - m_all);  // a warp that saw no key adds nothing
     l_all += s_l[w] * f[w];
   }
+#if SPLIT
+  float* part = reinterpret_cast<float*>(p.partials) + (((i64)tok * p.n_heads + head) * gridDim.z + blockIdx.z) * (2 + HEAD_DIM);
+  if (threadIdx.x == 0) { part[0] = m_all; part[1] = l_all; }  // a share with no keys: (-inf, 0)
+#endif
   for (int d = threadIdx.x; d < HEAD_DIM; d += NWARPS * 32) {
     float o = 0.f;
 #pragma unroll
     for (int w = 0; w < NWARPS; ++w) o += s_acc[w][d] * f[w];
+#if SPLIT
+    part[2 + d] = o;
+#else
     out[d] = o / l_all;
+#endif
+  }
+}
+"#;
+
+device_params! {
+    pub struct CombineParams {
+        pub partials: u64,
+        pub positions: u64,
+        pub out: u64,
+        pub n_heads: u32,
+        pub splits: u32,
+        pub max_seq: u32,
+        pub pad: u32,
+    }
+}
+
+const COMBINE: &str = r#"
+#ifndef HEAD_DIM
+#error "HEAD_DIM (the block size) must come from the kernel variant"
+#endif
+// One block per (head, query token), a thread per output dim: rescale every share's state to
+// the largest running max and normalise by the rescaled sum (shares without keys add nothing).
+extern "C" __global__ void attention_combine(const CombineParams p) {
+  KERNEL_ENTRY();
+  const u32 head = blockIdx.x, tok = blockIdx.y;
+  const i64 row = (i64)tok * p.n_heads + head;
+  float* out = reinterpret_cast<float*>(p.out) + row * HEAD_DIM;
+  const float* part = reinterpret_cast<const float*>(p.partials) + row * p.splits * (2 + HEAD_DIM);
+  const bool bad = reinterpret_cast<const u32*>(p.positions)[tok] >= p.max_seq;  // reported by attention
+  float m_all = NEG_INF;
+  for (u32 s = 0; s < p.splits; ++s) m_all = fmaxf(m_all, part[s * (2 + HEAD_DIM)]);
+  for (int d = threadIdx.x; d < HEAD_DIM; d += blockDim.x) {
+    float o = 0.f, l = 0.f;
+    for (u32 s = 0; s < p.splits; ++s) {
+      const float* share = part + s * (2 + HEAD_DIM);
+      const float f = share[0] == NEG_INF ? 0.f : expf(share[0] - m_all);
+      l += share[1] * f;
+      o += share[2 + d] * f;
+    }
+    out[d] = bad ? QNAN : o / l;
   }
 }
 "#;
@@ -200,16 +262,18 @@ pub struct AttentionVariant {
     pub head_dim: u32,
     pub kv: KvDtype,
     pub nwarps: u32,
+    /// Write partial states of `splits > 1` key shares (for [`CombineVariant`]).
+    pub split: bool,
 }
 
 impl AttentionVariant {
-    pub fn new(head_dim: usize, kv: KvDtype) -> Self {
-        AttentionVariant { head_dim: head_dim as u32, kv, nwarps: 4 }
+    pub fn new(head_dim: usize, kv: KvDtype, split: bool) -> Self {
+        AttentionVariant { head_dim: head_dim as u32, kv, nwarps: 4, split }
     }
 
-    pub fn launch_config(&self, n_heads: usize, n_tokens: usize) -> LaunchConfig {
+    pub fn launch_config(&self, n_heads: usize, n_tokens: usize, splits: usize) -> LaunchConfig {
         LaunchConfig {
-            grid_dim: (n_heads as u32, n_tokens as u32, 1),
+            grid_dim: (n_heads as u32, n_tokens as u32, splits as u32),
             block_dim: (self.nwarps * 32, 1, 1),
             shared_mem_bytes: 0,
         }
@@ -226,7 +290,30 @@ impl KernelVariant for AttentionVariant {
             ("HEAD_DIM", self.head_dim.to_string()),
             ("KV_F16", u32::from(self.kv == KvDtype::F16).to_string()),
             ("NWARPS", self.nwarps.to_string()),
+            ("SPLIT", u32::from(self.split).to_string()),
         ]
+    }
+}
+
+/// Merges the partial states of split-KV attention.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct CombineVariant {
+    pub head_dim: u32,
+}
+
+impl CombineVariant {
+    pub fn launch_config(&self, n_heads: usize, n_tokens: usize) -> LaunchConfig {
+        LaunchConfig { grid_dim: (n_heads as u32, n_tokens as u32, 1), block_dim: (self.head_dim, 1, 1), shared_mem_bytes: 0 }
+    }
+}
+
+impl KernelVariant for CombineVariant {
+    const FAMILY: &'static str = "attention_combine";
+    const SOURCES: &'static [&'static str] = &[HEADER, CombineParams::C_DECL, COMBINE];
+    const ENTRY_POINTS: &'static [&'static str] = &["attention_combine"];
+
+    fn macros(&self) -> Vec<(&'static str, String)> {
+        vec![("HEAD_DIM", self.head_dim.to_string())]
     }
 }
 
@@ -237,6 +324,7 @@ mod tests {
     #[test]
     fn macros_match_source() {
         crate::kernels::tests::assert_macros_match(KvWriteVariant { kv: KvDtype::F32 });
-        crate::kernels::tests::assert_macros_match(AttentionVariant::new(64, KvDtype::F16));
+        crate::kernels::tests::assert_macros_match(AttentionVariant::new(64, KvDtype::F16, true));
+        crate::kernels::tests::assert_macros_match(CombineVariant { head_dim: 64 });
     }
 }

@@ -2,7 +2,9 @@
 
 use super::{addr, addr_mut, as_u32, check_len, elems};
 use crate::error::CudaError;
-use crate::kernels::attention::{AttentionParams, AttentionVariant, KvDtype, KvWriteParams, KvWriteVariant};
+use crate::kernels::attention::{
+    AttentionParams, AttentionVariant, CombineParams, CombineVariant, KvDtype, KvWriteParams, KvWriteVariant,
+};
 use crate::Gpu;
 use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
 use half::f16;
@@ -121,9 +123,79 @@ pub fn attention(
     cfg: &AttentionConfig,
     out: &mut impl DevicePtrMut<f32>,
 ) -> Result<(), CudaError> {
+    let Some(params) = attention_params(gpu, q, cache, positions, n_tokens, cfg, out)? else { return Ok(()) };
+    let variant = AttentionVariant::new(cache.head_dim, cache.dtype, false);
+    gpu.launch(&variant, "attention", variant.launch_config(cfg.n_heads, n_tokens, 1), &params)
+}
+
+/// Key shares per query for split-KV decode attention: enough blocks to cover the device twice
+/// over, each share at least 32 of the cache's `max_seq` positions. 1 (no split) for batches of
+/// more than 8 tokens (prefill has blocks enough) and caches of at most 256 positions.
+pub fn attention_splits(sm_count: usize, n_heads: usize, n_tokens: usize, max_seq: usize) -> usize {
+    if n_tokens == 0 || n_tokens > 8 || max_seq <= 256 {
+        return 1;
+    }
+    (2 * sm_count).div_ceil(n_heads * n_tokens).clamp(1, max_seq / 32)
+}
+
+/// f32 elements of the partial-state buffer of [`attention_split`].
+pub fn attention_partials_len(n_heads: usize, n_tokens: usize, splits: usize, head_dim: usize) -> usize {
+    n_tokens * n_heads * splits * (2 + head_dim)
+}
+
+/// [`attention`] with each query's keys cut into `splits` shares computed by separate blocks
+/// (flash-decoding), merged by a second kernel. `partials` holds at least
+/// [`attention_partials_len`] elements. Same results as [`attention`] up to rounding.
+#[allow(clippy::too_many_arguments)]
+pub fn attention_split(
+    gpu: &Gpu,
+    q: &impl DevicePtr<f32>,
+    cache: &KvCache,
+    positions: &impl DevicePtr<u32>,
+    n_tokens: usize,
+    cfg: &AttentionConfig,
+    splits: usize,
+    partials: &mut CudaSlice<f32>,
+    out: &mut impl DevicePtrMut<f32>,
+) -> Result<(), CudaError> {
+    const OP: &str = "attention_split";
+    if !(1..=1024).contains(&splits) {
+        return Err(CudaError::invalid(OP, format!("{splits} key shares (1..=1024)")));
+    }
+    let needed = attention_partials_len(cfg.n_heads, n_tokens, splits, cache.head_dim);
+    check_len(OP, "partials", partials.len(), needed)?;
+    let Some(mut params) = attention_params(gpu, q, cache, positions, n_tokens, cfg, out)? else { return Ok(()) };
+    let out_ptr = params.out;
+    params.partials = addr_mut(gpu, partials);
+    let variant = AttentionVariant::new(cache.head_dim, cache.dtype, true);
+    gpu.launch(&variant, "attention", variant.launch_config(cfg.n_heads, n_tokens, splits), &params)?;
+    let combine = CombineVariant { head_dim: cache.head_dim as u32 };
+    let combine_params = CombineParams {
+        partials: params.partials,
+        positions: params.positions,
+        out: out_ptr,
+        n_heads: params.n_heads,
+        splits: splits as u32,
+        max_seq: params.max_seq,
+        pad: 0,
+    };
+    gpu.launch(&combine, "attention_combine", combine.launch_config(cfg.n_heads, n_tokens), &combine_params)
+}
+
+/// Checks the shapes and settings of an attention call and builds its parameters (`None`: no
+/// tokens, nothing to do).
+fn attention_params(
+    gpu: &Gpu,
+    q: &impl DevicePtr<f32>,
+    cache: &KvCache,
+    positions: &impl DevicePtr<u32>,
+    n_tokens: usize,
+    cfg: &AttentionConfig,
+    out: &mut impl DevicePtrMut<f32>,
+) -> Result<Option<AttentionParams>, CudaError> {
     const OP: &str = "attention";
     if n_tokens == 0 {
-        return Ok(());
+        return Ok(None);
     }
     if cfg.n_heads == 0 || !cfg.n_heads.is_multiple_of(cache.n_kv_heads) {
         return Err(CudaError::invalid(
@@ -153,13 +225,13 @@ pub fn attention(
     check_len(OP, "q", q.len(), n)?;
     check_len(OP, "out", out.len(), n)?;
     check_len(OP, "positions", positions.len(), n_tokens)?;
-    let variant = AttentionVariant::new(cache.head_dim, cache.dtype);
-    let params = AttentionParams {
+    Ok(Some(AttentionParams {
         q: addr(gpu, q),
         k_cache: addr(gpu, &cache.k),
         v_cache: addr(gpu, &cache.v),
         positions: addr(gpu, positions),
         out: addr_mut(gpu, out),
+        partials: 0,
         error_flag: gpu.error_flag_ptr(),
         n_heads: cfg.n_heads as u32,
         n_kv_heads: cache.n_kv_heads as u32,
@@ -167,6 +239,5 @@ pub fn attention(
         window,
         scale: cfg.scale,
         softcap,
-    };
-    gpu.launch(&variant, "attention", variant.launch_config(cfg.n_heads, n_tokens), &params)
+    }))
 }

@@ -17,7 +17,9 @@ mod attention;
 mod linear;
 mod sampling;
 
-pub use attention::{attention, kv_write, AttentionConfig, KvCache};
+pub use attention::{
+    attention, attention_partials_len, attention_split, attention_splits, kv_write, AttentionConfig, KvCache,
+};
 pub use linear::{
     linear, linear_plan, linear_q8, linear_with, quantize_q8, Epilogue, GemvActivations, Glu, LinearOptions, LinearPath, LinearPlan,
     NormPrologue, Precision, Q8Activations,
