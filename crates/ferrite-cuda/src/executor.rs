@@ -37,9 +37,9 @@ struct Buffers {
     q8: ops::Q8Activations,
     kv: Vec<KvCache>,
     /// Key shares of decode attention per batch size (`attention_splits`; 1: no split) and the
-    /// partial states of split attention.
+    /// scratch of split attention.
     attention_splits: Vec<usize>,
-    partials: CudaSlice<f32>,
+    split_scratch: ops::SplitScratch,
     ids: CudaSlice<u32>,
     positions: CudaSlice<u32>,
     token: CudaSlice<u32>,
@@ -140,13 +140,10 @@ impl CudaExecutor {
                 if split_attention { splits } else { 1 }
             })
             .collect();
-        let partials_len = (1..=max_batch)
-            .map(|n| ops::attention_partials_len(cfg.n_heads, n, attention_splits[n], cfg.head_dim))
-            .filter(|_| split_attention)
-            .max()
-            .unwrap_or(1);
+        let split_tokens = (1..=max_batch).filter(|&n| attention_splits[n] > 1).max().unwrap_or(0);
+        let max_splits = attention_splits.iter().copied().max().unwrap_or(1);
         let buf = Buffers {
-            partials: gpu.alloc_zeros(partials_len)?,
+            split_scratch: ops::SplitScratch::new(&gpu, split_tokens * cfg.n_heads, max_splits, cfg.head_dim)?,
             attention_splits,
             scratch_a: gpu.alloc_zeros(scratch)?,
             scratch_b: gpu.alloc_zeros(scratch)?,
@@ -341,7 +338,9 @@ impl CudaExecutor {
                 };
                 match buf.attention_splits[n] {
                     1 => ops::attention(gpu, &q, cache, &buf.positions, n, &cfg, out)?,
-                    splits => ops::attention_split(gpu, &q, cache, &buf.positions, n, &cfg, splits, &mut buf.partials, out)?,
+                    splits => {
+                        ops::attention_split(gpu, &q, cache, &buf.positions, n, &cfg, splits, &mut buf.split_scratch, out)?
+                    }
                 }
             }
             Op::SwiGlu { x, .. } | Op::GeGlu { x, .. } => {

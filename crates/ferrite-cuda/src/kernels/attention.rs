@@ -5,9 +5,9 @@
 //! memory; query `t` attends to cache rows `first..=positions[t]` (causal, optional window).
 //!
 //! Split-KV (flash-decoding): with `SPLIT`, the grid's z dimension cuts each query's keys into
-//! equal shares computed by separate blocks, which write unnormalised partial softmax states;
-//! `attention_combine` merges them. The shares follow the key count read from device memory, so
-//! one captured decode graph serves every position.
+//! equal shares (of at least 32 keys) computed by separate blocks; the last block to finish
+//! merges the shares' partial softmax states. The shares follow the key count read from device
+//! memory, so one captured decode graph serves every position.
 
 use super::common::HEADER;
 use super::{blocks_for, device_params, KernelVariant};
@@ -117,6 +117,8 @@ device_params! {
         pub out: u64,
         /// SPLIT only: `[n_tokens, n_heads, splits, 2 + head_dim]` partial states `(m, l, acc)`.
         pub partials: u64,
+        /// SPLIT only: `[n_tokens, n_heads]` arrival counters, zero between launches.
+        pub counters: u64,
         pub error_flag: u64,
         pub n_heads: u32,
         pub n_kv_heads: u32,
@@ -136,13 +138,17 @@ const ATTENTION: &str = r#"
 #error "NWARPS (warps per block) must come from the kernel variant"
 #endif
 #ifndef SPLIT
-#error "SPLIT (1: write partial states for attention_combine, 0: write the output) must come from the kernel variant"
+#error "SPLIT (1: gridDim.z blocks share each query's keys, 0: one block has them all) must come from the kernel variant"
 #endif
 #define DIMS_PER_LANE (HEAD_DIM / 32)
+// Fewest keys per share: shorter shares cost more in merging than they gain in parallelism.
+#define MIN_SHARE 32u
 
 // One block per (head, query token, key share). Each warp takes every NWARPS-th key of the
 // block's share and keeps an online softmax (running max m, sum l, weighted V sum acc); lane
 // holds dims lane + 32 i. The warps' states are merged through shared memory at the end.
+// With SPLIT, each block stores its merged state; the last block of a query to arrive (an
+// atomic counter) merges the shares and writes the output, so no second kernel is needed.
 extern "C" __global__ void __launch_bounds__(NWARPS * 32) attention(const AttentionParams p) {
   KERNEL_ENTRY();
   __shared__ float s_m[NWARPS], s_l[NWARPS], s_acc[NWARPS][HEAD_DIM];
@@ -151,16 +157,15 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32) attention(const Attent
   const i64 qrow = ((i64)tok * p.n_heads + head) * HEAD_DIM;
   float* out = reinterpret_cast<float*>(p.out) + qrow;
   const u32 pos = reinterpret_cast<const u32*>(p.positions)[tok];
-  if (pos >= p.max_seq) {  // block-uniform, before any barrier
-    if (threadIdx.x == 0) report_error(p.error_flag, ERR_POSITION, pos);
-#if !SPLIT  // (attention_combine writes the NaNs)
-    for (int d = threadIdx.x; d < HEAD_DIM; d += NWARPS * 32) out[d] = QNAN;
-#endif
+  if (pos >= p.max_seq) {  // block-uniform, before any barrier; every share of the query returns
+    if (threadIdx.x == 0 && blockIdx.z == 0) report_error(p.error_flag, ERR_POSITION, pos);
+    if (blockIdx.z == 0)
+      for (int d = threadIdx.x; d < HEAD_DIM; d += NWARPS * 32) out[d] = QNAN;
     return;
   }
   const u32 kv_head = head / (p.n_heads / p.n_kv_heads);
   const u32 first = (p.window > 0 && pos + 1 > p.window) ? pos + 1 - p.window : 0;
-  const u32 share = (pos + 1 - first + gridDim.z - 1) / gridDim.z;
+  const u32 share = max((pos + 1 - first + gridDim.z - 1) / gridDim.z, SPLIT ? MIN_SHARE : 1u);
   const u32 begin = first + blockIdx.z * share, end = min(pos + 1, begin + share);
   const i64 row = (i64)p.n_kv_heads * HEAD_DIM;
   const kv_t* kc = reinterpret_cast<const kv_t*>(p.k_cache) + (i64)kv_head * HEAD_DIM;
@@ -201,59 +206,49 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32) attention(const Attent
     l_all += s_l[w] * f[w];
   }
 #if SPLIT
-  float* part = reinterpret_cast<float*>(p.partials) + (((i64)tok * p.n_heads + head) * gridDim.z + blockIdx.z) * (2 + HEAD_DIM);
-  if (threadIdx.x == 0) { part[0] = m_all; part[1] = l_all; }  // a share with no keys: (-inf, 0)
-#endif
+  // Store this share's state (a share without keys stores (-inf, 0, 0)), publish it, count in.
+  const i64 query = (i64)tok * p.n_heads + head;
+  float* parts = reinterpret_cast<float*>(p.partials) + query * gridDim.z * (2 + HEAD_DIM);
+  float* mine = parts + blockIdx.z * (2 + HEAD_DIM);
+  if (threadIdx.x == 0) { mine[0] = m_all; mine[1] = l_all; }
   for (int d = threadIdx.x; d < HEAD_DIM; d += NWARPS * 32) {
     float o = 0.f;
 #pragma unroll
     for (int w = 0; w < NWARPS; ++w) o += s_acc[w][d] * f[w];
-#if SPLIT
-    part[2 + d] = o;
-#else
-    out[d] = o / l_all;
-#endif
+    mine[2 + d] = o;
   }
-}
-"#;
-
-device_params! {
-    pub struct CombineParams {
-        pub partials: u64,
-        pub positions: u64,
-        pub out: u64,
-        pub n_heads: u32,
-        pub splits: u32,
-        pub max_seq: u32,
-        pub pad: u32,
-    }
-}
-
-const COMBINE: &str = r#"
-#ifndef HEAD_DIM
-#error "HEAD_DIM (the block size) must come from the kernel variant"
-#endif
-// One block per (head, query token), a thread per output dim: rescale every share's state to
-// the largest running max and normalise by the rescaled sum (shares without keys add nothing).
-extern "C" __global__ void attention_combine(const CombineParams p) {
-  KERNEL_ENTRY();
-  const u32 head = blockIdx.x, tok = blockIdx.y;
-  const i64 row = (i64)tok * p.n_heads + head;
-  float* out = reinterpret_cast<float*>(p.out) + row * HEAD_DIM;
-  const float* part = reinterpret_cast<const float*>(p.partials) + row * p.splits * (2 + HEAD_DIM);
-  const bool bad = reinterpret_cast<const u32*>(p.positions)[tok] >= p.max_seq;  // reported by attention
-  float m_all = NEG_INF;
-  for (u32 s = 0; s < p.splits; ++s) m_all = fmaxf(m_all, part[s * (2 + HEAD_DIM)]);
-  for (int d = threadIdx.x; d < HEAD_DIM; d += blockDim.x) {
+  __threadfence();
+  __syncthreads();
+  __shared__ bool s_last;
+  if (threadIdx.x == 0) {
+    u32* counter = reinterpret_cast<u32*>(p.counters) + query;
+    s_last = atomicAdd(counter, 1u) == gridDim.z - 1;
+    if (s_last) *counter = 0;  // every share has arrived: ready for the next launch
+  }
+  __syncthreads();
+  if (!s_last) return;
+  __threadfence();
+  m_all = NEG_INF;
+  for (u32 z = 0; z < gridDim.z; ++z) m_all = fmaxf(m_all, __ldcg(parts + z * (2 + HEAD_DIM)));
+  for (int d = threadIdx.x; d < HEAD_DIM; d += NWARPS * 32) {
     float o = 0.f, l = 0.f;
-    for (u32 s = 0; s < p.splits; ++s) {
-      const float* share = part + s * (2 + HEAD_DIM);
-      const float f = share[0] == NEG_INF ? 0.f : expf(share[0] - m_all);
-      l += share[1] * f;
-      o += share[2 + d] * f;
+    for (u32 z = 0; z < gridDim.z; ++z) {
+      const float* part = parts + z * (2 + HEAD_DIM);
+      const float mz = __ldcg(part);
+      const float fz = mz == NEG_INF ? 0.f : expf(mz - m_all);
+      l += __ldcg(part + 1) * fz;
+      o += __ldcg(part + 2 + d) * fz;
     }
-    out[d] = bad ? QNAN : o / l;
+    out[d] = o / l;
   }
+#else
+  for (int d = threadIdx.x; d < HEAD_DIM; d += NWARPS * 32) {
+    float o = 0.f;
+#pragma unroll
+    for (int w = 0; w < NWARPS; ++w) o += s_acc[w][d] * f[w];
+    out[d] = o / l_all;
+  }
+#endif
 }
 "#;
 
@@ -262,7 +257,7 @@ pub struct AttentionVariant {
     pub head_dim: u32,
     pub kv: KvDtype,
     pub nwarps: u32,
-    /// Write partial states of `splits > 1` key shares (for [`CombineVariant`]).
+    /// Several blocks share each query's keys (`splits > 1` in the launch grid).
     pub split: bool,
 }
 
@@ -295,28 +290,6 @@ impl KernelVariant for AttentionVariant {
     }
 }
 
-/// Merges the partial states of split-KV attention.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub struct CombineVariant {
-    pub head_dim: u32,
-}
-
-impl CombineVariant {
-    pub fn launch_config(&self, n_heads: usize, n_tokens: usize) -> LaunchConfig {
-        LaunchConfig { grid_dim: (n_heads as u32, n_tokens as u32, 1), block_dim: (self.head_dim, 1, 1), shared_mem_bytes: 0 }
-    }
-}
-
-impl KernelVariant for CombineVariant {
-    const FAMILY: &'static str = "attention_combine";
-    const SOURCES: &'static [&'static str] = &[HEADER, CombineParams::C_DECL, COMBINE];
-    const ENTRY_POINTS: &'static [&'static str] = &["attention_combine"];
-
-    fn macros(&self) -> Vec<(&'static str, String)> {
-        vec![("HEAD_DIM", self.head_dim.to_string())]
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -325,6 +298,5 @@ mod tests {
     fn macros_match_source() {
         crate::kernels::tests::assert_macros_match(KvWriteVariant { kv: KvDtype::F32 });
         crate::kernels::tests::assert_macros_match(AttentionVariant::new(64, KvDtype::F16, true));
-        crate::kernels::tests::assert_macros_match(CombineVariant { head_dim: 64 });
     }
 }

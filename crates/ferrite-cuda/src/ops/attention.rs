@@ -2,9 +2,7 @@
 
 use super::{addr, addr_mut, as_u32, check_len, elems};
 use crate::error::CudaError;
-use crate::kernels::attention::{
-    AttentionParams, AttentionVariant, CombineParams, CombineVariant, KvDtype, KvWriteParams, KvWriteVariant,
-};
+use crate::kernels::attention::{AttentionParams, AttentionVariant, KvDtype, KvWriteParams, KvWriteVariant};
 use crate::Gpu;
 use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
 use half::f16;
@@ -129,7 +127,8 @@ pub fn attention(
 }
 
 /// Key shares per query for split-KV decode attention: enough blocks to cover the device twice
-/// over, each share at least 32 of the cache's `max_seq` positions. 1 (no split) for batches of
+/// over, each share at least 32 of the cache's `max_seq` positions (the kernel also keeps 32
+/// keys per share at run time, so short contexts use fewer shares). 1 (no split) for batches of
 /// more than 8 tokens (prefill has blocks enough) and caches of at most 256 positions.
 pub fn attention_splits(sm_count: usize, n_heads: usize, n_tokens: usize, max_seq: usize) -> usize {
     if n_tokens == 0 || n_tokens > 8 || max_seq <= 256 {
@@ -138,14 +137,33 @@ pub fn attention_splits(sm_count: usize, n_heads: usize, n_tokens: usize, max_se
     (2 * sm_count).div_ceil(n_heads * n_tokens).clamp(1, max_seq / 32)
 }
 
-/// f32 elements of the partial-state buffer of [`attention_split`].
-pub fn attention_partials_len(n_heads: usize, n_tokens: usize, splits: usize, head_dim: usize) -> usize {
-    n_tokens * n_heads * splits * (2 + head_dim)
+/// Device scratch of [`attention_split`]: the shares' partial softmax states and one arrival
+/// counter per query (zero between launches: the last share to arrive resets it).
+pub struct SplitScratch {
+    partials: CudaSlice<f32>,
+    counters: CudaSlice<u32>,
+    queries: usize,
+    splits: usize,
+    head_dim: usize,
+}
+
+impl SplitScratch {
+    /// Room for `queries` (tokens x heads) of up to `splits` shares of `head_dim` values.
+    pub fn new(gpu: &Gpu, queries: usize, splits: usize, head_dim: usize) -> Result<Self, CudaError> {
+        let len = elems("SplitScratch::new", &[queries.max(1), splits.max(1), 2 + head_dim])?;
+        Ok(SplitScratch {
+            partials: gpu.alloc_zeros(len)?,
+            counters: gpu.alloc_zeros(queries.max(1))?,
+            queries,
+            splits,
+            head_dim,
+        })
+    }
 }
 
 /// [`attention`] with each query's keys cut into `splits` shares computed by separate blocks
-/// (flash-decoding), merged by a second kernel. `partials` holds at least
-/// [`attention_partials_len`] elements. Same results as [`attention`] up to rounding.
+/// (flash-decoding); the last block of each query merges the shares. Same results as
+/// [`attention`] up to rounding.
 #[allow(clippy::too_many_arguments)]
 pub fn attention_split(
     gpu: &Gpu,
@@ -155,31 +173,28 @@ pub fn attention_split(
     n_tokens: usize,
     cfg: &AttentionConfig,
     splits: usize,
-    partials: &mut CudaSlice<f32>,
+    scratch: &mut SplitScratch,
     out: &mut impl DevicePtrMut<f32>,
 ) -> Result<(), CudaError> {
     const OP: &str = "attention_split";
-    if !(1..=1024).contains(&splits) {
-        return Err(CudaError::invalid(OP, format!("{splits} key shares (1..=1024)")));
+    if !(1..=65535).contains(&splits) {
+        return Err(CudaError::invalid(OP, format!("{splits} key shares (1..=65535)")));
     }
-    let needed = attention_partials_len(cfg.n_heads, n_tokens, splits, cache.head_dim);
-    check_len(OP, "partials", partials.len(), needed)?;
+    let queries = n_tokens * cfg.n_heads;
+    if queries > scratch.queries || splits > scratch.splits || cache.head_dim != scratch.head_dim {
+        return Err(CudaError::invalid(
+            OP,
+            format!(
+                "scratch for {} queries x {} shares of {} dims cannot hold {queries} x {splits} of {}",
+                scratch.queries, scratch.splits, scratch.head_dim, cache.head_dim
+            ),
+        ));
+    }
     let Some(mut params) = attention_params(gpu, q, cache, positions, n_tokens, cfg, out)? else { return Ok(()) };
-    let out_ptr = params.out;
-    params.partials = addr_mut(gpu, partials);
+    params.partials = addr_mut(gpu, &mut scratch.partials);
+    params.counters = addr_mut(gpu, &mut scratch.counters);
     let variant = AttentionVariant::new(cache.head_dim, cache.dtype, true);
-    gpu.launch(&variant, "attention", variant.launch_config(cfg.n_heads, n_tokens, splits), &params)?;
-    let combine = CombineVariant { head_dim: cache.head_dim as u32 };
-    let combine_params = CombineParams {
-        partials: params.partials,
-        positions: params.positions,
-        out: out_ptr,
-        n_heads: params.n_heads,
-        splits: splits as u32,
-        max_seq: params.max_seq,
-        pad: 0,
-    };
-    gpu.launch(&combine, "attention_combine", combine.launch_config(cfg.n_heads, n_tokens), &combine_params)
+    gpu.launch(&variant, "attention", variant.launch_config(cfg.n_heads, n_tokens, splits), &params)
 }
 
 /// Checks the shapes and settings of an attention call and builds its parameters (`None`: no
@@ -232,6 +247,7 @@ fn attention_params(
         positions: addr(gpu, positions),
         out: addr_mut(gpu, out),
         partials: 0,
+        counters: 0,
         error_flag: gpu.error_flag_ptr(),
         n_heads: cfg.n_heads as u32,
         n_kv_heads: cache.n_kv_heads as u32,

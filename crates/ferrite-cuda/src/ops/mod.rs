@@ -18,7 +18,7 @@ mod linear;
 mod sampling;
 
 pub use attention::{
-    attention, attention_partials_len, attention_split, attention_splits, kv_write, AttentionConfig, KvCache,
+    attention, attention_split, attention_splits, kv_write, AttentionConfig, KvCache, SplitScratch,
 };
 pub use linear::{
     linear, linear_plan, linear_q8, linear_with, quantize_q8, Epilogue, GemvActivations, Glu, LinearOptions, LinearPath, LinearPlan,
