@@ -133,6 +133,9 @@ switches! {
     /// Programmatic dependent launch on sm_90+.
     DISABLE_CUDA_PDL = ("FERRITE_DISABLE_CUDA_PDL", "0", AbTest,
         "1 launches CUDA kernels without programmatic dependent launch (each kernel then starts only after the previous one has finished, instead of overlapping its start-up and weight loads).");
+    /// RoPE applied inside the attention op.
+    DISABLE_ROPE_FUSION = ("FERRITE_DISABLE_ROPE_FUSION", "0", AbTest,
+        "1 rotates Q and K with a separate in-place RoPE op before attention, instead of inside the attention op as it stores K in the cache and reads Q (CUDA: one kernel fewer per layer).");
     /// Split-KV (flash-decoding) attention for decode on CUDA.
     DISABLE_SPLIT_ATTENTION = ("FERRITE_DISABLE_SPLIT_ATTENTION", "0", AbTest,
         "1 runs CUDA decode attention with one block per head and query (all keys in one block) instead of cutting the keys into shares computed in parallel and merged by a second kernel.");

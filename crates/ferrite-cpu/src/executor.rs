@@ -326,8 +326,9 @@ impl CpuExecutor {
                         }
                     }
                 }
-                Op::Attention { layer, qkv, window, .. } => {
+                Op::Attention { layer, qkv, window, ref rope, .. } => {
                     let a = graph.attention;
+                    let rope = rope.as_ref().map(|r| self.rope(r));
                     let (qw, kvw) = (a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim);
                     let src = input(qkv);
                     let w = width(qkv);
@@ -361,9 +362,16 @@ impl CpuExecutor {
                         q.resize(n * qw, 0.0);
                         for t in 0..n {
                             let row = &src[(rows.start + t) * w..(rows.start + t + 1) * w];
-                            q[t * qw..(t + 1) * qw].copy_from_slice(&row[..qw]);
                             let p = cache_row(start_pos + t) * kvw;
-                            buf.k_cache[layer][p..p + kvw].copy_from_slice(&row[qw..qw + kvw]);
+                            let (q_t, k_t) = (&mut q[t * qw..(t + 1) * qw], &mut buf.k_cache[layer][p..p + kvw]);
+                            q_t.copy_from_slice(&row[..qw]);
+                            k_t.copy_from_slice(&row[qw..qw + kvw]);
+                            if let Some(rope) = &rope {
+                                // The same rotation as a separate Rope op, on the copies.
+                                let pos = &positions[rows.start + t..rows.start + t + 1];
+                                rope.apply(q_t, a.n_heads, pos);
+                                rope.apply(k_t, a.n_kv_heads, pos);
+                            }
                             buf.v_cache[layer][p..p + kvw].copy_from_slice(&row[qw + kvw..qw + 2 * kvw]);
                         }
                         let dst = &mut out[rows.start * qw..rows.end * qw];

@@ -74,9 +74,10 @@ fn main() -> Result<(), CudaError> {
 
     println!("\ndecode attention, 9 heads / 3 KV heads, head_dim 64, f16 cache");
     let mut cache = KvCache::new(&gpu, KvDtype::F16, 8192, 3, 64)?;
-    let kv = gpu.upload(&vec![0.1f32; 8192 * 192], "kv")?;
+    let qkv = gpu.upload(&vec![0.1f32; 8192 * 960], "qkv")?;
     let all: Vec<u32> = (0..8192).collect();
-    ops::kv_write(&gpu, &mut cache, &kv, &kv, &gpu.upload(&all, "positions")?, 8192)?;
+    let mut q_all = gpu.alloc_zeros::<f32>(8192 * 576)?;
+    ops::store_qkv(&gpu, &mut cache, &qkv, 960, 8192, 9, &gpu.upload(&all, "positions")?, None, &mut q_all)?;
     let q = gpu.upload(&vec![0.1f32; 576], "q")?;
     let mut out = gpu.alloc_zeros::<f32>(576)?;
     let cfg = AttentionConfig { n_heads: 9, scale: 0.125, window: None, softcap: None };

@@ -249,7 +249,7 @@ impl Gpu {
         self.stream.memset_zeros(&mut *flag).context(|| "clearing the device error flag".into())?;
         Err(CudaError::DeviceCheck(match value[0] {
             ERR_TOKEN_ID => format!("embed: token id {} is outside the embedding table", value[1]),
-            ERR_POSITION => format!("kv_write/attention: position {} is beyond the KV cache capacity", value[1]),
+            ERR_POSITION => format!("store_qkv/attention: position {} is beyond the KV cache capacity", value[1]),
             code => format!("unknown device error code {code} (detail {})", value[1]),
         }))
     }

@@ -4,8 +4,9 @@
 //! slot; every op is an async launch on the compute stream. The host only synchronises when it
 //! reads something back (logits, a sampled token id, traces).
 //!
-//! Decode (one token) uses contiguous views of the fused QKV / gate-up rows directly. A batch of
-//! several tokens has those column ranges strided, so they are gathered with `copy_cols` first.
+//! Decode (one token) uses contiguous views of the fused gate-up rows directly. A batch of
+//! several tokens has those column ranges strided, so they are gathered with `copy_cols` first
+//! (the attention's `store_qkv` reads strided rows itself).
 
 use crate::ops::{self, AttentionConfig, KvCache, KvDtype, RopeConfig, SamplingConfig};
 use crate::{CudaError, DeviceWeight, Gpu};
@@ -293,17 +294,9 @@ impl CudaExecutor {
                     ops::add(gpu, out, input(res), r * ow)?;
                 }
             }
-            Op::Rope { x, col, n_heads, rope } => {
-                let a = graph.attention;
-                let cfg = RopeConfig {
-                    n_heads,
-                    head_dim: a.head_dim,
-                    rot_dim: rope.rot_dim,
-                    theta: rope.theta,
-                    freq_scale: rope.freq_scale,
-                    neox: rope.style == RopeStyle::Neox,
-                };
-                let (w, span) = (width(x), n_heads * a.head_dim);
+            Op::Rope { x, col, n_heads, ref rope } => {
+                let cfg = rope_config(rope, n_heads, graph.attention.head_dim);
+                let (w, span) = (width(x), n_heads * cfg.head_dim);
                 if n == 1 {
                     ops::rope(gpu, &mut out.slice_mut(col..col + span), &buf.positions, 1, &cfg)?;
                 } else {
@@ -320,22 +313,14 @@ impl CudaExecutor {
                 ops::rms_norm(gpu, &buf.scratch_b, vector(norm.weight), norm.eps, n * n_heads, hd, false, &mut buf.scratch_c)?;
                 ops::copy_cols(gpu, &buf.scratch_c, span, 0, out, w, col, span, n)?;
             }
-            Op::Attention { layer, qkv, window, .. } => {
+            Op::Attention { layer, qkv, window, ref rope, .. } => {
                 let a = graph.attention;
-                let (qw, kvw, w) = (a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim, width(qkv));
                 let cfg = AttentionConfig { n_heads: a.n_heads, scale: a.scale, window, softcap: None };
-                let src = input(qkv);
+                let rope = rope.as_ref().map(|r| rope_config(r, a.n_heads, a.head_dim));
+                // One kernel splits the rows: rotated Q to scratch, rotated K and V into the cache.
                 let cache = &mut buf.kv[layer];
-                let q = if n == 1 {
-                    ops::kv_write(gpu, cache, &src.slice(qw..qw + kvw), &src.slice(qw + kvw..qw + 2 * kvw), &buf.positions, 1)?;
-                    src.slice(0..qw)
-                } else {
-                    ops::copy_cols(gpu, src, w, 0, &mut buf.scratch_a, qw, 0, qw, n)?;
-                    ops::copy_cols(gpu, src, w, qw, &mut buf.scratch_b, kvw, 0, kvw, n)?;
-                    ops::copy_cols(gpu, src, w, qw + kvw, &mut buf.scratch_c, kvw, 0, kvw, n)?;
-                    ops::kv_write(gpu, cache, &buf.scratch_b, &buf.scratch_c, &buf.positions, n)?;
-                    buf.scratch_a.slice(0..n * qw)
-                };
+                ops::store_qkv(gpu, cache, input(qkv), width(qkv), n, a.n_heads, &buf.positions, rope.as_ref(), &mut buf.scratch_a)?;
+                let q = buf.scratch_a.slice(0..n * a.n_heads * a.head_dim);
                 match buf.attention_splits[n] {
                     1 => ops::attention(gpu, &q, cache, &buf.positions, n, &cfg, out)?,
                     splits => {
@@ -498,6 +483,17 @@ impl Drop for CudaExecutor {
         if let Some(p) = &self.buf.profile {
             eprint!("{}", p.report(&self.describe()));
         }
+    }
+}
+
+fn rope_config(rope: &ferrite_model::RopeConfig, n_heads: usize, head_dim: usize) -> RopeConfig {
+    RopeConfig {
+        n_heads,
+        head_dim,
+        rot_dim: rope.rot_dim,
+        theta: rope.theta,
+        freq_scale: rope.freq_scale,
+        neox: rope.style == RopeStyle::Neox,
     }
 }
 

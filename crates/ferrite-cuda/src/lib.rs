@@ -3,7 +3,7 @@
 //! graph executor calls.
 //!
 //! - [`kernels`]: CUDA C++ sources, one file per op family, with their typed variants.
-//! - [`ops`]: the dispatchers (`embed`, `rms_norm`, `rope`, `linear`, `kv_write`,
+//! - [`ops`]: the dispatchers (`embed`, `rms_norm`, `rope`, `linear`, `store_qkv`,
 //!   `attention`, `swiglu`, `geglu`, `add`, `add_rows`, `copy_cols`, `argmax`, `sample`).
 //! - [`Gpu`]: device, stream, cuBLAS handle, module cache.
 //!

@@ -475,6 +475,25 @@ fn round_f16(v: &[f32]) -> Vec<f32> {
     v.iter().map(|&x| f16::from_f32(x).to_f32()).collect()
 }
 
+/// Store `n` tokens' `q | k | v` (separate host arrays, joined into rows with 3 padding
+/// columns) with `store_qkv`, without RoPE; returns the Q rows it wrote, checked to be `q`.
+#[allow(clippy::too_many_arguments)]
+fn store(gpu: &Gpu, cache: &mut KvCache, q: &[f32], k: &[f32], v: &[f32], n_heads: usize, pos: &CudaSlice<u32>, n: usize) -> CudaSlice<f32> {
+    let (qw, kvw) = (q.len() / n, k.len() / n);
+    let stride = qw + 2 * kvw + 3;
+    let mut rows = vec![f32::NAN; n * stride];
+    for t in 0..n {
+        let row = &mut rows[t * stride..];
+        row[..qw].copy_from_slice(&q[t * qw..(t + 1) * qw]);
+        row[qw..qw + kvw].copy_from_slice(&k[t * kvw..(t + 1) * kvw]);
+        row[qw + kvw..qw + 2 * kvw].copy_from_slice(&v[t * kvw..(t + 1) * kvw]);
+    }
+    let mut q_out = poisoned(gpu, q.len());
+    ops::store_qkv(gpu, cache, &upload(gpu, &rows), stride, n, n_heads, pos, None, &mut q_out).unwrap();
+    assert_eq!(download(gpu, &q_out), q, "store_qkv copies Q unchanged without RoPE");
+    q_out
+}
+
 #[test]
 fn attention_matches_cpu_prefill_and_decode() {
     let Some(gpu) = gpu() else { return };
@@ -504,21 +523,21 @@ fn attention_matches_cpu_prefill_and_decode() {
             let k = rng.vec(chunk * kvw, -1.0, 1.0);
             let v = rng.vec(chunk * kvw, -2.0, 2.0);
             let pos_dev = upload(gpu, &positions);
-            ops::kv_write(gpu, &mut cache, &upload(gpu, &k), &upload(gpu, &v), &pos_dev, chunk).unwrap();
+            let q_dev = store(gpu, &mut cache, &q, &k, &v, n_heads, &pos_dev, chunk);
             let stored = |x: &[f32]| if kv_dtype == KvDtype::F16 { round_f16(x) } else { x.to_vec() };
             k_host.extend(stored(&k));
             v_host.extend(stored(&v));
             let mut want = vec![0f32; chunk * qw];
             attention::attention(&cpu, &q, &k_host, &v_host, start, chunk, &mut want);
             let mut out = poisoned(gpu, chunk * qw);
-            ops::attention(gpu, &upload(gpu, &q), &cache, &pos_dev, chunk, &cfg, &mut out).unwrap();
+            ops::attention(gpu, &q_dev, &cache, &pos_dev, chunk, &cfg, &mut out).unwrap();
             let name = format!("h{n_heads}/{n_kv} d{hd} {kv_dtype:?} w{window:?} cap{softcap:?} pos{start}+{chunk}");
             // Soft-capping multiplies the CPU tanh's absolute error (~2^-23) by the cap.
             let atol = 2e-6 + softcap.map_or(0.0, |cap| cap as f64 * 2.4e-7 * 2.0);
             close("attention", &name, &download(gpu, &out), &want, 1e-5, atol);
             start += chunk;
         }
-        // kv_write stored exactly the rows the mirror holds.
+        // store_qkv stored exactly the rows the mirror holds.
         let (k_dev, v_dev) = cache.download(gpu).unwrap();
         assert_eq!(&k_dev[..k_host.len()], &k_host[..], "K cache rows");
         assert_eq!(&v_dev[..v_host.len()], &v_host[..], "V cache rows");
@@ -556,13 +575,13 @@ fn split_attention_matches_cpu_on_long_caches() {
             let positions: Vec<u32> = (start..start + chunk).map(|p| p as u32).collect();
             let (q, k, v) = (rng.vec(chunk * qw, -1.0, 1.0), rng.vec(chunk * kvw, -1.0, 1.0), rng.vec(chunk * kvw, -2.0, 2.0));
             let pos_dev = upload(gpu, &positions);
-            ops::kv_write(gpu, &mut cache, &upload(gpu, &k), &upload(gpu, &v), &pos_dev, chunk).unwrap();
+            let q_dev = store(gpu, &mut cache, &q, &k, &v, n_heads, &pos_dev, chunk);
             k_host.extend(stored(&k));
             v_host.extend(stored(&v));
             let mut want = vec![0f32; chunk * qw];
             attention::attention(&cpu, &q, &k_host, &v_host, start, chunk, &mut want);
             let mut out = poisoned(gpu, chunk * qw);
-            ops::attention_split(gpu, &upload(gpu, &q), &cache, &pos_dev, chunk, &cfg, splits, &mut scratch, &mut out)
+            ops::attention_split(gpu, &q_dev, &cache, &pos_dev, chunk, &cfg, splits, &mut scratch, &mut out)
                 .unwrap();
             let name = format!("h{n_heads}/{n_kv} d{hd} {kv_dtype:?} w{window:?} s{splits} pos{start}+{chunk}");
             close("attn_split", &name, &download(gpu, &out), &want, 1e-5, 2e-6);
@@ -582,7 +601,9 @@ fn attention_reports_positions_beyond_the_cache() {
     let mut cache = KvCache::new(&gpu, KvDtype::F16, 4, n_kv, hd).unwrap();
     let pos = upload(&gpu, &[4u32]);
     let kv = upload(&gpu, &[1f32; 32]);
-    ops::kv_write(&gpu, &mut cache, &kv, &kv, &pos, 1).unwrap();
+    let qkv = upload(&gpu, &[1f32; 96]);
+    let mut q_out = poisoned(&gpu, 32);
+    ops::store_qkv(&gpu, &mut cache, &qkv, 96, 1, 1, &pos, None, &mut q_out).unwrap();
     let err = gpu.check_device().unwrap_err().to_string();
     assert!(err.contains("position 4"), "{err}");
     let mut out = poisoned(&gpu, hd);
@@ -606,8 +627,47 @@ fn attention_reports_positions_beyond_the_cache() {
     let err = ops::attention_split(&gpu, &kv, &cache, &pos, 1, &cfg, 5, &mut scratch, &mut out).unwrap_err().to_string();
     assert!(err.contains("cannot hold 1 x 5"), "{err}");
     let zero_window = AttentionConfig { window: Some(0), ..cfg };
-    assert!(ops::kv_write(&gpu, &mut cache2, &kv, &kv, &pos, 1).is_err(), "k holds 32 < 64 values");
+    let err = ops::store_qkv(&gpu, &mut cache2, &qkv, 96, 1, 1, &pos, None, &mut q_out).unwrap_err().to_string();
+    assert!(err.contains("row stride 96 is shorter than the 160 values"), "{err}");
     assert!(ops::attention(&gpu, &kv, &cache, &pos, 1, &zero_window, &mut out).is_err());
+}
+
+/// `store_qkv` with RoPE rotates Q and K exactly as the `rope` kernel does (the same device
+/// function; bit-identical), stores K and V at the positions, and copies V unrotated.
+#[test]
+fn store_qkv_rotates_like_rope() {
+    let Some(gpu) = gpu() else { return };
+    let mut rng = Rng(13);
+    // (neox, query heads, KV heads, head_dim, rot_dim, KV type)
+    for (neox, n_heads, n_kv, hd, rot_dim, kv_dtype) in
+        [(true, 9, 3, 64, 64, KvDtype::F32), (false, 4, 2, 128, 96, KvDtype::F16), (true, 8, 8, 256, 64, KvDtype::F32)]
+    {
+        let (n, max_seq) = (5, 300);
+        let (qw, kvw) = (n_heads * hd, n_kv * hd);
+        let stride = qw + 2 * kvw;
+        let positions: Vec<u32> = vec![0, 7, 299, 150, 31];
+        let pos = upload(gpu, &positions);
+        let rows = rng.vec(n * stride, -2.0, 2.0);
+        let mut cache = KvCache::new(gpu, kv_dtype, max_seq, n_kv, hd).unwrap();
+        let cfg = RopeConfig { n_heads, head_dim: hd, rot_dim, theta: 500_000.0, freq_scale: 0.5, neox };
+        let mut q_out = poisoned(gpu, n * qw);
+        ops::store_qkv(gpu, &mut cache, &upload(gpu, &rows), stride, n, n_heads, &pos, Some(&cfg), &mut q_out).unwrap();
+        // Unfused: the rope kernel on Q and K heads of the same rows.
+        let mut qk: Vec<f32> = rows.chunks(stride).flat_map(|r| r[..qw + kvw].to_vec()).collect();
+        let mut qk_dev = upload(gpu, &qk);
+        ops::rope(gpu, &mut qk_dev, &pos, n, &RopeConfig { n_heads: n_heads + n_kv, ..cfg }).unwrap();
+        qk = download(gpu, &qk_dev);
+        let q_want: Vec<f32> = qk.chunks(qw + kvw).flat_map(|r| r[..qw].to_vec()).collect();
+        assert_eq!(download(gpu, &q_out), q_want, "rotated Q");
+        let (k_dev, v_dev) = cache.download(gpu).unwrap();
+        let stored = |x: &[f32]| if kv_dtype == KvDtype::F16 { round_f16(x) } else { x.to_vec() };
+        for (t, &p) in positions.iter().enumerate() {
+            let p = p as usize * kvw;
+            assert_eq!(k_dev[p..p + kvw], stored(&qk[t * (qw + kvw) + qw..(t + 1) * (qw + kvw)])[..], "rotated K at token {t}");
+            assert_eq!(v_dev[p..p + kvw], stored(&rows[t * stride + qw + kvw..(t + 1) * stride])[..], "V at token {t}");
+        }
+        println!("| {:<10} | {:<44} | {:>9} | {:>9} | {:>6} |", "store_qkv", format!("neox={neox} h{n_heads}/{n_kv} d{hd} rot{rot_dim}"), "exact", "exact", 0);
+    }
 }
 
 // ---------------------------------------------------------------- element-wise
@@ -992,7 +1052,10 @@ fn every_kernel_variant_compiles_for_sm90() {
         check(format!("rope {neox}"), compile_variant(&RopeVariant { neox }, "sm_90"));
     }
     for kv in [KvDtype::F16, KvDtype::F32] {
-        check(format!("kv_write {kv:?}"), compile_variant(&KvWriteVariant { kv }, "sm_90"));
+        for rope in [RopeStyle::None, RopeStyle::Normal, RopeStyle::Neox] {
+            let v = StoreQkvVariant { kv, head_dim: 128, rope };
+            check(format!("{v:?}"), compile_variant(&v, "sm_90"));
+        }
         for hd in [32, 64, 128, 256] {
             for split in [false, true] {
                 let v = AttentionVariant::new(hd, kv, split);

@@ -112,6 +112,15 @@ fn cuda_fp32_matches_cpu_reference_on_real_shapes() {
     let (worst, agreed) = compare(synthetic(synth::shape("gemma3-270m").unwrap(), GgmlType::Q8_0), 16);
     println!("gemma3-270m Q8_0: worst relative error {worst:.2e}, {agreed}/17 greedy steps agree");
     assert!(worst < 1e-4 && agreed == 17, "gemma3-270m: relative error {worst}, {agreed}/17 agree");
+    // Long caches take split-KV decode attention (more than 256 positions): a 530-token prompt,
+    // then decode, against the CPU oracle.
+    let model = synthetic(synth::shape("smollm2-135m").unwrap(), GgmlType::Q8_0);
+    let long = ExecutorOptions { context_len: 1024, ..opts(64) };
+    let cpu = CpuExecutor::new(Arc::clone(&model), CpuPrecision::Reference, long.clone()).unwrap();
+    let gpu = ferrite_cuda::CudaExecutor::new(Arc::clone(&model), long).unwrap();
+    let (worst, agreed) = compare_executors(&model, cpu, gpu, 530, 24);
+    println!("split-KV attention, 530-token prompt: worst relative error {worst:.2e}, {agreed}/25 greedy steps agree");
+    assert!(worst < 1e-4 && agreed == 25, "split attention: relative error {worst}, {agreed}/25 agree");
     // The default int8-activation GEMV quantizes activations like the CPU quantized path (int8
     // blocks, d = max/127, round half to even): against the fp32 reference it may drift no more
     // than that CPU path does, and the greedy tokens must agree.
@@ -129,15 +138,6 @@ fn cuda_fp32_matches_cpu_reference_on_real_shapes() {
         assert!(worst <= 1.5 * cpu_worst, "{shape} {dtype}: relative error {worst}, the CPU quantized path has {cpu_worst}");
         assert_eq!(agreed, 65, "{shape} {dtype}: greedy tokens differ from the fp32 reference");
     }
-    // Long caches take split-KV decode attention (more than 256 positions): a 530-token prompt,
-    // then decode, against the CPU oracle.
-    let model = synthetic(synth::shape("smollm2-135m").unwrap(), GgmlType::Q8_0);
-    let long = ExecutorOptions { context_len: 1024, ..opts(64) };
-    let cpu = CpuExecutor::new(Arc::clone(&model), CpuPrecision::Reference, long.clone()).unwrap();
-    let gpu = ferrite_cuda::CudaExecutor::new(Arc::clone(&model), long).unwrap();
-    let (worst, agreed) = compare_executors(&model, cpu, gpu, 530, 24);
-    println!("split-KV attention, 530-token prompt: worst relative error {worst:.2e}, {agreed}/25 greedy steps agree");
-    assert!(worst < 1e-4 && agreed == 25, "split attention: relative error {worst}, {agreed}/25 agree");
     // The default f16 KV cache: small drift, same greedy tokens. (One test, because the
     // switches are process-wide.)
     std::env::set_var("FERRITE_CUDA_KV_DTYPE", "f16");

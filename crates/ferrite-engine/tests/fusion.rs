@@ -52,6 +52,11 @@ fn fusion_options_change_the_graph() {
     assert_eq!((count(&fused.graph, gated), count(&fused.graph, glu)), (layers, 0));
     assert_eq!(count(&unfused.graph, norm), 2 * layers + 1);
     assert_eq!(count(&fused.graph, norm), 0);
+    // RoPE: a separate op per layer, or inside the attention op.
+    let rope = |o: &Op| matches!(o, Op::Rope { .. });
+    let attention_rope = |o: &Op| matches!(o, Op::Attention { rope: Some(_), .. });
+    assert_eq!((count(&unfused.graph, rope), count(&unfused.graph, attention_rope)), (layers, 0));
+    assert_eq!((count(&fused.graph, rope), count(&fused.graph, attention_rope)), (0, layers));
 }
 
 /// Qwen2 layout (q/k/v biases, NeoX RoPE) on a tiny synthetic model: fused (with a fused bias)

@@ -74,7 +74,8 @@ fn gemma3_graph_and_fusion() {
     let g = &fused.graph;
     let windows: Vec<Option<usize>> = g.ops.iter().filter_map(|o| if let Op::Attention { window, .. } = o { Some(*window) } else { None }).collect();
     assert_eq!(windows, [Some(4), Some(4), Some(4), Some(4), Some(4), None, Some(4)]);
-    let thetas: Vec<f32> = g.ops.iter().filter_map(|o| if let Op::Rope { rope, .. } = o { Some(rope.theta) } else { None }).collect();
+    let thetas: Vec<f32> =
+        g.ops.iter().filter_map(|o| if let Op::Attention { rope: Some(rope), .. } = o { Some(rope.theta) } else { None }).collect();
     assert_eq!(thetas, [1e4, 1e4, 1e4, 1e4, 1e4, 1e6, 1e4]);
     let geglu = |o: &&Op| matches!(o, Op::GatedLinear { act: GatedActivation::GeluTanh, .. });
     assert_eq!(g.ops.iter().filter(geglu).count(), 7);
@@ -222,7 +223,8 @@ fn qwen35_graph() {
     assert_eq!(g.attention_layers(), [3]);
     assert!(g.has_recurrent_state());
     assert_eq!(g.ops.iter().filter(|o| matches!(o, Op::SigmoidGate { .. } | Op::SplitGatedQuery { .. })).count(), 2);
-    let rot: Vec<usize> = g.ops.iter().filter_map(|o| if let Op::Rope { rope, .. } = o { Some(rope.rot_dim) } else { None }).collect();
+    let rot: Vec<usize> =
+        g.ops.iter().filter_map(|o| if let Op::Attention { rope: Some(rope), .. } = o { Some(rope.rot_dim) } else { None }).collect();
     assert_eq!(rot, [8]);
     if let Some(Op::GatedDeltaNet { shape, .. }) = g.ops.iter().find(|o| matches!(o, Op::GatedDeltaNet { .. })) {
         assert_eq!((shape.n_k_heads, shape.n_v_heads, shape.k_dim, shape.v_dim, shape.conv_kernel), (2, 4, 16, 12, 4));

@@ -16,13 +16,28 @@ pub struct FusionOptions {
     /// The MLP's gate activation (SwiGLU/GeGLU) folded into the epilogue of the fused gate/up
     /// linear (needs `gate_up`).
     pub glu_into_linear: bool,
+    /// RoPE of Q and K applied by the attention op as it stores K and reads Q, instead of a
+    /// separate in-place op.
+    pub rope_into_attention: bool,
 }
 
 impl FusionOptions {
-    pub const ALL: Self =
-        Self { qkv: true, gate_up: true, norm_into_linear: true, residual_into_linear: true, glu_into_linear: true };
-    pub const NONE: Self =
-        Self { qkv: false, gate_up: false, norm_into_linear: false, residual_into_linear: false, glu_into_linear: false };
+    pub const ALL: Self = Self {
+        qkv: true,
+        gate_up: true,
+        norm_into_linear: true,
+        residual_into_linear: true,
+        glu_into_linear: true,
+        rope_into_attention: true,
+    };
+    pub const NONE: Self = Self {
+        qkv: false,
+        gate_up: false,
+        norm_into_linear: false,
+        residual_into_linear: false,
+        glu_into_linear: false,
+        rope_into_attention: false,
+    };
 
     /// All fusions on, except those disabled by `FERRITE_DISABLE_*_FUSION=1`.
     pub fn from_env() -> Self {
@@ -32,6 +47,7 @@ impl FusionOptions {
             norm_into_linear: !env::DISABLE_NORM_FUSION.flag(false),
             residual_into_linear: !env::DISABLE_RESIDUAL_FUSION.flag(false),
             glu_into_linear: !env::DISABLE_GLU_FUSION.flag(false),
+            rope_into_attention: !env::DISABLE_ROPE_FUSION.flag(false),
         }
     }
 }

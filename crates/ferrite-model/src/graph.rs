@@ -134,7 +134,9 @@ pub enum Op {
     HeadNorm { x: ValueId, col: usize, n_heads: usize, norm: NormSpec },
     /// Writes the K and V columns of `qkv` into layer `layer`'s cache at the batch positions, then
     /// causal GQA attention of the Q columns over the cache. `out` is `n_heads * head_dim` wide.
-    Attention { layer: usize, qkv: ValueId, out: ValueId, window: Option<usize> },
+    /// With `rope` (declared by the `rope_into_attention` fusion) Q and K are rotated on the way
+    /// into the cache and the attention; `qkv` itself is left as it was.
+    Attention { layer: usize, qkv: ValueId, out: ValueId, window: Option<usize>, rope: Option<RopeConfig> },
     /// `out = silu(x[:, ..w]) * x[:, w..]` where `x` is `[gate | up]`, `2w` wide.
     SwiGlu { x: ValueId, out: ValueId },
     /// `out = gelu_tanh(x[:, ..w]) * x[:, w..]` where `x` is `[gate | up]`, `2w` wide (Gemma).

@@ -1,4 +1,4 @@
-//! KV-cache write and causal attention over the cache (prefill and decode alike).
+//! KV-cache store (with RoPE) and causal attention over the cache (prefill and decode alike).
 //!
 //! Cache layout per layer: `[max_seq, n_kv_heads, head_dim]`, f16 (default) or f32.
 //! Query/output layout: `[n_tokens, n_heads, head_dim]` f32. Positions come from device
@@ -10,6 +10,7 @@
 //! memory, so one captured decode graph serves every position.
 
 use super::common::HEADER;
+use super::rope::ROPE_ANGLE;
 use super::{blocks_for, device_params, KernelVariant};
 use cudarc::driver::LaunchConfig;
 
@@ -46,65 +47,130 @@ __device__ __forceinline__ void kv_store(kv_t* p, i64 i, float v) { p[i] = v; }
 "#;
 
 device_params! {
-    pub struct KvWriteParams {
-        pub k: u64,
-        pub v: u64,
+    pub struct StoreQkvParams {
+        pub qkv: u64,
+        pub q_out: u64,
         pub k_cache: u64,
         pub v_cache: u64,
         pub positions: u64,
         pub error_flag: u64,
         pub n_tokens: u32,
-        pub row: u32,
+        /// Elements between consecutive tokens' rows of `qkv`.
+        pub stride: u32,
+        pub n_heads: u32,
+        pub n_kv_heads: u32,
         pub max_seq: u32,
-        pub pad: u32,
+        pub rot_dim: u32,
+        pub theta: f32,
+        pub freq_scale: f32,
     }
 }
 
-const KV_WRITE: &str = r#"
-// Copy each token's K and V rows (n_kv_heads * head_dim values) to cache row positions[t].
-extern "C" __global__ void kv_write(const KvWriteParams p) {
+const STORE_QKV: &str = r#"
+#ifndef ROPE_STYLE
+#error "ROPE_STYLE (0: no RoPE, 1: rotate pairs (2i, 2i + 1), 2: pairs (i, i + rot_dim/2) (NeoX)) must come from the kernel variant"
+#endif
+#ifndef HEAD_DIM
+#error "HEAD_DIM must come from the kernel variant"
+#endif
+// Splits each token's `q | k | v` row: Q heads to q_out ([n_tokens, n_heads, HEAD_DIM]), K and
+// V heads to cache row positions[t]; Q and K rotated on the way (ROPE_STYLE). One thread per
+// pair of values of one head; pairs past rot_dim/2 (partial RoPE) and V pairs are copied.
+extern "C" __global__ void store_qkv(const StoreQkvParams p) {
   KERNEL_ENTRY();
-  const u32* positions = reinterpret_cast<const u32*>(p.positions);
-  const float* k = reinterpret_cast<const float*>(p.k);
-  const float* v = reinterpret_cast<const float*>(p.v);
+  constexpr u32 HALF = HEAD_DIM / 2;
+  const u32 heads = p.n_heads + 2 * p.n_kv_heads;
+  const i64 total = (i64)p.n_tokens * heads * HALF;
+  const float* qkv = reinterpret_cast<const float*>(p.qkv);
+  float* q_out = reinterpret_cast<float*>(p.q_out);
   kv_t* kc = reinterpret_cast<kv_t*>(p.k_cache);
   kv_t* vc = reinterpret_cast<kv_t*>(p.v_cache);
-  const i64 total = (i64)p.n_tokens * p.row;
-  for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (i64)gridDim.x * blockDim.x) {
-    const i64 t = i / p.row, e = i % p.row;
-    const u32 pos = positions[t];
-    if (pos >= p.max_seq) {
-      if (e == 0) report_error(p.error_flag, ERR_POSITION, pos);
+  for (i64 idx = (i64)blockIdx.x * blockDim.x + threadIdx.x; idx < total; idx += (i64)gridDim.x * blockDim.x) {
+    const u32 pair = (u32)(idx % HALF);
+    const u32 head = (u32)(idx / HALF % heads);
+    const u32 tok = (u32)(idx / HALF / heads);
+    const u32 pos = reinterpret_cast<const u32*>(p.positions)[tok];
+    const float* src = qkv + (i64)tok * p.stride + (i64)head * HEAD_DIM;
+    u32 a = 2 * pair, b = 2 * pair + 1;
+    float x0, x1;
+#if ROPE_STYLE
+    if (head < p.n_heads + p.n_kv_heads && pair < p.rot_dim / 2) {
+#if ROPE_STYLE == 2
+      a = pair;
+      b = pair + p.rot_dim / 2;
+#endif
+      float c, s;
+      rope_cos_sin(pos, pair, p.rot_dim, p.theta, p.freq_scale, &c, &s);
+      x0 = src[a] * c - src[b] * s;
+      x1 = src[a] * s + src[b] * c;
+    } else
+#endif
+    {
+      x0 = src[a];
+      x1 = src[b];
+    }
+    if (head < p.n_heads) {
+      float* dst = q_out + ((i64)tok * p.n_heads + head) * HEAD_DIM;
+      dst[a] = x0;
+      dst[b] = x1;
       continue;
     }
-    kv_store(kc, (i64)pos * p.row + e, k[i]);
-    kv_store(vc, (i64)pos * p.row + e, v[i]);
+    if (pos >= p.max_seq) {
+      if (pair == 0 && head == p.n_heads) report_error(p.error_flag, ERR_POSITION, pos);
+      continue;
+    }
+    const bool is_k = head < p.n_heads + p.n_kv_heads;
+    const u32 kv_head = (head - p.n_heads) % p.n_kv_heads;
+    kv_t* dst = (is_k ? kc : vc) + ((i64)pos * p.n_kv_heads + kv_head) * HEAD_DIM;
+    kv_store(dst, a, x0);
+    kv_store(dst, b, x1);
   }
 }
 "#;
 
+/// How [`StoreQkvVariant`] rotates Q and K (`ROPE_STYLE`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub struct KvWriteVariant {
-    pub kv: KvDtype,
+pub enum RopeStyle {
+    None,
+    /// Pairs `(2i, 2i + 1)`.
+    Normal,
+    /// Pairs `(i, i + rot_dim / 2)`.
+    Neox,
 }
 
-impl KvWriteVariant {
-    pub fn launch_config(&self, n: usize) -> LaunchConfig {
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct StoreQkvVariant {
+    pub kv: KvDtype,
+    pub head_dim: u32,
+    pub rope: RopeStyle,
+}
+
+impl StoreQkvVariant {
+    pub fn launch_config(&self, pairs: usize) -> LaunchConfig {
         LaunchConfig {
-            grid_dim: (blocks_for(n, 256).clamp(1, 65535), 1, 1),
+            grid_dim: (blocks_for(pairs, 256).clamp(1, 65535), 1, 1),
             block_dim: (256, 1, 1),
             shared_mem_bytes: 0,
         }
     }
 }
 
-impl KernelVariant for KvWriteVariant {
-    const FAMILY: &'static str = "kv_write";
-    const SOURCES: &'static [&'static str] = &[HEADER, KV, KvWriteParams::C_DECL, KV_WRITE];
-    const ENTRY_POINTS: &'static [&'static str] = &["kv_write"];
+impl KernelVariant for StoreQkvVariant {
+    const FAMILY: &'static str = "store_qkv";
+    const SOURCES: &'static [&'static str] = &[HEADER, KV, ROPE_ANGLE, StoreQkvParams::C_DECL, STORE_QKV];
+    const ENTRY_POINTS: &'static [&'static str] = &["store_qkv"];
 
     fn macros(&self) -> Vec<(&'static str, String)> {
-        vec![("KV_F16", u32::from(self.kv == KvDtype::F16).to_string())]
+        let style = match self.rope {
+            RopeStyle::None => 0,
+            RopeStyle::Normal => 1,
+            RopeStyle::Neox => 2,
+        };
+        vec![
+            ("HEAD_DIM", self.head_dim.to_string()),
+            ("KV_F16", u32::from(self.kv == KvDtype::F16).to_string()),
+            ("ROPE_STYLE", style.to_string()),
+        ]
     }
 }
 
@@ -296,7 +362,7 @@ mod tests {
 
     #[test]
     fn macros_match_source() {
-        crate::kernels::tests::assert_macros_match(KvWriteVariant { kv: KvDtype::F32 });
+        crate::kernels::tests::assert_macros_match(StoreQkvVariant { kv: KvDtype::F32, head_dim: 64, rope: RopeStyle::Neox });
         crate::kernels::tests::assert_macros_match(AttentionVariant::new(64, KvDtype::F16, true));
     }
 }

@@ -122,7 +122,7 @@ pub(crate) mod tests {
         let families: [(&str, &[&str]); 12] = [
             (activation::ActivationVariant::FAMILY, activation::ActivationVariant::SOURCES),
             (attention::AttentionVariant::FAMILY, attention::AttentionVariant::SOURCES),
-            (attention::KvWriteVariant::FAMILY, attention::KvWriteVariant::SOURCES),
+            (attention::StoreQkvVariant::FAMILY, attention::StoreQkvVariant::SOURCES),
             (dequant::DequantVariant::FAMILY, dequant::DequantVariant::SOURCES),
             (dequant::ConvertVariant::FAMILY, dequant::ConvertVariant::SOURCES),
             (embedding::EmbedVariant::FAMILY, embedding::EmbedVariant::SOURCES),

@@ -18,13 +18,26 @@ device_params! {
     }
 }
 
+/// The rotation angle of pair `i` at `pos`, shared by every kernel that applies RoPE. Angles
+/// follow GGML (and ferrite-cpu's Rope) exactly, in f32: pair i turns by
+/// freq_scale * (pos * s^i), the power taken by i repeated multiplications with
+/// s = theta^(-2 / rot_dim), so both backends round the same way.
+pub(crate) const ROPE_ANGLE: &str = r#"
+__device__ __forceinline__ void rope_cos_sin(u32 pos, u32 i, u32 rot_dim, float theta, float freq_scale, float* c, float* s) {
+  const float theta_scale = powf(theta, -2.0f / (float)rot_dim);
+  float th = (float)pos;
+  for (u32 k = 0; k < i; ++k) th *= theta_scale;
+  const float angle = freq_scale * th;
+  *c = cosf(angle);
+  *s = sinf(angle);
+}
+"#;
+
 const SOURCE: &str = r#"
 #ifndef NEOX
 #error "NEOX (1: rotate pairs (i, i + rot_dim/2); 0: pairs (2i, 2i + 1)) must come from the kernel variant"
 #endif
-// One thread per rotated pair. Angles follow GGML (and ferrite-cpu's Rope) exactly, in f32:
-// pair i turns by freq_scale * (pos * s^i), the power taken by i repeated multiplications
-// with s = theta^(-2 / rot_dim), so both backends round the same way.
+// One thread per rotated pair.
 extern "C" __global__ void rope(const RopeParams p) {
   KERNEL_ENTRY();
   const u32 half = p.rot_dim / 2;
@@ -33,11 +46,8 @@ extern "C" __global__ void rope(const RopeParams p) {
   const u32 i = (u32)(idx % half);
   const i64 head_row = idx / half;  // token * n_heads + head
   const u32 tok = (u32)(head_row / p.n_heads);
-  const float theta_scale = powf(p.theta, -2.0f / (float)p.rot_dim);
-  float th = (float)reinterpret_cast<const u32*>(p.positions)[tok];
-  for (u32 k = 0; k < i; ++k) th *= theta_scale;
-  const float angle = p.freq_scale * th;
-  const float c = cosf(angle), s = sinf(angle);
+  float c, s;
+  rope_cos_sin(reinterpret_cast<const u32*>(p.positions)[tok], i, p.rot_dim, p.theta, p.freq_scale, &c, &s);
   float* x = reinterpret_cast<float*>(p.x) + head_row * p.head_dim;
 #if NEOX
   const u32 a = i, b = i + half;
@@ -63,7 +73,7 @@ impl RopeVariant {
 
 impl KernelVariant for RopeVariant {
     const FAMILY: &'static str = "rope";
-    const SOURCES: &'static [&'static str] = &[HEADER, RopeParams::C_DECL, SOURCE];
+    const SOURCES: &'static [&'static str] = &[HEADER, ROPE_ANGLE, RopeParams::C_DECL, SOURCE];
     const ENTRY_POINTS: &'static [&'static str] = &["rope"];
 
     fn macros(&self) -> Vec<(&'static str, String)> {

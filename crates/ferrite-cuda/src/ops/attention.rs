@@ -2,7 +2,8 @@
 
 use super::{addr, addr_mut, as_u32, check_len, elems};
 use crate::error::CudaError;
-use crate::kernels::attention::{AttentionParams, AttentionVariant, KvDtype, KvWriteParams, KvWriteVariant};
+use super::RopeConfig;
+use crate::kernels::attention::{AttentionParams, AttentionVariant, KvDtype, RopeStyle, StoreQkvParams, StoreQkvVariant};
 use crate::Gpu;
 use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
 use half::f16;
@@ -61,39 +62,67 @@ impl KvCache {
     }
 }
 
-/// Store `k` and `v` (`[n_tokens, n_kv_heads * head_dim]` f32) at cache rows `positions[t]`.
-/// A position `>= max_seq` writes nothing and is reported by [`Gpu::check_device`].
-pub fn kv_write(
+/// Split `qkv` (`[n_tokens, stride]` f32 rows holding `n_heads` Q heads, then the cache's K
+/// heads, then its V heads) into `q_out` (`[n_tokens, n_heads, head_dim]`) and the cache rows
+/// `positions[t]`, rotating Q and K by `rope` (its `n_heads` is ignored) on the way. A position
+/// `>= max_seq` stores no K/V and is reported by [`Gpu::check_device`].
+#[allow(clippy::too_many_arguments)]
+pub fn store_qkv(
     gpu: &Gpu,
     cache: &mut KvCache,
-    k: &impl DevicePtr<f32>,
-    v: &impl DevicePtr<f32>,
-    positions: &impl DevicePtr<u32>,
+    qkv: &impl DevicePtr<f32>,
+    stride: usize,
     n_tokens: usize,
+    n_heads: usize,
+    positions: &impl DevicePtr<u32>,
+    rope: Option<&RopeConfig>,
+    q_out: &mut impl DevicePtrMut<f32>,
 ) -> Result<(), CudaError> {
-    const OP: &str = "kv_write";
+    const OP: &str = "store_qkv";
     if n_tokens == 0 {
         return Ok(());
     }
-    let n = elems(OP, &[n_tokens, cache.row_len()])?;
-    check_len(OP, "k", k.len(), n)?;
-    check_len(OP, "v", v.len(), n)?;
+    let row = (n_heads + 2 * cache.n_kv_heads) * cache.head_dim;
+    if stride < row {
+        return Err(CudaError::invalid(OP, format!("row stride {stride} is shorter than the {row} values of q | k | v")));
+    }
+    if let Some(r) = rope {
+        r.check(OP)?;
+        if r.head_dim != cache.head_dim {
+            return Err(CudaError::invalid(OP, format!("RoPE head_dim {} differs from the cache's {}", r.head_dim, cache.head_dim)));
+        }
+    }
+    check_len(OP, "qkv", qkv.len(), elems(OP, &[n_tokens - 1, stride])? + row)?;
+    check_len(OP, "q_out", q_out.len(), elems(OP, &[n_tokens, n_heads, cache.head_dim])?)?;
     check_len(OP, "positions", positions.len(), n_tokens)?;
-    let variant = KvWriteVariant { kv: cache.dtype };
-    let (row, max_seq) = (cache.row_len() as u32, cache.max_seq as u32);
-    let params = KvWriteParams {
-        k: addr(gpu, k),
-        v: addr(gpu, v),
+    let pairs = elems(OP, &[n_tokens, row / 2])?;
+    let variant = StoreQkvVariant {
+        kv: cache.dtype,
+        head_dim: cache.head_dim as u32,
+        rope: match rope {
+            None => RopeStyle::None,
+            Some(r) if r.neox => RopeStyle::Neox,
+            Some(_) => RopeStyle::Normal,
+        },
+    };
+    let params = StoreQkvParams {
+        qkv: addr(gpu, qkv),
+        q_out: addr_mut(gpu, q_out),
         k_cache: addr_mut(gpu, &mut cache.k),
         v_cache: addr_mut(gpu, &mut cache.v),
         positions: addr(gpu, positions),
         error_flag: gpu.error_flag_ptr(),
         n_tokens: as_u32(OP, "n_tokens", n_tokens)?,
-        row,
-        max_seq,
-        pad: 0,
+        stride: as_u32(OP, "stride", stride)?,
+        n_heads: as_u32(OP, "n_heads", n_heads)?,
+        n_kv_heads: cache.n_kv_heads as u32,
+        max_seq: cache.max_seq as u32,
+        rot_dim: rope.map_or(0, |r| r.rot_dim as u32),
+        theta: rope.map_or(0.0, |r| r.theta),
+        freq_scale: rope.map_or(0.0, |r| r.freq_scale),
     };
-    gpu.launch(&variant, "kv_write", variant.launch_config(n), &params)
+    as_u32(OP, "pairs", pairs)?;
+    gpu.launch(&variant, "store_qkv", variant.launch_config(pairs), &params)
 }
 
 /// Query-side attention settings.
@@ -110,7 +139,7 @@ pub struct AttentionConfig {
 }
 
 /// Causal attention of `q` (`[n_tokens, n_heads, head_dim]` f32) over the cache: query `t`
-/// sees cache rows up to `positions[t]` (write them first with [`kv_write`]); output has
+/// sees cache rows up to `positions[t]` (store them first with [`store_qkv`]); output has
 /// `q`'s layout. Prefill and decode are the same call with different `n_tokens`.
 pub fn attention(
     gpu: &Gpu,

@@ -18,7 +18,7 @@ mod linear;
 mod sampling;
 
 pub use attention::{
-    attention, attention_split, attention_splits, kv_write, AttentionConfig, KvCache, SplitScratch,
+    attention, attention_split, attention_splits, store_qkv, AttentionConfig, KvCache, SplitScratch,
 };
 pub use linear::{
     linear, linear_plan, linear_q8, linear_with, quantize_q8, Epilogue, GemvActivations, Glu, LinearOptions, LinearPath, LinearPlan,
@@ -170,6 +170,24 @@ pub struct RopeConfig {
     pub neox: bool,
 }
 
+impl RopeConfig {
+    pub(crate) fn check(&self, op: &'static str) -> Result<(), CudaError> {
+        if self.rot_dim == 0 || !self.rot_dim.is_multiple_of(2) || self.rot_dim > self.head_dim {
+            return Err(CudaError::invalid(
+                op,
+                format!("rot_dim {} must be even, non-zero and at most head_dim {}", self.rot_dim, self.head_dim),
+            ));
+        }
+        if !(self.theta > 0.0 && self.theta.is_finite() && self.freq_scale.is_finite()) {
+            return Err(CudaError::invalid(
+                op,
+                format!("theta {} / freq_scale {} are not usable", self.theta, self.freq_scale),
+            ));
+        }
+        Ok(())
+    }
+}
+
 /// Rotate `x` (`[n_tokens, n_heads, head_dim]` f32) in place by each token's position
 /// (`positions[t]`, device memory).
 pub fn rope(
@@ -183,18 +201,7 @@ pub fn rope(
     if n_tokens == 0 {
         return Ok(());
     }
-    if cfg.rot_dim == 0 || !cfg.rot_dim.is_multiple_of(2) || cfg.rot_dim > cfg.head_dim {
-        return Err(CudaError::invalid(
-            OP,
-            format!("rot_dim {} must be even, non-zero and at most head_dim {}", cfg.rot_dim, cfg.head_dim),
-        ));
-    }
-    if !(cfg.theta > 0.0 && cfg.theta.is_finite() && cfg.freq_scale.is_finite()) {
-        return Err(CudaError::invalid(
-            OP,
-            format!("theta {} / freq_scale {} are not usable", cfg.theta, cfg.freq_scale),
-        ));
-    }
+    cfg.check(OP)?;
     check_len(OP, "x", x.len(), elems(OP, &[n_tokens, cfg.n_heads, cfg.head_dim])?)?;
     check_len(OP, "positions", positions.len(), n_tokens)?;
     let variant = RopeVariant { neox: cfg.neox };

@@ -55,6 +55,19 @@ pub(super) fn projection_group(g: &mut GraphBuilder, ws: &mut WeightSet, group: 
     }
 }
 
+/// Push an `Attention` op carrying its layer's RoPE: kept inside the op under the
+/// `rope_into_attention` fusion, else a separate in-place `Rope` op on the adjacent Q and K heads
+/// (they rotate alike) goes first.
+pub(super) fn rope_attention(g: &mut GraphBuilder, fusion: FusionOptions, cfg: &ModelConfig, attention: Op) {
+    match attention {
+        Op::Attention { layer, qkv, out, window, rope: Some(rope) } if !fusion.rope_into_attention => {
+            g.push(Op::Rope { x: qkv, col: 0, n_heads: cfg.n_heads + cfg.n_kv_heads, rope });
+            g.push(Op::Attention { layer, qkv, out, window, rope: None });
+        }
+        op => g.push(op),
+    }
+}
+
 /// `out = residual + W · x`, fused into the linear's epilogue or as a separate add.
 pub(super) fn residual_linear(g: &mut GraphBuilder, x: ValueId, w: WeightId, residual: ValueId, fuse: bool, name: &str, width: usize) -> ValueId {
     let out = g.value(name, width, Rows::Tokens);
@@ -242,10 +255,8 @@ pub fn build(cfg: &ModelConfig, file: &GgufFile, fusion: FusionOptions, opts: De
             }
         }
         let LayerAttention { window, rope } = opts.layers[l];
-        // Q and K heads are adjacent columns and rotate alike: one op for both.
-        g.push(Op::Rope { x: qkv, col: 0, n_heads: cfg.n_heads + cfg.n_kv_heads, rope });
         let attn = g.value(t("attn"), qw, Rows::Tokens);
-        g.push(Op::Attention { layer: l, qkv, out: attn, window });
+        rope_attention(&mut g, fusion, cfg, Op::Attention { layer: l, qkv, out: attn, window, rope: Some(rope) });
         let wo = ws.add(file, &t("attn_output.weight"), d, qw)?;
         h = if opts.post_norms {
             let norm = NormSpec { weight: ws.add(file, &t("post_attention_norm.weight"), 1, d)?, eps: cfg.norm_eps };

@@ -87,9 +87,9 @@ pub fn build(cfg: &ModelConfig, file: &GgufFile, fusion: FusionOptions) -> Resul
                 let weight = ws.add(file, &t(&format!("{name}.weight")), 1, hd)?;
                 g.push(Op::HeadNorm { x: qkv, col, n_heads, norm: NormSpec { weight, eps } });
             }
-            g.push(Op::Rope { x: qkv, col: 0, n_heads: cfg.n_heads + cfg.n_kv_heads, rope: cfg.rope });
             let attn = g.value(t("attn"), qw, Rows::Tokens);
-            g.push(Op::Attention { layer: l, qkv, out: attn, window: None });
+            let attention = Op::Attention { layer: l, qkv, out: attn, window: None, rope: Some(cfg.rope) };
+            decoder::rope_attention(&mut g, fusion, cfg, attention);
             let gated = g.value(t("attn_gated"), qw, Rows::Tokens);
             g.push(Op::SigmoidGate { x: attn, gate: qg, n_heads: cfg.n_heads, head_dim: hd, out: gated });
             (gated, ws.add(file, &t("attn_output.weight"), d, qw)?)
