@@ -35,14 +35,27 @@ const KV: &str = r#"
 #ifndef KV_F16
 #error "KV_F16 (1: f16 cache, 0: f32 cache) must come from the kernel variant"
 #endif
+// kv_load_vec: the KV_VEC values of one 16-byte load (p 16-byte aligned).
 #if KV_F16
 typedef u16 kv_t;
+#define KV_VEC 8
 __device__ __forceinline__ float kv_load(const kv_t* p, i64 i) { return f16_to_f32(p[i]); }
 __device__ __forceinline__ void kv_store(kv_t* p, i64 i, float v) { p[i] = f32_to_f16(v); }
+__device__ __forceinline__ void kv_load_vec(const kv_t* p, float* out) {
+  const uint4 u = *reinterpret_cast<const uint4*>(p);
+  const u16* h = reinterpret_cast<const u16*>(&u);
+#pragma unroll
+  for (int e = 0; e < 8; ++e) out[e] = f16_to_f32(h[e]);
+}
 #else
 typedef float kv_t;
+#define KV_VEC 4
 __device__ __forceinline__ float kv_load(const kv_t* p, i64 i) { return p[i]; }
 __device__ __forceinline__ void kv_store(kv_t* p, i64 i, float v) { p[i] = v; }
+__device__ __forceinline__ void kv_load_vec(const kv_t* p, float* out) {
+  const float4 u = *reinterpret_cast<const float4*>(p);
+  out[0] = u.x; out[1] = u.y; out[2] = u.z; out[3] = u.w;
+}
 #endif
 "#;
 
@@ -101,8 +114,9 @@ extern "C" __global__ void store_qkv(const StoreQkvParams p) {
 #endif
       float c, s;
       rope_cos_sin(pos, pair, p.rot_dim, p.theta, p.freq_scale, &c, &s);
-      x0 = src[a] * c - src[b] * s;
-      x1 = src[a] * s + src[b] * c;
+      x0 = src[a];
+      x1 = src[b];
+      rope_rotate(&x0, &x1, c, s);
     } else
 #endif
     {
@@ -210,13 +224,17 @@ const ATTENTION: &str = r#"
 // Fewest keys per share: shorter shares cost more in merging than they gain in parallelism.
 #define MIN_SHARE 32u
 
-// One block per (head, query token, key share). Each warp takes every NWARPS-th key of the
-// block's share and keeps an online softmax (running max m, sum l, weighted V sum acc); lane
-// holds dims lane + 32 i. The warps' states are merged through shared memory at the end.
+// One block per (head, query token, key share). Warps take turns on batches of 32 keys of the
+// block's share: each lane scores one key (a whole K row in 16-byte loads against q in shared
+// memory), the warp updates its online softmax (running max m, sum l) once per batch, then
+// accumulates the batch's V rows with lane holding dims lane + 32 i. Every load of a batch is
+// independent, so a warp waits for memory once per batch, not once per key. The warps' states
+// are merged through shared memory at the end.
 // With SPLIT, each block stores its merged state; the last block of a query to arrive (an
 // atomic counter) merges the shares and writes the output, so no second kernel is needed.
 extern "C" __global__ void __launch_bounds__(NWARPS * 32) attention(const AttentionParams p) {
   KERNEL_ENTRY();
+  __shared__ __align__(16) float s_q[HEAD_DIM];
   __shared__ float s_m[NWARPS], s_l[NWARPS], s_acc[NWARPS][HEAD_DIM];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const u32 head = blockIdx.x, tok = blockIdx.y;
@@ -237,25 +255,45 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32) attention(const Attent
   const kv_t* kc = reinterpret_cast<const kv_t*>(p.k_cache) + (i64)kv_head * HEAD_DIM;
   const kv_t* vc = reinterpret_cast<const kv_t*>(p.v_cache) + (i64)kv_head * HEAD_DIM;
   const float* q = reinterpret_cast<const float*>(p.q) + qrow;
+  for (int d = threadIdx.x; d < HEAD_DIM; d += NWARPS * 32) s_q[d] = q[d] * p.scale;
+  __syncthreads();
 
-  float qv[DIMS_PER_LANE], acc[DIMS_PER_LANE];
+  float acc[DIMS_PER_LANE];
 #pragma unroll
-  for (int i = 0; i < DIMS_PER_LANE; ++i) {
-    qv[i] = q[lane + 32 * i] * p.scale;
-    acc[i] = 0.f;
-  }
+  for (int i = 0; i < DIMS_PER_LANE; ++i) acc[i] = 0.f;
   float m = NEG_INF, l = 0.f;
-  for (u32 j = begin + warp; j < end; j += NWARPS) {
-    float s = 0.f;
+  for (u32 base = begin + 32 * warp; base < end; base += 32 * NWARPS) {
+    const u32 j = base + lane;
+    float s = NEG_INF;
+    if (j < end) {
+      const kv_t* krow = kc + (i64)j * row;
+      float part[KV_VEC] = {};  // KV_VEC independent chains: shorter sums, more ILP
 #pragma unroll
-    for (int i = 0; i < DIMS_PER_LANE; ++i) s += qv[i] * kv_load(kc, (i64)j * row + lane + 32 * i);
-    s = warp_sum(s);
-    if (p.softcap > 0.f) s = p.softcap * tanhf(s / p.softcap);
-    const float m_new = fmaxf(m, s);
-    const float corr = expf(m - m_new), pj = expf(s - m_new);
-    l = l * corr + pj;
+      for (int c = 0; c < HEAD_DIM; c += KV_VEC) {
+        float k[KV_VEC];
+        kv_load_vec(krow + c, k);
 #pragma unroll
-    for (int i = 0; i < DIMS_PER_LANE; ++i) acc[i] = acc[i] * corr + pj * kv_load(vc, (i64)j * row + lane + 32 * i);
+        for (int e = 0; e < KV_VEC; ++e) part[e] += s_q[c + e] * k[e];
+      }
+      float dot = 0.f;
+#pragma unroll
+      for (int e = 0; e < KV_VEC; ++e) dot += part[e];
+      s = p.softcap > 0.f ? p.softcap * tanhf(dot / p.softcap) : dot;
+    }
+    const float m_new = fmaxf(m, warp_max(s));  // finite: key `base` (lane 0) is in the share
+    const float corr = expf(m - m_new);
+    const float pj = j < end ? expf(s - m_new) : 0.f;
+    l = l * corr + warp_sum(pj);
+#pragma unroll
+    for (int i = 0; i < DIMS_PER_LANE; ++i) acc[i] *= corr;
+    const u32 count = min(32u, end - base);
+#pragma unroll 4
+    for (u32 jj = 0; jj < count; ++jj) {
+      const float w = __shfl_sync(FULL_MASK, pj, jj);
+      const kv_t* vrow = vc + (i64)(base + jj) * row;
+#pragma unroll
+      for (int i = 0; i < DIMS_PER_LANE; ++i) acc[i] += w * kv_load(vrow, lane + 32 * i);
+    }
     m = m_new;
   }
   if (lane == 0) { s_m[warp] = m; s_l[warp] = l; }

@@ -31,6 +31,13 @@ __device__ __forceinline__ void rope_cos_sin(u32 pos, u32 i, u32 rot_dim, float 
   *c = cosf(angle);
   *s = sinf(angle);
 }
+// Turns (x0, x1) by the angle of (c, s). Explicitly rounded (no FMA contraction, as the CPU
+// computes it), so every kernel that rotates gets the same bits.
+__device__ __forceinline__ void rope_rotate(float* x0, float* x1, float c, float s) {
+  const float a = *x0, b = *x1;
+  *x0 = __fsub_rn(__fmul_rn(a, c), __fmul_rn(b, s));
+  *x1 = __fadd_rn(__fmul_rn(a, s), __fmul_rn(b, c));
+}
 "#;
 
 const SOURCE: &str = r#"
@@ -54,9 +61,7 @@ extern "C" __global__ void rope(const RopeParams p) {
 #else
   const u32 a = 2 * i, b = 2 * i + 1;
 #endif
-  const float x0 = x[a], x1 = x[b];
-  x[a] = x0 * c - x1 * s;
-  x[b] = x0 * s + x1 * c;
+  rope_rotate(&x[a], &x[b], c, s);
 }
 "#;
 
