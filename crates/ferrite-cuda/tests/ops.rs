@@ -591,7 +591,8 @@ fn split_attention_matches_cpu_on_long_caches() {
     assert_eq!(ops::attention_splits(132, 32, 1, 4096), 9, "264 blocks over 32 heads");
     assert_eq!(ops::attention_splits(132, 32, 1, 256), 1, "short caches are not split");
     assert_eq!(ops::attention_splits(132, 32, 9, 4096), 1, "prefill batches are not split");
-    assert_eq!(ops::attention_splits(132, 1, 1, 320), 10, "at least 32 positions per share");
+    assert_eq!(ops::attention_splits(132, 1, 1, 1280), 10, "at least 128 positions per share");
+    assert_eq!(ops::attention_splits(132, 1, 1, 1 << 20), 256, "at most 256 shares");
 }
 
 #[test]

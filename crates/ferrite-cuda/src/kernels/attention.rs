@@ -221,8 +221,10 @@ const ATTENTION: &str = r#"
 #error "SPLIT (1: gridDim.z blocks share each query's keys, 0: one block has them all) must come from the kernel variant"
 #endif
 #define DIMS_PER_LANE (HEAD_DIM / 32)
-// Fewest keys per share: shorter shares cost more in merging than they gain in parallelism.
-#define MIN_SHARE 32u
+// Fewest keys per share: one batch of 32 keys for every warp of the block.
+#define MIN_SHARE (32u * NWARPS)
+// Most shares per query (the merge keeps a weight per share in shared memory).
+#define MAX_SPLITS 256
 
 // One block per (head, query token, key share). Warps take turns on batches of 32 keys of the
 // block's share: each lane scores one key (a whole K row in 16-byte loads against q in shared
@@ -332,18 +334,29 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32) attention(const Attent
   __syncthreads();
   if (!s_last) return;
   __threadfence();
+  // The merge, with the shares' loads spread over the threads (not one chain per thread):
+  // each share's weight exp(m_z - max) and rescaled sum, then the weighted sum per dim.
+  __shared__ float s_w[MAX_SPLITS], s_ls[MAX_SPLITS];
+  for (u32 z = threadIdx.x; z < gridDim.z; z += NWARPS * 32) s_w[z] = __ldcg(parts + z * (2 + HEAD_DIM));
+  __syncthreads();
   m_all = NEG_INF;
-  for (u32 z = 0; z < gridDim.z; ++z) m_all = fmaxf(m_all, __ldcg(parts + z * (2 + HEAD_DIM)));
+  for (u32 z = 0; z < gridDim.z; ++z) m_all = fmaxf(m_all, s_w[z]);
+  __syncthreads();
+  for (u32 z = threadIdx.x; z < gridDim.z; z += NWARPS * 32) {
+    const float* part = parts + z * (2 + HEAD_DIM);
+    const float mz = __ldcg(part);
+    const float fz = mz == NEG_INF ? 0.f : expf(mz - m_all);
+    s_w[z] = fz;
+    s_ls[z] = __ldcg(part + 1) * fz;
+  }
+  __syncthreads();
+  l_all = 0.f;
+  for (u32 z = 0; z < gridDim.z; ++z) l_all += s_ls[z];
   for (int d = threadIdx.x; d < HEAD_DIM; d += NWARPS * 32) {
-    float o = 0.f, l = 0.f;
-    for (u32 z = 0; z < gridDim.z; ++z) {
-      const float* part = parts + z * (2 + HEAD_DIM);
-      const float mz = __ldcg(part);
-      const float fz = mz == NEG_INF ? 0.f : expf(mz - m_all);
-      l += __ldcg(part + 1) * fz;
-      o += __ldcg(part + 2 + d) * fz;
-    }
-    out[d] = o / l;
+    float o = 0.f;
+#pragma unroll 8
+    for (u32 z = 0; z < gridDim.z; ++z) o += s_w[z] * __ldcg(parts + z * (2 + HEAD_DIM) + 2 + d);
+    out[d] = o / l_all;
   }
 #else
   for (int d = threadIdx.x; d < HEAD_DIM; d += NWARPS * 32) {
@@ -397,6 +410,12 @@ impl KernelVariant for AttentionVariant {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn split_limit_matches_the_op_layer() {
+        let define = format!("#define MAX_SPLITS {}", crate::ops::MAX_SPLITS);
+        assert!(ATTENTION.contains(&define), "the kernel's MAX_SPLITS differs from ops::MAX_SPLITS");
+    }
 
     #[test]
     fn macros_match_source() {

@@ -155,15 +155,19 @@ pub fn attention(
     gpu.launch(&variant, "attention", variant.launch_config(cfg.n_heads, n_tokens, 1), &params)
 }
 
+/// Most key shares per query of [`attention_split`] (the kernel's `MAX_SPLITS`).
+pub const MAX_SPLITS: usize = 256;
+
 /// Key shares per query for split-KV decode attention: enough blocks to cover the device twice
-/// over, each share at least 32 of the cache's `max_seq` positions (the kernel also keeps 32
-/// keys per share at run time, so short contexts use fewer shares). 1 (no split) for batches of
+/// over, each share at least 128 of the cache's `max_seq` positions (the kernel also keeps 128
+/// keys per share at run time, a batch of 32 for each of its 4 warps, so short contexts use
+/// fewer shares). 1 (no split) for batches of
 /// more than 8 tokens (prefill has blocks enough) and caches of at most 256 positions.
 pub fn attention_splits(sm_count: usize, n_heads: usize, n_tokens: usize, max_seq: usize) -> usize {
     if n_tokens == 0 || n_tokens > 8 || max_seq <= 256 {
         return 1;
     }
-    (2 * sm_count).div_ceil(n_heads * n_tokens).clamp(1, max_seq / 32)
+    (2 * sm_count).div_ceil(n_heads * n_tokens).clamp(1, (max_seq / 128).clamp(1, MAX_SPLITS))
 }
 
 /// Device scratch of [`attention_split`]: the shares' partial softmax states and one arrival
@@ -206,8 +210,8 @@ pub fn attention_split(
     out: &mut impl DevicePtrMut<f32>,
 ) -> Result<(), CudaError> {
     const OP: &str = "attention_split";
-    if !(1..=65535).contains(&splits) {
-        return Err(CudaError::invalid(OP, format!("{splits} key shares (1..=65535)")));
+    if !(1..=MAX_SPLITS).contains(&splits) {
+        return Err(CudaError::invalid(OP, format!("{splits} key shares (1..={MAX_SPLITS})")));
     }
     let queries = n_tokens * cfg.n_heads;
     if queries > scratch.queries || splits > scratch.splits || cache.head_dim != scratch.head_dim {

@@ -18,7 +18,7 @@ mod linear;
 mod sampling;
 
 pub use attention::{
-    attention, attention_split, attention_splits, store_qkv, AttentionConfig, KvCache, SplitScratch,
+    attention, attention_split, attention_splits, store_qkv, AttentionConfig, KvCache, SplitScratch, MAX_SPLITS,
 };
 pub use linear::{
     linear, linear_plan, linear_q8, linear_with, quantize_q8, Epilogue, GemvActivations, Glu, LinearOptions, LinearPath, LinearPlan,
