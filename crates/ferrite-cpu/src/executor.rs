@@ -11,7 +11,7 @@ use ferrite_model::graph::{GatedActivation, NormSpec, Op, ValueId, WeightId};
 use ferrite_model::planner::{self, Plan};
 use ferrite_model::profile::OpProfile;
 use ferrite_model::{
-    Executor, ExecutorOptions, LayerTrace, LoadProgress, Model, PagedKvConfig, RopeConfig, RopeStyle, SeqChunk,
+    Executor, ExecutorOptions, LayerTrace, LoadProgress, Model, PagedKvConfig, RecurrentCursor, RopeConfig, RopeStyle, SeqChunk,
 };
 use std::sync::Arc;
 
@@ -89,9 +89,8 @@ pub struct CpuExecutor {
     options: ExecutorOptions,
     /// Rows in the last chunk (for reading traces back).
     last_rows: usize,
-    /// Tokens the recurrent state has consumed (`None`: unusable after a failed forward; only a
-    /// forward at position 0 resets it). Unused without recurrent layers.
-    state_pos: Option<usize>,
+    /// Tokens the recurrent state has consumed. Unused without recurrent layers.
+    state_pos: RecurrentCursor,
 }
 
 impl CpuExecutor {
@@ -128,7 +127,7 @@ impl CpuExecutor {
         }
         let buf = Buffers { slots, conv_state, ssm_state, profile: OpProfile::from_env(), ..Buffers::default() };
         let options = ExecutorOptions { max_batch, ..options };
-        Ok(Self { model, precision, weights, plan, buf, paged: None, options, last_rows: 0, state_pos: Some(0) })
+        Ok(Self { model, precision, weights, plan, buf, paged: None, options, last_rows: 0, state_pos: RecurrentCursor::default() })
     }
 
     /// Floats of one cached position of one layer (K or V).
@@ -526,19 +525,8 @@ impl Executor for CpuExecutor {
                 self.options.context_len
             );
         }
-        if self.model.graph.has_recurrent_state() {
-            if start_pos == 0 {
-                self.buf.conv_state.iter_mut().chain(self.buf.ssm_state.iter_mut()).for_each(|s| s.fill(0.0));
-            } else if self.state_pos != Some(start_pos) {
-                bail!(
-                    "this model has recurrent (Gated DeltaNet) layers whose state cannot be rewound: a forward must start at position 0 or continue at {}, not at {start_pos}",
-                    match self.state_pos {
-                        Some(p) => p.to_string(),
-                        None => "(nothing: a failed forward left the state unusable)".into(),
-                    }
-                );
-            }
-            self.state_pos = None;
+        if self.model.graph.has_recurrent_state() && self.state_pos.begin(start_pos)? {
+            self.buf.conv_state.iter_mut().chain(self.buf.ssm_state.iter_mut()).for_each(|s| s.fill(0.0));
         }
         // Run on a pool worker: the kernels' parallel loops then fork from inside the pool,
         // instead of paying a cross-thread hand-off and wake-up per kernel (3x on decode).
@@ -550,7 +538,7 @@ impl Executor for CpuExecutor {
             }
             Ok::<(), anyhow::Error>(())
         })?;
-        self.state_pos = Some(start_pos + tokens.len());
+        self.state_pos.finish(start_pos + tokens.len());
         Ok(())
     }
 

@@ -7,8 +7,11 @@
 //! Decode (one token) uses contiguous views of the fused gate-up rows directly. A batch of
 //! several tokens has those column ranges strided, so they are gathered with `copy_cols` first
 //! (the attention's `store_qkv` reads strided rows itself).
+//!
+//! Attention layers have a KV cache, Gated DeltaNet layers a recurrent state (conv window and
+//! delta-rule matrices, f32), each at a fixed device address so the decode graph replays them.
 
-use crate::ops::{self, AttentionConfig, KvCache, KvDtype, RopeConfig, SamplingConfig};
+use crate::ops::{self, AttentionConfig, GatedQuery, GdnState, GdnWeights, KvCache, KvDtype, RopeConfig, SamplingConfig};
 use crate::{CudaError, DeviceWeight, Gpu};
 use anyhow::{anyhow, bail, Context};
 use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
@@ -17,12 +20,56 @@ use ferrite_core::env;
 use ferrite_model::graph::{GatedActivation, Op, ValueId, WeightId};
 use ferrite_model::planner::{self, Plan};
 use ferrite_model::profile::OpProfile;
-use ferrite_model::{DeviceSampling, Executor, ExecutorOptions, HardwareCeilings, LayerTrace, LoadProgress, Model, RopeStyle};
+use ferrite_model::{
+    DeviceSampling, Executor, ExecutorOptions, HardwareCeilings, LayerTrace, LoadProgress, Model, RecurrentCursor, RopeStyle,
+};
+use std::ops::{Index, IndexMut};
 use std::sync::Arc;
 
 enum GpuWeight {
     Matrix(DeviceWeight),
     Vector(CudaSlice<f32>),
+}
+
+/// Per-layer state that only some layers have (a KV cache: attention layers; recurrent state:
+/// Gated DeltaNet layers), indexed by layer.
+struct PerLayer<T>(Vec<Option<T>>);
+
+impl<T> PerLayer<T> {
+    fn iter(&self) -> impl Iterator<Item = &T> {
+        self.0.iter().flatten()
+    }
+
+    fn iter_mut(&mut self) -> impl Iterator<Item = &mut T> {
+        self.0.iter_mut().flatten()
+    }
+}
+
+/// Built from `(layer, state)` pairs.
+impl<T> FromIterator<(usize, T)> for PerLayer<T> {
+    fn from_iter<I: IntoIterator<Item = (usize, T)>>(pairs: I) -> Self {
+        let mut by_layer = Vec::new();
+        for (layer, state) in pairs {
+            if by_layer.len() <= layer {
+                by_layer.resize_with(layer + 1, || None);
+            }
+            by_layer[layer] = Some(state);
+        }
+        PerLayer(by_layer)
+    }
+}
+
+impl<T> Index<usize> for PerLayer<T> {
+    type Output = T;
+    fn index(&self, layer: usize) -> &T {
+        self.0.get(layer).and_then(Option::as_ref).unwrap_or_else(|| panic!("layer {layer} has no such state"))
+    }
+}
+
+impl<T> IndexMut<usize> for PerLayer<T> {
+    fn index_mut(&mut self, layer: usize) -> &mut T {
+        self.0.get_mut(layer).and_then(Option::as_mut).unwrap_or_else(|| panic!("layer {layer} has no such state"))
+    }
 }
 
 /// Device buffers a forward pass writes, kept apart from the read-only weights.
@@ -36,7 +83,8 @@ struct Buffers {
     scratch_c: CudaSlice<f32>,
     /// int8 activations of the linear being run (the int8 GEMV path).
     q8: ops::Q8Activations,
-    kv: Vec<KvCache>,
+    kv: PerLayer<KvCache>,
+    gdn: PerLayer<GdnState>,
     /// Key shares of decode attention per batch size (`attention_splits`; 1: no split) and the
     /// scratch of split attention.
     attention_splits: Vec<usize>,
@@ -55,6 +103,8 @@ pub struct CudaExecutor {
     buf: Buffers,
     options: ExecutorOptions,
     last_rows: usize,
+    /// Tokens the recurrent state has consumed. Unused without recurrent layers.
+    state_pos: RecurrentCursor,
     /// Decode-step replay: the whole one-token op sequence captured once as a CUDA graph. Every
     /// per-token input (token id, position, hence KV length) is read from device buffers at fixed
     /// addresses, so the same graph serves every position without re-capture.
@@ -79,15 +129,12 @@ fn kv_dtype() -> KvDtype {
     }
 }
 
-/// Refuses graphs with ops this backend has no kernels for (before touching the device).
+/// Refuses graphs whose shapes this backend's kernels cannot run (before touching the device):
+/// Gated DeltaNet heads too large for the delta-rule kernel's block.
 pub fn check_supported(graph: &ferrite_model::Graph) -> anyhow::Result<()> {
     for op in &graph.ops {
-        match op {
-            Op::GatedDeltaNet { .. } => bail!("Gated DeltaNet is not implemented on CUDA yet (Qwen3.5 hybrid models run on the CPU backends, cpu and cpu-ref)"),
-            Op::SplitGatedQuery { .. } | Op::SigmoidGate { .. } => {
-                bail!("gated attention (Qwen3.5 / Qwen3-Next) is not implemented on CUDA yet (use the CPU backend)")
-            }
-            _ => {}
+        if let Op::GatedDeltaNet { layer, shape, .. } = op {
+            ops::check_gdn_shape(shape).with_context(|| format!("Gated DeltaNet of layer {layer} on CUDA"))?;
         }
     }
     Ok(())
@@ -103,10 +150,13 @@ impl CudaExecutor {
         let mut weights: Vec<Option<GpuWeight>> = (0..model.weights.len()).map(|_| None).collect();
         let mut widest = 0;
         let used = model.weights.used_by(graph);
+        // Weights that kernels read element-wise rather than through a linear: f32 vectors.
+        let elementwise: Vec<WeightId> =
+            graph.ops.iter().filter_map(|o| if let Op::GatedDeltaNet { conv, .. } = o { Some(*conv) } else { None }).collect();
         for (i, &id) in used.iter().enumerate() {
             LoadProgress::report(&options.progress, i, used.len());
             let spec = model.weights.spec(id);
-            let w = if spec.is_vector() {
+            let w = if spec.is_vector() || elementwise.contains(&id) {
                 GpuWeight::Vector(gpu.upload(&model.weights.to_f32(&model.file, id)?, &spec.name)?)
             } else {
                 widest = widest.max(spec.rows.max(spec.cols));
@@ -121,18 +171,23 @@ impl CudaExecutor {
         plan.check(graph).map_err(|e| anyhow!("memory plan violates the aliasing rule: {e}"))?;
         let slots = plan.slot_elems.iter().map(|&n| gpu.alloc_zeros::<f32>(n.max(1)).map(Some)).collect::<Result<_, _>>()?;
         let scratch = max_batch * widest.max(cfg.qkv_width()).max(2 * cfg.n_ff);
-        let kv_bytes = graph.n_layers * 2 * options.context_len * cfg.kv_width() * kv_dtype().bytes();
+        let gdn_shapes: Vec<_> =
+            graph.ops.iter().filter_map(|o| if let Op::GatedDeltaNet { layer, shape, .. } = o { Some((*layer, *shape)) } else { None }).collect();
+        let state_bytes: usize = gdn_shapes.iter().map(|(_, s)| (s.conv_state_len() + s.ssm_state_len()) * 4).sum();
+        let kv_bytes = graph.attention_layers().len() * 2 * options.context_len * cfg.kv_width() * kv_dtype().bytes();
         let (free, _) = gpu.mem_info()?;
-        if kv_bytes > free {
+        if kv_bytes + state_bytes > free {
             bail!(
-                "the KV cache for {} tokens needs {:.1} GiB but only {:.1} GiB of device memory is free (lower --ctx-size)",
+                "the KV cache for {} tokens (and the recurrent state) needs {:.1} GiB but only {:.1} GiB of device memory is free (lower --ctx-size)",
                 options.context_len,
-                kv_bytes as f64 / (1u64 << 30) as f64,
+                (kv_bytes + state_bytes) as f64 / (1u64 << 30) as f64,
                 free as f64 / (1u64 << 30) as f64
             );
         }
-        let kv = (0..graph.n_layers)
-            .map(|_| KvCache::new(&gpu, kv_dtype(), options.context_len, cfg.n_kv_heads, cfg.head_dim))
+        let kv = graph
+            .attention_layers()
+            .into_iter()
+            .map(|l| KvCache::new(&gpu, kv_dtype(), options.context_len, cfg.n_kv_heads, cfg.head_dim).map(|c| (l, c)))
             .collect::<Result<_, _>>()?;
         let split_attention = !env::DISABLE_SPLIT_ATTENTION.flag(false);
         let attention_splits: Vec<usize> = (0..=max_batch)
@@ -154,6 +209,7 @@ impl CudaExecutor {
             positions: gpu.alloc_zeros(max_batch)?,
             token: gpu.alloc_zeros(1)?,
             profile: OpProfile::from_env(),
+            gdn: gdn_shapes.into_iter().map(|(l, shape)| GdnState::new(&gpu, shape).map(|st| (l, st))).collect::<Result<_, _>>()?,
             kv,
             slots,
         };
@@ -162,7 +218,8 @@ impl CudaExecutor {
         } else {
             DecodeGraph::NotYet { warmed_up: false }
         };
-        Ok(Self { buf, plan, weights, gpu, model, options: ExecutorOptions { max_batch, ..options }, last_rows: 0, decode_graph })
+        let options = ExecutorOptions { max_batch, ..options };
+        Ok(Self { buf, plan, weights, gpu, model, options, last_rows: 0, state_pos: RecurrentCursor::default(), decode_graph })
     }
 
     fn slot(&self, v: ValueId) -> &CudaSlice<f32> {
@@ -367,8 +424,17 @@ impl CudaExecutor {
                 // The batch as one row of n * w: its last w columns are the last token.
                 ops::copy_cols(gpu, input(x), n * w, (n - 1) * w, out, w, 0, w, 1)?;
             }
-            Op::GatedDeltaNet { .. } | Op::SplitGatedQuery { .. } | Op::SigmoidGate { .. } => {
-                check_supported(&self.model.graph)?;
+            Op::SplitGatedQuery { x, n_heads, head_dim, .. } => {
+                let heads = GatedQuery { n_heads, head_dim };
+                ops::split_gated_query(gpu, input(x), width(x), heads, rows(x), out, width(op.writes()))?;
+            }
+            Op::SigmoidGate { x, gate, n_heads, head_dim, .. } => {
+                let heads = GatedQuery { n_heads, head_dim };
+                ops::sigmoid_gate(gpu, input(x), input(gate), width(gate), heads, rows(x), out)?;
+            }
+            Op::GatedDeltaNet { layer, x, conv, a_coef, dt_bias, norm, .. } => {
+                let w = GdnWeights { conv: vector(conv), a_coef: vector(a_coef), dt_bias: vector(dt_bias), norm: vector(norm.weight), eps: norm.eps };
+                ops::gated_delta_net(gpu, input(x), rows(x), &w, &mut buf.gdn[layer], &mut buf.scratch_a, out)?;
             }
         }
         Ok(())
@@ -397,11 +463,22 @@ impl Executor for CudaExecutor {
         if let Some(bad) = tokens.iter().find(|&&t| t as usize >= vocab) {
             bail!("token id {bad} is outside the vocabulary ({vocab})");
         }
+        if self.model.graph.has_recurrent_state() && self.state_pos.begin(start_pos)? {
+            // In stream order, before the first kernel of this forward (never part of the decode graph).
+            for state in self.buf.gdn.iter_mut() {
+                state.reset(&self.gpu)?;
+            }
+        }
         let step = self.options.max_batch;
         for (i, chunk) in tokens.chunks(step).enumerate() {
             self.run_chunk(chunk, start_pos + i * step)?;
         }
+        self.state_pos.finish(start_pos + tokens.len());
         Ok(())
+    }
+
+    fn has_recurrent_state(&self) -> bool {
+        self.model.graph.has_recurrent_state()
     }
 
     fn logits(&mut self) -> anyhow::Result<Vec<f32>> {
@@ -463,14 +540,16 @@ impl Executor for CudaExecutor {
             })
             .sum();
         let kv: usize = self.buf.kv.iter().map(|c| 2 * c.max_seq * c.row_len() * c.dtype.bytes()).sum();
+        let state: usize = self.buf.gdn.iter().map(GdnState::bytes).sum();
         let act = self.plan.total_elems() * 4 + 3 * self.buf.scratch_b.len() * 4;
         let (free, total) = self.gpu.mem_info().unwrap_or((0, 0));
         format!(
-            "weights (repacked): {:.1} MiB\nkv cache ({:?}, {} tokens): {:.1} MiB\nactivations + scratch: {:.1} MiB\ndevice: {:.1} GiB free of {:.1} GiB",
+            "weights (repacked): {:.1} MiB\nkv cache ({:?}, {} tokens): {:.1} MiB\nrecurrent state (f32): {:.2} MiB\nactivations + scratch: {:.1} MiB\ndevice: {:.1} GiB free of {:.1} GiB",
             mib(weights),
             kv_dtype(),
             self.options.context_len,
             mib(kv),
+            mib(state),
             mib(act),
             free as f64 / (1u64 << 30) as f64,
             total as f64 / (1u64 << 30) as f64

@@ -8,14 +8,15 @@
 
 // Skip notes go straight to stderr, past the test harness capture, so CI logs show them.
 use std::io::Write as _;
-use ferrite_cpu::kernels::{activation, attention, embedding, matmul_f32, norm, rope, WeightView};
+use ferrite_cpu::kernels::{activation, attention, embedding, gdn, matmul_f32, norm, rope, WeightView};
 use ferrite_cuda::ops::{
-    self, AttentionConfig, GemvActivations, KvCache, KvDtype, LinearOptions, LinearPath, LinearPlan, Precision, RopeConfig,
-    SamplingConfig,
+    self, AttentionConfig, GatedQuery, GdnState, GdnWeights, GemvActivations, KvCache, KvDtype, LinearOptions, LinearPath, LinearPlan,
+    Precision, RopeConfig, SamplingConfig,
 };
 use ferrite_cuda::{cuda_available, CudaSlice, Gpu, GpuOptions, KernelCacheDir};
 use ferrite_gguf::quant::{dequantize, quantize};
 use ferrite_gguf::GgmlType;
+use ferrite_model::graph::GdnShape;
 use half::f16;
 use std::sync::OnceLock;
 
@@ -735,6 +736,199 @@ fn column_copies_and_bias_rows_are_exact() {
     assert_eq!(err.to_string(), "copy_cols: src columns 250..350 exceed its width 300");
 }
 
+// ---------------------------------------------------------------- gated attention / Gated DeltaNet
+
+#[test]
+fn gated_query_split_and_gate_match_reference() {
+    let Some(gpu) = gpu() else { return };
+    let mut rng = Rng(11);
+    for (rows, n_heads, head_dim) in [(1, 4, 32), (5, 4, 32), (3, 3, 24)] {
+        let heads = GatedQuery { n_heads, head_dim };
+        let qw = n_heads * head_dim;
+        // A QKV row with 2 KV heads after the queries: split writes only the Q columns.
+        let (qg_w, qkv_w) = (2 * qw, qw + 4 * head_dim);
+        let qg = rng.vec(rows * qg_w, -6.0, 6.0);
+        let qg_dev = upload(gpu, &qg);
+        let mut qkv = poisoned(gpu, rows * qkv_w);
+        ops::split_gated_query(gpu, &qg_dev, qg_w, heads, rows, &mut qkv, qkv_w).unwrap();
+        let got = download(gpu, &qkv);
+        let case = format!("{rows} rows, {n_heads} heads x {head_dim}");
+        // Row r, head h: the first half of the head's [query | gate].
+        let queries: Vec<f32> = (0..rows * qw).map(|i| qg[i / qw * qg_w + i % qw / head_dim * 2 * head_dim + i % head_dim]).collect();
+        let got_q: Vec<f32> = got.chunks(qkv_w).flat_map(|row| row[..qw].to_vec()).collect();
+        close("split_q", &case, &got_q, &queries, 0.0, 0.0);
+        assert!(got.chunks(qkv_w).all(|row| row[qw..].iter().all(|v| v.is_nan())), "{case}: K/V columns written");
+
+        let x = rng.vec(rows * qw, -3.0, 3.0);
+        let want: Vec<f32> = (0..rows * qw)
+            .map(|i| {
+                let (r, h, d) = (i / qw, i % qw / head_dim, i % head_dim);
+                let gate = qg[r * qg_w + (2 * h + 1) * head_dim + d] as f64;
+                (x[i] as f64 / (1.0 + (-gate).exp())) as f32
+            })
+            .collect();
+        let mut out = poisoned(gpu, rows * qw);
+        ops::sigmoid_gate(gpu, &upload(gpu, &x), &qg_dev, qg_w, heads, rows, &mut out).unwrap();
+        close("sigmoid_gt", &case, &download(gpu, &out), &want, 1e-6, 1e-7);
+    }
+    let heads = GatedQuery { n_heads: 4, head_dim: 32 };
+    let (qg, mut out) = (poisoned(gpu, 256), poisoned(gpu, 128));
+    let err = ops::split_gated_query(gpu, &qg, 200, heads, 1, &mut out, 128).unwrap_err().to_string();
+    assert!(err.contains("do not fit projection rows of 200"), "{err}");
+    assert!(ops::sigmoid_gate(gpu, &poisoned(gpu, 100), &qg, 256, heads, 1, &mut out).is_err(), "x holds 100 < 128 values");
+}
+
+/// A random Gated DeltaNet layer: real-looking gates (`A_log` in log U(1, 16), so `a_coef` in
+/// [-16, -1]), a plain norm weight around 1.
+struct GdnLayer {
+    shape: GdnShape,
+    conv: Vec<f32>,
+    a_coef: Vec<f32>,
+    dt_bias: Vec<f32>,
+    norm: Vec<f32>,
+}
+
+impl GdnLayer {
+    fn random(rng: &mut Rng, shape: GdnShape) -> Self {
+        GdnLayer {
+            conv: rng.vec(shape.conv_width() * shape.conv_kernel, -0.6, 0.6),
+            a_coef: (0..shape.n_v_heads).map(|_| -rng.range(1.0, 16.0)).collect(),
+            dt_bias: rng.vec(shape.n_v_heads, -1.0, 1.0),
+            norm: rng.vec(shape.v_dim, 0.5, 1.5),
+            shape,
+        }
+    }
+
+    /// `n` projected rows `q | k | v | z | b | a`.
+    fn input(&self, rng: &mut Rng, n: usize) -> Vec<f32> {
+        let s = self.shape;
+        let mut x = Vec::with_capacity(n * s.proj_width());
+        for _ in 0..n {
+            x.extend(rng.vec(s.conv_width(), -2.0, 2.0));
+            x.extend(rng.vec(s.value_width(), -3.0, 3.0));
+            x.extend(rng.vec(2 * s.n_v_heads, -4.0, 4.0));
+        }
+        x
+    }
+
+    /// A non-zero starting state: (conv window, delta-rule matrices).
+    fn state(&self, rng: &mut Rng) -> (Vec<f32>, Vec<f32>) {
+        (rng.vec(self.shape.conv_state_len(), -2.0, 2.0), rng.vec(self.shape.ssm_state_len(), -0.5, 0.5))
+    }
+
+    fn cpu(&self) -> gdn::GdnParams<'_> {
+        gdn::GdnParams { shape: self.shape, conv: &self.conv, a_coef: &self.a_coef, dt_bias: &self.dt_bias, norm: &self.norm, eps: 1e-6 }
+    }
+}
+
+/// The causal conv + SiLU in f64, advancing `state` (`[kc - 1, cw]`, oldest first).
+fn conv_reference(layer: &GdnLayer, x: &[f32], n: usize, state: &mut Vec<f32>) -> Vec<f32> {
+    let s = layer.shape;
+    let (cw, kc, pw) = (s.conv_width(), s.conv_kernel, s.proj_width());
+    let hist = kc - 1;
+    // The window followed by the batch's inputs, channel-major per input.
+    let mut inputs: Vec<f32> = state.clone();
+    for t in 0..n {
+        inputs.extend_from_slice(&x[t * pw..t * pw + cw]);
+    }
+    let mut out = vec![0f32; n * cw];
+    for t in 0..n {
+        for c in 0..cw {
+            let acc: f64 = (0..kc).map(|j| layer.conv[c * kc + j] as f64 * inputs[(t + j) * cw + c] as f64).sum();
+            out[t * cw + c] = (acc / (1.0 + (-acc).exp())) as f32;
+        }
+    }
+    *state = inputs[n * cw..(n + hist) * cw].to_vec();
+    out
+}
+
+#[test]
+fn gdn_conv_matches_reference() {
+    let Some(gpu) = gpu() else { return };
+    let mut rng = Rng(12);
+    let shape = |n_k_heads, n_v_heads, k_dim, v_dim, conv_kernel| GdnShape { n_k_heads, n_v_heads, k_dim, v_dim, conv_kernel };
+    // Qwen3.5-9B's widths (8192 channels), the tiny fixture's, and shorter / longer windows.
+    for s in [shape(16, 32, 128, 128, 4), shape(2, 4, 16, 12, 4), shape(1, 2, 12, 10, 2), shape(1, 1, 8, 8, 1), shape(1, 3, 16, 8, 6)] {
+        let layer = GdnLayer::random(&mut rng, s);
+        let (mut conv_state, ssm) = layer.state(&mut rng);
+        let mut state = GdnState::new(gpu, s).unwrap();
+        state.upload(gpu, &conv_state, &ssm).unwrap();
+        let weight = upload(gpu, &layer.conv);
+        let cw = s.conv_width();
+        // Chunks shorter than the window (the new window then mixes old state and inputs) and longer.
+        for n in [5, 1, 2, 1, 9] {
+            let x = layer.input(&mut rng, n);
+            let want = conv_reference(&layer, &x, n, &mut conv_state);
+            let mut out = poisoned(gpu, n * cw);
+            ops::gdn_conv(gpu, &upload(gpu, &x), n, &weight, &mut state, &mut out).unwrap();
+            close("gdn_conv", &format!("{cw} ch, {} taps, {n} tokens", s.conv_kernel), &download(gpu, &out), &want, 1e-6, 1e-6);
+            let (got_state, _) = state.download(gpu).unwrap();
+            assert_eq!(got_state, conv_state, "conv window after {n} tokens");
+        }
+    }
+}
+
+#[test]
+fn gated_delta_net_matches_cpu() {
+    let Some(gpu) = gpu() else { return };
+    let mut rng = Rng(13);
+    let shape = |n_k_heads, n_v_heads, k_dim, v_dim| GdnShape { n_k_heads, n_v_heads, k_dim, v_dim, conv_kernel: 4 };
+    // Real head dims (128: 4 threads per state column), the tiny fixture's 16/12, odd sizes (a
+    // key dim that does not split evenly, value dims that leave idle threads), 256-wide keys.
+    for s in [shape(2, 4, 128, 128), shape(2, 4, 16, 12), shape(1, 3, 12, 10), shape(1, 2, 33, 7), shape(3, 6, 40, 24), shape(1, 2, 256, 64)] {
+        let layer = GdnLayer::random(&mut rng, s);
+        let (conv0, ssm0) = layer.state(&mut rng);
+        let n = 12;
+        let x = layer.input(&mut rng, n);
+        let (mut conv, mut ssm) = (conv0.clone(), ssm0.clone());
+        let mut want = vec![0f32; n * s.value_width()];
+        gdn::gated_delta_net(&layer.cpu(), &x, n, &mut conv, &mut ssm, &mut want);
+
+        let (weights, x_dev) = ((upload(gpu, &layer.conv), upload(gpu, &layer.a_coef), upload(gpu, &layer.dt_bias), upload(gpu, &layer.norm)), upload(gpu, &x));
+        let w = GdnWeights { conv: &weights.0, a_coef: &weights.1, dt_bias: &weights.2, norm: &weights.3, eps: 1e-6 };
+        let mut conv_out = poisoned(gpu, n * s.conv_width());
+        // One prefill of all tokens...
+        let mut state = GdnState::new(gpu, s).unwrap();
+        state.upload(gpu, &conv0, &ssm0).unwrap();
+        let mut out = poisoned(gpu, n * s.value_width());
+        ops::gated_delta_net(gpu, &x_dev, n, &w, &mut state, &mut conv_out, &mut out).unwrap();
+        let got = download(gpu, &out);
+        let case = format!("hk{} hv{} dk{} dv{}, {n} tokens", s.n_k_heads, s.n_v_heads, s.k_dim, s.v_dim);
+        // f32 sums in another order (and the norms' sums of squares in f32, where the CPU uses
+        // f64) over a dozen recurrent steps: outputs are O(1) after the gated norm.
+        let scale = want.iter().fold(0f32, |m, v| m.max(v.abs())) as f64;
+        close("gdn", &case, &got, &want, 1e-4, 1e-5 * scale);
+        let (got_conv, got_ssm) = state.download(gpu).unwrap();
+        assert_eq!(got_conv, conv, "{case}: conv window");
+        let ssm_scale = ssm.iter().fold(0f32, |m, v| m.max(v.abs())) as f64;
+        close("gdn state", &case, &got_ssm, &ssm, 1e-4, 1e-5 * ssm_scale);
+
+        // ...equals a prefill of 8, then 4 decode steps, to the bit (same kernels, state kept in f32).
+        state.upload(gpu, &conv0, &ssm0).unwrap();
+        let vw = s.value_width();
+        let mut steps = Vec::new();
+        for (start, len) in [(0, 8), (8, 1), (9, 1), (10, 1), (11, 1)] {
+            let x_part = upload(gpu, &x[start * s.proj_width()..(start + len) * s.proj_width()]);
+            let mut part = poisoned(gpu, len * vw);
+            ops::gated_delta_net(gpu, &x_part, len, &w, &mut state, &mut conv_out, &mut part).unwrap();
+            steps.extend(download(gpu, &part));
+        }
+        assert!(steps.iter().zip(&got).all(|(a, b)| a.to_bits() == b.to_bits()), "{case}: prefill + decode differs from one prefill");
+        assert_eq!(state.download(gpu).unwrap(), (got_conv, got_ssm), "{case}: state after prefill + decode");
+        // Reset: a zero state, as the CPU starts.
+        state.reset(gpu).unwrap();
+        let (mut conv, mut ssm) = (vec![0f32; s.conv_state_len()], vec![0f32; s.ssm_state_len()]);
+        gdn::gated_delta_net(&layer.cpu(), &x, n, &mut conv, &mut ssm, &mut want);
+        let mut out = poisoned(gpu, n * vw);
+        ops::gated_delta_net(gpu, &x_dev, n, &w, &mut state, &mut conv_out, &mut out).unwrap();
+        close("gdn", &format!("{case}, from reset"), &download(gpu, &out), &want, 1e-4, 1e-5 * scale);
+    }
+    let mut state = GdnState::new(gpu, shape(1, 1, 16, 16)).unwrap();
+    assert!(state.upload(gpu, &[0.0; 3], &[0.0; 256]).is_err(), "the conv window holds 3 x 48 values");
+    let err = GdnState::new(gpu, shape(1, 1, 128, 512)).err().expect("4 x 512 threads per head").to_string();
+    assert!(err.contains("do not fit the delta-rule kernel"), "{err}");
+}
+
 // ---------------------------------------------------------------- argmax / sampling
 
 fn host_argmax(x: &[f32]) -> u32 {
@@ -1002,7 +1196,7 @@ fn kernel_cache_hits_misses_and_rebuilds_corrupt_entries() {
 fn every_kernel_variant_compiles_for_sm90() {
     use ferrite_cuda::compile_variant;
     use ferrite_cuda::kernels::{
-        activation::*, attention::*, dequant::*, embedding::*, gemv::*, norm::*, quantize::*, rope::*, sampling::*,
+        activation::*, attention::*, dequant::*, embedding::*, gdn::*, gemv::*, norm::*, quantize::*, rope::*, sampling::*,
     };
     if let Err(e) = compile_variant(&ActivationVariant, "sm_90") {
         match e {
@@ -1065,5 +1259,11 @@ fn every_kernel_variant_compiles_for_sm90() {
         }
     }
     check("sampling".into(), compile_variant(&SamplingVariant::DEFAULT, "sm_90"));
+    check("gdn_conv".into(), compile_variant(&GdnConvVariant, "sm_90"));
+    // Qwen3.5's heads, the tiny fixture's, the op tests' odd shapes, the largest blocks.
+    for (k_dim, v_dim) in [(128, 128), (16, 12), (12, 10), (33, 7), (40, 24), (256, 64), (32, 32), (128, 256), (1024, 32)] {
+        let v = GdnDeltaVariant::for_shape(k_dim, v_dim).unwrap();
+        check(format!("{v:?}"), compile_variant(&v, "sm_90"));
+    }
     println!("compiled {compiled} kernel variants for sm_90");
 }

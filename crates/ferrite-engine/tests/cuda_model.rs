@@ -9,7 +9,7 @@ use common::diff;
 use ferrite_cpu::{CpuExecutor, CpuPrecision};
 use ferrite_engine::sampling::argmax;
 use ferrite_gguf::GgmlType;
-use ferrite_model::synth::{self, SynthShape};
+use ferrite_model::synth::{self, SynthGdn, SynthShape};
 use ferrite_model::{Executor, ExecutorOptions, FusionOptions, Model};
 use std::sync::Arc;
 
@@ -22,6 +22,23 @@ fn gpu_or_skip() -> bool {
         }
     }
 }
+
+/// A small Qwen3.5 hybrid with real head dimensions (Gated DeltaNet heads of 128, attention heads
+/// of 256, partial RoPE on 64): three Gated DeltaNet layers, then one gated attention layer.
+const QWEN35_SMALL: SynthShape = SynthShape {
+    name: "qwen3.5-small",
+    arch: "qwen35",
+    n_layers: 4,
+    n_embd: 256,
+    n_heads: 4,
+    n_kv_heads: 2,
+    head_dim: 256,
+    n_ff: 512,
+    rope_theta: 1e7,
+    context_length: 256,
+    tied_embeddings: false,
+    gdn: Some(SynthGdn { n_k_heads: 2, n_v_heads: 4, k_dim: 128, v_dim: 128 }),
+};
 
 fn synthetic(shape: &SynthShape, dtype: GgmlType) -> Arc<Model> {
     let path = synth::write_temp(shape, dtype, 3).unwrap();
@@ -121,12 +138,25 @@ fn cuda_fp32_matches_cpu_reference_on_real_shapes() {
     let (worst, agreed) = compare_executors(&model, cpu, gpu, 530, 24);
     println!("split-KV attention, 530-token prompt: worst relative error {worst:.2e}, {agreed}/25 greedy steps agree");
     assert!(worst < 1e-4 && agreed == 25, "split attention: relative error {worst}, {agreed}/25 agree");
+    // Qwen3.5 hybrid (Gated DeltaNet state carried across the 16 + 5 prompt chunks and every
+    // decode step; gated attention with partial RoPE) on its tiny transformers-checked fixture
+    // (key/value heads of 16/12), and with real head dimensions.
+    let qwen35 = common::workspace_root().join("fixtures/tiny/qwen35.gguf");
+    let (worst, agreed) = compare(Arc::new(Model::load(qwen35, FusionOptions::from_env()).unwrap()), 32);
+    println!("tiny qwen35: worst relative error {worst:.2e}, {agreed}/33 greedy steps agree");
+    assert!(worst < 1e-4 && agreed == 33, "tiny qwen35: relative error {worst}, {agreed}/33 agree");
+    let (worst, agreed) = compare(synthetic(&QWEN35_SMALL, GgmlType::Q8_0), 32);
+    println!("qwen3.5-small Q8_0: worst relative error {worst:.2e}, {agreed}/33 greedy steps agree");
+    assert!(worst < 1e-4 && agreed == 33, "qwen3.5-small: relative error {worst}, {agreed}/33 agree");
     // The default int8-activation GEMV quantizes activations like the CPU quantized path (int8
     // blocks, d = max/127, round half to even): against the fp32 reference it may drift no more
     // than that CPU path does, and the greedy tokens must agree.
     std::env::set_var("FERRITE_CUDA_GEMV_ACTIVATIONS", "q8");
-    for (shape, dtype) in [("smollm2-135m", GgmlType::Q4_1), ("llama-3.2-1b", GgmlType::Q4_0), ("smollm2-135m", GgmlType::Q8_0)] {
-        let model = synthetic(synth::shape(shape).unwrap(), dtype);
+    let named = |name| synth::shape(name).unwrap();
+    for (shape, dtype) in
+        [(named("smollm2-135m"), GgmlType::Q4_1), (named("llama-3.2-1b"), GgmlType::Q4_0), (named("smollm2-135m"), GgmlType::Q8_0), (&QWEN35_SMALL, GgmlType::Q8_0)]
+    {
+        let (model, shape) = (synthetic(shape, dtype), shape.name);
         let reference = || CpuExecutor::new(Arc::clone(&model), CpuPrecision::Reference, opts(16)).unwrap();
         let cpu_q8 = CpuExecutor::new(Arc::clone(&model), CpuPrecision::Quantized, opts(16)).unwrap();
         let (cpu_worst, cpu_agreed) = compare_executors(&model, reference(), cpu_q8, PROMPT, 64);
@@ -150,21 +180,51 @@ fn cuda_fp32_matches_cpu_reference_on_real_shapes() {
     std::env::remove_var("FERRITE_CUDA_GEMV_ACTIVATIONS");
 
     // Decode-step graph replay runs the same kernels on the same buffers: bit-identical logits
-    // to launching every op, at every position.
-    let model = synthetic(synth::shape("smollm2-135m").unwrap(), GgmlType::Q4_1);
-    let run = |disable_graph: &str| {
-        std::env::set_var("FERRITE_DISABLE_CUDA_GRAPH", disable_graph);
-        let mut gpu = ferrite_cuda::CudaExecutor::new(Arc::clone(&model), opts(16)).unwrap();
-        let mut all = Vec::new();
-        gpu.forward(&[11, 22, 33], 0).unwrap();
-        for pos in 3..20 {
-            gpu.forward(&[(pos * 131 % 49152) as u32], pos).unwrap();
+    // to launching every op, at every position; with recurrent state too, which the replayed
+    // graph updates in place (and a forward at position 0 resets before the replay).
+    for model in [synthetic(synth::shape("smollm2-135m").unwrap(), GgmlType::Q4_1), synthetic(&QWEN35_SMALL, GgmlType::Q8_0)] {
+        let run = |disable_graph: &str| {
+            std::env::set_var("FERRITE_DISABLE_CUDA_GRAPH", disable_graph);
+            let mut gpu = ferrite_cuda::CudaExecutor::new(Arc::clone(&model), opts(16)).unwrap();
+            let mut all = Vec::new();
+            gpu.forward(&[11, 22, 33], 0).unwrap();
+            for pos in 3..20 {
+                gpu.forward(&[(pos * 131 % 49152) as u32], pos).unwrap();
+                all.extend(gpu.logits().unwrap().into_iter().map(f32::to_bits));
+            }
+            gpu.forward(&[44], 0).unwrap();
             all.extend(gpu.logits().unwrap().into_iter().map(f32::to_bits));
-        }
-        all
-    };
-    let (replayed, eager) = (run("0"), run("1"));
-    std::env::remove_var("FERRITE_DISABLE_CUDA_GRAPH");
-    assert!(replayed == eager, "graph replay changes the logits");
-    println!("decode graph replay: bit-identical logits over 17 steps");
+            all
+        };
+        let (replayed, eager) = (run("0"), run("1"));
+        std::env::remove_var("FERRITE_DISABLE_CUDA_GRAPH");
+        assert!(replayed == eager, "{}: graph replay changes the logits", model.config.arch.name());
+    }
+    println!("decode graph replay: bit-identical logits over 17 steps and a restart, with and without recurrent state");
+    recurrent_state_positions();
+}
+
+/// Recurrent state on the GPU follows the executor rules: position 0 resets it, the consumed
+/// position continues it, anything else is refused; only attention layers get a KV cache.
+/// (Called from the test above: the env switches it sets are process-wide.)
+fn recurrent_state_positions() {
+    let model = Arc::new(Model::load(common::workspace_root().join("fixtures/tiny/qwen35.gguf"), FusionOptions::ALL).unwrap());
+    let mut gpu = ferrite_cuda::CudaExecutor::new(model, opts(4)).unwrap();
+    assert!(gpu.has_recurrent_state());
+    let kv_bytes = gpu.kv_bytes_per_position();
+    assert!(kv_bytes == 2 * 64 * 2 || kv_bytes == 2 * 64 * 4, "one layer's K and V (2 KV heads x 32), f16 or f32: {kv_bytes}");
+    let ids = [5u32, 6, 7, 8, 9, 10];
+    gpu.forward(&ids, 0).unwrap();
+    let fresh = gpu.logits().unwrap();
+    gpu.forward(&[1, 2, 3], 0).unwrap();
+    let err = gpu.forward(&ids[4..], 4).unwrap_err().to_string();
+    assert!(err.contains("cannot be rewound") && err.contains("continue at 3, not at 4"), "{err}");
+    // Position 0 resets both the conv window and the delta-rule state; continuing works.
+    gpu.forward(&ids[..3], 0).unwrap();
+    gpu.forward(&ids[3..], 3).unwrap();
+    let (_, rel) = diff(&fresh, &gpu.logits().unwrap());
+    assert!(rel < 1e-5, "restart at 0 then continue differs from one prefill: relative {rel}");
+    let err = gpu.forward(&[1], 2).unwrap_err().to_string();
+    assert!(err.contains("continue at 6, not at 2"), "{err}");
+    println!("recurrent state: reset at 0, continue, refuse other positions");
 }

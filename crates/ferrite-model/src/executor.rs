@@ -92,6 +92,44 @@ pub struct SeqChunk<'a> {
     pub block_table: &'a [u32],
 }
 
+/// The tokens a backend's recurrent state (Gated DeltaNet) has consumed, and the rule of
+/// [`Executor::forward`] for it: a forward starts at 0 (reset) or exactly there (continue).
+#[derive(Clone, Copy, Debug)]
+pub struct RecurrentCursor {
+    /// `None`: unusable after a failed forward; only position 0 resets it.
+    consumed: Option<usize>,
+}
+
+impl Default for RecurrentCursor {
+    fn default() -> Self {
+        Self { consumed: Some(0) }
+    }
+}
+
+impl RecurrentCursor {
+    /// Before a forward at `start_pos`: `true` if the state must be reset first (position 0), or
+    /// why the state cannot serve that position. The state counts as unusable until
+    /// [`RecurrentCursor::finish`].
+    pub fn begin(&mut self, start_pos: usize) -> anyhow::Result<bool> {
+        if start_pos != 0 && self.consumed != Some(start_pos) {
+            anyhow::bail!(
+                "this model has recurrent (Gated DeltaNet) layers whose state cannot be rewound: a forward must start at position 0 or continue at {}, not at {start_pos}",
+                match self.consumed {
+                    Some(p) => p.to_string(),
+                    None => "(nothing: a failed forward left the state unusable)".into(),
+                }
+            );
+        }
+        self.consumed = None;
+        Ok(start_pos == 0)
+    }
+
+    /// After a forward that succeeded up to position `end`.
+    pub fn finish(&mut self, end: usize) {
+        self.consumed = Some(end);
+    }
+}
+
 fn no_batched_serving(backend: String) -> anyhow::Error {
     anyhow::anyhow!("backend {backend} does not support batched serving yet")
 }

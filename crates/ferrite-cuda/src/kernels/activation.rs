@@ -1,6 +1,7 @@
 //! Element-wise ops of the MLP and the residual stream: SwiGLU, GeGLU (tanh GELU), add, bias
 //! add over a column range, and copies of column ranges between row-major matrices (to split
-//! or join fused projections).
+//! or join fused projections); and the two halves of a gated query projection (Qwen3.5's gated
+//! attention): the query split off into the QKV value, the sigmoid gate of the output.
 
 use super::common::HEADER;
 use super::{blocks_for, device_params, KernelVariant};
@@ -36,6 +37,23 @@ device_params! {
         pub col: u32,
         pub n_cols: u32,
         pub n_rows: u32,
+    }
+}
+
+device_params! {
+    /// A gated query projection `qg` (rows of `qg_width`; per head `[query | gate]`, each
+    /// `head_dim` wide) and the `n_heads * head_dim` columns of `out` (rows of `out_width`) that
+    /// hold one value per query dimension; `x` (rows of `out_width`) is the gated input.
+    pub struct GatedQueryParams {
+        pub qg: u64,
+        pub x: u64,
+        pub out: u64,
+        pub qg_width: u32,
+        pub out_width: u32,
+        pub n_heads: u32,
+        pub head_dim: u32,
+        pub n_rows: u32,
+        pub pad: u32,
     }
 }
 
@@ -80,6 +98,36 @@ extern "C" __global__ void copy_cols(const CopyColsParams p) {
   }
 }
 
+// Column of query dimension e = h * head_dim + d in a row of a gated query projection
+// (2 h head_dim + d); its gate is head_dim further.
+__device__ __forceinline__ i64 query_col(i64 e, u32 head_dim) { return e + (e / head_dim) * head_dim; }
+
+// out[r, e] = query e of qg row r, for e < n_heads * head_dim (the Q columns of a QKV row)
+extern "C" __global__ void split_gated_query(const GatedQueryParams p) {
+  KERNEL_ENTRY();
+  const float* qg = reinterpret_cast<const float*>(p.qg);
+  float* out = reinterpret_cast<float*>(p.out);
+  const i64 width = (i64)p.n_heads * p.head_dim;
+  GRID_STRIDE(i, (i64)p.n_rows * width) {
+    const i64 r = i / width, e = i % width;
+    out[r * p.out_width + e] = qg[r * p.qg_width + query_col(e, p.head_dim)];
+  }
+}
+
+// out[r, e] = x[r, e] * sigmoid(gate e of qg row r) (out may alias x)
+extern "C" __global__ void sigmoid_gate(const GatedQueryParams p) {
+  KERNEL_ENTRY();
+  const float* qg = reinterpret_cast<const float*>(p.qg);
+  const float* x = reinterpret_cast<const float*>(p.x);
+  float* out = reinterpret_cast<float*>(p.out);
+  const i64 width = (i64)p.n_heads * p.head_dim;
+  GRID_STRIDE(i, (i64)p.n_rows * width) {
+    const i64 r = i / width, e = i % width;
+    const float gate = qg[r * p.qg_width + query_col(e, p.head_dim) + p.head_dim];
+    out[r * p.out_width + e] = x[r * p.out_width + e] / (1.f + expf(-gate));
+  }
+}
+
 // x[r, col + c] += bias[c] for c < n_cols, r < n_rows
 extern "C" __global__ void add_rows(const AddRowsParams p) {
   KERNEL_ENTRY();
@@ -109,8 +157,9 @@ impl ActivationVariant {
 impl KernelVariant for ActivationVariant {
     const FAMILY: &'static str = "activation";
     const SOURCES: &'static [&'static str] =
-        &[HEADER, ElementwiseParams::C_DECL, CopyColsParams::C_DECL, AddRowsParams::C_DECL, SOURCE];
-    const ENTRY_POINTS: &'static [&'static str] = &["swiglu", "geglu", "add", "copy_cols", "add_rows"];
+        &[HEADER, ElementwiseParams::C_DECL, CopyColsParams::C_DECL, AddRowsParams::C_DECL, GatedQueryParams::C_DECL, SOURCE];
+    const ENTRY_POINTS: &'static [&'static str] =
+        &["swiglu", "geglu", "add", "copy_cols", "add_rows", "split_gated_query", "sigmoid_gate"];
 
     fn macros(&self) -> Vec<(&'static str, String)> {
         Vec::new()

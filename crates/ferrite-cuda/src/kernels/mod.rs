@@ -18,6 +18,7 @@ pub mod attention;
 pub mod common;
 pub mod dequant;
 pub mod embedding;
+pub mod gdn;
 pub mod gemv;
 pub mod norm;
 pub mod quantize;
@@ -119,13 +120,15 @@ pub(crate) mod tests {
     /// the common header): its body begins with `KERNEL_ENTRY()` or calls `pdl_wait()` itself.
     #[test]
     fn every_kernel_waits_for_the_previous_one() {
-        let families: [(&str, &[&str]); 12] = [
+        let families: [(&str, &[&str]); 14] = [
             (activation::ActivationVariant::FAMILY, activation::ActivationVariant::SOURCES),
             (attention::AttentionVariant::FAMILY, attention::AttentionVariant::SOURCES),
             (attention::StoreQkvVariant::FAMILY, attention::StoreQkvVariant::SOURCES),
             (dequant::DequantVariant::FAMILY, dequant::DequantVariant::SOURCES),
             (dequant::ConvertVariant::FAMILY, dequant::ConvertVariant::SOURCES),
             (embedding::EmbedVariant::FAMILY, embedding::EmbedVariant::SOURCES),
+            (gdn::GdnConvVariant::FAMILY, gdn::GdnConvVariant::SOURCES),
+            (gdn::GdnDeltaVariant::FAMILY, gdn::GdnDeltaVariant::SOURCES),
             (gemv::GemvVariant::FAMILY, gemv::GemvVariant::SOURCES),
             (gemv::GemvQ8Variant::FAMILY, gemv::GemvQ8Variant::SOURCES),
             (norm::NormVariant::FAMILY, norm::NormVariant::SOURCES),
@@ -145,7 +148,7 @@ pub(crate) mod tests {
                 kernels += 1;
             }
         }
-        assert!(kernels >= 17, "found only {kernels} kernels");
+        assert!(kernels >= 21, "found only {kernels} kernels");
     }
 
     device_params! {

@@ -14,6 +14,7 @@
 //! Buffers must belong to `gpu`'s context; work on other streams must be ordered by the caller.
 
 mod attention;
+mod gdn;
 mod linear;
 mod sampling;
 
@@ -25,12 +26,13 @@ pub use linear::{
     NormPrologue, Precision, Q8Activations,
 };
 pub use sampling::{argmax, sample, SamplingConfig};
+pub use gdn::{check_gdn_shape, gated_delta_net, gdn_conv, gdn_delta, gdn_plan, GdnPath, GdnState, GdnWeights};
 
 pub use crate::kernels::attention::KvDtype;
 pub use crate::kernels::sampling::sampling_uniform;
 
 use crate::error::CudaError;
-use crate::kernels::activation::{ActivationVariant, AddRowsParams, CopyColsParams, ElementwiseParams};
+use crate::kernels::activation::{ActivationVariant, AddRowsParams, CopyColsParams, ElementwiseParams, GatedQueryParams};
 use crate::kernels::embedding::{EmbedParams, EmbedVariant};
 use crate::kernels::norm::{NormVariant, RmsNormParams};
 use crate::kernels::rope::{RopeParams, RopeVariant};
@@ -350,4 +352,90 @@ pub fn add_rows(
     };
     let variant = ActivationVariant;
     gpu.launch(&variant, "add_rows", variant.launch_config(n), &params)
+}
+
+/// Per-head layout of a gated query projection (Qwen3.5 / Qwen3-Next attention): each of
+/// `n_heads` heads is `[query | gate]`, both `head_dim` wide.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct GatedQuery {
+    pub n_heads: usize,
+    pub head_dim: usize,
+}
+
+impl GatedQuery {
+    /// Query (or gate) values per row.
+    pub fn width(&self) -> usize {
+        self.n_heads * self.head_dim
+    }
+}
+
+/// The query halves of `n_rows` rows of a gated query projection `qg` (rows of `qg_width`)
+/// into the first `heads.width()` columns of `out` (rows of `out_width`: the Q part of a QKV value).
+pub fn split_gated_query(
+    gpu: &Gpu,
+    qg: &impl DevicePtr<f32>,
+    qg_width: usize,
+    heads: GatedQuery,
+    n_rows: usize,
+    out: &mut impl DevicePtrMut<f32>,
+    out_width: usize,
+) -> Result<(), CudaError> {
+    gated_query_launch(gpu, "split_gated_query", 0, qg, qg_width, heads, n_rows, out, out_width)
+}
+
+/// `out = x * sigmoid(gate)` over `n_rows` rows of `heads.width()` (`x`, `out`), the gate being
+/// the gate halves of the gated query projection `qg` (rows of `qg_width`): gated attention's
+/// output gate.
+pub fn sigmoid_gate(
+    gpu: &Gpu,
+    x: &impl DevicePtr<f32>,
+    qg: &impl DevicePtr<f32>,
+    qg_width: usize,
+    heads: GatedQuery,
+    n_rows: usize,
+    out: &mut impl DevicePtrMut<f32>,
+) -> Result<(), CudaError> {
+    const OP: &str = "sigmoid_gate";
+    check_len(OP, "x", x.len(), elems(OP, &[n_rows, heads.width()])?)?;
+    gated_query_launch(gpu, OP, addr(gpu, x), qg, qg_width, heads, n_rows, out, heads.width())
+}
+
+/// Check and launch kernel `op` of the gated query pair (`x`: the gated input, or 0).
+#[allow(clippy::too_many_arguments)]
+fn gated_query_launch(
+    gpu: &Gpu,
+    op: &'static str,
+    x: u64,
+    qg: &impl DevicePtr<f32>,
+    qg_width: usize,
+    heads: GatedQuery,
+    n_rows: usize,
+    out: &mut impl DevicePtrMut<f32>,
+    out_width: usize,
+) -> Result<(), CudaError> {
+    let w = heads.width();
+    if n_rows == 0 || w == 0 {
+        return Ok(());
+    }
+    if 2 * w > qg_width || w > out_width {
+        return Err(CudaError::invalid(
+            op,
+            format!("{} heads of {} do not fit projection rows of {qg_width} and output rows of {out_width}", heads.n_heads, heads.head_dim),
+        ));
+    }
+    check_cols(op, "qg", qg.len(), qg_width, 0, 2 * w, n_rows)?;
+    check_cols(op, "out", out.len(), out_width, 0, w, n_rows)?;
+    let params = GatedQueryParams {
+        qg: addr(gpu, qg),
+        x,
+        out: addr_mut(gpu, out),
+        qg_width: qg_width as u32,
+        out_width: out_width as u32,
+        n_heads: as_u32(op, "n_heads", heads.n_heads)?,
+        head_dim: as_u32(op, "head_dim", heads.head_dim)?,
+        n_rows: as_u32(op, "n_rows", n_rows)?,
+        pad: 0,
+    };
+    let variant = ActivationVariant;
+    gpu.launch(&variant, op, variant.launch_config(elems(op, &[n_rows, w])?), &params)
 }

@@ -1,0 +1,213 @@
+//! Gated DeltaNet: the per-layer recurrent state and the mixer op (conv1d + SiLU, then the
+//! gated delta rule with its gated RMSNorm); layouts in [`crate::kernels::gdn`].
+
+use super::{addr, addr_mut, as_u32, check_len, elems};
+use crate::error::{Context, CudaError};
+use crate::kernels::gdn::{GdnConvParams, GdnConvVariant, GdnDeltaParams, GdnDeltaVariant};
+use crate::Gpu;
+use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
+use ferrite_model::graph::GdnShape;
+
+/// The kernel variant for `shape`, or why the CUDA backend cannot run it.
+pub fn check_gdn_shape(shape: &GdnShape) -> Result<GdnDeltaVariant, CudaError> {
+    const OP: &str = "gated_delta_net";
+    let s = shape;
+    if s.n_k_heads == 0 || s.n_v_heads == 0 || !s.n_v_heads.is_multiple_of(s.n_k_heads) || s.conv_kernel == 0 {
+        return Err(CudaError::invalid(OP, format!("bad shape {s:?}")));
+    }
+    as_u32(OP, "projection width", s.proj_width())?;
+    GdnDeltaVariant::for_shape(s.k_dim, s.v_dim).map_err(|e| CudaError::invalid(OP, e))
+}
+
+/// One Gated DeltaNet layer's recurrent state in device memory, f32: the conv window
+/// (`[conv_kernel - 1, conv_width]`, oldest input first) and the delta-rule matrices
+/// (`[n_v_heads, k_dim, v_dim]`), as ferrite-cpu lays them out. Its buffers never move, so a
+/// captured decode graph keeps updating the same state.
+pub struct GdnState {
+    conv: CudaSlice<f32>,
+    ssm: CudaSlice<f32>,
+    pub shape: GdnShape,
+}
+
+impl GdnState {
+    /// A zeroed state (the state before the first token).
+    pub fn new(gpu: &Gpu, shape: GdnShape) -> Result<Self, CudaError> {
+        check_gdn_shape(&shape)?;
+        // A one-tap conv keeps no window; allocations are never empty.
+        let conv = gpu.alloc_zeros(shape.conv_state_len().max(1))?;
+        Ok(GdnState { conv, ssm: gpu.alloc_zeros(shape.ssm_state_len())?, shape })
+    }
+
+    /// Zero both parts, in stream order (a forward from position 0).
+    pub fn reset(&mut self, gpu: &Gpu) -> Result<(), CudaError> {
+        let stream = gpu.stream();
+        stream.memset_zeros(&mut self.conv).context(|| "clearing the conv state".into())?;
+        stream.memset_zeros(&mut self.ssm).context(|| "clearing the delta-rule state".into())
+    }
+
+    /// Replace the state with host values (tests start from a non-zero state).
+    pub fn upload(&mut self, gpu: &Gpu, conv: &[f32], ssm: &[f32]) -> Result<(), CudaError> {
+        const OP: &str = "GdnState::upload";
+        let s = self.shape;
+        if conv.len() != s.conv_state_len() || ssm.len() != s.ssm_state_len() {
+            return Err(CudaError::invalid(
+                OP,
+                format!("got {} + {} values, the state holds {} + {}", conv.len(), ssm.len(), s.conv_state_len(), s.ssm_state_len()),
+            ));
+        }
+        let stream = gpu.stream();
+        stream.memcpy_htod(conv, &mut self.conv.slice_mut(0..conv.len())).context(|| "copying the conv state".into())?;
+        stream.memcpy_htod(ssm, &mut self.ssm).context(|| "copying the delta-rule state".into())
+    }
+
+    /// Copy the conv and delta-rule state back (waits for the stream).
+    pub fn download(&self, gpu: &Gpu) -> Result<(Vec<f32>, Vec<f32>), CudaError> {
+        Ok((gpu.download(&self.conv.slice(0..self.shape.conv_state_len()))?, gpu.download(&self.ssm)?))
+    }
+
+    /// Device bytes held.
+    pub fn bytes(&self) -> usize {
+        (self.conv.len() + self.ssm.len()) * 4
+    }
+}
+
+/// The per-layer parameters of the mixer, f32 on the device.
+pub struct GdnWeights<'a> {
+    /// `[conv_width, conv_kernel]`, the last tap on the current token.
+    pub conv: &'a CudaSlice<f32>,
+    /// Per value head: `-exp(A_log)` (llama.cpp's `ssm_a`).
+    pub a_coef: &'a CudaSlice<f32>,
+    pub dt_bias: &'a CudaSlice<f32>,
+    /// Gated RMSNorm weight (`v_dim`, plain multiply) and its epsilon.
+    pub norm: &'a CudaSlice<f32>,
+    pub eps: f32,
+}
+
+/// How [`gated_delta_net`] runs a batch.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GdnPath {
+    /// Conv, then the delta rule token by token inside one kernel per layer.
+    Recurrent,
+}
+
+/// The path for a batch of `n_tokens`. Prefill takes the recurrent kernel too for now; a chunked
+/// (WY/UT, chunk 64) prefill kernel will take the long batches here.
+pub fn gdn_plan(_n_tokens: usize) -> GdnPath {
+    GdnPath::Recurrent
+}
+
+/// The mixer of one Gated DeltaNet layer on `n_tokens` rows of `x` (`q | k | v | z | b | a`,
+/// `proj_width` each), continuing from and updating `state`; `out` gets `n_tokens` rows of
+/// `value_width`. `conv_out` is scratch for `n_tokens` rows of `conv_width`.
+pub fn gated_delta_net(
+    gpu: &Gpu,
+    x: &impl DevicePtr<f32>,
+    n_tokens: usize,
+    w: &GdnWeights,
+    state: &mut GdnState,
+    conv_out: &mut (impl DevicePtr<f32> + DevicePtrMut<f32>),
+    out: &mut impl DevicePtrMut<f32>,
+) -> Result<(), CudaError> {
+    match gdn_plan(n_tokens) {
+        GdnPath::Recurrent => {
+            gdn_conv(gpu, x, n_tokens, w.conv, state, conv_out)?;
+            gdn_delta(gpu, conv_out, x, n_tokens, w, state, out)
+        }
+    }
+}
+
+/// Causal depthwise conv1d + SiLU over the `q | k | v` channels (the first `conv_width` columns
+/// of each `x` row of `proj_width`) into `out` (`n_tokens` rows of `conv_width`), through the
+/// state's conv window, which it then advances.
+pub fn gdn_conv(
+    gpu: &Gpu,
+    x: &impl DevicePtr<f32>,
+    n_tokens: usize,
+    weight: &impl DevicePtr<f32>,
+    state: &mut GdnState,
+    out: &mut impl DevicePtrMut<f32>,
+) -> Result<(), CudaError> {
+    const OP: &str = "gdn_conv";
+    if n_tokens == 0 {
+        return Ok(());
+    }
+    let s = state.shape;
+    let cw = s.conv_width();
+    check_len(OP, "x", x.len(), elems(OP, &[n_tokens, s.proj_width()])?)?;
+    check_len(OP, "weight", weight.len(), elems(OP, &[cw, s.conv_kernel])?)?;
+    check_len(OP, "out", out.len(), elems(OP, &[n_tokens, cw])?)?;
+    let variant = GdnConvVariant;
+    let params = GdnConvParams {
+        x: addr(gpu, x),
+        weight: addr(gpu, weight),
+        state: addr_mut(gpu, &mut state.conv),
+        out: addr_mut(gpu, out),
+        n_tokens: as_u32(OP, "n_tokens", n_tokens)?,
+        channels: cw as u32,
+        x_width: s.proj_width() as u32,
+        taps: s.conv_kernel as u32,
+    };
+    gpu.launch(&variant, "gdn_conv", variant.launch_config(cw), &params)
+}
+
+/// The gated delta rule and gated RMSNorm on `n_tokens` tokens, in order: `qkv` is the conv
+/// output (rows of `conv_width`), `x` the projected input (rows of `proj_width`, read for
+/// `z | b | a`); `out` gets rows of `value_width`. Continues from and updates the state's
+/// delta-rule matrices.
+pub fn gdn_delta(
+    gpu: &Gpu,
+    qkv: &impl DevicePtr<f32>,
+    x: &impl DevicePtr<f32>,
+    n_tokens: usize,
+    w: &GdnWeights,
+    state: &mut GdnState,
+    out: &mut impl DevicePtrMut<f32>,
+) -> Result<(), CudaError> {
+    const OP: &str = "gdn_delta";
+    if n_tokens == 0 {
+        return Ok(());
+    }
+    let s = state.shape;
+    let variant = check_gdn_shape(&s)?;
+    if !(w.eps >= 0.0 && w.eps.is_finite()) {
+        return Err(CudaError::invalid(OP, format!("norm epsilon {} is not a non-negative number", w.eps)));
+    }
+    check_len(OP, "qkv", qkv.len(), elems(OP, &[n_tokens, s.conv_width()])?)?;
+    check_len(OP, "x", x.len(), elems(OP, &[n_tokens, s.proj_width()])?)?;
+    check_len(OP, "a_coef", w.a_coef.len(), s.n_v_heads)?;
+    check_len(OP, "dt_bias", w.dt_bias.len(), s.n_v_heads)?;
+    check_len(OP, "norm", w.norm.len(), s.v_dim)?;
+    check_len(OP, "out", out.len(), elems(OP, &[n_tokens, s.value_width()])?)?;
+    let params = GdnDeltaParams {
+        qkv: addr(gpu, qkv),
+        x: addr(gpu, x),
+        a_coef: addr(gpu, w.a_coef),
+        dt_bias: addr(gpu, w.dt_bias),
+        norm: addr(gpu, w.norm),
+        state: addr_mut(gpu, &mut state.ssm),
+        out: addr_mut(gpu, out),
+        n_tokens: as_u32(OP, "n_tokens", n_tokens)?,
+        n_k_heads: s.n_k_heads as u32,
+        n_v_heads: s.n_v_heads as u32,
+        x_width: s.proj_width() as u32,
+        q_scale: 1.0 / (s.k_dim as f32).sqrt(),
+        eps: w.eps,
+    };
+    gpu.launch(&variant, "gdn_delta", variant.launch_config(s.n_v_heads), &params)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn shapes_the_kernels_cannot_run_are_refused() {
+        let qwen35 = GdnShape { n_k_heads: 16, n_v_heads: 32, k_dim: 128, v_dim: 128, conv_kernel: 4 };
+        assert_eq!(check_gdn_shape(&qwen35).unwrap(), GdnDeltaVariant { k_dim: 128, v_dim: 128, ksplit: 4 });
+        let err = check_gdn_shape(&GdnShape { v_dim: 512, ..qwen35 }).unwrap_err().to_string();
+        assert!(err.contains("do not fit the delta-rule kernel"), "{err}");
+        let err = check_gdn_shape(&GdnShape { n_v_heads: 24, ..qwen35 }).unwrap_err().to_string();
+        assert!(err.starts_with("gated_delta_net: bad shape"), "{err}");
+        assert!(check_gdn_shape(&GdnShape { conv_kernel: 0, ..qwen35 }).is_err());
+    }
+}
