@@ -136,9 +136,9 @@ switches! {
     /// RoPE applied inside the attention op.
     DISABLE_ROPE_FUSION = ("FERRITE_DISABLE_ROPE_FUSION", "0", AbTest,
         "1 rotates Q and K with a separate in-place RoPE op before attention, instead of inside the attention op as it stores K in the cache and reads Q (CUDA: one kernel fewer per layer).");
-    /// Split-KV (flash-decoding) attention for decode on CUDA.
-    DISABLE_SPLIT_ATTENTION = ("FERRITE_DISABLE_SPLIT_ATTENTION", "0", AbTest,
-        "1 runs CUDA decode attention with one block per head and query (all keys in one block) instead of cutting the keys into shares computed in parallel and merged by a second kernel.");
+    /// Split-KV (flash-decoding) attention for decode on CUDA (opt-in).
+    SPLIT_ATTENTION = ("FERRITE_SPLIT_ATTENTION", "0", AbTest,
+        "1 runs CUDA decode attention on caches over 256 positions split-KV: each query's keys cut into shares computed by separate blocks, merged by the last to finish. Off by default: on the H200 it measured slower than one block per query up to 4k-token contexts (docs/perf.md).");
     /// Activation format of the CUDA GEMV on quantized weights.
     CUDA_GEMV_ACTIVATIONS = ("FERRITE_CUDA_GEMV_ACTIVATIONS", "q8", AbTest,
         "q8|f32: q8 quantizes activations to int8 blocks (the CPU quantized path's numerics) and multiplies with dp4a, fusing norm, bias and residual; f32 multiplies f32 activations (matches the fp32 CPU reference to rounding).");

@@ -189,7 +189,7 @@ impl CudaExecutor {
             .into_iter()
             .map(|l| KvCache::new(&gpu, kv_dtype(), options.context_len, cfg.n_kv_heads, cfg.head_dim).map(|c| (l, c)))
             .collect::<Result<_, _>>()?;
-        let split_attention = !env::DISABLE_SPLIT_ATTENTION.flag(false);
+        let split_attention = env::SPLIT_ATTENTION.flag(false);
         let attention_splits: Vec<usize> = (0..=max_batch)
             .map(|n| {
                 let splits = ops::attention_splits(gpu.sm_count() as usize, cfg.n_heads, n, options.context_len);
