@@ -161,8 +161,8 @@ pub const MAX_SPLITS: usize = 256;
 /// Key shares per query for split-KV decode attention: enough blocks to cover the device twice
 /// over, each share at least 128 of the cache's `max_seq` positions (the kernel also keeps 128
 /// keys per share at run time, a batch of 32 for each of its 4 warps, so short contexts use
-/// fewer shares). 1 (no split) for batches of
-/// more than 8 tokens (prefill has blocks enough) and caches of at most 256 positions.
+/// fewer shares). 1 (no split) for batches of more than 8 tokens (prefill has blocks enough)
+/// and caches of at most 256 positions.
 pub fn attention_splits(sm_count: usize, n_heads: usize, n_tokens: usize, max_seq: usize) -> usize {
     if n_tokens == 0 || n_tokens > 8 || max_seq <= 256 {
         return 1;
