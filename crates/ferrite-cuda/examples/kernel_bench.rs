@@ -85,10 +85,10 @@ fn main() -> Result<(), CudaError> {
     let cfg = AttentionConfig { n_heads: 9, scale: 0.125, window: None, softcap: None };
     for pos in [127u32, 1023, 8191] {
         let p = gpu.upload(&[pos], "pos")?;
-        let s = time(&gpu, 200, || ops::attention(&gpu, &q, &cache, &p, 1, &cfg, &mut out))?;
+        let s = time(&gpu, 200, || ops::attention(&gpu, &q, &cache, &p, 1, &cfg, &mut out, None))?;
         let splits = ops::attention_splits(gpu.sm_count() as usize, 9, 1, 8192);
         let mut scratch = ops::SplitScratch::new(&gpu, 9, splits, 64)?;
-        let split = time(&gpu, 200, || ops::attention_split(&gpu, &q, &cache, &p, 1, &cfg, splits, &mut scratch, &mut out))?;
+        let split = time(&gpu, 200, || ops::attention_split(&gpu, &q, &cache, &p, 1, &cfg, splits, &mut scratch, &mut out, None))?;
         println!("  kv_len={:<5} {:>9.2} us, split in {splits}: {:>9.2} us", pos + 1, s * 1e6, split * 1e6);
     }
 

@@ -17,7 +17,7 @@ use anyhow::{anyhow, bail, Context};
 use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
 use cudarc::driver::{CudaGraph, CudaSlice};
 use ferrite_core::env;
-use ferrite_model::graph::{GatedActivation, Op, ValueId, WeightId};
+use ferrite_model::graph::{GatedActivation, NormSpec, Op, ValueId, WeightId};
 use ferrite_model::planner::{self, Plan};
 use ferrite_model::profile::OpProfile;
 use ferrite_model::{
@@ -81,8 +81,15 @@ struct Buffers {
     /// Output of a linear that fills a column range / a second gathered operand.
     scratch_b: CudaSlice<f32>,
     scratch_c: CudaSlice<f32>,
-    /// int8 activations of the linear being run (the int8 GEMV path).
+    /// int8 activations of a linear that quantizes its own input (the int8 GEMV path).
     q8: ops::Q8Activations,
+    /// int8 activations left by the producer of a hand-off, alternating: hand-off `h` uses
+    /// buffer `h % 2`, so a GEMV that consumes one hand-off and produces the next never writes
+    /// the buffer it reads.
+    q8_handoff: [ops::Q8Activations; 2],
+    /// Per op: the hand-off it consumes / produces, when active for the batch being run.
+    handoff_in: Vec<Option<usize>>,
+    handoff_out: Vec<Option<usize>>,
     kv: PerLayer<KvCache>,
     gdn: PerLayer<GdnState>,
     /// Key shares of decode attention per batch size (`attention_splits`; 1: no split) and the
@@ -205,6 +212,9 @@ impl CudaExecutor {
             scratch_b: gpu.alloc_zeros(scratch)?,
             scratch_c: gpu.alloc_zeros(scratch)?,
             q8: ops::Q8Activations::new(&gpu, scratch)?,
+            q8_handoff: [ops::Q8Activations::new(&gpu, scratch)?, ops::Q8Activations::new(&gpu, scratch)?],
+            handoff_in: vec![None; graph.ops.len()],
+            handoff_out: vec![None; graph.ops.len()],
             ids: gpu.alloc_zeros(max_batch)?,
             positions: gpu.alloc_zeros(max_batch)?,
             token: gpu.alloc_zeros(1)?,
@@ -273,14 +283,15 @@ impl CudaExecutor {
         let model = Arc::clone(&self.model);
         let timing = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
         let mut events = Vec::new();
-        for op in &model.graph.ops {
+        self.plan_handoffs(n);
+        for (i, op) in model.graph.ops.iter().enumerate() {
             let out_slot = self.plan.slot(op.writes());
             let mut out = self.buf.slots[out_slot].take().expect("slot in use");
             let start = match self.buf.profile {
                 Some(_) => Some(stream.record_event(timing).map_err(CudaError::from)?),
                 None => None,
             };
-            let result = self.run_op(op, &mut out, n);
+            let result = self.run_op(i, op, &mut out, n);
             self.buf.slots[out_slot] = Some(out);
             result.with_context(|| format!("op {} writing `{}`", op.kind(), model.graph.value(op.writes()).name))?;
             if let Some(start) = start {
@@ -297,7 +308,36 @@ impl CudaExecutor {
         Ok(())
     }
 
-    fn run_op(&mut self, op: &Op, out: &mut CudaSlice<f32>, n: usize) -> anyhow::Result<()> {
+    /// Which of the graph's int8 hand-offs run for a batch of `n`: those whose consumer takes
+    /// the int8 GEMV and whose producer can quantize its output there (attention always; a
+    /// linear when it is an int8 GEMV too and its output is whole 32-value blocks). The others
+    /// fall back to the consumer's own quantize launch.
+    fn plan_handoffs(&mut self, n: usize) {
+        let graph = &self.model.graph;
+        let opts = self.gpu.linear_options();
+        let int8_gemv = |w: WeightId, x: ValueId| match &self.weights[w.0 as usize] {
+            Some(GpuWeight::Matrix(m)) => ops::linear_plan(m.dtype, graph.value(x).width, n, &opts) == ops::LinearPlan::GemvQ8,
+            _ => false,
+        };
+        let runs_int8 = |op: &Op| match *op {
+            Op::Linear { w, x, .. } | Op::GatedLinear { w, x, .. } => int8_gemv(w, x),
+            _ => false,
+        };
+        self.buf.handoff_in.iter_mut().chain(self.buf.handoff_out.iter_mut()).for_each(|h| *h = None);
+        for (i, h) in graph.handoffs.iter().enumerate() {
+            let producer = &graph.ops[h.producer];
+            let emits = match producer {
+                Op::Attention { .. } => graph.attention.head_dim.is_multiple_of(32),
+                _ => runs_int8(producer) && graph.value(producer.writes()).width.is_multiple_of(32),
+            };
+            if emits && runs_int8(&graph.ops[h.consumer]) {
+                self.buf.handoff_out[h.producer] = Some(i);
+                self.buf.handoff_in[h.consumer] = Some(i);
+            }
+        }
+    }
+
+    fn run_op(&mut self, index: usize, op: &Op, out: &mut CudaSlice<f32>, n: usize) -> anyhow::Result<()> {
         let graph = &self.model.graph;
         let width = |v: ValueId| graph.value(v).width;
         let rows = |v: ValueId| graph.value(v).n_rows(n);
@@ -313,18 +353,31 @@ impl CudaExecutor {
         };
         let slots = &buf.slots;
         let input = |v: ValueId| slots[plan.slot(v)].as_ref().expect("an op's input never shares its output's slot");
+        let norm_prologue = |nm: NormSpec| ops::NormPrologue { weight: vector(nm.weight), eps: nm.eps, add_one: false };
+        // The norm of the linear that consumes this op's int8 hand-off.
+        let handoff_norm = |producer: usize| {
+            let h = graph.handoffs.iter().find(|h| h.producer == producer)?;
+            match graph.ops[h.consumer] {
+                Op::Linear { norm, .. } | Op::GatedLinear { norm, .. } => norm,
+                _ => None,
+            }
+        };
         match *op {
             Op::Embed { table, scale, .. } => ops::embed_scaled(gpu, matrix(table), &buf.ids, n, scale, out)?,
             Op::RmsNorm { x, norm, .. } => ops::rms_norm(gpu, input(x), vector(norm.weight), norm.eps, rows(x), width(x), false, out)?,
             Op::Linear { x, norm, w, bias, residual, out_col, .. }
                 if ops::linear_plan(matrix(w).dtype, width(x), rows(x), &gpu.linear_options()) == ops::LinearPlan::GemvQ8 =>
             {
-                // One launch normalises and quantizes, one multiplies and adds bias and residual.
+                // The input quantized (+ normalised) by its producer or by a launch of its own;
+                // one launch multiplies, adds bias and residual, and may quantize for the next.
                 let (r, xw, ow) = (rows(x), width(x), width(op.writes()));
-                let prologue = norm.map(|nm| ops::NormPrologue { weight: vector(nm.weight), eps: nm.eps, add_one: false });
-                ops::quantize_q8(gpu, input(x), r, xw, prologue, &mut buf.q8)?;
+                let (q8, quantize, emit) = q8_buffers(&mut buf.q8, &mut buf.q8_handoff, buf.handoff_in[index], buf.handoff_out[index]);
+                if quantize {
+                    ops::quantize_q8(gpu, input(x), r, xw, norm.map(norm_prologue), q8)?;
+                }
                 let epilogue = ops::Epilogue { bias: bias.map(vector), residual: residual.map(input), glu: None };
-                ops::linear_q8(gpu, matrix(w), &buf.q8, r, out, ow, out_col, &epilogue)?;
+                let emit = emit.map(|dst| ops::Q8Emit { dst, norm: handoff_norm(index).map(norm_prologue) });
+                ops::linear_q8(gpu, matrix(w), q8, r, out, ow, out_col, &epilogue, emit)?;
             }
             Op::Linear { x, norm, w, bias, residual, out_col, .. } => {
                 let (r, xw, ow) = (rows(x), width(x), width(op.writes()));
@@ -378,11 +431,11 @@ impl CudaExecutor {
                 let cache = &mut buf.kv[layer];
                 ops::store_qkv(gpu, cache, input(qkv), width(qkv), n, a.n_heads, &buf.positions, rope.as_ref(), &mut buf.scratch_a)?;
                 let q = buf.scratch_a.slice(0..n * a.n_heads * a.head_dim);
+                // The output projection takes no norm: the hand-off is the plain quantization.
+                let emit = buf.handoff_out[index].map(|h| &mut buf.q8_handoff[h % 2]);
                 match buf.attention_splits[n] {
-                    1 => ops::attention(gpu, &q, cache, &buf.positions, n, &cfg, out)?,
-                    splits => {
-                        ops::attention_split(gpu, &q, cache, &buf.positions, n, &cfg, splits, &mut buf.split_scratch, out)?
-                    }
+                    1 => ops::attention(gpu, &q, cache, &buf.positions, n, &cfg, out, emit)?,
+                    splits => ops::attention_split(gpu, &q, cache, &buf.positions, n, &cfg, splits, &mut buf.split_scratch, out, emit)?,
                 }
             }
             Op::SwiGlu { x, .. } | Op::GeGlu { x, .. } => {
@@ -396,11 +449,14 @@ impl CudaExecutor {
                 };
                 let (r, xw, half) = (rows(x), width(x), width(op.writes()));
                 if ops::linear_plan(matrix(w).dtype, xw, r, &gpu.linear_options()) == ops::LinearPlan::GemvQ8 {
-                    // Quantize (+ norm), then one GEMV whose epilogue applies the activation.
-                    let prologue = norm.map(|nm| ops::NormPrologue { weight: vector(nm.weight), eps: nm.eps, add_one: false });
-                    ops::quantize_q8(gpu, input(x), r, xw, prologue, &mut buf.q8)?;
+                    // Quantized (+ norm) input, then one GEMV whose epilogue applies the activation.
+                    let (q8, quantize, emit) = q8_buffers(&mut buf.q8, &mut buf.q8_handoff, buf.handoff_in[index], buf.handoff_out[index]);
+                    if quantize {
+                        ops::quantize_q8(gpu, input(x), r, xw, norm.map(norm_prologue), q8)?;
+                    }
                     let epilogue = ops::Epilogue { glu: Some(glu), ..Default::default() };
-                    ops::linear_q8(gpu, matrix(w), &buf.q8, r, out, half, 0, &epilogue)?;
+                    let emit = emit.map(|dst| ops::Q8Emit { dst, norm: handoff_norm(index).map(norm_prologue) });
+                    ops::linear_q8(gpu, matrix(w), q8, r, out, half, 0, &epilogue, emit)?;
                 } else {
                     // Other paths: the projection into scratch, then the activation kernel.
                     let x_in = match norm {
@@ -599,6 +655,27 @@ fn gated_rows(
     ops::copy_cols(gpu, src, 2 * half, 0, scratch_gate, half, 0, half, r)?;
     ops::copy_cols(gpu, src, 2 * half, half, scratch_up, half, 0, half, r)?;
     act(&scratch_gate.slice(0..r * half), &scratch_up.slice(0..r * half), r * half, out)
+}
+
+/// The int8 activations of a GEMV, whether it must quantize them itself first (no active
+/// hand-off into it), and the hand-off buffer its epilogue fills (if it produces one). A GEMV
+/// that consumes hand-off `c` and produces `c + 1` reads one buffer and writes the other.
+fn q8_buffers<'a>(
+    own: &'a mut ops::Q8Activations,
+    handoff: &'a mut [ops::Q8Activations; 2],
+    consumes: Option<usize>,
+    produces: Option<usize>,
+) -> (&'a mut ops::Q8Activations, bool, Option<&'a mut ops::Q8Activations>) {
+    let [even, odd] = handoff;
+    let by_parity = |h: usize, even, odd| if h.is_multiple_of(2) { (even, odd) } else { (odd, even) };
+    match consumes {
+        Some(c) => {
+            debug_assert!(produces.is_none_or(|p| p % 2 != c % 2), "hand-offs {c} and {produces:?} share a buffer");
+            let (read, other) = by_parity(c, even, odd);
+            (read, false, produces.map(|_| other))
+        }
+        None => (own, true, produces.map(|p| by_parity(p, even, odd).0)),
+    }
 }
 
 /// Open the CUDA executor, or explain why there is no usable GPU.

@@ -395,7 +395,7 @@ fn linear_q8_fuses_norm_bias_and_residual() {
         ops::quantize_q8(gpu, &upload(gpu, &x), n, cols, Some(prologue), &mut q8).unwrap();
         let (bias_d, res_d) = (upload(gpu, &bias), upload(gpu, &res));
         let epilogue = ops::Epilogue { bias: Some(&bias_d), residual: Some(&res_d), glu: None };
-        ops::linear_q8(gpu, &weight, &q8, n, &mut out, ld, col, &epilogue).unwrap();
+        ops::linear_q8(gpu, &weight, &q8, n, &mut out, ld, col, &epilogue, None).unwrap();
         let got_all = download(gpu, &out);
         let mut got = Vec::new();
         let mut want = Vec::new();
@@ -437,7 +437,7 @@ fn linear_q8_gated_epilogue_matches_cpu() {
         ops::quantize_q8(gpu, &upload(gpu, &x), n, cols, None, &mut q8).unwrap();
         let mut out = poisoned(gpu, n * half);
         let epilogue = ops::Epilogue { glu: Some(glu), ..Default::default() };
-        ops::linear_q8(gpu, &weight, &q8, n, &mut out, half, 0, &epilogue).unwrap();
+        ops::linear_q8(gpu, &weight, &q8, n, &mut out, half, 0, &epilogue, None).unwrap();
         let step = q8_steps(&x, cols);
         let (mut want, mut bound) = (Vec::new(), Vec::new());
         for t in 0..n {
@@ -457,6 +457,125 @@ fn linear_q8_gated_epilogue_matches_cpu() {
         }
         check("linear_q8", &format!("{dtype} [gate;up] {rows}x{cols} n={n} {glu:?}"), &download(gpu, &out), &want, |i| bound[i]);
     }
+}
+
+/// What a GEMV reads from int8 activations: their product with a fixed random Q8_0 weight.
+fn q8_product(gpu: &Gpu, q8: &ops::Q8Activations, n: usize, cols: usize) -> Vec<f32> {
+    let (bytes, _) = random_weight(&mut Rng(7), GgmlType::Q8_0, 8, cols);
+    let weight = gpu.upload_weight(GgmlType::Q8_0, 8, cols, &bytes).unwrap();
+    let mut out = poisoned(gpu, n * 8);
+    ops::linear_q8(gpu, &weight, q8, n, &mut out, 8, 0, &ops::Epilogue::default(), None).unwrap();
+    download(gpu, &out)
+}
+
+/// A plain int8 hand-off holds exactly what `quantize_q8` makes of the producer's f32 output.
+fn assert_handoff_is_quantize(gpu: &Gpu, emitted: &ops::Q8Activations, out: &CudaSlice<f32>, n: usize, cols: usize, case: &str) {
+    let mut own = ops::Q8Activations::new(gpu, n * cols).unwrap();
+    ops::quantize_q8(gpu, out, n, cols, None, &mut own).unwrap();
+    let (a, b) = (q8_product(gpu, emitted, n, cols), q8_product(gpu, &own, n, cols));
+    assert!(a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits()), "{case}: the int8 hand-off differs from quantize_q8 of the output");
+}
+
+/// `rms_norm(x) * g` per row, in f64 as f32 values.
+fn normed(x: &[f32], g: &[f32]) -> Vec<f32> {
+    let mut out = vec![0f32; x.len()];
+    norm::rms_norm(x, g, 1e-5, &mut out);
+    out
+}
+
+/// A decoder layer's GEMV chain with int8 hand-offs: output projection (residual; hands off its
+/// output times the MLP norm's weight) -> gate/up with SwiGLU (finishes that norm; hands off
+/// plainly) -> down (residual; hands off times the next norm's weight) -> a projection that
+/// finishes it. Plain hand-offs must match a `quantize_q8` launch bit for bit; normed ones must
+/// be as close to the exact product of the normalised input as the two-launch path is.
+#[test]
+fn int8_handoffs_chain_gemvs_like_separate_quantize_launches() {
+    let Some(gpu) = gpu() else { return };
+    let mut rng = Rng(47);
+    for (dtype, d, ff, n) in [(GgmlType::Q4_1, 576, 1536, 1), (GgmlType::Q4_K, 256, 512, 3), (GgmlType::Q8_0, 1024, 2048, 8)] {
+        let case = format!("{dtype} d{d} ff{ff} n={n}");
+        let weight = |rng: &mut Rng, rows, cols| {
+            let (bytes, w) = random_weight(rng, dtype, rows, cols);
+            (gpu.upload_weight(dtype, rows, cols, &bytes).unwrap(), w)
+        };
+        let ((wo, _), (wgu, wgu_f), (wd, _), (wq, wq_f)) =
+            (weight(&mut rng, d, d), weight(&mut rng, 2 * ff, d), weight(&mut rng, d, ff), weight(&mut rng, 96, d));
+        let (g1, g2) = (rng.vec(d, 0.5, 1.5), rng.vec(d, 0.5, 1.5));
+        let (g1_d, g2_d) = (upload(gpu, &g1), upload(gpu, &g2));
+        let x = upload(gpu, &rng.vec(n * d, -2.0, 2.0));
+        let res = upload(gpu, &rng.vec(n * d, -2.0, 2.0));
+        let mut q_x = ops::Q8Activations::new(gpu, n * ff).unwrap();
+        let (mut q_a, mut q_b) = (ops::Q8Activations::new(gpu, n * ff).unwrap(), ops::Q8Activations::new(gpu, n * ff).unwrap());
+        let norm_of = |w| Some(ops::NormPrologue { weight: w, eps: 1e-5, add_one: false });
+
+        // Output projection: the f32 output is unchanged by the hand-off.
+        ops::quantize_q8(gpu, &x, n, d, None, &mut q_x).unwrap();
+        let with_res = ops::Epilogue { residual: Some(&res), ..Default::default() };
+        let (mut h1, mut h1_ref) = (poisoned(gpu, n * d), poisoned(gpu, n * d));
+        ops::linear_q8(gpu, &wo, &q_x, n, &mut h1, d, 0, &with_res, Some(ops::Q8Emit { dst: &mut q_a, norm: norm_of(&g1_d) })).unwrap();
+        ops::linear_q8(gpu, &wo, &q_x, n, &mut h1_ref, d, 0, &with_res, None).unwrap();
+        assert_eq!(download(gpu, &h1), download(gpu, &h1_ref), "{case}: output projection");
+
+        // Gate/up on the normed hand-off, against the exact product of the normalised input.
+        let mut m = poisoned(gpu, n * ff);
+        let swiglu = ops::Epilogue { glu: Some(ops::Glu::SwiGlu), ..Default::default() };
+        ops::linear_q8(gpu, &wgu, &q_a, n, &mut m, ff, 0, &swiglu, Some(ops::Q8Emit { dst: &mut q_b, norm: None })).unwrap();
+        let n1 = normed(&download(gpu, &h1), &g1);
+        let step = q8_steps(&n1, d);
+        let silu = |v: f64| v / (1.0 + (-v).exp());
+        let (mut want, mut bound) = (Vec::new(), Vec::new());
+        for t in 0..n {
+            let xt = &n1[t * d..(t + 1) * d];
+            let st = &step[t * d..(t + 1) * d];
+            let dot = |r: usize| -> f64 { (0..d).map(|c| wgu_f[r * d + c] as f64 * xt[c] as f64).sum() };
+            for r in 0..ff {
+                let (g, u) = (dot(r), dot(ff + r));
+                want.push((silu(g) * u) as f32);
+                let eg = q8_bound(&wgu_f[r * d..(r + 1) * d], st);
+                let eu = q8_bound(&wgu_f[(ff + r) * d..(ff + r + 1) * d], st);
+                bound.push(1.1 * eg * (u.abs() + eu) + silu(g).abs() * eu + 1e-5 * (silu(g) * u).abs() + 1e-6);
+            }
+        }
+        check("handoff", &format!("{case} norm -> gate/up"), &download(gpu, &m), &want, |i| bound[i]);
+
+        // Down projection on the plain hand-off: as if `m` had been quantized by its own launch.
+        assert_handoff_is_quantize(gpu, &q_b, &m, n, ff, &case);
+        let (mut h2, mut h2_ref) = (poisoned(gpu, n * d), poisoned(gpu, n * d));
+        let with_h1 = ops::Epilogue { residual: Some(&h1), ..Default::default() };
+        ops::linear_q8(gpu, &wd, &q_b, n, &mut h2, d, 0, &with_h1, Some(ops::Q8Emit { dst: &mut q_a, norm: norm_of(&g2_d) })).unwrap();
+        ops::quantize_q8(gpu, &m, n, ff, None, &mut q_x).unwrap();
+        ops::linear_q8(gpu, &wd, &q_x, n, &mut h2_ref, d, 0, &with_h1, None).unwrap();
+        assert_eq!(download(gpu, &h2), download(gpu, &h2_ref), "{case}: down projection");
+
+        // A projection finishing the second norm.
+        let mut y = poisoned(gpu, n * 96);
+        ops::linear_q8(gpu, &wq, &q_a, n, &mut y, 96, 0, &ops::Epilogue::default(), None).unwrap();
+        let n2 = normed(&download(gpu, &h2), &g2);
+        let mut want = vec![0f32; n * 96];
+        matmul_f32(&wq_f, 96, d, &n2, n, &mut want);
+        let step = q8_steps(&n2, d);
+        check("handoff", &format!("{case} norm -> linear"), &download(gpu, &y), &want, |i| {
+            let (t, r) = (i / 96, i % 96);
+            let mag: f64 = (0..d).map(|c| (wq_f[r * d + c] * n2[t * d + c]).abs() as f64).sum();
+            q8_bound(&wq_f[r * d..(r + 1) * d], &step[t * d..(t + 1) * d]) + 2e-5 * (mag + 4.0)
+        });
+    }
+}
+
+/// An int8 hand-off quantizes whole rows of 32-value blocks: a column range is refused.
+#[test]
+fn int8_handoff_rejects_column_ranges() {
+    let Some(gpu) = gpu() else { return };
+    let (bytes, _) = random_weight(&mut Rng(3), GgmlType::Q8_0, 64, 64);
+    let w = gpu.upload_weight(GgmlType::Q8_0, 64, 64, &bytes).unwrap();
+    let mut q = ops::Q8Activations::new(gpu, 256).unwrap();
+    ops::quantize_q8(gpu, &upload(gpu, &[1f32; 64]), 1, 64, None, &mut q).unwrap();
+    let mut dst = ops::Q8Activations::new(gpu, 256).unwrap();
+    let mut out = poisoned(gpu, 96);
+    let err = ops::linear_q8(gpu, &w, &q, 1, &mut out, 96, 32, &ops::Epilogue::default(), Some(ops::Q8Emit { dst: &mut dst, norm: None }))
+        .unwrap_err()
+        .to_string();
+    assert_eq!(err, "linear_q8: an int8 hand-off quantizes whole rows of 32-value blocks, not columns 32..96 of 96");
 }
 
 #[test]
@@ -531,11 +650,16 @@ fn attention_matches_cpu_prefill_and_decode() {
             let mut want = vec![0f32; chunk * qw];
             attention::attention(&cpu, &q, &k_host, &v_host, start, chunk, &mut want);
             let mut out = poisoned(gpu, chunk * qw);
-            ops::attention(gpu, &q_dev, &cache, &pos_dev, chunk, &cfg, &mut out).unwrap();
+            // Every other chunk also leaves its output quantized (an int8 hand-off).
+            let mut emitted = (start % 2 == 0).then(|| ops::Q8Activations::new(gpu, chunk * qw).unwrap());
+            ops::attention(gpu, &q_dev, &cache, &pos_dev, chunk, &cfg, &mut out, emitted.as_mut()).unwrap();
             let name = format!("h{n_heads}/{n_kv} d{hd} {kv_dtype:?} w{window:?} cap{softcap:?} pos{start}+{chunk}");
             // Soft-capping multiplies the CPU tanh's absolute error (~2^-23) by the cap.
             let atol = 2e-6 + softcap.map_or(0.0, |cap| cap as f64 * 2.4e-7 * 2.0);
             close("attention", &name, &download(gpu, &out), &want, 1e-5, atol);
+            if let Some(emitted) = &emitted {
+                assert_handoff_is_quantize(gpu, emitted, &out, chunk, qw, &name);
+            }
             start += chunk;
         }
         // store_qkv stored exactly the rows the mirror holds.
@@ -582,10 +706,15 @@ fn split_attention_matches_cpu_on_long_caches() {
             let mut want = vec![0f32; chunk * qw];
             attention::attention(&cpu, &q, &k_host, &v_host, start, chunk, &mut want);
             let mut out = poisoned(gpu, chunk * qw);
-            ops::attention_split(gpu, &q_dev, &cache, &pos_dev, chunk, &cfg, splits, &mut scratch, &mut out)
+            // The merging block also quantizes its output (an int8 hand-off) on odd starts.
+            let mut emitted = (start % 2 == 1).then(|| ops::Q8Activations::new(gpu, chunk * qw).unwrap());
+            ops::attention_split(gpu, &q_dev, &cache, &pos_dev, chunk, &cfg, splits, &mut scratch, &mut out, emitted.as_mut())
                 .unwrap();
             let name = format!("h{n_heads}/{n_kv} d{hd} {kv_dtype:?} w{window:?} s{splits} pos{start}+{chunk}");
             close("attn_split", &name, &download(gpu, &out), &want, 1e-5, 2e-6);
+            if let Some(emitted) = &emitted {
+                assert_handoff_is_quantize(gpu, emitted, &out, chunk, qw, &name);
+            }
             start += chunk;
         }
     }
@@ -610,28 +739,28 @@ fn attention_reports_positions_beyond_the_cache() {
     assert!(err.contains("position 4"), "{err}");
     let mut out = poisoned(&gpu, hd);
     let cfg = AttentionConfig { n_heads: 1, scale: 1.0, window: None, softcap: None };
-    ops::attention(&gpu, &kv, &cache, &pos, 1, &cfg, &mut out).unwrap();
+    ops::attention(&gpu, &kv, &cache, &pos, 1, &cfg, &mut out, None).unwrap();
     assert!(gpu.check_device().is_err());
     assert!(download(&gpu, &out).iter().all(|v| v.is_nan()));
     let (k, _) = cache.download(&gpu).unwrap();
     assert!(k.iter().all(|&v| v == 0.0), "nothing was written");
     let bad = AttentionConfig { n_heads: 3, ..cfg };
     let mut cache2 = KvCache::new(&gpu, KvDtype::F32, 4, 2, hd).unwrap();
-    let err = ops::attention(&gpu, &kv, &cache2, &pos, 1, &bad, &mut out).unwrap_err().to_string();
+    let err = ops::attention(&gpu, &kv, &cache2, &pos, 1, &bad, &mut out, None).unwrap_err().to_string();
     assert!(err.contains("not a multiple of 2 KV heads"), "{err}");
     assert!(KvCache::new(&gpu, KvDtype::F32, 4, 1, 40).is_err());
     // The split kernel reports and poisons the same way.
     let mut scratch = ops::SplitScratch::new(&gpu, 1, 4, hd).unwrap();
     let mut out = poisoned(&gpu, hd);
-    ops::attention_split(&gpu, &kv, &cache, &pos, 1, &cfg, 4, &mut scratch, &mut out).unwrap();
+    ops::attention_split(&gpu, &kv, &cache, &pos, 1, &cfg, 4, &mut scratch, &mut out, None).unwrap();
     assert!(gpu.check_device().is_err());
     assert!(download(&gpu, &out).iter().all(|v| v.is_nan()));
-    let err = ops::attention_split(&gpu, &kv, &cache, &pos, 1, &cfg, 5, &mut scratch, &mut out).unwrap_err().to_string();
+    let err = ops::attention_split(&gpu, &kv, &cache, &pos, 1, &cfg, 5, &mut scratch, &mut out, None).unwrap_err().to_string();
     assert!(err.contains("cannot hold 1 x 5"), "{err}");
     let zero_window = AttentionConfig { window: Some(0), ..cfg };
     let err = ops::store_qkv(&gpu, &mut cache2, &qkv, 96, 1, 1, &pos, None, &mut q_out).unwrap_err().to_string();
     assert!(err.contains("row stride 96 is shorter than the 160 values"), "{err}");
-    assert!(ops::attention(&gpu, &kv, &cache, &pos, 1, &zero_window, &mut out).is_err());
+    assert!(ops::attention(&gpu, &kv, &cache, &pos, 1, &zero_window, &mut out, None).is_err());
 }
 
 /// `store_qkv` with RoPE rotates Q and K exactly as the `rope` kernel does (the same device
@@ -1226,6 +1355,11 @@ fn every_kernel_variant_compiles_for_sm90() {
                 let v = GemvQ8Variant { residual, bias, ..GemvQ8Variant::for_shape(dtype, rows, cols, n, 132) };
                 check(format!("{v:?}"), compile_variant(&v, "sm_90"));
                 let gated = GemvQ8Variant::for_gated(dtype, rows, cols, n, 132, 1 + (rows % 2) as u32);
+                check(format!("{gated:?}"), compile_variant(&gated, "sm_90"));
+                // Int8 hand-offs: producing (plain / normed) and finishing a norm.
+                let handoff = GemvQ8Variant { in_norm: n != 3, ..v.emitting(1 + (rows % 2) as u32) };
+                check(format!("{handoff:?}"), compile_variant(&handoff, "sm_90"));
+                let gated = GemvQ8Variant { in_norm: true, ..gated.emitting(1) };
                 check(format!("{gated:?}"), compile_variant(&gated, "sm_90"));
             }
         }

@@ -1,5 +1,6 @@
 //! Which fusions the graph builder declares. Defaults come from the env-switch registry.
 
+use crate::graph::{Graph, Handoff, Op, WeightId};
 use ferrite_core::env;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -19,6 +20,9 @@ pub struct FusionOptions {
     /// RoPE of Q and K applied by the attention op as it stores K and reads Q, instead of a
     /// separate in-place op.
     pub rope_into_attention: bool,
+    /// Declare int8 hand-offs ([`crate::graph::Handoff`]): the op feeding a linear may leave
+    /// that linear's quantized input (a backend hint; the CPU executor ignores it).
+    pub int8_handoff: bool,
 }
 
 impl FusionOptions {
@@ -29,6 +33,7 @@ impl FusionOptions {
         residual_into_linear: true,
         glu_into_linear: true,
         rope_into_attention: true,
+        int8_handoff: true,
     };
     pub const NONE: Self = Self {
         qkv: false,
@@ -37,6 +42,7 @@ impl FusionOptions {
         residual_into_linear: false,
         glu_into_linear: false,
         rope_into_attention: false,
+        int8_handoff: false,
     };
 
     /// All fusions on, except those disabled by `FERRITE_DISABLE_*_FUSION=1`.
@@ -48,6 +54,7 @@ impl FusionOptions {
             residual_into_linear: !env::DISABLE_RESIDUAL_FUSION.flag(false),
             glu_into_linear: !env::DISABLE_GLU_FUSION.flag(false),
             rope_into_attention: !env::DISABLE_ROPE_FUSION.flag(false),
+            int8_handoff: !env::DISABLE_INT8_HANDOFF.flag(false),
         }
     }
 }
@@ -56,4 +63,29 @@ impl Default for FusionOptions {
     fn default() -> Self {
         Self::from_env()
     }
+}
+
+/// The int8 hand-offs of a graph: each linear (or gated linear) whose input was written by an
+/// attention op, a whole-width linear or a gated linear, taking only the first linear after each
+/// producer and keeping hand-offs in sequence (a consumer comes no later than the next
+/// producer), so that two buffers carry them all. `weight_rows` gives a weight's output rows.
+pub fn int8_handoffs(graph: &Graph, weight_rows: impl Fn(WeightId) -> usize) -> Vec<Handoff> {
+    let mut found: Vec<Handoff> = Vec::new();
+    for (consumer, op) in graph.ops.iter().enumerate() {
+        let x = match *op {
+            Op::Linear { x, .. } | Op::GatedLinear { x, .. } => x,
+            _ => continue,
+        };
+        let Some(producer) = graph.ops[..consumer].iter().rposition(|o| o.writes() == x) else { continue };
+        let emits = match graph.ops[producer] {
+            Op::Attention { .. } | Op::GatedLinear { .. } => true,
+            Op::Linear { w, out, out_col, .. } => out_col == 0 && weight_rows(w) == graph.value(out).width,
+            _ => false,
+        };
+        let in_sequence = found.last().is_none_or(|h| h.consumer <= producer);
+        if emits && in_sequence {
+            found.push(Handoff { producer, consumer });
+        }
+    }
+    found
 }

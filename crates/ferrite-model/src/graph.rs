@@ -247,10 +247,22 @@ pub struct AttentionShape {
     pub scale: f32,
 }
 
+/// An int8 hand-off, declared at load by the `int8_handoff` fusion: op `producer` writes the
+/// value that the linear op `consumer` reads as input. A backend whose linears quantize their
+/// input (the CUDA int8 GEMV) may have the producer also leave it quantized, with the
+/// consumer's RMSNorm folded in, instead of a quantize step before the consumer. Hand-offs are
+/// ordered and never overlap: each consumer comes no later than the next producer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Handoff {
+    pub producer: usize,
+    pub consumer: usize,
+}
+
 #[derive(Clone, Debug)]
 pub struct Graph {
     pub values: Vec<ValueInfo>,
     pub ops: Vec<Op>,
+    pub handoffs: Vec<Handoff>,
     /// The value holding the logits of the last token.
     pub logits: ValueId,
     pub n_layers: usize,
@@ -310,6 +322,18 @@ impl Graph {
         if !written[self.logits.0 as usize] {
             return Err("logits are never written".into());
         }
+        let mut previous_consumer = 0;
+        for h in &self.handoffs {
+            let reads = match self.ops.get(h.consumer) {
+                Some(Op::Linear { x, .. } | Op::GatedLinear { x, .. }) => *x,
+                _ => return Err(format!("hand-off {h:?}: the consumer is not a linear")),
+            };
+            let last_writer = self.ops[..h.consumer].iter().rposition(|o| o.writes() == reads);
+            if last_writer != Some(h.producer) || h.producer < previous_consumer {
+                return Err(format!("hand-off {h:?}: not the last writer of the consumer's input, or out of sequence"));
+            }
+            previous_consumer = h.consumer;
+        }
         Ok(())
     }
 }
@@ -343,7 +367,7 @@ impl GraphBuilder {
     }
 
     pub fn finish(self, logits: ValueId, n_layers: usize, attention: AttentionShape) -> Graph {
-        Graph { values: self.values, ops: self.ops, logits, n_layers, attention }
+        Graph { values: self.values, ops: self.ops, handoffs: Vec::new(), logits, n_layers, attention }
     }
 }
 

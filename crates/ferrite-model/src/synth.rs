@@ -305,6 +305,34 @@ mod tests {
         assert!(shape("qwen3.5-9b").is_some_and(|s| s.gdn.is_some()));
     }
 
+    /// The int8 hand-offs declared at load: per Llama layer attention -> output projection ->
+    /// gate/up -> down -> the next layer's QKV (the output head reads the last row, a copy);
+    /// Gemma's
+    /// post-norms and Qwen3.5's gated/GDN outputs leave only the producers that feed a linear
+    /// directly. None without the fusion.
+    #[test]
+    fn int8_handoffs_follow_the_producers_of_linears() {
+        let kinds = |m: &Model| -> Vec<(&'static str, &'static str)> {
+            m.graph.handoffs.iter().map(|h| (m.graph.ops[h.producer].kind(), m.graph.ops[h.consumer].kind())).collect()
+        };
+        let llama = SynthShape { name: "tiny-llama", arch: "llama", n_layers: 2, n_embd: 64, n_heads: 4, n_kv_heads: 2, head_dim: 16, n_ff: 96, rope_theta: 1e4, context_length: 64, tied_embeddings: false, gdn: None };
+        let path = write_temp(&llama, GgmlType::Q8_0, 5).unwrap();
+        let m = Model::load(&path, FusionOptions::ALL).unwrap();
+        let layer = [("attention", "linear"), ("linear", "norm+gated_linear"), ("norm+gated_linear", "linear")];
+        assert_eq!(kinds(&m), [&layer[..], &[("linear", "norm+linear")], &layer[..]].concat());
+        assert!(Model::load(&path, FusionOptions { int8_handoff: false, ..FusionOptions::ALL }).unwrap().graph.handoffs.is_empty());
+        // Unfused: the separate Q/K/V linears read the normed value, written by an RmsNorm op.
+        let unfused = Model::load(&path, FusionOptions { int8_handoff: true, ..FusionOptions::NONE }).unwrap();
+        assert!(kinds(&unfused).iter().all(|&(p, _)| p != "rms_norm"));
+        let gemma = SynthShape { name: "tiny-gemma3", arch: "gemma3", n_layers: 1, n_embd: 64, n_heads: 4, n_kv_heads: 1, head_dim: 32, n_ff: 96, rope_theta: 1e6, context_length: 64, tied_embeddings: true, gdn: None };
+        let m = Model::load(write_temp(&gemma, GgmlType::Q8_0, 6).unwrap(), FusionOptions::ALL).unwrap();
+        assert_eq!(kinds(&m), [("attention", "linear"), ("norm+gated_linear", "linear")]);
+        let gdn = Some(SynthGdn { n_k_heads: 2, n_v_heads: 4, k_dim: 16, v_dim: 32 });
+        let qwen35 = SynthShape { name: "tiny-qwen35", arch: "qwen35", n_layers: 4, n_embd: 64, n_heads: 4, n_kv_heads: 2, head_dim: 32, n_ff: 96, rope_theta: 1e7, context_length: 64, tied_embeddings: false, gdn };
+        let m = Model::load(write_temp(&qwen35, GgmlType::Q8_0, 7).unwrap(), FusionOptions::ALL).unwrap();
+        assert!(kinds(&m).iter().all(|&(p, _)| p != "attention" && p != "gated_delta_net"));
+    }
+
     /// A k-quant whose blocks do not divide the rows: those tensors are written as Q8_0.
     #[test]
     fn ragged_rows_fall_back_to_q8_0() {

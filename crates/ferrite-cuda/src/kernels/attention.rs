@@ -10,6 +10,7 @@
 //! memory, so one captured decode graph serves every position.
 
 use super::common::HEADER;
+use super::quantize::Q8_BLOCK;
 use super::rope::ROPE_ANGLE;
 use super::{blocks_for, device_params, KernelVariant};
 use cudarc::driver::LaunchConfig;
@@ -207,6 +208,9 @@ device_params! {
         pub scale: f32,
         /// 0, or the soft cap of the scores: s -> softcap * tanh(s / softcap) (Gemma 2).
         pub softcap: f32,
+        /// 0, or int8 codes and block scales of the output (an int8 hand-off; `quantize` layout).
+        pub emit_q: u64,
+        pub emit_s: u64,
     }
 }
 
@@ -226,6 +230,17 @@ const ATTENTION: &str = r#"
 // Most shares per query (the merge keeps a weight per share in shared memory).
 #define MAX_SPLITS 256
 
+// Stores output element d of the query row starting at qrow; with an int8 hand-off the warp also
+// quantizes its 32 values (d - lane is a multiple of 32: warps hold whole blocks of the head).
+__device__ __forceinline__ void store_output(const AttentionParams& p, i64 qrow, int d, float v) {
+  reinterpret_cast<float*>(p.out)[qrow + d] = v;
+  if (p.emit_q) {
+    const int lane = threadIdx.x & 31;
+    const i64 first = qrow + d - lane;
+    quantize_block_warp(v, lane, reinterpret_cast<i8*>(p.emit_q) + first, reinterpret_cast<uint2*>(p.emit_s) + first / 32);
+  }
+}
+
 // One block per (head, query token, key share). Warps take turns on batches of 32 keys of the
 // block's share: each lane scores one key (a whole K row in 16-byte loads against q in shared
 // memory), the warp updates its online softmax (running max m, sum l) once per batch, then
@@ -241,12 +256,11 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32) attention(const Attent
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const u32 head = blockIdx.x, tok = blockIdx.y;
   const i64 qrow = ((i64)tok * p.n_heads + head) * HEAD_DIM;
-  float* out = reinterpret_cast<float*>(p.out) + qrow;
   const u32 pos = reinterpret_cast<const u32*>(p.positions)[tok];
   if (pos >= p.max_seq) {  // block-uniform, before any barrier; every share of the query returns
     if (threadIdx.x == 0 && blockIdx.z == 0) report_error(p.error_flag, ERR_POSITION, pos);
     if (blockIdx.z == 0)
-      for (int d = threadIdx.x; d < HEAD_DIM; d += NWARPS * 32) out[d] = QNAN;
+      for (int d = threadIdx.x; d < HEAD_DIM; d += NWARPS * 32) store_output(p, qrow, d, QNAN);
     return;
   }
   const u32 kv_head = head / (p.n_heads / p.n_kv_heads);
@@ -356,14 +370,14 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32) attention(const Attent
     float o = 0.f;
 #pragma unroll 8
     for (u32 z = 0; z < gridDim.z; ++z) o += s_w[z] * __ldcg(parts + z * (2 + HEAD_DIM) + 2 + d);
-    out[d] = o / l_all;
+    store_output(p, qrow, d, o / l_all);
   }
 #else
   for (int d = threadIdx.x; d < HEAD_DIM; d += NWARPS * 32) {
     float o = 0.f;
 #pragma unroll
     for (int w = 0; w < NWARPS; ++w) o += s_acc[w][d] * f[w];
-    out[d] = o / l_all;
+    store_output(p, qrow, d, o / l_all);
   }
 #endif
 }
@@ -394,7 +408,7 @@ impl AttentionVariant {
 
 impl KernelVariant for AttentionVariant {
     const FAMILY: &'static str = "attention";
-    const SOURCES: &'static [&'static str] = &[HEADER, KV, AttentionParams::C_DECL, ATTENTION];
+    const SOURCES: &'static [&'static str] = &[HEADER, Q8_BLOCK, KV, AttentionParams::C_DECL, ATTENTION];
     const ENTRY_POINTS: &'static [&'static str] = &["attention"];
 
     fn macros(&self) -> Vec<(&'static str, String)> {

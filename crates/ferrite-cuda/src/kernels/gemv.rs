@@ -25,6 +25,7 @@
 //! `out_col`), so a projection and its residual add are one launch.
 
 use super::common::{HEADER, QUANT};
+use super::quantize::Q8_BLOCK;
 use super::{blocks_for, device_params, KernelVariant};
 use cudarc::driver::LaunchConfig;
 use ferrite_gguf::GgmlType;
@@ -62,7 +63,18 @@ device_params! {
         pub out_col: u32,
         pub res_ld: u32,
         pub res_col: u32,
-        pub pad: u32,
+        /// `IN_NORM`: the producer's sums of squares, `[n_tokens, cols / 32]`, and the norm's eps.
+        pub in_partials: u64,
+        pub in_eps: f32,
+        /// `EMIT == 2`: Gemma's `(1 + w)` norm convention.
+        pub emit_add_one: u32,
+        /// `EMIT`: int8 codes `[n_tokens, rows]` and block scales / code sums `[n_tokens, rows / 32]`
+        /// of the output (see `quantize`), and with `EMIT == 2` the next norm's weight and the
+        /// per-block sums of squares of the output.
+        pub emit_q: u64,
+        pub emit_s: u64,
+        pub emit_norm: u64,
+        pub emit_partials: u64,
     }
 }
 
@@ -91,6 +103,16 @@ const SOURCE_Q8: &str = r#"
 #ifndef GLU
 #error "GLU (0 none, 1 SwiGLU, 2 GeGLU over [gate | up] weight rows) must come from the kernel variant"
 #endif
+#ifndef IN_NORM
+#error "IN_NORM (1: the activations are codes of x * norm weight; finish the RMSNorm from in_partials) must come from the kernel variant"
+#endif
+#ifndef EMIT
+#error "EMIT (0 none, 1 int8 blocks of the output, 2 of the output times the next norm's weight, with sums of squares) must come from the kernel variant"
+#endif
+#define ROWS_PER_BLOCK (NWARPS * 32 / TPR * ROWS)
+#if EMIT && ROWS_PER_BLOCK % 32 != 0
+#error "EMIT needs blocks that own whole 32-row quantization blocks"
+#endif
 
 // Accumulators per lane group: ROWS output rows, or with GLU their gate rows then their up rows
 // (the fused weight is [gate; up], p.rows output rows each).
@@ -104,8 +126,9 @@ __device__ __forceinline__ i64 weight_row(const GemvQ8Params& p, i64 row0, int i
   return GLU && i >= ROWS ? (i64)p.rows + row : row;
 }
 
-__device__ __forceinline__ void store_q8(const GemvQ8Params& p, i64 row, int tok, float s) {
-  if (row >= p.rows || tok >= (int)p.n_tokens) return;
+// Adds bias and residual, stores, and returns the stored value.
+__device__ __forceinline__ float store_q8(const GemvQ8Params& p, i64 row, int tok, float s) {
+  if (row >= p.rows || tok >= (int)p.n_tokens) return s;
 #if BIAS
   s += reinterpret_cast<const float*>(p.bias)[row];
 #endif
@@ -113,7 +136,33 @@ __device__ __forceinline__ void store_q8(const GemvQ8Params& p, i64 row, int tok
   s += reinterpret_cast<const float*>(p.residual)[(i64)tok * p.res_ld + p.res_col + row];
 #endif
   reinterpret_cast<float*>(p.out)[(i64)tok * p.out_ld + p.out_col + row] = s;
+  return s;
 }
+
+#if EMIT
+// The int8 hand-off: the block's outputs (staged in shared memory) become the next GEMV's int8
+// activations, one 32-row block per warp turn. With EMIT == 2 the codes are of the output times
+// the next RMSNorm's weight, and each block's sum of squares goes out beside them: quantization
+// is scale-invariant, so the consumer applies 1 / rms once to its dot products (IN_NORM).
+__device__ __forceinline__ void emit_q8(const GemvQ8Params& p, const float (*staged)[ROWS_PER_BLOCK], int tok0) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const u32 blocks = p.rows / 32;
+  for (int job = warp; job < NTOK * (ROWS_PER_BLOCK / 32); job += NWARPS) {
+    const int t = job / (ROWS_PER_BLOCK / 32), c = job % (ROWS_PER_BLOCK / 32);
+    const i64 row0 = (i64)blockIdx.x * ROWS_PER_BLOCK + 32 * c;
+    if (tok0 + t >= (int)p.n_tokens || row0 >= p.rows) continue;  // warp-uniform
+    const i64 blk = (i64)(tok0 + t) * blocks + row0 / 32;
+    float v = staged[t][32 * c + lane];
+#if EMIT == 2
+    const float ss = warp_sum(v * v);
+    if (lane == 0) reinterpret_cast<float*>(p.emit_partials)[blk] = ss;
+    const float g = reinterpret_cast<const float*>(p.emit_norm)[row0 + lane];
+    v *= p.emit_add_one ? 1.f + g : g;
+#endif
+    quantize_block_warp(v, lane, reinterpret_cast<i8*>(p.emit_q) + blk * 32, reinterpret_cast<uint2*>(p.emit_s) + blk);
+  }
+}
+#endif
 
 extern "C" __global__ void __launch_bounds__(NWARPS * 32) gemv_q8(const GemvQ8Params p) {
   const int tid = threadIdx.x, k = tid % TPR, group = tid / TPR;
@@ -187,6 +236,26 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32) gemv_q8(const GemvQ8Pa
 #pragma unroll
       for (int o = TPR / 2; o > 0; o >>= 1) acc[r][t] += __shfl_xor_sync(FULL_MASK, acc[r][t], o);
     }
+#if IN_NORM
+  // Finish the producer's RMSNorm: 1 / rms per token from its per-block sums of squares, summed
+  // in the same order by every warp.
+  {
+    const int lane = tid & 31;
+    const float* partials = reinterpret_cast<const float*>(p.in_partials);
+#pragma unroll
+    for (int t = 0; t < NTOK; ++t) {
+      float ss = 0.f;
+      if (tok0 + t < (int)p.n_tokens)
+        for (int i = lane; i < units; i += 32) ss += partials[(i64)(tok0 + t) * units + i];
+      const float inv = 1.f / sqrtf(warp_sum(ss) / (float)p.cols + p.in_eps);
+#pragma unroll
+      for (int r = 0; r < WROWS; ++r) acc[r][t] *= inv;
+    }
+  }
+#endif
+#if EMIT
+  __shared__ float staged[NTOK][ROWS_PER_BLOCK];
+#endif
   if (k == 0) {
 #pragma unroll
     for (int r = 0; r < ROWS; ++r)
@@ -199,9 +268,16 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32) gemv_q8(const GemvQ8Pa
 #else
         const float v = acc[r][t];
 #endif
-        store_q8(p, row0 + r, tok0 + t, v);
+        const float stored = store_q8(p, row0 + r, tok0 + t, v);
+#if EMIT
+        staged[t][group * ROWS + r] = stored;
+#endif
       }
   }
+#if EMIT
+  __syncthreads();
+  emit_q8(p, staged, tok0);
+#endif
 }
 "#;
 
@@ -345,6 +421,10 @@ pub struct GemvQ8Variant {
     pub bias: bool,
     /// Gated activation over `[gate; up]` weight rows: 0 none, 1 SwiGLU, 2 GeGLU.
     pub glu: u32,
+    /// The activations are codes of `x * norm weight` from an int8 hand-off: finish the norm.
+    pub in_norm: bool,
+    /// Also quantize the output for the next GEMV: 0 no, 1 as is, 2 times the next norm's weight.
+    pub emit: u32,
 }
 
 impl GemvQ8Variant {
@@ -358,17 +438,12 @@ impl GemvQ8Variant {
         let units = (cols / 32).max(1);
         let tpr = units.next_power_of_two().min(32);
         let unroll = units.div_ceil(tpr).min(4);
-        // Loaded units per lane: small for types whose unit carries several 16-byte vectors.
-        let budget = match wtype {
-            GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q5_0 | GgmlType::Q5_1 => 8,
-            _ => 4,
-        };
         let ntok = n_tokens.clamp(1, 8).next_power_of_two();
         let groups = Self::NWARPS * 32 / tpr;
         let token_tiles = n_tokens.max(1).div_ceil(ntok);
         let rows_per_group = [4, 2, 1]
             .into_iter()
-            .filter(|&r| r * unroll <= budget && r * ntok <= 16)
+            .filter(|&r| r * unroll <= Self::unit_budget(wtype) && r * ntok <= 16)
             .find(|&r| rows.div_ceil(groups * r) * token_tiles >= 2 * sm_count as usize)
             .unwrap_or(1);
         GemvQ8Variant {
@@ -381,7 +456,33 @@ impl GemvQ8Variant {
             residual: false,
             bias: false,
             glu: 0,
+            in_norm: false,
+            emit: 0,
         }
+    }
+
+    /// Loaded units per lane: small for types whose unit carries several 16-byte vectors.
+    fn unit_budget(wtype: GgmlType) -> usize {
+        match wtype {
+            GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q5_0 | GgmlType::Q5_1 => 8,
+            _ => 4,
+        }
+    }
+
+    /// The tiling when the epilogue also quantizes the output (`emit` 1 or 2): a block owns one
+    /// 32-row quantization block. As many rows per group as the unit budget allows (up to 4, so
+    /// at most 16 warps per block), then fewer units per lane to stay within it.
+    pub fn emitting(self, emit: u32) -> Self {
+        let groups_per_warp = (32 / self.tpr) as usize;
+        let weight_rows = if self.glu > 0 { 2 } else { 1 };
+        let budget = Self::unit_budget(self.wtype);
+        let rows = [4, 2, 1]
+            .into_iter()
+            .find(|&r| groups_per_warp * r <= 32 && r * weight_rows <= budget && r * self.ntok as usize <= 16)
+            .unwrap_or(1);
+        let unroll = (budget / (rows * weight_rows)).clamp(1, self.unroll as usize);
+        let nwarps = (32 / (groups_per_warp * rows)).max(1);
+        GemvQ8Variant { rows: rows as u32, unroll: unroll as u32, nwarps: nwarps as u32, emit, ..self }
     }
 
     /// [`Self::for_shape`] for a gated linear with `out_rows` outputs: each output reads a gate
@@ -406,7 +507,7 @@ impl GemvQ8Variant {
 
 impl KernelVariant for GemvQ8Variant {
     const FAMILY: &'static str = "gemv_q8";
-    const SOURCES: &'static [&'static str] = &[HEADER, QUANT, GemvQ8Params::C_DECL, SOURCE_Q8];
+    const SOURCES: &'static [&'static str] = &[HEADER, QUANT, Q8_BLOCK, GemvQ8Params::C_DECL, SOURCE_Q8];
     const ENTRY_POINTS: &'static [&'static str] = &["gemv_q8"];
 
     fn macros(&self) -> Vec<(&'static str, String)> {
@@ -420,6 +521,8 @@ impl KernelVariant for GemvQ8Variant {
             ("RESIDUAL", u32::from(self.residual).to_string()),
             ("BIAS", u32::from(self.bias).to_string()),
             ("GLU", self.glu.to_string()),
+            ("IN_NORM", u32::from(self.in_norm).to_string()),
+            ("EMIT", self.emit.to_string()),
         ]
     }
 }
@@ -456,6 +559,24 @@ mod tests {
         // Rows shorter than a warp: groups of 8 lanes.
         let v = GemvQ8Variant::for_shape(GgmlType::Q8_0, 100, 256, 1, 132);
         assert_eq!((v.tpr, v.unroll, v.rows_per_block()), (8, 1, 16));
+    }
+
+    #[test]
+    fn emitting_blocks_own_one_quantization_block() {
+        for (wtype, rows, cols, n, glu) in [
+            (GgmlType::Q4_1, 576, 576, 1, 0),
+            (GgmlType::Q4_0, 4096, 14336, 1, 0),
+            (GgmlType::Q4_0, 14336, 4096, 1, 1),
+            (GgmlType::Q6_K, 4096, 4096, 8, 1),
+            (GgmlType::Q8_0, 64, 256, 3, 0),
+        ] {
+            let v = GemvQ8Variant { glu, ..GemvQ8Variant::for_shape(wtype, rows, cols, n, 132) }.emitting(2);
+            assert_eq!(v.rows_per_block(), 32, "{wtype} {rows}x{cols} n={n}");
+            assert!(v.nwarps <= 16 && v.rows as usize * v.unroll as usize * if glu > 0 { 2 } else { 1 } <= 8);
+        }
+        // 8B output projection: 4 rows per warp, 2 units each, 8 warps.
+        let v = GemvQ8Variant::for_shape(GgmlType::Q4_0, 4096, 4096, 1, 132).emitting(1);
+        assert_eq!((v.rows, v.unroll, v.nwarps), (4, 2, 8));
     }
 
     #[test]

@@ -13,6 +13,26 @@ use super::common::HEADER;
 use super::{blocks_for, device_params, KernelVariant};
 use cudarc::driver::LaunchConfig;
 
+/// One 32-value block quantized by a warp, shared by every kernel that writes int8 activations
+/// (this one, and the producers of an int8 hand-off: `gemv_q8` with `EMIT`, attention).
+pub const Q8_BLOCK: &str = r#"
+// Quantize one 32-value block held one value per lane: writes lane l's code to q[l] and, from
+// lane 0, the block's scale and the code sums of its two halves to *scale. A NaN anywhere in the
+// block makes the scale NaN.
+__device__ __forceinline__ void quantize_block_warp(float v, int lane, i8* q, uint2* scale) {
+  const bool nan = __any_sync(FULL_MASK, v != v);
+  const float amax = warp_max(fabsf(v));
+  const float inv_d = amax > 0.f ? 127.f / amax : 0.f;
+  const int c = nan ? 0 : __float2int_rn(v * inv_d);
+  q[lane] = (i8)c;
+  int s = c;  // code sums of each half: lanes 0..15 and 16..31
+#pragma unroll
+  for (int o = 8; o > 0; o >>= 1) s += __shfl_xor_sync(FULL_MASK, s, o);
+  const int s_hi = __shfl_sync(FULL_MASK, s, 16);
+  if (lane == 0) *scale = make_uint2(__float_as_uint(nan ? QNAN : amax / 127.f), ((u32)s & 0xffffu) | ((u32)s_hi << 16));
+}
+"#;
+
 device_params! {
     pub struct QuantizeParams {
         pub x: u64,
@@ -33,22 +53,6 @@ const SOURCE: &str = r#"
 #ifndef PROLOGUE
 #error "PROLOGUE (0 plain, 1 RMS norm) must come from the kernel variant"
 #endif
-
-// Quantize one 32-value block held one value per lane: writes lane l's code to q[l] and, from
-// lane 0, the block's scale and the code sums of its two halves to *scale. A NaN anywhere in the
-// block makes the scale NaN.
-__device__ __forceinline__ void quantize_block_warp(float v, int lane, i8* q, uint2* scale) {
-  const bool nan = __any_sync(FULL_MASK, v != v);
-  const float amax = warp_max(fabsf(v));
-  const float inv_d = amax > 0.f ? 127.f / amax : 0.f;
-  const int c = nan ? 0 : __float2int_rn(v * inv_d);
-  q[lane] = (i8)c;
-  int s = c;  // code sums of each half: lanes 0..15 and 16..31
-#pragma unroll
-  for (int o = 8; o > 0; o >>= 1) s += __shfl_xor_sync(FULL_MASK, s, o);
-  const int s_hi = __shfl_sync(FULL_MASK, s, 16);
-  if (lane == 0) *scale = make_uint2(__float_as_uint(nan ? QNAN : amax / 127.f), ((u32)s & 0xffffu) | ((u32)s_hi << 16));
-}
 
 // Grid (x: groups of BLOCK_SIZE / 32 blocks of 32 values, y: rows); warp w of a block
 // quantizes one 32-value block (lane l: element l). With the norm, every block first sums the
@@ -108,7 +112,7 @@ impl QuantizeVariant {
 
 impl KernelVariant for QuantizeVariant {
     const FAMILY: &'static str = "quantize";
-    const SOURCES: &'static [&'static str] = &[HEADER, QuantizeParams::C_DECL, SOURCE];
+    const SOURCES: &'static [&'static str] = &[HEADER, Q8_BLOCK, QuantizeParams::C_DECL, SOURCE];
     const ENTRY_POINTS: &'static [&'static str] = &["quantize_q8"];
 
     fn macros(&self) -> Vec<(&'static str, String)> {

@@ -1,6 +1,7 @@
 //! KV cache and attention ops.
 
 use super::{addr, addr_mut, as_u32, check_len, elems};
+use super::Q8Activations;
 use crate::error::CudaError;
 use super::RopeConfig;
 use crate::kernels::attention::{AttentionParams, AttentionVariant, KvDtype, RopeStyle, StoreQkvParams, StoreQkvVariant};
@@ -140,7 +141,10 @@ pub struct AttentionConfig {
 
 /// Causal attention of `q` (`[n_tokens, n_heads, head_dim]` f32) over the cache: query `t`
 /// sees cache rows up to `positions[t]` (store them first with [`store_qkv`]); output has
-/// `q`'s layout. Prefill and decode are the same call with different `n_tokens`.
+/// `q`'s layout. Prefill and decode are the same call with different `n_tokens`. With `emit`
+/// the output is also quantized into int8 blocks for the output projection's GEMV (an int8
+/// hand-off; each head is whole 32-value blocks).
+#[allow(clippy::too_many_arguments)]
 pub fn attention(
     gpu: &Gpu,
     q: &impl DevicePtr<f32>,
@@ -149,8 +153,9 @@ pub fn attention(
     n_tokens: usize,
     cfg: &AttentionConfig,
     out: &mut impl DevicePtrMut<f32>,
+    emit: Option<&mut Q8Activations>,
 ) -> Result<(), CudaError> {
-    let Some(params) = attention_params(gpu, q, cache, positions, n_tokens, cfg, out)? else { return Ok(()) };
+    let Some(params) = attention_params(gpu, q, cache, positions, n_tokens, cfg, out, emit)? else { return Ok(()) };
     let variant = AttentionVariant::new(cache.head_dim, cache.dtype, false);
     gpu.launch(&variant, "attention", variant.launch_config(cfg.n_heads, n_tokens, 1), &params)
 }
@@ -208,6 +213,7 @@ pub fn attention_split(
     splits: usize,
     scratch: &mut SplitScratch,
     out: &mut impl DevicePtrMut<f32>,
+    emit: Option<&mut Q8Activations>,
 ) -> Result<(), CudaError> {
     const OP: &str = "attention_split";
     if !(1..=MAX_SPLITS).contains(&splits) {
@@ -223,7 +229,7 @@ pub fn attention_split(
             ),
         ));
     }
-    let Some(mut params) = attention_params(gpu, q, cache, positions, n_tokens, cfg, out)? else { return Ok(()) };
+    let Some(mut params) = attention_params(gpu, q, cache, positions, n_tokens, cfg, out, emit)? else { return Ok(()) };
     params.partials = addr_mut(gpu, &mut scratch.partials);
     params.counters = addr_mut(gpu, &mut scratch.counters);
     let variant = AttentionVariant::new(cache.head_dim, cache.dtype, true);
@@ -232,6 +238,7 @@ pub fn attention_split(
 
 /// Checks the shapes and settings of an attention call and builds its parameters (`None`: no
 /// tokens, nothing to do).
+#[allow(clippy::too_many_arguments)]
 fn attention_params(
     gpu: &Gpu,
     q: &impl DevicePtr<f32>,
@@ -240,6 +247,7 @@ fn attention_params(
     n_tokens: usize,
     cfg: &AttentionConfig,
     out: &mut impl DevicePtrMut<f32>,
+    emit: Option<&mut Q8Activations>,
 ) -> Result<Option<AttentionParams>, CudaError> {
     const OP: &str = "attention";
     if n_tokens == 0 {
@@ -273,7 +281,17 @@ fn attention_params(
     check_len(OP, "q", q.len(), n)?;
     check_len(OP, "out", out.len(), n)?;
     check_len(OP, "positions", positions.len(), n_tokens)?;
+    let (emit_q, emit_s) = match emit {
+        Some(dst) => {
+            dst.fill(OP, n_tokens, cfg.n_heads * cache.head_dim, None)?;
+            let (q, s, _) = dst.ptrs(gpu);
+            (q, s)
+        }
+        None => (0, 0),
+    };
     Ok(Some(AttentionParams {
+        emit_q,
+        emit_s,
         q: addr(gpu, q),
         k_cache: addr(gpu, &cache.k),
         v_cache: addr(gpu, &cache.v),

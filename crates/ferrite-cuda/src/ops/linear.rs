@@ -207,11 +207,11 @@ pub fn linear_with(
     match plan {
         LinearPlan::Gemv => gemv(gpu, w, x, n_tokens, out)?,
         LinearPlan::GemvQ8 => {
-            let (q_bytes, s_bytes) = Q8Activations::sizes(n_tokens * w.cols);
+            let (q_bytes, s_bytes, _) = Q8Activations::sizes(n_tokens * w.cols);
             gpu.with_scratch(q_bytes + s_bytes, |scratch| {
-                let (xq, xs) = (scratch, scratch + q_bytes as u64);
-                quantize_raw(gpu, x, w.cols, n_tokens, w.cols, None, xq, xs)?;
-                gemv_q8(gpu, w, xq, xs, n_tokens, (out, w.rows, 0), &Epilogue::default())
+                let input = Q8Input { xq: scratch, xs: scratch + q_bytes as u64, norm: None };
+                quantize_raw(gpu, x, w.cols, n_tokens, w.cols, None, input.xq, input.xs)?;
+                gemv_q8(gpu, w, input, n_tokens, (out, w.rows, 0), &Epilogue::default(), None)
             })?
         }
         LinearPlan::Gemm { precision, dequantize_weight, convert_input } => {
@@ -245,30 +245,56 @@ fn gemv(gpu: &Gpu, w: &DeviceWeight, x: u64, n_tokens: usize, out: u64) -> Resul
 }
 
 /// Activations quantized for the int8 GEMV (see [`crate::kernels::quantize`] for the layout),
-/// in a device buffer sized once for the largest `rows x cols` it will hold.
+/// in a device buffer sized once for the largest `rows x cols` it will hold. Written by
+/// [`quantize_q8`], or by the producer of an int8 hand-off ([`Q8Emit`]), which may leave the
+/// codes of `x * norm weight` and per-block sums of squares for the consumer to finish the norm.
 pub struct Q8Activations {
     data: CudaSlice<u8>,
     capacity: usize,
-    /// Shape of the last [`quantize_q8`] into this buffer.
+    /// Shape of the last write into this buffer.
     rows: usize,
     cols: usize,
+    /// `Some(eps)`: the codes still lack the RMSNorm's `1 / rms` (an int8 hand-off with a norm).
+    pending_norm: Option<f32>,
 }
 
 impl Q8Activations {
     pub fn new(gpu: &Gpu, max_elems: usize) -> Result<Self, CudaError> {
-        let (q, s) = Self::sizes(max_elems);
-        Ok(Q8Activations { data: gpu.alloc_zeros(q + s)?, capacity: max_elems, rows: 0, cols: 0 })
+        let (q, s, p) = Self::sizes(max_elems);
+        Ok(Q8Activations { data: gpu.alloc_zeros(q + s + p)?, capacity: max_elems, rows: 0, cols: 0, pending_norm: None })
     }
 
-    /// Bytes of the codes (padded for alignment) and of the block scales for `elems` values.
-    fn sizes(elems: usize) -> (usize, usize) {
-        (elems.next_multiple_of(SCRATCH_ALIGN), elems / 32 * 8)
+    /// Bytes of the codes (padded for alignment), of the block scales, and of the per-block sums
+    /// of squares for `elems` values.
+    fn sizes(elems: usize) -> (usize, usize, usize) {
+        (elems.next_multiple_of(SCRATCH_ALIGN), (elems / 32 * 8).next_multiple_of(SCRATCH_ALIGN), elems / 32 * 4)
     }
 
-    fn ptrs(&self, gpu: &Gpu) -> (u64, u64) {
+    /// Device addresses of the codes, the block scales and the sums of squares.
+    pub(super) fn ptrs(&self, gpu: &Gpu) -> (u64, u64, u64) {
         let base = addr(gpu, &self.data);
-        (base, base + Self::sizes(self.capacity).0 as u64)
+        let (q, s, _) = Self::sizes(self.capacity);
+        (base, base + q as u64, base + (q + s) as u64)
     }
+
+    /// Record the shape about to be written; an error if it does not fit.
+    pub(super) fn fill(&mut self, op: &'static str, rows: usize, cols: usize, pending_norm: Option<f32>) -> Result<(), CudaError> {
+        if !cols.is_multiple_of(32) || cols == 0 {
+            return Err(CudaError::invalid(op, format!("{cols} columns are not whole 32-value blocks")));
+        }
+        check_len(op, "the quantized buffer", self.capacity, elems(op, &[rows, cols])?)?;
+        (self.rows, self.cols, self.pending_norm) = (rows, cols, pending_norm);
+        Ok(())
+    }
+}
+
+/// The producer side of an int8 hand-off: a kernel that writes f32 rows (`linear_q8`,
+/// `attention`) also quantizes them into `dst` for the next int8 GEMV, which then needs no
+/// quantize launch. With `norm` (the consumer's RMSNorm), the codes are of `x * norm weight`
+/// and the consumer applies `1 / rms(x)` to its dot products (quantization is scale-invariant).
+pub struct Q8Emit<'a> {
+    pub dst: &'a mut Q8Activations,
+    pub norm: Option<NormPrologue<'a>>,
 }
 
 /// RMSNorm applied before quantizing (the norm of a norm-folded linear).
@@ -308,19 +334,13 @@ pub fn quantize_q8(
     dst: &mut Q8Activations,
 ) -> Result<(), CudaError> {
     const OP: &str = "quantize_q8";
-    if !cols.is_multiple_of(32) || cols == 0 {
-        return Err(CudaError::invalid(OP, format!("{cols} columns are not whole 32-value blocks")));
-    }
-    let n = elems(OP, &[n_rows, cols])?;
-    check_len(OP, "x", x.len(), n)?;
-    check_len(OP, "the quantized buffer", dst.capacity, n)?;
+    dst.fill(OP, n_rows, cols, None)?;
+    check_len(OP, "x", x.len(), elems(OP, &[n_rows, cols])?)?;
     if let Some(nm) = &norm {
         check_len(OP, "norm weight", nm.weight.len(), cols)?;
     }
-    let (xq, xs) = dst.ptrs(gpu);
-    quantize_raw(gpu, addr(gpu, x), cols, n_rows, cols, norm, xq, xs)?;
-    (dst.rows, dst.cols) = (n_rows, cols);
-    Ok(())
+    let (xq, xs, _) = dst.ptrs(gpu);
+    quantize_raw(gpu, addr(gpu, x), cols, n_rows, cols, norm, xq, xs)
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -357,7 +377,9 @@ fn quantize_raw(
 }
 
 /// The int8 GEMV: `out[t, out_col + r] (row stride out_ld) = sum_c w[r, c] x[t, c] + epilogue`
-/// for the first `n_tokens` rows quantized into `x`.
+/// for the first `n_tokens` rows quantized into `x`; with `emit`, the stored rows are also
+/// quantized for the next int8 GEMV (an int8 hand-off: `out_col == 0`, `out_ld` = the output
+/// width, a multiple of 32).
 #[allow(clippy::too_many_arguments)]
 pub fn linear_q8(
     gpu: &Gpu,
@@ -368,6 +390,7 @@ pub fn linear_q8(
     out_ld: usize,
     out_col: usize,
     epilogue: &Epilogue,
+    emit: Option<Q8Emit>,
 ) -> Result<(), CudaError> {
     const OP: &str = "linear_q8";
     if weight::planes(w.dtype).is_none() {
@@ -403,33 +426,78 @@ pub fn linear_q8(
     if let Some(b) = epilogue.bias {
         check_len(OP, "bias", b.len(), w.rows)?;
     }
-    let (xq, xs) = x.ptrs(gpu);
-    gemv_q8(gpu, w, xq, xs, n_tokens, (addr_mut(gpu, out), out_ld, out_col), epilogue)
+    let emit = match emit {
+        Some(e) => {
+            if out_col != 0 || out_ld != out_rows || !out_rows.is_multiple_of(32) {
+                return Err(CudaError::invalid(
+                    OP,
+                    format!("an int8 hand-off quantizes whole rows of 32-value blocks, not columns {out_col}..{} of {out_ld}", out_col + out_rows),
+                ));
+            }
+            if let Some(nm) = &e.norm {
+                check_len(OP, "hand-off norm weight", nm.weight.len(), out_rows)?;
+            }
+            e.dst.fill(OP, n_tokens, out_rows, e.norm.map(|nm| nm.eps))?;
+            let (q, s, p) = e.dst.ptrs(gpu);
+            Some(Q8Output { q, s, partials: p, norm: e.norm.map(|nm| (addr(gpu, nm.weight), nm.add_one)) })
+        }
+        None => None,
+    };
+    let (xq, xs, partials) = x.ptrs(gpu);
+    let input = Q8Input { xq, xs, norm: x.pending_norm.map(|eps| (partials, eps)) };
+    gemv_q8(gpu, w, input, n_tokens, (addr_mut(gpu, out), out_ld, out_col), epilogue, emit)
+}
+
+/// Device side of [`Q8Activations`] as the GEMV reads it.
+#[derive(Clone, Copy)]
+struct Q8Input {
+    xq: u64,
+    xs: u64,
+    /// The producer's sums of squares and the norm's eps, when the codes lack `1 / rms`.
+    norm: Option<(u64, f32)>,
+}
+
+/// Device side of a [`Q8Emit`]: codes, scales, sums of squares, and the norm weight (+ add_one).
+#[derive(Clone, Copy)]
+struct Q8Output {
+    q: u64,
+    s: u64,
+    partials: u64,
+    norm: Option<(u64, bool)>,
 }
 
 fn gemv_q8(
     gpu: &Gpu,
     w: &DeviceWeight,
-    xq: u64,
-    xs: u64,
+    x: Q8Input,
     n_tokens: usize,
     (out, out_ld, out_col): (u64, usize, usize),
     epilogue: &Epilogue,
+    emit: Option<Q8Output>,
 ) -> Result<(), CudaError> {
     const OP: &str = "linear_q8";
     let (tiling, out_rows) = match epilogue.glu {
         Some(glu) => (GemvQ8Variant::for_gated(w.dtype, w.rows / 2, w.cols, n_tokens, gpu.sm_count(), glu as u32), w.rows / 2),
         None => (GemvQ8Variant::for_shape(w.dtype, w.rows, w.cols, n_tokens, gpu.sm_count()), w.rows),
     };
-    let variant = GemvQ8Variant { residual: epilogue.residual.is_some(), bias: epilogue.bias.is_some(), ..tiling };
+    let tiling = match &emit {
+        Some(e) => tiling.emitting(if e.norm.is_some() { 2 } else { 1 }),
+        None => tiling,
+    };
+    let variant = GemvQ8Variant {
+        residual: epilogue.residual.is_some(),
+        bias: epilogue.bias.is_some(),
+        in_norm: x.norm.is_some(),
+        ..tiling
+    };
     let [w0, w1, w2, w3] = w.plane_ptrs(gpu);
     let params = GemvQ8Params {
         w0,
         w1,
         w2,
         w3,
-        xq,
-        xs,
+        xq: x.xq,
+        xs: x.xs,
         out,
         residual: epilogue.residual.map_or(0, |r| addr(gpu, r)),
         bias: epilogue.bias.map_or(0, |b| addr(gpu, b)),
@@ -440,7 +508,13 @@ fn gemv_q8(
         out_col: as_u32(OP, "out_col", out_col)?,
         res_ld: as_u32(OP, "out_ld", out_ld)?,
         res_col: as_u32(OP, "out_col", out_col)?,
-        pad: 0,
+        in_partials: x.norm.map_or(0, |(p, _)| p),
+        in_eps: x.norm.map_or(0.0, |(_, eps)| eps),
+        emit_add_one: emit.and_then(|e| e.norm).is_some_and(|(_, add_one)| add_one) as u32,
+        emit_q: emit.map_or(0, |e| e.q),
+        emit_s: emit.map_or(0, |e| e.s),
+        emit_norm: emit.and_then(|e| e.norm).map_or(0, |(w, _)| w),
+        emit_partials: emit.map_or(0, |e| e.partials),
     };
     let cfg = variant.launch_config(out_rows, n_tokens);
     if cfg.grid_dim.1 > 65535 {

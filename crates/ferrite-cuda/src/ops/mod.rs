@@ -23,7 +23,7 @@ pub use attention::{
 };
 pub use linear::{
     linear, linear_plan, linear_q8, linear_with, quantize_q8, Epilogue, GemvActivations, Glu, LinearOptions, LinearPath, LinearPlan,
-    NormPrologue, Precision, Q8Activations,
+    NormPrologue, Precision, Q8Activations, Q8Emit,
 };
 pub use sampling::{argmax, sample, SamplingConfig};
 pub use gdn::{check_gdn_shape, gated_delta_net, gdn_conv, gdn_delta, gdn_plan, GdnPath, GdnState, GdnWeights};

@@ -10,12 +10,15 @@ use crate::{Arch, FusionOptions, Graph, ModelConfig, ModelError, WeightSet};
 use ferrite_gguf::GgufFile;
 
 pub fn build(cfg: &ModelConfig, file: &GgufFile, fusion: FusionOptions) -> Result<(WeightSet, Graph), ModelError> {
-    let (weights, graph) = match cfg.arch {
+    let (weights, mut graph) = match cfg.arch {
         Arch::Llama | Arch::Qwen2 => llama::build(cfg, file, fusion)?,
         Arch::Qwen3 => qwen3::build(cfg, file, fusion)?,
         Arch::Gemma3 => gemma3::build(cfg, file, fusion)?,
         Arch::Qwen35 => qwen35::build(cfg, file, fusion)?,
     };
+    if fusion.int8_handoff {
+        graph.handoffs = crate::fusion::int8_handoffs(&graph, |w| weights.spec(w).rows);
+    }
     graph
         .validate(|w| weights.spec(w).rows)
         .map_err(|e| ModelError::Config(format!("internal graph error: {e}")))?;
