@@ -487,7 +487,8 @@ fn normed(x: &[f32], g: &[f32]) -> Vec<f32> {
 /// output times the MLP norm's weight) -> gate/up with SwiGLU (finishes that norm; hands off
 /// plainly) -> down (residual; hands off times the next norm's weight) -> a projection that
 /// finishes it. Plain hand-offs must match a `quantize_q8` launch bit for bit; normed ones must
-/// be as close to the exact product of the normalised input as the two-launch path is.
+/// be as close to the exact product of the normalised input as the two-launch path is; f32
+/// outputs equal the non-emitting GEMV's to rounding.
 #[test]
 fn int8_handoffs_chain_gemvs_like_separate_quantize_launches() {
     let Some(gpu) = gpu() else { return };
@@ -514,7 +515,8 @@ fn int8_handoffs_chain_gemvs_like_separate_quantize_launches() {
         let (mut h1, mut h1_ref) = (poisoned(gpu, n * d), poisoned(gpu, n * d));
         ops::linear_q8(gpu, &wo, &q_x, n, &mut h1, d, 0, &with_res, Some(ops::Q8Emit { dst: &mut q_a, norm: norm_of(&g1_d) })).unwrap();
         ops::linear_q8(gpu, &wo, &q_x, n, &mut h1_ref, d, 0, &with_res, None).unwrap();
-        assert_eq!(download(gpu, &h1), download(gpu, &h1_ref), "{case}: output projection");
+        // (The emitting tiling sums in another order: equal to rounding, not bit for bit.)
+        close("handoff", &format!("{case} output projection"), &download(gpu, &h1), &download(gpu, &h1_ref), 1e-5, 1e-5);
 
         // Gate/up on the normed hand-off, against the exact product of the normalised input.
         let mut m = poisoned(gpu, n * ff);
@@ -545,7 +547,7 @@ fn int8_handoffs_chain_gemvs_like_separate_quantize_launches() {
         ops::linear_q8(gpu, &wd, &q_b, n, &mut h2, d, 0, &with_h1, Some(ops::Q8Emit { dst: &mut q_a, norm: norm_of(&g2_d) })).unwrap();
         ops::quantize_q8(gpu, &m, n, ff, None, &mut q_x).unwrap();
         ops::linear_q8(gpu, &wd, &q_x, n, &mut h2_ref, d, 0, &with_h1, None).unwrap();
-        assert_eq!(download(gpu, &h2), download(gpu, &h2_ref), "{case}: down projection");
+        close("handoff", &format!("{case} down projection"), &download(gpu, &h2), &download(gpu, &h2_ref), 1e-5, 1e-5);
 
         // A projection finishing the second norm.
         let mut y = poisoned(gpu, n * 96);
