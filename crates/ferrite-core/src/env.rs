@@ -145,6 +145,9 @@ switches! {
     /// Activation format of the CUDA GEMV on quantized weights.
     CUDA_GEMV_ACTIVATIONS = ("FERRITE_CUDA_GEMV_ACTIVATIONS", "q8", AbTest,
         "q8|f32: q8 quantizes activations to int8 blocks (the CPU quantized path's numerics) and multiplies with dp4a, fusing norm, bias and residual; f32 multiplies f32 activations (matches the fp32 CPU reference to rounding).");
+    /// Force a CUDA Gated DeltaNet path.
+    CUDA_GDN_PATH = ("FERRITE_CUDA_GDN_PATH", "auto", AbTest,
+        "auto|recurrent|chunked: the CUDA Gated DeltaNet delta rule; auto runs batches of 32+ tokens in the chunked (WY/UT transform, 64-token chunks) form and shorter ones token by token; the others force one path for every batch.");
     /// Input type of the CUDA GEMM path.
     CUDA_GEMM_PRECISION = ("FERRITE_CUDA_GEMM_PRECISION", "bf16", Stable,
         "f32|f16|bf16: input type of the cuBLAS GEMM path (prefill; weights dequantized to it, f32 accumulate): bf16 runs on tensor cores, f32 matches the CPU reference to rounding.");

@@ -5,9 +5,9 @@
 //!   cargo run -p ferrite-cuda --release --example kernel_bench
 //!   (or the binary from scripts/gpu-build.sh, on the GPU machine: .device/kernel_bench)
 
-use ferrite_cuda::kernels::gdn::GdnDeltaVariant;
+use ferrite_cuda::kernels::gdn::{GdnChunkVariant, GdnDeltaVariant};
 use ferrite_cuda::kernels::gemv::GemvVariant;
-use ferrite_cuda::ops::{self, AttentionConfig, GdnState, GdnWeights, KvCache, KvDtype, LinearOptions, LinearPath, SamplingConfig};
+use ferrite_cuda::ops::{self, AttentionConfig, GdnPath, GdnState, GdnWeights, KvCache, KvDtype, LinearOptions, LinearPath, SamplingConfig};
 use ferrite_cuda::{CudaError, Gpu};
 use ferrite_gguf::quant::quantize;
 use ferrite_gguf::GgmlType;
@@ -92,22 +92,28 @@ fn main() -> Result<(), CudaError> {
         println!("  kv_len={:<5} {:>9.2} us, split in {splits}: {:>9.2} us", pos + 1, s * 1e6, split * 1e6);
     }
 
-    println!("\nGated DeltaNet (conv + recurrent delta rule), Qwen3.5-9B layer: 16 key / 32 value heads of 128");
+    println!("\nGated DeltaNet (conv + delta rule, recurrent / chunked), Qwen3.5-9B layer: 16 key / 32 value heads of 128");
     let shape = GdnShape { n_k_heads: 16, n_v_heads: 32, k_dim: 128, v_dim: 128, conv_kernel: 4 };
     for info in gpu.kernel_info(&GdnDeltaVariant::for_shape(128, 128).expect("Qwen3.5 heads"))? {
+        println!("  {info:?}");
+    }
+    for info in gpu.kernel_info(&GdnChunkVariant::for_shape(128, 128).expect("Qwen3.5 heads"))? {
         println!("  {info:?}");
     }
     let vector = |n: usize, v: f32| gpu.upload(&vec![v; n], "gdn weights");
     let (conv, a_coef, dt_bias, norm) = (vector(shape.conv_width() * 4, 0.3)?, vector(32, -2.0)?, vector(32, 0.5)?, vector(128, 1.0)?);
     let w = GdnWeights { conv: &conv, a_coef: &a_coef, dt_bias: &dt_bias, norm: &norm, eps: 1e-6 };
     let mut state = GdnState::new(&gpu, shape)?;
-    for n in [1usize, 16, 128, 512] {
-        let x = gpu.upload(&(0..n * shape.proj_width()).map(|i| ((i * 7919) % 2001) as f32 / 1000.0 - 1.0).collect::<Vec<_>>(), "x")?;
-        let (mut conv_out, mut out) = (gpu.alloc_zeros::<f32>(n * shape.conv_width())?, gpu.alloc_zeros::<f32>(n * shape.value_width())?);
-        let s = time(&gpu, 50, || ops::gated_delta_net(&gpu, &x, n, &w, &mut state, &mut conv_out, &mut out))?;
-        // The delta-rule state is read and written once per launch.
-        let state_gbs = 2.0 * shape.ssm_state_len() as f64 * 4.0 / s / 1e9;
-        println!("  n={n:<4} {:>9.2} us  {:>7.2} us/token  state {state_gbs:>6.1} GB/s", s * 1e6, s * 1e6 / n as f64);
+    for (path, lengths) in [(GdnPath::Recurrent, &[1usize, 16, 128, 512][..]), (GdnPath::Chunked, &[16, 64, 128, 512, 2048][..])] {
+        for &n in lengths {
+            let x = gpu.upload(&(0..n * shape.proj_width()).map(|i| ((i * 7919) % 2001) as f32 / 1000.0 - 1.0).collect::<Vec<_>>(), "x")?;
+            let mut scratch = gpu.alloc_zeros::<f32>(ops::gdn_scratch_len(&shape, n, path))?;
+            let mut out = gpu.alloc_zeros::<f32>(n * shape.value_width())?;
+            let s = time(&gpu, 50, || ops::gated_delta_net_with(&gpu, path, &x, n, &w, &mut state, &mut scratch, &mut out))?;
+            // The delta-rule state is read and written once per launch.
+            let state_gbs = 2.0 * shape.ssm_state_len() as f64 * 4.0 / s / 1e9;
+            println!("  {path:?} n={n:<4} {:>9.2} us  {:>7.2} us/token  state {state_gbs:>6.1} GB/s", s * 1e6, s * 1e6 / n as f64);
+        }
     }
 
     println!("\nsampling over 49152 logits");

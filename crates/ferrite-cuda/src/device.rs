@@ -5,7 +5,7 @@ use crate::compile::{nvrtc_version, require_nvrtc, supported_archs};
 use crate::error::{Context, CudaError};
 use crate::kernels::common::{ERR_POSITION, ERR_TOKEN_ID};
 use crate::kernels::KernelVariant;
-use crate::ops::LinearOptions;
+use crate::ops::{GdnPath, LinearOptions};
 use cudarc::cublas::CudaBlas;
 use cudarc::driver::sys::{self, CUdevice_attribute};
 use cudarc::driver::{
@@ -75,6 +75,8 @@ pub struct GpuOptions {
     pub linear: LinearOptions,
     /// Launch kernels with programmatic dependent launch where the device has it (sm_90+).
     pub dependent_launch: bool,
+    /// The Gated DeltaNet path every batch takes (`None`: [`crate::ops::gdn_plan`] decides).
+    pub gdn_path: Option<GdnPath>,
 }
 
 impl GpuOptions {
@@ -83,6 +85,7 @@ impl GpuOptions {
             kernel_cache: KernelCacheDir::from_env(),
             linear: LinearOptions::from_env(),
             dependent_launch: !env::DISABLE_CUDA_PDL.flag(false),
+            gdn_path: GdnPath::forced_by(env::CUDA_GDN_PATH.get().as_deref()),
         }
     }
 }
@@ -104,6 +107,7 @@ pub struct Gpu {
     scratch: Mutex<Option<CudaSlice<u8>>>,
     linear: LinearOptions,
     dependent_launch: bool,
+    gdn_path: Option<GdnPath>,
     props: DeviceProps,
     stream: Arc<CudaStream>,
     ctx: Arc<CudaContext>,
@@ -155,6 +159,7 @@ impl Gpu {
             scratch: Mutex::new(None),
             linear: options.linear,
             dependent_launch: options.dependent_launch && major >= 9,
+            gdn_path: options.gdn_path,
             props: DeviceProps { name, compute_capability: (major as u32, minor as u32), sm_count: sm_count as u32 },
             stream,
             ctx,
@@ -195,6 +200,11 @@ impl Gpu {
     /// Default options of [`crate::ops::linear`] on this device.
     pub fn linear_options(&self) -> LinearOptions {
         self.linear
+    }
+
+    /// The Gated DeltaNet path forced on this device (`FERRITE_CUDA_GDN_PATH`), if any.
+    pub fn gdn_path(&self) -> Option<GdnPath> {
+        self.gdn_path
     }
 
     pub fn kernel_cache_stats(&self) -> CacheStats {

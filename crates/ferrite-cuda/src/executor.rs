@@ -180,6 +180,8 @@ impl CudaExecutor {
         let scratch = max_batch * widest.max(cfg.qkv_width()).max(2 * cfg.n_ff);
         let gdn_shapes: Vec<_> =
             graph.ops.iter().filter_map(|o| if let Op::GatedDeltaNet { layer, shape, .. } = o { Some((*layer, *shape)) } else { None }).collect();
+        // Gated DeltaNet runs in scratch_a; the chunked path's need bounds the recurrent one's.
+        let gdn_scratch = gdn_shapes.iter().map(|(_, s)| ops::gdn_scratch_len(s, max_batch, ops::GdnPath::Chunked)).max().unwrap_or(0);
         let state_bytes: usize = gdn_shapes.iter().map(|(_, s)| (s.conv_state_len() + s.ssm_state_len()) * 4).sum();
         let kv_bytes = graph.attention_layers().len() * 2 * options.context_len * cfg.kv_width() * kv_dtype().bytes();
         let (free, _) = gpu.mem_info()?;
@@ -208,7 +210,7 @@ impl CudaExecutor {
         let buf = Buffers {
             split_scratch: ops::SplitScratch::new(&gpu, split_tokens * cfg.n_heads, max_splits, cfg.head_dim)?,
             attention_splits,
-            scratch_a: gpu.alloc_zeros(scratch)?,
+            scratch_a: gpu.alloc_zeros(scratch.max(gdn_scratch))?,
             scratch_b: gpu.alloc_zeros(scratch)?,
             scratch_c: gpu.alloc_zeros(scratch)?,
             q8: ops::Q8Activations::new(&gpu, scratch)?,

@@ -10,7 +10,7 @@
 use std::io::Write as _;
 use ferrite_cpu::kernels::{activation, attention, embedding, gdn, matmul_f32, norm, rope, WeightView};
 use ferrite_cuda::ops::{
-    self, AttentionConfig, GatedQuery, GdnState, GdnWeights, GemvActivations, KvCache, KvDtype, LinearOptions, LinearPath, LinearPlan,
+    self, AttentionConfig, GatedQuery, GdnPath, GdnState, GdnWeights, GemvActivations, KvCache, KvDtype, LinearOptions, LinearPath, LinearPlan,
     Precision, RopeConfig, SamplingConfig,
 };
 use ferrite_cuda::{cuda_available, CudaSlice, Gpu, GpuOptions, KernelCacheDir};
@@ -999,6 +999,7 @@ fn gdn_conv_matches_reference() {
     }
 }
 
+/// The recurrent path (the chunked one: `gated_delta_net_chunked_matches_cpu`).
 #[test]
 fn gated_delta_net_matches_cpu() {
     let Some(gpu) = gpu() else { return };
@@ -1017,12 +1018,12 @@ fn gated_delta_net_matches_cpu() {
 
         let (weights, x_dev) = ((upload(gpu, &layer.conv), upload(gpu, &layer.a_coef), upload(gpu, &layer.dt_bias), upload(gpu, &layer.norm)), upload(gpu, &x));
         let w = GdnWeights { conv: &weights.0, a_coef: &weights.1, dt_bias: &weights.2, norm: &weights.3, eps: 1e-6 };
-        let mut conv_out = poisoned(gpu, n * s.conv_width());
+        let mut conv_out = poisoned(gpu, ops::gdn_scratch_len(&s, n, GdnPath::Recurrent));
         // One prefill of all tokens...
         let mut state = GdnState::new(gpu, s).unwrap();
         state.upload(gpu, &conv0, &ssm0).unwrap();
         let mut out = poisoned(gpu, n * s.value_width());
-        ops::gated_delta_net(gpu, &x_dev, n, &w, &mut state, &mut conv_out, &mut out).unwrap();
+        ops::gated_delta_net_with(gpu, GdnPath::Recurrent, &x_dev, n, &w, &mut state, &mut conv_out, &mut out).unwrap();
         let got = download(gpu, &out);
         let case = format!("hk{} hv{} dk{} dv{}, {n} tokens", s.n_k_heads, s.n_v_heads, s.k_dim, s.v_dim);
         // f32 sums in another order (and the norms' sums of squares in f32, where the CPU uses
@@ -1041,7 +1042,7 @@ fn gated_delta_net_matches_cpu() {
         for (start, len) in [(0, 8), (8, 1), (9, 1), (10, 1), (11, 1)] {
             let x_part = upload(gpu, &x[start * s.proj_width()..(start + len) * s.proj_width()]);
             let mut part = poisoned(gpu, len * vw);
-            ops::gated_delta_net(gpu, &x_part, len, &w, &mut state, &mut conv_out, &mut part).unwrap();
+            ops::gated_delta_net_with(gpu, GdnPath::Recurrent, &x_part, len, &w, &mut state, &mut conv_out, &mut part).unwrap();
             steps.extend(download(gpu, &part));
         }
         assert!(steps.iter().zip(&got).all(|(a, b)| a.to_bits() == b.to_bits()), "{case}: prefill + decode differs from one prefill");
@@ -1051,13 +1052,232 @@ fn gated_delta_net_matches_cpu() {
         let (mut conv, mut ssm) = (vec![0f32; s.conv_state_len()], vec![0f32; s.ssm_state_len()]);
         gdn::gated_delta_net(&layer.cpu(), &x, n, &mut conv, &mut ssm, &mut want);
         let mut out = poisoned(gpu, n * vw);
-        ops::gated_delta_net(gpu, &x_dev, n, &w, &mut state, &mut conv_out, &mut out).unwrap();
+        ops::gated_delta_net_with(gpu, GdnPath::Recurrent, &x_dev, n, &w, &mut state, &mut conv_out, &mut out).unwrap();
         close("gdn", &format!("{case}, from reset"), &download(gpu, &out), &want, 1e-4, 1e-5 * scale);
     }
     let mut state = GdnState::new(gpu, shape(1, 1, 16, 16)).unwrap();
     assert!(state.upload(gpu, &[0.0; 3], &[0.0; 256]).is_err(), "the conv window holds 3 x 48 values");
     let err = GdnState::new(gpu, shape(1, 1, 128, 512)).err().expect("4 x 512 threads per head").to_string();
     assert!(err.contains("do not fit the delta-rule kernel"), "{err}");
+}
+
+// ---------------------------------------------------------------- chunked Gated DeltaNet
+
+/// Tokens per chunk of the chunked path (the kernels' `CHUNK`).
+const GDN_CHUNK: usize = 64;
+
+fn silu_f32(x: f32) -> f32 {
+    x / (1.0 + (-x).exp())
+}
+
+/// The chunked (WY / UT transform) form of the whole mixer on the host, in f32, step for step
+/// as the CUDA chunked kernels compute it (`kernels/gdn.rs`): it proves the algorithm against
+/// ferrite-cpu's recurrent reference without a GPU. Continues from and updates `conv_state` and
+/// `ssm` like the CPU op.
+fn chunked_reference(layer: &GdnLayer, x: &[f32], n: usize, conv_state: &mut Vec<f32>, ssm: &mut [f32]) -> Vec<f32> {
+    let s = layer.shape;
+    let (dk, dv, hk, hv, cw, pw, vw) = (s.k_dim, s.v_dim, s.n_k_heads, s.n_v_heads, s.conv_width(), s.proj_width(), s.value_width());
+    let mut y = conv_reference(layer, x, n, conv_state);
+    // L2-normalise q (times dk^-1/2) and k in place, as `gdn_chunk_norm`.
+    let q_scale = 1.0 / (dk as f32).sqrt();
+    for row in y.chunks_exact_mut(cw) {
+        for (v, head) in row[..2 * hk * dk].chunks_exact_mut(dk).enumerate() {
+            let ss: f32 = head.iter().map(|x| x * x).sum();
+            let inv = 1.0 / (ss + 1e-6).sqrt() * if v < hk { q_scale } else { 1.0 };
+            head.iter_mut().for_each(|x| *x *= inv);
+        }
+    }
+    let dot = |a: &[f32], b: &[f32]| a.iter().zip(b).map(|(x, y)| x * y).sum::<f32>();
+    let mut out = vec![0f32; n * vw];
+    for h in 0..hv {
+        let kh = h % hk;
+        let q = |t: usize| &y[t * cw + kh * dk..][..dk];
+        let k = |t: usize| &y[t * cw + (hk + kh) * dk..][..dk];
+        let v = |t: usize| &y[t * cw + 2 * hk * dk + h * dv..][..dv];
+        let st = &mut ssm[h * dk * dv..(h + 1) * dk * dv];
+        for c0 in (0..n).step_by(GDN_CHUNK) {
+            let l = GDN_CHUNK.min(n - c0);
+            // Gates; gam = the log-decay summed from the chunk start (inclusive).
+            let (mut beta, mut gam) = (vec![0f32; l], vec![0f32; l]);
+            let mut acc = 0f32;
+            for i in 0..l {
+                let row = &x[(c0 + i) * pw..];
+                beta[i] = 1.0 / (1.0 + (-row[cw + vw + h]).exp());
+                let a = row[cw + vw + hv + h] + layer.dt_bias[h];
+                let softplus = if a > 20.0 { a } else { a.exp().ln_1p() };
+                acc += layer.a_coef[h] * softplus;
+                gam[i] = acc;
+            }
+            // A = strictly lower (beta_i k_i.k_j exp(gam_i - gam_j)); T = (I + A)^-1 column by
+            // column by forward substitution.
+            let a = |i: usize, j: usize| if j < i { beta[i] * (gam[i] - gam[j]).exp() * dot(k(c0 + i), k(c0 + j)) } else { 0.0 };
+            let mut t_inv = vec![0f32; l * l];
+            for j in 0..l {
+                for i in 0..l {
+                    let sum: f32 = (0..i).map(|m| a(i, m) * t_inv[m * l + j]).sum();
+                    t_inv[i * l + j] = if i == j { 1.0 } else if i > j { -sum } else { 0.0 };
+                }
+            }
+            // W = T diag(beta exp(gam)) K, U = T diag(beta) V.
+            let mut w = vec![0f32; l * dk];
+            let mut u = vec![0f32; l * dv];
+            for i in 0..l {
+                for j in 0..=i {
+                    let (tij, wscale) = (t_inv[i * l + j], beta[j] * gam[j].exp());
+                    for (wd, kd) in w[i * dk..(i + 1) * dk].iter_mut().zip(k(c0 + j)) {
+                        *wd += tij * (kd * wscale);
+                    }
+                    for (ue, ve) in u[i * dv..(i + 1) * dv].iter_mut().zip(v(c0 + j)) {
+                        *ue += tij * (ve * beta[j]);
+                    }
+                }
+            }
+            // Through the incoming state: V' = U - W S (in place in u), O = exp(gam) Q S.
+            let mut o = vec![0f32; l * dv];
+            for i in 0..l {
+                for e in 0..dv {
+                    let (mut ws, mut qs) = (0f32, 0f32);
+                    for d in 0..dk {
+                        ws += w[i * dk + d] * st[d * dv + e];
+                        qs += q(c0 + i)[d] * st[d * dv + e];
+                    }
+                    u[i * dv + e] -= ws;
+                    o[i * dv + e] = gam[i].exp() * qs;
+                }
+            }
+            // The state for the next chunk: S = exp(gam_L) S + Kᵀ (exp(gam_L - gam) V').
+            let last = gam[l - 1];
+            for d in 0..dk {
+                for e in 0..dv {
+                    let upd: f32 = (0..l).map(|i| k(c0 + i)[d] * ((last - gam[i]).exp() * u[i * dv + e])).sum();
+                    st[d * dv + e] = last.exp() * st[d * dv + e] + upd;
+                }
+            }
+            // Within the chunk: O += (Q Kᵀ ⊙ decay, lower with the diagonal) V'; then the gated norm.
+            for i in 0..l {
+                for j in 0..=i {
+                    let p = (gam[i] - gam[j]).exp() * dot(q(c0 + i), k(c0 + j));
+                    for e in 0..dv {
+                        o[i * dv + e] += p * u[j * dv + e];
+                    }
+                }
+                let oi = &o[i * dv..(i + 1) * dv];
+                let inv = 1.0 / (dot(oi, oi) / dv as f32 + layer.cpu().eps).sqrt();
+                let z = &x[(c0 + i) * pw + cw + h * dv..][..dv];
+                for e in 0..dv {
+                    out[(c0 + i) * vw + h * dv + e] = oi[e] * inv * layer.norm[e] * silu_f32(z[e]);
+                }
+            }
+        }
+    }
+    out
+}
+
+/// Compare a chunked run (output and final state) with ferrite-cpu's recurrent one. The chunk
+/// form reassociates the f32 sums, so the bounds are relative to each quantity's magnitude: the
+/// outputs (O(1) after the gated norm, times silu(z)) and the state's largest entry.
+fn check_chunked(op: &str, case: &str, got: (&[f32], &[f32]), want: (&[f32], &[f32])) {
+    let max_abs = |v: &[f32]| v.iter().fold(0f32, |m, x| m.max(x.abs())) as f64;
+    close(op, case, got.0, want.0, 1e-3, 1e-4 * max_abs(want.0));
+    close(&format!("{op} state"), case, got.1, want.1, 1e-3, 1e-4 * max_abs(want.1));
+}
+
+/// One chunked-path case: a layer, a non-zero starting state, `n` prefill tokens then
+/// [`CHUNKED_DECODE`] more (one batch each), and ferrite-cpu's recurrent results for both.
+struct ChunkedCase {
+    name: String,
+    layer: GdnLayer,
+    conv0: Vec<f32>,
+    ssm0: Vec<f32>,
+    n: usize,
+    x: Vec<f32>,
+    /// Outputs and (conv, delta-rule) state after the prefill, then after the decode tokens.
+    prefill: (Vec<f32>, Vec<f32>, Vec<f32>),
+    decode: (Vec<f32>, Vec<f32>, Vec<f32>),
+}
+
+const CHUNKED_DECODE: usize = 3;
+
+/// The chunked path's cases: Qwen3.5-9B's 128/128 heads, the tiny fixture's, odd sizes and
+/// 256-wide keys; one token, a chunk less one, one chunk, one more, and several chunks with a
+/// partial last one; real-looking decay and a hundred times weaker, so that the state carries
+/// across chunks instead of fading within a few tokens.
+fn chunked_cases(rng: &mut Rng) -> Vec<ChunkedCase> {
+    let shape = |n_k_heads, n_v_heads, k_dim, v_dim| GdnShape { n_k_heads, n_v_heads, k_dim, v_dim, conv_kernel: 4 };
+    let mut cases = Vec::new();
+    for s in [shape(1, 2, 128, 128), shape(2, 4, 16, 12), shape(1, 3, 12, 10), shape(1, 2, 33, 7), shape(3, 6, 40, 24), shape(1, 2, 256, 64)] {
+        for decay in [1.0, 0.01] {
+            for n in [1, 63, 64, 65, 200] {
+                let mut layer = GdnLayer::random(rng, s);
+                layer.a_coef.iter_mut().for_each(|a| *a *= decay);
+                let (conv0, ssm0) = layer.state(rng);
+                let x = layer.input(rng, n + CHUNKED_DECODE);
+                let (mut conv, mut ssm) = (conv0.clone(), ssm0.clone());
+                let run = |x: &[f32], len: usize, conv: &mut Vec<f32>, ssm: &mut Vec<f32>| {
+                    let mut out = vec![0f32; len * s.value_width()];
+                    gdn::gated_delta_net(&layer.cpu(), x, len, conv, ssm, &mut out);
+                    (out, conv.clone(), ssm.clone())
+                };
+                let split = n * s.proj_width();
+                let prefill = run(&x[..split], n, &mut conv, &mut ssm);
+                let decode = run(&x[split..], CHUNKED_DECODE, &mut conv, &mut ssm);
+                let name = format!("hk{} hv{} dk{} dv{}, decay x{decay}, {n} tokens", s.n_k_heads, s.n_v_heads, s.k_dim, s.v_dim);
+                cases.push(ChunkedCase { name, layer, conv0, ssm0, n, x, prefill, decode });
+            }
+        }
+    }
+    cases
+}
+
+#[test]
+fn chunked_reference_matches_recurrent_cpu() {
+    for c in chunked_cases(&mut Rng(14)) {
+        let (mut conv, mut ssm) = (c.conv0.clone(), c.ssm0.clone());
+        let split = c.n * c.layer.shape.proj_width();
+        let got = chunked_reference(&c.layer, &c.x[..split], c.n, &mut conv, &mut ssm);
+        check_chunked("gdn host chunked", &c.name, (&got, &ssm), (&c.prefill.0, &c.prefill.2));
+        assert_eq!(conv, c.prefill.1, "{}: conv window", c.name);
+        // Continuing from the chunked state (a batch shorter than a chunk).
+        let got = chunked_reference(&c.layer, &c.x[split..], CHUNKED_DECODE, &mut conv, &mut ssm);
+        check_chunked("gdn host chunked", &format!("{}, then {CHUNKED_DECODE}", c.name), (&got, &ssm), (&c.decode.0, &c.decode.2));
+    }
+}
+
+/// The chunked path on the GPU against ferrite-cpu's recurrent reference, from a non-zero state;
+/// then the recurrent path continues from the state it left.
+#[test]
+fn gated_delta_net_chunked_matches_cpu() {
+    let Some(gpu) = gpu() else { return };
+    for c in chunked_cases(&mut Rng(14)) {
+        let (s, n, l) = (c.layer.shape, c.n, &c.layer);
+        let (weights, split) = ((upload(gpu, &l.conv), upload(gpu, &l.a_coef), upload(gpu, &l.dt_bias), upload(gpu, &l.norm)), n * s.proj_width());
+        let w = GdnWeights { conv: &weights.0, a_coef: &weights.1, dt_bias: &weights.2, norm: &weights.3, eps: l.cpu().eps };
+        let mut state = GdnState::new(gpu, s).unwrap();
+        state.upload(gpu, &c.conv0, &c.ssm0).unwrap();
+        // NaN scratch: no kernel may read a scratch element before writing it.
+        let mut scratch = poisoned(gpu, ops::gdn_scratch_len(&s, n, GdnPath::Chunked));
+        let mut out = poisoned(gpu, n * s.value_width());
+        ops::gated_delta_net_with(gpu, GdnPath::Chunked, &upload(gpu, &c.x[..split]), n, &w, &mut state, &mut scratch, &mut out).unwrap();
+        let (conv, ssm) = state.download(gpu).unwrap();
+        check_chunked("gdn chunked", &c.name, (&download(gpu, &out), &ssm), (&c.prefill.0, &c.prefill.2));
+        assert_eq!(conv, c.prefill.1, "{}: conv window", c.name);
+
+        let mut out = poisoned(gpu, CHUNKED_DECODE * s.value_width());
+        let x = upload(gpu, &c.x[split..]);
+        ops::gated_delta_net_with(gpu, GdnPath::Recurrent, &x, CHUNKED_DECODE, &w, &mut state, &mut scratch, &mut out).unwrap();
+        let (conv, ssm) = state.download(gpu).unwrap();
+        check_chunked("gdn chunked", &format!("{}, then {CHUNKED_DECODE} recurrent", c.name), (&download(gpu, &out), &ssm), (&c.decode.0, &c.decode.2));
+        assert_eq!(conv, c.decode.1, "{}: conv window after decode", c.name);
+    }
+    // The scratch must hold the chunked path's sections.
+    let s = GdnShape { n_k_heads: 1, n_v_heads: 2, k_dim: 16, v_dim: 16, conv_kernel: 4 };
+    let l = GdnLayer::random(&mut Rng(16), s);
+    let (weights, x) = ((upload(gpu, &l.conv), upload(gpu, &l.a_coef), upload(gpu, &l.dt_bias), upload(gpu, &l.norm)), upload(gpu, &l.input(&mut Rng(17), 70)));
+    let w = GdnWeights { conv: &weights.0, a_coef: &weights.1, dt_bias: &weights.2, norm: &weights.3, eps: 1e-6 };
+    let mut state = GdnState::new(gpu, s).unwrap();
+    let (mut scratch, mut out) = (poisoned(gpu, ops::gdn_scratch_len(&s, 70, GdnPath::Recurrent)), poisoned(gpu, 70 * s.value_width()));
+    let err = ops::gated_delta_net_with(gpu, GdnPath::Chunked, &x, 70, &w, &mut state, &mut scratch, &mut out).unwrap_err().to_string();
+    assert!(err.contains("scratch holds"), "{err}");
 }
 
 // ---------------------------------------------------------------- argmax / sampling
@@ -1399,6 +1619,8 @@ fn every_kernel_variant_compiles_for_sm90() {
     // Qwen3.5's heads, the tiny fixture's, the op tests' odd shapes, the largest blocks.
     for (k_dim, v_dim) in [(128, 128), (16, 12), (12, 10), (33, 7), (40, 24), (256, 64), (32, 32), (128, 256), (1024, 32)] {
         let v = GdnDeltaVariant::for_shape(k_dim, v_dim).unwrap();
+        check(format!("{v:?}"), compile_variant(&v, "sm_90"));
+        let v = GdnChunkVariant::for_shape(k_dim, v_dim).unwrap();
         check(format!("{v:?}"), compile_variant(&v, "sm_90"));
     }
     println!("compiled {compiled} kernel variants for sm_90");

@@ -3,12 +3,13 @@
 
 use super::{addr, addr_mut, as_u32, check_len, elems};
 use crate::error::{Context, CudaError};
-use crate::kernels::gdn::{GdnConvParams, GdnConvVariant, GdnDeltaParams, GdnDeltaVariant};
+use crate::kernels::gdn::{GdnChunkParams, GdnChunkVariant, GdnConvParams, GdnConvVariant, GdnDeltaParams, GdnDeltaVariant};
 use crate::Gpu;
 use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
+use ferrite_core::env;
 use ferrite_model::graph::GdnShape;
 
-/// The kernel variant for `shape`, or why the CUDA backend cannot run it.
+/// The recurrent kernel's variant for `shape`, or why the CUDA backend cannot run it (on either path).
 pub fn check_gdn_shape(shape: &GdnShape) -> Result<GdnDeltaVariant, CudaError> {
     const OP: &str = "gated_delta_net";
     let s = shape;
@@ -16,6 +17,7 @@ pub fn check_gdn_shape(shape: &GdnShape) -> Result<GdnDeltaVariant, CudaError> {
         return Err(CudaError::invalid(OP, format!("bad shape {s:?}")));
     }
     as_u32(OP, "projection width", s.proj_width())?;
+    GdnChunkVariant::for_shape(s.k_dim, s.v_dim).map_err(|e| CudaError::invalid(OP, e))?;
     GdnDeltaVariant::for_shape(s.k_dim, s.v_dim).map_err(|e| CudaError::invalid(OP, e))
 }
 
@@ -88,31 +90,91 @@ pub struct GdnWeights<'a> {
 pub enum GdnPath {
     /// Conv, then the delta rule token by token inside one kernel per layer.
     Recurrent,
+    /// Conv, then the chunked (WY / UT transform) form on chunks of 64 tokens: q/k L2 norms, the
+    /// per-chunk transforms (all chunks in parallel), the state pass (sequential over chunks),
+    /// the per-chunk outputs with the gated norm.
+    Chunked,
 }
 
-/// The path for a batch of `n_tokens`. Prefill takes the recurrent kernel too for now; a chunked
-/// (WY/UT, chunk 64) prefill kernel will take the long batches here.
-pub fn gdn_plan(_n_tokens: usize) -> GdnPath {
-    GdnPath::Recurrent
+impl GdnPath {
+    /// The path `FERRITE_CUDA_GDN_PATH` forces (`recurrent`, `chunked`), `None` for `auto` or
+    /// unset; another value is reported on stderr and means `auto`.
+    pub fn forced_by(value: Option<&str>) -> Option<GdnPath> {
+        match value.map(str::to_ascii_lowercase).as_deref() {
+            None | Some("auto") => None,
+            Some("recurrent") => Some(GdnPath::Recurrent),
+            Some("chunked") => Some(GdnPath::Chunked),
+            Some(other) => {
+                eprintln!("warning: {}={other:?} is not auto, recurrent or chunked; using auto", env::CUDA_GDN_PATH.name);
+                None
+            }
+        }
+    }
+}
+
+/// Smallest batch [`gdn_plan`] gives the chunked path. Not measured yet: the recurrent kernel
+/// costs about 3 µs per token (docs/kernels.md), and the chunked one a fixed latency of roughly
+/// one chunk (five launches and a 64-step substitution, estimated at 20-40 µs) plus little per
+/// token, so they should break even near 10-15 tokens; 32 leaves room for that estimate being
+/// twice too low and keeps decode batches on the recurrent kernel.
+pub const GDN_CHUNKED_MIN_TOKENS: usize = 32;
+
+/// The path for a batch of `n_tokens` (`FERRITE_CUDA_GDN_PATH` can force one: [`Gpu::gdn_path`]).
+pub fn gdn_plan(n_tokens: usize) -> GdnPath {
+    if n_tokens >= GDN_CHUNKED_MIN_TOKENS {
+        GdnPath::Chunked
+    } else {
+        GdnPath::Recurrent
+    }
+}
+
+/// f32 elements of the `scratch` [`gated_delta_net_with`] needs for `n_tokens` on `path`: the
+/// conv output (`n_tokens` rows of `conv_width`) and, chunked, per value head the cumulative
+/// log-decays, `W` and `U` (`1 + k_dim + v_dim` per token).
+pub fn gdn_scratch_len(shape: &GdnShape, n_tokens: usize, path: GdnPath) -> usize {
+    let conv = n_tokens * shape.conv_width();
+    match path {
+        GdnPath::Recurrent => conv,
+        GdnPath::Chunked => conv + n_tokens * shape.n_v_heads * (1 + shape.k_dim + shape.v_dim),
+    }
 }
 
 /// The mixer of one Gated DeltaNet layer on `n_tokens` rows of `x` (`q | k | v | z | b | a`,
 /// `proj_width` each), continuing from and updating `state`; `out` gets `n_tokens` rows of
-/// `value_width`. `conv_out` is scratch for `n_tokens` rows of `conv_width`.
+/// `value_width`. `scratch` holds [`gdn_scratch_len`] elements for the path [`gdn_plan`] (or
+/// `FERRITE_CUDA_GDN_PATH`) picks; returns that path.
 pub fn gated_delta_net(
     gpu: &Gpu,
     x: &impl DevicePtr<f32>,
     n_tokens: usize,
     w: &GdnWeights,
     state: &mut GdnState,
-    conv_out: &mut (impl DevicePtr<f32> + DevicePtrMut<f32>),
+    scratch: &mut (impl DevicePtr<f32> + DevicePtrMut<f32>),
+    out: &mut impl DevicePtrMut<f32>,
+) -> Result<GdnPath, CudaError> {
+    let path = gpu.gdn_path().unwrap_or_else(|| gdn_plan(n_tokens));
+    gated_delta_net_with(gpu, path, x, n_tokens, w, state, scratch, out)?;
+    Ok(path)
+}
+
+/// [`gated_delta_net`] on a given path. Both leave the same state (to f32 rounding: the chunked
+/// form sums in another order), so either may continue the other.
+#[allow(clippy::too_many_arguments)]
+pub fn gated_delta_net_with(
+    gpu: &Gpu,
+    path: GdnPath,
+    x: &impl DevicePtr<f32>,
+    n_tokens: usize,
+    w: &GdnWeights,
+    state: &mut GdnState,
+    scratch: &mut (impl DevicePtr<f32> + DevicePtrMut<f32>),
     out: &mut impl DevicePtrMut<f32>,
 ) -> Result<(), CudaError> {
-    match gdn_plan(n_tokens) {
-        GdnPath::Recurrent => {
-            gdn_conv(gpu, x, n_tokens, w.conv, state, conv_out)?;
-            gdn_delta(gpu, conv_out, x, n_tokens, w, state, out)
-        }
+    check_len("gated_delta_net", "scratch", scratch.len(), gdn_scratch_len(&state.shape, n_tokens, path))?;
+    gdn_conv(gpu, x, n_tokens, w.conv, state, scratch)?;
+    match path {
+        GdnPath::Recurrent => gdn_delta(gpu, scratch, x, n_tokens, w, state, out),
+        GdnPath::Chunked => gdn_chunked(gpu, scratch, x, n_tokens, w, state, out),
     }
 }
 
@@ -169,15 +231,8 @@ pub fn gdn_delta(
     }
     let s = state.shape;
     let variant = check_gdn_shape(&s)?;
-    if !(w.eps >= 0.0 && w.eps.is_finite()) {
-        return Err(CudaError::invalid(OP, format!("norm epsilon {} is not a non-negative number", w.eps)));
-    }
+    check_delta_args(OP, &s, n_tokens, x.len(), w, out.len())?;
     check_len(OP, "qkv", qkv.len(), elems(OP, &[n_tokens, s.conv_width()])?)?;
-    check_len(OP, "x", x.len(), elems(OP, &[n_tokens, s.proj_width()])?)?;
-    check_len(OP, "a_coef", w.a_coef.len(), s.n_v_heads)?;
-    check_len(OP, "dt_bias", w.dt_bias.len(), s.n_v_heads)?;
-    check_len(OP, "norm", w.norm.len(), s.v_dim)?;
-    check_len(OP, "out", out.len(), elems(OP, &[n_tokens, s.value_width()])?)?;
     let params = GdnDeltaParams {
         qkv: addr(gpu, qkv),
         x: addr(gpu, x),
@@ -196,6 +251,70 @@ pub fn gdn_delta(
     gpu.launch(&variant, "gdn_delta", variant.launch_config(s.n_v_heads), &params)
 }
 
+/// The checks both delta-rule paths make on the input, weights and output.
+fn check_delta_args(op: &'static str, s: &GdnShape, n_tokens: usize, x_len: usize, w: &GdnWeights, out_len: usize) -> Result<(), CudaError> {
+    if !(w.eps >= 0.0 && w.eps.is_finite()) {
+        return Err(CudaError::invalid(op, format!("norm epsilon {} is not a non-negative number", w.eps)));
+    }
+    check_len(op, "x", x_len, elems(op, &[n_tokens, s.proj_width()])?)?;
+    check_len(op, "a_coef", w.a_coef.len(), s.n_v_heads)?;
+    check_len(op, "dt_bias", w.dt_bias.len(), s.n_v_heads)?;
+    check_len(op, "norm", w.norm.len(), s.v_dim)?;
+    check_len(op, "out", out_len, elems(op, &[n_tokens, s.value_width()])?)
+}
+
+/// The chunked form of [`gdn_delta`]: `scratch` starts with the conv output (`n_tokens` rows of
+/// `conv_width`, whose q and k it normalises in place), followed by room for the cumulative
+/// log-decays, `W` and `U` ([`gdn_scratch_len`] in all). Four launches: the norms, the per-chunk
+/// transforms, the state pass, the per-chunk outputs.
+pub fn gdn_chunked(
+    gpu: &Gpu,
+    scratch: &mut impl DevicePtrMut<f32>,
+    x: &impl DevicePtr<f32>,
+    n_tokens: usize,
+    w: &GdnWeights,
+    state: &mut GdnState,
+    out: &mut impl DevicePtrMut<f32>,
+) -> Result<(), CudaError> {
+    const OP: &str = "gdn_chunked";
+    if n_tokens == 0 {
+        return Ok(());
+    }
+    let s = state.shape;
+    check_gdn_shape(&s)?;
+    let variant = GdnChunkVariant::for_shape(s.k_dim, s.v_dim).map_err(|e| CudaError::invalid(OP, e))?;
+    check_delta_args(OP, &s, n_tokens, x.len(), w, out.len())?;
+    check_len(OP, "scratch", scratch.len(), gdn_scratch_len(&s, n_tokens, GdnPath::Chunked))?;
+    // Scratch sections, in f32 elements from its start.
+    let gam = n_tokens * s.conv_width();
+    let w_at = gam + n_tokens * s.n_v_heads;
+    let u_at = w_at + n_tokens * s.n_v_heads * s.k_dim;
+    let base = addr_mut(gpu, scratch);
+    let at = |elem: usize| base + 4 * elem as u64;
+    let params = GdnChunkParams {
+        qkv: base,
+        x: addr(gpu, x),
+        a_coef: addr(gpu, w.a_coef),
+        dt_bias: addr(gpu, w.dt_bias),
+        norm: addr(gpu, w.norm),
+        state: addr_mut(gpu, &mut state.ssm),
+        gam: at(gam),
+        w: at(w_at),
+        u: at(u_at),
+        out: addr_mut(gpu, out),
+        n_tokens: as_u32(OP, "n_tokens", n_tokens)?,
+        n_k_heads: s.n_k_heads as u32,
+        n_v_heads: s.n_v_heads as u32,
+        x_width: s.proj_width() as u32,
+        q_scale: 1.0 / (s.k_dim as f32).sqrt(),
+        eps: w.eps,
+    };
+    gpu.launch(&variant, "gdn_chunk_norm", variant.norm_config(n_tokens, s.n_k_heads), &params)?;
+    gpu.launch(&variant, "gdn_chunk_prep", variant.chunk_config(n_tokens, s.n_v_heads), &params)?;
+    gpu.launch(&variant, "gdn_chunk_state", variant.state_config(s.n_v_heads), &params)?;
+    gpu.launch(&variant, "gdn_chunk_out", variant.chunk_config(n_tokens, s.n_v_heads), &params)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -209,5 +328,21 @@ mod tests {
         let err = check_gdn_shape(&GdnShape { n_v_heads: 24, ..qwen35 }).unwrap_err().to_string();
         assert!(err.starts_with("gated_delta_net: bad shape"), "{err}");
         assert!(check_gdn_shape(&GdnShape { conv_kernel: 0, ..qwen35 }).is_err());
+    }
+
+    #[test]
+    fn long_batches_take_the_chunked_path() {
+        assert_eq!(gdn_plan(1), GdnPath::Recurrent);
+        assert_eq!(gdn_plan(GDN_CHUNKED_MIN_TOKENS - 1), GdnPath::Recurrent);
+        assert_eq!(gdn_plan(GDN_CHUNKED_MIN_TOKENS), GdnPath::Chunked);
+        assert_eq!(gdn_plan(4096), GdnPath::Chunked);
+        assert_eq!(GdnPath::forced_by(None), None);
+        assert_eq!(GdnPath::forced_by(Some("auto")), None);
+        assert_eq!(GdnPath::forced_by(Some("Recurrent")), Some(GdnPath::Recurrent));
+        assert_eq!(GdnPath::forced_by(Some("chunked")), Some(GdnPath::Chunked));
+        assert_eq!(GdnPath::forced_by(Some("wy")), None);
+        let qwen35 = GdnShape { n_k_heads: 16, n_v_heads: 32, k_dim: 128, v_dim: 128, conv_kernel: 4 };
+        assert_eq!(gdn_scratch_len(&qwen35, 10, GdnPath::Recurrent), 10 * 8192);
+        assert_eq!(gdn_scratch_len(&qwen35, 10, GdnPath::Chunked), 10 * (8192 + 32 * 257));
     }
 }

@@ -26,7 +26,10 @@ pub use linear::{
     NormPrologue, Precision, Q8Activations, Q8Emit,
 };
 pub use sampling::{argmax, sample, SamplingConfig};
-pub use gdn::{check_gdn_shape, gated_delta_net, gdn_conv, gdn_delta, gdn_plan, GdnPath, GdnState, GdnWeights};
+pub use gdn::{
+    check_gdn_shape, gated_delta_net, gated_delta_net_with, gdn_chunked, gdn_conv, gdn_delta, gdn_plan, gdn_scratch_len, GdnPath, GdnState,
+    GdnWeights, GDN_CHUNKED_MIN_TOKENS,
+};
 
 pub use crate::kernels::attention::KvDtype;
 pub use crate::kernels::sampling::sampling_uniform;
