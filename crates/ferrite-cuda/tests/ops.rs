@@ -1255,7 +1255,9 @@ fn gated_delta_net_chunked_matches_cpu() {
         let mut state = GdnState::new(gpu, s).unwrap();
         state.upload(gpu, &c.conv0, &c.ssm0).unwrap();
         // NaN scratch: no kernel may read a scratch element before writing it.
-        let mut scratch = poisoned(gpu, ops::gdn_scratch_len(&s, n, GdnPath::Chunked));
+        // (Also room for the recurrent continuation below, which may need more than a short chunk.)
+        let len = ops::gdn_scratch_len(&s, n, GdnPath::Chunked).max(ops::gdn_scratch_len(&s, CHUNKED_DECODE, GdnPath::Recurrent));
+        let mut scratch = poisoned(gpu, len);
         let mut out = poisoned(gpu, n * s.value_width());
         ops::gated_delta_net_with(gpu, GdnPath::Chunked, &upload(gpu, &c.x[..split]), n, &w, &mut state, &mut scratch, &mut out).unwrap();
         let (conv, ssm) = state.download(gpu).unwrap();
