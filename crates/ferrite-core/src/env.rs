@@ -139,6 +139,9 @@ switches! {
     /// Producers leave int8 activations for the next int8 GEMV (CUDA).
     DISABLE_INT8_HANDOFF = ("FERRITE_DISABLE_INT8_HANDOFF", "0", AbTest,
         "1 drops the int8 hand-offs declared at load: each int8 GEMV quantizes its input (and applies its RMSNorm) in a launch of its own, instead of the attention or the previous GEMV leaving it quantized (CUDA: up to four kernels fewer per layer).");
+    /// Decode attention stores the token's K/V itself (CUDA).
+    DISABLE_KV_STORE_FUSION = ("FERRITE_DISABLE_KV_STORE_FUSION", "0", AbTest,
+        "1 runs the one-token CUDA decode step's K/V store (and RoPE) as its own store_qkv launch before attention, instead of inside the attention kernel.");
     /// Split-KV (flash-decoding) attention for decode on CUDA (opt-in).
     SPLIT_ATTENTION = ("FERRITE_SPLIT_ATTENTION", "0", AbTest,
         "1 runs CUDA decode attention on caches over 256 positions split-KV: each query's keys cut into shares computed by separate blocks, merged by the last to finish. Off by default: on the H200 it measured slower than one block per query up to 4k-token contexts (docs/perf.md).");

@@ -95,6 +95,8 @@ struct Buffers {
     /// Key shares of decode attention per batch size (`attention_splits`; 1: no split) and the
     /// scratch of split attention.
     attention_splits: Vec<usize>,
+    /// One-token steps store K/V inside the (unsplit) attention kernel.
+    fused_kv_store: bool,
     split_scratch: ops::SplitScratch,
     ids: CudaSlice<u32>,
     positions: CudaSlice<u32>,
@@ -210,6 +212,7 @@ impl CudaExecutor {
         let buf = Buffers {
             split_scratch: ops::SplitScratch::new(&gpu, split_tokens * cfg.n_heads, max_splits, cfg.head_dim)?,
             attention_splits,
+            fused_kv_store: !env::DISABLE_KV_STORE_FUSION.flag(false),
             scratch_a: gpu.alloc_zeros(scratch.max(gdn_scratch))?,
             scratch_b: gpu.alloc_zeros(scratch)?,
             scratch_c: gpu.alloc_zeros(scratch)?,
@@ -418,23 +421,24 @@ impl CudaExecutor {
                 }
             }
             Op::HeadNorm { x, col, n_heads, norm } => {
-                // In place on x's buffer (`out`): gather the heads, normalise, scatter back.
-                let (w, hd) = (width(x), graph.attention.head_dim);
-                let span = n_heads * hd;
-                ops::copy_cols(gpu, out, w, col, &mut buf.scratch_b, span, 0, span, n)?;
-                ops::rms_norm(gpu, &buf.scratch_b, vector(norm.weight), norm.eps, n * n_heads, hd, false, &mut buf.scratch_c)?;
-                ops::copy_cols(gpu, &buf.scratch_c, span, 0, out, w, col, span, n)?;
+                // In place on x's buffer (`out`).
+                ops::head_norm(gpu, out, width(x), col, n, n_heads, graph.attention.head_dim, vector(norm.weight), norm.eps)?;
             }
             Op::Attention { layer, qkv, window, ref rope, .. } => {
                 let a = graph.attention;
                 let cfg = AttentionConfig { n_heads: a.n_heads, scale: a.scale, window, softcap: None };
                 let rope = rope.as_ref().map(|r| rope_config(r, a.n_heads, a.head_dim));
-                // One kernel splits the rows: rotated Q to scratch, rotated K and V into the cache.
                 let cache = &mut buf.kv[layer];
-                ops::store_qkv(gpu, cache, input(qkv), width(qkv), n, a.n_heads, &buf.positions, rope.as_ref(), &mut buf.scratch_a)?;
-                let q = buf.scratch_a.slice(0..n * a.n_heads * a.head_dim);
                 // The output projection takes no norm: the hand-off is the plain quantization.
                 let emit = buf.handoff_out[index].map(|h| &mut buf.q8_handoff[h % 2]);
+                if n == 1 && buf.attention_splits[1] == 1 && buf.fused_kv_store {
+                    // Decode: one kernel stores the token's K/V and attends.
+                    ops::store_and_attend(gpu, cache, input(qkv), &buf.positions, &cfg, rope.as_ref(), out, emit)?;
+                    return Ok(());
+                }
+                // One kernel splits the rows: rotated Q to scratch, rotated K and V into the cache.
+                ops::store_qkv(gpu, cache, input(qkv), width(qkv), n, a.n_heads, &buf.positions, rope.as_ref(), &mut buf.scratch_a)?;
+                let q = buf.scratch_a.slice(0..n * a.n_heads * a.head_dim);
                 match buf.attention_splits[n] {
                     1 => ops::attention(gpu, &q, cache, &buf.positions, n, &cfg, out, emit)?,
                     splits => ops::attention_split(gpu, &q, cache, &buf.positions, n, &cfg, splits, &mut buf.split_scratch, out, emit)?,

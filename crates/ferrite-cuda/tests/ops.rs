@@ -213,6 +213,34 @@ fn rms_norm_matches_cpu() {
     }
 }
 
+/// QK-norm in place on a column range of wider rows: each head exactly as `rms_norm` of the
+/// gathered heads, every other column untouched.
+#[test]
+fn head_norm_normalises_heads_in_place() {
+    let Some(gpu) = gpu() else { return };
+    let mut rng = Rng(21);
+    for (rows, n_heads, hd, ld, col) in [(1, 16, 128, 2048 + 3 * 128, 0), (3, 2, 64, 1024, 768), (5, 8, 256, 4096, 1024)] {
+        let x = rng.vec(rows * ld, -3.0, 3.0);
+        let w = rng.vec(hd, 0.5, 1.5);
+        let mut dev = upload(gpu, &x);
+        ops::head_norm(gpu, &mut dev, ld, col, rows, n_heads, hd, &upload(gpu, &w), 1e-6).unwrap();
+        let got = download(gpu, &dev);
+        let span = n_heads * hd;
+        let heads: Vec<f32> = x.chunks(ld).flat_map(|r| r[col..col + span].to_vec()).collect();
+        let mut want = poisoned(gpu, heads.len());
+        ops::rms_norm(gpu, &upload(gpu, &heads), &upload(gpu, &w), 1e-6, rows * n_heads, hd, false, &mut want).unwrap();
+        let want = download(gpu, &want);
+        for (t, r) in got.chunks(ld).enumerate() {
+            assert_eq!(r[col..col + span], want[t * span..(t + 1) * span], "row {t}: normalised heads");
+            assert_eq!(r[..col], x[t * ld..t * ld + col], "row {t}: columns before");
+            assert_eq!(r[col + span..], x[t * ld + col + span..(t + 1) * ld], "row {t}: columns after");
+        }
+    }
+    let mut x = poisoned(gpu, 100);
+    let err = ops::head_norm(gpu, &mut x, 100, 40, 1, 2, 32, &upload(gpu, &[1f32; 32]), 1e-6).unwrap_err().to_string();
+    assert_eq!(err, "head_norm: 2 heads of 32 from column 40 do not fit rows of 100");
+}
+
 // ---------------------------------------------------------------- rope
 
 #[test]
@@ -800,6 +828,52 @@ fn store_qkv_rotates_like_rope() {
             assert_eq!(v_dev[p..p + kvw], stored(&rows[t * stride + qw + kvw..(t + 1) * stride])[..], "V at token {t}");
         }
         println!("| {:<10} | {:<44} | {:>9} | {:>9} | {:>6} |", "store_qkv", format!("neox={neox} h{n_heads}/{n_kv} d{hd} rot{rot_dim}"), "exact", "exact", 0);
+    }
+}
+
+/// Decode steps through `store_and_attend` (the K/V store and RoPE inside the attention
+/// kernel) against `store_qkv` + `attention` on a twin cache: the same cache rows bit for bit,
+/// outputs equal to rounding, and the int8 hand-off of the output as `quantize_q8` makes it.
+#[test]
+fn store_and_attend_matches_store_then_attention() {
+    let Some(gpu) = gpu() else { return };
+    let mut rng = Rng(19);
+    // (rope: neox / rot_dim, query heads, KV heads, head_dim, KV type, window, softcap)
+    let cases = [
+        (Some((true, 64)), 9, 3, 64, KvDtype::F16, None, None),
+        (Some((false, 96)), 4, 2, 128, KvDtype::F32, Some(6), None),
+        (None, 8, 1, 32, KvDtype::F16, None, Some(30.0)),
+        (Some((true, 64)), 8, 8, 256, KvDtype::F32, None, None),
+    ];
+    for (rope, n_heads, n_kv, hd, kv_dtype, window, softcap) in cases {
+        let max_seq = 64;
+        let (qw, kvw) = (n_heads * hd, n_kv * hd);
+        let row = qw + 2 * kvw;
+        let rope = rope.map(|(neox, rot_dim)| RopeConfig { n_heads, head_dim: hd, rot_dim, theta: 10_000.0, freq_scale: 1.0, neox });
+        let cfg = AttentionConfig { n_heads, scale: 1.0 / (hd as f32).sqrt(), window, softcap };
+        let (mut fused, mut twin) = (KvCache::new(gpu, kv_dtype, max_seq, n_kv, hd).unwrap(), KvCache::new(gpu, kv_dtype, max_seq, n_kv, hd).unwrap());
+        // A 9-token prefill into both caches, then single tokens.
+        let prefill = upload(gpu, &rng.vec(9 * row, -1.0, 1.0));
+        let pos = upload(gpu, &(0..9).collect::<Vec<u32>>());
+        let mut q = poisoned(gpu, 9 * qw);
+        for cache in [&mut fused, &mut twin] {
+            ops::store_qkv(gpu, cache, &prefill, row, 9, n_heads, &pos, rope.as_ref(), &mut q).unwrap();
+        }
+        for p in 9..14u32 {
+            let name = format!("rope {:?} h{n_heads}/{n_kv} d{hd} {kv_dtype:?} w{window:?} cap{softcap:?} pos{p}", rope.map(|r| (r.neox, r.rot_dim)));
+            let qkv = upload(gpu, &rng.vec(row, -1.0, 1.0));
+            let pos = upload(gpu, &[p]);
+            let (mut out, mut want) = (poisoned(gpu, qw), poisoned(gpu, qw));
+            let mut emitted = ops::Q8Activations::new(gpu, qw).unwrap();
+            ops::store_and_attend(gpu, &mut fused, &qkv, &pos, &cfg, rope.as_ref(), &mut out, Some(&mut emitted)).unwrap();
+            let mut q = poisoned(gpu, qw);
+            ops::store_qkv(gpu, &mut twin, &qkv, row, 1, n_heads, &pos, rope.as_ref(), &mut q).unwrap();
+            ops::attention(gpu, &q, &twin, &pos, 1, &cfg, &mut want, None).unwrap();
+            let atol = 2e-6 + softcap.map_or(0.0, |cap| cap as f64 * 2.4e-7 * 2.0);
+            close("store+attn", &name, &download(gpu, &out), &download(gpu, &want), 1e-5, atol);
+            assert_handoff_is_quantize(gpu, &emitted, &out, 1, qw, &name);
+        }
+        assert_eq!(fused.download(gpu).unwrap(), twin.download(gpu).unwrap(), "cache rows written by the fused store");
     }
 }
 
@@ -1614,6 +1688,9 @@ fn every_kernel_variant_compiles_for_sm90() {
                 let v = AttentionVariant::new(hd, kv, split);
                 check(format!("{v:?}"), compile_variant(&v, "sm_90"));
             }
+            let rope = [RopeStyle::None, RopeStyle::Normal, RopeStyle::Neox][hd / 64 % 3];
+            let v = AttentionVariant::storing(hd, kv, rope);
+            check(format!("{v:?}"), compile_variant(&v, "sm_90"));
         }
     }
     check("sampling".into(), compile_variant(&SamplingVariant::DEFAULT, "sm_90"));

@@ -41,6 +41,7 @@ const KV: &str = r#"
 typedef u16 kv_t;
 #define KV_VEC 8
 __device__ __forceinline__ float kv_load(const kv_t* p, i64 i) { return f16_to_f32(p[i]); }
+__device__ __forceinline__ float kv_round(float v) { return f16_to_f32(f32_to_f16(v)); }
 __device__ __forceinline__ void kv_store(kv_t* p, i64 i, float v) { p[i] = f32_to_f16(v); }
 __device__ __forceinline__ void kv_load_vec(const kv_t* p, float* out) {
   const uint4 u = *reinterpret_cast<const uint4*>(p);
@@ -52,6 +53,7 @@ __device__ __forceinline__ void kv_load_vec(const kv_t* p, float* out) {
 typedef float kv_t;
 #define KV_VEC 4
 __device__ __forceinline__ float kv_load(const kv_t* p, i64 i) { return p[i]; }
+__device__ __forceinline__ float kv_round(float v) { return v; }
 __device__ __forceinline__ void kv_store(kv_t* p, i64 i, float v) { p[i] = v; }
 __device__ __forceinline__ void kv_load_vec(const kv_t* p, float* out) {
   const float4 u = *reinterpret_cast<const float4*>(p);
@@ -80,13 +82,43 @@ device_params! {
     }
 }
 
-const STORE_QKV: &str = r#"
+/// Reading one value pair of a head of a `q | k | v` row, rotated (RoPE) for Q and K heads:
+/// shared by `store_qkv` and the attention kernel's fused K/V store.
+const QKV_PAIR: &str = r#"
 #ifndef ROPE_STYLE
 #error "ROPE_STYLE (0: no RoPE, 1: rotate pairs (2i, 2i + 1), 2: pairs (i, i + rot_dim/2) (NeoX)) must come from the kernel variant"
 #endif
 #ifndef HEAD_DIM
 #error "HEAD_DIM must come from the kernel variant"
 #endif
+// Pair `pair` of head `head` of the row `src` (Q heads, then K, then V): its element indices
+// (a, b) within the head and its values, rotated when head < rotated_heads and pair < rot_dim/2
+// (pairs past that, partial RoPE, and V pairs are plain copies).
+__device__ __forceinline__ void qkv_pair(const float* src, u32 head, u32 pair, u32 rotated_heads, u32 pos, u32 rot_dim,
+                                         float theta, float freq_scale, u32* a, u32* b, float* x0, float* x1) {
+  const float* h = src + (i64)head * HEAD_DIM;
+  *a = 2 * pair;
+  *b = 2 * pair + 1;
+#if ROPE_STYLE
+  if (head < rotated_heads && pair < rot_dim / 2) {
+#if ROPE_STYLE == 2
+    *a = pair;
+    *b = pair + rot_dim / 2;
+#endif
+    float c, s;
+    rope_cos_sin(pos, pair, rot_dim, theta, freq_scale, &c, &s);
+    *x0 = h[*a];
+    *x1 = h[*b];
+    rope_rotate(x0, x1, c, s);
+    return;
+  }
+#endif
+  *x0 = h[*a];
+  *x1 = h[*b];
+}
+"#;
+
+const STORE_QKV: &str = r#"
 // Splits each token's `q | k | v` row: Q heads to q_out ([n_tokens, n_heads, HEAD_DIM]), K and
 // V heads to cache row positions[t]; Q and K rotated on the way (ROPE_STYLE). One thread per
 // pair of values of one head; pairs past rot_dim/2 (partial RoPE) and V pairs are copied.
@@ -104,26 +136,9 @@ extern "C" __global__ void store_qkv(const StoreQkvParams p) {
     const u32 head = (u32)(idx / HALF % heads);
     const u32 tok = (u32)(idx / HALF / heads);
     const u32 pos = reinterpret_cast<const u32*>(p.positions)[tok];
-    const float* src = qkv + (i64)tok * p.stride + (i64)head * HEAD_DIM;
-    u32 a = 2 * pair, b = 2 * pair + 1;
+    u32 a, b;
     float x0, x1;
-#if ROPE_STYLE
-    if (head < p.n_heads + p.n_kv_heads && pair < p.rot_dim / 2) {
-#if ROPE_STYLE == 2
-      a = pair;
-      b = pair + p.rot_dim / 2;
-#endif
-      float c, s;
-      rope_cos_sin(pos, pair, p.rot_dim, p.theta, p.freq_scale, &c, &s);
-      x0 = src[a];
-      x1 = src[b];
-      rope_rotate(&x0, &x1, c, s);
-    } else
-#endif
-    {
-      x0 = src[a];
-      x1 = src[b];
-    }
+    qkv_pair(qkv + (i64)tok * p.stride, head, pair, p.n_heads + p.n_kv_heads, pos, p.rot_dim, p.theta, p.freq_scale, &a, &b, &x0, &x1);
     if (head < p.n_heads) {
       float* dst = q_out + ((i64)tok * p.n_heads + head) * HEAD_DIM;
       dst[a] = x0;
@@ -153,6 +168,17 @@ pub enum RopeStyle {
     Neox,
 }
 
+impl RopeStyle {
+    /// `ROPE_STYLE`.
+    fn macro_value(self) -> u32 {
+        match self {
+            RopeStyle::None => 0,
+            RopeStyle::Normal => 1,
+            RopeStyle::Neox => 2,
+        }
+    }
+}
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct StoreQkvVariant {
     pub kv: KvDtype,
@@ -172,19 +198,14 @@ impl StoreQkvVariant {
 
 impl KernelVariant for StoreQkvVariant {
     const FAMILY: &'static str = "store_qkv";
-    const SOURCES: &'static [&'static str] = &[HEADER, KV, ROPE_ANGLE, StoreQkvParams::C_DECL, STORE_QKV];
+    const SOURCES: &'static [&'static str] = &[HEADER, KV, ROPE_ANGLE, QKV_PAIR, StoreQkvParams::C_DECL, STORE_QKV];
     const ENTRY_POINTS: &'static [&'static str] = &["store_qkv"];
 
     fn macros(&self) -> Vec<(&'static str, String)> {
-        let style = match self.rope {
-            RopeStyle::None => 0,
-            RopeStyle::Normal => 1,
-            RopeStyle::Neox => 2,
-        };
         vec![
             ("HEAD_DIM", self.head_dim.to_string()),
             ("KV_F16", u32::from(self.kv == KvDtype::F16).to_string()),
-            ("ROPE_STYLE", style.to_string()),
+            ("ROPE_STYLE", self.rope.macro_value().to_string()),
         ]
     }
 }
@@ -211,6 +232,12 @@ device_params! {
         /// 0, or int8 codes and block scales of the output (an int8 hand-off; `quantize` layout).
         pub emit_q: u64,
         pub emit_s: u64,
+        /// STORE only: the token's `q | k | v` row (read instead of `q`) and its RoPE.
+        pub qkv: u64,
+        pub rot_dim: u32,
+        pub theta: f32,
+        pub freq_scale: f32,
+        pub pad: u32,
     }
 }
 
@@ -223,6 +250,12 @@ const ATTENTION: &str = r#"
 #endif
 #ifndef SPLIT
 #error "SPLIT (1: gridDim.z blocks share each query's keys, 0: one block has them all) must come from the kernel variant"
+#endif
+#ifndef STORE
+#error "STORE (1: one decode token, its K/V store and RoPE fused in; 0: q and the cache as given) must come from the kernel variant"
+#endif
+#if STORE && SPLIT
+#error "the fused K/V store is for the one-block kernel"
 #endif
 #define DIMS_PER_LANE (HEAD_DIM / 32)
 // Fewest keys per share: one batch of 32 keys for every warp of the block.
@@ -266,12 +299,42 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32) attention(const Attent
   const u32 kv_head = head / (p.n_heads / p.n_kv_heads);
   const u32 first = (p.window > 0 && pos + 1 > p.window) ? pos + 1 - p.window : 0;
   const u32 share = max((pos + 1 - first + gridDim.z - 1) / gridDim.z, SPLIT ? MIN_SHARE : 1u);
-  const u32 begin = first + blockIdx.z * share, end = min(pos + 1, begin + share);
+  // With STORE the cached keys end before pos; the new key comes after the loop.
+  const u32 begin = first + blockIdx.z * share, end = min(pos + 1 - STORE, begin + share);
   const i64 row = (i64)p.n_kv_heads * HEAD_DIM;
   const kv_t* kc = reinterpret_cast<const kv_t*>(p.k_cache) + (i64)kv_head * HEAD_DIM;
   const kv_t* vc = reinterpret_cast<const kv_t*>(p.v_cache) + (i64)kv_head * HEAD_DIM;
+#if STORE
+  // One decode token with its K/V store fused in: the block rotates its Q head and its group's
+  // new K row and reads the new V row from q | k | v itself (rounded as the cache stores them),
+  // and the group's first head writes them to cache row pos. The new key is folded in after the
+  // cached ones, so no block reads a row that another block is writing.
+  __shared__ __align__(16) float s_k[HEAD_DIM], s_v[HEAD_DIM];
+  {
+    const float* src = reinterpret_cast<const float*>(p.qkv);
+    const bool writer = head % (p.n_heads / p.n_kv_heads) == 0;
+    const i64 cache_row = ((i64)pos * p.n_kv_heads + kv_head) * HEAD_DIM;
+    for (u32 pair = threadIdx.x; pair < HEAD_DIM / 2; pair += NWARPS * 32) {
+      const u32 rotated = p.n_heads + p.n_kv_heads;
+      u32 a, b;
+      float x0, x1;
+      qkv_pair(src, head, pair, rotated, pos, p.rot_dim, p.theta, p.freq_scale, &a, &b, &x0, &x1);
+      s_q[a] = x0 * p.scale;
+      s_q[b] = x1 * p.scale;
+      qkv_pair(src, p.n_heads + kv_head, pair, rotated, pos, p.rot_dim, p.theta, p.freq_scale, &a, &b, &x0, &x1);
+      s_k[a] = kv_round(x0);
+      s_k[b] = kv_round(x1);
+      if (writer) { kv_store((kv_t*)p.k_cache + cache_row, a, x0); kv_store((kv_t*)p.k_cache + cache_row, b, x1); }
+      qkv_pair(src, rotated + kv_head, pair, rotated, pos, p.rot_dim, p.theta, p.freq_scale, &a, &b, &x0, &x1);
+      s_v[a] = kv_round(x0);
+      s_v[b] = kv_round(x1);
+      if (writer) { kv_store((kv_t*)p.v_cache + cache_row, a, x0); kv_store((kv_t*)p.v_cache + cache_row, b, x1); }
+    }
+  }
+#else
   const float* q = reinterpret_cast<const float*>(p.q) + qrow;
   for (int d = threadIdx.x; d < HEAD_DIM; d += NWARPS * 32) s_q[d] = q[d] * p.scale;
+#endif
   __syncthreads();
 
   float acc[DIMS_PER_LANE];
@@ -312,6 +375,20 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32) attention(const Attent
     }
     m = m_new;
   }
+#if STORE
+  if (warp == 0) {  // the new key, from shared memory
+    float part = 0.f;
+    for (int d = lane; d < HEAD_DIM; d += 32) part += s_q[d] * s_k[d];
+    const float dot = warp_sum(part);
+    const float s = p.softcap > 0.f ? p.softcap * tanhf(dot / p.softcap) : dot;
+    const float m_new = fmaxf(m, s);
+    const float corr = expf(m - m_new), pj = expf(s - m_new);
+    l = l * corr + pj;
+#pragma unroll
+    for (int i = 0; i < DIMS_PER_LANE; ++i) acc[i] = acc[i] * corr + pj * s_v[lane + 32 * i];
+    m = m_new;
+  }
+#endif
   if (lane == 0) { s_m[warp] = m; s_l[warp] = l; }
 #pragma unroll
   for (int i = 0; i < DIMS_PER_LANE; ++i) s_acc[warp][lane + 32 * i] = acc[i];
@@ -390,11 +467,18 @@ pub struct AttentionVariant {
     pub nwarps: u32,
     /// Several blocks share each query's keys (`splits > 1` in the launch grid).
     pub split: bool,
+    /// One decode token whose K/V store (rotated by this RoPE) the kernel does itself.
+    pub store: Option<RopeStyle>,
 }
 
 impl AttentionVariant {
     pub fn new(head_dim: usize, kv: KvDtype, split: bool) -> Self {
-        AttentionVariant { head_dim: head_dim as u32, kv, nwarps: 4, split }
+        AttentionVariant { head_dim: head_dim as u32, kv, nwarps: 4, split, store: None }
+    }
+
+    /// The one-token kernel with the K/V store and RoPE fused in.
+    pub fn storing(head_dim: usize, kv: KvDtype, rope: RopeStyle) -> Self {
+        AttentionVariant { store: Some(rope), ..Self::new(head_dim, kv, false) }
     }
 
     pub fn launch_config(&self, n_heads: usize, n_tokens: usize, splits: usize) -> LaunchConfig {
@@ -408,7 +492,7 @@ impl AttentionVariant {
 
 impl KernelVariant for AttentionVariant {
     const FAMILY: &'static str = "attention";
-    const SOURCES: &'static [&'static str] = &[HEADER, Q8_BLOCK, KV, AttentionParams::C_DECL, ATTENTION];
+    const SOURCES: &'static [&'static str] = &[HEADER, Q8_BLOCK, KV, ROPE_ANGLE, QKV_PAIR, AttentionParams::C_DECL, ATTENTION];
     const ENTRY_POINTS: &'static [&'static str] = &["attention"];
 
     fn macros(&self) -> Vec<(&'static str, String)> {
@@ -417,6 +501,8 @@ impl KernelVariant for AttentionVariant {
             ("KV_F16", u32::from(self.kv == KvDtype::F16).to_string()),
             ("NWARPS", self.nwarps.to_string()),
             ("SPLIT", u32::from(self.split).to_string()),
+            ("STORE", u32::from(self.store.is_some()).to_string()),
+            ("ROPE_STYLE", self.store.map_or(0, RopeStyle::macro_value).to_string()),
         ]
     }
 }
@@ -435,5 +521,6 @@ mod tests {
     fn macros_match_source() {
         crate::kernels::tests::assert_macros_match(StoreQkvVariant { kv: KvDtype::F32, head_dim: 64, rope: RopeStyle::Neox });
         crate::kernels::tests::assert_macros_match(AttentionVariant::new(64, KvDtype::F16, true));
+        crate::kernels::tests::assert_macros_match(AttentionVariant::storing(128, KvDtype::F16, RopeStyle::Neox));
     }
 }

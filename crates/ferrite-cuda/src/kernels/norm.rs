@@ -1,4 +1,6 @@
-//! RMSNorm: `out = x / sqrt(mean(x^2) + eps) * w` (or `* (1 + w)`), one block per row.
+//! RMSNorm: `out = x / sqrt(mean(x^2) + eps) * w` (or `* (1 + w)`), one block per row. A row
+//! can also be one head of a wider token row (`heads` per token, `ld` apart, from column `col`):
+//! Qwen3's QK-norm in place on the Q and K columns of `q | k | v`.
 
 use super::common::HEADER;
 use super::{device_params, KernelVariant};
@@ -12,7 +14,10 @@ device_params! {
         pub dim: u32,
         pub eps: f32,
         pub add_one: u32,
-        pub pad: u32,
+        /// Rows (heads) per token row, the token rows' stride and the first head's column.
+        pub heads: u32,
+        pub ld: u32,
+        pub col: u32,
     }
 }
 
@@ -24,10 +29,10 @@ const SOURCE: &str = r#"
 extern "C" __global__ void __launch_bounds__(BLOCK_SIZE) rms_norm(const RmsNormParams p) {
   KERNEL_ENTRY();
   __shared__ float scratch[32];
-  const i64 row = blockIdx.x;
-  const float* x = reinterpret_cast<const float*>(p.x) + row * p.dim;
+  const i64 start = (i64)(blockIdx.x / p.heads) * p.ld + p.col + (i64)(blockIdx.x % p.heads) * p.dim;
+  const float* x = reinterpret_cast<const float*>(p.x) + start;
   const float* wt = reinterpret_cast<const float*>(p.weight);
-  float* out = reinterpret_cast<float*>(p.out) + row * p.dim;
+  float* out = reinterpret_cast<float*>(p.out) + start;
   const float inv = row_rms_inv(x, p.dim, p.eps, scratch);
   for (u32 i = threadIdx.x; i < p.dim; i += BLOCK_SIZE) {
     const float g = p.add_one ? 1.f + wt[i] : wt[i];

@@ -100,11 +100,7 @@ pub fn store_qkv(
     let variant = StoreQkvVariant {
         kv: cache.dtype,
         head_dim: cache.head_dim as u32,
-        rope: match rope {
-            None => RopeStyle::None,
-            Some(r) if r.neox => RopeStyle::Neox,
-            Some(_) => RopeStyle::Normal,
-        },
+        rope: rope_style(rope),
     };
     let params = StoreQkvParams {
         qkv: addr(gpu, qkv),
@@ -124,6 +120,49 @@ pub fn store_qkv(
     };
     as_u32(OP, "pairs", pairs)?;
     gpu.launch(&variant, "store_qkv", variant.launch_config(pairs), &params)
+}
+
+/// One decode token's attention with its K/V store fused in: `qkv` is the token's
+/// `q | k | v` row (as [`store_qkv`] reads it); the kernel rotates Q and K by `rope`, writes K
+/// and V to cache row `positions[0]` and attends over rows up to it, in one launch. Same
+/// results as [`store_qkv`] then [`attention`] (the new key's score is summed in another order).
+#[allow(clippy::too_many_arguments)]
+pub fn store_and_attend(
+    gpu: &Gpu,
+    cache: &mut KvCache,
+    qkv: &impl DevicePtr<f32>,
+    positions: &impl DevicePtr<u32>,
+    cfg: &AttentionConfig,
+    rope: Option<&RopeConfig>,
+    out: &mut impl DevicePtrMut<f32>,
+    emit: Option<&mut Q8Activations>,
+) -> Result<(), CudaError> {
+    const OP: &str = "store_and_attend";
+    let row = (cfg.n_heads + 2 * cache.n_kv_heads) * cache.head_dim;
+    check_len(OP, "qkv", qkv.len(), row)?;
+    if let Some(r) = rope {
+        r.check(OP)?;
+        if r.head_dim != cache.head_dim {
+            return Err(CudaError::invalid(OP, format!("RoPE head_dim {} differs from the cache's {}", r.head_dim, cache.head_dim)));
+        }
+    }
+    let Some(mut params) = attention_params(gpu, qkv, cache, positions, 1, cfg, out, emit)? else { return Ok(()) };
+    (params.qkv, params.q) = (params.q, 0);
+    params.k_cache = addr_mut(gpu, &mut cache.k);
+    params.v_cache = addr_mut(gpu, &mut cache.v);
+    params.rot_dim = rope.map_or(0, |r| r.rot_dim as u32);
+    params.theta = rope.map_or(0.0, |r| r.theta);
+    params.freq_scale = rope.map_or(0.0, |r| r.freq_scale);
+    let variant = AttentionVariant::storing(cache.head_dim, cache.dtype, rope_style(rope));
+    gpu.launch(&variant, "attention", variant.launch_config(cfg.n_heads, 1, 1), &params)
+}
+
+fn rope_style(rope: Option<&RopeConfig>) -> RopeStyle {
+    match rope {
+        None => RopeStyle::None,
+        Some(r) if r.neox => RopeStyle::Neox,
+        Some(_) => RopeStyle::Normal,
+    }
 }
 
 /// Query-side attention settings.
@@ -292,6 +331,11 @@ fn attention_params(
     Ok(Some(AttentionParams {
         emit_q,
         emit_s,
+        qkv: 0,
+        rot_dim: 0,
+        theta: 0.0,
+        freq_scale: 0.0,
+        pad: 0,
         q: addr(gpu, q),
         k_cache: addr(gpu, &cache.k),
         v_cache: addr(gpu, &cache.v),

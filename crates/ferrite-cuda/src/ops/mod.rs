@@ -19,7 +19,7 @@ mod linear;
 mod sampling;
 
 pub use attention::{
-    attention, attention_split, attention_splits, store_qkv, AttentionConfig, KvCache, SplitScratch, MAX_SPLITS,
+    attention, attention_split, attention_splits, store_and_attend, store_qkv, AttentionConfig, KvCache, SplitScratch, MAX_SPLITS,
 };
 pub use linear::{
     linear, linear_plan, linear_q8, linear_with, quantize_q8, Epilogue, GemvActivations, Glu, LinearOptions, LinearPath, LinearPlan,
@@ -156,9 +156,51 @@ pub fn rms_norm(
         dim: as_u32(OP, "dim", dim)?,
         eps,
         add_one: u32::from(add_one),
-        pad: 0,
+        heads: 1,
+        ld: as_u32(OP, "dim", dim)?,
+        col: 0,
     };
     gpu.launch(&variant, "rms_norm", variant.launch_config(n_rows), &params)
+}
+
+/// RMSNorm in place over each of `n_heads` heads (`head_dim` wide, one shared weight) of the
+/// `n_rows` rows of `x` (row stride `ld`) from column `col`: Qwen3's QK-norm, one launch.
+#[allow(clippy::too_many_arguments)]
+pub fn head_norm(
+    gpu: &Gpu,
+    x: &mut impl DevicePtrMut<f32>,
+    ld: usize,
+    col: usize,
+    n_rows: usize,
+    n_heads: usize,
+    head_dim: usize,
+    weight: &impl DevicePtr<f32>,
+    eps: f32,
+) -> Result<(), CudaError> {
+    const OP: &str = "head_norm";
+    if n_rows == 0 || n_heads == 0 {
+        return Ok(());
+    }
+    if head_dim == 0 || col + n_heads * head_dim > ld {
+        return Err(CudaError::invalid(OP, format!("{n_heads} heads of {head_dim} from column {col} do not fit rows of {ld}")));
+    }
+    check_len(OP, "x", x.len(), elems(OP, &[n_rows - 1, ld])? + col + n_heads * head_dim)?;
+    check_len(OP, "weight", weight.len(), head_dim)?;
+    let blocks = as_u32(OP, "heads", elems(OP, &[n_rows, n_heads])?)?;
+    let variant = NormVariant::for_dim(head_dim);
+    let x = addr_mut(gpu, x);
+    let params = RmsNormParams {
+        x,
+        weight: addr(gpu, weight),
+        out: x,
+        dim: as_u32(OP, "head_dim", head_dim)?,
+        eps,
+        add_one: 0,
+        heads: n_heads as u32,
+        ld: as_u32(OP, "ld", ld)?,
+        col: as_u32(OP, "col", col)?,
+    };
+    gpu.launch(&variant, "rms_norm", variant.launch_config(blocks as usize), &params)
 }
 
 /// Shape and frequencies of a rotary embedding.
