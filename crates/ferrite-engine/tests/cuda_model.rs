@@ -150,6 +150,15 @@ fn cuda_fp32_matches_cpu_reference_on_real_shapes() {
     let (worst, agreed) = compare(synthetic(&QWEN35_SMALL, GgmlType::Q8_0), 32);
     println!("qwen3.5-small Q8_0: worst relative error {worst:.2e}, {agreed}/33 greedy steps agree");
     assert!(worst < 1e-4 && agreed == 33, "qwen3.5-small: relative error {worst}, {agreed}/33 agree");
+    // Chunked Gated DeltaNet prefill: a 300-token prompt in batches of 256 (chunked path) and
+    // 44 (recurrent), then decode from the state they left.
+    let model = synthetic(&QWEN35_SMALL, GgmlType::Q8_0);
+    let long = ExecutorOptions { context_len: 512, ..opts(256) };
+    let cpu = CpuExecutor::new(Arc::clone(&model), CpuPrecision::Reference, long.clone()).unwrap();
+    let gpu = ferrite_cuda::CudaExecutor::new(Arc::clone(&model), long).unwrap();
+    let (worst, agreed) = compare_executors(&model, cpu, gpu, 300, 16);
+    println!("qwen3.5-small Q8_0, chunked GDN prefill of 300 tokens: worst relative error {worst:.2e}, {agreed}/17 greedy steps agree");
+    assert!(worst < 1e-3 && agreed == 17, "chunked GDN prefill: relative error {worst}, {agreed}/17 agree");
     // The default int8-activation GEMV quantizes activations like the CPU quantized path (int8
     // blocks, d = max/127, round half to even): against the fp32 reference it may drift no more
     // than that CPU path does, and the greedy tokens must agree.

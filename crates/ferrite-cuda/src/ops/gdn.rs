@@ -112,12 +112,11 @@ impl GdnPath {
     }
 }
 
-/// Smallest batch [`gdn_plan`] gives the chunked path. Not measured yet: the recurrent kernel
-/// costs about 3 µs per token (docs/kernels.md), and the chunked one a fixed latency of roughly
-/// one chunk (five launches and a 64-step substitution, estimated at 20-40 µs) plus little per
-/// token, so they should break even near 10-15 tokens; 32 leaves room for that estimate being
-/// twice too low and keeps decode batches on the recurrent kernel.
-pub const GDN_CHUNKED_MIN_TOKENS: usize = 32;
+/// Smallest batch [`gdn_plan`] gives the chunked path. Measured on the H200 (`kernel_bench`, a
+/// Qwen3.5-9B layer): recurrent 53 / 385 µs at 16 / 128 tokens, chunked 113 / 378 µs, so the
+/// chunked path (a fixed cost of five launches and the 64-step substitution, then less per
+/// token) breaks even near 128 tokens.
+pub const GDN_CHUNKED_MIN_TOKENS: usize = 128;
 
 /// The path for a batch of `n_tokens` (`FERRITE_CUDA_GDN_PATH` can force one: [`Gpu::gdn_path`]).
 pub fn gdn_plan(n_tokens: usize) -> GdnPath {
