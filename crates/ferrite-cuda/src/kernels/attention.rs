@@ -258,6 +258,32 @@ const ATTENTION: &str = r#"
 #error "the fused K/V store is for the one-block kernel"
 #endif
 #define DIMS_PER_LANE (HEAD_DIM / 32)
+// V rows read per step of the value accumulation: all their loads are issued before any math.
+#define V_GROUP 8
+
+// Lane l's DIMS_PER_LANE consecutive values (dims l * DIMS_PER_LANE ...) of a cache row, in
+// one load of their total size.
+__device__ __forceinline__ void kv_load_lane(const kv_t* row, int lane, float* out) {
+  const kv_t* p = row + lane * DIMS_PER_LANE;
+#if KV_F16 && DIMS_PER_LANE == 8
+  kv_load_vec(p, out);
+#elif KV_F16 && DIMS_PER_LANE == 4
+  const uint2 u = *reinterpret_cast<const uint2*>(p);
+  out[0] = f16_to_f32((u16)(u.x & 0xffffu)); out[1] = f16_to_f32((u16)(u.x >> 16));
+  out[2] = f16_to_f32((u16)(u.y & 0xffffu)); out[3] = f16_to_f32((u16)(u.y >> 16));
+#elif KV_F16 && DIMS_PER_LANE == 2
+  const u32 u = *reinterpret_cast<const u32*>(p);
+  out[0] = f16_to_f32((u16)(u & 0xffffu)); out[1] = f16_to_f32((u16)(u >> 16));
+#elif !KV_F16 && DIMS_PER_LANE >= 4
+#pragma unroll
+  for (int e = 0; e < DIMS_PER_LANE; e += 4) kv_load_vec(p + e, out + e);
+#elif !KV_F16 && DIMS_PER_LANE == 2
+  const float2 u = *reinterpret_cast<const float2*>(p);
+  out[0] = u.x; out[1] = u.y;
+#else
+  out[0] = kv_load(p, 0);
+#endif
+}
 // Fewest keys per share: one batch of 32 keys for every warp of the block.
 #define MIN_SHARE (32u * NWARPS)
 // Most shares per query (the merge keeps a weight per share in shared memory).
@@ -277,9 +303,9 @@ __device__ __forceinline__ void store_output(const AttentionParams& p, i64 qrow,
 // One block per (head, query token, key share). Warps take turns on batches of 32 keys of the
 // block's share: each lane scores one key (a whole K row in 16-byte loads against q in shared
 // memory), the warp updates its online softmax (running max m, sum l) once per batch, then
-// accumulates the batch's V rows with lane holding dims lane + 32 i. Every load of a batch is
-// independent, so a warp waits for memory once per batch, not once per key. The warps' states
-// are merged through shared memory at the end.
+// accumulates the batch's V rows, a lane holding DIMS_PER_LANE consecutive dims, V_GROUP rows'
+// loads in flight at once. So a warp waits for memory once for the batch's keys and once per
+// V_GROUP rows, not once per key. The warps' states are merged through shared memory at the end.
 // With SPLIT, each block stores its merged state; the last block of a query to arrive (an
 // atomic counter) merges the shares and writes the output, so no second kernel is needed.
 extern "C" __global__ void __launch_bounds__(NWARPS * 32) attention(const AttentionParams p) {
@@ -365,13 +391,20 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32) attention(const Attent
     l = l * corr + warp_sum(pj);
 #pragma unroll
     for (int i = 0; i < DIMS_PER_LANE; ++i) acc[i] *= corr;
+    // The batch's V rows, V_GROUP at a time: a lane loads its dims of every row of the group
+    // (one vector load each) before multiplying, so a group costs one memory round trip. Rows
+    // past the share re-read its last row with weight 0.
     const u32 count = min(32u, end - base);
-#pragma unroll 4
-    for (u32 jj = 0; jj < count; ++jj) {
-      const float w = __shfl_sync(FULL_MASK, pj, jj);
-      const kv_t* vrow = vc + (i64)(base + jj) * row;
+    for (u32 g = 0; g < count; g += V_GROUP) {
+      float v[V_GROUP][DIMS_PER_LANE];
 #pragma unroll
-      for (int i = 0; i < DIMS_PER_LANE; ++i) acc[i] += w * kv_load(vrow, lane + 32 * i);
+      for (int jj = 0; jj < V_GROUP; ++jj) kv_load_lane(vc + (i64)(base + min(g + jj, count - 1)) * row, lane, v[jj]);
+#pragma unroll
+      for (int jj = 0; jj < V_GROUP; ++jj) {
+        const float w = __shfl_sync(FULL_MASK, pj, g + jj);  // 0 past the share
+#pragma unroll
+        for (int i = 0; i < DIMS_PER_LANE; ++i) acc[i] += w * v[jj][i];
+      }
     }
     m = m_new;
   }
@@ -385,13 +418,13 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32) attention(const Attent
     const float corr = expf(m - m_new), pj = expf(s - m_new);
     l = l * corr + pj;
 #pragma unroll
-    for (int i = 0; i < DIMS_PER_LANE; ++i) acc[i] = acc[i] * corr + pj * s_v[lane + 32 * i];
+    for (int i = 0; i < DIMS_PER_LANE; ++i) acc[i] = acc[i] * corr + pj * s_v[lane * DIMS_PER_LANE + i];
     m = m_new;
   }
 #endif
   if (lane == 0) { s_m[warp] = m; s_l[warp] = l; }
 #pragma unroll
-  for (int i = 0; i < DIMS_PER_LANE; ++i) s_acc[warp][lane + 32 * i] = acc[i];
+  for (int i = 0; i < DIMS_PER_LANE; ++i) s_acc[warp][lane * DIMS_PER_LANE + i] = acc[i];
   __syncthreads();
   float m_all = NEG_INF;
 #pragma unroll
