@@ -13,7 +13,7 @@ models=("$@")
 dir=${FERRITE_MODEL_DIR:-/tmp/ferrite-models}
 mkdir -p "$dir"
 status=0
-echo "commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown), $(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n1)"
+echo "binaries built from commit $(cat .device/COMMIT 2>/dev/null || echo unknown), $(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n1)"
 for m in "${models[@]}"; do
     shape=${m%%:*} dtype=${m#*:}
     f="$dir/$shape-$dtype.gguf"

@@ -36,5 +36,7 @@ if [ "${1:-}" != "--tests-only" ]; then
     cp target/release/ferrite .device/
     strip .device/ferrite
 fi
+# The commit the binaries were built from (the device's copy of the tree may not know it).
+git describe --always --dirty --abbrev=7 > .device/COMMIT 2>/dev/null || echo unknown > .device/COMMIT
 ls -la .device/
 du -sh .device/ | awk '{print "total " $1 " (the device carry limit is 64 MiB)"}'
