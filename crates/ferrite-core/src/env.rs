@@ -152,6 +152,9 @@ switches! {
     CUDA_GDN_PATH = ("FERRITE_CUDA_GDN_PATH", "auto", AbTest,
         "auto|recurrent|chunked: the CUDA Gated DeltaNet delta rule; auto runs batches of 32+ tokens in the chunked (WY/UT transform, 64-token chunks) form and shorter ones token by token; the others force one path for every batch.");
     /// Input type of the CUDA GEMM path.
+    /// Resident GEMM-type copies of the weights for prefill.
+    CUDA_EXPAND_WEIGHTS = ("FERRITE_CUDA_EXPAND_WEIGHTS", "auto", AbTest,
+        "auto|on|off: keep a copy of every batched linear's weight dequantized to the GEMM input type (bf16: 2 bytes per weight) so prefill GEMMs skip the per-call dequantization; auto does it when the copies fit in half the free device memory after the KV cache.");
     CUDA_GEMM_PRECISION = ("FERRITE_CUDA_GEMM_PRECISION", "bf16", Stable,
         "f32|f16|bf16: input type of the cuBLAS GEMM path (prefill; weights dequantized to it, f32 accumulate): bf16 runs on tensor cores, f32 matches the CPU reference to rounding.");
 }

@@ -17,7 +17,7 @@ use anyhow::{anyhow, bail, Context};
 use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
 use cudarc::driver::{CudaGraph, CudaSlice};
 use ferrite_core::env;
-use ferrite_model::graph::{GatedActivation, NormSpec, Op, ValueId, WeightId};
+use ferrite_model::graph::{GatedActivation, NormSpec, Op, Rows, ValueId, WeightId};
 use ferrite_model::planner::{self, Plan};
 use ferrite_model::profile::OpProfile;
 use ferrite_model::{
@@ -112,6 +112,8 @@ pub struct CudaExecutor {
     buf: Buffers,
     options: ExecutorOptions,
     last_rows: usize,
+    /// Bytes of resident GEMM-type weight copies (`FERRITE_CUDA_EXPAND_WEIGHTS`), 0 if none.
+    expanded: usize,
     /// Tokens the recurrent state has consumed. Unused without recurrent layers.
     state_pos: RecurrentCursor,
     /// Decode-step replay: the whole one-token op sequence captured once as a CUDA graph. Every
@@ -234,7 +236,9 @@ impl CudaExecutor {
             DecodeGraph::NotYet { warmed_up: false }
         };
         let options = ExecutorOptions { max_batch, ..options };
-        Ok(Self { buf, plan, weights, gpu, model, options, last_rows: 0, state_pos: RecurrentCursor::default(), decode_graph })
+        let expanded = expand_batched_weights(&gpu, graph, &mut weights, max_batch)?;
+        Ok(Self {
+            expanded, buf, plan, weights, gpu, model, options, last_rows: 0, state_pos: RecurrentCursor::default(), decode_graph })
     }
 
     fn slot(&self, v: ValueId) -> &CudaSlice<f32> {
@@ -606,7 +610,8 @@ impl Executor for CudaExecutor {
         let act = self.plan.total_elems() * 4 + 3 * self.buf.scratch_b.len() * 4;
         let (free, total) = self.gpu.mem_info().unwrap_or((0, 0));
         format!(
-            "weights (repacked): {:.1} MiB\nkv cache ({:?}, {} tokens): {:.1} MiB\nrecurrent state (f32): {:.2} MiB\nactivations + scratch: {:.1} MiB\ndevice: {:.1} GiB free of {:.1} GiB",
+            "weights (repacked{}): {:.1} MiB\nkv cache ({:?}, {} tokens): {:.1} MiB\nrecurrent state (f32): {:.2} MiB\nactivations + scratch: {:.1} MiB\ndevice: {:.1} GiB free of {:.1} GiB",
+            if self.expanded > 0 { format!(", with {:.1} MiB of GEMM-type copies for prefill", mib(self.expanded)) } else { String::new() },
             mib(weights),
             kv_dtype(),
             self.options.context_len,
@@ -682,6 +687,60 @@ fn q8_buffers<'a>(
         }
         None => (own, true, produces.map(|p| by_parity(p, even, odd).0)),
     }
+}
+
+/// Dequantize the weights of the linears that see whole batches (their GEMMs run in prefill)
+/// into resident copies of the GEMM input type, as `FERRITE_CUDA_EXPAND_WEIGHTS` says: `on`,
+/// `off`, or `auto` (the default: when batches can reach the GEMM path and the copies fit in half
+/// the free device memory). Returns the bytes expanded.
+fn expand_batched_weights(gpu: &Gpu, graph: &ferrite_model::Graph, weights: &mut [Option<GpuWeight>], max_batch: usize) -> anyhow::Result<usize> {
+    let opts = gpu.linear_options();
+    let mut batched: Vec<WeightId> = graph
+        .ops
+        .iter()
+        .filter_map(|o| match *o {
+            Op::Linear { w, x, .. } | Op::GatedLinear { w, x, .. } if graph.value(x).rows == Rows::Tokens => Some(w),
+            _ => None,
+        })
+        .collect();
+    batched.sort_by_key(|w| w.0);
+    batched.dedup();
+    fn matrix(w: &Option<GpuWeight>) -> Option<&DeviceWeight> {
+        match w {
+            Some(GpuWeight::Matrix(m)) => Some(m),
+            _ => None,
+        }
+    }
+    let gemm_precision = |m: &DeviceWeight| match ops::linear_plan(m.dtype, m.cols, max_batch, &opts) {
+        ops::LinearPlan::Gemm { precision, dequantize_weight: true, .. } => Some(precision),
+        _ => None,
+    };
+    let total: usize = batched
+        .iter()
+        .filter_map(|w| matrix(&weights[w.0 as usize]))
+        .filter_map(|m| gemm_precision(m).map(|p| ops::expanded_bytes(m.dtype, m.rows, m.cols, p)))
+        .sum();
+    let expand = match env::CUDA_EXPAND_WEIGHTS.get().as_deref() {
+        Some("on") => true,
+        Some("off") => false,
+        other => {
+            if let Some(v) = other.filter(|v| *v != "auto") {
+                eprintln!("warning: FERRITE_CUDA_EXPAND_WEIGHTS={v:?} is not auto, on or off; using auto");
+            }
+            total > 0 && total <= gpu.mem_info()?.0 / 2
+        }
+    };
+    if !expand || total == 0 {
+        return Ok(0);
+    }
+    for w in batched {
+        if let Some(GpuWeight::Matrix(m)) = &mut weights[w.0 as usize] {
+            if let Some(precision) = gemm_precision(m) {
+                ops::expand_weight(gpu, m, precision).context("expanding prefill weights (FERRITE_CUDA_EXPAND_WEIGHTS=off avoids it)")?;
+            }
+        }
+    }
+    Ok(total)
 }
 
 /// Open the CUDA executor, or explain why there is no usable GPU.

@@ -7,6 +7,7 @@
 //! The plane order per type below is the order `kernels::common::QUANT` reads them in.
 
 use crate::error::CudaError;
+use crate::kernels::dequant::OutType;
 use crate::Gpu;
 use cudarc::driver::{CudaSlice, DevicePtr};
 use ferrite_gguf::GgmlType;
@@ -108,6 +109,9 @@ pub struct DeviceWeight {
     pub cols: usize,
     data: CudaSlice<u8>,
     plane_offsets: [usize; 4],
+    /// A resident copy in a GEMM input type ([`crate::ops::expand_weight`]): the GEMM path reads
+    /// it instead of dequantizing into scratch on every call.
+    pub(crate) expanded: Option<(OutType, CudaSlice<u8>)>,
 }
 
 impl DeviceWeight {
@@ -117,9 +121,9 @@ impl DeviceWeight {
         self.plane_offsets.map(|off| base + off as u64)
     }
 
-    /// Bytes the weight occupies on the device.
+    /// Bytes the weight occupies on the device (with its expanded copy, if any).
     pub fn device_bytes(&self) -> usize {
-        self.data.len()
+        self.data.len() + self.expanded.as_ref().map_or(0, |(_, e)| e.len())
     }
 }
 
@@ -134,7 +138,7 @@ impl Gpu {
     ) -> Result<DeviceWeight, CudaError> {
         let packed = repack(dtype, rows, cols, data)?;
         let data = self.upload(&packed.bytes, "upload_weight")?;
-        Ok(DeviceWeight { dtype, rows, cols, data, plane_offsets: packed.plane_offsets })
+        Ok(DeviceWeight { dtype, rows, cols, data, plane_offsets: packed.plane_offsets, expanded: None })
     }
 }
 

@@ -592,6 +592,37 @@ fn int8_handoffs_chain_gemvs_like_separate_quantize_launches() {
     }
 }
 
+/// A resident expanded copy (`expand_weight`) gives the GEMM the bits it would have dequantized
+/// itself: the same output, without the dequantization (the plan says so); a GEMM of another
+/// input type still dequantizes.
+#[test]
+fn expanded_weights_feed_the_gemm_unchanged() {
+    let Some(gpu) = gpu() else { return };
+    let mut rng = Rng(23);
+    let gemm = |precision| LinearOptions { path: LinearPath::Gemm, precision, ..LinearOptions::default() };
+    for (dtype, rows, cols, n) in [(GgmlType::Q4_0, 96, 576, 20), (GgmlType::Q6_K, 64, 1024, 9), (GgmlType::F16, 40, 64, 33)] {
+        let (bytes, _) = random_weight(&mut rng, dtype, rows, cols);
+        let mut w = gpu.upload_weight(dtype, rows, cols, &bytes).unwrap();
+        let x = upload(gpu, &rng.vec(n * cols, -2.0, 2.0));
+        let run = |w: &ferrite_cuda::DeviceWeight, precision| {
+            let mut out = poisoned(gpu, n * rows);
+            let plan = ops::linear_with(gpu, w, &x, n, &mut out, &gemm(precision)).unwrap();
+            (plan, download(gpu, &out))
+        };
+        let (before, want) = run(&w, Precision::BF16);
+        let packed = w.device_bytes();
+        ops::expand_weight(gpu, &mut w, Precision::BF16).unwrap();
+        assert_eq!(w.device_bytes(), packed + ops::expanded_bytes(dtype, rows, cols, Precision::BF16));
+        let (after, got) = run(&w, Precision::BF16);
+        assert_eq!(before, LinearPlan::Gemm { precision: Precision::BF16, dequantize_weight: true, convert_input: true });
+        assert_eq!(after, LinearPlan::Gemm { precision: Precision::BF16, dequantize_weight: false, convert_input: true });
+        assert!(got.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()), "{dtype}: expanded bf16 copy changed the GEMM's output");
+        let (f32_plan, _) = run(&w, Precision::F32);
+        assert!(matches!(f32_plan, LinearPlan::Gemm { dequantize_weight: true, .. }), "{dtype}: an f32 GEMM cannot read the bf16 copy");
+        println!("| {:<10} | {:<44} | {:>9} | {:>9} | {:>6} |", "expanded", format!("{dtype} {rows}x{cols} n={n} bf16"), "exact", "exact", 0);
+    }
+}
+
 /// An int8 hand-off quantizes whole rows of 32-value blocks: a column range is refused.
 #[test]
 fn int8_handoff_rejects_column_ranges() {

@@ -22,7 +22,7 @@ pub use attention::{
     attention, attention_split, attention_splits, store_and_attend, store_qkv, AttentionConfig, KvCache, SplitScratch, MAX_SPLITS,
 };
 pub use linear::{
-    linear, linear_plan, linear_q8, linear_with, quantize_q8, Epilogue, GemvActivations, Glu, LinearOptions, LinearPath, LinearPlan,
+    expand_weight, expanded_bytes, linear, linear_plan, linear_q8, linear_with, quantize_q8, Epilogue, GemvActivations, Glu, LinearOptions, LinearPath, LinearPlan,
     NormPrologue, Precision, Q8Activations, Q8Emit,
 };
 pub use sampling::{argmax, sample, SamplingConfig};
