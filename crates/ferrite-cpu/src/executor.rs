@@ -11,6 +11,7 @@ use ferrite_model::graph::{GatedActivation, NormSpec, Op, ValueId, WeightId};
 use ferrite_model::planner::{self, Plan};
 use ferrite_model::profile::OpProfile;
 use ferrite_model::{
+    BatchRows,
     Executor, ExecutorOptions, LayerTrace, LoadProgress, Model, PagedKvConfig, RecurrentCursor, RopeConfig, RopeStyle, SeqChunk,
 };
 use std::sync::Arc;
@@ -465,32 +466,13 @@ impl CpuExecutor {
 impl CpuExecutor {
     fn run_paged(&self, paged: &mut Paged, batch: &[SeqChunk<'_>]) -> anyhow::Result<Vec<Vec<f32>>> {
         let c = paged.config;
-        let n: usize = batch.iter().map(|s| s.tokens.len()).sum();
-        if batch.is_empty() || batch.len() > c.max_seqs {
-            bail!("a batch holds 1 to {} sequences, got {}", c.max_seqs, batch.len());
-        }
-        if n > c.max_tokens {
-            bail!("a batch holds at most {} tokens, got {n}", c.max_tokens);
-        }
-        let mut ids = Vec::with_capacity(n);
-        let mut positions = Vec::with_capacity(n);
-        let mut seqs = Vec::with_capacity(batch.len());
-        for (i, s) in batch.iter().enumerate() {
-            if s.tokens.is_empty() {
-                bail!("sequence {i} of the batch has no tokens");
-            }
-            let end = s.start_pos + s.tokens.len();
-            if s.block_table.len() * c.block_size < end {
-                bail!("sequence {i}: {} blocks cannot hold {end} positions", s.block_table.len());
-            }
-            if let Some(&b) = s.block_table.iter().find(|&&b| b as usize >= c.n_blocks) {
-                bail!("sequence {i}: block {b} is outside the cache ({} blocks)", c.n_blocks);
-            }
-            seqs.push(StepSeq { first_row: ids.len(), n: s.tokens.len(), start_pos: s.start_pos, blocks: s.block_table });
-            ids.extend_from_slice(s.tokens);
-            positions.extend((s.start_pos..end).map(|p| p as u32));
-        }
-        let step = Step { ids: &ids, positions: &positions, seqs: &seqs, block_size: Some(c.block_size) };
+        let rows = BatchRows::new(batch, &c)?;
+        let seqs: Vec<StepSeq> = batch
+            .iter()
+            .enumerate()
+            .map(|(i, s)| StepSeq { first_row: rows.seq_start[i], n: s.tokens.len(), start_pos: s.start_pos, blocks: s.block_table })
+            .collect();
+        let step = Step { ids: &rows.ids, positions: &rows.positions, seqs: &seqs, block_size: Some(c.block_size) };
         let Paged { plan, buf, .. } = paged;
         // On a pool worker, like `forward`.
         let result = rayon::scope(|_| self.run_ops(buf, plan, &step));

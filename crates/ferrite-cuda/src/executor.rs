@@ -21,7 +21,8 @@ use ferrite_model::graph::{GatedActivation, NormSpec, Op, Rows, ValueId, WeightI
 use ferrite_model::planner::{self, Plan};
 use ferrite_model::profile::OpProfile;
 use ferrite_model::{
-    DeviceSampling, Executor, ExecutorOptions, HardwareCeilings, LayerTrace, LoadProgress, Model, RecurrentCursor, RopeStyle,
+    BatchRows, DeviceSampling, Executor, ExecutorOptions, HardwareCeilings, LayerTrace, LoadProgress, Model, PagedKvConfig,
+    RecurrentCursor, RopeStyle, SeqChunk,
 };
 use std::ops::{Index, IndexMut};
 use std::sync::Arc;
@@ -102,6 +103,68 @@ struct Buffers {
     positions: CudaSlice<u32>,
     token: CudaSlice<u32>,
     profile: Option<OpProfile>,
+    /// Batched serving only: where each row's sequence finds its cache rows.
+    paging: Option<BatchPaging>,
+}
+
+/// The layout of a batched step (`forward_paged`) on the device, and its last rows.
+struct BatchPaging {
+    /// `[n_seqs, max_blocks]` block tables of the step (capacity: every sequence's whole table).
+    tables: CudaSlice<u32>,
+    row_seq: CudaSlice<u32>,
+    n_seqs: usize,
+    max_blocks: usize,
+    block_size: usize,
+    /// Row of each sequence's last token.
+    last_rows: Vec<usize>,
+}
+
+/// The paged KV cache and the buffers of batched steps (`init_paged`), swapped in for a step.
+struct PagedState {
+    config: PagedKvConfig,
+    plan: Plan,
+    buf: Buffers,
+}
+
+impl Buffers {
+    /// Buffers for up to `rows` token rows under `plan`, around the given caches and states.
+    fn new(gpu: &Gpu, model: &Model, plan: &Plan, rows: usize, kv: PerLayer<KvCache>, gdn: PerLayer<GdnState>, attention_splits: Vec<usize>) -> anyhow::Result<Self> {
+        let (graph, cfg) = (&model.graph, &model.config);
+        let widest = model
+            .weights
+            .used_by(graph)
+            .into_iter()
+            .map(|id| model.weights.spec(id))
+            .filter(|spec| !spec.is_vector())
+            .map(|spec| spec.rows.max(spec.cols))
+            .max()
+            .unwrap_or(0);
+        let scratch = rows * widest.max(cfg.qkv_width()).max(2 * cfg.n_ff);
+        // Gated DeltaNet runs in scratch_a; the chunked path's need bounds the recurrent one's.
+        let gdn_scratch = gdn.iter().map(|st| ops::gdn_scratch_len(&st.shape, rows, ops::GdnPath::Chunked)).max().unwrap_or(0);
+        let split_tokens = (1..attention_splits.len()).filter(|&n| attention_splits[n] > 1).max().unwrap_or(0);
+        let max_splits = attention_splits.iter().copied().max().unwrap_or(1);
+        Ok(Buffers {
+            slots: plan.slot_elems.iter().map(|&n| gpu.alloc_zeros::<f32>(n.max(1)).map(Some)).collect::<Result<_, _>>()?,
+            split_scratch: ops::SplitScratch::new(gpu, split_tokens * cfg.n_heads, max_splits, cfg.head_dim)?,
+            attention_splits,
+            fused_kv_store: !env::DISABLE_KV_STORE_FUSION.flag(false),
+            scratch_a: gpu.alloc_zeros(scratch.max(gdn_scratch))?,
+            scratch_b: gpu.alloc_zeros(scratch)?,
+            scratch_c: gpu.alloc_zeros(scratch)?,
+            q8: ops::Q8Activations::new(gpu, scratch)?,
+            q8_handoff: [ops::Q8Activations::new(gpu, scratch)?, ops::Q8Activations::new(gpu, scratch)?],
+            handoff_in: vec![None; graph.ops.len()],
+            handoff_out: vec![None; graph.ops.len()],
+            ids: gpu.alloc_zeros(rows)?,
+            positions: gpu.alloc_zeros(rows)?,
+            token: gpu.alloc_zeros(1)?,
+            profile: OpProfile::from_env(),
+            gdn,
+            kv,
+            paging: None,
+        })
+    }
 }
 
 pub struct CudaExecutor {
@@ -120,6 +183,8 @@ pub struct CudaExecutor {
     /// per-token input (token id, position, hence KV length) is read from device buffers at fixed
     /// addresses, so the same graph serves every position without re-capture.
     decode_graph: DecodeGraph,
+    /// Batched serving (`init_paged`): the paged cache and its buffers.
+    paged: Option<PagedState>,
 }
 
 enum DecodeGraph {
@@ -159,7 +224,6 @@ impl CudaExecutor {
         let cfg = &model.config;
         let max_batch = options.max_batch.max(1);
         let mut weights: Vec<Option<GpuWeight>> = (0..model.weights.len()).map(|_| None).collect();
-        let mut widest = 0;
         let used = model.weights.used_by(graph);
         // Weights that kernels read element-wise rather than through a linear: f32 vectors.
         let elementwise: Vec<WeightId> =
@@ -170,7 +234,6 @@ impl CudaExecutor {
             let w = if spec.is_vector() || elementwise.contains(&id) {
                 GpuWeight::Vector(gpu.upload(&model.weights.to_f32(&model.file, id)?, &spec.name)?)
             } else {
-                widest = widest.max(spec.rows.max(spec.cols));
                 let bytes = model.weights.bytes(&model.file, id)?;
                 GpuWeight::Matrix(
                     gpu.upload_weight(spec.dtype, spec.rows, spec.cols, &bytes).with_context(|| format!("uploading `{}`", spec.name))?,
@@ -180,12 +243,8 @@ impl CudaExecutor {
         }
         let plan = planner::plan(graph, max_batch, !options.trace);
         plan.check(graph).map_err(|e| anyhow!("memory plan violates the aliasing rule: {e}"))?;
-        let slots = plan.slot_elems.iter().map(|&n| gpu.alloc_zeros::<f32>(n.max(1)).map(Some)).collect::<Result<_, _>>()?;
-        let scratch = max_batch * widest.max(cfg.qkv_width()).max(2 * cfg.n_ff);
         let gdn_shapes: Vec<_> =
             graph.ops.iter().filter_map(|o| if let Op::GatedDeltaNet { layer, shape, .. } = o { Some((*layer, *shape)) } else { None }).collect();
-        // Gated DeltaNet runs in scratch_a; the chunked path's need bounds the recurrent one's.
-        let gdn_scratch = gdn_shapes.iter().map(|(_, s)| ops::gdn_scratch_len(s, max_batch, ops::GdnPath::Chunked)).max().unwrap_or(0);
         let state_bytes: usize = gdn_shapes.iter().map(|(_, s)| (s.conv_state_len() + s.ssm_state_len()) * 4).sum();
         let kv_bytes = graph.attention_layers().len() * 2 * options.context_len * cfg.kv_width() * kv_dtype().bytes();
         let (free, _) = gpu.mem_info()?;
@@ -202,6 +261,7 @@ impl CudaExecutor {
             .into_iter()
             .map(|l| KvCache::new(&gpu, kv_dtype(), options.context_len, cfg.n_kv_heads, cfg.head_dim).map(|c| (l, c)))
             .collect::<Result<_, _>>()?;
+        let gdn = gdn_shapes.into_iter().map(|(l, shape)| GdnState::new(&gpu, shape).map(|st| (l, st))).collect::<Result<_, _>>()?;
         let split_attention = env::SPLIT_ATTENTION.flag(false);
         let attention_splits: Vec<usize> = (0..=max_batch)
             .map(|n| {
@@ -209,27 +269,7 @@ impl CudaExecutor {
                 if split_attention { splits } else { 1 }
             })
             .collect();
-        let split_tokens = (1..=max_batch).filter(|&n| attention_splits[n] > 1).max().unwrap_or(0);
-        let max_splits = attention_splits.iter().copied().max().unwrap_or(1);
-        let buf = Buffers {
-            split_scratch: ops::SplitScratch::new(&gpu, split_tokens * cfg.n_heads, max_splits, cfg.head_dim)?,
-            attention_splits,
-            fused_kv_store: !env::DISABLE_KV_STORE_FUSION.flag(false),
-            scratch_a: gpu.alloc_zeros(scratch.max(gdn_scratch))?,
-            scratch_b: gpu.alloc_zeros(scratch)?,
-            scratch_c: gpu.alloc_zeros(scratch)?,
-            q8: ops::Q8Activations::new(&gpu, scratch)?,
-            q8_handoff: [ops::Q8Activations::new(&gpu, scratch)?, ops::Q8Activations::new(&gpu, scratch)?],
-            handoff_in: vec![None; graph.ops.len()],
-            handoff_out: vec![None; graph.ops.len()],
-            ids: gpu.alloc_zeros(max_batch)?,
-            positions: gpu.alloc_zeros(max_batch)?,
-            token: gpu.alloc_zeros(1)?,
-            profile: OpProfile::from_env(),
-            gdn: gdn_shapes.into_iter().map(|(l, shape)| GdnState::new(&gpu, shape).map(|st| (l, st))).collect::<Result<_, _>>()?,
-            kv,
-            slots,
-        };
+        let buf = Buffers::new(&gpu, &model, &plan, max_batch, kv, gdn, attention_splits)?;
         let decode_graph = if env::DISABLE_CUDA_GRAPH.flag(false) || buf.profile.is_some() {
             DecodeGraph::Disabled
         } else {
@@ -238,7 +278,18 @@ impl CudaExecutor {
         let options = ExecutorOptions { max_batch, ..options };
         let expanded = expand_batched_weights(&gpu, graph, &mut weights, max_batch)?;
         Ok(Self {
-            expanded, buf, plan, weights, gpu, model, options, last_rows: 0, state_pos: RecurrentCursor::default(), decode_graph })
+            expanded,
+            buf,
+            plan,
+            weights,
+            gpu,
+            model,
+            options,
+            last_rows: 0,
+            state_pos: RecurrentCursor::default(),
+            decode_graph,
+            paged: None,
+        })
     }
 
     fn slot(&self, v: ValueId) -> &CudaSlice<f32> {
@@ -349,7 +400,8 @@ impl CudaExecutor {
     fn run_op(&mut self, index: usize, op: &Op, out: &mut CudaSlice<f32>, n: usize) -> anyhow::Result<()> {
         let graph = &self.model.graph;
         let width = |v: ValueId| graph.value(v).width;
-        let rows = |v: ValueId| graph.value(v).n_rows(n);
+        let n_seqs = self.buf.paging.as_ref().map_or(1, |pg| pg.n_seqs);
+        let rows = |v: ValueId| graph.value(v).rows_for(n, n_seqs);
         let Self { gpu, weights, plan, buf, .. } = self;
         let gpu = &*gpu;
         let matrix = |id: WeightId| match &weights[id.0 as usize] {
@@ -435,6 +487,16 @@ impl CudaExecutor {
                 let cache = &mut buf.kv[layer];
                 // The output projection takes no norm: the hand-off is the plain quantization.
                 let emit = buf.handoff_out[index].map(|h| &mut buf.q8_handoff[h % 2]);
+                if let Some(pg) = &buf.paging {
+                    // A batched step: every row finds its cache rows through its sequence's blocks.
+                    let paging =
+                        ops::Paging { tables: &pg.tables, row_seq: &pg.row_seq, n_seqs: pg.n_seqs, max_blocks: pg.max_blocks, block_size: pg.block_size };
+                    let (qkv, stride) = (input(qkv), width(qkv));
+                    ops::store_qkv_paged(gpu, cache, qkv, stride, n, a.n_heads, &buf.positions, rope.as_ref(), &paging, &mut buf.scratch_a)?;
+                    let q = buf.scratch_a.slice(0..n * a.n_heads * a.head_dim);
+                    ops::attention_paged(gpu, &q, cache, &buf.positions, n, &cfg, &paging, out, emit)?;
+                    return Ok(());
+                }
                 if n == 1 && buf.attention_splits[1] == 1 && buf.fused_kv_store {
                     // Decode: one kernel stores the token's K/V and attends.
                     ops::store_and_attend(gpu, cache, input(qkv), &buf.positions, &cfg, rope.as_ref(), out, emit)?;
@@ -487,8 +549,16 @@ impl CudaExecutor {
             }
             Op::LastRow { x, .. } => {
                 let w = width(x);
-                // The batch as one row of n * w: its last w columns are the last token.
-                ops::copy_cols(gpu, input(x), n * w, (n - 1) * w, out, w, 0, w, 1)?;
+                // The batch as one row of n * w: the last token's w columns (of each sequence,
+                // in a batched step) go to the output, one row per sequence.
+                match &buf.paging {
+                    Some(pg) => {
+                        for (i, &r) in pg.last_rows.iter().enumerate() {
+                            ops::copy_cols(gpu, input(x), n * w, r * w, out, pg.n_seqs * w, i * w, w, 1)?;
+                        }
+                    }
+                    None => ops::copy_cols(gpu, input(x), n * w, (n - 1) * w, out, w, 0, w, 1)?,
+                }
             }
             Op::SplitGatedQuery { x, n_heads, head_dim, .. } => {
                 let heads = GatedQuery { n_heads, head_dim };
@@ -504,6 +574,40 @@ impl CudaExecutor {
             }
         }
         Ok(())
+    }
+
+    /// One batched step on the paged cache: the step's rows and block tables go to the device,
+    /// the paged buffers are swapped in for the graph's ops, and each sequence's logits come back.
+    fn run_paged(&mut self, paged: &mut PagedState, batch: &[SeqChunk<'_>]) -> anyhow::Result<Vec<Vec<f32>>> {
+        let rows = BatchRows::new(batch, &paged.config)?;
+        let n = rows.ids.len();
+        let max_blocks = batch.iter().map(|s| s.block_table.len()).max().unwrap_or(0);
+        let mut tables = vec![0u32; batch.len() * max_blocks];
+        for (i, s) in batch.iter().enumerate() {
+            tables[i * max_blocks..i * max_blocks + s.block_table.len()].copy_from_slice(s.block_table);
+        }
+        let stream = Arc::clone(self.gpu.stream());
+        let buf = &mut paged.buf;
+        let pg = buf.paging.as_mut().expect("init_paged sets the paging buffers");
+        stream.memcpy_htod(&rows.ids, &mut buf.ids.slice_mut(0..n)).map_err(CudaError::from)?;
+        stream.memcpy_htod(&rows.positions, &mut buf.positions.slice_mut(0..n)).map_err(CudaError::from)?;
+        stream.memcpy_htod(&rows.row_seq, &mut pg.row_seq.slice_mut(0..n)).map_err(CudaError::from)?;
+        if !tables.is_empty() {
+            stream.memcpy_htod(&tables, &mut pg.tables.slice_mut(0..tables.len())).map_err(CudaError::from)?;
+        }
+        (pg.n_seqs, pg.max_blocks, pg.last_rows) = (batch.len(), max_blocks, rows.last_rows().collect());
+        std::mem::swap(&mut self.buf, &mut paged.buf);
+        std::mem::swap(&mut self.plan, &mut paged.plan);
+        let result = self.run_ops(n);
+        std::mem::swap(&mut self.buf, &mut paged.buf);
+        std::mem::swap(&mut self.plan, &mut paged.plan);
+        result.context("batched forward pass")?;
+        let g = &self.model.graph;
+        let w = g.value(g.logits).width;
+        let logits = paged.buf.slots[paged.plan.slot(g.logits)].as_ref().expect("logits slot");
+        let all = self.gpu.download(&logits.slice(0..batch.len() * w))?;
+        self.gpu.check_device()?;
+        Ok(all.chunks(w).map(<[f32]>::to_vec).collect())
     }
 
     fn logits_view(&self) -> (&CudaSlice<f32>, usize) {
@@ -588,6 +692,55 @@ impl Executor for CudaExecutor {
 
     fn kv_bytes_per_position(&self) -> usize {
         self.buf.kv.iter().map(|c| 2 * c.row_len() * c.dtype.bytes()).sum()
+    }
+
+    fn init_paged(&mut self, config: PagedKvConfig) -> anyhow::Result<()> {
+        let PagedKvConfig { n_blocks, block_size, max_seqs, max_tokens } = config;
+        if n_blocks == 0 || block_size == 0 || max_seqs == 0 || max_tokens == 0 {
+            bail!("paged kv cache: every size must be positive, got {config:?}");
+        }
+        let (graph, cfg) = (&self.model.graph, &self.model.config);
+        if graph.has_recurrent_state() {
+            bail!("batched serving of models with recurrent (Gated DeltaNet) layers is not supported yet");
+        }
+        self.paged = None; // free the old cache first
+        let plan = planner::plan_rows(graph, max_tokens, max_seqs, true);
+        plan.check(graph).map_err(|e| anyhow!("batch memory plan violates the aliasing rule: {e}"))?;
+        let Some(cache_rows) = n_blocks.checked_mul(block_size) else { bail!("paged kv cache of {n_blocks} blocks x {block_size} is too large") };
+        let bytes = graph.attention_layers().len() * 2 * cache_rows * cfg.kv_width() * kv_dtype().bytes();
+        let (free, _) = self.gpu.mem_info()?;
+        if bytes > free {
+            bail!(
+                "the paged KV cache ({n_blocks} blocks of {block_size}) needs {:.1} GiB but only {:.1} GiB of device memory is free (lower --kv-memory)",
+                bytes as f64 / (1u64 << 30) as f64,
+                free as f64 / (1u64 << 30) as f64
+            );
+        }
+        let kv = graph
+            .attention_layers()
+            .into_iter()
+            .map(|l| KvCache::new(&self.gpu, kv_dtype(), cache_rows, cfg.n_kv_heads, cfg.head_dim).map(|c| (l, c)))
+            .collect::<Result<_, _>>()?;
+        // Batched steps run the plain kernels: no split attention, K/V stored by store_qkv.
+        let mut buf = Buffers::new(&self.gpu, &self.model, &plan, max_tokens, kv, PerLayer(Vec::new()), vec![1; max_tokens + 1])?;
+        buf.fused_kv_store = false;
+        buf.paging = Some(BatchPaging {
+            tables: self.gpu.alloc_zeros(max_seqs * n_blocks)?,
+            row_seq: self.gpu.alloc_zeros(max_tokens)?,
+            n_seqs: 0,
+            max_blocks: 0,
+            block_size,
+            last_rows: Vec::new(),
+        });
+        self.paged = Some(PagedState { config, plan, buf });
+        Ok(())
+    }
+
+    fn forward_paged(&mut self, batch: &[SeqChunk<'_>]) -> anyhow::Result<Vec<Vec<f32>>> {
+        let Some(mut paged) = self.paged.take() else { bail!("forward_paged before init_paged") };
+        let result = self.run_paged(&mut paged, batch);
+        self.paged = Some(paged);
+        result
     }
 
     fn hardware_ceilings(&mut self) -> Option<anyhow::Result<HardwareCeilings>> {

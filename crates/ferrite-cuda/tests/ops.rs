@@ -908,6 +908,74 @@ fn store_and_attend_matches_store_then_attention() {
     }
 }
 
+/// A batch of sequences on a paged cache (blocks handed out in a scrambled order) against each
+/// sequence on its own contiguous cache: the same rows stored, and bit-identical attention
+/// outputs (same kernel arithmetic, same key order), including a sliding window and a prefill
+/// chunk that attends to its own new keys.
+#[test]
+fn paged_attention_matches_contiguous_per_sequence() {
+    let Some(gpu) = gpu() else { return };
+    let mut rng = Rng(29);
+    for (n_heads, n_kv, hd, kv_dtype, window) in [(9, 3, 64, KvDtype::F16, None), (8, 2, 128, KvDtype::F32, Some(20))] {
+        let (qw, kvw) = (n_heads * hd, n_kv * hd);
+        let row = qw + 2 * kvw;
+        let (block_size, n_blocks, max_seq) = (16, 24, 96);
+        let rope = RopeConfig { n_heads, head_dim: hd, rot_dim: hd, theta: 10_000.0, freq_scale: 1.0, neox: true };
+        let cfg = AttentionConfig { n_heads, scale: 1.0 / (hd as f32).sqrt(), window, softcap: None };
+        let mut paged = KvCache::new(gpu, kv_dtype, n_blocks * block_size, n_kv, hd).unwrap();
+        // Three sequences; block b of sequence s is physical block tables[s][b].
+        let tables: Vec<Vec<u32>> = vec![vec![5, 17, 2, 9, 11, 0], vec![23, 1, 14], vec![8, 3, 20, 6]];
+        let max_blocks = 6;
+        let mut own: Vec<KvCache> = (0..3).map(|_| KvCache::new(gpu, kv_dtype, max_seq, n_kv, hd).unwrap()).collect();
+        let mut lens = [0usize; 3];
+        // Steps: (tokens per sequence); 0 = the sequence sits this step out.
+        for step in [[37, 5, 20], [1, 1, 0], [3, 1, 1], [1, 0, 9]] {
+            let seqs: Vec<usize> = (0..3).filter(|&s| step[s] > 0).collect();
+            let n: usize = seqs.iter().map(|&s| step[s]).sum();
+            let rows = rng.vec(n * row, -1.0, 1.0);
+            let (mut positions, mut row_seq, mut flat) = (Vec::new(), Vec::new(), Vec::new());
+            for (i, &s) in seqs.iter().enumerate() {
+                positions.extend((lens[s]..lens[s] + step[s]).map(|p| p as u32));
+                row_seq.extend(std::iter::repeat_n(i as u32, step[s]));
+                let mut t = tables[s].clone();
+                t.resize(max_blocks, 0);
+                flat.extend(t);
+            }
+            let (pos_d, seq_d, tab_d) = (upload(gpu, &positions), upload(gpu, &row_seq), upload(gpu, &flat));
+            let paging = ops::Paging { tables: &tab_d, row_seq: &seq_d, n_seqs: seqs.len(), max_blocks, block_size };
+            let rows_d = upload(gpu, &rows);
+            let mut q = poisoned(gpu, n * qw);
+            ops::store_qkv_paged(gpu, &mut paged, &rows_d, row, n, n_heads, &pos_d, Some(&rope), &paging, &mut q).unwrap();
+            let mut got = poisoned(gpu, n * qw);
+            ops::attention_paged(gpu, &q, &paged, &pos_d, n, &cfg, &paging, &mut got, None).unwrap();
+            let got = download(gpu, &got);
+            let mut first = 0;
+            for &s in &seqs {
+                let m = step[s];
+                let pos_s = upload(gpu, &positions[first..first + m]);
+                let mut q_s = poisoned(gpu, m * qw);
+                ops::store_qkv(gpu, &mut own[s], &upload(gpu, &rows[first * row..(first + m) * row]), row, m, n_heads, &pos_s, Some(&rope), &mut q_s).unwrap();
+                let mut want = poisoned(gpu, m * qw);
+                ops::attention(gpu, &q_s, &own[s], &pos_s, m, &cfg, &mut want, None).unwrap();
+                let name = format!("h{n_heads}/{n_kv} d{hd} {kv_dtype:?} w{window:?} seq{s} pos{}+{m}", lens[s]);
+                assert_eq!(got[first * qw..(first + m) * qw], download(gpu, &want)[..], "{name}: paged attention output");
+                println!("| {:<10} | {:<44} | {:>9} | {:>9} | {:>6} |", "attn_paged", name, "exact", "exact", 0);
+                lens[s] += m;
+                first += m;
+            }
+        }
+        // Every position landed in its sequence's block.
+        let (pk, _) = paged.download(gpu).unwrap();
+        for s in 0..3 {
+            let (ok, _) = own[s].download(gpu).unwrap();
+            for p in 0..lens[s] {
+                let phys = tables[s][p / block_size] as usize * block_size + p % block_size;
+                assert_eq!(pk[phys * kvw..(phys + 1) * kvw], ok[p * kvw..(p + 1) * kvw], "sequence {s} position {p}: K row");
+            }
+        }
+    }
+}
+
 // ---------------------------------------------------------------- element-wise
 
 #[test]
@@ -1711,7 +1779,7 @@ fn every_kernel_variant_compiles_for_sm90() {
     }
     for kv in [KvDtype::F16, KvDtype::F32] {
         for rope in [RopeStyle::None, RopeStyle::Normal, RopeStyle::Neox] {
-            let v = StoreQkvVariant { kv, head_dim: 128, rope };
+            let v = StoreQkvVariant { kv, head_dim: 128, rope, paged: rope == RopeStyle::Normal };
             check(format!("{v:?}"), compile_variant(&v, "sm_90"));
         }
         for hd in [32, 64, 128, 256] {
@@ -1721,6 +1789,8 @@ fn every_kernel_variant_compiles_for_sm90() {
             }
             let rope = [RopeStyle::None, RopeStyle::Normal, RopeStyle::Neox][hd / 64 % 3];
             let v = AttentionVariant::storing(hd, kv, rope);
+            check(format!("{v:?}"), compile_variant(&v, "sm_90"));
+            let v = AttentionVariant::paged(hd, kv);
             check(format!("{v:?}"), compile_variant(&v, "sm_90"));
         }
     }

@@ -92,6 +92,54 @@ pub struct SeqChunk<'a> {
     pub block_table: &'a [u32],
 }
 
+/// A batched step laid out in token rows, checked against the paged cache's geometry (the
+/// rules every executor's [`Executor::forward_paged`] applies).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct BatchRows {
+    pub ids: Vec<u32>,
+    pub positions: Vec<u32>,
+    /// The batch index of every row's sequence.
+    pub row_seq: Vec<u32>,
+    /// The first row of every sequence (and, last, the row count).
+    pub seq_start: Vec<usize>,
+}
+
+impl BatchRows {
+    pub fn new(batch: &[SeqChunk<'_>], config: &PagedKvConfig) -> anyhow::Result<Self> {
+        let n: usize = batch.iter().map(|s| s.tokens.len()).sum();
+        if batch.is_empty() || batch.len() > config.max_seqs {
+            anyhow::bail!("a batch holds 1 to {} sequences, got {}", config.max_seqs, batch.len());
+        }
+        if n > config.max_tokens {
+            anyhow::bail!("a batch holds at most {} tokens, got {n}", config.max_tokens);
+        }
+        let mut rows = BatchRows { ids: Vec::with_capacity(n), positions: Vec::with_capacity(n), row_seq: Vec::with_capacity(n), seq_start: Vec::new() };
+        for (i, s) in batch.iter().enumerate() {
+            if s.tokens.is_empty() {
+                anyhow::bail!("sequence {i} of the batch has no tokens");
+            }
+            let end = s.start_pos + s.tokens.len();
+            if s.block_table.len() * config.block_size < end {
+                anyhow::bail!("sequence {i}: {} blocks cannot hold {end} positions", s.block_table.len());
+            }
+            if let Some(&b) = s.block_table.iter().find(|&&b| b as usize >= config.n_blocks) {
+                anyhow::bail!("sequence {i}: block {b} is outside the cache ({} blocks)", config.n_blocks);
+            }
+            rows.seq_start.push(rows.ids.len());
+            rows.ids.extend_from_slice(s.tokens);
+            rows.positions.extend((s.start_pos..end).map(|p| p as u32));
+            rows.row_seq.extend(std::iter::repeat_n(i as u32, s.tokens.len()));
+        }
+        rows.seq_start.push(n);
+        Ok(rows)
+    }
+
+    /// The row of each sequence's last token.
+    pub fn last_rows(&self) -> impl Iterator<Item = usize> + '_ {
+        self.seq_start.windows(2).map(|w| w[1] - 1)
+    }
+}
+
 /// The tokens a backend's recurrent state (Gated DeltaNet) has consumed, and the rule of
 /// [`Executor::forward`] for it: a forward starts at 0 (reset) or exactly there (continue).
 #[derive(Clone, Copy, Debug)]

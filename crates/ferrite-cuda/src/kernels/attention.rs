@@ -1,6 +1,8 @@
 //! KV-cache store (with RoPE) and causal attention over the cache (prefill and decode alike).
 //!
-//! Cache layout per layer: `[max_seq, n_kv_heads, head_dim]`, f16 (default) or f32.
+//! Cache layout per layer: `[max_seq, n_kv_heads, head_dim]`, f16 (default) or f32. A paged
+//! cache (`PAGED`, serving) has the same rows, `block_size` per block, and each sequence finds
+//! its positions through its block table.
 //! Query/output layout: `[n_tokens, n_heads, head_dim]` f32. Positions come from device
 //! memory; query `t` attends to cache rows `first..=positions[t]` (causal, optional window).
 //!
@@ -36,6 +38,19 @@ const KV: &str = r#"
 #ifndef KV_F16
 #error "KV_F16 (1: f16 cache, 0: f32 cache) must come from the kernel variant"
 #endif
+#ifndef PAGED
+#error "PAGED (1: cache rows found through per-sequence block tables, 0: row = position) must come from the kernel variant"
+#endif
+// The cache row holding position `pos` for token row `tok`: the position itself, or (PAGED) row
+// pos % block_size of block tables[row_seq[tok] * max_blocks + pos / block_size].
+__device__ __forceinline__ i64 cache_row(u64 tables, u64 row_seq, u32 max_blocks, u32 block_size, u32 tok, u32 pos) {
+#if PAGED
+  const u32 seq = reinterpret_cast<const u32*>(row_seq)[tok];
+  return (i64)reinterpret_cast<const u32*>(tables)[(i64)seq * max_blocks + pos / block_size] * block_size + pos % block_size;
+#else
+  return pos;
+#endif
+}
 // kv_load_vec: the KV_VEC values of one 16-byte load (p 16-byte aligned).
 #if KV_F16
 typedef u16 kv_t;
@@ -79,6 +94,11 @@ device_params! {
         pub rot_dim: u32,
         pub theta: f32,
         pub freq_scale: f32,
+        /// PAGED only: block tables (`[n_seqs, max_blocks]`) and each token row's sequence.
+        pub block_tables: u64,
+        pub row_seq: u64,
+        pub max_blocks: u32,
+        pub block_size: u32,
     }
 }
 
@@ -151,7 +171,8 @@ extern "C" __global__ void store_qkv(const StoreQkvParams p) {
     }
     const bool is_k = head < p.n_heads + p.n_kv_heads;
     const u32 kv_head = (head - p.n_heads) % p.n_kv_heads;
-    kv_t* dst = (is_k ? kc : vc) + ((i64)pos * p.n_kv_heads + kv_head) * HEAD_DIM;
+    const i64 crow = cache_row(p.block_tables, p.row_seq, p.max_blocks, p.block_size, tok, pos);
+    kv_t* dst = (is_k ? kc : vc) + (crow * p.n_kv_heads + kv_head) * HEAD_DIM;
     kv_store(dst, a, x0);
     kv_store(dst, b, x1);
   }
@@ -184,6 +205,8 @@ pub struct StoreQkvVariant {
     pub kv: KvDtype,
     pub head_dim: u32,
     pub rope: RopeStyle,
+    /// Cache rows through block tables.
+    pub paged: bool,
 }
 
 impl StoreQkvVariant {
@@ -206,6 +229,7 @@ impl KernelVariant for StoreQkvVariant {
             ("HEAD_DIM", self.head_dim.to_string()),
             ("KV_F16", u32::from(self.kv == KvDtype::F16).to_string()),
             ("ROPE_STYLE", self.rope.macro_value().to_string()),
+            ("PAGED", u32::from(self.paged).to_string()),
         ]
     }
 }
@@ -238,6 +262,11 @@ device_params! {
         pub theta: f32,
         pub freq_scale: f32,
         pub pad: u32,
+        /// PAGED only: block tables (`[n_seqs, max_blocks]`) and each query row's sequence.
+        pub block_tables: u64,
+        pub row_seq: u64,
+        pub max_blocks: u32,
+        pub block_size: u32,
     }
 }
 
@@ -256,6 +285,9 @@ const ATTENTION: &str = r#"
 #endif
 #if STORE && SPLIT
 #error "the fused K/V store is for the one-block kernel"
+#endif
+#if PAGED && (STORE || SPLIT)
+#error "the paged cache is read by the plain one-block kernel only"
 #endif
 #define DIMS_PER_LANE (HEAD_DIM / 32)
 // V rows read per step of the value accumulation: all their loads are issued before any math.
@@ -371,7 +403,7 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32) attention(const Attent
     const u32 j = base + lane;
     float s = NEG_INF;
     if (j < end) {
-      const kv_t* krow = kc + (i64)j * row;
+      const kv_t* krow = kc + cache_row(p.block_tables, p.row_seq, p.max_blocks, p.block_size, tok, j) * row;
       float part[KV_VEC] = {};  // KV_VEC independent chains: shorter sums, more ILP
 #pragma unroll
       for (int c = 0; c < HEAD_DIM; c += KV_VEC) {
@@ -398,7 +430,10 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32) attention(const Attent
     for (u32 g = 0; g < count; g += V_GROUP) {
       float v[V_GROUP][DIMS_PER_LANE];
 #pragma unroll
-      for (int jj = 0; jj < V_GROUP; ++jj) kv_load_lane(vc + (i64)(base + min(g + jj, count - 1)) * row, lane, v[jj]);
+      for (int jj = 0; jj < V_GROUP; ++jj) {
+        const i64 vr = cache_row(p.block_tables, p.row_seq, p.max_blocks, p.block_size, tok, base + min(g + jj, count - 1));
+        kv_load_lane(vc + vr * row, lane, v[jj]);
+      }
 #pragma unroll
       for (int jj = 0; jj < V_GROUP; ++jj) {
         const float w = __shfl_sync(FULL_MASK, pj, g + jj);  // 0 past the share
@@ -502,11 +537,18 @@ pub struct AttentionVariant {
     pub split: bool,
     /// One decode token whose K/V store (rotated by this RoPE) the kernel does itself.
     pub store: Option<RopeStyle>,
+    /// Cache rows through block tables.
+    pub paged: bool,
 }
 
 impl AttentionVariant {
     pub fn new(head_dim: usize, kv: KvDtype, split: bool) -> Self {
-        AttentionVariant { head_dim: head_dim as u32, kv, nwarps: 4, split, store: None }
+        AttentionVariant { head_dim: head_dim as u32, kv, nwarps: 4, split, store: None, paged: false }
+    }
+
+    /// The one-block kernel reading a paged cache.
+    pub fn paged(head_dim: usize, kv: KvDtype) -> Self {
+        AttentionVariant { paged: true, ..Self::new(head_dim, kv, false) }
     }
 
     /// The one-token kernel with the K/V store and RoPE fused in.
@@ -536,6 +578,7 @@ impl KernelVariant for AttentionVariant {
             ("SPLIT", u32::from(self.split).to_string()),
             ("STORE", u32::from(self.store.is_some()).to_string()),
             ("ROPE_STYLE", self.store.map_or(0, RopeStyle::macro_value).to_string()),
+            ("PAGED", u32::from(self.paged).to_string()),
         ]
     }
 }
@@ -552,8 +595,9 @@ mod tests {
 
     #[test]
     fn macros_match_source() {
-        crate::kernels::tests::assert_macros_match(StoreQkvVariant { kv: KvDtype::F32, head_dim: 64, rope: RopeStyle::Neox });
+        crate::kernels::tests::assert_macros_match(StoreQkvVariant { kv: KvDtype::F32, head_dim: 64, rope: RopeStyle::Neox, paged: true });
         crate::kernels::tests::assert_macros_match(AttentionVariant::new(64, KvDtype::F16, true));
         crate::kernels::tests::assert_macros_match(AttentionVariant::storing(128, KvDtype::F16, RopeStyle::Neox));
+        crate::kernels::tests::assert_macros_match(AttentionVariant::paged(128, KvDtype::F16));
     }
 }

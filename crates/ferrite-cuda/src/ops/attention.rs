@@ -79,6 +79,65 @@ pub fn store_qkv(
     rope: Option<&RopeConfig>,
     q_out: &mut impl DevicePtrMut<f32>,
 ) -> Result<(), CudaError> {
+    store_qkv_with(gpu, cache, qkv, stride, n_tokens, n_heads, positions, rope, None, q_out)
+}
+
+/// Where a batch's tokens find their rows in a paged cache (serving): the sequences' block
+/// tables, `max_blocks` entries each (`[n_seqs, max_blocks]` on the device), and the sequence of
+/// every token row. The cache is a [`KvCache`] of `n_blocks * block_size` rows; table entries
+/// must be below `n_blocks` (the caller checks them on the host, where they come from).
+pub struct Paging<'a> {
+    pub tables: &'a CudaSlice<u32>,
+    pub row_seq: &'a CudaSlice<u32>,
+    pub n_seqs: usize,
+    pub max_blocks: usize,
+    pub block_size: usize,
+}
+
+impl Paging<'_> {
+    /// Checks the shapes against the cache and the batch; returns the addressable positions.
+    fn check(&self, op: &'static str, cache: &KvCache, n_tokens: usize) -> Result<usize, CudaError> {
+        if self.block_size == 0 || !cache.max_seq.is_multiple_of(self.block_size) {
+            return Err(CudaError::invalid(op, format!("{} cache rows are not whole blocks of {}", cache.max_seq, self.block_size)));
+        }
+        check_len(op, "block tables", self.tables.len(), elems(op, &[self.n_seqs, self.max_blocks])?)?;
+        check_len(op, "row sequences", self.row_seq.len(), n_tokens)?;
+        let positions = elems(op, &[self.max_blocks, self.block_size])?;
+        as_u32(op, "positions per sequence", positions)?;
+        Ok(positions)
+    }
+}
+
+/// [`store_qkv`] into a paged cache: token `t` writes position `positions[t]` of its sequence.
+#[allow(clippy::too_many_arguments)]
+pub fn store_qkv_paged(
+    gpu: &Gpu,
+    cache: &mut KvCache,
+    qkv: &impl DevicePtr<f32>,
+    stride: usize,
+    n_tokens: usize,
+    n_heads: usize,
+    positions: &impl DevicePtr<u32>,
+    rope: Option<&RopeConfig>,
+    paging: &Paging,
+    q_out: &mut impl DevicePtrMut<f32>,
+) -> Result<(), CudaError> {
+    store_qkv_with(gpu, cache, qkv, stride, n_tokens, n_heads, positions, rope, Some(paging), q_out)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn store_qkv_with(
+    gpu: &Gpu,
+    cache: &mut KvCache,
+    qkv: &impl DevicePtr<f32>,
+    stride: usize,
+    n_tokens: usize,
+    n_heads: usize,
+    positions: &impl DevicePtr<u32>,
+    rope: Option<&RopeConfig>,
+    paging: Option<&Paging>,
+    q_out: &mut impl DevicePtrMut<f32>,
+) -> Result<(), CudaError> {
     const OP: &str = "store_qkv";
     if n_tokens == 0 {
         return Ok(());
@@ -97,11 +156,11 @@ pub fn store_qkv(
     check_len(OP, "q_out", q_out.len(), elems(OP, &[n_tokens, n_heads, cache.head_dim])?)?;
     check_len(OP, "positions", positions.len(), n_tokens)?;
     let pairs = elems(OP, &[n_tokens, row / 2])?;
-    let variant = StoreQkvVariant {
-        kv: cache.dtype,
-        head_dim: cache.head_dim as u32,
-        rope: rope_style(rope),
+    let max_seq = match paging {
+        Some(pg) => pg.check(OP, cache, n_tokens)?,
+        None => cache.max_seq,
     };
+    let variant = StoreQkvVariant { kv: cache.dtype, head_dim: cache.head_dim as u32, rope: rope_style(rope), paged: paging.is_some() };
     let params = StoreQkvParams {
         qkv: addr(gpu, qkv),
         q_out: addr_mut(gpu, q_out),
@@ -113,10 +172,14 @@ pub fn store_qkv(
         stride: as_u32(OP, "stride", stride)?,
         n_heads: as_u32(OP, "n_heads", n_heads)?,
         n_kv_heads: cache.n_kv_heads as u32,
-        max_seq: cache.max_seq as u32,
+        max_seq: max_seq as u32,
         rot_dim: rope.map_or(0, |r| r.rot_dim as u32),
         theta: rope.map_or(0.0, |r| r.theta),
         freq_scale: rope.map_or(0.0, |r| r.freq_scale),
+        block_tables: paging.map_or(0, |pg| addr(gpu, pg.tables)),
+        row_seq: paging.map_or(0, |pg| addr(gpu, pg.row_seq)),
+        max_blocks: paging.map_or(0, |pg| pg.max_blocks as u32),
+        block_size: paging.map_or(0, |pg| pg.block_size as u32),
     };
     as_u32(OP, "pairs", pairs)?;
     gpu.launch(&variant, "store_qkv", variant.launch_config(pairs), &params)
@@ -196,6 +259,34 @@ pub fn attention(
 ) -> Result<(), CudaError> {
     let Some(params) = attention_params(gpu, q, cache, positions, n_tokens, cfg, out, emit)? else { return Ok(()) };
     let variant = AttentionVariant::new(cache.head_dim, cache.dtype, false);
+    gpu.launch(&variant, "attention", variant.launch_config(cfg.n_heads, n_tokens, 1), &params)
+}
+
+/// [`attention`] over a paged cache: query `t` sees positions up to `positions[t]` of its
+/// sequence's blocks.
+#[allow(clippy::too_many_arguments)]
+pub fn attention_paged(
+    gpu: &Gpu,
+    q: &impl DevicePtr<f32>,
+    cache: &KvCache,
+    positions: &impl DevicePtr<u32>,
+    n_tokens: usize,
+    cfg: &AttentionConfig,
+    paging: &Paging,
+    out: &mut impl DevicePtrMut<f32>,
+    emit: Option<&mut Q8Activations>,
+) -> Result<(), CudaError> {
+    let max_seq = paging.check("attention", cache, n_tokens)?;
+    let Some(mut params) = attention_params(gpu, q, cache, positions, n_tokens, cfg, out, emit)? else { return Ok(()) };
+    params.max_seq = max_seq as u32;
+    if let Some(w) = cfg.window {
+        params.window = w.min(max_seq) as u32;
+    }
+    params.block_tables = addr(gpu, paging.tables);
+    params.row_seq = addr(gpu, paging.row_seq);
+    params.max_blocks = paging.max_blocks as u32;
+    params.block_size = paging.block_size as u32;
+    let variant = AttentionVariant::paged(cache.head_dim, cache.dtype);
     gpu.launch(&variant, "attention", variant.launch_config(cfg.n_heads, n_tokens, 1), &params)
 }
 
@@ -336,6 +427,10 @@ fn attention_params(
         theta: 0.0,
         freq_scale: 0.0,
         pad: 0,
+        block_tables: 0,
+        row_seq: 0,
+        max_blocks: 0,
+        block_size: 0,
         q: addr(gpu, q),
         k_cache: addr(gpu, &cache.k),
         v_cache: addr(gpu, &cache.v),
