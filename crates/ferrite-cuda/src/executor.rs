@@ -238,7 +238,17 @@ impl CudaExecutor {
         let options = ExecutorOptions { max_batch, ..options };
         let expanded = expand_batched_weights(&gpu, graph, &mut weights, max_batch)?;
         Ok(Self {
-            expanded, buf, plan, weights, gpu, model, options, last_rows: 0, state_pos: RecurrentCursor::default(), decode_graph })
+            expanded,
+            buf,
+            plan,
+            weights,
+            gpu,
+            model,
+            options,
+            last_rows: 0,
+            state_pos: RecurrentCursor::default(),
+            decode_graph,
+        })
     }
 
     fn slot(&self, v: ValueId) -> &CudaSlice<f32> {
