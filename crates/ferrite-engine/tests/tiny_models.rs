@@ -537,6 +537,21 @@ fn qwen35moe_graph() {
             assert!(!matches!(g.ops[h.producer], Op::MoeFfn { .. }) && !matches!(g.ops[h.consumer], Op::MoeFfn { .. }), "{h:?}");
         }
         assert!(model.weights.iter().all(|(_, s)| !s.name.contains("ffn_gate.") && !s.name.contains("ffn_up.")));
+        // Validation catches routing and bank shapes that do not fit.
+        let rows = |w| model.weights.spec(w).rows;
+        g.validate(rows).unwrap();
+        for (edit, want) in [
+            (MoeShape { n_experts: 4, top_k: 5, n_ff_exp: 32, norm_topk_prob: true }, "bad MoE shape"),
+            (MoeShape { n_experts: 4, top_k: 2, n_ff_exp: 16, norm_topk_prob: true }, "do not match"),
+            (MoeShape { n_experts: 2, top_k: 2, n_ff_exp: 32, norm_topk_prob: true }, "do not match"),
+        ] {
+            let mut bad = g.clone();
+            if let Some(Op::MoeFfn { moe, .. }) = bad.ops.iter_mut().rev().find(|o| matches!(o, Op::MoeFfn { .. })) {
+                *moe = edit;
+            }
+            let err = bad.validate(rows).unwrap_err();
+            assert!(err.contains(want), "{edit:?}: {err}");
+        }
     }
 }
 

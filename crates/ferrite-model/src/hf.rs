@@ -618,13 +618,10 @@ mod tests {
         Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/tiny/qwen35-hf")
     }
 
-    /// The multimodal Qwen3.5 layout (`qwen3_5` with `text_config`, text weights under
-    /// `model.language_model.*`, a vision tower and MTP weights to skip) loads to exactly the
-    /// same tensors and keys as the text-only checkpoint.
-    #[test]
-    fn qwen3_5_multimodal_layout_loads_its_text_model() {
-        let src = fixture_dir();
-        let text = load_hf_dir(&src).unwrap();
+    /// A copy of the text checkpoint `src` in the multimodal layout (`model_type` with the text
+    /// config as `text_config`, text weights under `model.language_model.*`, a vision tower and
+    /// MTP weights to skip), in a fresh temporary folder. Returns the folder and its config.
+    fn multimodal_copy(src: &Path, model_type: &str, text_cfg: Json) -> (std::path::PathBuf, Json) {
         let bytes = std::fs::read(src.join("model.safetensors")).unwrap();
         let st = SafeTensors::deserialize(&bytes).unwrap();
         let extra = vec![0u8; 4 * 8];
@@ -636,20 +633,41 @@ mod tests {
         for name in ["model.visual.blocks.0.attn.qkv.weight", "mtp.fc.weight"] {
             views.push((name.into(), safetensors::tensor::TensorView::new(Dtype::F32, vec![2, 4], &extra).unwrap()));
         }
-        let dir = std::env::temp_dir().join(format!("ferrite-qwen3_5-mm-{}", std::process::id()));
+        let dir = std::env::temp_dir().join(format!("ferrite-{model_type}-mm-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         std::fs::write(dir.join("model.safetensors"), safetensors::serialize(views, None).unwrap()).unwrap();
-        let text_cfg = read_json(&src.join("config.json")).unwrap();
-        let cfg = serde_json::json!({"model_type": "qwen3_5", "text_config": text_cfg, "vision_config": {"depth": 1}});
+        let cfg = serde_json::json!({"model_type": model_type, "text_config": text_cfg, "vision_config": {"depth": 1}});
         std::fs::write(dir.join("config.json"), cfg.to_string()).unwrap();
-        let mm = load_hf_dir(&dir).unwrap();
+        (dir, cfg)
+    }
+
+    fn assert_same_file(a: &GgufFile, b: &GgufFile) {
         let names = |f: &GgufFile| f.tensors.iter().map(|t| t.name.clone()).collect::<Vec<_>>();
-        assert_eq!(names(&mm), names(&text));
-        for t in &text.tensors {
-            let o = mm.tensor(&t.name).unwrap();
+        assert_eq!(names(a), names(b));
+        for t in &b.tensors {
+            let o = a.tensor(&t.name).unwrap();
             assert_eq!((&o.shape, o.dtype), (&t.shape, t.dtype), "{}", t.name);
-            assert_eq!(mm.tensor_data(o), text.tensor_data(t), "{}", t.name);
+            assert_eq!(a.tensor_data(o), b.tensor_data(t), "{}", t.name);
         }
+        let keys = |f: &GgufFile| {
+            let mut k: Vec<String> = f.metadata.iter().filter(|(k, _)| *k != "general.name").map(|(k, v)| format!("{k}={v:?}")).collect();
+            k.sort();
+            k
+        };
+        assert_eq!(keys(a), keys(b));
+    }
+
+    /// The multimodal Qwen3.5 layout (`qwen3_5` with `text_config`, text weights under
+    /// `model.language_model.*`, a vision tower and MTP weights to skip) loads to exactly the
+    /// same tensors and keys as the text-only checkpoint.
+    #[test]
+    fn qwen3_5_multimodal_layout_loads_its_text_model() {
+        let src = fixture_dir();
+        let text = load_hf_dir(&src).unwrap();
+        let text_cfg = read_json(&src.join("config.json")).unwrap();
+        let (dir, cfg) = multimodal_copy(&src, "qwen3_5", text_cfg);
+        let mm = load_hf_dir(&dir).unwrap();
+        assert_same_file(&mm, &text);
         for key in ["qwen35.ssm.time_step_rank", "qwen35.rope.dimension_count", "qwen35.full_attention_interval"] {
             assert_eq!(mm.metadata.u64(key).unwrap(), text.metadata.u64(key).unwrap(), "{key}");
         }
@@ -661,6 +679,37 @@ mod tests {
         std::fs::write(dir.join("config.json"), bad.to_string()).unwrap();
         let err = load_hf_dir(&dir).unwrap_err().to_string();
         assert!(err.contains("layer_types"), "{err}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// The same for Qwen3.5-MoE (`qwen3_5_moe`, whose text config may leave out its own
+    /// `model_type`): per-expert weights are stacked into llama.cpp's 3-D banks either way, and
+    /// the expert keys come through.
+    #[test]
+    fn qwen3_5_moe_multimodal_layout_loads_its_text_model() {
+        let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/tiny/qwen35moe-hf");
+        let text = load_hf_dir(&src).unwrap();
+        assert_eq!(text.metadata.str("general.architecture").unwrap(), "qwen35moe");
+        for (key, want) in [("expert_count", 4), ("expert_used_count", 2), ("expert_feed_forward_length", 32), ("expert_shared_feed_forward_length", 48)] {
+            assert_eq!(text.metadata.u64(&format!("qwen35moe.{key}")).unwrap(), want, "{key}");
+        }
+        assert!(text.metadata.get("qwen35moe.feed_forward_length").is_none());
+        assert_eq!(text.tensor("blk.1.ffn_gate_exps.weight").unwrap().shape, [64, 32, 4]);
+        assert_eq!(text.tensor("blk.1.ffn_down_exps.weight").unwrap().shape, [32, 64, 4]);
+        assert_eq!(text.tensor("blk.1.ffn_gate_inp.weight").unwrap().shape, [64, 4]);
+        assert_eq!(text.tensor("blk.1.ffn_gate_inp_shexp.weight").unwrap().shape, [64]);
+        assert!(text.tensors.iter().all(|t| !t.name.contains("experts")));
+        let mut text_cfg = read_json(&src.join("config.json")).unwrap();
+        text_cfg.as_object_mut().unwrap().remove("model_type");
+        let (dir, _) = multimodal_copy(&src, "qwen3_5_moe", text_cfg);
+        assert_same_file(&load_hf_dir(&dir).unwrap(), &text);
+        // A missing expert is named.
+        let bytes = std::fs::read(src.join("model.safetensors")).unwrap();
+        let st = SafeTensors::deserialize(&bytes).unwrap();
+        let views: Vec<_> = st.tensors().into_iter().filter(|(n, _)| n != "model.layers.2.mlp.experts.3.up_proj.weight").collect();
+        std::fs::write(dir.join("model.safetensors"), safetensors::serialize(views, None).unwrap()).unwrap();
+        let err = load_hf_dir(&dir).unwrap_err().to_string();
+        assert!(err.contains("blk.2.ffn_up_exps.weight") && err.contains("expert 3 is missing"), "{err}");
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }
