@@ -6,8 +6,9 @@
 
 /// Route one token. `logits` holds one router logit per expert; `experts` and `weights`
 /// (`top_k` long each) receive the chosen experts, most probable first, and their weights.
-/// Ties go to the lower expert index (as `torch.topk` on CPU does in practice for small
-/// inputs; the order is not specified there, so this is the deterministic reading of it).
+/// Ties go to the lower expert index: `torch.topk` leaves the order of equal values
+/// unspecified; this is what a stable descending sort gives. Exact ties in f32 router
+/// probabilities are rare in real models.
 /// Panics if `top_k` is 0 or exceeds the number of experts, or the output lengths differ.
 pub fn route(logits: &[f32], norm_topk_prob: bool, experts: &mut [usize], weights: &mut [f32]) {
     let (n, k) = (logits.len(), experts.len());
