@@ -4,10 +4,10 @@
 //! the correctness oracle for every other path —, `Quantized` multiplies directly on the packed
 //! GGUF weights with SIMD integer dot products.
 
-use crate::kernels::{self, activation, attention::AttentionParams, gdn, norm, rope::Rope, WeightView};
+use crate::kernels::{self, activation, attention::AttentionParams, gdn, moe, norm, rope::Rope, WeightView};
 use anyhow::{anyhow, bail, Context};
 use ferrite_gguf::TensorInfo;
-use ferrite_model::graph::{GatedActivation, NormSpec, Op, ValueId, WeightId};
+use ferrite_model::graph::{ExpertGateUp, GatedActivation, MoeShape, NormSpec, Op, SharedExpert, ValueId, WeightId};
 use ferrite_model::planner::{self, Plan};
 use ferrite_model::profile::OpProfile;
 use ferrite_model::{
@@ -51,7 +51,24 @@ struct Buffers {
     scratch: Vec<f32>,
     /// Output of a linear that fills a column range.
     scratch2: Vec<f32>,
+    moe: MoeScratch,
     profile: Option<OpProfile>,
+}
+
+/// Working memory of the MoE FFN op.
+#[derive(Default)]
+struct MoeScratch {
+    /// Router logits, `n x n_experts`.
+    logits: Vec<f32>,
+    /// Chosen experts and their weights, `n x top_k`.
+    experts: Vec<usize>,
+    weights: Vec<f32>,
+    /// The rows routed to one expert: their inputs, `[gate | up]` projections (or the shared
+    /// expert's gate and up halves side by side), activations and outputs.
+    x: Vec<f32>,
+    gate_up: Vec<f32>,
+    act: Vec<f32>,
+    y: Vec<f32>,
 }
 
 /// The batched-serving state: a paged cache and activation buffers planned for a batch of
@@ -99,9 +116,18 @@ impl CpuExecutor {
         let graph = &model.graph;
         let mut weights: Vec<Option<CpuWeight>> = (0..model.weights.len()).map(|_| None).collect();
         let used = model.weights.used_by(graph);
-        // Weights that ops read element-wise rather than through a matmul: always f32.
-        let host_f32: Vec<WeightId> =
-            graph.ops.iter().filter_map(|o| if let Op::GatedDeltaNet { conv, .. } = o { Some(*conv) } else { None }).collect();
+        // Weights that ops read element-wise rather than through a matmul, and MoE routers (the
+        // routing logits are f32 on both paths, so quantized activations cannot flip a choice):
+        // always f32.
+        let host_f32: Vec<WeightId> = graph
+            .ops
+            .iter()
+            .filter_map(|o| match o {
+                Op::GatedDeltaNet { conv, .. } => Some(*conv),
+                Op::MoeFfn { router, .. } => Some(*router),
+                _ => None,
+            })
+            .collect();
         for (i, &id) in used.iter().enumerate() {
             LoadProgress::report(&options.progress, i, used.len());
             let spec = model.weights.spec(id);
@@ -145,17 +171,115 @@ impl CpuExecutor {
 
     /// `out[t*rows + r] = x[t] · W[r]` for `n` tokens, on whichever representation is stored.
     fn matmul(&self, id: WeightId, x: &[f32], n: usize, out: &mut [f32]) -> anyhow::Result<()> {
+        self.matmul_rows(id, 0..self.model.weights.spec(id).rows, x, n, out)
+    }
+
+    /// [`Self::matmul`] with the weight's rows `rows` only (one expert of an expert bank).
+    fn matmul_rows(&self, id: WeightId, rows: std::ops::Range<usize>, x: &[f32], n: usize, out: &mut [f32]) -> anyhow::Result<()> {
         let spec = self.model.weights.spec(id);
-        let view = |data| WeightView { dtype: spec.dtype, rows: spec.rows, cols: spec.cols, data };
-        match &self.weights[id.0 as usize] {
+        let m = rows.len();
+        let packed = match &self.weights[id.0 as usize] {
             Some(CpuWeight::F32(w)) => {
-                kernels::matmul_f32(w, spec.rows, spec.cols, x, n, out);
-                Ok(())
+                kernels::matmul_f32(&w[rows.start * spec.cols..rows.end * spec.cols], m, spec.cols, x, n, out);
+                return Ok(());
             }
-            Some(CpuWeight::Packed(bytes)) => Ok(kernels::matmul(&view(bytes), x, n, out)?),
-            Some(CpuWeight::InFile(t)) => Ok(kernels::matmul(&view(self.model.file.tensor_data(t)), x, n, out)?),
+            Some(CpuWeight::Packed(bytes)) => bytes.as_slice(),
+            Some(CpuWeight::InFile(t)) => self.model.file.tensor_data(t),
             None => bail!("weight `{}` was not loaded", spec.name),
+        };
+        let row_bytes = spec.dtype.row_bytes(spec.cols).ok_or_else(|| anyhow!("`{}`: rows are not whole blocks", spec.name))?;
+        let data = &packed[rows.start * row_bytes..rows.end * row_bytes];
+        Ok(kernels::matmul(&WeightView { dtype: spec.dtype, rows: m, cols: spec.cols, data }, x, n, out)?)
+    }
+
+    /// The MoE FFN on `n` rows of `x` (already normalised): `out = Σ routed experts + shared`.
+    /// Tokens are grouped by expert, so each expert's matrices are read once per call.
+    #[allow(clippy::too_many_arguments)]
+    fn moe_ffn(
+        &self,
+        s: &mut MoeScratch,
+        x: &[f32],
+        n: usize,
+        router: WeightId,
+        gate_up: ExpertGateUp,
+        down: WeightId,
+        shared: Option<SharedExpert>,
+        moe: MoeShape,
+        out: &mut [f32],
+    ) -> anyhow::Result<()> {
+        let d = x.len() / n;
+        let MoeShape { n_experts: e, top_k: k, n_ff_exp: ff, norm_topk_prob } = moe;
+        s.logits.resize(n * e, 0.0);
+        self.matmul(router, x, n, &mut s.logits)?;
+        s.experts.resize(n * k, 0);
+        s.weights.resize(n * k, 0.0);
+        for ((logits, experts), weights) in s.logits.chunks_exact(e).zip(s.experts.chunks_exact_mut(k)).zip(s.weights.chunks_exact_mut(k)) {
+            moe::route(logits, norm_topk_prob, experts, weights);
         }
+        out.fill(0.0);
+        let mut routed: Vec<(usize, f32)> = Vec::with_capacity(n);
+        for ex in 0..e {
+            routed.clear();
+            routed.extend(s.experts.iter().zip(&s.weights).enumerate().filter(|(_, (&x, _))| x == ex).map(|(i, (_, &w))| (i / k, w)));
+            if routed.is_empty() {
+                continue;
+            }
+            let m = routed.len();
+            s.x.clear();
+            for &(t, _) in &routed {
+                s.x.extend_from_slice(&x[t * d..(t + 1) * d]);
+            }
+            self.expert(s, m, gate_up, ex * ff..(ex + 1) * ff, ff)?;
+            s.y.resize(m * d, 0.0);
+            self.matmul_rows(down, ex * d..(ex + 1) * d, &s.act, m, &mut s.y)?;
+            for (&(t, w), y) in routed.iter().zip(s.y.chunks_exact(d)) {
+                for (o, &v) in out[t * d..(t + 1) * d].iter_mut().zip(y) {
+                    *o += w * v;
+                }
+            }
+        }
+        if let Some(sh) = shared {
+            let ffs = self.model.weights.spec(sh.gate).rows;
+            s.x.clear();
+            s.x.extend_from_slice(x);
+            self.expert(s, n, ExpertGateUp::Split { gate: sh.gate, up: sh.up }, 0..ffs, ffs)?;
+            s.y.resize(n * d, 0.0);
+            self.matmul(sh.down, &s.act, n, &mut s.y)?;
+            let gate_inp = self.f32_weight(sh.gate_inp);
+            for ((o, y), xt) in out.chunks_exact_mut(d).zip(s.y.chunks_exact(d)).zip(x.chunks_exact(d)) {
+                let logit: f32 = xt.iter().zip(gate_inp).map(|(&a, &b)| a * b).sum();
+                let g = 1.0 / (1.0 + (-logit).exp());
+                for (o, &v) in o.iter_mut().zip(y) {
+                    *o += g * v;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// `s.act = silu(gate · s.x) * (up · s.x)` for the `m` rows of `s.x`, with the gate and up
+    /// rows `rows` (`ff` of them) of one expert.
+    fn expert(&self, s: &mut MoeScratch, m: usize, gate_up: ExpertGateUp, rows: std::ops::Range<usize>, ff: usize) -> anyhow::Result<()> {
+        s.gate_up.resize(m * 2 * ff, 0.0);
+        s.act.resize(m * ff, 0.0);
+        match gate_up {
+            ExpertGateUp::Fused(w) => {
+                // Expert e's rows are [gate | up]: 2 ff of them from 2 ff * e.
+                self.matmul_rows(w, 2 * rows.start..2 * rows.end, &s.x, m, &mut s.gate_up)?;
+                for (row, a) in s.gate_up.chunks_exact(2 * ff).zip(s.act.chunks_exact_mut(ff)) {
+                    activation::swiglu(&row[..ff], &row[ff..], a);
+                }
+            }
+            ExpertGateUp::Split { gate, up } => {
+                let (g, u) = s.gate_up.split_at_mut(m * ff);
+                self.matmul_rows(gate, rows.clone(), &s.x, m, g)?;
+                self.matmul_rows(up, rows, &s.x, m, u)?;
+                for ((g, u), a) in g.chunks_exact(ff).zip(u.chunks_exact(ff)).zip(s.act.chunks_exact_mut(ff)) {
+                    activation::swiglu(g, u, a);
+                }
+            }
+        }
+        Ok(())
     }
 
     /// The RoPE kernel's parameters for one op's config.
@@ -443,6 +567,17 @@ impl CpuExecutor {
                                 *o = v / (1.0 + (-g).exp());
                             }
                         }
+                    }
+                }
+                Op::MoeFfn { x, norm, router, gate_up, down, shared, moe, residual, .. } => {
+                    let (r, d) = (rows(x), width(x));
+                    let xin = self.linear_input(norm, input(x), &mut buf.scratch);
+                    // The sum over experts first, then the residual: the same arithmetic as a
+                    // MoE op followed by an Add op (IEEE addition commutes).
+                    let dst = &mut out[..r * d];
+                    self.moe_ffn(&mut buf.moe, xin, r, router, gate_up, down, shared, moe, dst)?;
+                    if let Some(res) = residual {
+                        activation::add_inplace(dst, input(res));
                     }
                 }
                 Op::GatedDeltaNet { layer, x, conv, a_coef, dt_bias, norm, shape, .. } => {

@@ -206,9 +206,13 @@ fn kv_dtype() -> KvDtype {
 }
 
 /// Refuses graphs whose shapes this backend's kernels cannot run (before touching the device):
-/// Gated DeltaNet heads too large for the delta-rule kernel's block.
+/// Gated DeltaNet heads too large for the delta-rule kernel's block, and MoE FFNs (no CUDA
+/// kernels yet: such models run on the CPU backend).
 pub fn check_supported(graph: &ferrite_model::Graph) -> anyhow::Result<()> {
-    for op in &graph.ops {
+    for (i, op) in graph.ops.iter().enumerate() {
+        if let Op::MoeFfn { out, .. } = op {
+            bail!("MoE FFN is not supported on CUDA yet (op {i}, `{}`); run this model with the CPU backend", graph.value(*out).name);
+        }
         if let Op::GatedDeltaNet { layer, shape, .. } = op {
             ops::check_gdn_shape(shape).with_context(|| format!("Gated DeltaNet of layer {layer} on CUDA"))?;
         }
@@ -572,6 +576,7 @@ impl CudaExecutor {
                 let w = GdnWeights { conv: vector(conv), a_coef: vector(a_coef), dt_bias: vector(dt_bias), norm: vector(norm.weight), eps: norm.eps };
                 ops::gated_delta_net(gpu, input(x), rows(x), &w, &mut buf.gdn[layer], &mut buf.scratch_a, out)?;
             }
+            Op::MoeFfn { .. } => bail!("MoE FFN is not supported on CUDA yet"), // refused by check_supported
         }
         Ok(())
     }

@@ -18,10 +18,13 @@ pub enum Arch {
     /// Qwen3.5 (dense FFN): hybrid of Gated DeltaNet (linear attention with recurrent state) and
     /// gated full attention with partial RoPE, 3:1 by default.
     Qwen35,
+    /// Qwen3.5-MoE: the Qwen3.5 hybrid with a mixture-of-experts FFN (routed experts plus a
+    /// gated shared expert) in every layer.
+    Qwen35Moe,
 }
 
 impl Arch {
-    pub const SUPPORTED: &'static str = "llama, qwen2, qwen3, gemma3, qwen35";
+    pub const SUPPORTED: &'static str = "llama, qwen2, qwen3, gemma3, qwen35, qwen35moe";
 
     pub fn from_name(name: &str) -> Option<Self> {
         match name {
@@ -30,6 +33,7 @@ impl Arch {
             "qwen3" => Some(Self::Qwen3),
             "gemma3" => Some(Self::Gemma3),
             "qwen35" => Some(Self::Qwen35),
+            "qwen35moe" => Some(Self::Qwen35Moe),
             _ => None,
         }
     }
@@ -41,6 +45,7 @@ impl Arch {
             Self::Qwen3 => "qwen3",
             Self::Gemma3 => "gemma3",
             Self::Qwen35 => "qwen35",
+            Self::Qwen35Moe => "qwen35moe",
         }
     }
 }
@@ -63,6 +68,21 @@ pub struct RopeConfig {
     pub freq_scale: f32,
 }
 
+/// The mixture-of-experts FFN of a MoE architecture (`<arch>.expert_*` keys).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MoeConfig {
+    /// `expert_count`.
+    pub n_experts: usize,
+    /// `expert_used_count`: experts per token.
+    pub n_experts_used: usize,
+    /// `expert_feed_forward_length`: hidden width of one routed expert.
+    pub n_ff_exp: usize,
+    /// `expert_shared_feed_forward_length`: hidden width of the shared expert.
+    pub n_ff_shexp: usize,
+    /// `expert_weights_norm` (default true): renormalise the top-k routing weights.
+    pub norm_topk_prob: bool,
+}
+
 #[derive(Clone, Debug, PartialEq)]
 pub struct ModelConfig {
     pub arch: Arch,
@@ -78,6 +98,8 @@ pub struct ModelConfig {
     pub context_length: usize,
     pub norm_eps: f32,
     pub rope: RopeConfig,
+    /// The MoE FFN (MoE architectures only).
+    pub moe: Option<MoeConfig>,
 }
 
 impl ModelConfig {
@@ -123,7 +145,13 @@ impl ModelConfig {
             None => 1.0,
         };
         // Gemma's converter always writes the epsilon; its models use 1e-6.
-        let default_eps = if matches!(arch, Arch::Gemma3 | Arch::Qwen35) { 1e-6 } else { 1e-5 };
+        let default_eps = if matches!(arch, Arch::Gemma3 | Arch::Qwen35 | Arch::Qwen35Moe) { 1e-6 } else { 1e-5 };
+        let moe = if arch == Arch::Qwen35Moe { Some(Self::moe_config(a, m)?) } else { None };
+        // MoE models may carry no dense FFN width: the shared expert's (or a routed expert's).
+        let n_ff = match (m.get(&key("feed_forward_length")), moe) {
+            (None, Some(moe)) => moe.n_ff_shexp,
+            _ => usize_key("feed_forward_length")?,
+        };
         let cfg = Self {
             arch,
             name: m.str("general.name").unwrap_or(a).to_string(),
@@ -132,24 +160,63 @@ impl ModelConfig {
             n_heads,
             n_kv_heads,
             head_dim,
-            n_ff: usize_key("feed_forward_length")?,
+            n_ff,
             vocab_size,
             context_length: m.u64_or(&key("context_length"), 2048)? as usize,
             norm_eps: m.f32_or(&key("attention.layer_norm_rms_epsilon"), default_eps)?,
             rope: RopeConfig {
                 style: match arch {
                     Arch::Llama => RopeStyle::Normal,
-                    Arch::Qwen2 | Arch::Qwen3 | Arch::Gemma3 | Arch::Qwen35 => RopeStyle::Neox,
+                    Arch::Qwen2 | Arch::Qwen3 | Arch::Gemma3 | Arch::Qwen35 | Arch::Qwen35Moe => RopeStyle::Neox,
                 },
                 rot_dim,
                 theta: m.f32_or(&key("rope.freq_base"), 10_000.0)?,
                 freq_scale,
             },
+            moe,
         };
         if cfg.n_layers == 0 || cfg.n_embd == 0 || cfg.n_ff == 0 || cfg.vocab_size == 0 {
             return Err(ModelError::Config("zero-sized dimension (layers, embedding, ffn or vocab)".into()));
         }
         Ok(cfg)
+    }
+
+    /// The `<a>.expert_*` keys, as llama.cpp reads them: the expert widths default to
+    /// `feed_forward_length` (divided by the used experts for a routed expert).
+    fn moe_config(a: &str, m: &Metadata) -> Result<MoeConfig, ModelError> {
+        let key = |k: &str| format!("{a}.{k}");
+        let get = |k: &str| -> Result<usize, ModelError> {
+            let v = m.u64(&key(k)).map_err(|_| ModelError::Config(format!("{a}: `{}` is missing or not an integer", key(k))))?;
+            usize::try_from(v).map_err(|_| ModelError::Config(format!("{a}: `{}` = {v} is too large", key(k))))
+        };
+        let (n_experts, n_experts_used) = (get("expert_count")?, get("expert_used_count")?);
+        if n_experts == 0 || n_experts_used == 0 || n_experts_used > n_experts {
+            return Err(ModelError::Config(format!("{a}: {n_experts_used} experts used per token out of {n_experts}: need 1 ..= expert_count")));
+        }
+        let dense = m.get(&key("feed_forward_length")).map(|_| get("feed_forward_length")).transpose()?;
+        let or_dense = |k: &str, from_dense: &dyn Fn(usize) -> usize| -> Result<usize, ModelError> {
+            match (m.get(&key(k)), dense) {
+                (Some(_), _) => get(k),
+                (None, Some(ff)) => Ok(from_dense(ff)),
+                (None, None) => Err(ModelError::Config(format!("{a}: neither `{}` nor `{}`", key(k), key("feed_forward_length")))),
+            }
+        };
+        let n_ff_exp = or_dense("expert_feed_forward_length", &|ff| ff / n_experts_used)?;
+        let n_ff_shexp = or_dense("expert_shared_feed_forward_length", &|ff| ff)?;
+        if n_ff_exp == 0 || n_ff_shexp == 0 {
+            return Err(ModelError::Config(format!("{a}: zero expert width ({n_ff_exp} routed, {n_ff_shexp} shared)")));
+        }
+        // llama.cpp's gating functions: 1 = softmax (the only one Qwen3.5-MoE uses).
+        let gating = m.u64_or(&key("expert_gating_func"), 1)?;
+        if gating != 1 {
+            return Err(ModelError::Config(format!("{a}: expert gating function {gating} is not supported (softmax, 1, is)")));
+        }
+        let scale = m.f32_or(&key("expert_weights_scale"), 1.0)?;
+        if scale != 1.0 && scale != 0.0 {
+            return Err(ModelError::Config(format!("{a}: expert weight scale {scale} is not supported")));
+        }
+        let norm_topk_prob = m.bool_or(&key("expert_weights_norm"), true)?;
+        Ok(MoeConfig { n_experts, n_experts_used, n_ff_exp, n_ff_shexp, norm_topk_prob })
     }
 
     pub fn q_width(&self) -> usize {

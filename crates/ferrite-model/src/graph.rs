@@ -109,6 +109,40 @@ impl GdnShape {
     }
 }
 
+/// The gate and up projections of a bank of experts (3-D weights, see
+/// [`crate::WeightSpec::experts`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ExpertGateUp {
+    /// One bank whose expert `e` is `[gate (n_ff_exp rows) | up (n_ff_exp rows)]`
+    /// (llama.cpp `ffn_gate_up_exps`, HF Qwen3.5-MoE `experts.gate_up_proj`).
+    Fused(WeightId),
+    /// Two banks (llama.cpp `ffn_gate_exps` and `ffn_up_exps`).
+    Split { gate: WeightId, up: WeightId },
+}
+
+/// The gated shared expert of a MoE FFN: `sigmoid(x · gate_inp) * down(silu(gate · x) * (up · x))`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SharedExpert {
+    pub gate: WeightId,
+    pub up: WeightId,
+    pub down: WeightId,
+    /// The `n_embd` vector whose dot product with `x` gives the expert's gate logit
+    /// (`ffn_gate_inp_shexp`).
+    pub gate_inp: WeightId,
+}
+
+/// Routing of a MoE FFN.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MoeShape {
+    pub n_experts: usize,
+    /// Experts used per token (`top_k`).
+    pub top_k: usize,
+    /// Hidden width of one routed expert.
+    pub n_ff_exp: usize,
+    /// Renormalise the top-k probabilities to sum to 1 (`norm_topk_prob`).
+    pub norm_topk_prob: bool,
+}
+
 #[derive(Clone, Debug, PartialEq)]
 pub enum Op {
     /// `out[t] = table[tokens[t]] * scale` (`scale` is 1 except for Gemma's `sqrt(n_embd)`).
@@ -174,6 +208,22 @@ pub enum Op {
         norm: NormSpec,
         shape: GdnShape,
     },
+    /// A mixture-of-experts FFN (Qwen3.5-MoE), per token of `xn = norm?(x)`: router logits
+    /// `router · xn` (`[n_experts x n_embd]`), softmax over all experts in f32, the `top_k` most
+    /// probable (ties: the lower expert index), renormalised to sum to 1 if `norm_topk_prob`;
+    /// `out = Σ_j p_j · down_j(silu(gate_j · xn) * (up_j · xn)) + shared?(xn) + residual?`.
+    MoeFfn {
+        x: ValueId,
+        norm: Option<NormSpec>,
+        router: WeightId,
+        gate_up: ExpertGateUp,
+        /// `n_experts` matrices `n_embd x n_ff_exp`.
+        down: WeightId,
+        shared: Option<SharedExpert>,
+        moe: MoeShape,
+        residual: Option<ValueId>,
+        out: ValueId,
+    },
 }
 
 impl Op {
@@ -191,7 +241,7 @@ impl Op {
             | Op::SplitGatedQuery { x, .. }
             | Op::GatedDeltaNet { x, .. } => vec![x],
             Op::SigmoidGate { x, gate, .. } => vec![x, gate],
-            Op::Linear { x, residual, .. } => std::iter::once(x).chain(residual).collect(),
+            Op::Linear { x, residual, .. } | Op::MoeFfn { x, residual, .. } => std::iter::once(x).chain(residual).collect(),
             Op::Attention { qkv, .. } => vec![qkv],
             Op::Add { a, b, .. } => vec![a, b],
         }
@@ -211,7 +261,8 @@ impl Op {
             | Op::LastRow { out, .. }
             | Op::SplitGatedQuery { out, .. }
             | Op::SigmoidGate { out, .. }
-            | Op::GatedDeltaNet { out, .. } => out,
+            | Op::GatedDeltaNet { out, .. }
+            | Op::MoeFfn { out, .. } => out,
             Op::Rope { x, .. } | Op::HeadNorm { x, .. } => x,
         }
     }
@@ -234,6 +285,8 @@ impl Op {
             Op::SplitGatedQuery { .. } => "split_gated_query",
             Op::SigmoidGate { .. } => "sigmoid_gate",
             Op::GatedDeltaNet { .. } => "gated_delta_net",
+            Op::MoeFfn { norm: Some(_), .. } => "norm+moe_ffn",
+            Op::MoeFfn { .. } => "moe_ffn",
         }
     }
 }
@@ -312,6 +365,9 @@ impl Graph {
                     return Err(format!("op {i}: linear output columns exceed `{}`", self.value(*out).name));
                 }
             }
+            if let Op::MoeFfn { x, router, gate_up, down, moe, residual, out, .. } = op {
+                self.validate_moe(*x, *router, *gate_up, *down, *moe, *residual, *out, &weight_rows).map_err(|e| format!("op {i}: {e}"))?;
+            }
             if let Op::GatedLinear { w, out, .. } = op {
                 if weight_rows(*w) != 2 * self.value(*out).width {
                     return Err(format!("op {i}: gated linear weight is not twice as tall as `{}`", self.value(*out).name));
@@ -333,6 +389,40 @@ impl Graph {
                 return Err(format!("hand-off {h:?}: not the last writer of the consumer's input, or out of sequence"));
             }
             previous_consumer = h.consumer;
+        }
+        Ok(())
+    }
+}
+
+impl Graph {
+    /// Widths and expert bank heights of a MoE FFN op (shared-expert shapes are checked when
+    /// the weights are added).
+    #[allow(clippy::too_many_arguments)]
+    fn validate_moe(
+        &self,
+        x: ValueId,
+        router: WeightId,
+        gate_up: ExpertGateUp,
+        down: WeightId,
+        moe: MoeShape,
+        residual: Option<ValueId>,
+        out: ValueId,
+        weight_rows: &impl Fn(WeightId) -> usize,
+    ) -> Result<(), String> {
+        let MoeShape { n_experts: e, top_k, n_ff_exp: ff, .. } = moe;
+        if e == 0 || top_k == 0 || top_k > e || ff == 0 {
+            return Err(format!("bad MoE shape {moe:?}"));
+        }
+        let d = self.value(out).width;
+        if self.value(x).width != d || residual.is_some_and(|r| self.value(r).width != d) {
+            return Err("MoE FFN input, residual and output widths differ".into());
+        }
+        let gate_up_ok = match gate_up {
+            ExpertGateUp::Fused(w) => weight_rows(w) == e * 2 * ff,
+            ExpertGateUp::Split { gate, up } => weight_rows(gate) == e * ff && weight_rows(up) == e * ff,
+        };
+        if weight_rows(router) != e || !gate_up_ok || weight_rows(down) != e * d {
+            return Err(format!("MoE FFN weights do not match {moe:?} and width {d}"));
         }
         Ok(())
     }

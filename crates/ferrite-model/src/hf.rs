@@ -6,6 +6,10 @@
 //! `llama` graph uses GGML's adjacent-pair RoPE; Qwen and Gemma use NeoX RoPE and need none.
 //! Gemma 3 (`gemma3_text`) norms multiply by `1 + w`: as llama.cpp's converter does, the one is
 //! added to every `*norm.weight` here (in f32), so the graph's norms are plain RMSNorms.
+//! Qwen3.5-MoE experts become llama.cpp's 3-D expert tensors: per-expert checkpoints
+//! (`mlp.experts.{e}.{gate,up,down}_proj.weight`, what transformers' `save_pretrained` writes) are
+//! stacked into `ffn_{gate,up,down}_exps`, fused 3-D ones (`mlp.experts.gate_up_proj`,
+//! `mlp.experts.down_proj`) become `ffn_gate_up_exps` / `ffn_down_exps`.
 
 use crate::ModelError;
 use ferrite_gguf::{GgmlType, GgufFile, GgufWriter, Value};
@@ -70,23 +74,36 @@ fn gguf_name(hf: &str, arch: &str) -> Option<String> {
     let rest = hf.strip_prefix("model.layers.")?;
     let (layer, rest) = rest.split_once('.')?;
     let layer: usize = layer.parse().ok()?;
-    if arch == "qwen35" {
+    let qwen35 = is_qwen35(arch);
+    if qwen35 {
         match rest {
             "linear_attn.A_log" => return Some(format!("blk.{layer}.ssm_a")),
             "linear_attn.dt_bias" => return Some(format!("blk.{layer}.ssm_dt.bias")),
             _ => {}
         }
     }
+    if arch == "qwen35moe" {
+        match rest {
+            "mlp.experts.gate_up_proj" => return Some(format!("blk.{layer}.ffn_gate_up_exps.weight")),
+            "mlp.experts.down_proj" => return Some(format!("blk.{layer}.ffn_down_exps.weight")),
+            _ => {}
+        }
+    }
     let (module, kind) = rest.rsplit_once('.')?;
     let name = match module {
-        "linear_attn.in_proj_qkv" if arch == "qwen35" => "attn_qkv",
-        "linear_attn.in_proj_z" if arch == "qwen35" => "attn_gate",
-        "linear_attn.in_proj_b" if arch == "qwen35" => "ssm_beta",
-        "linear_attn.in_proj_a" if arch == "qwen35" => "ssm_alpha",
-        "linear_attn.conv1d" if arch == "qwen35" => "ssm_conv1d",
-        "linear_attn.norm" if arch == "qwen35" => "ssm_norm",
-        "linear_attn.out_proj" if arch == "qwen35" => "ssm_out",
-        "post_attention_layernorm" if arch == "qwen35" => "post_attention_norm",
+        "linear_attn.in_proj_qkv" if qwen35 => "attn_qkv",
+        "linear_attn.in_proj_z" if qwen35 => "attn_gate",
+        "linear_attn.in_proj_b" if qwen35 => "ssm_beta",
+        "linear_attn.in_proj_a" if qwen35 => "ssm_alpha",
+        "linear_attn.conv1d" if qwen35 => "ssm_conv1d",
+        "linear_attn.norm" if qwen35 => "ssm_norm",
+        "linear_attn.out_proj" if qwen35 => "ssm_out",
+        "post_attention_layernorm" if qwen35 => "post_attention_norm",
+        "mlp.gate" if arch == "qwen35moe" => "ffn_gate_inp",
+        "mlp.shared_expert_gate" if arch == "qwen35moe" => "ffn_gate_inp_shexp",
+        "mlp.shared_expert.gate_proj" if arch == "qwen35moe" => "ffn_gate_shexp",
+        "mlp.shared_expert.up_proj" if arch == "qwen35moe" => "ffn_up_shexp",
+        "mlp.shared_expert.down_proj" if arch == "qwen35moe" => "ffn_down_shexp",
         "self_attn.q_proj" => "attn_q",
         "self_attn.k_proj" => "attn_k",
         "self_attn.v_proj" => "attn_v",
@@ -104,6 +121,48 @@ fn gguf_name(hf: &str, arch: &str) -> Option<String> {
         _ => return None,
     };
     Some(format!("blk.{layer}.{name}.{kind}"))
+}
+
+/// The Qwen3.5 hybrids (dense and MoE), which share the GDN and gated-attention tensors.
+fn is_qwen35(arch: &str) -> bool {
+    matches!(arch, "qwen35" | "qwen35moe")
+}
+
+/// `model.layers.{l}.mlp.experts.{e}.{gate,up,down}_proj.weight` → (layer, expert, the GGUF
+/// bank `ffn_{gate,up,down}_exps.weight` it is stacked into).
+fn expert_part(hf: &str) -> Option<(usize, usize, &'static str)> {
+    let rest = hf.strip_prefix("model.layers.")?;
+    let (layer, rest) = rest.split_once('.')?;
+    let (expert, proj) = rest.strip_prefix("mlp.experts.")?.split_once('.')?;
+    let bank = match proj {
+        "gate_proj.weight" => "ffn_gate_exps.weight",
+        "up_proj.weight" => "ffn_up_exps.weight",
+        "down_proj.weight" => "ffn_down_exps.weight",
+        _ => return None,
+    };
+    Some((layer.parse().ok()?, expert.parse().ok()?, bank))
+}
+
+/// One expert's matrix: its safetensors name, GGML shape, dtype and bytes.
+type ExpertMatrix = (String, Vec<u64>, GgmlType, Vec<u8>);
+
+/// Stack per-expert matrices (all `n_experts` of them, alike in shape and dtype) into one 3-D
+/// tensor, GGML shape `[cols, rows, n_experts]`.
+fn stack_experts(name: &str, parts: Vec<Option<ExpertMatrix>>) -> Result<(Vec<u64>, GgmlType, Vec<u8>), ModelError> {
+    let n = parts.len() as u64;
+    let mut parts = parts.into_iter().enumerate().map(|(e, p)| p.ok_or_else(|| ModelError::tensor(name, format!("expert {e} is missing"))));
+    let (first, shape, dtype, mut data) = parts.next().ok_or_else(|| ModelError::tensor(name, "no experts"))??;
+    if shape.len() != 2 {
+        return Err(ModelError::tensor(&first, "an expert matrix must have 2 dimensions"));
+    }
+    for p in parts {
+        let (hf, s, d, bytes) = p?;
+        if s != shape || d != dtype {
+            return Err(ModelError::tensor(&hf, format!("shape {s:?} / {d:?} differs from `{first}` ({shape:?} / {dtype:?})")));
+        }
+        data.extend_from_slice(&bytes);
+    }
+    Ok((vec![shape[0], shape[1], n], dtype, data))
 }
 
 /// llama.cpp's Q/K permutation: within each head, row `i` and row `i + d/2` become rows `2i`, `2i+1`.
@@ -263,8 +322,9 @@ fn qwen35_metadata(cfg: &Json, n_layers: usize, head_dim: u64) -> Result<(ArchMe
     if act != "silu" {
         return Err(config_error(format!("config.json: qwen3.5 activation `{act}` is not supported (silu is)")));
     }
-    if cfg["num_experts"].as_u64().is_some_and(|e| e > 0) {
-        return Err(config_error("config.json: Qwen3.5 MoE is not supported yet (dense only)"));
+    let moe = cfg["model_type"].as_str().is_some_and(|t| t.starts_with("qwen3_5_moe"));
+    if !moe && cfg["num_experts"].as_u64().is_some_and(|e| e > 0) {
+        return Err(config_error("config.json: `num_experts` in a dense Qwen3.5 config (MoE checkpoints are `qwen3_5_moe`)"));
     }
     let interval = cfg["full_attention_interval"].as_u64().unwrap_or(4) as usize;
     if interval == 0 {
@@ -295,6 +355,22 @@ fn qwen35_metadata(cfg: &Json, n_layers: usize, head_dim: u64) -> Result<(ArchMe
     let factor = rope["partial_rotary_factor"].as_f64().or(cfg["partial_rotary_factor"].as_f64()).unwrap_or(0.25);
     let rot = (head_dim as f64 * factor) as u64;
     let u = |v: usize| Value::U32(v as u32);
+    let mut experts = Vec::new();
+    if moe {
+        // transformers' Qwen3.5-MoE router always renormalises the top-k weights (llama.cpp's
+        // `expert_weights_norm` default): there is no `norm_topk_prob` switch to carry over.
+        for (key, hf) in [
+            ("expert_count", "num_experts"),
+            ("expert_used_count", "num_experts_per_tok"),
+            ("expert_feed_forward_length", "moe_intermediate_size"),
+            ("expert_shared_feed_forward_length", "shared_expert_intermediate_size"),
+        ] {
+            experts.push((key, u(num(hf)?)));
+        }
+        if cfg["mlp_only_layers"].as_array().is_some_and(|a| !a.is_empty()) {
+            return Err(config_error("config.json: `mlp_only_layers` (dense layers in a MoE model) is not supported"));
+        }
+    }
     Ok((
         vec![
             ("ssm.conv_kernel", u(cfg["linear_conv_kernel_dim"].as_u64().unwrap_or(4) as usize)),
@@ -304,7 +380,10 @@ fn qwen35_metadata(cfg: &Json, n_layers: usize, head_dim: u64) -> Result<(ArchMe
             ("ssm.inner_size", u(gdn.n_v * gdn.dv)),
             ("full_attention_interval", u(interval)),
             ("rope.dimension_count", Value::U32(rot as u32)),
-        ],
+        ]
+        .into_iter()
+        .chain(experts)
+        .collect(),
         gdn,
     ))
 }
@@ -379,10 +458,14 @@ pub fn load_hf_dir(dir: &Path) -> Result<GgufFile, ModelError> {
     let model_type = top["model_type"].as_str().ok_or_else(|| config_error("config.json has no `model_type`"))?;
     // Multimodal Qwen3.5 checkpoints: the text model's config is `text_config`, its weights are
     // `model.language_model.*` (the vision tower `model.visual.*` and `mtp.*` are skipped).
-    let cfg = if model_type == "qwen3_5" {
+    let multimodal = matches!(model_type, "qwen3_5" | "qwen3_5_moe");
+    let cfg = if multimodal {
         let mut c = top["text_config"].clone();
         if !c.is_object() {
-            return Err(config_error("config.json: `qwen3_5` without a `text_config`"));
+            return Err(config_error(format!("config.json: `{model_type}` without a `text_config`")));
+        }
+        if c["model_type"].is_null() {
+            c["model_type"] = Json::String(format!("{model_type}_text"));
         }
         if c["tie_word_embeddings"].is_null() {
             c["tie_word_embeddings"] = top["tie_word_embeddings"].clone();
@@ -394,13 +477,16 @@ pub fn load_hf_dir(dir: &Path) -> Result<GgufFile, ModelError> {
     let arch = match model_type {
         "llama" | "qwen2" | "qwen3" => model_type,
         "qwen3_5_text" | "qwen3_5" => "qwen35",
+        "qwen3_5_moe_text" | "qwen3_5_moe" => "qwen35moe",
         "gemma3_text" => "gemma3",
         "gemma3" => {
             return Err(config_error(
                 "config.json: `gemma3` is the multimodal Gemma 3 checkpoint; only text-only ones (`gemma3_text`, Gemma3ForCausalLM) are supported",
             ))
         }
-        other => return Err(ModelError::UnsupportedArch(other.to_string(), "llama, qwen2, qwen3, gemma3_text, qwen3_5(_text) (safetensors)")),
+        other => {
+            return Err(ModelError::UnsupportedArch(other.to_string(), "llama, qwen2, qwen3, gemma3_text, qwen3_5(_text), qwen3_5_moe(_text) (safetensors)"))
+        }
     };
     let num = |key: &str| -> Result<u64, ModelError> {
         cfg[key].as_u64().ok_or_else(|| config_error(format!("config.json: `{key}` is missing or not an integer")))
@@ -426,7 +512,6 @@ pub fn load_hf_dir(dir: &Path) -> Result<GgufFile, ModelError> {
         ("block_count", u(num("num_hidden_layers")?)),
         ("context_length", u(num("max_position_embeddings")?)),
         ("embedding_length", u(hidden)),
-        ("feed_forward_length", u(num("intermediate_size")?)),
         ("attention.head_count", u(n_heads)),
         ("attention.head_count_kv", u(n_kv)),
         ("attention.key_length", u(head_dim)),
@@ -437,46 +522,62 @@ pub fn load_hf_dir(dir: &Path) -> Result<GgufFile, ModelError> {
     ] {
         w.add_metadata(format!("{arch}.{key}"), value);
     }
+    // MoE checkpoints have no dense FFN width (the config reads the expert widths instead).
+    if arch != "qwen35moe" || !cfg["intermediate_size"].is_null() {
+        w.add_metadata(format!("{arch}.feed_forward_length"), u(num("intermediate_size")?));
+    }
     if arch == "gemma3" {
         for (key, value) in gemma3_metadata(&cfg, num("num_hidden_layers")? as usize)? {
             w.add_metadata(format!("gemma3.{key}"), value);
         }
     }
-    let gdn = if arch == "qwen35" {
+    let gdn = if is_qwen35(arch) {
         let (meta, gdn) = qwen35_metadata(&cfg, num("num_hidden_layers")? as usize, head_dim)?;
         for (key, value) in meta {
-            w.add_metadata(format!("qwen35.{key}"), value);
+            w.add_metadata(format!("{arch}.{key}"), value);
         }
         Some(gdn)
     } else {
         None
     };
     let mut tensors: BTreeMap<String, (Vec<u64>, GgmlType, Vec<u8>)> = BTreeMap::new();
+    let n_experts = if arch == "qwen35moe" { num("num_experts")? as usize } else { 0 };
+    let mut expert_parts: BTreeMap<String, Vec<Option<ExpertMatrix>>> = BTreeMap::new();
     for file in shard_files(dir)? {
         let bytes = std::fs::read(&file).map_err(|e| config_error(format!("{}: {e}", file.display())))?;
         let st = SafeTensors::deserialize(&bytes).map_err(|e| config_error(format!("{}: not a valid safetensors file: {e}", file.display())))?;
         for (name, view) in st.tensors() {
             let hf_name = match name.strip_prefix("model.language_model.") {
-                Some(rest) if model_type == "qwen3_5" => format!("model.{rest}"),
+                Some(rest) if multimodal => format!("model.{rest}"),
                 _ => name.clone(),
             };
-            let Some(gname) = gguf_name(&hf_name, arch) else { continue };
-            let dtype = match view.dtype() {
-                Dtype::F32 => GgmlType::F32,
-                Dtype::F16 => GgmlType::F16,
-                Dtype::BF16 => GgmlType::BF16,
-                other => return Err(ModelError::tensor(&name, format!("safetensors dtype {other:?} is not supported"))),
+            let dtype = || match view.dtype() {
+                Dtype::F32 => Ok(GgmlType::F32),
+                Dtype::F16 => Ok(GgmlType::F16),
+                Dtype::BF16 => Ok(GgmlType::BF16),
+                other => Err(ModelError::tensor(&name, format!("safetensors dtype {other:?} is not supported"))),
             };
             // GGML order: the contiguous dimension first.
             let mut shape: Vec<u64> = view.shape().iter().rev().map(|&d| d as u64).collect();
+            if let Some((layer, e, bank)) = expert_part(&hf_name).filter(|_| arch == "qwen35moe") {
+                let slots = expert_parts.entry(format!("blk.{layer}.{bank}")).or_insert_with(|| vec![None; n_experts]);
+                let slot = slots.get_mut(e).ok_or_else(|| ModelError::tensor(&name, format!("expert {e} of {n_experts} (num_experts)")))?;
+                if slot.replace((name.clone(), shape, dtype()?, view.data().to_vec())).is_some() {
+                    return Err(ModelError::tensor(&name, "appears twice"));
+                }
+                continue;
+            }
+            let Some(gname) = gguf_name(&hf_name, arch) else { continue };
+            let dtype = dtype()?;
             let (mut dtype, mut data) = (dtype, view.data().to_vec());
             if let Some(gdn) = &gdn {
                 (dtype, data) = qwen35_tensor(&gname, &name, gdn, dtype, data)?;
-                if gname.ends_with("ssm_conv1d.weight") {
-                    // [C, 1, K] -> [C, K]
-                    if shape.len() == 3 && shape[1] == 1 {
-                        shape.remove(1);
-                    }
+                // The conv [C, 1, K] -> [C, K] (GGML order [K, 1, C] -> [K, C]); the shared
+                // expert's gate [1, n_embd] -> [n_embd], as llama.cpp stores them.
+                let conv = gname.ends_with("ssm_conv1d.weight") && shape.len() == 3;
+                let shexp_gate = gname.ends_with("ffn_gate_inp_shexp.weight") && shape.len() == 2;
+                if (conv || shexp_gate) && shape[1] == 1 {
+                    shape.remove(1);
                 }
             }
             if arch == "gemma3" && gname.ends_with("norm.weight") {
@@ -489,6 +590,12 @@ pub fn load_hf_dir(dir: &Path) -> Result<GgufFile, ModelError> {
             if tensors.insert(gname.clone(), (shape, dtype, data)).is_some() {
                 return Err(ModelError::tensor(&name, format!("appears twice (as `{gname}`)")));
             }
+        }
+    }
+    for (gname, parts) in expert_parts {
+        let stacked = stack_experts(&gname, parts)?;
+        if tensors.insert(gname.clone(), stacked).is_some() {
+            return Err(ModelError::tensor(&gname, "given both per expert and as a 3-D tensor"));
         }
     }
     // Gemma 3 ties them unless the config says otherwise (transformers' default).
@@ -511,13 +618,10 @@ mod tests {
         Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/tiny/qwen35-hf")
     }
 
-    /// The multimodal Qwen3.5 layout (`qwen3_5` with `text_config`, text weights under
-    /// `model.language_model.*`, a vision tower and MTP weights to skip) loads to exactly the
-    /// same tensors and keys as the text-only checkpoint.
-    #[test]
-    fn qwen3_5_multimodal_layout_loads_its_text_model() {
-        let src = fixture_dir();
-        let text = load_hf_dir(&src).unwrap();
+    /// A copy of the text checkpoint `src` in the multimodal layout (`model_type` with the text
+    /// config as `text_config`, text weights under `model.language_model.*`, a vision tower and
+    /// MTP weights to skip), in a fresh temporary folder. Returns the folder and its config.
+    fn multimodal_copy(src: &Path, model_type: &str, text_cfg: Json) -> (std::path::PathBuf, Json) {
         let bytes = std::fs::read(src.join("model.safetensors")).unwrap();
         let st = SafeTensors::deserialize(&bytes).unwrap();
         let extra = vec![0u8; 4 * 8];
@@ -529,20 +633,41 @@ mod tests {
         for name in ["model.visual.blocks.0.attn.qkv.weight", "mtp.fc.weight"] {
             views.push((name.into(), safetensors::tensor::TensorView::new(Dtype::F32, vec![2, 4], &extra).unwrap()));
         }
-        let dir = std::env::temp_dir().join(format!("ferrite-qwen3_5-mm-{}", std::process::id()));
+        let dir = std::env::temp_dir().join(format!("ferrite-{model_type}-mm-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         std::fs::write(dir.join("model.safetensors"), safetensors::serialize(views, None).unwrap()).unwrap();
-        let text_cfg = read_json(&src.join("config.json")).unwrap();
-        let cfg = serde_json::json!({"model_type": "qwen3_5", "text_config": text_cfg, "vision_config": {"depth": 1}});
+        let cfg = serde_json::json!({"model_type": model_type, "text_config": text_cfg, "vision_config": {"depth": 1}});
         std::fs::write(dir.join("config.json"), cfg.to_string()).unwrap();
-        let mm = load_hf_dir(&dir).unwrap();
+        (dir, cfg)
+    }
+
+    fn assert_same_file(a: &GgufFile, b: &GgufFile) {
         let names = |f: &GgufFile| f.tensors.iter().map(|t| t.name.clone()).collect::<Vec<_>>();
-        assert_eq!(names(&mm), names(&text));
-        for t in &text.tensors {
-            let o = mm.tensor(&t.name).unwrap();
+        assert_eq!(names(a), names(b));
+        for t in &b.tensors {
+            let o = a.tensor(&t.name).unwrap();
             assert_eq!((&o.shape, o.dtype), (&t.shape, t.dtype), "{}", t.name);
-            assert_eq!(mm.tensor_data(o), text.tensor_data(t), "{}", t.name);
+            assert_eq!(a.tensor_data(o), b.tensor_data(t), "{}", t.name);
         }
+        let keys = |f: &GgufFile| {
+            let mut k: Vec<String> = f.metadata.iter().filter(|(k, _)| *k != "general.name").map(|(k, v)| format!("{k}={v:?}")).collect();
+            k.sort();
+            k
+        };
+        assert_eq!(keys(a), keys(b));
+    }
+
+    /// The multimodal Qwen3.5 layout (`qwen3_5` with `text_config`, text weights under
+    /// `model.language_model.*`, a vision tower and MTP weights to skip) loads to exactly the
+    /// same tensors and keys as the text-only checkpoint.
+    #[test]
+    fn qwen3_5_multimodal_layout_loads_its_text_model() {
+        let src = fixture_dir();
+        let text = load_hf_dir(&src).unwrap();
+        let text_cfg = read_json(&src.join("config.json")).unwrap();
+        let (dir, cfg) = multimodal_copy(&src, "qwen3_5", text_cfg);
+        let mm = load_hf_dir(&dir).unwrap();
+        assert_same_file(&mm, &text);
         for key in ["qwen35.ssm.time_step_rank", "qwen35.rope.dimension_count", "qwen35.full_attention_interval"] {
             assert_eq!(mm.metadata.u64(key).unwrap(), text.metadata.u64(key).unwrap(), "{key}");
         }
@@ -554,6 +679,37 @@ mod tests {
         std::fs::write(dir.join("config.json"), bad.to_string()).unwrap();
         let err = load_hf_dir(&dir).unwrap_err().to_string();
         assert!(err.contains("layer_types"), "{err}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// The same for Qwen3.5-MoE (`qwen3_5_moe`, whose text config may leave out its own
+    /// `model_type`): per-expert weights are stacked into llama.cpp's 3-D banks either way, and
+    /// the expert keys come through.
+    #[test]
+    fn qwen3_5_moe_multimodal_layout_loads_its_text_model() {
+        let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/tiny/qwen35moe-hf");
+        let text = load_hf_dir(&src).unwrap();
+        assert_eq!(text.metadata.str("general.architecture").unwrap(), "qwen35moe");
+        for (key, want) in [("expert_count", 4), ("expert_used_count", 2), ("expert_feed_forward_length", 32), ("expert_shared_feed_forward_length", 48)] {
+            assert_eq!(text.metadata.u64(&format!("qwen35moe.{key}")).unwrap(), want, "{key}");
+        }
+        assert!(text.metadata.get("qwen35moe.feed_forward_length").is_none());
+        assert_eq!(text.tensor("blk.1.ffn_gate_exps.weight").unwrap().shape, [64, 32, 4]);
+        assert_eq!(text.tensor("blk.1.ffn_down_exps.weight").unwrap().shape, [32, 64, 4]);
+        assert_eq!(text.tensor("blk.1.ffn_gate_inp.weight").unwrap().shape, [64, 4]);
+        assert_eq!(text.tensor("blk.1.ffn_gate_inp_shexp.weight").unwrap().shape, [64]);
+        assert!(text.tensors.iter().all(|t| !t.name.contains("experts")));
+        let mut text_cfg = read_json(&src.join("config.json")).unwrap();
+        text_cfg.as_object_mut().unwrap().remove("model_type");
+        let (dir, _) = multimodal_copy(&src, "qwen3_5_moe", text_cfg);
+        assert_same_file(&load_hf_dir(&dir).unwrap(), &text);
+        // A missing expert is named.
+        let bytes = std::fs::read(src.join("model.safetensors")).unwrap();
+        let st = SafeTensors::deserialize(&bytes).unwrap();
+        let views: Vec<_> = st.tensors().into_iter().filter(|(n, _)| n != "model.layers.2.mlp.experts.3.up_proj.weight").collect();
+        std::fs::write(dir.join("model.safetensors"), safetensors::serialize(views, None).unwrap()).unwrap();
+        let err = load_hf_dir(&dir).unwrap_err().to_string();
+        assert!(err.contains("blk.2.ffn_up_exps.weight") && err.contains("expert 3 is missing"), "{err}");
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }

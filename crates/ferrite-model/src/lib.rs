@@ -16,7 +16,7 @@ pub mod profile;
 pub mod synth;
 pub mod weights;
 
-pub use config::{Arch, ModelConfig, RopeConfig, RopeStyle};
+pub use config::{Arch, ModelConfig, MoeConfig, RopeConfig, RopeStyle};
 pub use error::ModelError;
 pub use executor::{BatchRows, DeviceSampling, Executor, ExecutorOptions, HardwareCeilings, LayerTrace, LoadProgress, PagedKvConfig, RecurrentCursor, SeqChunk};
 pub use fusion::FusionOptions;

@@ -16,15 +16,24 @@ pub struct WeightSpec {
     /// GGUF tensor names, in concatenation order.
     pub parts: Vec<String>,
     pub dtype: GgmlType,
-    /// Output rows (1 for a vector).
+    /// Output rows (1 for a vector). For a bank of experts: the rows of all experts, expert `e`
+    /// owning rows `e * expert_rows() .. (e + 1) * expert_rows()`.
     pub rows: usize,
     /// Elements per row (the vector length for a vector).
     pub cols: usize,
+    /// Matrices stacked along rows: the expert count of a 3-D expert tensor (llama.cpp's
+    /// `ffn_*_exps`), 1 for everything else.
+    pub experts: usize,
 }
 
 impl WeightSpec {
     pub fn is_vector(&self) -> bool {
-        self.rows == 1
+        self.rows == 1 && self.experts == 1
+    }
+
+    /// Rows of one expert's matrix (all rows for an ordinary weight).
+    pub fn expert_rows(&self) -> usize {
+        self.rows / self.experts
     }
 }
 
@@ -70,7 +79,21 @@ impl WeightSet {
         if shape != (rows, cols) {
             return Err(ModelError::tensor(name, format!("shape {rows}x{cols} expected, found {}x{}", shape.0, shape.1)));
         }
-        Ok(self.push(WeightSpec { name: name.to_string(), parts: vec![name.to_string()], dtype: t.dtype, rows, cols }))
+        Ok(self.push(WeightSpec { name: name.to_string(), parts: vec![name.to_string()], dtype: t.dtype, rows, cols, experts: 1 }))
+    }
+
+    /// Add a 3-D expert tensor: `experts` matrices of `rows x cols` (GGML shape
+    /// `[cols, rows, experts]`), stored as one weight of `experts * rows` rows.
+    pub fn add_experts(&mut self, file: &GgufFile, name: &str, experts: usize, rows: usize, cols: usize) -> Result<WeightId, ModelError> {
+        let t = tensor(file, name)?;
+        let want = [cols as u64, rows as u64, experts as u64];
+        if t.shape != want {
+            return Err(ModelError::tensor(name, format!("shape {want:?} (GGML order: cols, rows, experts) expected, found {:?}", t.shape)));
+        }
+        if experts == 0 || rows == 0 || cols == 0 {
+            return Err(ModelError::tensor(name, "empty expert tensor"));
+        }
+        Ok(self.push(WeightSpec { name: name.to_string(), parts: vec![name.to_string()], dtype: t.dtype, rows: experts * rows, cols, experts }))
     }
 
     /// Add the first of `names` that exists in the file.
@@ -96,7 +119,9 @@ impl WeightSet {
         let specs: Vec<&WeightSpec> = parts.iter().map(|&p| self.spec(p)).collect();
         let first = specs.first()?;
         let vector = first.is_vector();
-        if specs.iter().any(|s| s.dtype != first.dtype || s.is_vector() != vector || (!vector && s.cols != first.cols)) {
+        let mismatch = |s: &&WeightSpec| s.dtype != first.dtype || s.is_vector() != vector || (!vector && s.cols != first.cols);
+        // Expert banks are never fused: concatenation would not keep each expert's rows together.
+        if specs.iter().any(|s| mismatch(s) || s.experts != 1) {
             return None;
         }
         let fused = WeightSpec {
@@ -105,6 +130,7 @@ impl WeightSet {
             dtype: first.dtype,
             rows: if vector { 1 } else { specs.iter().map(|s| s.rows).sum() },
             cols: if vector { specs.iter().map(|s| s.cols).sum() } else { first.cols },
+            experts: 1,
         };
         Some(self.push(fused))
     }
@@ -138,7 +164,7 @@ impl WeightSet {
 
     /// Weights that the graph actually uses (fused parts are superseded by the fused weight).
     pub fn used_by(&self, graph: &crate::Graph) -> Vec<WeightId> {
-        use crate::graph::Op;
+        use crate::graph::{ExpertGateUp, Op};
         let mut ids = Vec::new();
         for op in &graph.ops {
             match op {
@@ -154,6 +180,17 @@ impl WeightSet {
                     ids.extend(norm.map(|n| n.weight));
                 }
                 Op::GatedDeltaNet { conv, a_coef, dt_bias, norm, .. } => ids.extend([*conv, *a_coef, *dt_bias, norm.weight]),
+                Op::MoeFfn { norm, router, gate_up, down, shared, .. } => {
+                    ids.extend(norm.map(|n| n.weight));
+                    ids.extend([*router, *down]);
+                    match *gate_up {
+                        ExpertGateUp::Fused(w) => ids.push(w),
+                        ExpertGateUp::Split { gate, up } => ids.extend([gate, up]),
+                    }
+                    if let Some(s) = shared {
+                        ids.extend([s.gate, s.up, s.down, s.gate_inp]);
+                    }
+                }
                 _ => {}
             }
         }

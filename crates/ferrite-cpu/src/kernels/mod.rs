@@ -1,4 +1,5 @@
-//! CPU compute kernels: quantized SIMD matmul, RMSNorm, RoPE, attention, activations, embedding.
+//! CPU compute kernels: quantized SIMD matmul, RMSNorm, RoPE, attention, activations, embedding,
+//! MoE routing.
 //!
 //! SIMD paths are chosen once at run time ([`simd::simd_level`]). Every SIMD dot-product kernel
 //! has a scalar twin that performs the same integer arithmetic; the scalar twin is the test oracle
@@ -9,6 +10,7 @@ pub mod attention;
 pub mod embedding;
 pub mod gdn;
 pub mod matmul;
+pub mod moe;
 pub mod norm;
 pub mod rope;
 pub mod simd;

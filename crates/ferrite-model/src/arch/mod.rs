@@ -14,7 +14,7 @@ pub fn build(cfg: &ModelConfig, file: &GgufFile, fusion: FusionOptions) -> Resul
         Arch::Llama | Arch::Qwen2 => llama::build(cfg, file, fusion)?,
         Arch::Qwen3 => qwen3::build(cfg, file, fusion)?,
         Arch::Gemma3 => gemma3::build(cfg, file, fusion)?,
-        Arch::Qwen35 => qwen35::build(cfg, file, fusion)?,
+        Arch::Qwen35 | Arch::Qwen35Moe => qwen35::build(cfg, file, fusion)?,
     };
     if fusion.int8_handoff {
         graph.handoffs = crate::fusion::int8_handoffs(&graph, |w| weights.spec(w).rows);

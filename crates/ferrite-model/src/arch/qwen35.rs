@@ -16,37 +16,44 @@
 //! GDN value heads in tiled order, so every norm here is a plain RMSNorm and value head `h` uses
 //! key head `h % n_k_heads`. Text positions only: Qwen3.5's interleaved MRoPE reduces to 1-D
 //! RoPE when the three position components are equal, which they are for text.
+//!
+//! Qwen3.5-MoE (llama.cpp arch `qwen35moe`) is the same hybrid with a mixture-of-experts FFN in
+//! every layer instead of the dense MLP (see [`Op::MoeFfn`]): router `ffn_gate_inp`, routed
+//! experts `ffn_gate_exps` / `ffn_up_exps` (or the fused `ffn_gate_up_exps`) / `ffn_down_exps`
+//! (3-D), and the shared expert `ffn_{gate,up,down}_shexp` gated by `ffn_gate_inp_shexp`.
 
 use super::decoder::{self, DecoderOptions, ProjectionGroup};
-use crate::graph::{AttentionShape, GdnShape, GraphBuilder, NormSpec, Op, Rows};
+use crate::config::MoeConfig;
+use crate::graph::{AttentionShape, ExpertGateUp, GdnShape, GraphBuilder, MoeShape, NormSpec, Op, Rows, SharedExpert, ValueId};
 use crate::{FusionOptions, Graph, ModelConfig, ModelError, WeightSet};
 use ferrite_gguf::GgufFile;
 
-/// The per-layer schedule and GDN shape from `qwen35.*` metadata.
+/// The per-layer schedule and GDN shape from `qwen35.*` (or `qwen35moe.*`) metadata.
 pub fn hybrid_layout(cfg: &ModelConfig, file: &GgufFile) -> Result<(Vec<bool>, GdnShape), ModelError> {
     let m = &file.metadata;
-    let key = |k: &str| format!("qwen35.{k}");
+    let a = cfg.arch.name();
+    let key = |k: &str| format!("{a}.{k}");
     let get = |k: &str| -> Result<usize, ModelError> {
-        let v = m.u64(&key(k)).map_err(|_| ModelError::Config(format!("qwen35: `{}` is missing or not an integer", key(k))))?;
-        usize::try_from(v).map_err(|_| ModelError::Config(format!("qwen35: `{}` = {v} is too large", key(k))))
+        let v = m.u64(&key(k)).map_err(|_| ModelError::Config(format!("{a}: `{}` is missing or not an integer", key(k))))?;
+        usize::try_from(v).map_err(|_| ModelError::Config(format!("{a}: `{}` = {v} is too large", key(k))))
     };
     let interval = m.u64_or(&key("full_attention_interval"), 4)? as usize;
     if interval == 0 {
-        return Err(ModelError::Config("qwen35: `full_attention_interval` must be positive".into()));
+        return Err(ModelError::Config(format!("{a}: `full_attention_interval` must be positive")));
     }
     let full: Vec<bool> = (0..cfg.n_layers).map(|l| (l + 1) % interval == 0).collect();
     let (n_k_heads, n_v_heads, k_dim, inner, conv_kernel) =
         (get("ssm.group_count")?, get("ssm.time_step_rank")?, get("ssm.state_size")?, get("ssm.inner_size")?, get("ssm.conv_kernel")?);
     if n_k_heads == 0 || n_v_heads == 0 || n_v_heads % n_k_heads != 0 {
         return Err(ModelError::Config(format!(
-            "qwen35: {n_v_heads} value heads (ssm.time_step_rank) must be a non-zero multiple of {n_k_heads} key heads (ssm.group_count)"
+            "{a}: {n_v_heads} value heads (ssm.time_step_rank) must be a non-zero multiple of {n_k_heads} key heads (ssm.group_count)"
         )));
     }
     if inner == 0 || inner % n_v_heads != 0 {
-        return Err(ModelError::Config(format!("qwen35: ssm.inner_size {inner} is not a multiple of {n_v_heads} value heads")));
+        return Err(ModelError::Config(format!("{a}: ssm.inner_size {inner} is not a multiple of {n_v_heads} value heads")));
     }
     if k_dim == 0 || conv_kernel == 0 || conv_kernel > 16 {
-        return Err(ModelError::Config(format!("qwen35: unsupported ssm.state_size {k_dim} / ssm.conv_kernel {conv_kernel}")));
+        return Err(ModelError::Config(format!("{a}: unsupported ssm.state_size {k_dim} / ssm.conv_kernel {conv_kernel}")));
     }
     Ok((full, GdnShape { n_k_heads, n_v_heads, k_dim, v_dim: inner / n_v_heads, conv_kernel }))
 }
@@ -116,9 +123,67 @@ pub fn build(cfg: &ModelConfig, file: &GgufFile, fusion: FusionOptions) -> Resul
         let width = g.width(mixed);
         debug_assert_eq!(ws.spec(wo).cols, width);
         h = decoder::residual_linear(&mut g, mixed, wo, h, fusion.residual_into_linear, &t("attn_out"), d);
-        h = decoder::mlp_block(&mut g, &mut ws, file, cfg, fusion, &opts, l, "post_attention_norm", h)?;
+        h = match cfg.moe {
+            Some(moe) => moe_block(&mut g, &mut ws, file, cfg, fusion, moe, l, h)?,
+            None => decoder::mlp_block(&mut g, &mut ws, file, cfg, fusion, &opts, l, "post_attention_norm", h)?,
+        };
     }
     let logits = decoder::output_head(&mut g, &mut ws, file, cfg, fusion, embd, h)?;
     let attention = AttentionShape { n_heads: cfg.n_heads, n_kv_heads: cfg.n_kv_heads, head_dim: hd, scale: opts.attention_scale };
     Ok((ws, g.finish(logits, cfg.n_layers, attention)))
+}
+
+/// The MoE FFN of layer `l` with its residual: `h + moe(norm(h))`, the norm
+/// (`post_attention_norm`) and the residual add folded into the op under the
+/// `norm_into_linear` / `residual_into_linear` fusions.
+#[allow(clippy::too_many_arguments)]
+fn moe_block(
+    g: &mut GraphBuilder,
+    ws: &mut WeightSet,
+    file: &GgufFile,
+    cfg: &ModelConfig,
+    fusion: FusionOptions,
+    moe: MoeConfig,
+    l: usize,
+    h: ValueId,
+) -> Result<ValueId, ModelError> {
+    let d = cfg.n_embd;
+    let (e, ff, ffs) = (moe.n_experts, moe.n_ff_exp, moe.n_ff_shexp);
+    let t = |s: &str| format!("blk.{l}.{s}");
+    let norm = NormSpec { weight: ws.add(file, &t("post_attention_norm.weight"), 1, d)?, eps: cfg.norm_eps };
+    let router = ws.add(file, &t("ffn_gate_inp.weight"), e, d)?;
+    let gate_up = match file.tensor(&t("ffn_gate_up_exps.weight")) {
+        Some(_) => ExpertGateUp::Fused(ws.add_experts(file, &t("ffn_gate_up_exps.weight"), e, 2 * ff, d)?),
+        None => ExpertGateUp::Split {
+            gate: ws.add_experts(file, &t("ffn_gate_exps.weight"), e, ff, d)?,
+            up: ws.add_experts(file, &t("ffn_up_exps.weight"), e, ff, d)?,
+        },
+    };
+    let down = ws.add_experts(file, &t("ffn_down_exps.weight"), e, d, ff)?;
+    // Every Qwen3.5-MoE layer has the gated shared expert (llama.cpp requires it too).
+    let shared = SharedExpert {
+        gate: ws.add(file, &t("ffn_gate_shexp.weight"), ffs, d)?,
+        up: ws.add(file, &t("ffn_up_shexp.weight"), ffs, d)?,
+        down: ws.add(file, &t("ffn_down_shexp.weight"), d, ffs)?,
+        gate_inp: ws.add(file, &t("ffn_gate_inp_shexp.weight"), 1, d)?,
+    };
+    let shape = MoeShape { n_experts: e, top_k: moe.n_experts_used, n_ff_exp: ff, norm_topk_prob: moe.norm_topk_prob };
+    let (x, norm) = if fusion.norm_into_linear {
+        (h, Some(norm))
+    } else {
+        let xn = g.value(t("post_attention_norm"), d, Rows::Tokens);
+        g.push(Op::RmsNorm { x: h, norm, out: xn });
+        (xn, None)
+    };
+    let out = g.value(t("out"), d, Rows::Tokens);
+    let op = |residual, out| Op::MoeFfn { x, norm, router, gate_up, down, shared: Some(shared), moe: shape, residual, out };
+    if fusion.residual_into_linear {
+        g.push(op(Some(h), out));
+    } else {
+        let y = g.value(t("moe"), d, Rows::Tokens);
+        g.push(op(None, y));
+        g.push(Op::Add { a: h, b: y, out });
+    }
+    g.trace(out);
+    Ok(out)
 }
