@@ -1738,6 +1738,11 @@ fn every_kernel_variant_compiles_for_sm90() {
                 check(format!("{handoff:?}"), compile_variant(&handoff, "sm_90"));
                 let gated = GemvQ8Variant { in_norm: true, ..gated.emitting(1) };
                 check(format!("{gated:?}"), compile_variant(&gated, "sm_90"));
+                // Rows' units split over slices of the block (few blocks, long rows).
+                let split = handoff.split_k(rows / 8, cols, n, 132);
+                if split.k_split > 1 {
+                    check(format!("{split:?}"), compile_variant(&split, "sm_90"));
+                }
             }
         }
         for out in [OutType::F32, OutType::F16, OutType::BF16] {
