@@ -150,8 +150,11 @@ switches! {
         "q8|f32: q8 quantizes activations to int8 blocks (the CPU quantized path's numerics) and multiplies with dp4a, fusing norm, bias and residual; f32 multiplies f32 activations (matches the fp32 CPU reference to rounding).");
     /// Force a CUDA Gated DeltaNet path.
     CUDA_GDN_PATH = ("FERRITE_CUDA_GDN_PATH", "auto", AbTest,
-        "auto|recurrent|chunked: the CUDA Gated DeltaNet delta rule; auto runs batches of 32+ tokens in the chunked (WY/UT transform, 64-token chunks) form and shorter ones token by token; the others force one path for every batch.");
-    /// Input type of the CUDA GEMM path.
+        "auto|recurrent|chunked: the CUDA Gated DeltaNet delta rule; auto runs batches of 128+ tokens in the chunked (WY/UT transform, 64-token chunks) form and shorter ones token by token; the others force one path for every batch.");
+    DISABLE_GEMV_SPLIT_K = ("FERRITE_DISABLE_GEMV_SPLIT_K", "0", AbTest,
+        "1: the int8 GEMV never splits a row's units over slices of a block (by default it does, up to 4 slices, when its grid has under two blocks per SM, e.g. the emitting output/down projections).");
+    CUDA_ATTENTION_PATH = ("FERRITE_CUDA_ATTENTION_PATH", "auto", AbTest,
+        "auto|simt|tensor: the CUDA attention kernel; auto runs batches of 16+ queries over an f16 cache in the tensor-core flash-attention kernel (prefill) and the rest in the one-query-per-block SIMT kernel; tensor on an f32 cache is an error.");
     /// Resident GEMM-type copies of the weights for prefill.
     CUDA_EXPAND_WEIGHTS = ("FERRITE_CUDA_EXPAND_WEIGHTS", "auto", AbTest,
         "auto|on|off: keep a copy of every batched linear's weight dequantized to the GEMM input type (bf16: 2 bytes per weight) so prefill GEMMs skip the per-call dequantization; auto does it when the copies fit in half the free device memory after the KV cache.");

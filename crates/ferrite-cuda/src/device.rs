@@ -5,7 +5,7 @@ use crate::compile::{nvrtc_version, require_nvrtc, supported_archs};
 use crate::error::{Context, CudaError};
 use crate::kernels::common::{ERR_POSITION, ERR_TOKEN_ID};
 use crate::kernels::KernelVariant;
-use crate::ops::{GdnPath, LinearOptions};
+use crate::ops::{AttentionPath, GdnPath, LinearOptions};
 use cudarc::cublas::CudaBlas;
 use cudarc::driver::sys::{self, CUdevice_attribute};
 use cudarc::driver::{
@@ -77,6 +77,8 @@ pub struct GpuOptions {
     pub dependent_launch: bool,
     /// The Gated DeltaNet path every batch takes (`None`: [`crate::ops::gdn_plan`] decides).
     pub gdn_path: Option<GdnPath>,
+    /// The attention kernel every batch takes (`None`: [`crate::ops::attention_path`] decides).
+    pub attention_path: Option<AttentionPath>,
 }
 
 impl GpuOptions {
@@ -86,6 +88,7 @@ impl GpuOptions {
             linear: LinearOptions::from_env(),
             dependent_launch: !env::DISABLE_CUDA_PDL.flag(false),
             gdn_path: GdnPath::forced_by(env::CUDA_GDN_PATH.get().as_deref()),
+            attention_path: AttentionPath::forced_by(env::CUDA_ATTENTION_PATH.get().as_deref()),
         }
     }
 }
@@ -108,6 +111,7 @@ pub struct Gpu {
     linear: LinearOptions,
     dependent_launch: bool,
     gdn_path: Option<GdnPath>,
+    attention_path: Option<AttentionPath>,
     props: DeviceProps,
     stream: Arc<CudaStream>,
     ctx: Arc<CudaContext>,
@@ -160,6 +164,7 @@ impl Gpu {
             linear: options.linear,
             dependent_launch: options.dependent_launch && major >= 9,
             gdn_path: options.gdn_path,
+            attention_path: options.attention_path,
             props: DeviceProps { name, compute_capability: (major as u32, minor as u32), sm_count: sm_count as u32 },
             stream,
             ctx,
@@ -205,6 +210,11 @@ impl Gpu {
     /// The Gated DeltaNet path forced on this device (`FERRITE_CUDA_GDN_PATH`), if any.
     pub fn gdn_path(&self) -> Option<GdnPath> {
         self.gdn_path
+    }
+
+    /// The attention kernel forced on this device (`FERRITE_CUDA_ATTENTION_PATH`), if any.
+    pub fn attention_path(&self) -> Option<AttentionPath> {
+        self.attention_path
     }
 
     pub fn kernel_cache_stats(&self) -> CacheStats {

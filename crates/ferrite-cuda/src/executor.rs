@@ -359,13 +359,17 @@ impl CudaExecutor {
             self.buf.slots[out_slot] = Some(out);
             result.with_context(|| format!("op {} writing `{}`", op.kind(), model.graph.value(op.writes()).name))?;
             if let Some(start) = start {
-                events.push((op.kind(), start, stream.record_event(timing).map_err(CudaError::from)?));
+                // Kind and written value without the layer prefix ("linear attn_out"): the
+                // projections of a layer that share a kind stay apart.
+                let name = &model.graph.value(op.writes()).name;
+                let role = name.strip_prefix("blk.").and_then(|s| s.split_once('.')).map_or(name.as_str(), |(_, r)| r);
+                events.push((format!("{} {role}", op.kind()), start, stream.record_event(timing).map_err(CudaError::from)?));
             }
         }
         if let Some(profile) = self.buf.profile.as_mut() {
             stream.synchronize().map_err(CudaError::from)?;
             for (kind, a, b) in events {
-                profile.add(kind, a.elapsed_ms(&b).map_err(CudaError::from)? as f64);
+                profile.add(&kind, a.elapsed_ms(&b).map_err(CudaError::from)? as f64);
             }
             profile.end_forward();
         }

@@ -786,6 +786,54 @@ fn split_attention_matches_cpu_on_long_caches() {
     assert_eq!(ops::attention_splits(132, 1, 1, 1 << 20), 256, "at most 256 shares");
 }
 
+/// Prefill batches through the tensor-core kernel (f16 Q and softmax weights, f32 sums): the
+/// CPU result within f16 rounding, for GQA, windows, soft caps, every head size, batches that
+/// end mid-tile and start mid-cache, and the int8 hand-off; forcing it on an f32 cache fails.
+#[test]
+fn tensor_core_attention_matches_cpu_on_prefill() {
+    let Some(gpu) = gpu() else { return };
+    let mut rng = Rng(23);
+    // (query heads, KV heads, head_dim, window, softcap)
+    let cases = [
+        (32, 8, 128, None, None),
+        (9, 3, 64, Some(40), None),
+        (8, 2, 32, None, Some(20.0)),
+        (4, 1, 256, Some(70), None),
+    ];
+    for (n_heads, n_kv, hd, window, softcap) in cases {
+        let max_seq = 320;
+        let mut cache = KvCache::new(gpu, KvDtype::F16, max_seq, n_kv, hd).unwrap();
+        let (qw, kvw) = (n_heads * hd, n_kv * hd);
+        let cfg = AttentionConfig { n_heads, scale: 1.0 / (hd as f32).sqrt(), window, softcap };
+        let cpu = attention::AttentionParams { n_heads, n_kv_heads: n_kv, head_dim: hd, scale: cfg.scale, window, softcap };
+        let (mut k_host, mut v_host) = (Vec::new(), Vec::new());
+        let mut start = 0;
+        for chunk in [130, 16, 77] {
+            assert_eq!(ops::attention_path(gpu, &cache, chunk).unwrap(), ops::AttentionPath::Tensor);
+            let positions: Vec<u32> = (start..start + chunk).map(|p| p as u32).collect();
+            let (q, k, v) = (rng.vec(chunk * qw, -1.0, 1.0), rng.vec(chunk * kvw, -1.0, 1.0), rng.vec(chunk * kvw, -2.0, 2.0));
+            let pos_dev = upload(gpu, &positions);
+            let q_dev = store(gpu, &mut cache, &q, &k, &v, n_heads, &pos_dev, chunk);
+            k_host.extend(round_f16(&k));
+            v_host.extend(round_f16(&v));
+            let mut want = vec![0f32; chunk * qw];
+            attention::attention(&cpu, &q, &k_host, &v_host, start, chunk, &mut want);
+            let mut out = poisoned(gpu, chunk * qw);
+            let mut emitted = (start > 0).then(|| ops::Q8Activations::new(gpu, chunk * qw).unwrap());
+            ops::attention(gpu, &q_dev, &cache, &pos_dev, chunk, &cfg, &mut out, emitted.as_mut()).unwrap();
+            let name = format!("h{n_heads}/{n_kv} d{hd} w{window:?} cap{softcap:?} pos{start}+{chunk}");
+            // f16 Q and weights: ~2^-11 relative per product, against outputs of size ~|v| = 2.
+            close("attn_tc", &name, &download(gpu, &out), &want, 4e-3, 4e-3);
+            if let Some(emitted) = &emitted {
+                assert_handoff_is_quantize(gpu, emitted, &out, chunk, qw, &name);
+            }
+            start += chunk;
+        }
+    }
+    assert_eq!(ops::attention_path(gpu, &KvCache::new(gpu, KvDtype::F16, 8, 1, 64).unwrap(), 15).unwrap(), ops::AttentionPath::Simt);
+    assert_eq!(ops::attention_path(gpu, &KvCache::new(gpu, KvDtype::F32, 8, 1, 64).unwrap(), 64).unwrap(), ops::AttentionPath::Simt);
+}
+
 #[test]
 fn attention_reports_positions_beyond_the_cache() {
     let Some(gpu) = own_gpu(KernelCacheDir::from_env()) else { return };
@@ -1722,7 +1770,7 @@ fn kernel_cache_hits_misses_and_rebuilds_corrupt_entries() {
 fn every_kernel_variant_compiles_for_sm90() {
     use ferrite_cuda::compile_variant;
     use ferrite_cuda::kernels::{
-        activation::*, attention::*, dequant::*, embedding::*, gdn::*, gemv::*, norm::*, quantize::*, rope::*, sampling::*,
+        activation::*, attention::*, dequant::*, embedding::*, flash_attention, gdn::*, gemv::*, norm::*, quantize::*, rope::*, sampling::*,
     };
     if let Err(e) = compile_variant(&ActivationVariant, "sm_90") {
         match e {
@@ -1758,6 +1806,11 @@ fn every_kernel_variant_compiles_for_sm90() {
                 check(format!("{handoff:?}"), compile_variant(&handoff, "sm_90"));
                 let gated = GemvQ8Variant { in_norm: true, ..gated.emitting(1) };
                 check(format!("{gated:?}"), compile_variant(&gated, "sm_90"));
+                // Rows' units split over slices of the block (few blocks, long rows).
+                let split = handoff.split_k(rows / 8, cols, n, 132);
+                if split.k_split > 1 {
+                    check(format!("{split:?}"), compile_variant(&split, "sm_90"));
+                }
             }
         }
         for out in [OutType::F32, OutType::F16, OutType::BF16] {
@@ -1793,6 +1846,10 @@ fn every_kernel_variant_compiles_for_sm90() {
             let v = AttentionVariant::paged(hd, kv);
             check(format!("{v:?}"), compile_variant(&v, "sm_90"));
         }
+    }
+    for head_dim in [32, 64, 128, 256] {
+        let v = flash_attention::FlashAttentionVariant { head_dim };
+        check(format!("{v:?}"), compile_variant(&v, "sm_90"));
     }
     check("sampling".into(), compile_variant(&SamplingVariant::DEFAULT, "sm_90"));
     check("gdn_conv".into(), compile_variant(&GdnConvVariant, "sm_90"));

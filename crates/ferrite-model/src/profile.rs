@@ -8,8 +8,8 @@ use std::collections::BTreeMap;
 
 #[derive(Default, Debug)]
 pub struct OpProfile {
-    /// Op kind → (total milliseconds, calls).
-    by_kind: BTreeMap<&'static str, (f64, usize)>,
+    /// Op label (its kind, and for the CUDA backend the value it writes) → (total ms, calls).
+    by_kind: BTreeMap<String, (f64, usize)>,
     forwards: usize,
 }
 
@@ -19,8 +19,8 @@ impl OpProfile {
         ferrite_core::env::PROFILE.flag(false).then(Self::default)
     }
 
-    pub fn add(&mut self, kind: &'static str, ms: f64) {
-        let e = self.by_kind.entry(kind).or_default();
+    pub fn add(&mut self, kind: &str, ms: f64) {
+        let e = self.by_kind.entry(kind.to_string()).or_default();
         e.0 += ms;
         e.1 += 1;
     }
@@ -34,11 +34,11 @@ impl OpProfile {
         let mut rows: Vec<_> = self.by_kind.iter().collect();
         rows.sort_by(|a, b| b.1 .0.total_cmp(&a.1 .0));
         let mut s = format!(
-            "per-op profile ({backend}, {} forward calls) — WARNING: profiled timings are not optimisation targets; measure with `ferrite bench`\n{:<14} {:>10} {:>8} {:>10} {:>7}\n",
+            "per-op profile ({backend}, {} forward calls) — WARNING: profiled timings are not optimisation targets; measure with `ferrite bench`\n{:<28} {:>10} {:>8} {:>10} {:>7}\n",
             self.forwards, "op", "total ms", "calls", "µs/call", "share"
         );
         for (kind, (ms, n)) in rows {
-            s += &format!("{kind:<14} {ms:>10.2} {n:>8} {:>10.1} {:>6.1}%\n", 1000.0 * ms / *n as f64, 100.0 * ms / total.max(1e-12));
+            s += &format!("{kind:<28} {ms:>10.2} {n:>8} {:>10.1} {:>6.1}%\n", 1000.0 * ms / *n as f64, 100.0 * ms / total.max(1e-12));
         }
         s
     }

@@ -34,7 +34,7 @@ impl KvDtype {
     }
 }
 
-const KV: &str = r#"
+pub(crate) const KV: &str = r#"
 #ifndef KV_F16
 #error "KV_F16 (1: f16 cache, 0: f32 cache) must come from the kernel variant"
 #endif
@@ -261,7 +261,8 @@ device_params! {
         pub rot_dim: u32,
         pub theta: f32,
         pub freq_scale: f32,
-        pub pad: u32,
+        /// Query tokens of the launch (the tensor-core kernel's tiles may run past them).
+        pub n_tokens: u32,
         /// PAGED only: block tables (`[n_seqs, max_blocks]`) and each query row's sequence.
         pub block_tables: u64,
         pub row_seq: u64,
@@ -269,6 +270,23 @@ device_params! {
         pub block_size: u32,
     }
 }
+
+/// Stores output element `d` of the query row starting at `qrow` (after the params' C struct);
+/// with an int8 hand-off the warp also quantizes its 32 values (`d - lane` is a multiple of 32:
+/// warps hold whole blocks of a head). Shared by both attention kernels.
+pub(crate) const ATTENTION_OUTPUT: &str = r#"
+// Stores output element d of the query row starting at qrow; with an int8 hand-off the warp also
+// quantizes its 32 values (d - lane is a multiple of 32: warps hold whole blocks of the head).
+__device__ __forceinline__ void store_output(const AttentionParams& p, i64 qrow, int d, float v) {
+  reinterpret_cast<float*>(p.out)[qrow + d] = v;
+  if (p.emit_q) {
+    const int lane = threadIdx.x & 31;
+    const i64 first = qrow + d - lane;
+    quantize_block_warp(v, lane, reinterpret_cast<i8*>(p.emit_q) + first, reinterpret_cast<uint2*>(p.emit_s) + first / 32);
+  }
+}
+
+"#;
 
 const ATTENTION: &str = r#"
 #ifndef HEAD_DIM
@@ -320,17 +338,6 @@ __device__ __forceinline__ void kv_load_lane(const kv_t* row, int lane, float* o
 #define MIN_SHARE (32u * NWARPS)
 // Most shares per query (the merge keeps a weight per share in shared memory).
 #define MAX_SPLITS 256
-
-// Stores output element d of the query row starting at qrow; with an int8 hand-off the warp also
-// quantizes its 32 values (d - lane is a multiple of 32: warps hold whole blocks of the head).
-__device__ __forceinline__ void store_output(const AttentionParams& p, i64 qrow, int d, float v) {
-  reinterpret_cast<float*>(p.out)[qrow + d] = v;
-  if (p.emit_q) {
-    const int lane = threadIdx.x & 31;
-    const i64 first = qrow + d - lane;
-    quantize_block_warp(v, lane, reinterpret_cast<i8*>(p.emit_q) + first, reinterpret_cast<uint2*>(p.emit_s) + first / 32);
-  }
-}
 
 // One block per (head, query token, key share). Warps take turns on batches of 32 keys of the
 // block's share: each lane scores one key (a whole K row in 16-byte loads against q in shared
@@ -567,7 +574,7 @@ impl AttentionVariant {
 
 impl KernelVariant for AttentionVariant {
     const FAMILY: &'static str = "attention";
-    const SOURCES: &'static [&'static str] = &[HEADER, Q8_BLOCK, KV, ROPE_ANGLE, QKV_PAIR, AttentionParams::C_DECL, ATTENTION];
+    const SOURCES: &'static [&'static str] = &[HEADER, Q8_BLOCK, KV, ROPE_ANGLE, QKV_PAIR, AttentionParams::C_DECL, ATTENTION_OUTPUT, ATTENTION];
     const ENTRY_POINTS: &'static [&'static str] = &["attention"];
 
     fn macros(&self) -> Vec<(&'static str, String)> {

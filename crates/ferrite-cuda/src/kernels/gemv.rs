@@ -109,7 +109,11 @@ const SOURCE_Q8: &str = r#"
 #ifndef EMIT
 #error "EMIT (0 none, 1 int8 blocks of the output, 2 of the output times the next norm's weight, with sums of squares) must come from the kernel variant"
 #endif
+#ifndef KSPLIT
+#error "KSPLIT (slices of NWARPS warps splitting each row's units; partial sums meet in shared memory) must come from the kernel variant"
+#endif
 #define ROWS_PER_BLOCK (NWARPS * 32 / TPR * ROWS)
+#define SLICE_THREADS (NWARPS * 32)
 #if EMIT && ROWS_PER_BLOCK % 32 != 0
 #error "EMIT needs blocks that own whole 32-row quantization blocks"
 #endif
@@ -147,7 +151,7 @@ __device__ __forceinline__ float store_q8(const GemvQ8Params& p, i64 row, int to
 __device__ __forceinline__ void emit_q8(const GemvQ8Params& p, const float (*staged)[ROWS_PER_BLOCK], int tok0) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const u32 blocks = p.rows / 32;
-  for (int job = warp; job < NTOK * (ROWS_PER_BLOCK / 32); job += NWARPS) {
+  for (int job = warp; job < NTOK * (ROWS_PER_BLOCK / 32); job += NWARPS * KSPLIT) {
     const int t = job / (ROWS_PER_BLOCK / 32), c = job % (ROWS_PER_BLOCK / 32);
     const i64 row0 = (i64)blockIdx.x * ROWS_PER_BLOCK + 32 * c;
     if (tok0 + t >= (int)p.n_tokens || row0 >= p.rows) continue;  // warp-uniform
@@ -164,8 +168,9 @@ __device__ __forceinline__ void emit_q8(const GemvQ8Params& p, const float (*sta
 }
 #endif
 
-extern "C" __global__ void __launch_bounds__(NWARPS * 32) gemv_q8(const GemvQ8Params p) {
-  const int tid = threadIdx.x, k = tid % TPR, group = tid / TPR;
+extern "C" __global__ void __launch_bounds__(SLICE_THREADS * KSPLIT) gemv_q8(const GemvQ8Params p) {
+  // Slice `slice` of the block takes every KSPLIT-th batch of units of the block's rows.
+  const int tid = threadIdx.x % SLICE_THREADS, slice = threadIdx.x / SLICE_THREADS, k = tid % TPR, group = tid / TPR;
   const i64 row0 = ((i64)blockIdx.x * (NWARPS * 32 / TPR) + group) * ROWS;
   const int tok0 = blockIdx.y * NTOK;
   const WeightRef w = {(const u8*)p.w0, (const u8*)p.w1, (const u8*)p.w2, (const u8*)p.w3, (i64)p.cols};
@@ -184,7 +189,7 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32) gemv_q8(const GemvQ8Pa
   // weights stream in while that kernel finishes.
   bool waited = false;
   if (row0 < p.rows) {
-    for (int u0 = k; u0 < units; u0 += TPR * UNROLL) {
+    for (int u0 = k + slice * TPR * UNROLL; u0 < units; u0 += TPR * UNROLL * KSPLIT) {
       // Issue all UNROLL x ROWS weight loads before any math, so that each lane keeps that many
       // bytes in flight. Indices past the end are clamped (a safe re-read, never used).
       Unit wu[UNROLL][WROWS];
@@ -236,10 +241,26 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32) gemv_q8(const GemvQ8Pa
 #pragma unroll
       for (int o = TPR / 2; o > 0; o >>= 1) acc[r][t] += __shfl_xor_sync(FULL_MASK, acc[r][t], o);
     }
+#if KSPLIT > 1
+  // The other slices' sums, added by slice 0 in slice order (deterministic).
+  __shared__ float s_part[KSPLIT - 1][SLICE_THREADS / TPR][WROWS][NTOK];
+  if (slice > 0 && k == 0)
+#pragma unroll
+    for (int r = 0; r < WROWS; ++r)
+#pragma unroll
+      for (int t = 0; t < NTOK; ++t) s_part[slice - 1][group][r][t] = acc[r][t];
+  __syncthreads();
+  if (slice == 0 && k == 0)
+    for (int s = 0; s < KSPLIT - 1; ++s)
+#pragma unroll
+      for (int r = 0; r < WROWS; ++r)
+#pragma unroll
+        for (int t = 0; t < NTOK; ++t) acc[r][t] += s_part[s][group][r][t];
+#endif
 #if IN_NORM
   // Finish the producer's RMSNorm: 1 / rms per token from its per-block sums of squares, summed
-  // in the same order by every warp.
-  {
+  // in the same order by every warp (of slice 0, which holds the sums: warp-uniform).
+  if (slice == 0) {
     const int lane = tid & 31;
     const float* partials = reinterpret_cast<const float*>(p.in_partials);
 #pragma unroll
@@ -256,7 +277,7 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32) gemv_q8(const GemvQ8Pa
 #if EMIT
   __shared__ float staged[NTOK][ROWS_PER_BLOCK];
 #endif
-  if (k == 0) {
+  if (k == 0 && slice == 0) {
 #pragma unroll
     for (int r = 0; r < ROWS; ++r)
 #pragma unroll
@@ -425,6 +446,9 @@ pub struct GemvQ8Variant {
     pub in_norm: bool,
     /// Also quantize the output for the next GEMV: 0 no, 1 as is, 2 times the next norm's weight.
     pub emit: u32,
+    /// Slices of `nwarps` warps that split each row's units (a block of `nwarps * 32 * k_split`
+    /// threads); see [`Self::split_k`].
+    pub k_split: u32,
 }
 
 impl GemvQ8Variant {
@@ -458,6 +482,7 @@ impl GemvQ8Variant {
             glu: 0,
             in_norm: false,
             emit: 0,
+            k_split: 1,
         }
     }
 
@@ -492,6 +517,27 @@ impl GemvQ8Variant {
         GemvQ8Variant { rows: (v.rows / 2).max(1), glu, ..v }
     }
 
+    /// Most threads per block with slices: 512 keeps 128 registers per thread.
+    const MAX_SPLIT_THREADS: u32 = 512;
+
+    /// Splits each row's units over up to 4 slices of the block when the grid of `rows` rows
+    /// leaves SMs short of work (under two blocks per SM, as for the emitting projections
+    /// into a model's width: 128 blocks for the 8B shape, 64 for 1B) and each lane would
+    /// otherwise walk its units in several dependent batches: more bytes in flight per SM.
+    pub fn split_k(self, rows: usize, cols: usize, n_tokens: usize, sm_count: u32) -> Self {
+        let blocks = rows.div_ceil(self.rows_per_block()) * n_tokens.max(1).div_ceil(self.ntok as usize);
+        let batches = (cols / 32).div_ceil((self.tpr * self.unroll) as usize);
+        let mut k_split = 1;
+        while blocks < 2 * sm_count as usize
+            && k_split * 2 <= 4
+            && batches >= k_split * 2
+            && self.nwarps * 32 * (k_split as u32) * 2 <= Self::MAX_SPLIT_THREADS
+        {
+            k_split *= 2;
+        }
+        GemvQ8Variant { k_split: k_split as u32, ..self }
+    }
+
     pub fn rows_per_block(&self) -> usize {
         (self.nwarps * 32 / self.tpr * self.rows) as usize
     }
@@ -499,7 +545,7 @@ impl GemvQ8Variant {
     pub fn launch_config(&self, rows: usize, n_tokens: usize) -> LaunchConfig {
         LaunchConfig {
             grid_dim: (blocks_for(rows, self.rows_per_block()), blocks_for(n_tokens, self.ntok as usize), 1),
-            block_dim: (self.nwarps * 32, 1, 1),
+            block_dim: (self.nwarps * 32 * self.k_split, 1, 1),
             shared_mem_bytes: 0,
         }
     }
@@ -523,6 +569,7 @@ impl KernelVariant for GemvQ8Variant {
             ("GLU", self.glu.to_string()),
             ("IN_NORM", u32::from(self.in_norm).to_string()),
             ("EMIT", self.emit.to_string()),
+            ("KSPLIT", self.k_split.to_string()),
         ]
     }
 }
@@ -577,6 +624,23 @@ mod tests {
         // 8B output projection: 4 rows per warp, 2 units each, 8 warps.
         let v = GemvQ8Variant::for_shape(GgmlType::Q4_0, 4096, 4096, 1, 132).emitting(1);
         assert_eq!((v.rows, v.unroll, v.nwarps), (4, 2, 8));
+    }
+
+    #[test]
+    fn split_k_fills_underused_sms() {
+        // 8B down projection, emitting: 128 blocks of 8 warps, 7 batches per lane -> 2 slices.
+        let v = GemvQ8Variant::for_shape(GgmlType::Q4_0, 4096, 14336, 1, 132).emitting(2).split_k(4096, 14336, 1, 132);
+        assert_eq!((v.k_split, v.launch_config(4096, 1).block_dim.0), (2, 512));
+        // 1B output projection: one batch per lane, nothing to split.
+        let v = GemvQ8Variant::for_shape(GgmlType::Q4_0, 2048, 2048, 1, 132).emitting(1).split_k(2048, 2048, 1, 132);
+        assert_eq!(v.k_split, 1);
+        // Grids that fill the device stay unsplit (8B QKV: 768 blocks).
+        let v = GemvQ8Variant::for_shape(GgmlType::Q4_0, 6144, 4096, 1, 132).split_k(6144, 4096, 1, 132);
+        assert_eq!(v.k_split, 1);
+        // Four warps of short groups: up to 4 slices.
+        let v = GemvQ8Variant::for_shape(GgmlType::Q4_0, 64, 16384, 1, 132).split_k(64, 16384, 1, 132);
+        assert_eq!((v.nwarps, v.k_split), (4, 4));
+        crate::kernels::tests::assert_macros_match(v);
     }
 
     #[test]

@@ -18,6 +18,7 @@ pub mod attention;
 pub mod common;
 pub mod dequant;
 pub mod embedding;
+pub mod flash_attention;
 pub mod gdn;
 pub mod gemv;
 pub mod norm;

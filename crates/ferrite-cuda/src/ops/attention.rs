@@ -5,6 +5,8 @@ use super::Q8Activations;
 use crate::error::CudaError;
 use super::RopeConfig;
 use crate::kernels::attention::{AttentionParams, AttentionVariant, KvDtype, RopeStyle, StoreQkvParams, StoreQkvVariant};
+use crate::kernels::flash_attention::FlashAttentionVariant;
+use ferrite_core::env;
 use crate::Gpu;
 use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
 use half::f16;
@@ -258,8 +260,69 @@ pub fn attention(
     emit: Option<&mut Q8Activations>,
 ) -> Result<(), CudaError> {
     let Some(params) = attention_params(gpu, q, cache, positions, n_tokens, cfg, out, emit)? else { return Ok(()) };
-    let variant = AttentionVariant::new(cache.head_dim, cache.dtype, false);
-    gpu.launch(&variant, "attention", variant.launch_config(cfg.n_heads, n_tokens, 1), &params)
+    match attention_path(gpu, cache, n_tokens)? {
+        AttentionPath::Tensor => {
+            let variant = FlashAttentionVariant { head_dim: cache.head_dim as u32 };
+            gpu.launch(&variant, "attention_tc", variant.launch_config(cfg.n_heads, n_tokens), &params)
+        }
+        AttentionPath::Simt => {
+            let variant = AttentionVariant::new(cache.head_dim, cache.dtype, false);
+            gpu.launch(&variant, "attention", variant.launch_config(cfg.n_heads, n_tokens, 1), &params)
+        }
+    }
+}
+
+/// Which kernel [`attention`] runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AttentionPath {
+    /// A block per (head, query) on CUDA cores, any cache type: decode and short batches.
+    Simt,
+    /// Flash attention on tensor cores (f16 cache, sm_80+), 64 queries per block: prefill.
+    Tensor,
+}
+
+impl AttentionPath {
+    /// The path `FERRITE_CUDA_ATTENTION_PATH` forces (`simt`, `tensor`), `None` for `auto` or
+    /// unset; another value is reported on stderr and means `auto`.
+    pub fn forced_by(value: Option<&str>) -> Option<AttentionPath> {
+        match value.map(str::to_ascii_lowercase).as_deref() {
+            None | Some("auto") => None,
+            Some("simt") => Some(AttentionPath::Simt),
+            Some("tensor") => Some(AttentionPath::Tensor),
+            Some(other) => {
+                eprintln!("warning: {}={other:?} is not auto, simt or tensor; using auto", env::CUDA_ATTENTION_PATH.name);
+                None
+            }
+        }
+    }
+}
+
+/// Smallest batch the tensor-core kernel takes by default: below it most of each 64-query
+/// tile would be idle, and decode-sized batches are the one-query kernel's job.
+pub const FLASH_MIN_TOKENS: usize = 16;
+
+/// The kernel for `n_tokens` queries over `cache`: the tensor-core kernel from
+/// [`FLASH_MIN_TOKENS`] where it applies (f16 cache, sm_80+), else the SIMT kernel. Forcing the
+/// tensor path where it cannot run is an error, not a silent fallback.
+pub fn attention_path(gpu: &Gpu, cache: &KvCache, n_tokens: usize) -> Result<AttentionPath, CudaError> {
+    let unsupported = if cache.dtype != KvDtype::F16 {
+        Some("an f32 KV cache (the kernel reads f16)".to_string())
+    } else if gpu.compute_capability().0 < 8 {
+        Some(format!("compute capability {}.{} (mma.sync f16 needs 8.0)", gpu.compute_capability().0, gpu.compute_capability().1))
+    } else if !FlashAttentionVariant::supports(cache.head_dim) {
+        Some(format!("head_dim {}", cache.head_dim))
+    } else {
+        None
+    };
+    match (gpu.attention_path(), unsupported) {
+        (Some(AttentionPath::Tensor), Some(why)) => Err(CudaError::invalid(
+            "attention",
+            format!("{}=tensor, but the tensor-core kernel does not support {why}", env::CUDA_ATTENTION_PATH.name),
+        )),
+        (Some(path), _) => Ok(path),
+        (None, None) if n_tokens >= FLASH_MIN_TOKENS => Ok(AttentionPath::Tensor),
+        (None, _) => Ok(AttentionPath::Simt),
+    }
 }
 
 /// [`attention`] over a paged cache: query `t` sees positions up to `positions[t]` of its
@@ -426,7 +489,7 @@ fn attention_params(
         rot_dim: 0,
         theta: 0.0,
         freq_scale: 0.0,
-        pad: 0,
+        n_tokens: n_tokens as u32,
         block_tables: 0,
         row_seq: 0,
         max_blocks: 0,

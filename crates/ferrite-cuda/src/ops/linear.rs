@@ -85,6 +85,8 @@ pub struct LinearOptions {
     /// Largest token count that takes the GEMV in [`LinearPath::Auto`].
     pub gemv_max_tokens: usize,
     pub activations: GemvActivations,
+    /// Let the int8 GEMV split rows' units over slices of a block ([`GemvQ8Variant::split_k`]).
+    pub gemv_split_k: bool,
 }
 
 impl Default for LinearOptions {
@@ -94,6 +96,7 @@ impl Default for LinearOptions {
             precision: Precision::BF16,
             gemv_max_tokens: 8,
             activations: GemvActivations::Q8,
+            gemv_split_k: true,
         }
     }
 }
@@ -129,7 +132,8 @@ impl LinearOptions {
             Some(1) => GemvActivations::F32,
             _ => d.activations,
         };
-        LinearOptions { path, precision, gemv_max_tokens, activations }
+        let gemv_split_k = !env::DISABLE_GEMV_SPLIT_K.flag(!d.gemv_split_k);
+        LinearOptions { path, precision, gemv_max_tokens, activations, gemv_split_k }
     }
 }
 
@@ -520,6 +524,7 @@ fn gemv_q8(
         Some(e) => tiling.emitting(if e.norm.is_some() { 2 } else { 1 }),
         None => tiling,
     };
+    let tiling = if gpu.linear_options().gemv_split_k { tiling.split_k(out_rows, w.cols, n_tokens, gpu.sm_count()) } else { tiling };
     let variant = GemvQ8Variant {
         residual: epilogue.residual.is_some(),
         bias: epilogue.bias.is_some(),

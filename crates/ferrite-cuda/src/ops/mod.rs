@@ -19,8 +19,8 @@ mod linear;
 mod sampling;
 
 pub use attention::{
-    attention, attention_paged, attention_split, attention_splits, store_and_attend, store_qkv, store_qkv_paged, AttentionConfig, KvCache, Paging,
-    SplitScratch, MAX_SPLITS,
+    attention, attention_paged, attention_path, attention_split, attention_splits, store_and_attend, store_qkv, store_qkv_paged, AttentionConfig,
+    AttentionPath, KvCache, Paging, SplitScratch, FLASH_MIN_TOKENS, MAX_SPLITS,
 };
 pub use linear::{
     expand_weight, expanded_bytes, linear, linear_plan, linear_q8, linear_with, quantize_q8, Epilogue, GemvActivations, Glu, LinearOptions, LinearPath, LinearPlan,
