@@ -339,6 +339,23 @@ __device__ __forceinline__ void kv_load_lane(const kv_t* row, int lane, float* o
 // Most shares per query (the merge keeps a weight per share in shared memory).
 #define MAX_SPLITS 256
 
+// Most keys whose rows prefetch_kv requests (a 4k-token share of an 8-head f16 cache is 16 MiB
+// of the L2's 50).
+#define PREFETCH_KEYS 2048u
+// Asks L2 for the K and V rows [begin, end) of the block's KV head, in 128-byte lines, before
+// the kernel waits for its predecessor (the QKV projection): the cached rows stream in
+// meanwhile instead of after. A hint only; rows the previous kernel may still be writing
+// (prefill) are read after the wait, and L2 is coherent.
+__device__ __forceinline__ void prefetch_kv(const AttentionParams& p, const kv_t* kc, const kv_t* vc, i64 row, u32 tok, u32 begin, u32 end) {
+  constexpr u32 line = 128 / sizeof(kv_t), lines = (HEAD_DIM + line - 1) / line;
+  const u32 n = begin < end ? min(end - begin, PREFETCH_KEYS) : 0;
+  for (u32 i = threadIdx.x; i < n * lines; i += blockDim.x) {
+    const i64 off = cache_row(p.block_tables, p.row_seq, p.max_blocks, p.block_size, tok, begin + i / lines) * row + (i % lines) * line;
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(kc + off));
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(vc + off));
+  }
+}
+
 // One block per (head, query token, key share). Warps take turns on batches of 32 keys of the
 // block's share: each lane scores one key (a whole K row in 16-byte loads against q in shared
 // memory), the warp updates its online softmax (running max m, sum l) once per batch, then
@@ -348,19 +365,16 @@ __device__ __forceinline__ void kv_load_lane(const kv_t* row, int lane, float* o
 // With SPLIT, each block stores its merged state; the last block of a query to arrive (an
 // atomic counter) merges the shares and writes the output, so no second kernel is needed.
 extern "C" __global__ void __launch_bounds__(NWARPS * 32) attention(const AttentionParams p) {
-  KERNEL_ENTRY();
   __shared__ __align__(16) float s_q[HEAD_DIM];
   __shared__ float s_m[NWARPS], s_l[NWARPS], s_acc[NWARPS][HEAD_DIM];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const u32 head = blockIdx.x, tok = blockIdx.y;
   const i64 qrow = ((i64)tok * p.n_heads + head) * HEAD_DIM;
-  const u32 pos = reinterpret_cast<const u32*>(p.positions)[tok];
-  if (pos >= p.max_seq) {  // block-uniform, before any barrier; every share of the query returns
-    if (threadIdx.x == 0 && blockIdx.z == 0) report_error(p.error_flag, ERR_POSITION, pos);
-    if (blockIdx.z == 0)
-      for (int d = threadIdx.x; d < HEAD_DIM; d += NWARPS * 32) store_output(p, qrow, d, QNAN);
-    return;
-  }
+  // Positions (and block tables) are copied in by the host before the step's first kernel, so
+  // they may be read before waiting for the previous kernel; so may the cached rows (below).
+  const u32 pos_in = reinterpret_cast<const u32*>(p.positions)[tok];
+  const bool bad_pos = pos_in >= p.max_seq;
+  const u32 pos = bad_pos ? 0 : pos_in;
   const u32 kv_head = head / (p.n_heads / p.n_kv_heads);
   const u32 first = (p.window > 0 && pos + 1 > p.window) ? pos + 1 - p.window : 0;
   const u32 share = max((pos + 1 - first + gridDim.z - 1) / gridDim.z, SPLIT ? MIN_SHARE : 1u);
@@ -369,6 +383,14 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32) attention(const Attent
   const i64 row = (i64)p.n_kv_heads * HEAD_DIM;
   const kv_t* kc = reinterpret_cast<const kv_t*>(p.k_cache) + (i64)kv_head * HEAD_DIM;
   const kv_t* vc = reinterpret_cast<const kv_t*>(p.v_cache) + (i64)kv_head * HEAD_DIM;
+  if (!bad_pos) prefetch_kv(p, kc, vc, row, tok, begin, end);
+  KERNEL_ENTRY();
+  if (bad_pos) {  // block-uniform, before any barrier; every share of the query returns
+    if (threadIdx.x == 0 && blockIdx.z == 0) report_error(p.error_flag, ERR_POSITION, pos_in);
+    if (blockIdx.z == 0)
+      for (int d = threadIdx.x; d < HEAD_DIM; d += NWARPS * 32) store_output(p, qrow, d, QNAN);
+    return;
+  }
 #if STORE
   // One decode token with its K/V store fused in: the block rotates its Q head and its group's
   // new K row and reads the new V row from q | k | v itself (rounded as the cache stores them),
