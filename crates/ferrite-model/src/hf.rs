@@ -760,4 +760,40 @@ mod tests {
         assert!(err.contains("blk.2.ffn_up_exps.weight") && err.contains("expert 3 is missing"), "{err}");
         std::fs::remove_dir_all(&dir).unwrap();
     }
+
+    /// Qwen3-Next (`qwen3_next`): the interleaved projections pass unchanged as `ssm_in` /
+    /// `ssm_ba`, the value heads keep HF's grouped order (no tiled reorder), the schedule comes
+    /// from `layer_types` (transformers saves no `full_attention_interval`), `norm_topk_prob`
+    /// becomes `expert_weights_norm`; the norms and `ssm_a` are converted as for Qwen3.5.
+    #[test]
+    fn qwen3_next_checkpoint_keeps_its_layout() {
+        let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/tiny/qwen3next-hf");
+        let f = load_hf_dir(&src).unwrap();
+        assert_eq!(f.metadata.str("general.architecture").unwrap(), "qwen3next");
+        for (key, want) in [("full_attention_interval", 4), ("ssm.group_count", 2), ("ssm.time_step_rank", 4), ("expert_count", 4), ("rope.dimension_count", 8)] {
+            assert_eq!(f.metadata.u64(&format!("qwen3next.{key}")).unwrap(), want, "{key}");
+        }
+        assert!(f.metadata.bool_or("qwen3next.expert_weights_norm", false).unwrap());
+        let bytes = std::fs::read(src.join("model.safetensors")).unwrap();
+        let st = SafeTensors::deserialize(&bytes).unwrap();
+        let same = |gguf: &str, hf: &str| {
+            let t = f.tensor(gguf).unwrap_or_else(|| panic!("{gguf} missing"));
+            assert_eq!(f.tensor_data(t), st.tensor(hf).unwrap().data(), "{gguf} != {hf}");
+        };
+        same("blk.0.ssm_in.weight", "model.layers.0.linear_attn.in_proj_qkvz.weight");
+        same("blk.2.ssm_ba.weight", "model.layers.2.linear_attn.in_proj_ba.weight");
+        same("blk.1.ssm_out.weight", "model.layers.1.linear_attn.out_proj.weight");
+        same("blk.1.ssm_dt.bias", "model.layers.1.linear_attn.dt_bias");
+        same("blk.1.ssm_norm.weight", "model.layers.1.linear_attn.norm.weight");
+        assert_eq!(f.tensor("blk.0.ssm_in.weight").unwrap().shape, [64, 2 * 32 + 2 * 48]);
+        assert_eq!(f.tensor("blk.0.ssm_conv1d.weight").unwrap().shape, [4, 2 * 32 + 48]);
+        assert_eq!(f.tensor("blk.3.ffn_gate_exps.weight").unwrap().shape, [64, 32, 4]);
+        let f32s = |name: &str| -> Vec<f32> { f.tensor_data(f.tensor(name).unwrap()).chunks(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect() };
+        let hf32 = |name: &str| -> Vec<f32> { st.tensor(name).unwrap().data().chunks(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect() };
+        let a_log = hf32("model.layers.0.linear_attn.A_log");
+        assert_eq!(f32s("blk.0.ssm_a"), a_log.iter().map(|v| -v.exp()).collect::<Vec<_>>());
+        let norm = hf32("model.layers.3.self_attn.q_norm.weight");
+        assert_eq!(f32s("blk.3.attn_q_norm.weight"), norm.iter().map(|v| v + 1.0).collect::<Vec<_>>());
+        assert!(f.tensors.iter().all(|t| !t.name.contains("attn_qkv") && !t.name.contains("ssm_beta")));
+    }
 }
