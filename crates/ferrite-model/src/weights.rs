@@ -309,11 +309,11 @@ mod tests {
     fn bad_row_selections_are_refused_by_name() {
         let f = file();
         let mut ws = WeightSet::default();
-        let e = ws.add_rows(&f, "m", "x", vec![4..7], 6, 32).unwrap_err().to_string();
+        let e = ws.add_rows(&f, "m", "x", vec![0..1, 4..7], 6, 32).unwrap_err().to_string();
         assert!(e.contains("`m`") && e.contains("4..7"), "{e}");
-        let e = ws.add_rows(&f, "m", "x", vec![0..1], 8, 32).unwrap_err().to_string();
+        let e = ws.add_rows(&f, "m", "x", vec![0..1, 1..2], 8, 32).unwrap_err().to_string();
         assert!(e.contains("`m`") && e.contains("shape 8x32 expected"), "{e}");
-        let e = ws.add_rows(&f, "nope", "x", vec![0..1], 6, 32).unwrap_err().to_string();
+        let e = ws.add_rows(&f, "nope", "x", vec![0..1, 1..2], 6, 32).unwrap_err().to_string();
         assert!(e.contains("missing tensor `nope`"), "{e}");
     }
 }
