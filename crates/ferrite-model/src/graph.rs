@@ -230,7 +230,7 @@ pub enum Op {
         norm: NormSpec,
         shape: GdnShape,
     },
-    /// A mixture-of-experts FFN (Qwen3.5-MoE), per token of `xn = norm?(x)`: router logits
+    /// A mixture-of-experts FFN (Qwen3.5-MoE, Qwen3-Next), per token of `xn = norm?(x)`: router logits
     /// `router · xn` (`[n_experts x n_embd]`), softmax over all experts in f32, the `top_k` most
     /// probable (ties: the lower expert index), renormalised to sum to 1 if `norm_topk_prob`;
     /// `out = Σ_j p_j · down_j(silu(gate_j · xn) * (up_j · xn)) + shared?(xn) + residual?`.
