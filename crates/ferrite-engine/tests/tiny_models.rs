@@ -935,6 +935,21 @@ fn qwen3next_hf_configs() {
     assert!(err("hidden_act", serde_json::json!("gelu")).contains("qwen3-next activation `gelu`"));
     let yarn = serde_json::json!({"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6, "partial_rotary_factor": 0.25});
     assert!(err("rope_parameters", yarn).contains("RoPE type `\"yarn\"` is not supported for qwen3-next"));
+    let yarn = serde_json::json!({"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 262144});
+    assert!(err("rope_scaling", yarn).contains("RoPE scaling `yarn` (`rope_scaling`) is not supported for qwen3-next"));
+    // The pre-transformers-5 form of Qwen3-Next's own config.json: interval, theta and partial
+    // rotary factor at the top level, `rope_scaling: null`, no `layer_types`.
+    let mut old = config.clone();
+    let obj = old.as_object_mut().unwrap();
+    obj.remove("layer_types");
+    obj.remove("rope_parameters");
+    obj.insert("full_attention_interval".into(), serde_json::json!(4));
+    obj.insert("rope_theta".into(), serde_json::json!(1e6));
+    obj.insert("partial_rotary_factor".into(), serde_json::json!(0.25));
+    obj.insert("rope_scaling".into(), serde_json::Value::Null);
+    std::fs::write(dir.join("config.json"), old.to_string()).unwrap();
+    let (_, ids, reference) = fixture("qwen3next", "qwen3next.gguf");
+    check_model("qwen3next", "pre-5 config.json", Arc::new(Model::load(&dir, FusionOptions::ALL).unwrap()), &ids, &reference);
     // Tensors whose height does not match the config are named.
     let e = err("linear_num_value_heads", serde_json::json!(2));
     assert!(e.contains("tensor `model.layers.") || e.contains("tensor `blk."), "{e}");

@@ -388,6 +388,11 @@ fn qwen35_metadata(cfg: &Json, n_layers: usize, head_dim: u64) -> Result<(ArchMe
     if rope["rope_type"].as_str().is_some_and(|t| t != "default") {
         return Err(config_error(format!("config.json: RoPE type `{}` is not supported for {family}", rope["rope_type"])));
     }
+    // Configs written before transformers 5 (Qwen3-Next's own) carry scaling as `rope_scaling`.
+    let scaling = &cfg["rope_scaling"];
+    if let Some(t) = scaling["rope_type"].as_str().or(scaling["type"].as_str()).filter(|&t| t != "default") {
+        return Err(config_error(format!("config.json: RoPE scaling `{t}` (`rope_scaling`) is not supported for {family}")));
+    }
     let factor = rope["partial_rotary_factor"].as_f64().or(cfg["partial_rotary_factor"].as_f64()).unwrap_or(0.25);
     let rot = (head_dim as f64 * factor) as u64;
     let u = |v: usize| Value::U32(v as u32);
