@@ -133,11 +133,12 @@ impl CpuExecutor {
             let spec = model.weights.spec(id);
             let w = if spec.is_vector() || precision == CpuPrecision::Reference || host_f32.contains(&id) {
                 CpuWeight::F32(model.weights.to_f32(&model.file, id)?)
-            } else if spec.parts.len() > 1 {
-                CpuWeight::Packed(model.weights.bytes(&model.file, id)?.into_owned())
-            } else {
-                let t = model.file.tensor(&spec.parts[0]).ok_or_else(|| anyhow!("tensor `{}` vanished", spec.name))?;
+            } else if let Some(name) = spec.whole_tensor() {
+                let t = model.file.tensor(name).ok_or_else(|| anyhow!("tensor `{}` vanished", spec.name))?;
                 CpuWeight::InFile(t.clone())
+            } else {
+                // Fused weights and row selections are gathered once at load.
+                CpuWeight::Packed(model.weights.bytes(&model.file, id)?.into_owned())
             };
             weights[id.0 as usize] = Some(w);
         }

@@ -11,7 +11,7 @@ use ferrite_cuda::ops::{self, AttentionConfig, GdnPath, GdnState, GdnWeights, Kv
 use ferrite_cuda::{CudaError, Gpu};
 use ferrite_gguf::quant::quantize;
 use ferrite_gguf::GgmlType;
-use ferrite_model::graph::GdnShape;
+use ferrite_model::graph::{GdnShape, ValueHeadOrder};
 use std::time::Instant;
 
 /// Mean seconds per call of `f` over `iters` calls, after a warm-up call.
@@ -93,7 +93,7 @@ fn main() -> Result<(), CudaError> {
     }
 
     println!("\nGated DeltaNet (conv + delta rule, recurrent / chunked), Qwen3.5-9B layer: 16 key / 32 value heads of 128");
-    let shape = GdnShape { n_k_heads: 16, n_v_heads: 32, k_dim: 128, v_dim: 128, conv_kernel: 4 };
+    let shape = GdnShape { n_k_heads: 16, n_v_heads: 32, k_dim: 128, v_dim: 128, conv_kernel: 4, v_order: ValueHeadOrder::Tiled };
     for info in gpu.kernel_info(&GdnDeltaVariant::for_shape(128, 128).expect("Qwen3.5 heads"))? {
         println!("  {info:?}");
     }

@@ -16,7 +16,7 @@ use ferrite_cuda::ops::{
 use ferrite_cuda::{cuda_available, CudaSlice, Gpu, GpuOptions, KernelCacheDir};
 use ferrite_gguf::quant::{dequantize, quantize};
 use ferrite_gguf::GgmlType;
-use ferrite_model::graph::GdnShape;
+use ferrite_model::graph::{GdnShape, ValueHeadOrder};
 use half::f16;
 use std::sync::OnceLock;
 
@@ -1198,7 +1198,7 @@ fn conv_reference(layer: &GdnLayer, x: &[f32], n: usize, state: &mut Vec<f32>) -
 fn gdn_conv_matches_reference() {
     let Some(gpu) = gpu() else { return };
     let mut rng = Rng(12);
-    let shape = |n_k_heads, n_v_heads, k_dim, v_dim, conv_kernel| GdnShape { n_k_heads, n_v_heads, k_dim, v_dim, conv_kernel };
+    let shape = |n_k_heads, n_v_heads, k_dim, v_dim, conv_kernel| GdnShape { n_k_heads, n_v_heads, k_dim, v_dim, conv_kernel, v_order: ValueHeadOrder::Tiled };
     // Qwen3.5-9B's widths (8192 channels), the tiny fixture's, and shorter / longer windows.
     for s in [shape(16, 32, 128, 128, 4), shape(2, 4, 16, 12, 4), shape(1, 2, 12, 10, 2), shape(1, 1, 8, 8, 1), shape(1, 3, 16, 8, 6)] {
         let layer = GdnLayer::random(&mut rng, s);
@@ -1225,7 +1225,7 @@ fn gdn_conv_matches_reference() {
 fn gated_delta_net_matches_cpu() {
     let Some(gpu) = gpu() else { return };
     let mut rng = Rng(13);
-    let shape = |n_k_heads, n_v_heads, k_dim, v_dim| GdnShape { n_k_heads, n_v_heads, k_dim, v_dim, conv_kernel: 4 };
+    let shape = |n_k_heads, n_v_heads, k_dim, v_dim| GdnShape { n_k_heads, n_v_heads, k_dim, v_dim, conv_kernel: 4, v_order: ValueHeadOrder::Tiled };
     // Real head dims (128: 4 threads per state column), the tiny fixture's 16/12, odd sizes (a
     // key dim that does not split evenly, value dims that leave idle threads), 256-wide keys.
     for s in [shape(2, 4, 128, 128), shape(2, 4, 16, 12), shape(1, 3, 12, 10), shape(1, 2, 33, 7), shape(3, 6, 40, 24), shape(1, 2, 256, 64)] {
@@ -1424,7 +1424,7 @@ const CHUNKED_DECODE: usize = 3;
 /// partial last one; real-looking decay and a hundred times weaker, so that the state carries
 /// across chunks instead of fading within a few tokens.
 fn chunked_cases(rng: &mut Rng) -> Vec<ChunkedCase> {
-    let shape = |n_k_heads, n_v_heads, k_dim, v_dim| GdnShape { n_k_heads, n_v_heads, k_dim, v_dim, conv_kernel: 4 };
+    let shape = |n_k_heads, n_v_heads, k_dim, v_dim| GdnShape { n_k_heads, n_v_heads, k_dim, v_dim, conv_kernel: 4, v_order: ValueHeadOrder::Tiled };
     let mut cases = Vec::new();
     for s in [shape(1, 2, 128, 128), shape(2, 4, 16, 12), shape(1, 3, 12, 10), shape(1, 2, 33, 7), shape(3, 6, 40, 24), shape(1, 2, 256, 64)] {
         for decay in [1.0, 0.01] {
@@ -1493,7 +1493,7 @@ fn gated_delta_net_chunked_matches_cpu() {
         assert_eq!(conv, c.decode.1, "{}: conv window after decode", c.name);
     }
     // The scratch must hold the chunked path's sections.
-    let s = GdnShape { n_k_heads: 1, n_v_heads: 2, k_dim: 16, v_dim: 16, conv_kernel: 4 };
+    let s = GdnShape { n_k_heads: 1, n_v_heads: 2, k_dim: 16, v_dim: 16, conv_kernel: 4, v_order: ValueHeadOrder::Tiled };
     let l = GdnLayer::random(&mut Rng(16), s);
     let (weights, x) = ((upload(gpu, &l.conv), upload(gpu, &l.a_coef), upload(gpu, &l.dt_bias), upload(gpu, &l.norm)), upload(gpu, &l.input(&mut Rng(17), 70)));
     let w = GdnWeights { conv: &weights.0, a_coef: &weights.1, dt_bias: &weights.2, norm: &weights.3, eps: 1e-6 };

@@ -39,11 +39,14 @@ fn check_model(arch: &str, file: &str, model: Arc<Model>, ids: &[u32], reference
     println!("{arch} ({file}) prefill: max |diff| {max_abs:.2e}, relative {rel:.2e}");
     assert!(rel < 1e-5, "{arch}: prefill logits differ from transformers: relative {rel}");
     let mut exec = CpuExecutor::new(model, CpuPrecision::Reference, opts).unwrap();
+    let (mut worst_abs, mut worst_rel) = (0f32, 0f64);
     for (pos, (&id, want)) in ids.iter().zip(reference).enumerate() {
         exec.forward(&[id], pos).unwrap();
-        let (_, rel) = diff(want, &exec.logits().unwrap());
+        let (max_abs, rel) = diff(want, &exec.logits().unwrap());
         assert!(rel < 1e-5, "{arch}: decode logits at position {pos} differ: relative {rel}");
+        (worst_abs, worst_rel) = (worst_abs.max(max_abs), worst_rel.max(rel));
     }
+    println!("{arch} ({file}) decode, every position: max |diff| {worst_abs:.2e}, relative {worst_rel:.2e}");
 }
 
 #[test]
@@ -564,8 +567,12 @@ fn op_kinds(g: &ferrite_model::Graph, kind: &str) -> usize {
 /// residual folded into the MoE op or separate ops) give bit-identical logits, on both CPU paths.
 #[test]
 fn qwen35moe_chunking_and_fusion() {
+    chunking_and_fusion("qwen35moe.gguf");
+}
+
+fn chunking_and_fusion(file: &str) {
     let ids = [1u32, 17, 200, 33, 5, 250, 99, 7, 64, 128, 3, 42, 0, 255];
-    let path = workspace_root().join("fixtures/tiny/qwen35moe.gguf");
+    let path = workspace_root().join("fixtures/tiny").join(file);
     let exec = |fusion, precision, max_batch| {
         let model = Arc::new(Model::load(&path, fusion).unwrap());
         CpuExecutor::new(model, precision, ExecutorOptions { max_batch, context_len: 64, trace: false, progress: None }).unwrap()
@@ -584,10 +591,10 @@ fn qwen35moe_chunking_and_fusion() {
             assert!(want.iter().all(|v| v.is_finite()));
             for (what, got) in [("chunked", chunked.logits().unwrap()), ("token by token", step.logits().unwrap())] {
                 let (_, rel) = diff(&want, &got);
-                assert!(rel < 1e-6, "{precision:?} {what}: logits at position {} differ from one prefill: relative {rel}", n - 1);
+                assert!(rel < 1e-6, "{file} {precision:?} {what}: logits at position {} differ from one prefill: relative {rel}", n - 1);
             }
             let u = unfused.logits().unwrap();
-            assert!(want.iter().zip(&u).all(|(a, b)| a.to_bits() == b.to_bits()), "{precision:?}: fused and unfused logits differ at {n}");
+            assert!(want.iter().zip(&u).all(|(a, b)| a.to_bits() == b.to_bits()), "{file} {precision:?}: fused and unfused logits differ at {n}");
         }
     }
 }
@@ -691,3 +698,260 @@ fn qwen35moe_bad_files_are_refused() {
     assert!(rel > 1e-3, "{rel}");
 }
 
+
+/// Qwen3-Next: the qwen35moe shapes (GDN layers 0-2, gated attention 3, 4 experts top 2 plus a
+/// gated shared expert) in Qwen3-Next's layout — value heads in HF's grouped order, `ssm_ba`
+/// interleaved per key head, `attn_qkv` / `attn_gate` as llama.cpp's converter splits
+/// `in_proj_qkvz` — against transformers at every position.
+#[test]
+fn qwen3next_matches_transformers() {
+    check("qwen3next", "qwen3next.gguf");
+}
+
+/// The same model from safetensors: `in_proj_qkvz` and `in_proj_ba` stay interleaved (as
+/// `ssm_in` / `ssm_ba`) and the graph de-interleaves both at load.
+#[test]
+fn qwen3next_hf_matches_transformers() {
+    check("qwen3next", "qwen3next-hf");
+}
+
+/// The qwen3next fixture with each GDN layer's `attn_qkv` + `attn_gate` put back into llama.cpp's
+/// older interleaved `ssm_in` (per key head `[q | k | v (r heads) | z (r heads)]`), optionally at
+/// Q8_0 (then `attn_qkv` / `attn_gate` are Q8_0 too, for comparison).
+fn qwen3next_variant(legacy: bool, q8: bool) -> ferrite_gguf::GgufFile {
+    fixture_variant("qwen3next.gguf", move |m, t| {
+        if q8 {
+            to_q8_0(m, t);
+        }
+        if !legacy {
+            return;
+        }
+        let (n_k, dk, d) = (2, 16, 64);
+        let (qk, v) = (dk, 2 * 12); // per key head: k_dim rows of q and of k, r * v_dim of v and z
+        for l in 0..3 {
+            let take = |t: &mut Tensors, name: &str| {
+                let i = t.iter().position(|(n, ..)| *n == format!("blk.{l}.{name}.weight")).unwrap();
+                t.remove(i)
+            };
+            let (_, qkv_shape, dtype, qkv) = take(t, "attn_qkv");
+            let (_, _, _, z) = take(t, "attn_gate");
+            let rows = qkv_shape[1] as usize;
+            let row = qkv.len() / rows;
+            let (q_at, k_at, v_at) = (0, n_k * qk, 2 * n_k * qk);
+            let mut ssm_in = Vec::new();
+            for h in 0..n_k {
+                ssm_in.extend_from_slice(&qkv[(q_at + h * qk) * row..(q_at + (h + 1) * qk) * row]);
+                ssm_in.extend_from_slice(&qkv[(k_at + h * qk) * row..(k_at + (h + 1) * qk) * row]);
+                ssm_in.extend_from_slice(&qkv[(v_at + h * v) * row..(v_at + (h + 1) * v) * row]);
+                ssm_in.extend_from_slice(&z[h * v * row..(h + 1) * v * row]);
+            }
+            let n_rows = ssm_in.len() / row;
+            t.push((format!("blk.{l}.ssm_in.weight"), vec![d, n_rows as u64], dtype, ssm_in));
+        }
+    })
+}
+
+/// The legacy `ssm_in` layout loads to the same model: the same logits as transformers in f32,
+/// and at Q8_0 bit-identical logits to the converter's split layout on the quantized path
+/// (quantized rows move whole, so the de-interleaved weight has the same bytes).
+#[test]
+fn qwen3next_legacy_ssm_in_matches() {
+    use ferrite_model::graph::Op;
+    let file = qwen3next_variant(true, false);
+    assert!(file.tensor("blk.0.attn_qkv.weight").is_none() && file.tensor("blk.2.ssm_in.weight").is_some());
+    let model = Arc::new(Model::from_file(file, FusionOptions::from_env()).unwrap());
+    let gdn_inputs: Vec<&str> = model.weights.iter().map(|(_, s)| s.name.as_str()).filter(|n| n.starts_with("blk.0.ssm_")).collect();
+    assert!(gdn_inputs.iter().any(|n| n.contains("blk.0.ssm_in.weight[q|k|v]")), "{gdn_inputs:?}");
+    let (_, ids, reference) = fixture("qwen3next", "qwen3next.gguf");
+    check_model("qwen3next", "legacy ssm_in", model, &ids, &reference);
+    let ids = [1u32, 17, 200, 33, 5, 250, 99, 7];
+    let logits = |legacy| {
+        let model = Arc::new(Model::from_file(qwen3next_variant(legacy, true), FusionOptions::ALL).unwrap());
+        let gdn = model.graph.ops.iter().filter(|o| matches!(o, Op::GatedDeltaNet { .. })).count();
+        assert_eq!(gdn, 3);
+        let opts = ExecutorOptions { max_batch: 4, context_len: 16, trace: false, progress: None };
+        let mut e = CpuExecutor::new(model, CpuPrecision::Quantized, opts).unwrap();
+        e.forward(&ids, 0).unwrap();
+        e.logits().unwrap()
+    };
+    let (split, legacy) = (logits(false), logits(true));
+    assert!(split.iter().all(|v| v.is_finite()));
+    assert!(split.iter().zip(&legacy).all(|(a, b)| a.to_bits() == b.to_bits()), "Q8_0 ssm_in and attn_qkv/attn_gate logits differ");
+}
+
+/// The graph: grouped value heads on the three GDN layers, their `b` / `a` projections gathered
+/// from `ssm_ba`, one MoE op per layer with the metadata's routing, the KV cache on layer 3 only.
+#[test]
+fn qwen3next_graph() {
+    use ferrite_model::graph::{MoeShape, Op, ValueHeadOrder};
+    for fusion in [FusionOptions::ALL, FusionOptions::NONE] {
+        let model = Model::load(workspace_root().join("fixtures/tiny/qwen3next.gguf"), fusion).unwrap();
+        let g = &model.graph;
+        assert_eq!(model.config.arch, ferrite_model::Arch::Qwen3Next);
+        let gdn: Vec<(usize, ValueHeadOrder, usize, usize)> = g
+            .ops
+            .iter()
+            .filter_map(|o| if let Op::GatedDeltaNet { layer, shape, .. } = o { Some((*layer, shape.v_order, shape.k_dim, shape.v_dim)) } else { None })
+            .collect();
+        assert_eq!(gdn, [(0, ValueHeadOrder::Grouped, 16, 12), (1, ValueHeadOrder::Grouped, 16, 12), (2, ValueHeadOrder::Grouped, 16, 12)]);
+        assert_eq!(g.attention_layers(), [3]);
+        let rot: Vec<usize> = g
+            .ops
+            .iter()
+            .filter_map(|o| match o {
+                Op::Attention { rope: Some(r), .. } | Op::Rope { rope: r, .. } => Some(r.rot_dim),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(rot, [8]);
+        let moe: Vec<MoeShape> = g.ops.iter().filter_map(|o| if let Op::MoeFfn { moe, .. } = o { Some(*moe) } else { None }).collect();
+        assert_eq!(moe, [MoeShape { n_experts: 4, top_k: 2, n_ff_exp: 32, norm_topk_prob: true }; 4]);
+        // b and a are row selections of ssm_ba: rows [0, 1, 4, 5] and [2, 3, 6, 7] (r = 2).
+        let b = model.weights.iter().find(|(_, s)| s.name == "blk.1.ssm_ba.weight[b]").unwrap().1;
+        assert_eq!(b.parts[0].rows.as_deref(), Some([0..2, 4..6].as_slice()));
+        let used: Vec<String> = model.weights.used_by(g).into_iter().map(|w| model.weights.spec(w).name.clone()).collect();
+        let gdn_proj: Vec<&String> = used.iter().filter(|n| n.starts_with("blk.1.") && (n.contains("attn_qkv") || n.contains("ssm_ba"))).collect();
+        match fusion == FusionOptions::ALL {
+            true => assert_eq!(gdn_proj, ["blk.1.attn_qkv.weight+blk.1.attn_gate.weight+blk.1.ssm_ba.weight[b]+blk.1.ssm_ba.weight[a]"]),
+            false => assert_eq!(gdn_proj, ["blk.1.attn_qkv.weight", "blk.1.ssm_ba.weight[b]", "blk.1.ssm_ba.weight[a]"]),
+        }
+    }
+}
+
+/// Chunked prefill, token-by-token decode and one prefill agree; fused and unfused graphs give
+/// bit-identical logits, on both CPU paths.
+#[test]
+fn qwen3next_chunking_and_fusion() {
+    chunking_and_fusion("qwen3next.gguf");
+}
+
+/// The CUDA backend refuses Qwen3-Next up front (grouped value heads; MoE), before any device
+/// work, with a message that says what and where.
+#[test]
+fn qwen3next_is_refused_by_cuda() {
+    let model = Model::load(workspace_root().join("fixtures/tiny/qwen3next.gguf"), FusionOptions::ALL).unwrap();
+    let err = format!("{:#}", ferrite_cuda::check_supported(&model.graph).unwrap_err());
+    assert!(err.contains("Gated DeltaNet of layer 0 on CUDA") && err.contains("grouped order (Qwen3-Next's layout) are not supported on CUDA yet"), "{err}");
+    let opts = ExecutorOptions { max_batch: 4, context_len: 16, trace: false, progress: None };
+    let err = format!("{:#}", ferrite_cuda::open_executor(Arc::new(model), opts).err().expect("opened"));
+    assert!(err.contains("not supported on CUDA yet"), "{err}");
+}
+
+/// Missing or mis-shaped Qwen3-Next tensors are refused by name.
+#[test]
+fn qwen3next_bad_layouts_are_refused() {
+    use ferrite_gguf::Value;
+    let load = |f| match Model::from_file(f, FusionOptions::ALL) {
+        Ok(_) => "loaded".to_string(),
+        Err(e) => e.to_string(),
+    };
+    let edit = |f: &'static (dyn Fn(&mut Tensors) + Sync)| fixture_variant("qwen3next.gguf", move |_, t| f(t));
+    let drop = |name: &'static str| fixture_variant("qwen3next.gguf", move |_, t| t.retain(|(n, ..)| n != name));
+    let e = load(drop("blk.1.ssm_ba.weight"));
+    assert!(e.contains("missing tensor `blk.1.ssm_ba.weight`"), "{e}");
+    // Qwen3.5's split beta/alpha instead of the interleaved ssm_ba is not this architecture.
+    let e = load(edit(&|t| {
+        for (name, ..) in t.iter_mut().filter(|(n, ..)| n == "blk.0.ssm_ba.weight") {
+            *name = "blk.0.ssm_beta.weight".into();
+        }
+    }));
+    assert!(e.contains("missing tensor `blk.0.ssm_ba.weight`"), "{e}");
+    // ssm_ba with the rows of one projection only (n_v instead of 2 n_v).
+    let e = load(edit(&|t| {
+        for (name, shape, _, data) in t.iter_mut().filter(|(n, ..)| n == "blk.2.ssm_ba.weight") {
+            shape[1] /= 2;
+            data.truncate(data.len() / 2);
+            assert_eq!(name, "blk.2.ssm_ba.weight");
+        }
+    }));
+    assert!(e.contains("tensor `blk.2.ssm_ba.weight`: shape 8x64 expected"), "{e}");
+    let e = load(drop("blk.0.attn_gate.weight"));
+    assert!(e.contains("missing tensor `blk.0.attn_gate.weight`"), "{e}");
+    let e = load(drop("blk.1.attn_qkv.weight"));
+    assert!(e.contains("missing tensor `blk.1.attn_qkv.weight (or the interleaved blk.1.ssm_in.weight)`"), "{e}");
+    // A legacy ssm_in without its z rows (the converter's q|k|v only).
+    let legacy = qwen3next_variant(true, false);
+    let mut w = ferrite_gguf::GgufWriter::new();
+    for (k, v) in legacy.metadata.iter() {
+        w.add_metadata(k, v.clone());
+    }
+    for t in &legacy.tensors {
+        let (mut shape, mut data) = (t.shape.clone(), legacy.tensor_data(t).to_vec());
+        if t.name == "blk.0.ssm_in.weight" {
+            shape[1] -= 48;
+            data.truncate(data.len() - 48 * 64 * 4);
+        }
+        w.add_tensor(&t.name, &shape, t.dtype, data).unwrap();
+    }
+    let mut bytes = Vec::new();
+    w.write_to(&mut bytes).unwrap();
+    let e = load(ferrite_gguf::GgufFile::from_bytes(bytes).unwrap());
+    assert!(e.contains("tensor `blk.0.ssm_in.weight`: shape 160x64 expected"), "{e}");
+    // Wrong GDN metadata shows up as a shape error on the first GDN tensor it touches: with 2
+    // value heads of 24 (same inner size) q|k|v and z keep their heights, ssm_ba does not.
+    let e = load(fixture_variant("qwen3next.gguf", |m, _| {
+        m.retain(|(k, _)| k != "qwen3next.ssm.time_step_rank");
+        m.push(("qwen3next.ssm.time_step_rank".into(), Value::U32(2)));
+    }));
+    assert!(e.contains("tensor `blk.0.ssm_ba.weight`: shape 4x64 expected"), "{e}");
+    let e = load(drop("blk.3.ffn_gate_inp_shexp.weight"));
+    assert!(e.contains("blk.3.ffn_gate_inp_shexp.weight"), "{e}");
+}
+
+/// HF configs: `norm_topk_prob` is carried over as `expert_weights_norm` (false changes the
+/// logits); what the graph does not implement is refused with the reason.
+#[test]
+fn qwen3next_hf_configs() {
+    let src = workspace_root().join("fixtures/tiny/qwen3next-hf");
+    let dir = std::env::temp_dir().join(format!("ferrite-hf-qwen3next-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::copy(src.join("model.safetensors"), dir.join("model.safetensors")).unwrap();
+    let config: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(src.join("config.json")).unwrap()).unwrap();
+    assert!(config["full_attention_interval"].is_null(), "the fixture has layer_types only");
+    let load_with = |key: &str, value: serde_json::Value| -> Result<Model, String> {
+        let mut c = config.clone();
+        c[key] = value;
+        std::fs::write(dir.join("config.json"), c.to_string()).unwrap();
+        Model::load(&dir, FusionOptions::ALL).map_err(|e| e.to_string())
+    };
+    let err = |key: &str, value: serde_json::Value| load_with(key, value).err().unwrap_or_else(|| "loaded".into());
+    let logits = |m: Model| {
+        let opts = ExecutorOptions { max_batch: 4, context_len: 16, trace: false, progress: None };
+        let mut e = CpuExecutor::new(Arc::new(m), CpuPrecision::Reference, opts).unwrap();
+        e.forward(&[1, 2, 3, 4, 5], 0).unwrap();
+        e.logits().unwrap()
+    };
+    let on = load_with("norm_topk_prob", serde_json::json!(true)).unwrap();
+    assert!(on.config.moe.unwrap().norm_topk_prob);
+    let off = load_with("norm_topk_prob", serde_json::json!(false)).unwrap();
+    assert!(!off.config.moe.unwrap().norm_topk_prob);
+    let (_, rel) = diff(&logits(on), &logits(off));
+    assert!(rel > 1e-3, "{rel}");
+    assert_eq!(load_with("full_attention_interval", serde_json::json!(4)).map(|_| "loaded").unwrap(), "loaded");
+    assert!(err("full_attention_interval", serde_json::json!(2)).contains("`layer_types` does not follow a full-attention layer every 2 layers"));
+    assert!(err("decoder_sparse_step", serde_json::json!(2)).contains("`decoder_sparse_step` 2"));
+    assert!(err("mlp_only_layers", serde_json::json!([1])).contains("mlp_only_layers"));
+    assert!(err("attention_bias", serde_json::json!(true)).contains("attention biases"));
+    assert!(err("hidden_act", serde_json::json!("gelu")).contains("qwen3-next activation `gelu`"));
+    let yarn = serde_json::json!({"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6, "partial_rotary_factor": 0.25});
+    assert!(err("rope_parameters", yarn).contains("RoPE type `\"yarn\"` is not supported for qwen3-next"));
+    let yarn = serde_json::json!({"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 262144});
+    assert!(err("rope_scaling", yarn).contains("RoPE scaling `yarn` (`rope_scaling`) is not supported for qwen3-next"));
+    // The pre-transformers-5 form of Qwen3-Next's own config.json: interval, theta and partial
+    // rotary factor at the top level, `rope_scaling: null`, no `layer_types`.
+    let mut old = config.clone();
+    let obj = old.as_object_mut().unwrap();
+    obj.remove("layer_types");
+    obj.remove("rope_parameters");
+    obj.insert("full_attention_interval".into(), serde_json::json!(4));
+    obj.insert("rope_theta".into(), serde_json::json!(1e6));
+    obj.insert("partial_rotary_factor".into(), serde_json::json!(0.25));
+    obj.insert("rope_scaling".into(), serde_json::Value::Null);
+    std::fs::write(dir.join("config.json"), old.to_string()).unwrap();
+    let (_, ids, reference) = fixture("qwen3next", "qwen3next.gguf");
+    check_model("qwen3next", "pre-5 config.json", Arc::new(Model::load(&dir, FusionOptions::ALL).unwrap()), &ids, &reference);
+    // Tensors whose height does not match the config are named.
+    let e = err("linear_num_value_heads", serde_json::json!(2));
+    assert!(e.contains("tensor `model.layers.") || e.contains("tensor `blk."), "{e}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}

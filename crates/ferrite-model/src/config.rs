@@ -21,10 +21,14 @@ pub enum Arch {
     /// Qwen3.5-MoE: the Qwen3.5 hybrid with a mixture-of-experts FFN (routed experts plus a
     /// gated shared expert) in every layer.
     Qwen35Moe,
+    /// Qwen3-Next: the Qwen3.5-MoE hybrid's predecessor, the same layers with Gated DeltaNet
+    /// projections interleaved per key head (`ssm_ba`, legacy `ssm_in`) and its value heads in
+    /// HF's grouped order.
+    Qwen3Next,
 }
 
 impl Arch {
-    pub const SUPPORTED: &'static str = "llama, qwen2, qwen3, gemma3, qwen35, qwen35moe";
+    pub const SUPPORTED: &'static str = "llama, qwen2, qwen3, gemma3, qwen35, qwen35moe, qwen3next";
 
     pub fn from_name(name: &str) -> Option<Self> {
         match name {
@@ -34,6 +38,7 @@ impl Arch {
             "gemma3" => Some(Self::Gemma3),
             "qwen35" => Some(Self::Qwen35),
             "qwen35moe" => Some(Self::Qwen35Moe),
+            "qwen3next" => Some(Self::Qwen3Next),
             _ => None,
         }
     }
@@ -46,6 +51,7 @@ impl Arch {
             Self::Gemma3 => "gemma3",
             Self::Qwen35 => "qwen35",
             Self::Qwen35Moe => "qwen35moe",
+            Self::Qwen3Next => "qwen3next",
         }
     }
 }
@@ -145,8 +151,8 @@ impl ModelConfig {
             None => 1.0,
         };
         // Gemma's converter always writes the epsilon; its models use 1e-6.
-        let default_eps = if matches!(arch, Arch::Gemma3 | Arch::Qwen35 | Arch::Qwen35Moe) { 1e-6 } else { 1e-5 };
-        let moe = if arch == Arch::Qwen35Moe { Some(Self::moe_config(a, m)?) } else { None };
+        let default_eps = if matches!(arch, Arch::Gemma3 | Arch::Qwen35 | Arch::Qwen35Moe | Arch::Qwen3Next) { 1e-6 } else { 1e-5 };
+        let moe = if matches!(arch, Arch::Qwen35Moe | Arch::Qwen3Next) { Some(Self::moe_config(a, m)?) } else { None };
         // MoE models may carry no dense FFN width: the shared expert's (or a routed expert's).
         let n_ff = match (m.get(&key("feed_forward_length")), moe) {
             (None, Some(moe)) => moe.n_ff_shexp,
@@ -167,7 +173,7 @@ impl ModelConfig {
             rope: RopeConfig {
                 style: match arch {
                     Arch::Llama => RopeStyle::Normal,
-                    Arch::Qwen2 | Arch::Qwen3 | Arch::Gemma3 | Arch::Qwen35 | Arch::Qwen35Moe => RopeStyle::Neox,
+                    Arch::Qwen2 | Arch::Qwen3 | Arch::Gemma3 | Arch::Qwen35 | Arch::Qwen35Moe | Arch::Qwen3Next => RopeStyle::Neox,
                 },
                 rot_dim,
                 theta: m.f32_or(&key("rope.freq_base"), 10_000.0)?,
@@ -206,7 +212,7 @@ impl ModelConfig {
         if n_ff_exp == 0 || n_ff_shexp == 0 {
             return Err(ModelError::Config(format!("{a}: zero expert width ({n_ff_exp} routed, {n_ff_shexp} shared)")));
         }
-        // llama.cpp's gating functions: 1 = softmax (the only one Qwen3.5-MoE uses).
+        // llama.cpp's gating functions: 1 = softmax (the only one Qwen3.5-MoE and Qwen3-Next use).
         let gating = m.u64_or(&key("expert_gating_func"), 1)?;
         if gating != 1 {
             return Err(ModelError::Config(format!("{a}: expert gating function {gating} is not supported (softmax, 1, is)")));

@@ -77,9 +77,31 @@ pub struct GdnShape {
     pub v_dim: usize,
     /// Causal conv1d taps (`ssm.conv_kernel`, 4).
     pub conv_kernel: usize,
+    /// Which key head each value head reads (the order of the value heads in the weights).
+    pub v_order: ValueHeadOrder,
+}
+
+/// The order of a Gated DeltaNet's value heads, which decides the key (and query) head each one
+/// reads when there are more value heads than key heads (`r = n_v_heads / n_k_heads`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ValueHeadOrder {
+    /// `[K0v0, K1v0, .., K0v1, K1v1, ..]`: value head `h` reads key head `h % n_k_heads`.
+    /// llama.cpp's Qwen3.5 GGUFs (its converter reorders HF's heads so).
+    Tiled,
+    /// `[K0v0 .. K0v(r-1), K1v0 ..]`: value head `h` reads key head `h / r`. HF's order, which
+    /// llama.cpp's Qwen3-Next GGUFs keep.
+    Grouped,
 }
 
 impl GdnShape {
+    /// The key (and query) head that value head `h` reads.
+    pub fn key_head(&self, h: usize) -> usize {
+        match self.v_order {
+            ValueHeadOrder::Tiled => h % self.n_k_heads,
+            ValueHeadOrder::Grouped => h / (self.n_v_heads / self.n_k_heads),
+        }
+    }
+
     pub fn key_width(&self) -> usize {
         self.n_k_heads * self.k_dim
     }
@@ -196,8 +218,8 @@ pub enum Op {
     /// `beta = sigmoid(b)`, `g = a_coef * softplus(a + dt_bias)` (`a_coef` = `ssm_a` = `-exp(A_log)`);
     /// the delta rule on the layer's recurrent state `S` (`k_dim x v_dim` per value head, f32):
     /// `S = exp(g) S; S += k (beta (v - Sᵀk))ᵀ; o = Sᵀq`; then `out = norm(o) * silu(z)` per value head
-    /// (plain RMSNorm weight). Value head `h` uses key head `h % n_k_heads` (llama.cpp's tiled
-    /// order). Reads and updates the layer's conv and delta-rule state: the session state.
+    /// (plain RMSNorm weight). Value head `h` uses key head [`GdnShape::key_head`]`(h)` (tiled or
+    /// grouped order). Reads and updates the layer's conv and delta-rule state: the session state.
     GatedDeltaNet {
         layer: usize,
         x: ValueId,
@@ -208,7 +230,7 @@ pub enum Op {
         norm: NormSpec,
         shape: GdnShape,
     },
-    /// A mixture-of-experts FFN (Qwen3.5-MoE), per token of `xn = norm?(x)`: router logits
+    /// A mixture-of-experts FFN (Qwen3.5-MoE, Qwen3-Next), per token of `xn = norm?(x)`: router logits
     /// `router · xn` (`[n_experts x n_embd]`), softmax over all experts in f32, the `top_k` most
     /// probable (ties: the lower expert index), renormalised to sum to 1 if `norm_topk_prob`;
     /// `out = Σ_j p_j · down_j(silu(gate_j · xn) * (up_j · xn)) + shared?(xn) + residual?`.

@@ -6,7 +6,11 @@
 //! `llama` graph uses GGML's adjacent-pair RoPE; Qwen and Gemma use NeoX RoPE and need none.
 //! Gemma 3 (`gemma3_text`) norms multiply by `1 + w`: as llama.cpp's converter does, the one is
 //! added to every `*norm.weight` here (in f32), so the graph's norms are plain RMSNorms.
-//! Qwen3.5-MoE experts become llama.cpp's 3-D expert tensors: per-expert checkpoints
+//! Qwen3-Next (`qwen3_next`) loads like Qwen3.5-MoE but keeps HF's grouped value-head order and
+//! its per-key-head interleaved `in_proj_qkvz` / `in_proj_ba`, named as llama.cpp names them
+//! (`ssm_in`, its older name for the whole projection, and `ssm_ba`): the `qwen3next` graph
+//! de-interleaves them at load, for these and for llama.cpp's GGUFs alike.
+//! Qwen3.5-MoE and Qwen3-Next experts become llama.cpp's 3-D expert tensors: per-expert checkpoints
 //! (`mlp.experts.{e}.{gate,up,down}_proj.weight`, what transformers' `save_pretrained` writes) are
 //! stacked into `ffn_{gate,up,down}_exps`, fused 3-D ones (`mlp.experts.gate_up_proj`,
 //! `mlp.experts.down_proj`) become `ffn_gate_up_exps` / `ffn_down_exps`.
@@ -74,7 +78,8 @@ fn gguf_name(hf: &str, arch: &str) -> Option<String> {
     let rest = hf.strip_prefix("model.layers.")?;
     let (layer, rest) = rest.split_once('.')?;
     let layer: usize = layer.parse().ok()?;
-    let qwen35 = is_qwen35(arch);
+    let qwen35 = is_hybrid(arch);
+    let moe = is_moe(arch);
     if qwen35 {
         match rest {
             "linear_attn.A_log" => return Some(format!("blk.{layer}.ssm_a")),
@@ -82,7 +87,7 @@ fn gguf_name(hf: &str, arch: &str) -> Option<String> {
             _ => {}
         }
     }
-    if arch == "qwen35moe" {
+    if moe {
         match rest {
             "mlp.experts.gate_up_proj" => return Some(format!("blk.{layer}.ffn_gate_up_exps.weight")),
             "mlp.experts.down_proj" => return Some(format!("blk.{layer}.ffn_down_exps.weight")),
@@ -95,15 +100,17 @@ fn gguf_name(hf: &str, arch: &str) -> Option<String> {
         "linear_attn.in_proj_z" if qwen35 => "attn_gate",
         "linear_attn.in_proj_b" if qwen35 => "ssm_beta",
         "linear_attn.in_proj_a" if qwen35 => "ssm_alpha",
+        "linear_attn.in_proj_qkvz" if arch == "qwen3next" => "ssm_in",
+        "linear_attn.in_proj_ba" if arch == "qwen3next" => "ssm_ba",
         "linear_attn.conv1d" if qwen35 => "ssm_conv1d",
         "linear_attn.norm" if qwen35 => "ssm_norm",
         "linear_attn.out_proj" if qwen35 => "ssm_out",
         "post_attention_layernorm" if qwen35 => "post_attention_norm",
-        "mlp.gate" if arch == "qwen35moe" => "ffn_gate_inp",
-        "mlp.shared_expert_gate" if arch == "qwen35moe" => "ffn_gate_inp_shexp",
-        "mlp.shared_expert.gate_proj" if arch == "qwen35moe" => "ffn_gate_shexp",
-        "mlp.shared_expert.up_proj" if arch == "qwen35moe" => "ffn_up_shexp",
-        "mlp.shared_expert.down_proj" if arch == "qwen35moe" => "ffn_down_shexp",
+        "mlp.gate" if moe => "ffn_gate_inp",
+        "mlp.shared_expert_gate" if moe => "ffn_gate_inp_shexp",
+        "mlp.shared_expert.gate_proj" if moe => "ffn_gate_shexp",
+        "mlp.shared_expert.up_proj" if moe => "ffn_up_shexp",
+        "mlp.shared_expert.down_proj" if moe => "ffn_down_shexp",
         "self_attn.q_proj" => "attn_q",
         "self_attn.k_proj" => "attn_k",
         "self_attn.v_proj" => "attn_v",
@@ -123,9 +130,15 @@ fn gguf_name(hf: &str, arch: &str) -> Option<String> {
     Some(format!("blk.{layer}.{name}.{kind}"))
 }
 
-/// The Qwen3.5 hybrids (dense and MoE), which share the GDN and gated-attention tensors.
-fn is_qwen35(arch: &str) -> bool {
-    matches!(arch, "qwen35" | "qwen35moe")
+/// The Qwen3.5 hybrids (dense and MoE) and Qwen3-Next, which share the GDN and gated-attention
+/// tensors.
+fn is_hybrid(arch: &str) -> bool {
+    matches!(arch, "qwen35" | "qwen35moe" | "qwen3next")
+}
+
+/// The hybrids with a MoE FFN in every layer.
+fn is_moe(arch: &str) -> bool {
+    matches!(arch, "qwen35moe" | "qwen3next")
 }
 
 /// `model.layers.{l}.mlp.experts.{e}.{gate,up,down}_proj.weight` → (layer, expert, the GGUF
@@ -189,13 +202,16 @@ fn plus_one_f32(name: &str, dtype: GgmlType, data: &[u8]) -> Result<Vec<u8>, Mod
     Ok(values.iter().flat_map(|v| (v + 1.0).to_le_bytes()).collect())
 }
 
-/// Qwen3.5's Gated DeltaNet geometry from config.json.
+/// Qwen3.5's (or Qwen3-Next's) Gated DeltaNet geometry from config.json.
 #[derive(Clone, Copy, Debug)]
 struct Gdn {
     n_k: usize,
     n_v: usize,
     dk: usize,
     dv: usize,
+    /// Reorder the value heads to llama.cpp's tiled order (Qwen3.5; Qwen3-Next keeps HF's grouped
+    /// order, as llama.cpp's qwen3next converter does).
+    tiled: bool,
 }
 
 impl Gdn {
@@ -231,8 +247,9 @@ impl Gdn {
     }
 }
 
-/// Qwen3.5 tensors as llama.cpp's converter writes them: `1 + w` for every norm but the GDN
-/// output norm, `ssm_a = -exp(A_log)`, and the GDN value heads in tiled order (see [`Gdn`]).
+/// Qwen3.5 / Qwen3-Next tensors as llama.cpp's converter writes them: `1 + w` for every norm but
+/// the GDN output norm, `ssm_a = -exp(A_log)`, and (Qwen3.5 only) the GDN value heads in tiled
+/// order (see [`Gdn`]). Qwen3-Next's interleaved `ssm_in` / `ssm_ba` pass unchanged.
 /// Returns the new dtype and bytes. The conv weight's `[C, 1, K]` shape is squeezed by the caller.
 fn qwen35_tensor(gname: &str, hf: &str, gdn: &Gdn, dtype: GgmlType, mut data: Vec<u8>) -> Result<(GgmlType, Vec<u8>), ModelError> {
     let f32s = |data: &[u8]| -> Result<Vec<f32>, ModelError> {
@@ -256,7 +273,7 @@ fn qwen35_tensor(gname: &str, hf: &str, gdn: &Gdn, dtype: GgmlType, mut data: Ve
         Ok(())
     };
     let qkv_rows = 2 * kd + gdn.n_v * gdn.dv;
-    let reorder = gdn.n_k != gdn.n_v;
+    let reorder = gdn.tiled && gdn.n_k != gdn.n_v;
     match suffix {
         "ssm_norm.weight" => Ok((dtype, data)),
         s if s.ends_with("norm.weight") => Ok((GgmlType::F32, bytes(f32s(&data)?.into_iter().map(|w| w + 1.0).collect()))),
@@ -306,27 +323,46 @@ fn qwen35_tensor(gname: &str, hf: &str, gdn: &Gdn, dtype: GgmlType, mut data: Ve
     }
 }
 
-/// The Qwen3.5 keys beyond the common ones: the GDN shape, the layer schedule (as llama.cpp's
-/// `full_attention_interval`), partial RoPE. Refuses what the graph does not implement.
+/// The Qwen3.5 / Qwen3-Next keys beyond the common ones: the GDN shape, the layer schedule (as
+/// llama.cpp's `full_attention_interval`), partial RoPE, the MoE widths and routing. Refuses what
+/// the graph does not implement.
 type ArchMetadata = Vec<(&'static str, Value)>;
 
 fn qwen35_metadata(cfg: &Json, n_layers: usize, head_dim: u64) -> Result<(ArchMetadata, Gdn), ModelError> {
     let num = |key: &str| -> Result<usize, ModelError> {
         cfg[key].as_u64().map(|v| v as usize).ok_or_else(|| config_error(format!("config.json: `{key}` is missing or not an integer")))
     };
-    let gdn = Gdn { n_k: num("linear_num_key_heads")?, n_v: num("linear_num_value_heads")?, dk: num("linear_key_head_dim")?, dv: num("linear_value_head_dim")? };
+    let next = cfg["model_type"].as_str() == Some("qwen3_next");
+    let family = if next { "qwen3-next" } else { "qwen3.5" };
+    let gdn = Gdn {
+        n_k: num("linear_num_key_heads")?,
+        n_v: num("linear_num_value_heads")?,
+        dk: num("linear_key_head_dim")?,
+        dv: num("linear_value_head_dim")?,
+        tiled: !next,
+    };
     if gdn.n_k == 0 || !gdn.n_v.is_multiple_of(gdn.n_k) || gdn.dk == 0 || gdn.dv == 0 {
         return Err(config_error(format!("config.json: unsupported linear attention heads {gdn:?}")));
     }
     let act = cfg["hidden_act"].as_str().unwrap_or("silu");
     if act != "silu" {
-        return Err(config_error(format!("config.json: qwen3.5 activation `{act}` is not supported (silu is)")));
+        return Err(config_error(format!("config.json: {family} activation `{act}` is not supported (silu is)")));
     }
-    let moe = cfg["model_type"].as_str().is_some_and(|t| t.starts_with("qwen3_5_moe"));
+    let moe = next || cfg["model_type"].as_str().is_some_and(|t| t.starts_with("qwen3_5_moe"));
     if !moe && cfg["num_experts"].as_u64().is_some_and(|e| e > 0) {
         return Err(config_error("config.json: `num_experts` in a dense Qwen3.5 config (MoE checkpoints are `qwen3_5_moe`)"));
     }
-    let interval = cfg["full_attention_interval"].as_u64().unwrap_or(4) as usize;
+    if cfg["attention_bias"].as_bool() == Some(true) {
+        return Err(config_error(format!("config.json: attention biases (`attention_bias`) are not supported for {family}")));
+    }
+    // transformers saves `layer_types` without `full_attention_interval` (it derives one from
+    // the other): without the interval, the first full-attention layer gives it.
+    let first_full = cfg["layer_types"].as_array().and_then(|t| t.iter().position(|t| t.as_str() == Some("full_attention")));
+    let interval = match cfg["full_attention_interval"].as_u64() {
+        Some(i) => i as usize,
+        None if cfg["layer_types"].is_array() => first_full.map_or(n_layers + 1, |l| l + 1),
+        None => 4,
+    };
     if interval == 0 {
         return Err(config_error("config.json: `full_attention_interval` must be positive"));
     }
@@ -350,7 +386,12 @@ fn qwen35_metadata(cfg: &Json, n_layers: usize, head_dim: u64) -> Result<(ArchMe
     }
     let rope = &cfg["rope_parameters"];
     if rope["rope_type"].as_str().is_some_and(|t| t != "default") {
-        return Err(config_error(format!("config.json: RoPE type `{}` is not supported for qwen3.5", rope["rope_type"])));
+        return Err(config_error(format!("config.json: RoPE type `{}` is not supported for {family}", rope["rope_type"])));
+    }
+    // Configs written before transformers 5 (Qwen3-Next's own) carry scaling as `rope_scaling`.
+    let scaling = &cfg["rope_scaling"];
+    if let Some(t) = scaling["rope_type"].as_str().or(scaling["type"].as_str()).filter(|&t| t != "default") {
+        return Err(config_error(format!("config.json: RoPE scaling `{t}` (`rope_scaling`) is not supported for {family}")));
     }
     let factor = rope["partial_rotary_factor"].as_f64().or(cfg["partial_rotary_factor"].as_f64()).unwrap_or(0.25);
     let rot = (head_dim as f64 * factor) as u64;
@@ -359,6 +400,17 @@ fn qwen35_metadata(cfg: &Json, n_layers: usize, head_dim: u64) -> Result<(ArchMe
     if moe {
         // transformers' Qwen3.5-MoE router always renormalises the top-k weights (llama.cpp's
         // `expert_weights_norm` default): there is no `norm_topk_prob` switch to carry over.
+        // Qwen3-Next's router has one (default true).
+        if next {
+            let norm = cfg["norm_topk_prob"].as_bool().unwrap_or(true);
+            experts.push(("expert_weights_norm", Value::Bool(norm)));
+            // transformers: layer l is MoE iff (l + 1) % decoder_sparse_step == 0 (and not in
+            // mlp_only_layers), else a dense MLP.
+            let step = cfg["decoder_sparse_step"].as_u64().unwrap_or(1);
+            if step != 1 {
+                return Err(config_error(format!("config.json: `decoder_sparse_step` {step} (dense layers in a MoE model) is not supported (1 is)")));
+            }
+        }
         for (key, hf) in [
             ("expert_count", "num_experts"),
             ("expert_used_count", "num_experts_per_tok"),
@@ -478,6 +530,7 @@ pub fn load_hf_dir(dir: &Path) -> Result<GgufFile, ModelError> {
         "llama" | "qwen2" | "qwen3" => model_type,
         "qwen3_5_text" | "qwen3_5" => "qwen35",
         "qwen3_5_moe_text" | "qwen3_5_moe" => "qwen35moe",
+        "qwen3_next" => "qwen3next",
         "gemma3_text" => "gemma3",
         "gemma3" => {
             return Err(config_error(
@@ -485,7 +538,7 @@ pub fn load_hf_dir(dir: &Path) -> Result<GgufFile, ModelError> {
             ))
         }
         other => {
-            return Err(ModelError::UnsupportedArch(other.to_string(), "llama, qwen2, qwen3, gemma3_text, qwen3_5(_text), qwen3_5_moe(_text) (safetensors)"))
+            return Err(ModelError::UnsupportedArch(other.to_string(), "llama, qwen2, qwen3, gemma3_text, qwen3_5(_text), qwen3_5_moe(_text), qwen3_next (safetensors)"))
         }
     };
     let num = |key: &str| -> Result<u64, ModelError> {
@@ -523,7 +576,7 @@ pub fn load_hf_dir(dir: &Path) -> Result<GgufFile, ModelError> {
         w.add_metadata(format!("{arch}.{key}"), value);
     }
     // MoE checkpoints have no dense FFN width (the config reads the expert widths instead).
-    if arch != "qwen35moe" || !cfg["intermediate_size"].is_null() {
+    if !is_moe(arch) || !cfg["intermediate_size"].is_null() {
         w.add_metadata(format!("{arch}.feed_forward_length"), u(num("intermediate_size")?));
     }
     if arch == "gemma3" {
@@ -531,7 +584,7 @@ pub fn load_hf_dir(dir: &Path) -> Result<GgufFile, ModelError> {
             w.add_metadata(format!("gemma3.{key}"), value);
         }
     }
-    let gdn = if is_qwen35(arch) {
+    let gdn = if is_hybrid(arch) {
         let (meta, gdn) = qwen35_metadata(&cfg, num("num_hidden_layers")? as usize, head_dim)?;
         for (key, value) in meta {
             w.add_metadata(format!("{arch}.{key}"), value);
@@ -541,7 +594,7 @@ pub fn load_hf_dir(dir: &Path) -> Result<GgufFile, ModelError> {
         None
     };
     let mut tensors: BTreeMap<String, (Vec<u64>, GgmlType, Vec<u8>)> = BTreeMap::new();
-    let n_experts = if arch == "qwen35moe" { num("num_experts")? as usize } else { 0 };
+    let n_experts = if is_moe(arch) { num("num_experts")? as usize } else { 0 };
     let mut expert_parts: BTreeMap<String, Vec<Option<ExpertMatrix>>> = BTreeMap::new();
     for file in shard_files(dir)? {
         let bytes = std::fs::read(&file).map_err(|e| config_error(format!("{}: {e}", file.display())))?;
@@ -559,7 +612,7 @@ pub fn load_hf_dir(dir: &Path) -> Result<GgufFile, ModelError> {
             };
             // GGML order: the contiguous dimension first.
             let mut shape: Vec<u64> = view.shape().iter().rev().map(|&d| d as u64).collect();
-            if let Some((layer, e, bank)) = expert_part(&hf_name).filter(|_| arch == "qwen35moe") {
+            if let Some((layer, e, bank)) = expert_part(&hf_name).filter(|_| is_moe(arch)) {
                 let slots = expert_parts.entry(format!("blk.{layer}.{bank}")).or_insert_with(|| vec![None; n_experts]);
                 let slot = slots.get_mut(e).ok_or_else(|| ModelError::tensor(&name, format!("expert {e} of {n_experts} (num_experts)")))?;
                 if slot.replace((name.clone(), shape, dtype()?, view.data().to_vec())).is_some() {
@@ -711,5 +764,41 @@ mod tests {
         let err = load_hf_dir(&dir).unwrap_err().to_string();
         assert!(err.contains("blk.2.ffn_up_exps.weight") && err.contains("expert 3 is missing"), "{err}");
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// Qwen3-Next (`qwen3_next`): the interleaved projections pass unchanged as `ssm_in` /
+    /// `ssm_ba`, the value heads keep HF's grouped order (no tiled reorder), the schedule comes
+    /// from `layer_types` (transformers saves no `full_attention_interval`), `norm_topk_prob`
+    /// becomes `expert_weights_norm`; the norms and `ssm_a` are converted as for Qwen3.5.
+    #[test]
+    fn qwen3_next_checkpoint_keeps_its_layout() {
+        let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/tiny/qwen3next-hf");
+        let f = load_hf_dir(&src).unwrap();
+        assert_eq!(f.metadata.str("general.architecture").unwrap(), "qwen3next");
+        for (key, want) in [("full_attention_interval", 4), ("ssm.group_count", 2), ("ssm.time_step_rank", 4), ("expert_count", 4), ("rope.dimension_count", 8)] {
+            assert_eq!(f.metadata.u64(&format!("qwen3next.{key}")).unwrap(), want, "{key}");
+        }
+        assert!(f.metadata.bool_or("qwen3next.expert_weights_norm", false).unwrap());
+        let bytes = std::fs::read(src.join("model.safetensors")).unwrap();
+        let st = SafeTensors::deserialize(&bytes).unwrap();
+        let same = |gguf: &str, hf: &str| {
+            let t = f.tensor(gguf).unwrap_or_else(|| panic!("{gguf} missing"));
+            assert_eq!(f.tensor_data(t), st.tensor(hf).unwrap().data(), "{gguf} != {hf}");
+        };
+        same("blk.0.ssm_in.weight", "model.layers.0.linear_attn.in_proj_qkvz.weight");
+        same("blk.2.ssm_ba.weight", "model.layers.2.linear_attn.in_proj_ba.weight");
+        same("blk.1.ssm_out.weight", "model.layers.1.linear_attn.out_proj.weight");
+        same("blk.1.ssm_dt.bias", "model.layers.1.linear_attn.dt_bias");
+        same("blk.1.ssm_norm.weight", "model.layers.1.linear_attn.norm.weight");
+        assert_eq!(f.tensor("blk.0.ssm_in.weight").unwrap().shape, [64, 2 * 32 + 2 * 48]);
+        assert_eq!(f.tensor("blk.0.ssm_conv1d.weight").unwrap().shape, [4, 2 * 32 + 48]);
+        assert_eq!(f.tensor("blk.3.ffn_gate_exps.weight").unwrap().shape, [64, 32, 4]);
+        let f32s = |name: &str| -> Vec<f32> { f.tensor_data(f.tensor(name).unwrap()).chunks(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect() };
+        let hf32 = |name: &str| -> Vec<f32> { st.tensor(name).unwrap().data().chunks(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect() };
+        let a_log = hf32("model.layers.0.linear_attn.A_log");
+        assert_eq!(f32s("blk.0.ssm_a"), a_log.iter().map(|v| -v.exp()).collect::<Vec<_>>());
+        let norm = hf32("model.layers.3.self_attn.q_norm.weight");
+        assert_eq!(f32s("blk.3.attn_q_norm.weight"), norm.iter().map(|v| v + 1.0).collect::<Vec<_>>());
+        assert!(f.tensors.iter().all(|t| !t.name.contains("attn_qkv") && !t.name.contains("ssm_beta")));
     }
 }

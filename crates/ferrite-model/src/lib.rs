@@ -21,7 +21,7 @@ pub use error::ModelError;
 pub use executor::{BatchRows, DeviceSampling, Executor, ExecutorOptions, HardwareCeilings, LayerTrace, LoadProgress, PagedKvConfig, RecurrentCursor, SeqChunk};
 pub use fusion::FusionOptions;
 pub use graph::{Graph, Op, ValueId, WeightId};
-pub use weights::{WeightSet, WeightSpec};
+pub use weights::{WeightPart, WeightSet, WeightSpec};
 
 /// Everything needed to instantiate a backend: the parsed file, its config, weights and graph.
 pub struct Model {

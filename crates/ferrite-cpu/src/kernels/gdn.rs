@@ -49,7 +49,7 @@ fn l2_normalize(x: &mut [f32], scale: f32) {
 pub fn gated_delta_net(p: &GdnParams, x: &[f32], n: usize, conv_state: &mut [f32], ssm_state: &mut [f32], out: &mut [f32]) {
     let s = p.shape;
     let (cw, kw, vw, kc) = (s.conv_width(), s.key_width(), s.value_width(), s.conv_kernel);
-    let (dk, dv, hk, hv) = (s.k_dim, s.v_dim, s.n_k_heads, s.n_v_heads);
+    let (dk, dv, hv) = (s.k_dim, s.v_dim, s.n_v_heads);
     let pw = s.proj_width();
     assert_eq!(x.len(), n * pw, "gdn: input is not {n} rows of {pw}");
     assert_eq!(out.len(), n * vw, "gdn: output is not {n} rows of {vw}");
@@ -87,8 +87,7 @@ pub fn gated_delta_net(p: &GdnParams, x: &[f32], n: usize, conv_state: &mut [f32
         let b = &row[cw + vw..cw + vw + hv];
         let a = &row[cw + vw + hv..cw + vw + 2 * hv];
         for h in 0..hv {
-            // Tiled head order: value head h reads key head h % hk.
-            let kh = h % hk;
+            let kh = s.key_head(h);
             let (qh, kh_vec) = (&q[kh * dk..(kh + 1) * dk], &k[kh * dk..(kh + 1) * dk]);
             let vh = &v[h * dv..(h + 1) * dv];
             let beta = sigmoid(b[h]);
@@ -123,12 +122,74 @@ pub fn gated_delta_net(p: &GdnParams, x: &[f32], n: usize, conv_state: &mut [f32
 #[cfg(test)]
 mod tests {
     use super::*;
+    use ferrite_model::graph::ValueHeadOrder;
+
+    /// Deterministic values in [-1, 1).
+    fn values(n: usize, seed: u64) -> Vec<f32> {
+        let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+        (0..n)
+            .map(|_| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                (x >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+            })
+            .collect()
+    }
+
+    /// Grouped value heads (value head `h` reads key head `h / r`) give the same outputs as the
+    /// tiled order (key head `h % n_k`) on the same model with its value heads moved to tiled
+    /// order: the v channels and conv taps, z, b, a, `a_coef`, `dt_bias` and the outputs.
+    #[test]
+    fn grouped_heads_equal_tiled_heads_reordered() {
+        let (n_k, n_v, dk, dv, kc) = (2, 6, 4, 3, 4);
+        let r = n_v / n_k;
+        let grouped = GdnShape { n_k_heads: n_k, n_v_heads: n_v, k_dim: dk, v_dim: dv, conv_kernel: kc, v_order: ValueHeadOrder::Grouped };
+        let tiled = GdnShape { v_order: ValueHeadOrder::Tiled, ..grouped };
+        assert_eq!((0..n_v).map(|h| grouped.key_head(h)).collect::<Vec<_>>(), [0, 0, 0, 1, 1, 1]);
+        assert_eq!((0..n_v).map(|h| tiled.key_head(h)).collect::<Vec<_>>(), [0, 1, 0, 1, 0, 1]);
+        // Tiled head n is grouped head (n % n_k) * r + n / n_k.
+        let src = |n: usize| (n % n_k) * r + n / n_k;
+        // Reorder `n_v` blocks of `unit` elements starting at `start` of each row of `width`.
+        let reorder = |x: &[f32], width: usize, start: usize, unit: usize| -> Vec<f32> {
+            let mut y = x.to_vec();
+            for (row, out) in x.chunks_exact(width).zip(y.chunks_exact_mut(width)) {
+                for n in 0..n_v {
+                    let o = src(n);
+                    out[start + n * unit..start + (n + 1) * unit].copy_from_slice(&row[start + o * unit..start + (o + 1) * unit]);
+                }
+            }
+            y
+        };
+        let (cw, pw, kw, vw) = (grouped.conv_width(), grouped.proj_width(), grouped.key_width(), grouped.value_width());
+        let n = 5;
+        let x: Vec<f32> = values(n * pw, 1).iter().map(|v| 3.0 * v).collect();
+        let conv = values(cw * kc, 2);
+        let a_coef: Vec<f32> = values(n_v, 3).iter().map(|v| -1.0 - 4.0 * v.abs()).collect();
+        let dt_bias = values(n_v, 4);
+        let norm: Vec<f32> = values(dv, 5).iter().map(|v| 1.0 + 0.3 * v).collect();
+        let xt = reorder(&reorder(&reorder(&reorder(&x, pw, 2 * kw, dv), pw, cw, dv), pw, cw + vw, 1), pw, cw + vw + n_v, 1);
+        let conv_t = reorder(&conv, cw * kc, 2 * kw * kc, dv * kc);
+        let (a_t, dt_t) = (reorder(&a_coef, n_v, 0, 1), reorder(&dt_bias, n_v, 0, 1));
+        let run = |shape: GdnShape, x: &[f32], conv: &[f32], a_coef: &[f32], dt_bias: &[f32]| {
+            let p = GdnParams { shape, conv, a_coef, dt_bias, norm: &norm, eps: 1e-6 };
+            let (mut cs, mut ss, mut out) = (vec![0f32; shape.conv_state_len()], vec![0f32; shape.ssm_state_len()], vec![0f32; n * vw]);
+            gated_delta_net(&p, x, n, &mut cs, &mut ss, &mut out);
+            out
+        };
+        let want = reorder(&run(grouped, &x, &conv, &a_coef, &dt_bias), vw, 0, dv);
+        let got = run(tiled, &xt, &conv_t, &a_t, &dt_t);
+        assert!(want.iter().any(|v| v.abs() > 1e-3));
+        assert_eq!(want, got);
+        // A different order changes the result (the test would catch a mapping that ignored it).
+        assert_ne!(run(tiled, &x, &conv, &a_coef, &dt_bias), run(grouped, &x, &conv, &a_coef, &dt_bias));
+    }
 
     /// A closed-form check on one head: with k = q = e0 (dk = 1... via normalisation), the state
     /// follows S_t = a_t (1 - beta_t) S_{t-1} + beta_t v_t, and o_t = S_t / sqrt(dk).
     #[test]
     fn delta_rule_on_one_direction() {
-        let shape = GdnShape { n_k_heads: 1, n_v_heads: 1, k_dim: 4, v_dim: 1, conv_kernel: 1 };
+        let shape = GdnShape { n_k_heads: 1, n_v_heads: 1, k_dim: 4, v_dim: 1, conv_kernel: 1, v_order: ValueHeadOrder::Tiled };
         // conv_kernel 1 with tap weight 1 would still apply SiLU: use a large input so that
         // silu(x) ~= x for the one non-zero key/query channel, and compute the expectation from
         // the actual silu values.

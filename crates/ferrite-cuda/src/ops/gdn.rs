@@ -7,7 +7,7 @@ use crate::kernels::gdn::{GdnChunkParams, GdnChunkVariant, GdnConvParams, GdnCon
 use crate::Gpu;
 use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
 use ferrite_core::env;
-use ferrite_model::graph::GdnShape;
+use ferrite_model::graph::{GdnShape, ValueHeadOrder};
 
 /// The recurrent kernel's variant for `shape`, or why the CUDA backend cannot run it (on either path).
 pub fn check_gdn_shape(shape: &GdnShape) -> Result<GdnDeltaVariant, CudaError> {
@@ -15,6 +15,12 @@ pub fn check_gdn_shape(shape: &GdnShape) -> Result<GdnDeltaVariant, CudaError> {
     let s = shape;
     if s.n_k_heads == 0 || s.n_v_heads == 0 || !s.n_v_heads.is_multiple_of(s.n_k_heads) || s.conv_kernel == 0 {
         return Err(CudaError::invalid(OP, format!("bad shape {s:?}")));
+    }
+    if s.v_order != ValueHeadOrder::Tiled && s.n_v_heads != s.n_k_heads {
+        return Err(CudaError::invalid(
+            OP,
+            "value heads in grouped order (Qwen3-Next's layout) are not supported on CUDA yet (the kernels read key head h % n_k_heads); run this model with the CPU backend",
+        ));
     }
     as_u32(OP, "projection width", s.proj_width())?;
     GdnChunkVariant::for_shape(s.k_dim, s.v_dim).map_err(|e| CudaError::invalid(OP, e))?;
@@ -320,13 +326,17 @@ mod tests {
 
     #[test]
     fn shapes_the_kernels_cannot_run_are_refused() {
-        let qwen35 = GdnShape { n_k_heads: 16, n_v_heads: 32, k_dim: 128, v_dim: 128, conv_kernel: 4 };
+        let qwen35 = GdnShape { n_k_heads: 16, n_v_heads: 32, k_dim: 128, v_dim: 128, conv_kernel: 4, v_order: ValueHeadOrder::Tiled };
         assert_eq!(check_gdn_shape(&qwen35).unwrap(), GdnDeltaVariant { k_dim: 128, v_dim: 128, ksplit: 4 });
         let err = check_gdn_shape(&GdnShape { v_dim: 512, ..qwen35 }).unwrap_err().to_string();
         assert!(err.contains("do not fit the delta-rule kernel"), "{err}");
         let err = check_gdn_shape(&GdnShape { n_v_heads: 24, ..qwen35 }).unwrap_err().to_string();
         assert!(err.starts_with("gated_delta_net: bad shape"), "{err}");
         assert!(check_gdn_shape(&GdnShape { conv_kernel: 0, ..qwen35 }).is_err());
+        let err = check_gdn_shape(&GdnShape { v_order: ValueHeadOrder::Grouped, ..qwen35 }).unwrap_err().to_string();
+        assert!(err.contains("grouped order (Qwen3-Next's layout) are not supported on CUDA yet"), "{err}");
+        // With one value head per key head both orders are the same.
+        check_gdn_shape(&GdnShape { v_order: ValueHeadOrder::Grouped, n_v_heads: 16, ..qwen35 }).unwrap();
     }
 
     #[test]
@@ -340,7 +350,7 @@ mod tests {
         assert_eq!(GdnPath::forced_by(Some("Recurrent")), Some(GdnPath::Recurrent));
         assert_eq!(GdnPath::forced_by(Some("chunked")), Some(GdnPath::Chunked));
         assert_eq!(GdnPath::forced_by(Some("wy")), None);
-        let qwen35 = GdnShape { n_k_heads: 16, n_v_heads: 32, k_dim: 128, v_dim: 128, conv_kernel: 4 };
+        let qwen35 = GdnShape { n_k_heads: 16, n_v_heads: 32, k_dim: 128, v_dim: 128, conv_kernel: 4, v_order: ValueHeadOrder::Tiled };
         assert_eq!(gdn_scratch_len(&qwen35, 10, GdnPath::Recurrent), 10 * 8192);
         assert_eq!(gdn_scratch_len(&qwen35, 10, GdnPath::Chunked), 10 * (8192 + 32 * 257));
     }

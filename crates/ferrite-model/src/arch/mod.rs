@@ -5,6 +5,7 @@ mod gemma3;
 mod llama;
 mod qwen3;
 mod qwen35;
+mod qwen3next;
 
 use crate::{Arch, FusionOptions, Graph, ModelConfig, ModelError, WeightSet};
 use ferrite_gguf::GgufFile;
@@ -15,6 +16,7 @@ pub fn build(cfg: &ModelConfig, file: &GgufFile, fusion: FusionOptions) -> Resul
         Arch::Qwen3 => qwen3::build(cfg, file, fusion)?,
         Arch::Gemma3 => gemma3::build(cfg, file, fusion)?,
         Arch::Qwen35 | Arch::Qwen35Moe => qwen35::build(cfg, file, fusion)?,
+        Arch::Qwen3Next => qwen3next::build(cfg, file, fusion)?,
     };
     if fusion.int8_handoff {
         graph.handoffs = crate::fusion::int8_handoffs(&graph, |w| weights.spec(w).rows);

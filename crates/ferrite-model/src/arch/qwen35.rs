@@ -21,15 +21,18 @@
 //! every layer instead of the dense MLP (see [`Op::MoeFfn`]): router `ffn_gate_inp`, routed
 //! experts `ffn_gate_exps` / `ffn_up_exps` (or the fused `ffn_gate_up_exps`) / `ffn_down_exps`
 //! (3-D), and the shared expert `ffn_{gate,up,down}_shexp` gated by `ffn_gate_inp_shexp`.
+//!
+//! Qwen3-Next (`qwen3next.rs`) is built by the same [`build_hybrid`] with its own GDN input
+//! projections and value-head order.
 
 use super::decoder::{self, DecoderOptions, ProjectionGroup};
 use crate::config::MoeConfig;
-use crate::graph::{AttentionShape, ExpertGateUp, GdnShape, GraphBuilder, MoeShape, NormSpec, Op, Rows, SharedExpert, ValueId};
+use crate::graph::{AttentionShape, ExpertGateUp, GdnShape, GraphBuilder, MoeShape, NormSpec, Op, Rows, SharedExpert, ValueHeadOrder, ValueId, WeightId};
 use crate::{FusionOptions, Graph, ModelConfig, ModelError, WeightSet};
 use ferrite_gguf::GgufFile;
 
-/// The per-layer schedule and GDN shape from `qwen35.*` (or `qwen35moe.*`) metadata.
-pub fn hybrid_layout(cfg: &ModelConfig, file: &GgufFile) -> Result<(Vec<bool>, GdnShape), ModelError> {
+/// The per-layer schedule and GDN shape (value heads in `v_order`) from `<arch>.*` metadata.
+pub fn hybrid_layout(cfg: &ModelConfig, file: &GgufFile, v_order: ValueHeadOrder) -> Result<(Vec<bool>, GdnShape), ModelError> {
     let m = &file.metadata;
     let a = cfg.arch.name();
     let key = |k: &str| format!("{a}.{k}");
@@ -55,11 +58,38 @@ pub fn hybrid_layout(cfg: &ModelConfig, file: &GgufFile) -> Result<(Vec<bool>, G
     if k_dim == 0 || conv_kernel == 0 || conv_kernel > 16 {
         return Err(ModelError::Config(format!("{a}: unsupported ssm.state_size {k_dim} / ssm.conv_kernel {conv_kernel}")));
     }
-    Ok((full, GdnShape { n_k_heads, n_v_heads, k_dim, v_dim: inner / n_v_heads, conv_kernel }))
+    Ok((full, GdnShape { n_k_heads, n_v_heads, k_dim, v_dim: inner / n_v_heads, conv_kernel, v_order }))
 }
 
+/// The input projections of a Gated DeltaNet layer, in the order the op reads them:
+/// `q | k | v` (`conv_width` rows), `z` (`value_width`), `b` and `a` (`n_v_heads` each).
+pub(super) type GdnInputs = [WeightId; 4];
+
 pub fn build(cfg: &ModelConfig, file: &GgufFile, fusion: FusionOptions) -> Result<(WeightSet, Graph), ModelError> {
-    let (full, shape) = hybrid_layout(cfg, file)?;
+    // llama.cpp's qwen35 converter stores the value heads tiled.
+    build_hybrid(cfg, file, fusion, ValueHeadOrder::Tiled, |ws, l, s| {
+        let t = |n: &str| format!("blk.{l}.{n}.weight");
+        let d = cfg.n_embd;
+        Ok([
+            ws.add(file, &t("attn_qkv"), s.conv_width(), d)?,
+            ws.add(file, &t("attn_gate"), s.value_width(), d)?,
+            ws.add(file, &t("ssm_beta"), s.n_v_heads, d)?,
+            ws.add(file, &t("ssm_alpha"), s.n_v_heads, d)?,
+        ])
+    })
+}
+
+/// The Qwen3.5-style hybrid: GDN layers whose input projections `gdn_inputs(ws, layer, shape)`
+/// declares (value heads in `v_order`), gated attention every `full_attention_interval` layers,
+/// the dense MLP or (with `cfg.moe`) the MoE FFN in every layer.
+pub(super) fn build_hybrid(
+    cfg: &ModelConfig,
+    file: &GgufFile,
+    fusion: FusionOptions,
+    v_order: ValueHeadOrder,
+    gdn_inputs: impl Fn(&mut WeightSet, usize, &GdnShape) -> Result<GdnInputs, ModelError>,
+) -> Result<(WeightSet, Graph), ModelError> {
+    let (full, shape) = hybrid_layout(cfg, file, v_order)?;
     let opts = DecoderOptions::llama(cfg);
     let mut ws = WeightSet::default();
     let mut g = GraphBuilder::new();
@@ -103,12 +133,7 @@ pub fn build(cfg: &ModelConfig, file: &GgufFile, fusion: FusionOptions) -> Resul
         } else {
             let s = shape;
             let vw = s.value_width();
-            let parts = [
-                (ws.add(file, &t("attn_qkv.weight"), s.conv_width(), d)?, None),
-                (ws.add(file, &t("attn_gate.weight"), vw, d)?, None),
-                (ws.add(file, &t("ssm_beta.weight"), s.n_v_heads, d)?, None),
-                (ws.add(file, &t("ssm_alpha.weight"), s.n_v_heads, d)?, None),
-            ];
+            let parts = gdn_inputs(&mut ws, l, &s)?.map(|w| (w, None));
             let proj = g.value(t("gdn_proj"), s.proj_width(), Rows::Tokens);
             let group = ProjectionGroup { x: h, norm: attn_norm, parts: &parts, out: proj, normed_name: &t("attn_norm") };
             decoder::projection_group(&mut g, &mut ws, group, fusion.qkv, fusion.norm_into_linear);
