@@ -1489,8 +1489,15 @@ struct MoeCase {
     gate_up: Vec<Vec<f32>>,
     /// Per expert `d` rows of `ff`.
     down: Vec<Vec<f32>>,
-    /// (gate, up, down, gate_inp) of the shared expert.
-    shared: Option<(Vec<f32>, Vec<f32>, Vec<f32>, Vec<f32>)>,
+    shared: Option<SharedHost>,
+}
+
+/// The shared expert's gate and up (`ffs` rows of `d`), down (`d` rows of `ffs`) and gate vector.
+struct SharedHost {
+    gate: Vec<f32>,
+    up: Vec<f32>,
+    down: Vec<f32>,
+    gate_inp: Vec<f32>,
 }
 
 struct MoeDevice {
@@ -1564,7 +1571,7 @@ fn moe_case(
                 gpu.upload_weight(t, d, ffs, &sdb).unwrap(),
                 upload(gpu, &gate_inp),
             );
-            (Some((g, u, sd, gate_inp)), Some(dev))
+            (Some(SharedHost { gate: g, up: u, down: sd, gate_inp }), Some(dev))
         }
         None => (None, None),
     };
@@ -1670,7 +1677,7 @@ fn check_moe_ffn(
                 mag[c] += (wj * y[c]).abs();
             }
         }
-        if let Some((sg, su, sd, gate_inp)) = &case.shared {
+        if let Some(SharedHost { gate: sg, up: su, down: sd, gate_inp }) = &case.shared {
             let g = matvec_bound(sg, ffs, d, &xt, &zero_d, shared_q8(dev.shared.as_ref().unwrap().0.dtype, d));
             let u = matvec_bound(su, ffs, d, &xt, &zero_d, shared_q8(dev.shared.as_ref().unwrap().1.dtype, d));
             let (act, act_err) = swiglu_bound((&g.0, &g.1), (&u.0, &u.1));
