@@ -10,6 +10,8 @@
 //!
 //! Attention layers have a KV cache, Gated DeltaNet layers a recurrent state (conv window and
 //! delta-rule matrices, f32), each at a fixed device address so the decode graph replays them.
+//! MoE FFN layers route on the device (`ops::moe_ffn`: the expert ids live in device memory) in
+//! a scratch of their own, so they replay too.
 
 use crate::ops::{self, AttentionConfig, GatedQuery, GdnState, GdnWeights, KvCache, KvDtype, RopeConfig, SamplingConfig};
 use crate::{CudaError, DeviceWeight, Gpu};
