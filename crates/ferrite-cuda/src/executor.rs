@@ -243,6 +243,12 @@ impl CudaExecutor {
                     n_ff: shape.n_ff_exp,
                     n_ff_shared: shared.map_or(0, |sh| model.weights.spec(sh.gate).rows),
                 };
+                if max_batch * dims.top_k > 65535 {
+                    bail!(
+                        "a batch of {max_batch} tokens x {} experts each exceeds the MoE expert GEMV's 65535 (token, expert) pairs; use a smaller batch",
+                        dims.top_k
+                    );
+                }
                 if !moe.iter().any(|m| m.dims() == dims) {
                     moe.push(ops::MoeScratch::new(&gpu, dims, max_batch)?);
                 }
