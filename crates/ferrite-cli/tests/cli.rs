@@ -211,7 +211,7 @@ fn serve_answers_and_drains_on_sigterm() {
 fn qwen35_hybrid_runs_and_chats() {
     use ferrite_model::synth::{self, SynthGdn, SynthShape};
     let gdn = Some(SynthGdn { n_k_heads: 2, n_v_heads: 4, k_dim: 32, v_dim: 32 });
-    let s = SynthShape { name: "cli-qwen35", arch: "qwen35", n_layers: 4, n_embd: 128, n_heads: 4, n_kv_heads: 2, head_dim: 64, n_ff: 256, rope_theta: 1e7, context_length: 512, tied_embeddings: false, gdn };
+    let s = SynthShape { name: "cli-qwen35", arch: "qwen35", n_layers: 4, n_embd: 128, n_heads: 4, n_kv_heads: 2, head_dim: 64, n_ff: 256, rope_theta: 1e7, context_length: 512, tied_embeddings: false, gdn, moe: None };
     let path = synth::write_temp(&s, ferrite_gguf::GgmlType::Q8_0, 6).unwrap();
     let m = path.to_str().unwrap();
     for backend in ["cpu", "cpu-ref"] {

@@ -116,6 +116,45 @@ fn main() -> Result<(), CudaError> {
         }
     }
 
+    println!("\nMoE FFN (router, routing, experts, shared expert, combine), Qwen3.5-35B-A3B layer: 256 experts of 512, top 8, width 2048, Q4_0");
+    let (d, e, k, ff) = (2048usize, 256usize, 8usize, 512usize);
+    // Q4_0 blocks made directly (scale 2^-7, varied nibbles): the values do not matter here.
+    let q4_0 = |rows: usize, cols: usize| -> Result<ferrite_cuda::DeviceWeight, CudaError> {
+        let blocks = rows * cols / 32;
+        let mut bytes = vec![0u8; blocks * 18];
+        for (i, b) in bytes.chunks_exact_mut(18).enumerate() {
+            b[..2].copy_from_slice(&0x2000u16.to_le_bytes());
+            for (j, q) in b[2..].iter_mut().enumerate() {
+                *q = ((i * 31 + j * 17) % 251) as u8;
+            }
+        }
+        gpu.upload_weight(GgmlType::Q4_0, rows, cols, &bytes)
+    };
+    let router_values: Vec<f32> = (0..e * d).map(|i| ((i * 7919) % 2001) as f32 / 20000.0 - 0.05).collect();
+    let router = gpu.upload_weight(GgmlType::F32, e, d, &router_values.iter().flat_map(|v| v.to_le_bytes()).collect::<Vec<u8>>())?;
+    let (gate, up, down) = (q4_0(e * ff, d)?, q4_0(e * ff, d)?, q4_0(e * d, ff)?);
+    let (sgate, sup, sdown) = (q4_0(ff, d)?, q4_0(ff, d)?, q4_0(d, ff)?);
+    let gate_inp = gpu.upload(&vec![0.01f32; d], "gate_inp")?;
+    let weights = ops::MoeWeights {
+        router: &router,
+        gate_up: ops::ExpertGateUp::Split { gate: &gate, up: &up },
+        down: &down,
+        shared: Some(ops::SharedExpert { gate: &sgate, up: &sup, down: &sdown, gate_inp: &gate_inp }),
+        top_k: k,
+        norm_topk_prob: true,
+    };
+    let dims = weights.check()?;
+    let mut scratch = ops::MoeScratch::new(&gpu, dims, 256)?;
+    // Bytes one token reads: its k experts' gate, up and down rows, the shared expert, the router.
+    let per_token = (3 * k * ff * d + 3 * ff * d) as f64 * 18.0 / 32.0 + (e * d * 4) as f64;
+    for n in [1usize, 8, 64, 256] {
+        let x = gpu.upload(&(0..n * d).map(|i| ((i * 7919) % 2001) as f32 / 1000.0 - 1.0).collect::<Vec<_>>(), "x")?;
+        let mut out = gpu.alloc_zeros::<f32>(n * d)?;
+        let opts = gpu.linear_options();
+        let s = time(&gpu, 50, || ops::moe_ffn(&gpu, &weights, &x, n, None, &mut scratch, &mut out, &opts).map(|_| ()))?;
+        println!("  n={n:<4} {:>9.2} us  {:>7.2} us/token  {:>7.1} GB/s of routed + shared weights per token", s * 1e6, s * 1e6 / n as f64, per_token * n as f64 / s / 1e9);
+    }
+
     println!("\nsampling over 49152 logits");
     let logits: Vec<f32> = (0..49152).map(|i| ((i * 7919) % 1000) as f32 / 100.0).collect();
     let logits = gpu.upload(&logits, "logits")?;

@@ -3,7 +3,7 @@
 use crate::cache::{CacheStats, DiskCache, KernelInfo, ModuleCache};
 use crate::compile::{nvrtc_version, require_nvrtc, supported_archs};
 use crate::error::{Context, CudaError};
-use crate::kernels::common::{ERR_POSITION, ERR_TOKEN_ID};
+use crate::kernels::common::{ERR_EXPERT_ID, ERR_POSITION, ERR_TOKEN_ID};
 use crate::kernels::KernelVariant;
 use crate::ops::{AttentionPath, GdnPath, LinearOptions};
 use cudarc::cublas::CudaBlas;
@@ -257,7 +257,8 @@ impl Gpu {
     }
 
     /// Report (and clear) the first bad value a kernel met in device memory since the last
-    /// check: a token id outside the embedding table or a position beyond the KV cache.
+    /// check: a token id outside the embedding table, a position beyond the KV cache, or an
+    /// expert id outside a MoE expert bank.
     /// Kernels never read or write out of bounds for such values; they skip the work and
     /// poison their output with NaN. Waits for the stream.
     pub fn check_device(&self) -> Result<(), CudaError> {
@@ -270,6 +271,7 @@ impl Gpu {
         Err(CudaError::DeviceCheck(match value[0] {
             ERR_TOKEN_ID => format!("embed: token id {} is outside the embedding table", value[1]),
             ERR_POSITION => format!("store_qkv/attention: position {} is beyond the KV cache capacity", value[1]),
+            ERR_EXPERT_ID => format!("moe_ffn: expert id {} is outside the expert bank", value[1]),
             code => format!("unknown device error code {code} (detail {})", value[1]),
         }))
     }

@@ -10,6 +10,8 @@
 //!
 //! Attention layers have a KV cache, Gated DeltaNet layers a recurrent state (conv window and
 //! delta-rule matrices, f32), each at a fixed device address so the decode graph replays them.
+//! MoE FFN layers route on the device (`ops::moe_ffn`: the expert ids live in device memory) in
+//! a scratch of their own, so they replay too.
 
 use crate::ops::{self, AttentionConfig, GatedQuery, GdnState, GdnWeights, KvCache, KvDtype, RopeConfig, SamplingConfig};
 use crate::{CudaError, DeviceWeight, Gpu};
@@ -17,7 +19,8 @@ use anyhow::{anyhow, bail, Context};
 use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
 use cudarc::driver::{CudaGraph, CudaSlice};
 use ferrite_core::env;
-use ferrite_model::graph::{GatedActivation, NormSpec, Op, Rows, ValueId, WeightId};
+use ferrite_gguf::GgmlType;
+use ferrite_model::graph::{ExpertGateUp, GatedActivation, NormSpec, Op, Rows, ValueId, WeightId};
 use ferrite_model::planner::{self, Plan};
 use ferrite_model::profile::OpProfile;
 use ferrite_model::{
@@ -93,6 +96,8 @@ struct Buffers {
     handoff_out: Vec<Option<usize>>,
     kv: PerLayer<KvCache>,
     gdn: PerLayer<GdnState>,
+    /// Working memory of the MoE FFN ops, one per distinct shape.
+    moe: Vec<ops::MoeScratch>,
     /// Key shares of decode attention per batch size (`attention_splits`; 1: no split) and the
     /// scratch of split attention.
     attention_splits: Vec<usize>,
@@ -135,13 +140,37 @@ impl Buffers {
             .used_by(graph)
             .into_iter()
             .map(|id| model.weights.spec(id))
-            .filter(|spec| !spec.is_vector())
+            // Expert banks (`experts > 1`) only feed the MoE op, whose scratch is its own: their
+            // stacked rows do not size the shared scratch buffers.
+            .filter(|spec| !spec.is_vector() && spec.experts == 1)
             .map(|spec| spec.rows.max(spec.cols))
             .max()
             .unwrap_or(0);
         let scratch = rows * widest.max(cfg.qkv_width()).max(2 * cfg.n_ff);
         // Gated DeltaNet runs in scratch_a; the chunked path's need bounds the recurrent one's.
         let gdn_scratch = gdn.iter().map(|st| ops::gdn_scratch_len(&st.shape, rows, ops::GdnPath::Chunked)).max().unwrap_or(0);
+        // One MoE scratch per distinct MoE shape (every layer of a real model has the same).
+        let mut moe = Vec::<ops::MoeScratch>::new();
+        for op in &graph.ops {
+            if let Op::MoeFfn { x, shared, moe: shape, .. } = op {
+                let dims = ops::MoeDims {
+                    dim: graph.value(*x).width,
+                    n_experts: shape.n_experts,
+                    top_k: shape.top_k,
+                    n_ff: shape.n_ff_exp,
+                    n_ff_shared: shared.map_or(0, |sh| model.weights.spec(sh.gate).rows),
+                };
+                if rows * dims.top_k > 65535 {
+                    bail!(
+                        "a batch of {rows} tokens x {} experts each exceeds the MoE expert GEMV's 65535 (token, expert) pairs; use a smaller batch",
+                        dims.top_k
+                    );
+                }
+                if !moe.iter().any(|m| m.dims() == dims) {
+                    moe.push(ops::MoeScratch::new(gpu, dims, rows)?);
+                }
+            }
+        }
         let split_tokens = (1..attention_splits.len()).filter(|&n| attention_splits[n] > 1).max().unwrap_or(0);
         let max_splits = attention_splits.iter().copied().max().unwrap_or(1);
         Ok(Buffers {
@@ -161,6 +190,7 @@ impl Buffers {
             token: gpu.alloc_zeros(1)?,
             profile: OpProfile::from_env(),
             gdn,
+            moe,
             kv,
             paging: None,
         })
@@ -206,12 +236,12 @@ fn kv_dtype() -> KvDtype {
 }
 
 /// Refuses graphs whose shapes this backend's kernels cannot run (before touching the device):
-/// Gated DeltaNet heads too large for the delta-rule kernel's block, and MoE FFNs (no CUDA
-/// kernels yet: such models run on the CPU backend).
+/// Gated DeltaNet heads too large for the delta-rule kernel's block, MoE FFNs with more experts
+/// or experts per token than the routing kernels take.
 pub fn check_supported(graph: &ferrite_model::Graph) -> anyhow::Result<()> {
     for (i, op) in graph.ops.iter().enumerate() {
-        if let Op::MoeFfn { out, .. } = op {
-            bail!("MoE FFN is not supported on CUDA yet (op {i}, `{}`); run this model with the CPU backend", graph.value(*out).name);
+        if let Op::MoeFfn { out, moe, .. } = op {
+            ops::check_moe_shape(moe.n_experts, moe.top_k).with_context(|| format!("MoE FFN op {i} (`{}`) on CUDA", graph.value(*out).name))?;
         }
         if let Op::GatedDeltaNet { layer, shape, .. } = op {
             ops::check_gdn_shape(shape).with_context(|| format!("Gated DeltaNet of layer {layer} on CUDA"))?;
@@ -232,11 +262,20 @@ impl CudaExecutor {
         // Weights that kernels read element-wise rather than through a linear: f32 vectors.
         let elementwise: Vec<WeightId> =
             graph.ops.iter().filter_map(|o| if let Op::GatedDeltaNet { conv, .. } = o { Some(*conv) } else { None }).collect();
+        // MoE routers: f32 matrices, as on the CPU (routing never sees quantized weights or
+        // activations, so both backends choose the same experts).
+        let routers: Vec<WeightId> = graph.ops.iter().filter_map(|o| if let Op::MoeFfn { router, .. } = o { Some(*router) } else { None }).collect();
         for (i, &id) in used.iter().enumerate() {
             LoadProgress::report(&options.progress, i, used.len());
             let spec = model.weights.spec(id);
             let w = if spec.is_vector() || elementwise.contains(&id) {
                 GpuWeight::Vector(gpu.upload(&model.weights.to_f32(&model.file, id)?, &spec.name)?)
+            } else if routers.contains(&id) {
+                let f32s = model.weights.to_f32(&model.file, id)?;
+                let bytes: Vec<u8> = f32s.iter().flat_map(|v| v.to_le_bytes()).collect();
+                GpuWeight::Matrix(
+                    gpu.upload_weight(GgmlType::F32, spec.rows, spec.cols, &bytes).with_context(|| format!("uploading `{}`", spec.name))?,
+                )
             } else {
                 let bytes = model.weights.bytes(&model.file, id)?;
                 GpuWeight::Matrix(
@@ -580,7 +619,32 @@ impl CudaExecutor {
                 let w = GdnWeights { conv: vector(conv), a_coef: vector(a_coef), dt_bias: vector(dt_bias), norm: vector(norm.weight), eps: norm.eps };
                 ops::gated_delta_net(gpu, input(x), rows(x), &w, &mut buf.gdn[layer], &mut buf.scratch_a, out)?;
             }
-            Op::MoeFfn { .. } => bail!("MoE FFN is not supported on CUDA yet"), // refused by check_supported
+            Op::MoeFfn { x, norm, router, gate_up, down, shared, moe, residual, .. } => {
+                let (r, d) = (rows(x), width(x));
+                // The normalised input in scratch_a: the router, the experts and the shared
+                // expert's gate all read it.
+                let xn = match norm {
+                    Some(nm) => {
+                        ops::rms_norm(gpu, input(x), vector(nm.weight), nm.eps, r, d, false, &mut buf.scratch_a)?;
+                        &buf.scratch_a
+                    }
+                    None => input(x),
+                };
+                let w = ops::MoeWeights {
+                    router: matrix(router),
+                    gate_up: match gate_up {
+                        ExpertGateUp::Fused(b) => ops::ExpertGateUp::Fused(matrix(b)),
+                        ExpertGateUp::Split { gate, up } => ops::ExpertGateUp::Split { gate: matrix(gate), up: matrix(up) },
+                    },
+                    down: matrix(down),
+                    shared: shared.map(|sh| ops::SharedExpert { gate: matrix(sh.gate), up: matrix(sh.up), down: matrix(sh.down), gate_inp: vector(sh.gate_inp) }),
+                    top_k: moe.top_k,
+                    norm_topk_prob: moe.norm_topk_prob,
+                };
+                let dims = w.check()?;
+                let scratch = buf.moe.iter_mut().find(|m| m.dims() == dims).ok_or_else(|| anyhow!("no MoE scratch for {dims:?}"))?;
+                ops::moe_ffn(gpu, &w, xn, r, residual.map(input), scratch, out, &gpu.linear_options())?;
+            }
         }
         Ok(())
     }
@@ -769,7 +833,7 @@ impl Executor for CudaExecutor {
             .sum();
         let kv: usize = self.buf.kv.iter().map(|c| 2 * c.max_seq * c.row_len() * c.dtype.bytes()).sum();
         let state: usize = self.buf.gdn.iter().map(GdnState::bytes).sum();
-        let act = self.plan.total_elems() * 4 + 3 * self.buf.scratch_b.len() * 4;
+        let act = self.plan.total_elems() * 4 + 3 * self.buf.scratch_b.len() * 4 + self.buf.moe.iter().map(ops::MoeScratch::bytes).sum::<usize>();
         let (free, total) = self.gpu.mem_info().unwrap_or((0, 0));
         format!(
             "weights (repacked{}): {:.1} MiB\nkv cache ({:?}, {} tokens): {:.1} MiB\nrecurrent state (f32): {:.2} MiB\nactivations + scratch: {:.1} MiB\ndevice: {:.1} GiB free of {:.1} GiB",

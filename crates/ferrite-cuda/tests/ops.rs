@@ -8,7 +8,7 @@
 
 // Skip notes go straight to stderr, past the test harness capture, so CI logs show them.
 use std::io::Write as _;
-use ferrite_cpu::kernels::{activation, attention, embedding, gdn, matmul_f32, norm, rope, WeightView};
+use ferrite_cpu::kernels::{activation, attention, embedding, gdn, matmul_f32, moe, norm, rope, WeightView};
 use ferrite_cuda::ops::{
     self, AttentionConfig, GatedQuery, GdnPath, GdnState, GdnWeights, GemvActivations, KvCache, KvDtype, LinearOptions, LinearPath, LinearPlan,
     Precision, RopeConfig, SamplingConfig,
@@ -1503,6 +1503,352 @@ fn gated_delta_net_chunked_matches_cpu() {
     assert!(err.contains("scratch holds"), "{err}");
 }
 
+// ---------------------------------------------------------------- MoE FFN
+
+/// Router logits for `n` tokens of `e` experts, with rows that stress the top-k: random values,
+/// a few repeated values (ties at every rank), all equal, one dominant, large magnitudes.
+fn routing_logits(rng: &mut Rng, n: usize, e: usize) -> Vec<f32> {
+    let mut out = Vec::with_capacity(n * e);
+    for t in 0..n {
+        let row: Vec<f32> = match t % 6 {
+            0 | 1 => rng.vec(e, -4.0, 4.0),
+            2 => (0..e).map(|_| rng.below(4) as f32 * 0.5).collect(),
+            3 => vec![0.25; e],
+            4 => (0..e).map(|i| if i == e / 2 { 8.0 } else { rng.range(-1.0, 1.0) }).collect(),
+            _ => (0..e).map(|_| 1000.0 - rng.below(3) as f32).collect(),
+        };
+        out.extend(row);
+    }
+    out
+}
+
+/// `moe_route` against ferrite-cpu's `kernels::moe::route`: the same experts in the same order
+/// (ties to the lower index), weights to a few ulp (the exponential is CUDA's double `exp`
+/// rounded to f32, the CPU's is glibc's `expf`: both are (nearly always) correctly rounded).
+#[test]
+fn moe_route_matches_cpu_including_ties() {
+    let Some(gpu) = gpu() else { return };
+    let mut rng = Rng(61);
+    for (e, k, norm) in [(4, 2, true), (8, 8, true), (64, 8, true), (128, 1, true), (256, 8, false), (512, 10, true), (100, 7, false)] {
+        let n = 37;
+        let logits = routing_logits(&mut rng, n, e);
+        let (mut ids, mut weights) = (upload(gpu, &vec![u32::MAX; n * k]), poisoned(gpu, n * k));
+        ops::moe_route(gpu, &upload(gpu, &logits), n, e, k, norm, &mut ids, &mut weights).unwrap();
+        let (got_ids, got_w) = (download(gpu, &ids), download(gpu, &weights));
+        let (mut want_ids, mut want_w) = (vec![0usize; n * k], vec![0f32; n * k]);
+        for t in 0..n {
+            moe::route(&logits[t * e..(t + 1) * e], norm, &mut want_ids[t * k..(t + 1) * k], &mut want_w[t * k..(t + 1) * k]);
+        }
+        let got_ids: Vec<usize> = got_ids.iter().map(|&i| i as usize).collect();
+        assert_eq!(got_ids, want_ids, "top {k} of {e}: experts differ from the CPU's");
+        close("moe_route", &format!("top {k} of {e} experts, norm {norm}, {n} tokens"), &got_w, &want_w, 1e-6, 1e-12);
+    }
+}
+
+/// The weights of one MoE FFN test case, on the host (exact values) and on the device.
+struct MoeCase {
+    d: usize,
+    e: usize,
+    k: usize,
+    ff: usize,
+    ffs: usize,
+    router: Vec<f32>,
+    /// Per expert `[gate (ff rows); up (ff rows)]` of `d`, dequantized.
+    gate_up: Vec<Vec<f32>>,
+    /// Per expert `d` rows of `ff`.
+    down: Vec<Vec<f32>>,
+    shared: Option<SharedHost>,
+}
+
+/// The shared expert's gate and up (`ffs` rows of `d`), down (`d` rows of `ffs`) and gate vector.
+struct SharedHost {
+    gate: Vec<f32>,
+    up: Vec<f32>,
+    down: Vec<f32>,
+    gate_inp: Vec<f32>,
+}
+
+struct MoeDevice {
+    router: ferrite_cuda::DeviceWeight,
+    banks: Vec<ferrite_cuda::DeviceWeight>,
+    down: ferrite_cuda::DeviceWeight,
+    shared: Option<(ferrite_cuda::DeviceWeight, ferrite_cuda::DeviceWeight, ferrite_cuda::DeviceWeight, CudaSlice<f32>)>,
+}
+
+impl MoeDevice {
+    fn weights(&self, top_k: usize, norm_topk_prob: bool) -> ops::MoeWeights<'_> {
+        ops::MoeWeights {
+            router: &self.router,
+            gate_up: match &self.banks[..] {
+                [fused] => ops::ExpertGateUp::Fused(fused),
+                [gate, up] => ops::ExpertGateUp::Split { gate, up },
+                _ => unreachable!(),
+            },
+            down: &self.down,
+            shared: self.shared.as_ref().map(|(gate, up, down, gate_inp)| ops::SharedExpert { gate, up, down, gate_inp }),
+            top_k,
+            norm_topk_prob,
+        }
+    }
+}
+
+/// Random MoE weights: banks in `bank` (gate/up: one fused bank, or split banks of the two
+/// types in `split`), the shared expert (if any) in `shared`, the router in f32.
+#[allow(clippy::too_many_arguments)]
+fn moe_case(
+    gpu: &Gpu,
+    rng: &mut Rng,
+    (d, e, k, ff, ffs): (usize, usize, usize, usize, usize),
+    bank: GgmlType,
+    split: Option<(GgmlType, GgmlType)>,
+    shared: Option<GgmlType>,
+) -> (MoeCase, MoeDevice) {
+    let router = rng.vec(e * d, -0.1, 0.1);
+    let router_dev = gpu.upload_weight(GgmlType::F32, e, d, bytemuck::cast_slice(&router)).unwrap();
+    let mut gate_up = vec![Vec::new(); e];
+    let banks = match split {
+        None => {
+            let (bytes, w) = random_weight(rng, bank, e * 2 * ff, d);
+            for (x, chunk) in gate_up.iter_mut().zip(w.chunks(2 * ff * d)) {
+                x.extend_from_slice(chunk);
+            }
+            vec![gpu.upload_weight(bank, e * 2 * ff, d, &bytes).unwrap()]
+        }
+        Some((tg, tu)) => {
+            let (gb, gw) = random_weight(rng, tg, e * ff, d);
+            let (ub, uw) = random_weight(rng, tu, e * ff, d);
+            for (x, (g, u)) in gate_up.iter_mut().zip(gw.chunks(ff * d).zip(uw.chunks(ff * d))) {
+                x.extend_from_slice(g);
+                x.extend_from_slice(u);
+            }
+            vec![gpu.upload_weight(tg, e * ff, d, &gb).unwrap(), gpu.upload_weight(tu, e * ff, d, &ub).unwrap()]
+        }
+    };
+    let (db, dw) = random_weight(rng, bank, e * d, ff);
+    let down = dw.chunks(d * ff).map(<[f32]>::to_vec).collect();
+    let down_dev = gpu.upload_weight(bank, e * d, ff, &db).unwrap();
+    let (shared_host, shared_dev) = match shared {
+        Some(t) => {
+            let (gb, g) = random_weight(rng, t, ffs, d);
+            let (ub, u) = random_weight(rng, t, ffs, d);
+            let (sdb, sd) = random_weight(rng, t, d, ffs);
+            let gate_inp = rng.vec(d, -0.1, 0.1);
+            let dev = (
+                gpu.upload_weight(t, ffs, d, &gb).unwrap(),
+                gpu.upload_weight(t, ffs, d, &ub).unwrap(),
+                gpu.upload_weight(t, d, ffs, &sdb).unwrap(),
+                upload(gpu, &gate_inp),
+            );
+            (Some(SharedHost { gate: g, up: u, down: sd, gate_inp }), Some(dev))
+        }
+        None => (None, None),
+    };
+    let case = MoeCase { d, e, k, ff, ffs, router, gate_up, down, shared: shared_host };
+    (case, MoeDevice { router: router_dev, banks, down: down_dev, shared: shared_dev })
+}
+
+/// `W x` per row of a `rows x cols` weight, in f64, and the bound on the GPU's error: f32
+/// rounding (2e-5 of `Σ|w x|`, as the linear tests), the error `x_err` already in `x`, and with
+/// int8 activations half a quantization step per term (`q8_bound`; the GPU quantizes its own
+/// `x`, off by up to `x_err`, so the steps are taken of `|x| + x_err`).
+fn matvec_bound(w: &[f32], rows: usize, cols: usize, x: &[f64], x_err: &[f64], q8: bool) -> (Vec<f64>, Vec<f64>) {
+    let reach: Vec<f32> = x.iter().zip(x_err).map(|(&v, &e)| (v.abs() + e) as f32).collect();
+    let step = q8_steps(&reach, cols);
+    (0..rows)
+        .map(|r| {
+            let row = &w[r * cols..(r + 1) * cols];
+            let val: f64 = row.iter().zip(x).map(|(&a, &b)| a as f64 * b).sum();
+            let mag: f64 = row.iter().zip(x).map(|(&a, &b)| (a as f64 * b).abs()).sum();
+            let carried: f64 = row.iter().zip(x_err).map(|(&a, &e)| a.abs() as f64 * e).sum();
+            let q8 = if q8 { q8_bound(row, &step) } else { 0.0 };
+            (val, 2e-5 * mag + carried + q8 + 1e-9)
+        })
+        .unzip()
+}
+
+/// `silu(gate x) * (up x)` and its bound (silu's slope is below 1.1).
+fn swiglu_bound(g: (&[f64], &[f64]), u: (&[f64], &[f64])) -> (Vec<f64>, Vec<f64>) {
+    let silu = |v: f64| v / (1.0 + (-v).exp());
+    g.0.iter()
+        .zip(g.1)
+        .zip(u.0.iter().zip(u.1))
+        .map(|((&gv, &ge), (&uv, &ue))| {
+            let act = silu(gv) * uv;
+            (act, 1.1 * ge * (uv.abs() + ue) + silu(gv).abs() * ue + 1e-6 * act.abs())
+        })
+        .unzip()
+}
+
+/// One MoE FFN on the GPU against the host reference: routing from the GPU's router logits by
+/// ferrite-cpu's `route` (the experts must be the same; the logits are checked against the CPU
+/// matmul first), each expert in f64 on the exact weights, with error bounds that follow the
+/// int8 quantization of each GEMV's activations through the SwiGLU and the down projection.
+#[allow(clippy::too_many_arguments)]
+fn check_moe_ffn(
+    gpu: &Gpu,
+    rng: &mut Rng,
+    case: &MoeCase,
+    dev: &MoeDevice,
+    n: usize,
+    norm: bool,
+    with_residual: bool,
+    opts: &LinearOptions,
+    label: &str,
+) -> ops::MoePlan {
+    let MoeCase { d, e, k, ff, ffs, .. } = *case;
+    let x = rng.vec(n * d, -1.0, 1.0);
+    let res = rng.vec(n * d, -2.0, 2.0);
+    let weights = dev.weights(k, norm);
+    let dims = weights.check().unwrap();
+    assert_eq!(dims, ops::MoeDims { dim: d, n_experts: e, top_k: k, n_ff: ff, n_ff_shared: if case.shared.is_some() { ffs } else { 0 } });
+    let mut scratch = ops::MoeScratch::new(gpu, dims, n + 2).unwrap();
+    let (x_dev, res_dev) = (upload(gpu, &x), upload(gpu, &res));
+    let mut out = poisoned(gpu, n * d);
+    let plan = ops::moe_ffn(gpu, &weights, &x_dev, n, with_residual.then_some(&res_dev), &mut scratch, &mut out, opts).unwrap();
+    let got = download(gpu, &out);
+    gpu.check_device().unwrap();
+
+    // Router logits (f32 GEMV vs the CPU's f32 matmul), then the routing on the GPU's logits.
+    let logits = download(gpu, scratch.logits());
+    let logits = &logits[..n * e];
+    let mut want_logits = vec![0f32; n * e];
+    matmul_f32(&case.router, e, d, &x, n, &mut want_logits);
+    check("moe_ffn", &format!("{label}: router logits"), logits, &want_logits, |i| {
+        let (t, r) = (i / e, i % e);
+        2e-5 * (0..d).map(|c| (case.router[r * d + c] * x[t * d + c]).abs() as f64).sum::<f64>() + 1e-30
+    });
+    let (ids, w) = scratch.routing();
+    let (ids, w) = (download(gpu, ids), download(gpu, w));
+    let (mut want_ids, mut want_w) = (vec![0usize; n * k], vec![0f32; n * k]);
+    for t in 0..n {
+        moe::route(&logits[t * e..(t + 1) * e], norm, &mut want_ids[t * k..(t + 1) * k], &mut want_w[t * k..(t + 1) * k]);
+    }
+    assert_eq!(ids[..n * k].iter().map(|&i| i as usize).collect::<Vec<_>>(), want_ids, "{label}: routing");
+    close("moe_route", &format!("{label}: weights"), &w[..n * k], &want_w, 1e-6, 1e-12);
+
+    let shared_q8 = |dtype: GgmlType, cols: usize| ops::linear_plan(dtype, cols, n, opts) == LinearPlan::GemvQ8;
+    let (mut want, mut bound) = (Vec::new(), Vec::new());
+    for t in 0..n {
+        let xt: Vec<f64> = x[t * d..(t + 1) * d].iter().map(|&v| v as f64).collect();
+        let zero_d = vec![0f64; d];
+        let (mut acc, mut err, mut mag) = (vec![0f64; d], vec![0f64; d], vec![0f64; d]);
+        for j in 0..k {
+            let (ex, wj) = (want_ids[t * k + j], want_w[t * k + j] as f64);
+            let gu = &case.gate_up[ex];
+            let g = matvec_bound(&gu[..ff * d], ff, d, &xt, &zero_d, plan.gate == ops::ExpertGemv::Q8);
+            let u = matvec_bound(&gu[ff * d..], ff, d, &xt, &zero_d, plan.up == ops::ExpertGemv::Q8);
+            let (act, act_err) = swiglu_bound((&g.0, &g.1), (&u.0, &u.1));
+            let (y, y_err) = matvec_bound(&case.down[ex], d, ff, &act, &act_err, plan.down == ops::ExpertGemv::Q8);
+            for c in 0..d {
+                acc[c] += wj * y[c];
+                err[c] += wj.abs() * y_err[c] + 1e-6 * (wj * y[c]).abs();
+                mag[c] += (wj * y[c]).abs();
+            }
+        }
+        if let Some(SharedHost { gate: sg, up: su, down: sd, gate_inp }) = &case.shared {
+            let g = matvec_bound(sg, ffs, d, &xt, &zero_d, shared_q8(dev.shared.as_ref().unwrap().0.dtype, d));
+            let u = matvec_bound(su, ffs, d, &xt, &zero_d, shared_q8(dev.shared.as_ref().unwrap().1.dtype, d));
+            let (act, act_err) = swiglu_bound((&g.0, &g.1), (&u.0, &u.1));
+            let (y, y_err) = matvec_bound(sd, d, ffs, &act, &act_err, shared_q8(dev.shared.as_ref().unwrap().2.dtype, ffs));
+            let logit: f64 = xt.iter().zip(gate_inp).map(|(&a, &b)| a * b as f64).sum();
+            let logit_mag: f64 = xt.iter().zip(gate_inp).map(|(&a, &b)| (a * b as f64).abs()).sum();
+            let sig = 1.0 / (1.0 + (-logit).exp());
+            for c in 0..d {
+                acc[c] += sig * y[c];
+                // f32 rounding of the gate logit moves sigmoid by at most a quarter of it.
+                err[c] += sig * y_err[c] + (0.25 * 2e-6 * logit_mag + 1e-6) * y[c].abs();
+                mag[c] += (sig * y[c]).abs();
+            }
+        }
+        for c in 0..d {
+            let r = if with_residual { res[t * d + c] as f64 } else { 0.0 };
+            want.push((acc[c] + r) as f32);
+            bound.push(err[c] + 1e-6 * (mag[c] + r.abs()) + 1e-6);
+        }
+    }
+    check("moe_ffn", label, &got, &want, |i| bound[i]);
+    plan
+}
+
+/// The whole MoE FFN against the host reference for Q4_0 / Q8_0 / Q4_K banks (and float banks),
+/// fused and split gate/up (split banks of one type: one GEMV with the SwiGLU epilogue; of two
+/// types: two GEMVs), with and without the shared expert and the residual, renormalised or not,
+/// 1 to 20 tokens (20: the prefill path, with the shared expert on the f32 GEMM), int8 and f32
+/// activations.
+#[test]
+fn moe_ffn_matches_cpu() {
+    let Some(gpu) = gpu() else { return };
+    let mut rng = Rng(62);
+    let q8 = LinearOptions { precision: Precision::F32, ..LinearOptions::default() };
+    let f32_act = LinearOptions { activations: GemvActivations::F32, ..q8 };
+    let small = (256, 8, 3, 256, 512);
+    let wide = (512, 64, 8, 256, 256);
+    type Case = ((usize, usize, usize, usize, usize), GgmlType, Option<(GgmlType, GgmlType)>, Option<GgmlType>, usize, bool, bool);
+    let cases: [(Case, &LinearOptions); 11] = [
+        ((small, GgmlType::Q4_0, None, Some(GgmlType::Q4_0), 1, true, true), &q8),
+        ((small, GgmlType::Q8_0, Some((GgmlType::Q8_0, GgmlType::Q8_0)), Some(GgmlType::Q8_0), 3, true, false), &q8),
+        ((small, GgmlType::Q4_K, None, None, 8, false, true), &q8),
+        ((small, GgmlType::Q4_K, Some((GgmlType::Q4_K, GgmlType::Q4_K)), Some(GgmlType::Q4_K), 1, true, true), &q8),
+        ((small, GgmlType::Q8_0, None, Some(GgmlType::Q8_0), 20, true, true), &q8),
+        ((small, GgmlType::Q4_0, Some((GgmlType::Q4_0, GgmlType::Q8_0)), Some(GgmlType::Q4_K), 2, true, true), &q8),
+        ((wide, GgmlType::Q4_0, None, Some(GgmlType::Q4_0), 4, true, true), &q8),
+        ((small, GgmlType::F16, None, Some(GgmlType::F16), 3, true, true), &q8),
+        ((small, GgmlType::Q4_K, Some((GgmlType::Q4_K, GgmlType::Q4_K)), Some(GgmlType::Q4_K), 5, true, true), &f32_act),
+        ((small, GgmlType::F32, Some((GgmlType::F32, GgmlType::F32)), None, 1, true, false), &q8),
+        ((small, GgmlType::Q8_0, None, Some(GgmlType::Q8_0), 12, false, true), &f32_act),
+    ];
+    for ((dims, bank, split, shared, n, norm, residual), opts) in cases {
+        let (case, dev) = moe_case(gpu, &mut rng, dims, bank, split, shared);
+        let layout = match split {
+            None => format!("{bank} fused"),
+            Some((g, u)) if g == u => format!("{g} split"),
+            Some((g, u)) => format!("{g}+{u} split"),
+        };
+        let label = format!(
+            "{layout} top{}/{} {}{} n={n}{}",
+            dims.2,
+            dims.1,
+            if shared.is_some() { "+shared" } else { "" },
+            if residual { "+res" } else { "" },
+            if opts.activations == GemvActivations::F32 { " f32" } else { "" }
+        );
+        let plan = check_moe_ffn(gpu, &mut rng, &case, &dev, n, norm, residual, opts, &label);
+        // The plan follows the banks and the activation format.
+        let quantized = bank.is_quantized() && opts.activations == GemvActivations::Q8;
+        let same_types = split.is_none_or(|(g, u)| g == u);
+        assert_eq!(plan.gate_up_glu, quantized && same_types, "{label}: {plan:?}");
+        assert_eq!(plan.down == ops::ExpertGemv::Q8, quantized, "{label}: {plan:?}");
+        assert_eq!(plan.shared_glu, shared.is_some_and(|t| t.is_quantized()) && quantized && n <= 8, "{label}: {plan:?}");
+    }
+}
+
+/// MoE weights that do not make one FFN, or rows the expert GEMVs cannot read, are refused
+/// before anything is launched.
+#[test]
+fn moe_ffn_rejects_mismatched_weights() {
+    let Some(gpu) = gpu() else { return };
+    let mut rng = Rng(63);
+    let (_, dev) = moe_case(gpu, &mut rng, (64, 4, 2, 32, 96), GgmlType::Q8_0, None, Some(GgmlType::Q8_0));
+    // The shared expert's hidden width (96) is not the routed one (32): fine. A top-k beyond the
+    // experts is not.
+    assert!(dev.weights(2, true).check().is_ok());
+    let err = dev.weights(5, true).check().unwrap_err().to_string();
+    assert!(err.contains("top 5 of 4 experts"), "{err}");
+    // A down bank of the wrong height.
+    let (bytes, _) = random_weight(&mut rng, GgmlType::Q8_0, 3 * 64, 32);
+    let short = gpu.upload_weight(GgmlType::Q8_0, 3 * 64, 32, &bytes).unwrap();
+    let err = ops::MoeWeights { down: &short, ..dev.weights(2, true) }.check().unwrap_err().to_string();
+    assert!(err.contains("the down bank is 192x32"), "{err}");
+    // Float rows that are not whole 32-value units.
+    let (bytes, _) = random_weight(&mut rng, GgmlType::F16, 4 * 64, 40);
+    let ragged = gpu.upload_weight(GgmlType::F16, 4 * 64, 40, &bytes).unwrap();
+    let (bytes, _) = random_weight(&mut rng, GgmlType::F16, 4 * 80, 64);
+    let gate_up = gpu.upload_weight(GgmlType::F16, 4 * 80, 64, &bytes).unwrap();
+    let w = ops::MoeWeights { gate_up: ops::ExpertGateUp::Fused(&gate_up), down: &ragged, shared: None, ..dev.weights(2, true) };
+    let err = w.check().unwrap_err().to_string();
+    assert!(err.contains("need multiples of 32"), "{err}");
+}
+
 // ---------------------------------------------------------------- argmax / sampling
 
 fn host_argmax(x: &[f32]) -> u32 {
@@ -1770,7 +2116,7 @@ fn kernel_cache_hits_misses_and_rebuilds_corrupt_entries() {
 fn every_kernel_variant_compiles_for_sm90() {
     use ferrite_cuda::compile_variant;
     use ferrite_cuda::kernels::{
-        activation::*, attention::*, dequant::*, embedding::*, flash_attention, gdn::*, gemv::*, norm::*, quantize::*, rope::*, sampling::*,
+        activation::*, attention::*, dequant::*, embedding::*, flash_attention, gdn::*, gemv::*, moe::*, norm::*, quantize::*, rope::*, sampling::*,
     };
     if let Err(e) = compile_variant(&ActivationVariant, "sm_90") {
         match e {
@@ -1792,6 +2138,9 @@ fn every_kernel_variant_compiles_for_sm90() {
             let v = GemvVariant::for_shape(dtype, n);
             check(format!("{v:?}"), compile_variant(&v, "sm_90"));
         }
+        // MoE expert GEMV on f32 activations (float banks, FERRITE_CUDA_GEMV_ACTIVATIONS=f32).
+        let v = GemvVariant::for_experts(dtype);
+        check(format!("{v:?}"), compile_variant(&v, "sm_90"));
         if !matches!(dtype, GgmlType::F32 | GgmlType::F16 | GgmlType::BF16) {
             // Short rows (warp-level reduction), long rows (block-level), token tiles, epilogues.
             for (rows, cols, n, residual, bias) in
@@ -1811,6 +2160,20 @@ fn every_kernel_variant_compiles_for_sm90() {
                 if split.k_split > 1 {
                     check(format!("{split:?}"), compile_variant(&split, "sm_90"));
                 }
+            }
+            // MoE: the expert GEMVs (down; gate/up with a fused or a split bank) at the
+            // 35B-A3B shape (decode, prefill) and a small one; a shared expert's split gate/up.
+            for (ff, d, pairs) in [(512, 2048, 8), (512, 2048, 2048), (256, 256, 3)] {
+                let down = GemvQ8Variant::for_experts(dtype, d, ff, pairs, 132, 0);
+                check(format!("{down:?}"), compile_variant(&down, "sm_90"));
+                for up_split in [false, true] {
+                    let gate_up = GemvQ8Variant { up_split, ..GemvQ8Variant::for_experts(dtype, ff, d, pairs, 132, 1) };
+                    check(format!("{gate_up:?}"), compile_variant(&gate_up, "sm_90"));
+                }
+            }
+            for n in [1, 3, 8] {
+                let shared = GemvQ8Variant { up_split: true, ..GemvQ8Variant::for_gated(dtype, 512, 2048, n, 132, 1) };
+                check(format!("{shared:?}"), compile_variant(&shared, "sm_90"));
             }
         }
         for out in [OutType::F32, OutType::F16, OutType::BF16] {
@@ -1852,6 +2215,13 @@ fn every_kernel_variant_compiles_for_sm90() {
         check(format!("{v:?}"), compile_variant(&v, "sm_90"));
     }
     check("sampling".into(), compile_variant(&SamplingVariant::DEFAULT, "sm_90"));
+    check("moe_route".into(), compile_variant(&MoeRouteVariant, "sm_90"));
+    for shared in [false, true] {
+        for residual in [false, true] {
+            let v = MoeCombineVariant { shared, residual };
+            check(format!("{v:?}"), compile_variant(&v, "sm_90"));
+        }
+    }
     check("gdn_conv".into(), compile_variant(&GdnConvVariant, "sm_90"));
     // Qwen3.5's heads, the tiny fixture's, the op tests' odd shapes, the largest blocks.
     for (k_dim, v_dim) in [(128, 128), (16, 12), (12, 10), (33, 7), (40, 24), (256, 64), (32, 32), (128, 256), (1024, 32)] {

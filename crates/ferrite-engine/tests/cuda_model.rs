@@ -9,7 +9,7 @@ use common::diff;
 use ferrite_cpu::{CpuExecutor, CpuPrecision};
 use ferrite_engine::sampling::argmax;
 use ferrite_gguf::GgmlType;
-use ferrite_model::synth::{self, SynthGdn, SynthShape};
+use ferrite_model::synth::{self, SynthGdn, SynthMoe, SynthShape};
 use ferrite_model::{Executor, ExecutorOptions, FusionOptions, Model, PagedKvConfig, SeqChunk};
 use std::sync::Arc;
 
@@ -38,6 +38,27 @@ const QWEN35_SMALL: SynthShape = SynthShape {
     context_length: 256,
     tied_embeddings: false,
     gdn: Some(SynthGdn { n_k_heads: 2, n_v_heads: 4, k_dim: 128, v_dim: 128 }),
+    moe: None,
+};
+
+/// A small Qwen3.5-MoE: the hybrid above with a MoE FFN in every layer (16 experts of 256, top 4,
+/// split gate/up banks, a shared expert of 512).
+const QWEN35MOE_SMALL: SynthShape = SynthShape {
+    name: "qwen3.5-moe-small",
+    arch: "qwen35moe",
+    n_ff: 512,
+    moe: Some(SynthMoe { n_experts: 16, top_k: 4, n_ff_exp: 256, n_ff_shexp: 512, fused_gate_up: false }),
+    ..QWEN35_SMALL
+};
+
+/// The same with every expert used by every token (top 4 of 4, a fused gate/up bank): routing
+/// is then a weighting without choices, so quantized activations cannot flip an expert in or out
+/// (a flip is a legitimate, discontinuous difference between any two numerics; the op tests
+/// check choosing subsets on the int8 path).
+const QWEN35MOE_ALL_EXPERTS: SynthShape = SynthShape {
+    name: "qwen3.5-moe-all-experts",
+    moe: Some(SynthMoe { n_experts: 4, top_k: 4, n_ff_exp: 256, n_ff_shexp: 256, fused_gate_up: true }),
+    ..QWEN35MOE_SMALL
 };
 
 fn synthetic(shape: &SynthShape, dtype: GgmlType) -> Arc<Model> {
@@ -192,6 +213,18 @@ fn cuda_fp32_matches_cpu_reference_on_real_shapes() {
     let (worst, agreed) = compare(synthetic(&QWEN35_SMALL, GgmlType::Q8_0), 32);
     println!("qwen3.5-small Q8_0: worst relative error {worst:.2e}, {agreed}/33 greedy steps agree");
     assert!(worst < 1e-4 && agreed == 33, "qwen3.5-small: relative error {worst}, {agreed}/33 agree");
+    // Qwen3.5-MoE (routing, the routed experts' GEMVs, the gated shared expert) on its tiny
+    // transformers-checked fixture (4 experts, top 2, f32 banks split into gate and up: the f32
+    // expert GEMVs), and with quantized banks (the f32-activation GEMVs on them here).
+    let qwen35moe = common::workspace_root().join("fixtures/tiny/qwen35moe.gguf");
+    let (worst, agreed) = compare(Arc::new(Model::load(qwen35moe, FusionOptions::from_env()).unwrap()), 32);
+    println!("tiny qwen35moe: worst relative error {worst:.2e}, {agreed}/33 greedy steps agree");
+    assert!(worst < 1e-4 && agreed == 33, "tiny qwen35moe: relative error {worst}, {agreed}/33 agree");
+    for (shape, dtype) in [(&QWEN35MOE_SMALL, GgmlType::Q8_0), (&QWEN35MOE_ALL_EXPERTS, GgmlType::Q4_K)] {
+        let (worst, agreed) = compare(synthetic(shape, dtype), 32);
+        println!("{} {dtype}: worst relative error {worst:.2e}, {agreed}/33 greedy steps agree", shape.name);
+        assert!(worst < 1e-4 && agreed == 33, "{} {dtype}: relative error {worst}, {agreed}/33 agree", shape.name);
+    }
     // Chunked Gated DeltaNet prefill: a 300-token prompt in batches of 256 (chunked path) and
     // 44 (recurrent), then decode from the state they left.
     let model = synthetic(&QWEN35_SMALL, GgmlType::Q8_0);
@@ -207,7 +240,7 @@ fn cuda_fp32_matches_cpu_reference_on_real_shapes() {
     std::env::set_var("FERRITE_CUDA_GEMV_ACTIVATIONS", "q8");
     let named = |name| synth::shape(name).unwrap();
     for (shape, dtype) in
-        [(named("smollm2-135m"), GgmlType::Q4_1), (named("llama-3.2-1b"), GgmlType::Q4_0), (named("smollm2-135m"), GgmlType::Q8_0), (&QWEN35_SMALL, GgmlType::Q8_0)]
+        [(named("smollm2-135m"), GgmlType::Q4_1), (named("llama-3.2-1b"), GgmlType::Q4_0), (named("smollm2-135m"), GgmlType::Q8_0), (&QWEN35_SMALL, GgmlType::Q8_0), (&QWEN35MOE_ALL_EXPERTS, GgmlType::Q4_K)]
     {
         let (model, shape) = (synthetic(shape, dtype), shape.name);
         let reference = || CpuExecutor::new(Arc::clone(&model), CpuPrecision::Reference, opts(16)).unwrap();
@@ -234,8 +267,13 @@ fn cuda_fp32_matches_cpu_reference_on_real_shapes() {
 
     // Decode-step graph replay runs the same kernels on the same buffers: bit-identical logits
     // to launching every op, at every position; with recurrent state too, which the replayed
-    // graph updates in place (and a forward at position 0 resets before the replay).
-    for model in [synthetic(synth::shape("smollm2-135m").unwrap(), GgmlType::Q4_1), synthetic(&QWEN35_SMALL, GgmlType::Q8_0)] {
+    // graph updates in place (and a forward at position 0 resets before the replay), and with
+    // MoE layers, whose experts come from device memory.
+    for model in [
+        synthetic(synth::shape("smollm2-135m").unwrap(), GgmlType::Q4_1),
+        synthetic(&QWEN35_SMALL, GgmlType::Q8_0),
+        synthetic(&QWEN35MOE_SMALL, GgmlType::Q4_K),
+    ] {
         let run = |disable_graph: &str| {
             std::env::set_var("FERRITE_DISABLE_CUDA_GRAPH", disable_graph);
             let mut gpu = ferrite_cuda::CudaExecutor::new(Arc::clone(&model), opts(16)).unwrap();
@@ -253,7 +291,7 @@ fn cuda_fp32_matches_cpu_reference_on_real_shapes() {
         std::env::remove_var("FERRITE_DISABLE_CUDA_GRAPH");
         assert!(replayed == eager, "{}: graph replay changes the logits", model.config.arch.name());
     }
-    println!("decode graph replay: bit-identical logits over 17 steps and a restart, with and without recurrent state");
+    println!("decode graph replay: bit-identical logits over 17 steps and a restart, with and without recurrent state, with MoE layers");
     recurrent_state_positions();
 }
 

@@ -67,7 +67,7 @@ fn qwen2_biases_fuse_bit_identically() {
     use ferrite_model::synth::{self, SynthShape};
     use ferrite_model::Model;
     use std::sync::Arc;
-    let shape = SynthShape { name: "tiny-qwen2", arch: "qwen2", n_layers: 2, n_embd: 64, n_heads: 4, n_kv_heads: 2, head_dim: 16, n_ff: 96, rope_theta: 1e6, context_length: 128, tied_embeddings: true, gdn: None };
+    let shape = SynthShape { name: "tiny-qwen2", arch: "qwen2", n_layers: 2, n_embd: 64, n_heads: 4, n_kv_heads: 2, head_dim: 16, n_ff: 96, rope_theta: 1e6, context_length: 128, tied_embeddings: true, gdn: None, moe: None };
     let path = synth::write_temp(&shape, GgmlType::Q8_0, 5).unwrap();
     let tokens = [3u32, 77, 1000, 42, 9];
     let logits = |fusion| {

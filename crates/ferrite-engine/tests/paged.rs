@@ -68,7 +68,7 @@ fn single_sequence_paged_equals_contiguous_smollm2_quantized() {
 
 #[test]
 fn single_sequence_paged_equals_contiguous_synth_reference() {
-    let shape = SynthShape { name: "tiny-llama-paged", arch: "llama", n_layers: 2, n_embd: 128, n_heads: 4, n_kv_heads: 2, head_dim: 32, n_ff: 192, rope_theta: 1e4, context_length: 256, tied_embeddings: true, gdn: None };
+    let shape = SynthShape { name: "tiny-llama-paged", arch: "llama", n_layers: 2, n_embd: 128, n_heads: 4, n_kv_heads: 2, head_dim: 32, n_ff: 192, rope_theta: 1e4, context_length: 256, tied_embeddings: true, gdn: None, moe: None };
     let path = synth::write_temp(&shape, GgmlType::Q8_0, 11).unwrap();
     let model = Arc::new(Model::load(&path, FusionOptions::ALL).unwrap());
     single_sequence_matches(&model, CpuPrecision::Reference);

@@ -437,7 +437,7 @@ fn to_q8_0(_: &mut Vec<(String, ferrite_gguf::Value)>, tensors: &mut Tensors) {
 fn qwen35_synthetic_shape_runs() {
     use ferrite_model::synth::{self, SynthGdn, SynthShape};
     let gdn = Some(SynthGdn { n_k_heads: 2, n_v_heads: 4, k_dim: 32, v_dim: 32 });
-    let s = SynthShape { name: "tiny-qwen35-run", arch: "qwen35", n_layers: 4, n_embd: 128, n_heads: 4, n_kv_heads: 2, head_dim: 64, n_ff: 256, rope_theta: 1e7, context_length: 64, tied_embeddings: false, gdn };
+    let s = SynthShape { name: "tiny-qwen35-run", arch: "qwen35", n_layers: 4, n_embd: 128, n_heads: 4, n_kv_heads: 2, head_dim: 64, n_ff: 256, rope_theta: 1e7, context_length: 64, tied_embeddings: false, gdn, moe: None };
     let path = synth::write_temp(&s, ferrite_gguf::GgmlType::Q8_0, 5).unwrap();
     let model = Arc::new(Model::load(&path, FusionOptions::ALL).unwrap());
     let ids = [3u32, 1000, 42, 7, 49000, 12];
@@ -638,15 +638,21 @@ fn qwen35moe_quantized_weights() {
     }
 }
 
-/// The CUDA backend refuses MoE graphs with a clear message, before touching any device.
+/// The CUDA backend takes MoE graphs (`check_supported` runs before touching any device); MoE
+/// shapes its routing kernels cannot run are refused with the reason.
 #[test]
-fn qwen35moe_is_refused_by_cuda() {
+fn qwen35moe_is_accepted_by_cuda() {
+    use ferrite_model::graph::Op;
     let model = Model::load(workspace_root().join("fixtures/tiny/qwen35moe.gguf"), FusionOptions::ALL).unwrap();
-    let err = ferrite_cuda::check_supported(&model.graph).unwrap_err().to_string();
-    assert!(err.contains("MoE FFN is not supported on CUDA yet"), "{err}");
-    let opts = ExecutorOptions { max_batch: 4, context_len: 16, trace: false, progress: None };
-    let err = ferrite_cuda::open_executor(Arc::new(model), opts).err().expect("opened").to_string();
-    assert!(err.contains("MoE FFN is not supported on CUDA yet"), "{err}");
+    ferrite_cuda::check_supported(&model.graph).unwrap();
+    let mut graph = model.graph.clone();
+    for op in &mut graph.ops {
+        if let Op::MoeFfn { moe, .. } = op {
+            moe.n_experts = 5000;
+        }
+    }
+    let err = format!("{:#}", ferrite_cuda::check_supported(&graph).unwrap_err());
+    assert!(err.contains("on CUDA") && err.contains("5000 experts: the routing kernel takes 1 ..= 4096"), "{err}");
 }
 
 /// Missing or inconsistent MoE metadata and tensors are refused with the reason.

@@ -27,8 +27,22 @@ pub struct SynthShape {
     pub rope_theta: f32,
     pub context_length: usize,
     pub tied_embeddings: bool,
-    /// Gated DeltaNet layers (arch `qwen35`): every layer but each 4th is one.
+    /// Gated DeltaNet layers (arch `qwen35`, `qwen35moe`): every layer but each 4th is one.
     pub gdn: Option<SynthGdn>,
+    /// The MoE FFN of every layer (arch `qwen35moe`, with `gdn`) instead of the dense MLP.
+    pub moe: Option<SynthMoe>,
+}
+
+/// The MoE FFN of a Qwen3.5-MoE shape: routed experts as 3-D banks, a gated shared expert, an
+/// f32 router (as llama.cpp keeps it).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct SynthMoe {
+    pub n_experts: usize,
+    pub top_k: usize,
+    pub n_ff_exp: usize,
+    pub n_ff_shexp: usize,
+    /// One `ffn_gate_up_exps` bank instead of `ffn_gate_exps` + `ffn_up_exps`.
+    pub fused_gate_up: bool,
 }
 
 /// The Gated DeltaNet dimensions of a hybrid shape.
@@ -43,13 +57,18 @@ pub struct SynthGdn {
 const QWEN35_INTERVAL: usize = 4;
 
 pub const SHAPES: &[SynthShape] = &[
-    SynthShape { name: "smollm2-135m", arch: "llama", n_layers: 30, n_embd: 576, n_heads: 9, n_kv_heads: 3, head_dim: 64, n_ff: 1536, rope_theta: 100000.0, context_length: 8192, tied_embeddings: true, gdn: None },
-    SynthShape { name: "llama-3.2-1b", arch: "llama", n_layers: 16, n_embd: 2048, n_heads: 32, n_kv_heads: 8, head_dim: 64, n_ff: 8192, rope_theta: 500000.0, context_length: 131072, tied_embeddings: true, gdn: None },
-    SynthShape { name: "llama-3.1-8b", arch: "llama", n_layers: 32, n_embd: 4096, n_heads: 32, n_kv_heads: 8, head_dim: 128, n_ff: 14336, rope_theta: 500000.0, context_length: 131072, tied_embeddings: false, gdn: None },
-    SynthShape { name: "gemma3-270m", arch: "gemma3", n_layers: 18, n_embd: 640, n_heads: 4, n_kv_heads: 1, head_dim: 256, n_ff: 2048, rope_theta: 1000000.0, context_length: 32768, tied_embeddings: true, gdn: None },
-    // transformers' Qwen3_5TextConfig defaults ("Qwen3.5-9B style"); CPU backends only for now.
-    SynthShape { name: "qwen3.5-9b", arch: "qwen35", n_layers: 32, n_embd: 4096, n_heads: 16, n_kv_heads: 4, head_dim: 256, n_ff: 12288, rope_theta: 1e7, context_length: 262144, tied_embeddings: false, gdn: Some(SynthGdn { n_k_heads: 16, n_v_heads: 32, k_dim: 128, v_dim: 128 }) },
-    SynthShape { name: "qwen3-8b", arch: "qwen3", n_layers: 36, n_embd: 4096, n_heads: 32, n_kv_heads: 8, head_dim: 128, n_ff: 12288, rope_theta: 1000000.0, context_length: 40960, tied_embeddings: false, gdn: None },
+    SynthShape { name: "smollm2-135m", arch: "llama", n_layers: 30, n_embd: 576, n_heads: 9, n_kv_heads: 3, head_dim: 64, n_ff: 1536, rope_theta: 100000.0, context_length: 8192, tied_embeddings: true, gdn: None, moe: None },
+    SynthShape { name: "llama-3.2-1b", arch: "llama", n_layers: 16, n_embd: 2048, n_heads: 32, n_kv_heads: 8, head_dim: 64, n_ff: 8192, rope_theta: 500000.0, context_length: 131072, tied_embeddings: true, gdn: None, moe: None },
+    SynthShape { name: "llama-3.1-8b", arch: "llama", n_layers: 32, n_embd: 4096, n_heads: 32, n_kv_heads: 8, head_dim: 128, n_ff: 14336, rope_theta: 500000.0, context_length: 131072, tied_embeddings: false, gdn: None, moe: None },
+    SynthShape { name: "gemma3-270m", arch: "gemma3", n_layers: 18, n_embd: 640, n_heads: 4, n_kv_heads: 1, head_dim: 256, n_ff: 2048, rope_theta: 1000000.0, context_length: 32768, tied_embeddings: true, gdn: None, moe: None },
+    // transformers' Qwen3_5TextConfig defaults ("Qwen3.5-9B style").
+    SynthShape { name: "qwen3.5-9b", arch: "qwen35", n_layers: 32, n_embd: 4096, n_heads: 16, n_kv_heads: 4, head_dim: 256, n_ff: 12288, rope_theta: 1e7, context_length: 262144, tied_embeddings: false, gdn: Some(SynthGdn { n_k_heads: 16, n_v_heads: 32, k_dim: 128, v_dim: 128 }), moe: None },
+    // Qwen3.5-35B-A3B's layer shape (transformers' Qwen3_5MoeTextConfig defaults: 256 experts of
+    // 512, top 8, a shared expert of 512) with 16 of its 40 layers, so that the file stays near
+    // 7.7 GB at Q4_0/Q4_K (Q8_0: 14.5 GB): per-layer timings are the real model's; whole-model
+    // time scales by 40/16.
+    SynthShape { name: "qwen3.5-35b-a3b-16l", arch: "qwen35moe", n_layers: 16, n_embd: 2048, n_heads: 16, n_kv_heads: 2, head_dim: 256, n_ff: 512, rope_theta: 1e7, context_length: 262144, tied_embeddings: false, gdn: Some(SynthGdn { n_k_heads: 16, n_v_heads: 32, k_dim: 128, v_dim: 128 }), moe: Some(SynthMoe { n_experts: 256, top_k: 8, n_ff_exp: 512, n_ff_shexp: 512, fused_gate_up: false }) },
+    SynthShape { name: "qwen3-8b", arch: "qwen3", n_layers: 36, n_embd: 4096, n_heads: 32, n_kv_heads: 8, head_dim: 128, n_ff: 12288, rope_theta: 1000000.0, context_length: 40960, tied_embeddings: false, gdn: None, moe: None },
 ];
 
 pub fn shape(name: &str) -> Option<&'static SynthShape> {
@@ -84,6 +103,22 @@ fn tensors(s: &SynthShape) -> Vec<(String, Vec<u64>)> {
                 t.push((b("attn_output.weight"), vec![q, d]));
             }
             t.push((b("post_attention_norm.weight"), vec![d]));
+            if let Some(m) = s.moe {
+                let (e, fe, fs) = (m.n_experts as u64, m.n_ff_exp as u64, m.n_ff_shexp as u64);
+                t.push((b("ffn_gate_inp.weight"), vec![d, e]));
+                if m.fused_gate_up {
+                    t.push((b("ffn_gate_up_exps.weight"), vec![d, 2 * fe, e]));
+                } else {
+                    t.push((b("ffn_gate_exps.weight"), vec![d, fe, e]));
+                    t.push((b("ffn_up_exps.weight"), vec![d, fe, e]));
+                }
+                t.push((b("ffn_down_exps.weight"), vec![fe, d, e]));
+                t.push((b("ffn_gate_inp_shexp.weight"), vec![d]));
+                t.push((b("ffn_gate_shexp.weight"), vec![d, fs]));
+                t.push((b("ffn_up_shexp.weight"), vec![d, fs]));
+                t.push((b("ffn_down_shexp.weight"), vec![fs, d]));
+                continue;
+            }
             t.push((b("ffn_gate.weight"), vec![d, ff]));
             t.push((b("ffn_up.weight"), vec![d, ff]));
             t.push((b("ffn_down.weight"), vec![ff, d]));
@@ -168,6 +203,12 @@ pub fn write(path: &Path, shape: &SynthShape, dtype: GgmlType, seed: u64, mut pr
         w.add_metadata(format!("{a}.ssm.inner_size"), u(g.n_v_heads * g.v_dim));
         w.add_metadata(format!("{a}.full_attention_interval"), u(QWEN35_INTERVAL));
     }
+    if let Some(m) = shape.moe {
+        w.add_metadata(format!("{a}.expert_count"), u(m.n_experts));
+        w.add_metadata(format!("{a}.expert_used_count"), u(m.top_k));
+        w.add_metadata(format!("{a}.expert_feed_forward_length"), u(m.n_ff_exp));
+        w.add_metadata(format!("{a}.expert_shared_feed_forward_length"), u(m.n_ff_shexp));
+    }
     if a == "gemma3" {
         // Gemma 3's window; every 6th layer global, local RoPE base 10 000 (llama.cpp's defaults).
         w.add_metadata("gemma3.attention.sliding_window", u(512));
@@ -181,7 +222,9 @@ pub fn write(path: &Path, shape: &SynthShape, dtype: GgmlType, seed: u64, mut pr
     for (name, dims) in &list {
         // Like llama.cpp's quantizer: rows that are not whole blocks of `dtype` (Gemma 3 270M's
         // 640-wide rows under a 256-value k-quant) fall back to Q8_0.
-        let matrix_type = if dims[0] % dtype.block_size() as u64 == 0 {
+        let matrix_type = if name.ends_with("ffn_gate_inp.weight") {
+            GgmlType::F32 // MoE routers (llama.cpp keeps them in f32 too)
+        } else if dims[0] % dtype.block_size() as u64 == 0 {
             dtype
         } else if dims[0] % GgmlType::Q8_0.block_size() as u64 == 0 {
             GgmlType::Q8_0
@@ -257,7 +300,7 @@ mod tests {
 
     #[test]
     fn qwen2_shape_loads_with_biases_fused() {
-        let s = SynthShape { name: "tiny-qwen2", arch: "qwen2", n_layers: 1, n_embd: 64, n_heads: 4, n_kv_heads: 2, head_dim: 16, n_ff: 96, rope_theta: 1e6, context_length: 128, tied_embeddings: true, gdn: None };
+        let s = SynthShape { name: "tiny-qwen2", arch: "qwen2", n_layers: 1, n_embd: 64, n_heads: 4, n_kv_heads: 2, head_dim: 16, n_ff: 96, rope_theta: 1e6, context_length: 128, tied_embeddings: true, gdn: None, moe: None };
         let path = write_temp(&s, GgmlType::Q4_0, 1).unwrap();
         let fused = Model::load(&path, FusionOptions::ALL).unwrap();
         assert_eq!(fused.config.arch, Arch::Qwen2);
@@ -277,7 +320,7 @@ mod tests {
     /// A Gemma 3 shape: post-norms and QK-norm tensors, a 512-token window on all but every 6th layer.
     #[test]
     fn gemma3_shape_loads_with_sliding_layers() {
-        let s = SynthShape { name: "tiny-gemma3", arch: "gemma3", n_layers: 7, n_embd: 64, n_heads: 4, n_kv_heads: 1, head_dim: 32, n_ff: 96, rope_theta: 1e6, context_length: 128, tied_embeddings: true, gdn: None };
+        let s = SynthShape { name: "tiny-gemma3", arch: "gemma3", n_layers: 7, n_embd: 64, n_heads: 4, n_kv_heads: 1, head_dim: 32, n_ff: 96, rope_theta: 1e6, context_length: 128, tied_embeddings: true, gdn: None, moe: None };
         let path = write_temp(&s, GgmlType::Q8_0, 2).unwrap();
         let m = Model::load(&path, FusionOptions::ALL).unwrap();
         assert_eq!(m.config.arch, Arch::Gemma3);
@@ -290,7 +333,7 @@ mod tests {
     #[test]
     fn qwen35_shape_loads_as_a_hybrid() {
         let gdn = Some(SynthGdn { n_k_heads: 2, n_v_heads: 4, k_dim: 16, v_dim: 32 });
-        let s = SynthShape { name: "tiny-qwen35", arch: "qwen35", n_layers: 5, n_embd: 64, n_heads: 4, n_kv_heads: 2, head_dim: 32, n_ff: 96, rope_theta: 1e7, context_length: 128, tied_embeddings: false, gdn };
+        let s = SynthShape { name: "tiny-qwen35", arch: "qwen35", n_layers: 5, n_embd: 64, n_heads: 4, n_kv_heads: 2, head_dim: 32, n_ff: 96, rope_theta: 1e7, context_length: 128, tied_embeddings: false, gdn, moe: None };
         let path = write_temp(&s, GgmlType::Q8_0, 4).unwrap();
         let m = Model::load(&path, FusionOptions::ALL).unwrap();
         assert_eq!(m.config.arch, Arch::Qwen35);
@@ -305,6 +348,30 @@ mod tests {
         assert!(shape("qwen3.5-9b").is_some_and(|s| s.gdn.is_some()));
     }
 
+    /// A Qwen3.5-MoE shape: the hybrid with a MoE FFN in every layer, banks as 3-D tensors
+    /// (fused or split gate/up), the router in f32 whatever the matrix type.
+    #[test]
+    fn qwen35moe_shape_loads_with_expert_banks() {
+        use crate::graph::ExpertGateUp;
+        let gdn = Some(SynthGdn { n_k_heads: 2, n_v_heads: 4, k_dim: 16, v_dim: 32 });
+        for fused_gate_up in [false, true] {
+            let moe = Some(SynthMoe { n_experts: 8, top_k: 2, n_ff_exp: 32, n_ff_shexp: 64, fused_gate_up });
+            let s = SynthShape { name: "tiny-qwen35moe", arch: "qwen35moe", n_layers: 4, n_embd: 64, n_heads: 4, n_kv_heads: 2, head_dim: 32, n_ff: 64, rope_theta: 1e7, context_length: 128, tied_embeddings: false, gdn, moe };
+            let path = write_temp(&s, GgmlType::Q8_0, 8 + fused_gate_up as u64).unwrap();
+            let m = Model::load(&path, FusionOptions::ALL).unwrap();
+            assert_eq!(m.config.arch, Arch::Qwen35Moe);
+            let moe_ops: Vec<_> = m.graph.ops.iter().filter_map(|o| if let Op::MoeFfn { router, gate_up, down, moe, .. } = o { Some((*router, *gate_up, *down, *moe)) } else { None }).collect();
+            assert_eq!(moe_ops.len(), 4);
+            let (router, gate_up, down, shape) = moe_ops[0];
+            assert_eq!((shape.n_experts, shape.top_k, shape.n_ff_exp, shape.norm_topk_prob), (8, 2, 32, true));
+            assert_eq!(m.weights.spec(router).dtype, GgmlType::F32);
+            assert_eq!((m.weights.spec(down).rows, m.weights.spec(down).cols, m.weights.spec(down).experts), (8 * 64, 32, 8));
+            assert_eq!(matches!(gate_up, ExpertGateUp::Fused(_)), fused_gate_up);
+        }
+        let real = shape("qwen3.5-35b-a3b-16l").unwrap();
+        assert_eq!(real.moe.map(|m| (m.n_experts, m.top_k)), Some((256, 8)));
+    }
+
     /// The int8 hand-offs declared at load: per Llama layer attention -> output projection ->
     /// gate/up -> down -> the next layer's QKV (the output head reads the last row, a copy);
     /// Gemma's
@@ -315,7 +382,7 @@ mod tests {
         let kinds = |m: &Model| -> Vec<(&'static str, &'static str)> {
             m.graph.handoffs.iter().map(|h| (m.graph.ops[h.producer].kind(), m.graph.ops[h.consumer].kind())).collect()
         };
-        let llama = SynthShape { name: "tiny-llama", arch: "llama", n_layers: 2, n_embd: 64, n_heads: 4, n_kv_heads: 2, head_dim: 16, n_ff: 96, rope_theta: 1e4, context_length: 64, tied_embeddings: false, gdn: None };
+        let llama = SynthShape { name: "tiny-llama", arch: "llama", n_layers: 2, n_embd: 64, n_heads: 4, n_kv_heads: 2, head_dim: 16, n_ff: 96, rope_theta: 1e4, context_length: 64, tied_embeddings: false, gdn: None, moe: None };
         let path = write_temp(&llama, GgmlType::Q8_0, 5).unwrap();
         let m = Model::load(&path, FusionOptions::ALL).unwrap();
         let layer = [("attention", "linear"), ("linear", "norm+gated_linear"), ("norm+gated_linear", "linear")];
@@ -324,11 +391,11 @@ mod tests {
         // Unfused: the separate Q/K/V linears read the normed value, written by an RmsNorm op.
         let unfused = Model::load(&path, FusionOptions { int8_handoff: true, ..FusionOptions::NONE }).unwrap();
         assert!(kinds(&unfused).iter().all(|&(p, _)| p != "rms_norm"));
-        let gemma = SynthShape { name: "tiny-gemma3", arch: "gemma3", n_layers: 1, n_embd: 64, n_heads: 4, n_kv_heads: 1, head_dim: 32, n_ff: 96, rope_theta: 1e6, context_length: 64, tied_embeddings: true, gdn: None };
+        let gemma = SynthShape { name: "tiny-gemma3", arch: "gemma3", n_layers: 1, n_embd: 64, n_heads: 4, n_kv_heads: 1, head_dim: 32, n_ff: 96, rope_theta: 1e6, context_length: 64, tied_embeddings: true, gdn: None, moe: None };
         let m = Model::load(write_temp(&gemma, GgmlType::Q8_0, 6).unwrap(), FusionOptions::ALL).unwrap();
         assert_eq!(kinds(&m), [("attention", "linear"), ("norm+gated_linear", "linear")]);
         let gdn = Some(SynthGdn { n_k_heads: 2, n_v_heads: 4, k_dim: 16, v_dim: 32 });
-        let qwen35 = SynthShape { name: "tiny-qwen35", arch: "qwen35", n_layers: 4, n_embd: 64, n_heads: 4, n_kv_heads: 2, head_dim: 32, n_ff: 96, rope_theta: 1e7, context_length: 64, tied_embeddings: false, gdn };
+        let qwen35 = SynthShape { name: "tiny-qwen35", arch: "qwen35", n_layers: 4, n_embd: 64, n_heads: 4, n_kv_heads: 2, head_dim: 32, n_ff: 96, rope_theta: 1e7, context_length: 64, tied_embeddings: false, gdn, moe: None };
         let m = Model::load(write_temp(&qwen35, GgmlType::Q8_0, 7).unwrap(), FusionOptions::ALL).unwrap();
         assert!(kinds(&m).iter().all(|&(p, _)| p != "attention" && p != "gated_delta_net"));
     }
@@ -336,7 +403,7 @@ mod tests {
     /// A k-quant whose blocks do not divide the rows: those tensors are written as Q8_0.
     #[test]
     fn ragged_rows_fall_back_to_q8_0() {
-        let s = SynthShape { name: "ragged", arch: "llama", n_layers: 1, n_embd: 96, n_heads: 2, n_kv_heads: 1, head_dim: 48, n_ff: 256, rope_theta: 1e4, context_length: 64, tied_embeddings: false, gdn: None };
+        let s = SynthShape { name: "ragged", arch: "llama", n_layers: 1, n_embd: 96, n_heads: 2, n_kv_heads: 1, head_dim: 48, n_ff: 256, rope_theta: 1e4, context_length: 64, tied_embeddings: false, gdn: None, moe: None };
         let path = write_temp(&s, GgmlType::Q4_K, 3).unwrap();
         let m = Model::load(&path, FusionOptions::ALL).unwrap();
         assert_eq!(m.file.tensor("blk.0.ffn_up.weight").unwrap().dtype, GgmlType::Q8_0); // 96-wide rows
@@ -346,7 +413,7 @@ mod tests {
     /// A small custom shape written, reloaded and turned into a graph.
     #[test]
     fn synthetic_model_loads_with_expected_shapes() {
-        let s = SynthShape { name: "tiny", arch: "llama", n_layers: 2, n_embd: 64, n_heads: 4, n_kv_heads: 2, head_dim: 16, n_ff: 128, rope_theta: 1e4, context_length: 256, tied_embeddings: false, gdn: None };
+        let s = SynthShape { name: "tiny", arch: "llama", n_layers: 2, n_embd: 64, n_heads: 4, n_kv_heads: 2, head_dim: 16, n_ff: 128, rope_theta: 1e4, context_length: 256, tied_embeddings: false, gdn: None, moe: None };
         let path = write_temp(&s, GgmlType::Q8_0, 7).unwrap();
         let m = Model::load(&path, FusionOptions::ALL).unwrap();
         assert_eq!((m.config.n_layers, m.config.n_embd, m.config.n_kv_heads, m.config.vocab_size), (2, 64, 2, VOCAB));

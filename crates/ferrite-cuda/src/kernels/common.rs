@@ -9,6 +9,7 @@
 /// Error codes a kernel may leave in the device error flag; decoded by `Gpu::check_device`.
 pub(crate) const ERR_TOKEN_ID: u32 = 1;
 pub(crate) const ERR_POSITION: u32 = 2;
+pub(crate) const ERR_EXPERT_ID: u32 = 3;
 
 pub const HEADER: &str = r#"
 // ---- ferrite common header ----
@@ -23,9 +24,10 @@ typedef long long i64;
 #define FULL_MASK 0xffffffffu
 #define NEG_INF __uint_as_float(0xff800000u)
 #define QNAN __uint_as_float(0x7fc00000u)
-// Must equal ERR_TOKEN_ID / ERR_POSITION in kernels/common.rs.
+// Must equal ERR_TOKEN_ID / ERR_POSITION / ERR_EXPERT_ID in kernels/common.rs.
 #define ERR_TOKEN_ID 1u
 #define ERR_POSITION 2u
+#define ERR_EXPERT_ID 3u
 
 __device__ __forceinline__ float f16_to_f32(u16 h) {
   float f;

@@ -38,9 +38,20 @@ device_params! {
         pub w3: u64,
         pub x: u64,
         pub out: u64,
+        /// `EXPERTS`: the expert of each (token, slot) pair, `u32 [n_tokens]` (`n_tokens` counts
+        /// pairs then), and the device error flag for an expert id out of range.
+        pub experts: u64,
+        pub error_flag: u64,
         pub rows: u32,
         pub cols: u32,
         pub n_tokens: u32,
+        /// `EXPERTS`: weight rows per expert, the first row of this GEMV inside an expert (the up
+        /// half of a fused `[gate; up]` bank), the expert count, and pairs per activation row
+        /// (pair `i` reads row `i / x_div`: `top_k` for a per-token input, 1 for a per-pair one).
+        pub expert_rows: u32,
+        pub expert_off: u32,
+        pub n_experts: u32,
+        pub x_div: u32,
         pub pad: u32,
     }
 }
@@ -75,6 +86,18 @@ device_params! {
         pub emit_s: u64,
         pub emit_norm: u64,
         pub emit_partials: u64,
+        /// `UP_SPLIT`: the planes of the up weight (rows at the gate rows' indices).
+        pub u0: u64,
+        pub u1: u64,
+        pub u2: u64,
+        pub u3: u64,
+        /// `EXPERTS`: as in [`GemvParams`].
+        pub experts: u64,
+        pub error_flag: u64,
+        pub expert_rows: u32,
+        pub expert_off: u32,
+        pub n_experts: u32,
+        pub x_div: u32,
     }
 }
 
@@ -112,10 +135,22 @@ const SOURCE_Q8: &str = r#"
 #ifndef KSPLIT
 #error "KSPLIT (slices of NWARPS warps splitting each row's units; partial sums meet in shared memory) must come from the kernel variant"
 #endif
+#ifndef UP_SPLIT
+#error "UP_SPLIT (1: with GLU, the up rows come from a second weight (u0..u3) at the gate rows' indices) must come from the kernel variant"
+#endif
+#ifndef EXPERTS
+#error "EXPERTS (1: grid y walks (token, slot) pairs, each multiplying the rows of its pair's expert, read from device memory) must come from the kernel variant"
+#endif
 #define ROWS_PER_BLOCK (NWARPS * 32 / TPR * ROWS)
 #define SLICE_THREADS (NWARPS * 32)
 #if EMIT && ROWS_PER_BLOCK % 32 != 0
 #error "EMIT needs blocks that own whole 32-row quantization blocks"
+#endif
+#if UP_SPLIT && !GLU
+#error "UP_SPLIT needs GLU"
+#endif
+#if EXPERTS && (NTOK != 1 || IN_NORM || EMIT || RESIDUAL || BIAS)
+#error "EXPERTS runs one pair per grid-y tile, without hand-offs, bias or residual"
 #endif
 
 // Accumulators per lane group: ROWS output rows, or with GLU their gate rows then their up rows
@@ -125,10 +160,20 @@ const SOURCE_Q8: &str = r#"
 #else
 #define WROWS ROWS
 #endif
-__device__ __forceinline__ i64 weight_row(const GemvQ8Params& p, i64 row0, int i) {
+// Weight row of accumulator i: its expert's first row (ebase, 0 without EXPERTS) plus the row,
+// for an up accumulator of a fused [gate; up] weight p.rows further on.
+__device__ __forceinline__ i64 weight_row(const GemvQ8Params& p, i64 ebase, i64 row0, int i) {
   const i64 row = min(row0 + i % ROWS, (i64)p.rows - 1);  // past the end: a safe re-read
-  return GLU && i >= ROWS ? (i64)p.rows + row : row;
+  return ebase + (GLU && !UP_SPLIT && i >= ROWS ? (i64)p.rows + row : row);
 }
+
+// The activation row of grid-y tile `tok`: with EXPERTS a (token, slot) pair reads row
+// pair / x_div (its token's row for the gate/up GEMV, its own for the down GEMV).
+#if EXPERTS
+#define XROW(tok) ((tok) / (int)p.x_div)
+#else
+#define XROW(tok) (tok)
+#endif
 
 // Adds bias and residual, stores, and returns the stored value.
 __device__ __forceinline__ float store_q8(const GemvQ8Params& p, i64 row, int tok, float s) {
@@ -174,6 +219,12 @@ extern "C" __global__ void __launch_bounds__(SLICE_THREADS * KSPLIT) gemv_q8(con
   const i64 row0 = ((i64)blockIdx.x * (NWARPS * 32 / TPR) + group) * ROWS;
   const int tok0 = blockIdx.y * NTOK;
   const WeightRef w = {(const u8*)p.w0, (const u8*)p.w1, (const u8*)p.w2, (const u8*)p.w3, (i64)p.cols};
+#if UP_SPLIT
+  const WeightRef wup = {(const u8*)p.u0, (const u8*)p.u1, (const u8*)p.u2, (const u8*)p.u3, (i64)p.cols};
+#define WEIGHT_OF(r) ((r) >= ROWS ? wup : w)
+#else
+#define WEIGHT_OF(r) w
+#endif
   const int units = (int)(p.cols / 32);
   const int4* xq = reinterpret_cast<const int4*>(p.xq);
   const uint2* xs = reinterpret_cast<const uint2*>(p.xs);
@@ -186,8 +237,20 @@ extern "C" __global__ void __launch_bounds__(SLICE_THREADS * KSPLIT) gemv_q8(con
 
   // Lanes never leave early: the reduction below shuffles across the whole warp. The first
   // batch of weights is requested before waiting for the previous kernel (see pdl_wait): the
-  // weights stream in while that kernel finishes.
+  // weights stream in while that kernel finishes. With EXPERTS the rows depend on the routing
+  // (an earlier kernel's output), so the block waits first.
   bool waited = false;
+  i64 ebase = 0;
+#if EXPERTS
+  pdl_wait();
+  pdl_release();
+  waited = true;
+  const u32 expert = reinterpret_cast<const u32*>(p.experts)[blockIdx.y];
+  // An id out of range is never used as an index: the pair's outputs become NaN, the flag says why.
+  const bool bad_expert = expert >= p.n_experts;
+  if (bad_expert && tid == 0 && blockIdx.x == 0) report_error(p.error_flag, ERR_EXPERT_ID, expert);
+  if (!bad_expert) ebase = (i64)expert * p.expert_rows + p.expert_off;
+#endif
   if (row0 < p.rows) {
     for (int u0 = k + slice * TPR * UNROLL; u0 < units; u0 += TPR * UNROLL * KSPLIT) {
       // Issue all UNROLL x ROWS weight loads before any math, so that each lane keeps that many
@@ -196,7 +259,7 @@ extern "C" __global__ void __launch_bounds__(SLICE_THREADS * KSPLIT) gemv_q8(con
 #pragma unroll
       for (int j = 0; j < UNROLL; ++j)
 #pragma unroll
-        for (int r = 0; r < WROWS; ++r) load_unit(w, weight_row(p, row0, r), min(u0 + j * TPR, units - 1), wu[j][r]);
+        for (int r = 0; r < WROWS; ++r) load_unit(WEIGHT_OF(r), weight_row(p, ebase, row0, r), min(u0 + j * TPR, units - 1), wu[j][r]);
       if (!waited) {
         pdl_wait();
         pdl_release();
@@ -209,7 +272,7 @@ extern "C" __global__ void __launch_bounds__(SLICE_THREADS * KSPLIT) gemv_q8(con
           uint2 sc[UNROLL];
 #pragma unroll
           for (int j = 0; j < UNROLL; ++j) {
-            const i64 blk = (i64)(tok0 + t) * units + min(u0 + j * TPR, units - 1);
+            const i64 blk = (i64)XROW(tok0 + t) * units + min(u0 + j * TPR, units - 1);
             xa[j] = xq[2 * blk];
             xb[j] = xq[2 * blk + 1];
             sc[j] = xs[blk];
@@ -283,11 +346,14 @@ extern "C" __global__ void __launch_bounds__(SLICE_THREADS * KSPLIT) gemv_q8(con
 #pragma unroll
       for (int t = 0; t < NTOK; ++t) {
 #if GLU == 1
-        const float v = silu(acc[r][t]) * acc[ROWS + r][t];
+        float v = silu(acc[r][t]) * acc[ROWS + r][t];
 #elif GLU == 2
-        const float v = gelu_tanh(acc[r][t]) * acc[ROWS + r][t];
+        float v = gelu_tanh(acc[r][t]) * acc[ROWS + r][t];
 #else
-        const float v = acc[r][t];
+        float v = acc[r][t];
+#endif
+#if EXPERTS
+        if (bad_expert) v = QNAN;
 #endif
         const float stored = store_q8(p, row0 + r, tok0 + t, v);
 #if EMIT
@@ -313,6 +379,12 @@ const SOURCE: &str = r#"
 #ifndef NTOK
 #error "NTOK (tokens per grid-y tile) must come from the kernel variant"
 #endif
+#ifndef EXPERTS
+#error "EXPERTS (1: grid y walks (token, slot) pairs, each multiplying the rows of its pair's expert, read from device memory) must come from the kernel variant"
+#endif
+#if EXPERTS && NTOK != 1
+#error "EXPERTS runs one pair per grid-y tile"
+#endif
 
 // A token's 32 activations of one unit (16-byte aligned) into registers.
 __device__ __forceinline__ void load_x(const float* src, float* xv) {
@@ -334,6 +406,17 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32) gemv(const GemvParams 
   const WeightRef w = {(const u8*)p.w0, (const u8*)p.w1, (const u8*)p.w2, (const u8*)p.w3, (i64)p.cols};
   const float* x = reinterpret_cast<const float*>(p.x);
   const int units = (int)(p.cols / 32);
+  // The first weight row (of the pair's expert with EXPERTS) and the activation row.
+  i64 ebase = 0;
+  int xrow = tok0;
+#if EXPERTS
+  const u32 expert = reinterpret_cast<const u32*>(p.experts)[blockIdx.y];
+  // An id out of range is never used as an index: the pair's outputs become NaN, the flag says why.
+  const bool bad_expert = expert >= p.n_experts;
+  if (bad_expert && lane == 0 && row0 == 0) report_error(p.error_flag, ERR_EXPERT_ID, expert);
+  if (!bad_expert) ebase = (i64)expert * p.expert_rows + p.expert_off;
+  xrow = tok0 / (int)p.x_div;
+#endif
 
   float acc[ROWS_PER_WARP][NTOK];
 #pragma unroll
@@ -346,11 +429,11 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32) gemv(const GemvParams 
     // (a safe read whose result is never stored).
     Unit wu[ROWS_PER_WARP];
 #pragma unroll
-    for (int r = 0; r < ROWS_PER_WARP; ++r) load_unit(w, min(row0 + r, (i64)p.rows - 1), u, wu[r]);
+    for (int r = 0; r < ROWS_PER_WARP; ++r) load_unit(w, ebase + min(row0 + r, (i64)p.rows - 1), u, wu[r]);
 #if NTOK == 1
     // One token: decode while multiplying.
     float xv[32];
-    load_x(x + (i64)tok0 * p.cols + (i64)u * 32, xv);
+    load_x(x + (i64)xrow * p.cols + (i64)u * 32, xv);
 #pragma unroll
     for (int r = 0; r < ROWS_PER_WARP; ++r) acc[r][0] += unit_dot(wu[r], xv);
 #else
@@ -377,7 +460,10 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32) gemv(const GemvParams 
   for (int r = 0; r < ROWS_PER_WARP; ++r) {
 #pragma unroll
     for (int t = 0; t < NTOK; ++t) {
-      const float v = warp_sum(acc[r][t]);
+      float v = warp_sum(acc[r][t]);
+#if EXPERTS
+      if (bad_expert) v = QNAN;
+#endif
       if (lane == 0 && row0 + r < p.rows && tok0 + t < (int)p.n_tokens) out[(i64)(tok0 + t) * p.rows + row0 + r] = v;
     }
   }
@@ -391,6 +477,8 @@ pub struct GemvVariant {
     pub nwarps: u32,
     pub rows_per_warp: u32,
     pub ntok: u32,
+    /// Grid y walks (token, slot) pairs of a MoE FFN, each on its routed expert's rows.
+    pub experts: bool,
 }
 
 impl GemvVariant {
@@ -400,7 +488,12 @@ impl GemvVariant {
     pub fn for_shape(wtype: GgmlType, n_tokens: usize) -> Self {
         let ntok = n_tokens.clamp(1, 8).next_power_of_two() as u32;
         let rows_per_warp = if ntok <= 2 && wtype != GgmlType::F32 { 4 } else { 2 };
-        GemvVariant { wtype, nwarps: 4, rows_per_warp, ntok }
+        GemvVariant { wtype, nwarps: 4, rows_per_warp, ntok, experts: false }
+    }
+
+    /// The expert GEMV of a MoE FFN: one (token, slot) pair per grid-y tile.
+    pub fn for_experts(wtype: GgmlType) -> Self {
+        GemvVariant { experts: true, ..Self::for_shape(wtype, 1) }
     }
 
     pub fn launch_config(&self, rows: usize, n_tokens: usize) -> LaunchConfig {
@@ -424,6 +517,7 @@ impl KernelVariant for GemvVariant {
             ("NWARPS", self.nwarps.to_string()),
             ("ROWS_PER_WARP", self.rows_per_warp.to_string()),
             ("NTOK", self.ntok.to_string()),
+            ("EXPERTS", u32::from(self.experts).to_string()),
         ]
     }
 }
@@ -449,6 +543,10 @@ pub struct GemvQ8Variant {
     /// Slices of `nwarps` warps that split each row's units (a block of `nwarps * 32 * k_split`
     /// threads); see [`Self::split_k`].
     pub k_split: u32,
+    /// With `glu`: the up rows come from a second weight of the same type (split gate and up).
+    pub up_split: bool,
+    /// Grid y walks (token, slot) pairs of a MoE FFN, each on its routed expert's rows.
+    pub experts: bool,
 }
 
 impl GemvQ8Variant {
@@ -483,7 +581,18 @@ impl GemvQ8Variant {
             in_norm: false,
             emit: 0,
             k_split: 1,
+            up_split: false,
+            experts: false,
         }
+    }
+
+    /// The expert GEMV of a MoE FFN over `pairs` (token, slot) pairs, `out_rows` outputs per
+    /// pair (with `glu` each reads a gate and an up row): one pair per grid-y tile, the tiling of
+    /// a one-token GEMV over all the pairs' rows.
+    pub fn for_experts(wtype: GgmlType, out_rows: usize, cols: usize, pairs: usize, sm_count: u32, glu: u32) -> Self {
+        let rows = out_rows * pairs.max(1);
+        let v = if glu > 0 { Self::for_gated(wtype, rows, cols, 1, sm_count, glu) } else { Self::for_shape(wtype, rows, cols, 1, sm_count) };
+        GemvQ8Variant { experts: true, ..v }
     }
 
     /// Loaded units per lane: small for types whose unit carries several 16-byte vectors.
@@ -571,6 +680,8 @@ impl KernelVariant for GemvQ8Variant {
             ("IN_NORM", u32::from(self.in_norm).to_string()),
             ("EMIT", self.emit.to_string()),
             ("KSPLIT", self.k_split.to_string()),
+            ("UP_SPLIT", u32::from(self.up_split).to_string()),
+            ("EXPERTS", u32::from(self.experts).to_string()),
         ]
     }
 }

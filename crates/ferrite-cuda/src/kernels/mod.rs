@@ -21,6 +21,7 @@ pub mod embedding;
 pub mod flash_attention;
 pub mod gdn;
 pub mod gemv;
+pub mod moe;
 pub mod norm;
 pub mod quantize;
 pub mod rope;
@@ -122,7 +123,7 @@ pub(crate) mod tests {
     /// may issue early).
     #[test]
     fn every_kernel_waits_for_the_previous_one() {
-        let families: [(&str, &[&str]); 16] = [
+        let families: [(&str, &[&str]); 18] = [
             (activation::ActivationVariant::FAMILY, activation::ActivationVariant::SOURCES),
             (attention::AttentionVariant::FAMILY, attention::AttentionVariant::SOURCES),
             (attention::StoreQkvVariant::FAMILY, attention::StoreQkvVariant::SOURCES),
@@ -135,6 +136,8 @@ pub(crate) mod tests {
             (gdn::GdnChunkVariant::FAMILY, gdn::GdnChunkVariant::SOURCES),
             (gemv::GemvVariant::FAMILY, gemv::GemvVariant::SOURCES),
             (gemv::GemvQ8Variant::FAMILY, gemv::GemvQ8Variant::SOURCES),
+            (moe::MoeRouteVariant::FAMILY, moe::MoeRouteVariant::SOURCES),
+            (moe::MoeCombineVariant::FAMILY, moe::MoeCombineVariant::SOURCES),
             (norm::NormVariant::FAMILY, norm::NormVariant::SOURCES),
             (quantize::QuantizeVariant::FAMILY, quantize::QuantizeVariant::SOURCES),
             (rope::RopeVariant::FAMILY, rope::RopeVariant::SOURCES),

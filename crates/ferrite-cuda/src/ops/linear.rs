@@ -245,13 +245,13 @@ pub fn linear_with(
         ));
     }
     match plan {
-        LinearPlan::Gemv => gemv(gpu, w, x, n_tokens, out)?,
+        LinearPlan::Gemv => gemv(gpu, w, x, n_tokens, out, w.rows, None)?,
         LinearPlan::GemvQ8 => {
             let (q_bytes, s_bytes, _) = Q8Activations::sizes(n_tokens * w.cols);
             gpu.with_scratch(q_bytes + s_bytes, |scratch| {
                 let input = Q8Input { xq: scratch, xs: scratch + q_bytes as u64, norm: None };
                 quantize_raw(gpu, x, w.cols, n_tokens, w.cols, None, input.xq, input.xs)?;
-                gemv_q8(gpu, w, input, n_tokens, (out, w.rows, 0), &Epilogue::default(), None)
+                gemv_q8(gpu, w, None, None, input, n_tokens, w.rows, (out, w.rows, 0), &Epilogue::default(), None)
             })?
         }
         LinearPlan::Gemm { precision, dequantize_weight, convert_input } => {
@@ -261,10 +261,40 @@ pub fn linear_with(
     Ok(plan)
 }
 
-fn gemv(gpu: &Gpu, w: &DeviceWeight, x: u64, n_tokens: usize, out: u64) -> Result<(), CudaError> {
+/// The rows of a MoE expert GEMV (device side): grid y walks (token, slot) pairs; pair `i`
+/// multiplies rows `ids[i] * expert_rows + expert_off ..` of the bank with activation row
+/// `i / x_div` and writes output row `i`.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct ExpertRows {
+    pub ids: u64,
+    pub n_experts: usize,
+    pub expert_rows: usize,
+    pub expert_off: usize,
+    pub x_div: usize,
+}
+
+impl ExpertRows {
+    /// The parameter fields: (expert_rows, expert_off, n_experts, x_div).
+    fn fields(e: Option<ExpertRows>, op: &'static str) -> Result<(u32, u32, u32, u32), CudaError> {
+        Ok(match e {
+            Some(e) => (
+                as_u32(op, "expert rows", e.expert_rows)?,
+                as_u32(op, "expert row offset", e.expert_off)?,
+                as_u32(op, "experts", e.n_experts)?,
+                as_u32(op, "pairs per activation row", e.x_div.max(1))?,
+            ),
+            None => (0, 0, 0, 1),
+        })
+    }
+}
+
+/// The f32-activation GEMV: `out_rows` outputs per token (all of `w`'s rows, or with `experts`
+/// the rows of one expert).
+pub(super) fn gemv(gpu: &Gpu, w: &DeviceWeight, x: u64, n_tokens: usize, out: u64, out_rows: usize, experts: Option<ExpertRows>) -> Result<(), CudaError> {
     const OP: &str = "linear";
-    let variant = GemvVariant::for_shape(w.dtype, n_tokens);
+    let variant = if experts.is_some() { GemvVariant::for_experts(w.dtype) } else { GemvVariant::for_shape(w.dtype, n_tokens) };
     let [w0, w1, w2, w3] = w.plane_ptrs(gpu);
+    let (expert_rows, expert_off, n_experts, x_div) = ExpertRows::fields(experts, OP)?;
     let params = GemvParams {
         w0,
         w1,
@@ -272,12 +302,18 @@ fn gemv(gpu: &Gpu, w: &DeviceWeight, x: u64, n_tokens: usize, out: u64) -> Resul
         w3,
         x,
         out,
-        rows: as_u32(OP, "rows", w.rows)?,
+        experts: experts.map_or(0, |e| e.ids),
+        error_flag: gpu.error_flag_ptr(),
+        rows: as_u32(OP, "rows", out_rows)?,
         cols: as_u32(OP, "cols", w.cols)?,
         n_tokens: as_u32(OP, "n_tokens", n_tokens)?,
+        expert_rows,
+        expert_off,
+        n_experts,
+        x_div,
         pad: 0,
     };
-    let cfg = variant.launch_config(w.rows, n_tokens);
+    let cfg = variant.launch_config(out_rows, n_tokens);
     if cfg.grid_dim.1 > 65535 {
         return Err(CudaError::invalid(OP, format!("{n_tokens} tokens exceed the GEMV grid; use the GEMM path")));
     }
@@ -315,6 +351,22 @@ impl Q8Activations {
         let base = addr(gpu, &self.data);
         let (q, s, _) = Self::sizes(self.capacity);
         (base, base + q as u64, base + (q + s) as u64)
+    }
+
+    /// Device bytes held.
+    pub fn bytes(&self) -> usize {
+        self.data.len()
+    }
+
+    /// The GEMV's view of the last write.
+    pub(super) fn input(&self, gpu: &Gpu) -> Q8Input {
+        let (xq, xs, partials) = self.ptrs(gpu);
+        Q8Input { xq, xs, norm: self.pending_norm.map(|eps| (partials, eps)) }
+    }
+
+    /// Rows and columns of the last write.
+    pub(super) fn shape(&self) -> (usize, usize) {
+        (self.rows, self.cols)
     }
 
     /// Record the shape about to be written; an error if it does not fit.
@@ -483,14 +535,43 @@ pub fn linear_q8(
         }
         None => None,
     };
-    let (xq, xs, partials) = x.ptrs(gpu);
-    let input = Q8Input { xq, xs, norm: x.pending_norm.map(|eps| (partials, eps)) };
-    gemv_q8(gpu, w, input, n_tokens, (addr_mut(gpu, out), out_ld, out_col), epilogue, emit)
+    let input = x.input(gpu);
+    gemv_q8(gpu, w, None, None, input, n_tokens, out_rows, (addr_mut(gpu, out), out_ld, out_col), epilogue, emit)
+}
+
+/// A gated linear whose gate and up rows are two weights of the same quantized type (a shared
+/// expert's `gate` and `up`): `out[t, r] = act(gate_r . x_t) * (up_r . x_t)` in one int8 GEMV,
+/// `out` being `[n_tokens, gate.rows]`.
+pub fn linear_q8_gated_pair(
+    gpu: &Gpu,
+    gate: &DeviceWeight,
+    up: &DeviceWeight,
+    x: &Q8Activations,
+    n_tokens: usize,
+    glu: Glu,
+    out: &mut impl DevicePtrMut<f32>,
+) -> Result<(), CudaError> {
+    const OP: &str = "linear_q8_gated_pair";
+    if weight::planes(gate.dtype).is_none() || gate.dtype != up.dtype || (gate.rows, gate.cols) != (up.rows, up.cols) {
+        return Err(CudaError::invalid(
+            OP,
+            format!("gate ({} {}x{}) and up ({} {}x{}) must be quantized weights of one type and shape", gate.dtype, gate.rows, gate.cols, up.dtype, up.rows, up.cols),
+        ));
+    }
+    if x.cols != gate.cols || x.rows < n_tokens {
+        return Err(CudaError::invalid(OP, format!("activations hold {} x {}, the weights need {n_tokens} x {}", x.rows, x.cols, gate.cols)));
+    }
+    if n_tokens == 0 {
+        return Ok(());
+    }
+    check_len(OP, "out", out.len(), elems(OP, &[n_tokens, gate.rows])?)?;
+    let epilogue = Epilogue { glu: Some(glu), ..Default::default() };
+    gemv_q8(gpu, gate, Some(up), None, x.input(gpu), n_tokens, gate.rows, (addr_mut(gpu, out), gate.rows, 0), &epilogue, None)
 }
 
 /// Device side of [`Q8Activations`] as the GEMV reads it.
 #[derive(Clone, Copy)]
-struct Q8Input {
+pub(super) struct Q8Input {
     xq: u64,
     xs: u64,
     /// The producer's sums of squares and the norm's eps, when the codes lack `1 / rms`.
@@ -499,26 +580,34 @@ struct Q8Input {
 
 /// Device side of a [`Q8Emit`]: codes, scales, sums of squares, and the norm weight (+ add_one).
 #[derive(Clone, Copy)]
-struct Q8Output {
+pub(super) struct Q8Output {
     q: u64,
     s: u64,
     partials: u64,
     norm: Option<(u64, bool)>,
 }
 
-fn gemv_q8(
+/// The int8 GEMV: `out_rows` outputs per token (grid-y tile); with `up` (and a gated epilogue)
+/// the up rows come from that weight, with `experts` the rows of each pair's expert.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn gemv_q8(
     gpu: &Gpu,
     w: &DeviceWeight,
+    up: Option<&DeviceWeight>,
+    experts: Option<ExpertRows>,
     x: Q8Input,
     n_tokens: usize,
+    out_rows: usize,
     (out, out_ld, out_col): (u64, usize, usize),
     epilogue: &Epilogue,
     emit: Option<Q8Output>,
 ) -> Result<(), CudaError> {
     const OP: &str = "linear_q8";
-    let (tiling, out_rows) = match epilogue.glu {
-        Some(glu) => (GemvQ8Variant::for_gated(w.dtype, w.rows / 2, w.cols, n_tokens, gpu.sm_count(), glu as u32), w.rows / 2),
-        None => (GemvQ8Variant::for_shape(w.dtype, w.rows, w.cols, n_tokens, gpu.sm_count()), w.rows),
+    let glu = epilogue.glu.map_or(0, |g| g as u32);
+    let tiling = match (experts, glu) {
+        (Some(_), glu) => GemvQ8Variant::for_experts(w.dtype, out_rows, w.cols, n_tokens, gpu.sm_count(), glu),
+        (None, 0) => GemvQ8Variant::for_shape(w.dtype, out_rows, w.cols, n_tokens, gpu.sm_count()),
+        (None, glu) => GemvQ8Variant::for_gated(w.dtype, out_rows, w.cols, n_tokens, gpu.sm_count(), glu),
     };
     let tiling = match &emit {
         Some(e) => tiling.emitting(if e.norm.is_some() { 2 } else { 1 }),
@@ -529,9 +618,12 @@ fn gemv_q8(
         residual: epilogue.residual.is_some(),
         bias: epilogue.bias.is_some(),
         in_norm: x.norm.is_some(),
+        up_split: up.is_some(),
         ..tiling
     };
     let [w0, w1, w2, w3] = w.plane_ptrs(gpu);
+    let [u0, u1, u2, u3] = up.map_or([0; 4], |u| u.plane_ptrs(gpu));
+    let (expert_rows, expert_off, n_experts, x_div) = ExpertRows::fields(experts, OP)?;
     let params = GemvQ8Params {
         w0,
         w1,
@@ -556,6 +648,16 @@ fn gemv_q8(
         emit_s: emit.map_or(0, |e| e.s),
         emit_norm: emit.and_then(|e| e.norm).map_or(0, |(w, _)| w),
         emit_partials: emit.map_or(0, |e| e.partials),
+        u0,
+        u1,
+        u2,
+        u3,
+        experts: experts.map_or(0, |e| e.ids),
+        error_flag: gpu.error_flag_ptr(),
+        expert_rows,
+        expert_off,
+        n_experts,
+        x_div,
     };
     let cfg = variant.launch_config(out_rows, n_tokens);
     if cfg.grid_dim.1 > 65535 {

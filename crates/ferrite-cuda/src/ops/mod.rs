@@ -16,6 +16,7 @@
 mod attention;
 mod gdn;
 mod linear;
+mod moe;
 mod sampling;
 
 pub use attention::{
@@ -23,9 +24,10 @@ pub use attention::{
     AttentionPath, KvCache, Paging, SplitScratch, FLASH_MIN_TOKENS, MAX_SPLITS,
 };
 pub use linear::{
-    expand_weight, expanded_bytes, linear, linear_plan, linear_q8, linear_with, quantize_q8, Epilogue, GemvActivations, Glu, LinearOptions, LinearPath, LinearPlan,
-    NormPrologue, Precision, Q8Activations, Q8Emit,
+    expand_weight, expanded_bytes, linear, linear_plan, linear_q8, linear_q8_gated_pair, linear_with, quantize_q8, Epilogue, GemvActivations, Glu, LinearOptions,
+    LinearPath, LinearPlan, NormPrologue, Precision, Q8Activations, Q8Emit,
 };
+pub use moe::{check_moe_shape, moe_ffn, moe_plan, moe_route, ExpertGateUp, ExpertGemv, MoeDims, MoePlan, MoeScratch, MoeWeights, SharedExpert};
 pub use sampling::{argmax, sample, SamplingConfig};
 pub use gdn::{
     check_gdn_shape, gated_delta_net, gated_delta_net_with, gdn_chunked, gdn_conv, gdn_delta, gdn_plan, gdn_scratch_len, GdnPath, GdnState,
