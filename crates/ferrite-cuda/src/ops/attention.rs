@@ -259,8 +259,29 @@ pub fn attention(
     out: &mut impl DevicePtrMut<f32>,
     emit: Option<&mut Q8Activations>,
 ) -> Result<(), CudaError> {
+    let path = attention_path(gpu, cache, n_tokens)?;
+    attention_on(gpu, path, q, cache, positions, n_tokens, cfg, out, emit)
+}
+
+/// [`attention`] on a given kernel path (tests compare paths; the tensor path needs an f16
+/// cache).
+#[allow(clippy::too_many_arguments)]
+pub fn attention_on(
+    gpu: &Gpu,
+    path: AttentionPath,
+    q: &impl DevicePtr<f32>,
+    cache: &KvCache,
+    positions: &impl DevicePtr<u32>,
+    n_tokens: usize,
+    cfg: &AttentionConfig,
+    out: &mut impl DevicePtrMut<f32>,
+    emit: Option<&mut Q8Activations>,
+) -> Result<(), CudaError> {
+    if path == AttentionPath::Tensor && cache.dtype != KvDtype::F16 {
+        return Err(CudaError::invalid("attention", "the tensor-core kernel reads an f16 cache"));
+    }
     let Some(params) = attention_params(gpu, q, cache, positions, n_tokens, cfg, out, emit)? else { return Ok(()) };
-    match attention_path(gpu, cache, n_tokens)? {
+    match path {
         AttentionPath::Tensor => {
             let variant = FlashAttentionVariant { head_dim: cache.head_dim as u32 };
             gpu.launch(&variant, "attention_tc", variant.launch_config(cfg.n_heads, n_tokens), &params)
