@@ -855,6 +855,9 @@ impl Drop for CudaExecutor {
         if let Some(p) = &self.buf.profile {
             eprint!("{}", p.report(&self.describe()));
         }
+        if let Some(p) = self.paged.as_ref().and_then(|p| p.buf.profile.as_ref()) {
+            eprint!("{}", p.report(&format!("{}, batched steps", self.describe())));
+        }
     }
 }
 
