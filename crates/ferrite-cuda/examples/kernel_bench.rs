@@ -74,6 +74,27 @@ fn main() -> Result<(), CudaError> {
         println!("  n={n:<4} {:>9.2} us  {:>8.1} GFLOP/s", s * 1e6, 2.0 * 1536.0 * 576.0 * n as f64 / s / 1e9);
     }
 
+    // Serving-sized batches (issue #6): a 64-sequence decode step ran its linears far below
+    // their weight traffic on the H200. Each shape at the batch sizes of the paths, with the
+    // per-call dequantization and with a resident bf16 copy.
+    println!("\nbatched linear, Q4_0 (8B QKV and LM head): us per call, bf16-weight GB/s");
+    for (rows, cols) in [(6144usize, 4096usize), (49152, 4096)] {
+        let values: Vec<f32> = (0..rows * cols).map(|i| ((i * 7919) % 2001) as f32 / 1000.0 - 1.0).collect();
+        let mut w = gpu.upload_weight(GgmlType::Q4_0, rows, cols, &quantize(GgmlType::Q4_0, &values).expect("quantize"))?;
+        for resident in [false, true] {
+            if resident {
+                ops::expand_weight(&gpu, &mut w, ops::Precision::BF16)?;
+            }
+            for n in [8usize, 9, 16, 64, 512] {
+                let x = gpu.upload(&vec![0.5f32; n * cols], "x")?;
+                let mut out = gpu.alloc_zeros::<f32>(n * rows)?;
+                let s = time(&gpu, 20, || ops::linear(&gpu, &w, &x, n, &mut out).map(|_| ()))?;
+                let gbs = (rows * cols * 2) as f64 / s / 1e9;
+                println!("  {rows}x{cols} n={n:<4} resident={resident:<5} {:>9.2} us {gbs:>8.1} GB/s", s * 1e6);
+            }
+        }
+    }
+
     println!("\ndecode attention, 9 heads / 3 KV heads, head_dim 64, f16 cache");
     let mut cache = KvCache::new(&gpu, KvDtype::F16, 8192, 3, 64)?;
     let qkv = gpu.upload(&vec![0.1f32; 8192 * 960], "qkv")?;
