@@ -251,7 +251,7 @@ impl FlashAttentionVariant {
 
     /// Head sizes the kernel is written for: whole 16-dim k-steps, 32-value output blocks.
     pub fn supports(head_dim: usize) -> bool {
-        head_dim % 32 == 0 && (32..=256).contains(&head_dim)
+        head_dim.is_multiple_of(32) && (32..=256).contains(&head_dim)
     }
 
     pub fn launch_config(&self, n_heads: usize, n_tokens: usize) -> LaunchConfig {
