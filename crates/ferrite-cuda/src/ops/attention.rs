@@ -306,15 +306,7 @@ impl AttentionPath {
     /// The path `FERRITE_CUDA_ATTENTION_PATH` forces (`simt`, `tensor`), `None` for `auto` or
     /// unset; another value is reported on stderr and means `auto`.
     pub fn forced_by(value: Option<&str>) -> Option<AttentionPath> {
-        match value.map(str::to_ascii_lowercase).as_deref() {
-            None | Some("auto") => None,
-            Some("simt") => Some(AttentionPath::Simt),
-            Some("tensor") => Some(AttentionPath::Tensor),
-            Some(other) => {
-                eprintln!("warning: {}={other:?} is not auto, simt or tensor; using auto", env::CUDA_ATTENTION_PATH.name);
-                None
-            }
-        }
+        super::forced_path(&env::CUDA_ATTENTION_PATH, value, &[("simt", AttentionPath::Simt), ("tensor", AttentionPath::Tensor)])
     }
 }
 

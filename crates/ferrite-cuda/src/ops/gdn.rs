@@ -106,15 +106,7 @@ impl GdnPath {
     /// The path `FERRITE_CUDA_GDN_PATH` forces (`recurrent`, `chunked`), `None` for `auto` or
     /// unset; another value is reported on stderr and means `auto`.
     pub fn forced_by(value: Option<&str>) -> Option<GdnPath> {
-        match value.map(str::to_ascii_lowercase).as_deref() {
-            None | Some("auto") => None,
-            Some("recurrent") => Some(GdnPath::Recurrent),
-            Some("chunked") => Some(GdnPath::Chunked),
-            Some(other) => {
-                eprintln!("warning: {}={other:?} is not auto, recurrent or chunked; using auto", env::CUDA_GDN_PATH.name);
-                None
-            }
-        }
+        super::forced_path(&env::CUDA_GDN_PATH, value, &[("recurrent", GdnPath::Recurrent), ("chunked", GdnPath::Chunked)])
     }
 }
 
@@ -350,6 +342,11 @@ mod tests {
         assert_eq!(GdnPath::forced_by(Some("Recurrent")), Some(GdnPath::Recurrent));
         assert_eq!(GdnPath::forced_by(Some("chunked")), Some(GdnPath::Chunked));
         assert_eq!(GdnPath::forced_by(Some("wy")), None);
+        use super::super::AttentionPath;
+        assert_eq!(AttentionPath::forced_by(Some("auto")), None);
+        assert_eq!(AttentionPath::forced_by(Some("Tensor")), Some(AttentionPath::Tensor));
+        assert_eq!(AttentionPath::forced_by(Some("simt")), Some(AttentionPath::Simt));
+        assert_eq!(AttentionPath::forced_by(Some("flash")), None);
         let qwen35 = GdnShape { n_k_heads: 16, n_v_heads: 32, k_dim: 128, v_dim: 128, conv_kernel: 4, v_order: ValueHeadOrder::Tiled };
         assert_eq!(gdn_scratch_len(&qwen35, 10, GdnPath::Recurrent), 10 * 8192);
         assert_eq!(gdn_scratch_len(&qwen35, 10, GdnPath::Chunked), 10 * (8192 + 32 * 257));

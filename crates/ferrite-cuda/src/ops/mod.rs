@@ -48,6 +48,21 @@ use cudarc::driver::{DevicePtr, DevicePtrMut};
 
 /// Device address of a buffer, for a parameter struct. Event tracking is off on our context,
 /// so the guard cudarc returns does nothing and can be dropped at once.
+/// The kernel path an `auto|NAME|...` switch forces: `None` for `auto` or unset, the matching
+/// choice (case-insensitive) otherwise; another value is reported on stderr and means `auto`.
+pub(crate) fn forced_path<T: Copy>(switch: &ferrite_core::env::Switch, value: Option<&str>, choices: &[(&str, T)]) -> Option<T> {
+    let value = value?.to_ascii_lowercase();
+    if value == "auto" {
+        return None;
+    }
+    let found = choices.iter().find(|(name, _)| *name == value).map(|&(_, path)| path);
+    if found.is_none() {
+        let names: Vec<&str> = choices.iter().map(|&(name, _)| name).collect();
+        eprintln!("warning: {}={value:?} is not auto, {}; using auto", switch.name, names.join(", "));
+    }
+    found
+}
+
 pub(crate) fn addr<T>(gpu: &Gpu, buf: &impl DevicePtr<T>) -> u64 {
     buf.device_ptr(gpu.stream()).0
 }
