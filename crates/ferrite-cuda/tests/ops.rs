@@ -831,7 +831,13 @@ fn tensor_core_attention_matches_cpu_on_prefill() {
         }
     }
     assert_eq!(ops::attention_path(gpu, &KvCache::new(gpu, KvDtype::F16, 8, 1, 64).unwrap(), 15).unwrap(), ops::AttentionPath::Simt);
-    assert_eq!(ops::attention_path(gpu, &KvCache::new(gpu, KvDtype::F32, 8, 1, 64).unwrap(), 64).unwrap(), ops::AttentionPath::Simt);
+    let f32_cache = KvCache::new(gpu, KvDtype::F32, 8, 1, 64).unwrap();
+    assert_eq!(ops::attention_path(gpu, &f32_cache, 64).unwrap(), ops::AttentionPath::Simt);
+    // Asking for the tensor path where it cannot run is an error that says why.
+    let (q, pos) = (upload(gpu, &[0f32; 64]), upload(gpu, &[0u32]));
+    let cfg = AttentionConfig { n_heads: 1, scale: 0.125, window: None, softcap: None };
+    let err = ops::attention_on(gpu, ops::AttentionPath::Tensor, &q, &f32_cache, &pos, 1, &cfg, &mut poisoned(gpu, 64), None).unwrap_err();
+    assert!(err.to_string().contains("f32 KV cache"), "{err}");
 }
 
 #[test]

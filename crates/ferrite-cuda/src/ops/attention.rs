@@ -277,8 +277,8 @@ pub fn attention_on(
     out: &mut impl DevicePtrMut<f32>,
     emit: Option<&mut Q8Activations>,
 ) -> Result<(), CudaError> {
-    if path == AttentionPath::Tensor && cache.dtype != KvDtype::F16 {
-        return Err(CudaError::invalid("attention", "the tensor-core kernel reads an f16 cache"));
+    if path == AttentionPath::Tensor {
+        tensor_supports(gpu, cache)?;
     }
     let Some(params) = attention_params(gpu, q, cache, positions, n_tokens, cfg, out, emit)? else { return Ok(()) };
     match path {
@@ -318,24 +318,27 @@ pub const FLASH_MIN_TOKENS: usize = 16;
 /// [`FLASH_MIN_TOKENS`] where it applies (f16 cache, sm_80+), else the SIMT kernel. Forcing the
 /// tensor path where it cannot run is an error, not a silent fallback.
 pub fn attention_path(gpu: &Gpu, cache: &KvCache, n_tokens: usize) -> Result<AttentionPath, CudaError> {
-    let unsupported = if cache.dtype != KvDtype::F16 {
-        Some("an f32 KV cache (the kernel reads f16)".to_string())
-    } else if gpu.compute_capability().0 < 8 {
-        Some(format!("compute capability {}.{} (mma.sync f16 needs 8.0)", gpu.compute_capability().0, gpu.compute_capability().1))
-    } else if !FlashAttentionVariant::supports(cache.head_dim) {
-        Some(format!("head_dim {}", cache.head_dim))
-    } else {
-        None
-    };
-    match (gpu.attention_path(), unsupported) {
-        (Some(AttentionPath::Tensor), Some(why)) => Err(CudaError::invalid(
-            "attention",
-            format!("{}=tensor, but the tensor-core kernel does not support {why}", env::CUDA_ATTENTION_PATH.name),
-        )),
-        (Some(path), _) => Ok(path),
-        (None, None) if n_tokens >= FLASH_MIN_TOKENS => Ok(AttentionPath::Tensor),
-        (None, _) => Ok(AttentionPath::Simt),
+    match gpu.attention_path() {
+        Some(AttentionPath::Tensor) => tensor_supports(gpu, cache).map(|()| AttentionPath::Tensor),
+        Some(path) => Ok(path),
+        None if n_tokens >= FLASH_MIN_TOKENS && tensor_supports(gpu, cache).is_ok() => Ok(AttentionPath::Tensor),
+        None => Ok(AttentionPath::Simt),
     }
+}
+
+/// Whether the tensor-core kernel can attend over `cache` on this device; the error says why not.
+fn tensor_supports(gpu: &Gpu, cache: &KvCache) -> Result<(), CudaError> {
+    let (major, minor) = gpu.compute_capability();
+    let why = if cache.dtype != KvDtype::F16 {
+        "an f32 KV cache (the kernel reads f16)".to_string()
+    } else if major < 8 {
+        format!("compute capability {major}.{minor} (mma.sync f16 needs 8.0)")
+    } else if !FlashAttentionVariant::supports(cache.head_dim) {
+        format!("head_dim {}", cache.head_dim)
+    } else {
+        return Ok(());
+    };
+    Err(CudaError::invalid("attention", format!("the tensor-core kernel does not support {why} ({} to choose the path)", env::CUDA_ATTENTION_PATH.name)))
 }
 
 /// [`attention`] over a paged cache: query `t` sees positions up to `positions[t]` of its
