@@ -82,7 +82,7 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32) attention_tc(const Att
   const i64 row_stride = (i64)p.n_kv_heads * HEAD_DIM;
 
   // This thread's two rows (g and g + 8 of the warp's 16): their positions and first keys.
-  // A row past the batch or with a bad position sees no key.
+  // A row past the batch or with a bad position (reported once per row) sees no key.
   u32 pos[2], first[2];
   bool valid[2];
 #pragma unroll
@@ -90,6 +90,7 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32) attention_tc(const Att
     const u32 tok = tok0 + 16 * warp + g + 8 * h;
     const u32 ps = tok < p.n_tokens ? positions[tok] : 0xffffffffu;
     valid[h] = ps < p.max_seq;
+    if (tok < p.n_tokens && !valid[h] && t == 0) report_error(p.error_flag, ERR_POSITION, ps);
     pos[h] = valid[h] ? ps : 0;
     first[h] = (p.window > 0 && pos[h] + 1 > p.window) ? pos[h] + 1 - p.window : 0;
   }
@@ -213,11 +214,6 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32) attention_tc(const Att
     sum += __shfl_xor_sync(FULL_MASK, sum, 2);
     inv[h] = valid[h] ? 1.f / sum : QNAN;
   }
-  if (threadIdx.x == 0)
-    for (u32 r = 0; r < BQ && tok0 + r < p.n_tokens; ++r) {
-      const u32 ps = positions[tok0 + r];
-      if (ps >= p.max_seq) { report_error(p.error_flag, ERR_POSITION, ps); break; }
-    }
 #pragma unroll
   for (int c = 0; c < HEAD_DIM / 32; ++c) {
 #pragma unroll
