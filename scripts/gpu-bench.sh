@@ -5,11 +5,13 @@
 # in the same run. Runs on the GPU machine from the binaries in .device/ (scripts/gpu-build.sh).
 #
 #   scripts/gpu-bench.sh [SHAPE:DTYPE ...]
+#   BENCH_ARGS="-p 0 -n 64 -r 3 --seqs 8,64" scripts/gpu-bench.sh llama-3.1-8b:Q4_0   # other tests
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source scripts/gpu-env.sh >/dev/null
 models=("$@")
 [ ${#models[@]} -gt 0 ] || models=(smollm2-135m:Q4_1 llama-3.2-1b:Q4_0 llama-3.1-8b:Q4_0 llama-3.1-8b:Q8_0 llama-3.1-8b:Q4_K)
+read -ra bench_args <<< "${BENCH_ARGS:--p 512 -n 128 -r 5}"
 dir=${FERRITE_MODEL_DIR:-/tmp/ferrite-models}
 mkdir -p "$dir"
 status=0
@@ -18,7 +20,7 @@ for m in "${models[@]}"; do
     shape=${m%%:*} dtype=${m#*:}
     f="$dir/$shape-$dtype.gguf"
     [ -f "$f" ] || .device/ferrite synth --shape "$shape" --dtype "$dtype" -o "$f" >/dev/null || { status=1; continue; }
-    echo "== $shape $dtype: ferrite bench --backend cuda -p 512 -n 128 -r 5"
-    .device/ferrite bench --model "$f" --backend cuda -p 512 -n 128 -r 5 2>&1 | grep -E '^\| (synthetic|pp|tg)|ceilings|error' || status=1
+    echo "== $shape $dtype: ferrite bench --backend cuda ${bench_args[*]}"
+    .device/ferrite bench --model "$f" --backend cuda "${bench_args[@]}" 2>&1 | grep -E '^\| (synthetic|pp|tg)|ceilings|error' || status=1
 done
 exit $status

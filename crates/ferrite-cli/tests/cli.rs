@@ -76,8 +76,9 @@ fn truncated_and_corrupt_files_give_clear_errors() {
     // A safetensors folder without a tokenizer: generation says so; bench works without one.
     let hf = root().join("fixtures/tiny/qwen3-hf");
     assert_clean_error(&ferrite(&["run", "x", "--model", hf.to_str().unwrap()]), "no usable tokenizer");
-    let o = ferrite(&["bench", "-p", "8", "-n", "4", "-r", "1", "--model", hf.to_str().unwrap()]);
-    assert!(o.status.success() && text(&o).0.contains("tg4"), "{:?}", text(&o));
+    let o = ferrite(&["bench", "-p", "8", "-n", "4", "-r", "1", "--seqs", "3", "--model", hf.to_str().unwrap()]);
+    assert!(o.status.success() && text(&o).0.contains("tg4") && text(&o).0.contains("tg4 x3"), "{:?}", text(&o));
+    assert_clean_error(&ferrite(&["bench", "--seqs", "0", "--model", hf.to_str().unwrap()]), "--seqs");
     let o = ferrite(&["compare", "--backend", "cpu", "--ids", "1,2,3", "--steps", "4", "--model", hf.to_str().unwrap()]);
     assert!(o.status.success() && text(&o).0.contains("greedy tokens agree"), "{:?}", text(&o));
     assert_clean_error(&ferrite(&["compare", "--ids", "1,999999", "--backend", "cpu", "--model", hf.to_str().unwrap()]), "outside the vocabulary");

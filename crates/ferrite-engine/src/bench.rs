@@ -2,7 +2,7 @@
 
 use crate::sampling::{Sampler, SamplerParams};
 use ferrite_model::graph::Op;
-use ferrite_model::Model;
+use ferrite_model::{Model, PagedKvConfig, SeqChunk};
 use crate::session::Session;
 use anyhow::Result;
 use std::time::Instant;
@@ -11,6 +11,8 @@ use std::time::Instant;
 pub struct BenchResult {
     pub test: String,
     pub tokens: usize,
+    /// Sequences decoded together (1 but for [`bench_batched`]).
+    pub seqs: usize,
     /// Tokens per second of each timed repetition (warm-up excluded).
     pub samples: Vec<f64>,
 }
@@ -56,7 +58,7 @@ pub fn bench_pp(session: &mut Session, n: usize, reps: usize, vocab: usize) -> R
             samples.push(tps);
         }
     }
-    Ok(BenchResult { test: format!("pp{n}"), tokens: n, samples })
+    Ok(BenchResult { test: format!("pp{n}"), tokens: n, seqs: 1, samples })
 }
 
 /// Token generation: `n` single-token steps from an empty cache, each followed by greedy
@@ -77,7 +79,48 @@ pub fn bench_tg(session: &mut Session, n: usize, reps: usize, vocab: usize) -> R
             samples.push(tps);
         }
     }
-    Ok(BenchResult { test: format!("tg{n}"), tokens: n, samples })
+    Ok(BenchResult { test: format!("tg{n}"), tokens: n, seqs: 1, samples })
+}
+
+/// Batched decode, as a server's continuous batching runs it without the HTTP side: `seqs`
+/// sequences on the executor's paged cache, each prefilled with `prompt` tokens (one batched
+/// step per sequence), then `n` steps that each decode one token of every sequence in one
+/// [`Executor::forward_paged`](ferrite_model::Executor::forward_paged) call, followed by greedy
+/// sampling on the host (the server's per-step work). Samples are aggregate tokens per second
+/// over the `n` steps.
+pub fn bench_batched(session: &mut Session, seqs: usize, prompt: usize, n: usize, reps: usize, vocab: usize) -> Result<BenchResult> {
+    const BLOCK: usize = 16;
+    let blocks_per_seq = (prompt + n).div_ceil(BLOCK);
+    let exec = session.executor();
+    exec.init_paged(PagedKvConfig { n_blocks: seqs * blocks_per_seq, block_size: BLOCK, max_seqs: seqs, max_tokens: seqs.max(prompt) })?;
+    let tables: Vec<Vec<u32>> = (0..seqs).map(|s| (0..blocks_per_seq).map(|b| (s * blocks_per_seq + b) as u32).collect()).collect();
+    let mut samples = Vec::new();
+    for rep in 0..=reps {
+        // Distinct prompts, so no two sequences compute the same rows.
+        let mut next: Vec<u32> = Vec::with_capacity(seqs);
+        for (s, table) in tables.iter().enumerate() {
+            let tokens: Vec<u32> = bench_tokens(prompt + s, vocab).split_off(s);
+            let logits = exec.forward_paged(&[SeqChunk { tokens: &tokens, start_pos: 0, block_table: table }])?;
+            next.push(argmax(&logits[0]));
+        }
+        let t = Instant::now();
+        for step in 0..n {
+            let ids = next.clone();
+            let batch: Vec<SeqChunk> =
+                tables.iter().zip(&ids).map(|(table, tok)| SeqChunk { tokens: std::slice::from_ref(tok), start_pos: prompt + step, block_table: table }).collect();
+            let logits = exec.forward_paged(&batch)?;
+            next = logits.iter().map(|l| argmax(l)).collect();
+        }
+        let tps = (seqs * n) as f64 / t.elapsed().as_secs_f64();
+        if rep > 0 {
+            samples.push(tps);
+        }
+    }
+    Ok(BenchResult { test: format!("tg{n} x{seqs}"), tokens: n, seqs, samples })
+}
+
+fn argmax(logits: &[f32]) -> u32 {
+    logits.iter().enumerate().fold((0, f32::NEG_INFINITY), |best, (i, &v)| if v > best.1 { (i, v) } else { best }).0 as u32
 }
 
 /// The least work a token costs, for expressing speed as a fraction of the hardware limit.
@@ -107,10 +150,12 @@ impl TokenWork {
         Self { weight_bytes, linear_flops, attention_flops_per_position }
     }
 
-    /// Bytes per token of a decode run of `n` tokens from an empty cache (weights + the KV cache
-    /// read at the average context length).
-    pub fn decode_bytes(&self, n: usize, kv_bytes_per_position: usize) -> f64 {
-        self.weight_bytes as f64 + kv_bytes_per_position as f64 * (n as f64 + 1.0) / 2.0
+    /// Bytes per step of a decode run of `n` tokens from `start` cached positions, `seqs`
+    /// sequences at a time: the weights once, and each sequence's KV cache at the average
+    /// context length.
+    pub fn decode_bytes(&self, start: usize, n: usize, seqs: usize, kv_bytes_per_position: usize) -> f64 {
+        let context = start as f64 + (n as f64 + 1.0) / 2.0;
+        self.weight_bytes as f64 + (seqs * kv_bytes_per_position) as f64 * context
     }
 
     /// FLOPs per token of processing an `n`-token prompt (causal: average context n/2).

@@ -1,7 +1,7 @@
 use super::common::{load_model, ModelArgs};
 use anyhow::Result;
 use clap::Args;
-use ferrite_engine::bench::{bench_pp, bench_tg, BenchResult, TokenWork};
+use ferrite_engine::bench::{bench_batched, bench_pp, bench_tg, BenchResult, TokenWork};
 
 #[derive(Args)]
 pub struct BenchArgs {
@@ -14,6 +14,13 @@ pub struct BenchArgs {
     /// Timed repetitions per test (one extra warm-up run is not counted).
     #[arg(short = 'r', long = "repetitions", default_value_t = 5, value_parser = clap::value_parser!(u64).range(1..))]
     pub reps: u64,
+    /// Also decode this many sequences at once on the paged cache (tg N xS: one batched step
+    /// per token of all of them, as `serve` runs them), comma separated.
+    #[arg(short = 's', long = "seqs", value_delimiter = ',')]
+    pub seqs: Vec<usize>,
+    /// Prompt tokens of each sequence of a --seqs run (prefilled before the timed steps).
+    #[arg(long = "seq-prompt", default_value_t = 32)]
+    pub seq_prompt: usize,
     #[command(flatten)]
     pub model: ModelArgs,
 }
@@ -22,6 +29,9 @@ pub fn run(args: BenchArgs) -> Result<()> {
     let loaded = load_model(&args.model)?;
     let vocab = loaded.model.config.vocab_size;
     let longest = args.n_prompt.iter().chain(&args.n_gen).copied().max().unwrap_or(0);
+    if args.seqs.contains(&0) {
+        anyhow::bail!("--seqs counts sequences: each value must be at least 1");
+    }
     let mut margs = args.model.clone();
     margs.ctx_size = margs.ctx_size.max(longest + 1);
     margs.batch_size = margs.batch_size.max(*args.n_prompt.iter().max().unwrap_or(&1) as u64);
@@ -33,6 +43,9 @@ pub fn run(args: BenchArgs) -> Result<()> {
     }
     for &n in args.n_gen.iter().filter(|&&n| n > 0) {
         results.push(bench_tg(&mut session, n, reps, vocab)?);
+        for &seqs in &args.seqs {
+            results.push(bench_batched(&mut session, seqs, args.seq_prompt.max(1), n, reps, vocab)?);
+        }
     }
     let m = &loaded.model;
     let size = m.file.file_size() as f64 / 1048576.0;
@@ -60,13 +73,22 @@ pub fn run(args: BenchArgs) -> Result<()> {
             c.matmul,
             c.matmul_flops / 1e12
         );
-        println!("| test | work per token | achieved | fraction of the limit |");
+        println!("| test | work | achieved | fraction of the limit |");
         println!("|---|---|---|---|");
         for r in &results {
             let tps = r.median();
             if r.test.starts_with("tg") {
-                let bytes = work.decode_bytes(r.tokens, kv);
-                println!("| {} | {:.1} MB | {:.2} TB/s | {:.1}% of copy bandwidth |", r.test, bytes / 1e6, bytes * tps / 1e12, 100.0 * bytes * tps / c.copy_bytes_per_s);
+                // Per step: the weights once for all of the step's sequences.
+                let start = if r.seqs > 1 { args.seq_prompt.max(1) } else { 0 };
+                let bytes = work.decode_bytes(start, r.tokens, r.seqs, kv);
+                let steps = tps / r.seqs as f64;
+                println!(
+                    "| {} | {:.1} MB per step | {:.2} TB/s | {:.1}% of copy bandwidth |",
+                    r.test,
+                    bytes / 1e6,
+                    bytes * steps / 1e12,
+                    100.0 * bytes * steps / c.copy_bytes_per_s
+                );
             } else {
                 let flops = work.prompt_flops(r.tokens);
                 println!("| {} | {:.2} GFLOP | {:.1} TFLOP/s | {:.1}% of the matrix rate |", r.test, flops / 1e9, flops * tps / 1e12, 100.0 * flops * tps / c.matmul_flops);
