@@ -6,6 +6,7 @@
 //!   (or the binary from scripts/gpu-build.sh, on the GPU machine: .device/kernel_bench)
 
 use ferrite_cuda::kernels::gdn::{GdnChunkVariant, GdnDeltaVariant};
+use ferrite_cuda::kernels::gemm::GemmMmaVariant;
 use ferrite_cuda::kernels::gemv::GemvVariant;
 use ferrite_cuda::ops::{self, AttentionConfig, GdnPath, GdnState, GdnWeights, KvCache, KvDtype, LinearOptions, LinearPath, SamplingConfig};
 use ferrite_cuda::{CudaError, Gpu};
@@ -74,23 +75,31 @@ fn main() -> Result<(), CudaError> {
         println!("  n={n:<4} {:>9.2} us  {:>8.1} GFLOP/s", s * 1e6, 2.0 * 1536.0 * 576.0 * n as f64 / s / 1e9);
     }
 
-    // Serving-sized batches (issue #6): a 64-sequence decode step ran its linears far below
-    // their weight traffic on the H200. Each shape at the batch sizes of the paths, with the
-    // per-call dequantization and with a resident bf16 copy.
-    println!("\nbatched linear, Q4_0 (8B QKV and LM head): us per call, bf16-weight GB/s");
-    for (rows, cols) in [(6144usize, 4096usize), (49152, 4096)] {
+    // Serving-sized batches (issue #6): each shape at the batch sizes of the paths: the
+    // small-batch tensor-core GEMM on the packed weights (auto, up to 64 tokens), and dequantize +
+    // cuBLAS with the per-call dequantization and with a resident bf16 copy.
+    println!("\nbatched linear, Q4_0 (8B QKV, down and LM head): us per call, packed-weight GB/s");
+    let cublas = LinearOptions { mma_max_tokens: 0, ..LinearOptions::default() };
+    for dtype in [GgmlType::Q4_0, GgmlType::Q8_0, GgmlType::Q4_K, GgmlType::Q6_K] {
+        for info in gpu.kernel_info(&GemmMmaVariant::for_shape(dtype, 64, true))? {
+            println!("  {dtype} n=64: {info:?}");
+        }
+    }
+    for (rows, cols) in [(6144usize, 4096usize), (4096, 14336), (49152, 4096)] {
         let values: Vec<f32> = (0..rows * cols).map(|i| ((i * 7919) % 2001) as f32 / 1000.0 - 1.0).collect();
-        let mut w = gpu.upload_weight(GgmlType::Q4_0, rows, cols, &quantize(GgmlType::Q4_0, &values).expect("quantize"))?;
-        for resident in [false, true] {
-            if resident {
+        let packed = quantize(GgmlType::Q4_0, &values).expect("quantize");
+        let mut w = gpu.upload_weight(GgmlType::Q4_0, rows, cols, &packed)?;
+        for (path, opts) in [("auto", LinearOptions::default()), ("cublas", cublas), ("cublas resident", cublas)] {
+            if path == "cublas resident" {
                 ops::expand_weight(&gpu, &mut w, ops::Precision::BF16)?;
             }
-            for n in [8usize, 9, 16, 64, 512] {
+            for n in [8usize, 9, 16, 32, 64, 512] {
                 let x = gpu.upload(&vec![0.5f32; n * cols], "x")?;
                 let mut out = gpu.alloc_zeros::<f32>(n * rows)?;
-                let s = time(&gpu, 20, || ops::linear(&gpu, &w, &x, n, &mut out).map(|_| ()))?;
-                let gbs = (rows * cols * 2) as f64 / s / 1e9;
-                println!("  {rows}x{cols} n={n:<4} resident={resident:<5} {:>9.2} us {gbs:>8.1} GB/s", s * 1e6);
+                let mut plan = None;
+                let s = time(&gpu, 20, || ops::linear_with(&gpu, &w, &x, n, &mut out, &opts).map(|p| plan = Some(p)))?;
+                let gbs = packed.len() as f64 / s / 1e9;
+                println!("  {rows}x{cols} n={n:<4} {path:<15} {:>9.2} us {gbs:>8.1} GB/s  {plan:?}", s * 1e6);
             }
         }
     }

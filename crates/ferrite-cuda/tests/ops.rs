@@ -321,8 +321,8 @@ fn check_linear(
     // round each product by up to 2^-11 (f16) or 2^-8 (bf16) twice; int8 activations are off
     // by at most half a step of their block (see `q8_bound`).
     let rtol = match plan {
-        LinearPlan::Gemm { precision: Precision::F16, .. } => 2e-3,
-        LinearPlan::Gemm { precision: Precision::BF16, .. } => 1.6e-2,
+        LinearPlan::Gemm { precision: Precision::F16, .. } | LinearPlan::Mma { precision: Precision::F16 } => 2e-3,
+        LinearPlan::Gemm { precision: Precision::BF16, .. } | LinearPlan::Mma { precision: Precision::BF16 } => 1.6e-2,
         _ => 2e-5,
     };
     let step = q8_steps(&x, cols);
@@ -336,6 +336,7 @@ fn check_linear(
         LinearPlan::Gemv => "gemv".to_string(),
         LinearPlan::GemvQ8 => "gemv q8".to_string(),
         LinearPlan::Gemm { precision, .. } => format!("gemm {precision:?}"),
+        LinearPlan::Mma { precision } => format!("mma {precision:?}"),
     };
     check("linear", &format!("{dtype} {rows}x{cols} n={n_tokens} {path}"), &download(gpu, &out), &want, bound);
 }
@@ -396,6 +397,31 @@ fn linear_matches_cpu_for_every_dtype_and_path() {
     for dtype in [GgmlType::F32, GgmlType::F16, GgmlType::BF16] {
         check_linear(gpu, &mut rng, dtype, 50, 100, 1, &gemv, is_gemm);
     }
+}
+
+/// The small-batch tensor-core GEMM (batched decode steps) on every quantized type: each
+/// n-tiling, partial row blocks and token tiles, K split over slices (2048 and 4096 columns) or
+/// not (512), bf16 and f16 inputs. Float weights, f32 precision and rows that are not whole
+/// 64-column chunks stay on cuBLAS.
+#[test]
+fn small_batch_gemm_matches_cpu_for_every_quantized_type() {
+    let Some(gpu) = gpu() else { return };
+    let mut rng = Rng(47);
+    let is_mma: fn(&LinearPlan) -> bool = |p| matches!(p, LinearPlan::Mma { .. });
+    let is_gemm: fn(&LinearPlan) -> bool = |p| matches!(p, LinearPlan::Gemm { .. });
+    let bf16 = LinearOptions::default();
+    let f16 = LinearOptions { precision: Precision::F16, ..bf16 };
+    for dtype in ALL_TYPES.into_iter().filter(|t| !matches!(t, GgmlType::F32 | GgmlType::F16 | GgmlType::BF16)) {
+        for (rows, cols, n) in [(300, 512, 9), (128, 2048, 16), (200, 512, 17), (515, 2048, 33), (256, 4096, 64)] {
+            check_linear(gpu, &mut rng, dtype, rows, cols, n, &bf16, is_mma);
+        }
+        check_linear(gpu, &mut rng, dtype, 300, 2048, 24, &f16, is_mma);
+    }
+    check_linear(gpu, &mut rng, GgmlType::Q4_0, 300, 512, 65, &bf16, is_gemm);
+    check_linear(gpu, &mut rng, GgmlType::BF16, 300, 512, 20, &bf16, is_gemm);
+    check_linear(gpu, &mut rng, GgmlType::Q4_0, 300, 512, 20, &LinearOptions { precision: Precision::F32, ..bf16 }, is_gemm);
+    check_linear(gpu, &mut rng, GgmlType::Q4_0, 300, 96, 20, &bf16, is_gemm);
+    check_linear(gpu, &mut rng, GgmlType::Q4_0, 300, 512, 20, &LinearOptions { mma_max_tokens: 0, ..bf16 }, is_gemm);
 }
 
 /// The fused int8 path of a norm-folded projection with bias and residual, writing a column
@@ -2123,7 +2149,7 @@ fn kernel_cache_hits_misses_and_rebuilds_corrupt_entries() {
 fn every_kernel_variant_compiles_for_sm90() {
     use ferrite_cuda::compile_variant;
     use ferrite_cuda::kernels::{
-        activation::*, attention::*, dequant::*, embedding::*, flash_attention, gdn::*, gemv::*, moe::*, norm::*, quantize::*, rope::*, sampling::*,
+        activation::*, attention::*, dequant::*, embedding::*, flash_attention, gdn::*, gemm::*, gemv::*, moe::*, norm::*, quantize::*, rope::*, sampling::*,
     };
     if let Err(e) = compile_variant(&ActivationVariant, "sm_90") {
         match e {
@@ -2149,6 +2175,11 @@ fn every_kernel_variant_compiles_for_sm90() {
         let v = GemvVariant::for_experts(dtype);
         check(format!("{v:?}"), compile_variant(&v, "sm_90"));
         if !matches!(dtype, GgmlType::F32 | GgmlType::F16 | GgmlType::BF16) {
+            // Small-batch tensor-core GEMM: every n-tiling, bf16 and f16 inputs.
+            for (n, bf16) in [(9, true), (32, false), (64, true)] {
+                let v = GemmMmaVariant::for_shape(dtype, n, bf16);
+                check(format!("{v:?}"), compile_variant(&v, "sm_90"));
+            }
             // Short rows (warp-level reduction), long rows (block-level), token tiles, epilogues.
             for (rows, cols, n, residual, bias) in
                 [(960, 576, 1, false, true), (4096, 14336, 1, true, false), (4096, 4096, 3, true, true), (300, 2048, 8, false, false)]

@@ -20,6 +20,7 @@ pub mod dequant;
 pub mod embedding;
 pub mod flash_attention;
 pub mod gdn;
+pub mod gemm;
 pub mod gemv;
 pub mod moe;
 pub mod norm;
@@ -123,7 +124,7 @@ pub(crate) mod tests {
     /// may issue early).
     #[test]
     fn every_kernel_waits_for_the_previous_one() {
-        let families: [(&str, &[&str]); 18] = [
+        let families: [(&str, &[&str]); 19] = [
             (activation::ActivationVariant::FAMILY, activation::ActivationVariant::SOURCES),
             (attention::AttentionVariant::FAMILY, attention::AttentionVariant::SOURCES),
             (attention::StoreQkvVariant::FAMILY, attention::StoreQkvVariant::SOURCES),
@@ -134,6 +135,7 @@ pub(crate) mod tests {
             (gdn::GdnConvVariant::FAMILY, gdn::GdnConvVariant::SOURCES),
             (gdn::GdnDeltaVariant::FAMILY, gdn::GdnDeltaVariant::SOURCES),
             (gdn::GdnChunkVariant::FAMILY, gdn::GdnChunkVariant::SOURCES),
+            (gemm::GemmMmaVariant::FAMILY, gemm::GemmMmaVariant::SOURCES),
             (gemv::GemvVariant::FAMILY, gemv::GemvVariant::SOURCES),
             (gemv::GemvQ8Variant::FAMILY, gemv::GemvQ8Variant::SOURCES),
             (moe::MoeRouteVariant::FAMILY, moe::MoeRouteVariant::SOURCES),

@@ -1,16 +1,20 @@
-//! `linear`: `out[t, r] = sum_c w[r, c] * x[t, c]`, dispatched between three kernel paths.
+//! `linear`: `out[t, r] = sum_c w[r, c] * x[t, c]`, dispatched between four kernel paths.
 //!
 //! - int8 GEMV (few tokens, quantized weights): activations are quantized to int8 blocks
 //!   ([`quantize_q8`], which can also apply the RMSNorm of a norm-folded linear) and multiplied
 //!   with `dp4a` on the packed weights ([`linear_q8`], with bias and residual in the epilogue).
 //! - f32 GEMV (few tokens; float weights, or `FERRITE_CUDA_GEMV_ACTIVATIONS=f32`): multiplies
 //!   f32 activations on the packed weights ([`crate::kernels::gemv`]).
+//! - small-batch tensor-core GEMM (quantized weights, `gemv_max_tokens` < tokens <=
+//!   `mma_max_tokens`: a server's batched decode steps): weights decoded from the packed planes
+//!   in registers and multiplied on `mma.sync` with f32 accumulation ([`crate::kernels::gemm`]).
 //! - GEMM (many tokens): the weight is dequantized into scratch (skipped when it already has
 //!   the GEMM's input type) and cuBLAS multiplies, accumulating in f32.
 
 use super::{addr, addr_mut, as_u32, check_len, elems};
 use crate::error::{Context, CudaError};
 use crate::kernels::dequant::{ConvertParams, ConvertVariant, DequantParams, DequantVariant, OutType};
+use crate::kernels::gemm::{self as gemm_kernels, GemmMmaParams, GemmMmaVariant, GemmReduceParams, GEMM_CHUNK_COLS};
 use crate::kernels::gemv::{GemvParams, GemvQ8Params, GemvQ8Variant, GemvVariant};
 use crate::kernels::quantize::{Prologue, QuantizeParams, QuantizeVariant};
 use crate::weight::{self, DeviceWeight};
@@ -87,6 +91,9 @@ pub struct LinearOptions {
     pub activations: GemvActivations,
     /// Let the int8 GEMV split rows' units over slices of a block ([`GemvQ8Variant::split_k`]).
     pub gemv_split_k: bool,
+    /// Largest token count that takes the small-batch tensor-core GEMM in [`LinearPath::Auto`]
+    /// (quantized weights above `gemv_max_tokens`; 0 never).
+    pub mma_max_tokens: usize,
 }
 
 impl Default for LinearOptions {
@@ -97,6 +104,7 @@ impl Default for LinearOptions {
             gemv_max_tokens: 8,
             activations: GemvActivations::Q8,
             gemv_split_k: true,
+            mma_max_tokens: 64,
         }
     }
 }
@@ -133,7 +141,8 @@ impl LinearOptions {
             _ => d.activations,
         };
         let gemv_split_k = !env::DISABLE_GEMV_SPLIT_K.flag(!d.gemv_split_k);
-        LinearOptions { path, precision, gemv_max_tokens, activations, gemv_split_k }
+        let mma_max_tokens = env::CUDA_MMA_MAX_TOKENS.parse(d.mma_max_tokens);
+        LinearOptions { path, precision, gemv_max_tokens, activations, gemv_split_k, mma_max_tokens }
     }
 }
 
@@ -144,6 +153,8 @@ pub enum LinearPlan {
     Gemv,
     /// int8-activation GEMV (quantized weights only).
     GemvQ8,
+    /// Small-batch tensor-core GEMM on the packed weights, activations converted to f16/bf16.
+    Mma { precision: Precision },
     Gemm {
         precision: Precision,
         /// Weight dequantized/converted into scratch first (false: cuBLAS reads it as stored).
@@ -165,6 +176,14 @@ pub fn linear_plan(dtype: GgmlType, cols: usize, n_tokens: usize, opts: &LinearO
     if gemv {
         let quantized = weight::planes(dtype).is_some();
         return if quantized && opts.activations == GemvActivations::Q8 { LinearPlan::GemvQ8 } else { LinearPlan::Gemv };
+    }
+    let mma = opts.path == LinearPath::Auto
+        && n_tokens <= opts.mma_max_tokens
+        && weight::planes(dtype).is_some()
+        && cols.is_multiple_of(GEMM_CHUNK_COLS)
+        && opts.precision != Precision::F32;
+    if mma {
+        return LinearPlan::Mma { precision: opts.precision };
     }
     LinearPlan::Gemm {
         precision: opts.precision,
@@ -254,6 +273,7 @@ pub fn linear_with(
                 gemv_q8(gpu, w, None, None, input, n_tokens, w.rows, (out, w.rows, 0), &Epilogue::default(), None)
             })?
         }
+        LinearPlan::Mma { precision } => gemm_mma(gpu, w, x, n_tokens, out, precision)?,
         LinearPlan::Gemm { precision, dequantize_weight, convert_input } => {
             gemm(gpu, w, x, n_tokens, out, precision, dequantize_weight, convert_input)?
         }
@@ -667,6 +687,43 @@ pub(super) fn gemv_q8(
 }
 
 const SCRATCH_ALIGN: usize = 256;
+
+/// The small-batch tensor-core GEMM: activations converted to the MMA input type in scratch,
+/// then `gemm_mma` on the packed weight, straight into `out` or, split over K slices, into f32
+/// partials in scratch that `gemm_reduce` sums.
+fn gemm_mma(gpu: &Gpu, w: &DeviceWeight, x: u64, n_tokens: usize, out: u64, precision: Precision) -> Result<(), CudaError> {
+    const OP: &str = "linear";
+    let variant = GemmMmaVariant::for_shape(w.dtype, n_tokens, precision == Precision::BF16);
+    let slices = variant.k_slices(w.rows, w.cols, n_tokens, gpu.sm_count() as usize);
+    let x_bytes = elems(OP, &[n_tokens, w.cols, 2])?.next_multiple_of(SCRATCH_ALIGN);
+    let part_len = elems(OP, &[n_tokens, w.rows])?;
+    let part_bytes = if slices > 1 { elems(OP, &[slices, part_len, 4])? } else { 0 };
+    gpu.with_scratch(x_bytes + part_bytes, |scratch| {
+        let convert = ConvertVariant { out: precision.out_type() };
+        let count = n_tokens * w.cols;
+        gpu.launch(&convert, "convert_f32", convert.launch_config(count), &ConvertParams { src: x, dst: scratch, n: count as u64 })?;
+        let partials = scratch + x_bytes as u64;
+        let [w0, w1, w2, w3] = w.plane_ptrs(gpu);
+        let params = GemmMmaParams {
+            w0,
+            w1,
+            w2,
+            w3,
+            x: scratch,
+            out: if slices > 1 { partials } else { out },
+            rows: as_u32(OP, "rows", w.rows)?,
+            cols: as_u32(OP, "cols", w.cols)?,
+            n_tokens: as_u32(OP, "n_tokens", n_tokens)?,
+            slice_chunks: as_u32(OP, "chunks", GemmMmaVariant::slice_chunks(w.cols, slices))?,
+        };
+        gpu.launch(&variant, "gemm_mma", variant.launch_config(w.rows, n_tokens, slices), &params)?;
+        if slices > 1 {
+            let params = GemmReduceParams { partials, out, n: part_len as u64, slices: slices as u32, pad: 0 };
+            gpu.launch(&variant, "gemm_reduce", gemm_kernels::reduce_launch_config(part_len), &params)?;
+        }
+        Ok(())
+    })
+}
 
 #[allow(clippy::too_many_arguments)]
 fn gemm(
