@@ -835,10 +835,17 @@ mod tests {
         let f32_act = LinearOptions { activations: GemvActivations::F32, ..auto };
         assert_eq!(linear_plan(GgmlType::Q4_0, 576, 8, &f32_act), LinearPlan::Gemv);
         assert_eq!(linear_plan(GgmlType::F16, 576, 1, &auto), LinearPlan::Gemv);
-        assert_eq!(
-            linear_plan(GgmlType::Q4_0, 576, 9, &auto),
-            LinearPlan::Gemm { precision: Precision::BF16, dequantize_weight: true, convert_input: true }
-        );
+        // Batched decode steps: the small-batch tensor-core GEMM up to 64 tokens, cuBLAS above,
+        // or when switched off, for rows of partial 64-column chunks and at f32.
+        let mma = LinearPlan::Mma { precision: Precision::BF16 };
+        assert_eq!(linear_plan(GgmlType::Q4_0, 576, 9, &auto), mma);
+        assert_eq!(linear_plan(GgmlType::Q6_K, 4096, 64, &auto), mma);
+        let cublas = LinearPlan::Gemm { precision: Precision::BF16, dequantize_weight: true, convert_input: true };
+        assert_eq!(linear_plan(GgmlType::Q4_0, 576, 65, &auto), cublas);
+        assert_eq!(linear_plan(GgmlType::Q4_0, 544, 9, &auto), cublas);
+        assert_eq!(linear_plan(GgmlType::Q4_0, 576, 9, &LinearOptions { mma_max_tokens: 0, ..auto }), cublas);
+        assert_eq!(linear_plan(GgmlType::Q4_0, 576, 9, &LinearOptions { path: LinearPath::Gemm, ..auto }), cublas);
+        assert!(matches!(linear_plan(GgmlType::BF16, 576, 9, &auto), LinearPlan::Gemm { .. }));
         let f32_gemm = LinearOptions { precision: Precision::F32, ..auto };
         assert_eq!(
             linear_plan(GgmlType::F32, 576, 64, &f32_gemm),
