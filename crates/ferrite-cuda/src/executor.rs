@@ -25,7 +25,7 @@ use ferrite_model::planner::{self, Plan};
 use ferrite_model::profile::OpProfile;
 use ferrite_model::{
     BatchRows, DeviceSampling, Executor, ExecutorOptions, HardwareCeilings, LayerTrace, LoadProgress, Model, PagedKvConfig,
-    RecurrentCursor, RopeStyle, SeqChunk,
+    PagedOutput, RecurrentCursor, RopeStyle, SeqChunk,
 };
 use std::ops::{Index, IndexMut};
 use std::sync::Arc;
@@ -129,6 +129,8 @@ struct PagedState {
     config: PagedKvConfig,
     plan: Plan,
     buf: Buffers,
+    /// The sequences' tokens drawn on the device (`max_seqs`).
+    tokens: CudaSlice<u32>,
 }
 
 impl Buffers {
@@ -650,8 +652,9 @@ impl CudaExecutor {
     }
 
     /// One batched step on the paged cache: the step's rows and block tables go to the device,
-    /// the paged buffers are swapped in for the graph's ops, and each sequence's logits come back.
-    fn run_paged(&mut self, paged: &mut PagedState, batch: &[SeqChunk<'_>]) -> anyhow::Result<Vec<Vec<f32>>> {
+    /// the paged buffers are swapped in for the graph's ops, and the sequences' logits are left
+    /// in the paged logits slot (`[n_seqs, vocab]`).
+    fn run_paged(&mut self, paged: &mut PagedState, batch: &[SeqChunk<'_>]) -> anyhow::Result<()> {
         let rows = BatchRows::new(batch, &paged.config)?;
         let n = rows.ids.len();
         let max_blocks = batch.iter().map(|s| s.block_table.len()).max().unwrap_or(0);
@@ -674,13 +677,42 @@ impl CudaExecutor {
         let result = self.run_ops(n);
         std::mem::swap(&mut self.buf, &mut paged.buf);
         std::mem::swap(&mut self.plan, &mut paged.plan);
-        result.context("batched forward pass")?;
+        result.context("batched forward pass")
+    }
+
+    /// After [`Self::run_paged`]: tokens drawn on the device for the sequences with a sampling
+    /// request (greedy ones by one argmax launch over all rows), logits read back for the rest.
+    fn paged_outputs(&self, paged: &mut PagedState, sample: &[Option<DeviceSampling>]) -> anyhow::Result<Vec<PagedOutput>> {
         let g = &self.model.graph;
         let w = g.value(g.logits).width;
+        let n_seqs = sample.len();
         let logits = paged.buf.slots[paged.plan.slot(g.logits)].as_ref().expect("logits slot");
-        let all = self.gpu.download(&logits.slice(0..batch.len() * w))?;
+        let greedy = |p: &DeviceSampling| p.temperature <= 0.0 || p.top_k == 1;
+        if sample.iter().all(Option::is_none) {
+            let all = self.gpu.download(&logits.slice(0..n_seqs * w))?;
+            self.gpu.check_device()?;
+            return Ok(all.chunks(w).map(|l| PagedOutput::Logits(l.to_vec())).collect());
+        }
+        if sample.iter().flatten().any(greedy) {
+            ops::argmax_rows(&self.gpu, &logits.slice(0..n_seqs * w), w, n_seqs, &mut paged.tokens)?;
+        }
+        for (i, p) in sample.iter().enumerate() {
+            if let Some(p) = p.filter(|p| !greedy(p)) {
+                let cfg = SamplingConfig { temperature: p.temperature, top_k: p.top_k, top_p: p.top_p, min_p: p.min_p, seed: p.seed };
+                ops::sample(&self.gpu, &logits.slice(i * w..(i + 1) * w), w, &cfg, p.step, None, &mut paged.tokens.slice_mut(i..i + 1))?;
+            }
+        }
+        let tokens = self.gpu.download(&paged.tokens.slice(0..n_seqs))?;
+        let out = sample
+            .iter()
+            .enumerate()
+            .map(|(i, p)| match p {
+                Some(_) => Ok(PagedOutput::Token(tokens[i])),
+                None => Ok(PagedOutput::Logits(self.gpu.download(&logits.slice(i * w..(i + 1) * w))?)),
+            })
+            .collect::<Result<Vec<_>, CudaError>>()?;
         self.gpu.check_device()?;
-        Ok(all.chunks(w).map(<[f32]>::to_vec).collect())
+        Ok(out)
     }
 
     fn logits_view(&self) -> (&CudaSlice<f32>, usize) {
@@ -805,13 +837,25 @@ impl Executor for CudaExecutor {
             block_size,
             last_rows: Vec::new(),
         });
-        self.paged = Some(PagedState { config, plan, buf });
+        let tokens = self.gpu.alloc_zeros(max_seqs)?;
+        self.paged = Some(PagedState { config, plan, buf, tokens });
         Ok(())
     }
 
     fn forward_paged(&mut self, batch: &[SeqChunk<'_>]) -> anyhow::Result<Vec<Vec<f32>>> {
+        let outputs = self.forward_paged_sampled(batch, &vec![None; batch.len()])?;
+        Ok(outputs.into_iter().map(|o| match o {
+            PagedOutput::Logits(l) => l,
+            PagedOutput::Token(_) => unreachable!("nothing was sampled"),
+        }).collect())
+    }
+
+    fn forward_paged_sampled(&mut self, batch: &[SeqChunk<'_>], sample: &[Option<DeviceSampling>]) -> anyhow::Result<Vec<PagedOutput>> {
+        if sample.len() != batch.len() {
+            bail!("{} sampling requests for a batch of {} sequences", sample.len(), batch.len());
+        }
         let Some(mut paged) = self.paged.take() else { bail!("forward_paged before init_paged") };
-        let result = self.run_paged(&mut paged, batch);
+        let result = self.run_paged(&mut paged, batch).and_then(|()| self.paged_outputs(&mut paged, sample));
         self.paged = Some(paged);
         result
     }

@@ -1,8 +1,8 @@
 //! llama-bench style measurements: prompt processing (pp N) and token generation (tg N).
 
-use crate::sampling::{Sampler, SamplerParams};
+use crate::sampling::{argmax, Sampler, SamplerParams};
 use ferrite_model::graph::Op;
-use ferrite_model::{Model, PagedKvConfig, SeqChunk};
+use ferrite_model::{DeviceSampling, Model, PagedKvConfig, PagedOutput, SeqChunk};
 use crate::session::Session;
 use anyhow::Result;
 use std::time::Instant;
@@ -85,9 +85,9 @@ pub fn bench_tg(session: &mut Session, n: usize, reps: usize, vocab: usize) -> R
 /// Batched decode, as a server's continuous batching runs it without the HTTP side: `seqs`
 /// sequences on the executor's paged cache, each prefilled with `prompt` tokens (one batched
 /// step per sequence), then `n` steps that each decode one token of every sequence in one
-/// [`Executor::forward_paged`](ferrite_model::Executor::forward_paged) call, followed by greedy
-/// sampling on the host (the server's per-step work). Samples are aggregate tokens per second
-/// over the `n` steps.
+/// [`Executor::forward_paged_sampled`](ferrite_model::Executor::forward_paged_sampled) call with
+/// greedy sampling (on the device where the backend can, else on the host: the server's per-step
+/// work). Samples are aggregate tokens per second over the `n` steps.
 pub fn bench_batched(session: &mut Session, seqs: usize, prompt: usize, n: usize, reps: usize, vocab: usize) -> Result<BenchResult> {
     const BLOCK: usize = 16;
     let blocks_per_seq = (prompt + n).div_ceil(BLOCK);
@@ -108,8 +108,15 @@ pub fn bench_batched(session: &mut Session, seqs: usize, prompt: usize, n: usize
             let ids = next.clone();
             let batch: Vec<SeqChunk> =
                 tables.iter().zip(&ids).map(|(table, tok)| SeqChunk { tokens: std::slice::from_ref(tok), start_pos: prompt + step, block_table: table }).collect();
-            let logits = exec.forward_paged(&batch)?;
-            next = logits.iter().map(|l| argmax(l)).collect();
+            let greedy = DeviceSampling { temperature: 0.0, top_k: 1, top_p: 1.0, min_p: 0.0, seed: 0, step: step as u64 };
+            let outputs = exec.forward_paged_sampled(&batch, &vec![Some(greedy); seqs])?;
+            next = outputs
+                .iter()
+                .map(|o| match o {
+                    PagedOutput::Token(t) => *t,
+                    PagedOutput::Logits(l) => argmax(l),
+                })
+                .collect();
         }
         let tps = (seqs * n) as f64 / t.elapsed().as_secs_f64();
         if rep > 0 {
@@ -117,10 +124,6 @@ pub fn bench_batched(session: &mut Session, seqs: usize, prompt: usize, n: usize
         }
     }
     Ok(BenchResult { test: format!("tg{n} x{seqs}"), tokens: n, seqs, samples })
-}
-
-fn argmax(logits: &[f32]) -> u32 {
-    logits.iter().enumerate().fold((0, f32::NEG_INFINITY), |best, (i, &v)| if v > best.1 { (i, v) } else { best }).0 as u32
 }
 
 /// The least work a token costs, for expressing speed as a fraction of the hardware limit.

@@ -21,7 +21,7 @@ use crate::kv_pages::{prefix_hashes, BlockHash, BlockPool};
 use crate::metrics::EngineMetrics;
 use crate::sampling::{Sampler, SamplerParams};
 use anyhow::{bail, Context, Result};
-use ferrite_model::{Executor, PagedKvConfig, SeqChunk};
+use ferrite_model::{DeviceSampling, Executor, PagedKvConfig, PagedOutput, SeqChunk};
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::mpsc;
@@ -523,10 +523,16 @@ impl Scheduler {
                 .zip(&counts)
                 .map(|(s, &n)| SeqChunk { tokens: &s.tokens[s.computed..s.computed + n], start_pos: s.computed, block_table: &s.table })
                 .collect();
-            self.exec.forward_paged(&chunks)
+            // The sequences that reach their last token this step sample from its logits.
+            let sample: Vec<Option<DeviceSampling>> = self.running[..n_batch]
+                .iter()
+                .zip(&counts)
+                .map(|(s, &n)| if s.computed + n == s.tokens.len() { Self::device_sampling(s) } else { None })
+                .collect();
+            self.exec.forward_paged_sampled(&chunks, &sample)
         };
         self.metrics.steps.fetch_add(1, Relaxed);
-        let logits = match result {
+        let outputs = match result {
             Ok(l) => l,
             Err(e) => {
                 let msg = format!("{e:#}");
@@ -540,7 +546,7 @@ impl Scheduler {
         };
         // Sample, stream, and retire finished sequences (walking backwards keeps indices valid).
         let mut finished: Vec<(usize, Option<FinishReason>)> = Vec::new();
-        for (k, mut logits) in logits.into_iter().enumerate().rev() {
+        for (k, output) in outputs.into_iter().enumerate().rev() {
             let s = &mut self.running[k];
             s.computed += counts[k];
             // Register the blocks that became full.
@@ -553,7 +559,7 @@ impl Scheduler {
             if s.computed < s.tokens.len() {
                 continue; // prefill continues next step
             }
-            finished.push((k, Self::sample_one(s, &mut logits, &self.metrics, self.config.max_context)));
+            finished.push((k, Self::sample_one(s, output, &self.metrics, self.config.max_context)));
         }
         for (k, outcome) in finished {
             match outcome {
@@ -576,22 +582,39 @@ impl Scheduler {
         self.queued.fetch_sub(1, Relaxed);
     }
 
-    /// Sample the next token of `s` from its logits and send it. `Some(reason)` when it is done.
-    fn sample_one(s: &mut Seq, logits: &mut [f32], metrics: &EngineMetrics, max_context: usize) -> Option<FinishReason> {
-        let logprob_of = s.req.logprobs.map(|k| (log_softmax(logits), k));
-        for &(t, b) in &s.req.logit_bias {
-            if let Some(l) = logits.get_mut(t as usize) {
-                *l += b;
-            }
-        }
-        if s.req.presence_penalty != 0.0 || s.req.frequency_penalty != 0.0 {
-            for (&t, &c) in &s.counts {
-                if let Some(l) = logits.get_mut(t as usize) {
-                    *l -= s.req.presence_penalty + s.req.frequency_penalty * c as f32;
+    /// How `s`'s next token may be drawn on the device ([`Executor::forward_paged_sampled`]):
+    /// when nothing in its request needs the logits on the host (log-probabilities, logit bias,
+    /// penalties). The draw is the device sampler's, keyed by (seed, index of the token).
+    fn device_sampling(s: &Seq) -> Option<DeviceSampling> {
+        let p = s.sampler.params();
+        let r = &s.req;
+        let host_only = r.logprobs.is_some() || !r.logit_bias.is_empty() || r.presence_penalty != 0.0 || r.frequency_penalty != 0.0 || p.repeat_penalty != 1.0;
+        (!host_only).then_some(DeviceSampling { temperature: p.temperature, top_k: p.top_k, top_p: p.top_p, min_p: p.min_p, seed: p.seed, step: s.generated as u64 })
+    }
+
+    /// Take the next token of `s` (drawn on the device, or sampled here from its logits) and send
+    /// it. `Some(reason)` when it is done.
+    fn sample_one(s: &mut Seq, output: PagedOutput, metrics: &EngineMetrics, max_context: usize) -> Option<FinishReason> {
+        let (tok, logprob) = match output {
+            PagedOutput::Token(tok) => (tok, None),
+            PagedOutput::Logits(mut logits) => {
+                let logprob_of = s.req.logprobs.map(|k| (log_softmax(&logits), k));
+                for &(t, b) in &s.req.logit_bias {
+                    if let Some(l) = logits.get_mut(t as usize) {
+                        *l += b;
+                    }
                 }
+                if s.req.presence_penalty != 0.0 || s.req.frequency_penalty != 0.0 {
+                    for (&t, &c) in &s.counts {
+                        if let Some(l) = logits.get_mut(t as usize) {
+                            *l -= s.req.presence_penalty + s.req.frequency_penalty * c as f32;
+                        }
+                    }
+                }
+                let tok = s.sampler.sample(&mut logits, &s.tokens);
+                (tok, logprob_of.map(|(lp, k)| TokenLogprob { logprob: lp[tok as usize], top: top_k(&lp, k) }))
             }
-        }
-        let tok = s.sampler.sample(logits, &s.tokens);
+        };
         // TTFT counts the first sampled token even when it ends generation at once.
         let now = Instant::now();
         match s.last_token {
@@ -602,7 +625,6 @@ impl Scheduler {
         if s.req.stop_tokens.contains(&tok) {
             return Some(FinishReason::Stop);
         }
-        let logprob = logprob_of.map(|(lp, k)| TokenLogprob { logprob: lp[tok as usize], top: top_k(&lp, k) });
         s.tokens.push(tok);
         *s.counts.entry(tok).or_default() += 1;
         s.generated += 1;

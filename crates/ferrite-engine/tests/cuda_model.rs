@@ -10,7 +10,7 @@ use ferrite_cpu::{CpuExecutor, CpuPrecision};
 use ferrite_engine::sampling::argmax;
 use ferrite_gguf::GgmlType;
 use ferrite_model::synth::{self, SynthGdn, SynthMoe, SynthShape};
-use ferrite_model::{Executor, ExecutorOptions, FusionOptions, Model, PagedKvConfig, SeqChunk};
+use ferrite_model::{DeviceSampling, Executor, ExecutorOptions, FusionOptions, Model, PagedKvConfig, PagedOutput, SeqChunk};
 use std::sync::Arc;
 
 fn gpu_or_skip() -> bool {
@@ -121,7 +121,9 @@ fn compare_executors(
 
 /// Batched serving: CUDA `forward_paged` against the CPU reference's, three sequences of
 /// different lengths prefilling and decoding together on scrambled blocks, each fed the
-/// reference's greedy choice. Returns (worst relative logit error, agreeing choices, choices).
+/// reference's greedy choice. From the third step on, sequence 1 takes its greedy token from the
+/// device (`forward_paged_sampled`) instead of its logits. Returns (worst relative logit error,
+/// agreeing choices, choices).
 fn compare_paged(model: &Arc<Model>) -> (f64, usize, usize) {
     let config = PagedKvConfig { n_blocks: 16, block_size: 16, max_seqs: 4, max_tokens: 64 };
     let mut cpu = CpuExecutor::new(Arc::clone(model), CpuPrecision::Reference, opts(16)).unwrap();
@@ -134,16 +136,27 @@ fn compare_paged(model: &Arc<Model>) -> (f64, usize, usize) {
         [5u32, 23, 12].iter().enumerate().map(|(i, &l)| (0..l).map(|t| (t * 977 + 31 * i as u32 + 5) % vocab).collect()).collect();
     let mut pos = [0usize; 3];
     let (mut worst, mut agreed, mut total) = (0f64, 0, 0);
-    for members in [&[0][..], &[0, 1, 2], &[0, 1, 2], &[1, 2], &[0, 2], &[0, 1, 2]] {
+    let greedy = DeviceSampling { temperature: 0.0, top_k: 1, top_p: 1.0, min_p: 0.0, seed: 0, step: 0 };
+    for (step, members) in [&[0][..], &[0, 1, 2], &[0, 1, 2], &[1, 2], &[0, 2], &[0, 1, 2]].into_iter().enumerate() {
         let (want, got) = {
             let batch: Vec<SeqChunk> =
                 members.iter().map(|&i| SeqChunk { tokens: &tokens[i][pos[i]..], start_pos: pos[i], block_table: tables[i] }).collect();
-            (cpu.forward_paged(&batch).unwrap(), gpu.forward_paged(&batch).unwrap())
+            let sample: Vec<Option<DeviceSampling>> = members.iter().map(|&i| (step >= 2 && i == 1).then_some(greedy)).collect();
+            (cpu.forward_paged(&batch).unwrap(), gpu.forward_paged_sampled(&batch, &sample).unwrap())
         };
         for (k, &i) in members.iter().enumerate() {
-            let (lc, lg) = (&want[k], &got[k]);
-            worst = worst.max(diff(lc, lg).1);
-            let (tc, tg) = (argmax(lc), argmax(lg));
+            let lc = &want[k];
+            let tc = argmax(lc);
+            let tg = match &got[k] {
+                PagedOutput::Logits(lg) => {
+                    worst = worst.max(diff(lc, lg).1);
+                    argmax(lg)
+                }
+                PagedOutput::Token(t) => {
+                    assert!(step >= 2 && i == 1, "step {step}: sequence {i} was not to be sampled on the device");
+                    *t
+                }
+            };
             if tc == tg || (lc[tc as usize] - lc[tg as usize]).abs() < 1e-3 * lc[tc as usize].abs().max(1.0) {
                 agreed += 1;
             }

@@ -229,3 +229,79 @@ fn a_backend_without_batching_is_refused_and_a_dead_engine_is_reported() {
     assert!(!engine.is_alive());
     assert_eq!(engine.submit(greedy(prompt(1, 4), 3)).unwrap_err(), SubmitError::Stopped);
 }
+
+/// The CPU executor with a stand-in for a device sampler: a sequence the engine asks to sample
+/// gets its greedy token instead of its logits (as the CUDA executor returns it), and every
+/// request is counted.
+struct SamplesOnDevice {
+    inner: CpuExecutor,
+    requests: Arc<std::sync::atomic::AtomicUsize>,
+}
+
+impl Executor for SamplesOnDevice {
+    fn describe(&self) -> String {
+        self.inner.describe()
+    }
+    fn forward(&mut self, tokens: &[u32], start_pos: usize) -> anyhow::Result<()> {
+        self.inner.forward(tokens, start_pos)
+    }
+    fn logits(&mut self) -> anyhow::Result<Vec<f32>> {
+        self.inner.logits()
+    }
+    fn traces(&mut self) -> anyhow::Result<Vec<ferrite_model::LayerTrace>> {
+        self.inner.traces()
+    }
+    fn context_len(&self) -> usize {
+        self.inner.context_len()
+    }
+    fn kv_bytes_per_position(&self) -> usize {
+        self.inner.kv_bytes_per_position()
+    }
+    fn memory_report(&self) -> String {
+        self.inner.memory_report()
+    }
+    fn init_paged(&mut self, config: ferrite_model::PagedKvConfig) -> anyhow::Result<()> {
+        self.inner.init_paged(config)
+    }
+    fn forward_paged(&mut self, batch: &[ferrite_model::SeqChunk<'_>]) -> anyhow::Result<Vec<Vec<f32>>> {
+        self.inner.forward_paged(batch)
+    }
+    fn forward_paged_sampled(&mut self, batch: &[ferrite_model::SeqChunk<'_>], sample: &[Option<ferrite_model::DeviceSampling>]) -> anyhow::Result<Vec<ferrite_model::PagedOutput>> {
+        let logits = self.inner.forward_paged(batch)?;
+        Ok(logits
+            .into_iter()
+            .zip(sample)
+            .map(|(l, p)| match p {
+                Some(p) => {
+                    assert!(p.temperature <= 0.0, "only greedy requests in this test");
+                    self.requests.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    ferrite_model::PagedOutput::Token(ferrite_engine::sampling::argmax(&l))
+                }
+                None => ferrite_model::PagedOutput::Logits(l),
+            })
+            .collect())
+    }
+}
+
+/// Device sampling in batched steps: asked once per generated token of each request whose
+/// sampling needs no logits on the host (never for a prefill chunk that does not end the prompt,
+/// never for a request with log-probabilities), and the outputs stay those of `Session::generate`.
+#[test]
+fn batched_steps_sample_on_the_device_when_the_request_allows() {
+    let model = smollm2(FusionOptions::ALL);
+    let requests = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let (m, r) = (Arc::clone(&model), Arc::clone(&requests));
+    let make = move || -> anyhow::Result<Box<dyn Executor>> {
+        Ok(Box::new(SamplesOnDevice { inner: CpuExecutor::new(m, CpuPrecision::Quantized, options())?, requests: r }))
+    };
+    let engine = EngineHandle::start(make, config()).unwrap().0;
+    // 40- and 50-token prompts take two chunks each at 32 tokens per step.
+    let plain = [engine.submit(greedy(prompt(31, 40), 5)).unwrap(), engine.submit(greedy(prompt(32, 50), 4)).unwrap()];
+    let with_logprobs = engine.submit(GenRequest { logprobs: Some(2), ..greedy(prompt(33, 12), 3) }).unwrap();
+    let outs: Vec<Outcome> = plain.into_iter().map(collect).collect();
+    assert_eq!(outs[0].tokens, reference(&model, &prompt(31, 40), 5));
+    assert_eq!(outs[1].tokens, reference(&model, &prompt(32, 50), 4));
+    assert_eq!(collect(with_logprobs).tokens, reference(&model, &prompt(33, 12), 3));
+    assert_eq!(requests.load(std::sync::atomic::Ordering::Relaxed), 5 + 4);
+    wait_idle(engine.metrics());
+}

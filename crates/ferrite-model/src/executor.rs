@@ -240,4 +240,20 @@ pub trait Executor {
     fn forward_paged(&mut self, _batch: &[SeqChunk<'_>]) -> anyhow::Result<Vec<Vec<f32>>> {
         Err(no_batched_serving(self.describe()))
     }
+
+    /// [`Executor::forward_paged`], where the sequences with `sample[i]` set may have their next
+    /// token drawn on the device, as [`Executor::sample_on_device`] draws it (only the ids are
+    /// read back, not 4 bytes per vocabulary entry per sequence): each output is the token for
+    /// those, the logits for the rest. By default nothing is sampled on the device.
+    fn forward_paged_sampled(&mut self, batch: &[SeqChunk<'_>], sample: &[Option<DeviceSampling>]) -> anyhow::Result<Vec<PagedOutput>> {
+        debug_assert_eq!(batch.len(), sample.len());
+        Ok(self.forward_paged(batch)?.into_iter().map(PagedOutput::Logits).collect())
+    }
+}
+
+/// One sequence's result of [`Executor::forward_paged_sampled`].
+#[derive(Clone, Debug, PartialEq)]
+pub enum PagedOutput {
+    Logits(Vec<f32>),
+    Token(u32),
 }

@@ -78,11 +78,12 @@ __device__ u32 block_argmax(const float* logits, u32 n, u32* s_key, u32* s_idx) 
   return s_idx[0];
 }
 
+// One block per row of n logits (a batched step's sequences): out[row] = its argmax.
 extern "C" __global__ void __launch_bounds__(BLOCK_SIZE) argmax(const ArgmaxParams p) {
   KERNEL_ENTRY();
   __shared__ u32 s_key[32], s_idx[32];
-  const u32 best = block_argmax(reinterpret_cast<const float*>(p.logits), p.n, s_key, s_idx);
-  if (threadIdx.x == 0) reinterpret_cast<u32*>(p.out)[0] = best;
+  const u32 best = block_argmax(reinterpret_cast<const float*>(p.logits) + (u64)blockIdx.x * p.n, p.n, s_key, s_idx);
+  if (threadIdx.x == 0) reinterpret_cast<u32*>(p.out)[blockIdx.x] = best;
 }
 
 // splitmix64 finaliser; must match sampling_uniform in kernels/sampling.rs.
@@ -260,7 +261,12 @@ impl SamplingVariant {
     pub const DEFAULT: SamplingVariant = SamplingVariant { block_size: 1024 };
 
     pub fn launch_config(&self) -> LaunchConfig {
-        LaunchConfig { grid_dim: (1, 1, 1), block_dim: (self.block_size, 1, 1), shared_mem_bytes: 0 }
+        self.rows_launch_config(1)
+    }
+
+    /// `argmax` over `rows` rows: a block per row.
+    pub fn rows_launch_config(&self, rows: u32) -> LaunchConfig {
+        LaunchConfig { grid_dim: (rows, 1, 1), block_dim: (self.block_size, 1, 1), shared_mem_bytes: 0 }
     }
 }
 

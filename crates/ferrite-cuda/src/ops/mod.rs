@@ -28,7 +28,7 @@ pub use linear::{
     LinearPath, LinearPlan, NormPrologue, Precision, Q8Activations, Q8Emit,
 };
 pub use moe::{check_moe_shape, moe_ffn, moe_plan, moe_route, ExpertGateUp, ExpertGemv, MoeDims, MoePlan, MoeScratch, MoeWeights, SharedExpert};
-pub use sampling::{argmax, sample, SamplingConfig};
+pub use sampling::{argmax, argmax_rows, sample, SamplingConfig};
 pub use gdn::{
     check_gdn_shape, gated_delta_net, gated_delta_net_with, gdn_chunked, gdn_conv, gdn_delta, gdn_plan, gdn_scratch_len, GdnPath, GdnState,
     GdnWeights, GDN_CHUNKED_MIN_TOKENS,

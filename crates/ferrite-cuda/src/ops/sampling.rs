@@ -8,21 +8,21 @@ use cudarc::driver::{CudaView, DevicePtr, DevicePtrMut};
 
 /// Write the index of the largest of `logits[0..n]` to `out[0]` (first one on ties; NaN
 /// never wins over a number).
-pub fn argmax(
-    gpu: &Gpu,
-    logits: &impl DevicePtr<f32>,
-    n: usize,
-    out: &mut impl DevicePtrMut<u32>,
-) -> Result<(), CudaError> {
+pub fn argmax(gpu: &Gpu, logits: &impl DevicePtr<f32>, n: usize, out: &mut impl DevicePtrMut<u32>) -> Result<(), CudaError> {
+    argmax_rows(gpu, logits, n, 1, out)
+}
+
+/// [`argmax`] of each of `rows` rows of `n` logits (`logits[r * n..]`) into `out[r]`, in one launch.
+pub fn argmax_rows(gpu: &Gpu, logits: &impl DevicePtr<f32>, n: usize, rows: usize, out: &mut impl DevicePtrMut<u32>) -> Result<(), CudaError> {
     const OP: &str = "argmax";
-    if n == 0 {
+    if n == 0 || rows == 0 {
         return Err(CudaError::invalid(OP, "no logits"));
     }
-    check_len(OP, "logits", logits.len(), n)?;
-    check_len(OP, "out", out.len(), 1)?;
+    check_len(OP, "logits", logits.len(), super::elems(OP, &[n, rows])?)?;
+    check_len(OP, "out", out.len(), rows)?;
     let variant = SamplingVariant::DEFAULT;
     let params = ArgmaxParams { logits: addr(gpu, logits), out: addr_mut(gpu, out), n: as_u32(OP, "n", n)?, pad: 0 };
-    gpu.launch(&variant, "argmax", variant.launch_config(), &params)
+    gpu.launch(&variant, "argmax", variant.rows_launch_config(as_u32(OP, "rows", rows)?), &params)
 }
 
 /// Sampling settings, with ferrite-engine's meaning: `temperature <= 0` or `top_k == 1` is
