@@ -9,12 +9,14 @@
 //! lane decodes the 16 weights it needs of each of its rows straight from the packed planes
 //! (`load_unit` / `unit_value` of `common::QUANT`, so every GGML type works), rounds them to
 //! the MMA input type (bf16 or f16) in registers, and multiplies with `mma.sync` m16n8k16 (f32
-//! accumulation). No shared memory: the K order inside a chunk is permuted so that the lane
-//! holding A's k slots {2t, 2t+1, 2t+8, 2t+9} of step s also holds B's — lane (g, t) of a warp
-//! takes chunk columns 16t..16t+15 of its rows (half a 32-weight unit) and of its tokens (two
-//! 16-byte activation loads). A dot product does not care in which order it sums.
+//! accumulation). The K order inside a chunk is permuted so that the lane holding A's k slots
+//! {2t, 2t+1, 2t+8, 2t+9} of step s also holds B's — lane (g, t) of a warp takes chunk columns
+//! 16t..16t+15 of its rows (half a 32-weight unit) and of its tokens (two 16-byte loads): no
+//! shuffles, and no shared memory for the weights. A dot product does not care in which order
+//! it sums. The activations, which all four warps read, are staged per chunk in shared memory
+//! with `cp.async` (two stages: the next chunk's copy runs during this chunk's MMAs).
 //!
-//! The next chunk's weights are loaded while the current chunk's MMAs run. With grid z > 1 each
+//! The next chunk's weights are loaded into registers while the current chunk's MMAs run. With grid z > 1 each
 //! slice writes f32 partials `[z][n][rows]` and `gemm_reduce` sums them in slice order
 //! (deterministic), so short-and-wide shapes still fill the SMs.
 
@@ -112,6 +114,29 @@ __device__ __forceinline__ void unit_half(const Unit& o, int h, float* v) {
   }
 }
 
+#define XLD (KC + 8)  // row stride of a staged activation chunk, in 16-bit elements
+
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+  const u32 dst = (u32)__cvta_generic_to_shared(smem);
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(gmem) : "memory");
+}
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+
+// Start copying chunk c of the block's NT * 8 token rows into a stage (16 bytes per copy; token
+// rows past the batch repeat the last token), as one commit group.
+__device__ __forceinline__ void stage_chunk(u16 (*dst)[XLD], const GemmMmaParams& p, u32 tok0, u32 c) {
+  const u16* x = reinterpret_cast<const u16*>(p.x);
+  for (int i = threadIdx.x; i < NT * 8 * (KC / 8); i += NWARPS * 32) {
+    const int r = i / (KC / 8), piece = i % (KC / 8);
+    const u32 tok = min(tok0 + r, p.n_tokens - 1);
+    cp_async16(&dst[r][8 * piece], x + (i64)tok * p.cols + (i64)c * KC + 8 * piece);
+  }
+  asm volatile("cp.async.commit_group;" ::: "memory");
+}
+
 // Lane (g, t) works on rows g and g + 8 of each m-tile; `units[m][h]` holds unit (2 chunk +
 // t / 2) of row 16 m + g + 8 h, whose weights 16 (t & 1) .. + 15 are the lane's chunk columns.
 __device__ __forceinline__ void load_chunk(const WeightRef& w, const i64* row, u32 chunk, int t, Unit (&units)[MT][2]) {
@@ -130,11 +155,9 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32) gemm_mma(const GemmMma
   i64 row[2 * MT];
 #pragma unroll
   for (int i = 0; i < 2 * MT; ++i) row[i] = min(row0 + 16 * (i >> 1) + g + 8 * (i & 1), p.rows - 1);
-  // Each lane's activation rows: token tok0 + 8 j + g (the last token past the batch).
-  const u16* x = reinterpret_cast<const u16*>(p.x);
-  const u16* xrow[NT];
-#pragma unroll
-  for (int j = 0; j < NT; ++j) xrow[j] = x + (i64)min(tok0 + 8 * j + g, p.n_tokens - 1) * p.cols + 16 * t;
+  // The block's activations, one chunk per stage: token rows (the last token repeated past the
+  // batch) of KC columns, padded so that the 8 rows of a fragment load hit different banks.
+  __shared__ __align__(16) u16 s_x[2][NT * 8][XLD];
 
   float acc[MT][NT][4];
 #pragma unroll
@@ -148,7 +171,18 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32) gemm_mma(const GemmMma
   if (c0 < c1) load_chunk(w, row, c0, t, units);  // weights: before the wait
   pdl_wait();
   pdl_release();
+  if (c0 < c1) stage_chunk(s_x[0], p, tok0, c0);
   for (u32 c = c0; c < c1; ++c) {
+    const int stage = (c - c0) & 1;
+    // The next chunk's activations load while this one is used; the barrier at the end of the
+    // previous iteration freed their stage.
+    if (c + 1 < c1) {
+      stage_chunk(s_x[stage ^ 1], p, tok0, c + 1);
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
+    __syncthreads();
     // A fragments of the 4 k-steps: step s covers the lane's chunk columns 4s .. 4s + 3.
     u32 a[MT][4][4];
 #pragma unroll
@@ -167,14 +201,15 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32) gemm_mma(const GemmMma
     if (c + 1 < c1) load_chunk(w, row, c + 1, t, units);  // in flight during the MMAs
 #pragma unroll
     for (int j = 0; j < NT; ++j) {
-      const uint4 lo = *reinterpret_cast<const uint4*>(xrow[j] + (i64)c * KC);
-      const uint4 hi = *reinterpret_cast<const uint4*>(xrow[j] + (i64)c * KC + 8);
+      const uint4* xs = reinterpret_cast<const uint4*>(&s_x[stage][8 * j + g][16 * t]);
+      const uint4 lo = xs[0], hi = xs[1];
       const u32 b[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
 #pragma unroll
       for (int m = 0; m < MT; ++m)
 #pragma unroll
         for (int s = 0; s < 4; ++s) mma(acc[m][j], a[m][s], b[2 * s], b[2 * s + 1]);
     }
+    __syncthreads();  // every warp is done with this stage before it is refilled
   }
 
   // C fragment: acc[m][j] = rows (g, g + 8) x tokens (2t, 2t + 1) of tile (m, j).
