@@ -620,7 +620,8 @@ fn int8_handoffs_chain_gemvs_like_separate_quantize_launches() {
 
 /// A resident expanded copy (`expand_weight`) gives the GEMM the bits it would have dequantized
 /// itself: the same output, without the dequantization (the plan says so); a GEMM of another
-/// input type still dequantizes.
+/// input type still dequantizes. A batch that would take the small-batch GEMM on the packed
+/// weight takes cuBLAS on the copy once there is one.
 #[test]
 fn expanded_weights_feed_the_gemm_unchanged() {
     let Some(gpu) = gpu() else { return };
@@ -636,6 +637,8 @@ fn expanded_weights_feed_the_gemm_unchanged() {
             (plan, download(gpu, &out))
         };
         let (before, want) = run(&w, Precision::BF16);
+        let auto_plan = |w: &ferrite_cuda::DeviceWeight| ops::linear_with(gpu, w, &x, n, &mut poisoned(gpu, n * rows), &LinearOptions::default()).unwrap();
+        let packed_plan = auto_plan(&w);
         let packed = w.device_bytes();
         ops::expand_weight(gpu, &mut w, Precision::BF16).unwrap();
         assert_eq!(w.device_bytes(), packed + ops::expanded_bytes(dtype, rows, cols, Precision::BF16));
@@ -645,6 +648,10 @@ fn expanded_weights_feed_the_gemm_unchanged() {
         assert!(got.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()), "{dtype}: expanded bf16 copy changed the GEMM's output");
         let (f32_plan, _) = run(&w, Precision::F32);
         assert!(matches!(f32_plan, LinearPlan::Gemm { dequantize_weight: true, .. }), "{dtype}: an f32 GEMM cannot read the bf16 copy");
+        if dtype == GgmlType::Q4_0 {
+            assert_eq!(packed_plan, LinearPlan::Mma { precision: Precision::BF16 });
+            assert_eq!(auto_plan(&w), after, "{dtype}: the resident copy should take the batch");
+        }
         println!("| {:<10} | {:<44} | {:>9} | {:>9} | {:>6} |", "expanded", format!("{dtype} {rows}x{cols} n={n} bf16"), "exact", "exact", 0);
     }
 }

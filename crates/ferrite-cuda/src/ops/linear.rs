@@ -242,12 +242,16 @@ pub fn linear_with(
     opts: &LinearOptions,
 ) -> Result<LinearPlan, CudaError> {
     const OP: &str = "linear";
+    let resident = |precision: Precision| w.expanded.as_ref().is_some_and(|(t, _)| *t == precision.out_type());
     let plan = match linear_plan(w.dtype, w.cols, n_tokens, opts) {
-        // An expanded copy in the GEMM's input type needs no per-call dequantization.
-        LinearPlan::Gemm { precision, convert_input, .. }
-            if w.expanded.as_ref().is_some_and(|(t, _)| *t == precision.out_type()) =>
-        {
+        // An expanded copy in the GEMM's input type needs no per-call dequantization; cuBLAS on
+        // it also beat the small-batch GEMM on the packed weight at 9-64 tokens on the H200
+        // (docs/perf.md), so a weight with a resident copy takes cuBLAS at any batch size.
+        LinearPlan::Gemm { precision, convert_input, .. } if resident(precision) => {
             LinearPlan::Gemm { precision, dequantize_weight: false, convert_input }
+        }
+        LinearPlan::Mma { precision } if resident(precision) => {
+            LinearPlan::Gemm { precision, dequantize_weight: false, convert_input: true }
         }
         plan => plan,
     };
