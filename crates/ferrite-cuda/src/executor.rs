@@ -561,7 +561,7 @@ impl CudaExecutor {
             }
             Op::SwiGlu { x, .. } | Op::GeGlu { x, .. } => {
                 let glu = if matches!(op, Op::SwiGlu { .. }) { ops::Glu::SwiGlu } else { ops::Glu::GeGlu };
-                gated_rows(gpu, input(x), rows(x), width(x) / 2, glu, out, &mut buf.scratch_a, &mut buf.scratch_b)?;
+                ops::glu_rows(gpu, input(x), rows(x), width(x) / 2, glu, out)?;
             }
             Op::GatedLinear { x, norm, w, act, .. } => {
                 let glu = match act {
@@ -588,7 +588,7 @@ impl CudaExecutor {
                         None => input(x),
                     };
                     ops::linear(gpu, matrix(w), x_in, r, &mut buf.scratch_c)?;
-                    gated_rows(gpu, &buf.scratch_c, r, half, glu, out, &mut buf.scratch_a, &mut buf.scratch_b)?;
+                    ops::glu_rows(gpu, &buf.scratch_c, r, half, glu, out)?;
                 }
             }
             Op::Add { a, b, .. } => {
@@ -914,31 +914,6 @@ fn rope_config(rope: &ferrite_model::RopeConfig, n_heads: usize, head_dim: usize
         freq_scale: rope.freq_scale,
         neox: rope.style == RopeStyle::Neox,
     }
-}
-
-/// `out[t] = act(src[t, ..half]) * src[t, half..]` for `r` rows of `2 * half`: views of the one
-/// row when `r == 1`, else the halves gathered into the two scratch buffers first.
-#[allow(clippy::too_many_arguments)]
-fn gated_rows(
-    gpu: &Gpu,
-    src: &CudaSlice<f32>,
-    r: usize,
-    half: usize,
-    glu: ops::Glu,
-    out: &mut CudaSlice<f32>,
-    scratch_gate: &mut CudaSlice<f32>,
-    scratch_up: &mut CudaSlice<f32>,
-) -> Result<(), CudaError> {
-    let act = |gate: &_, up: &_, n, out: &mut CudaSlice<f32>| match glu {
-        ops::Glu::SwiGlu => ops::swiglu(gpu, gate, up, n, out),
-        ops::Glu::GeGlu => ops::geglu(gpu, gate, up, n, out),
-    };
-    if r == 1 {
-        return act(&src.slice(0..half), &src.slice(half..2 * half), half, out);
-    }
-    ops::copy_cols(gpu, src, 2 * half, 0, scratch_gate, half, 0, half, r)?;
-    ops::copy_cols(gpu, src, 2 * half, half, scratch_up, half, 0, half, r)?;
-    act(&scratch_gate.slice(0..r * half), &scratch_up.slice(0..r * half), r * half, out)
 }
 
 /// The int8 activations of a GEMV, whether it must quantize them itself first (no active

@@ -1095,6 +1095,22 @@ fn activations_and_add_match_cpu() {
         ops::add(gpu, &mut acc, &u, n).unwrap();
         close("add", &format!("n={n}"), &download(gpu, &acc), &want, 0.0, 0.0);
     }
+    // Rows of a fused [gate | up] projection: the same values as the separate halves, bit for bit.
+    for (rows, half) in [(1, 7), (3, 1536), (17, 4096)] {
+        let fused = rng.vec(rows * 2 * half, -6.0, 6.0);
+        let (gate, up): (Vec<f32>, Vec<f32>) =
+            (fused.chunks(2 * half).flat_map(|r| r[..half].to_vec()).collect(), fused.chunks(2 * half).flat_map(|r| r[half..].to_vec()).collect());
+        for glu in [ops::Glu::SwiGlu, ops::Glu::GeGlu] {
+            let mut want = poisoned(gpu, rows * half);
+            match glu {
+                ops::Glu::SwiGlu => ops::swiglu(gpu, &upload(gpu, &gate), &upload(gpu, &up), rows * half, &mut want).unwrap(),
+                ops::Glu::GeGlu => ops::geglu(gpu, &upload(gpu, &gate), &upload(gpu, &up), rows * half, &mut want).unwrap(),
+            }
+            let mut out = poisoned(gpu, rows * half);
+            ops::glu_rows(gpu, &upload(gpu, &fused), rows, half, glu, &mut out).unwrap();
+            close("glu_rows", &format!("{glu:?} {rows}x{half}"), &download(gpu, &out), &download(gpu, &want), 0.0, 0.0);
+        }
+    }
 }
 
 #[test]

@@ -17,6 +17,19 @@ device_params! {
 }
 
 device_params! {
+    /// `out[r, c] = act(gate[r * in_stride + c]) * up[r * in_stride + c]` for the `n` elements of
+    /// rows of `width` (`out` dense; one row of `n` with `width = in_stride = n`).
+    pub struct GluParams {
+        pub gate: u64,
+        pub up: u64,
+        pub out: u64,
+        pub n: u64,
+        pub width: u64,
+        pub in_stride: u64,
+    }
+}
+
+device_params! {
     pub struct CopyColsParams {
         pub src: u64,
         pub dst: u64,
@@ -61,22 +74,24 @@ const SOURCE: &str = r#"
 #define GRID_STRIDE(i, n) for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < (i64)(n); i += (i64)gridDim.x * blockDim.x)
 
 
-// out = silu(gate) * up (out may alias either input)
-extern "C" __global__ void swiglu(const ElementwiseParams p) {
+// Where element i of a GLU output reads its gate and up values (rows of `width` in rows of
+// `in_stride`: the halves of a fused [gate | up] projection, or one dense row).
+__device__ __forceinline__ i64 glu_at(const GluParams& p, i64 i) { return (i / (i64)p.width) * (i64)p.in_stride + i % (i64)p.width; }
+
+// out = silu(gate) * up (out may alias gate or up when they are dense)
+extern "C" __global__ void swiglu(const GluParams p) {
   KERNEL_ENTRY();
-  const float* gate = reinterpret_cast<const float*>(p.a);
-  const float* up = reinterpret_cast<const float*>(p.b);
-  float* out = reinterpret_cast<float*>(p.out);
-  GRID_STRIDE(i, p.n) out[i] = silu(gate[i]) * up[i];
+  const float* gate = reinterpret_cast<const float*>(p.gate);
+  const float* up = reinterpret_cast<const float*>(p.up);
+  GRID_STRIDE(i, p.n) reinterpret_cast<float*>(p.out)[i] = silu(gate[glu_at(p, i)]) * up[glu_at(p, i)];
 }
 
-// out = gelu_tanh(gate) * up (out may alias either input)
-extern "C" __global__ void geglu(const ElementwiseParams p) {
+// out = gelu_tanh(gate) * up (out may alias gate or up when they are dense)
+extern "C" __global__ void geglu(const GluParams p) {
   KERNEL_ENTRY();
-  const float* gate = reinterpret_cast<const float*>(p.a);
-  const float* up = reinterpret_cast<const float*>(p.b);
-  float* out = reinterpret_cast<float*>(p.out);
-  GRID_STRIDE(i, p.n) out[i] = gelu_tanh(gate[i]) * up[i];
+  const float* gate = reinterpret_cast<const float*>(p.gate);
+  const float* up = reinterpret_cast<const float*>(p.up);
+  GRID_STRIDE(i, p.n) reinterpret_cast<float*>(p.out)[i] = gelu_tanh(gate[glu_at(p, i)]) * up[glu_at(p, i)];
 }
 
 // acc += x (p.a = acc, p.b = x)
@@ -157,7 +172,7 @@ impl ActivationVariant {
 impl KernelVariant for ActivationVariant {
     const FAMILY: &'static str = "activation";
     const SOURCES: &'static [&'static str] =
-        &[HEADER, ElementwiseParams::C_DECL, CopyColsParams::C_DECL, AddRowsParams::C_DECL, GatedQueryParams::C_DECL, SOURCE];
+        &[HEADER, ElementwiseParams::C_DECL, GluParams::C_DECL, CopyColsParams::C_DECL, AddRowsParams::C_DECL, GatedQueryParams::C_DECL, SOURCE];
     const ENTRY_POINTS: &'static [&'static str] =
         &["swiglu", "geglu", "add", "copy_cols", "add_rows", "split_gated_query", "sigmoid_gate"];
 

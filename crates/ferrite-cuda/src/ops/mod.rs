@@ -38,7 +38,7 @@ pub use crate::kernels::attention::KvDtype;
 pub use crate::kernels::sampling::sampling_uniform;
 
 use crate::error::CudaError;
-use crate::kernels::activation::{ActivationVariant, AddRowsParams, CopyColsParams, ElementwiseParams, GatedQueryParams};
+use crate::kernels::activation::{ActivationVariant, AddRowsParams, CopyColsParams, ElementwiseParams, GatedQueryParams, GluParams};
 use crate::kernels::embedding::{EmbedParams, EmbedVariant};
 use crate::kernels::norm::{NormVariant, RmsNormParams};
 use crate::kernels::rope::{RopeParams, RopeVariant};
@@ -308,7 +308,8 @@ macro_rules! gated_activation {
             check_len(OP, "gate", gate.len(), n)?;
             check_len(OP, "up", up.len(), n)?;
             check_len(OP, "out", out.len(), n)?;
-            elementwise(gpu, stringify!($name), addr(gpu, gate), addr(gpu, up), addr_mut(gpu, out), n)
+            let params = GluParams { gate: addr(gpu, gate), up: addr(gpu, up), out: addr_mut(gpu, out), n: n as u64, width: n as u64, in_stride: n as u64 };
+            gpu.launch(&ActivationVariant, OP, ActivationVariant.launch_config(n), &params)
         }
     };
 }
@@ -320,6 +321,25 @@ gated_activation! {
 gated_activation! {
     /// `out = gelu_tanh(gate) * up` over `n` elements.
     geglu
+}
+
+/// The gated activation of `rows` rows of a fused `[gate | up]` projection (`2 * half` wide)
+/// into `out` (`rows x half`), in one launch.
+pub fn glu_rows(gpu: &Gpu, src: &impl DevicePtr<f32>, rows: usize, half: usize, glu: Glu, out: &mut impl DevicePtrMut<f32>) -> Result<(), CudaError> {
+    const OP: &str = "glu_rows";
+    let n = elems(OP, &[rows, half])?;
+    if n == 0 {
+        return Ok(());
+    }
+    check_len(OP, "src", src.len(), 2 * n)?;
+    check_len(OP, "out", out.len(), n)?;
+    let gate = addr(gpu, src);
+    let params = GluParams { gate, up: gate + 4 * half as u64, out: addr_mut(gpu, out), n: n as u64, width: half as u64, in_stride: 2 * half as u64 };
+    let entry = match glu {
+        Glu::SwiGlu => "swiglu",
+        Glu::GeGlu => "geglu",
+    };
+    gpu.launch(&ActivationVariant, entry, ActivationVariant.launch_config(n), &params)
 }
 
 /// `acc += x` over `n` elements (the residual add).
