@@ -692,6 +692,12 @@ pub(super) fn gemv_q8(
 
 const SCRATCH_ALIGN: usize = 256;
 
+/// `count` f32 activations at `x` rounded to the 16-bit GEMM input type of `precision` at `dst`.
+fn convert_activations(gpu: &Gpu, precision: Precision, x: u64, count: usize, dst: u64) -> Result<(), CudaError> {
+    let variant = ConvertVariant { out: precision.out_type() };
+    gpu.launch(&variant, "convert_f32", variant.launch_config(count), &ConvertParams { src: x, dst, n: count as u64 })
+}
+
 /// The small-batch tensor-core GEMM: activations converted to the MMA input type in scratch,
 /// then `gemm_mma` on the packed weight, straight into `out` or, split over K slices, into f32
 /// partials in scratch that `gemm_reduce` sums.
@@ -703,9 +709,7 @@ fn gemm_mma(gpu: &Gpu, w: &DeviceWeight, x: u64, n_tokens: usize, out: u64, prec
     let part_len = elems(OP, &[n_tokens, w.rows])?;
     let part_bytes = if slices > 1 { elems(OP, &[slices, part_len, 4])? } else { 0 };
     gpu.with_scratch(x_bytes + part_bytes, |scratch| {
-        let convert = ConvertVariant { out: precision.out_type() };
-        let count = n_tokens * w.cols;
-        gpu.launch(&convert, "convert_f32", convert.launch_config(count), &ConvertParams { src: x, dst: scratch, n: count as u64 })?;
+        convert_activations(gpu, precision, x, n_tokens * w.cols, scratch)?;
         let partials = scratch + x_bytes as u64;
         let [w0, w1, w2, w3] = w.plane_ptrs(gpu);
         let params = GemmMmaParams {
@@ -763,11 +767,8 @@ fn gemm(
             }
         };
         let input = if convert_input {
-            let variant = ConvertVariant { out: precision.out_type() };
             let dst = scratch + w_bytes as u64;
-            let count = n_tokens * w.cols;
-            let params = ConvertParams { src: x, dst, n: count as u64 };
-            gpu.launch(&variant, "convert_f32", variant.launch_config(count), &params)?;
+            convert_activations(gpu, precision, x, n_tokens * w.cols, dst)?;
             dst
         } else {
             x
