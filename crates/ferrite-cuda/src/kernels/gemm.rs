@@ -5,21 +5,20 @@
 //! ## `gemm_mma`
 //!
 //! A block of `NWARPS` warps owns `BM` weight rows and `8 * NT` tokens; a warp owns `MT`
-//! 16-row m-tiles. The block walks 64-column chunks of its K slice (grid z) through a
-//! `cp.async` pipeline of `STAGES` (2–3) shared-memory stages: each stage holds a chunk's
-//! activations (all four warps read them) and, for the types with 32-value blocks (Q4_0, Q4_1,
-//! Q5_0, Q5_1, Q8_0), the chunk's packed weight planes, so several chunks of weights are in
-//! flight per block without holding registers (the k-quants load theirs into registers one chunk
-//! ahead). Each lane decodes the 16 weights it needs of each of its rows (`load_unit` /
-//! `unit_word` of `common::QUANT`, the dequantize kernel's values), rounds them to the MMA input
-//! type (bf16 or f16) in registers, and multiplies with `mma.sync` m16n8k16 (f32 accumulation).
-//! The K order inside a chunk is permuted so that the lane holding A's k slots
+//! 16-row m-tiles. The block walks 64-column chunks of its K slice (grid z). Per chunk, each
+//! lane decodes the 16 weights it needs of each of its rows straight from the packed planes
+//! (`load_unit` / `unit_value` of `common::QUANT`, so every GGML type works), rounds them to
+//! the MMA input type (bf16 or f16) in registers, and multiplies with `mma.sync` m16n8k16 (f32
+//! accumulation). The K order inside a chunk is permuted so that the lane holding A's k slots
 //! {2t, 2t+1, 2t+8, 2t+9} of step s also holds B's — lane (g, t) of a warp takes chunk columns
 //! 16t..16t+15 of its rows (half a 32-weight unit) and of its tokens (two 16-byte loads): no
-//! shuffles. A dot product does not care in which order it sums.
+//! shuffles, and no shared memory for the weights. A dot product does not care in which order
+//! it sums. The activations, which all four warps read, are staged per chunk in shared memory
+//! with `cp.async` (two stages: the next chunk's copy runs during this chunk's MMAs).
 //!
-//! With grid z > 1 each slice writes f32 partials `[z][n][rows]` and `gemm_reduce` sums them in
-//! slice order (deterministic), so short-and-wide shapes still fill the SMs.
+//! The next chunk's weights are loaded into registers while the current chunk's MMAs run. With grid z > 1 each
+//! slice writes f32 partials `[z][n][rows]` and `gemm_reduce` sums them in slice order
+//! (deterministic), so short-and-wide shapes still fill the SMs.
 
 use super::common::{HEADER, QUANT};
 use super::{blocks_for, device_params, KernelVariant};
@@ -116,99 +115,27 @@ __device__ __forceinline__ void unit_half(const Unit& o, int h, float* v) {
 }
 
 #define XLD (KC + 8)  // row stride of a staged activation chunk, in 16-bit elements
-#define X_STAGE_BYTES (NT * 8 * XLD * 2)
 
-// Types with 32-value blocks stage their packed planes in shared memory too (a chunk is two
-// whole blocks of each row); PFk = bytes per block of plane k (weight.rs `planes`).
-#if QK == 32
-#define STAGED_WEIGHTS 1
-#if WTYPE == GGML_Q4_0
-#define PF0 16
-#define PF1 2
-#define PF2 0
-#elif WTYPE == GGML_Q4_1
-#define PF0 16
-#define PF1 4
-#define PF2 0
-#elif WTYPE == GGML_Q5_0
-#define PF0 16
-#define PF1 4
-#define PF2 2
-#elif WTYPE == GGML_Q5_1
-#define PF0 16
-#define PF1 4
-#define PF2 4
-#elif WTYPE == GGML_Q8_0
-#define PF0 32
-#define PF1 2
-#define PF2 0
-#else
-#error "no plane sizes for this 32-value type"
-#endif
-#define W_STAGE_BYTES (BM * 2 * (PF0 + PF1 + PF2))
-#else
-#define STAGED_WEIGHTS 0
-#define W_STAGE_BYTES 0
-#endif
-// Pipeline depth: three chunks in flight where they fit the 48 KiB of static shared memory.
-#define STAGE_BYTES (X_STAGE_BYTES + W_STAGE_BYTES)
-#define STAGES (3 * STAGE_BYTES <= 48 * 1024 ? 3 : 2)
-
-template <int BYTES>
-__device__ __forceinline__ void cp_async(void* smem, const void* gmem) {
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
   const u32 dst = (u32)__cvta_generic_to_shared(smem);
-  if (BYTES == 16) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(gmem) : "memory");
-  } else {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], %2;" ::"r"(dst), "l"(gmem), "n"(BYTES) : "memory");
-  }
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(gmem) : "memory");
 }
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 template <int N>
 __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
 }
 
-// Start copying chunk c of the block's NT * 8 token rows into a stage (token rows past the
-// batch repeat the last token).
-__device__ __forceinline__ void stage_activations(u8* stage, const GemmMmaParams& p, u32 tok0, u32 c) {
-  u16 (*dst)[XLD] = reinterpret_cast<u16 (*)[XLD]>(stage);
+// Start copying chunk c of the block's NT * 8 token rows into a stage (16 bytes per copy; token
+// rows past the batch repeat the last token), as one commit group.
+__device__ __forceinline__ void stage_chunk(u16 (*dst)[XLD], const GemmMmaParams& p, u32 tok0, u32 c) {
   const u16* x = reinterpret_cast<const u16*>(p.x);
   for (int i = threadIdx.x; i < NT * 8 * (KC / 8); i += NWARPS * 32) {
     const int r = i / (KC / 8), piece = i % (KC / 8);
     const u32 tok = min(tok0 + r, p.n_tokens - 1);
-    cp_async<16>(&dst[r][8 * piece], x + (i64)tok * p.cols + (i64)c * KC + 8 * piece);
+    cp_async16(&dst[r][8 * piece], x + (i64)tok * p.cols + (i64)c * KC + 8 * piece);
   }
+  asm volatile("cp.async.commit_group;" ::: "memory");
 }
-
-#if STAGED_WEIGHTS
-// Chunk c of one plane for the block's BM rows (rows past the weight repeat its last row): row
-// r's two blocks land at dst + r * 2 PF, as `load_unit` indexes a weight of KC columns.
-template <int PF>
-__device__ __forceinline__ void stage_plane(u8* dst, const u8* plane, const GemmMmaParams& p, u32 row0, u32 c) {
-  constexpr int RB = 2 * PF, PIECE = RB < 16 ? RB : 16, PER_ROW = RB / PIECE;
-  const i64 nb = p.cols / 32;
-  for (int i = threadIdx.x; i < BM * PER_ROW; i += NWARPS * 32) {
-    const int r = i / PER_ROW, k = i % PER_ROW;
-    const i64 row = min(row0 + r, p.rows - 1);
-    cp_async<PIECE>(dst + r * RB + k * PIECE, plane + (row * nb + 2 * (i64)c) * PF + k * PIECE);
-  }
-}
-__device__ __forceinline__ void stage_weights(u8* stage, const WeightRef& w, const GemmMmaParams& p, u32 row0, u32 c) {
-  u8* planes = stage + X_STAGE_BYTES;
-  stage_plane<PF0>(planes, w.p0, p, row0, c);
-  stage_plane<PF1>(planes + BM * 2 * PF0, w.p1, p, row0, c);
-#if PF2 > 0
-  stage_plane<PF2>(planes + BM * 2 * (PF0 + PF1), w.p2, p, row0, c);
-#endif
-}
-// The staged planes of a stage as a weight of KC columns and BM rows.
-__device__ __forceinline__ WeightRef staged_ref(const u8* stage) {
-  const u8* planes = stage + X_STAGE_BYTES;
-  const u8* p2 = planes + BM * 2 * (PF0 + PF1);
-  return {planes, planes + BM * 2 * PF0, p2, p2, (i64)KC};
-}
-#endif
 
 // Lane (g, t) works on rows g and g + 8 of each m-tile; `units[m][h]` holds unit (2 chunk +
 // t / 2) of row 16 m + g + 8 h, whose weights 16 (t & 1) .. + 15 are the lane's chunk columns.
@@ -222,19 +149,15 @@ __device__ __forceinline__ void load_chunk(const WeightRef& w, const i64* row, u
 extern "C" __global__ void __launch_bounds__(NWARPS * 32) gemm_mma(const GemmMmaParams p) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
   const WeightRef w = {(const u8*)p.w0, (const u8*)p.w1, (const u8*)p.w2, (const u8*)p.w3, (i64)p.cols};
-  const u32 block_row0 = blockIdx.x * BM, row0 = block_row0 + warp * MT * 16, tok0 = blockIdx.y * NT * 8;
+  const u32 row0 = blockIdx.x * BM + warp * MT * 16, tok0 = blockIdx.y * NT * 8;
   const u32 chunks = p.cols / KC, c0 = blockIdx.z * p.slice_chunks, c1 = min(chunks, c0 + p.slice_chunks);
-  // Each stage: the chunk's activations, then (32-value types) its packed weight planes.
-  __shared__ __align__(16) u8 s_stage[STAGES][STAGE_BYTES];
-  // This lane's rows: in the weight (rows past it decode its last row and are never stored)
-  // and, for staged planes, in the block.
+  // Rows past the weight decode its last row and are never stored.
   i64 row[2 * MT];
-  int local[2 * MT];
 #pragma unroll
-  for (int i = 0; i < 2 * MT; ++i) {
-    local[i] = warp * MT * 16 + 16 * (i >> 1) + g + 8 * (i & 1);
-    row[i] = min(block_row0 + local[i], p.rows - 1);
-  }
+  for (int i = 0; i < 2 * MT; ++i) row[i] = min(row0 + 16 * (i >> 1) + g + 8 * (i & 1), p.rows - 1);
+  // The block's activations, one chunk per stage: token rows (the last token repeated past the
+  // batch) of KC columns, padded so that the 8 rows of a fragment load hit different banks.
+  __shared__ __align__(16) u16 s_x[2][NT * 8][XLD];
 
   float acc[MT][NT][4];
 #pragma unroll
@@ -244,47 +167,22 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32) gemm_mma(const GemmMma
 #pragma unroll
       for (int i = 0; i < 4; ++i) acc[m][j][i] = 0.f;
 
-  // Weights do not depend on the previous kernel: their first copies start before the wait.
-#if STAGED_WEIGHTS
-  for (int s = 0; s < STAGES - 1; ++s) {
-    if (c0 + s < c1) stage_weights(s_stage[s], w, p, block_row0, c0 + s);
-    cp_async_commit();
-  }
-#else
   Unit units[MT][2];
-  if (c0 < c1) load_chunk(w, row, c0, t, units);
-#endif
+  if (c0 < c1) load_chunk(w, row, c0, t, units);  // weights: before the wait
   pdl_wait();
   pdl_release();
-  for (int s = 0; s < STAGES - 1; ++s) {
-    if (c0 + s < c1) stage_activations(s_stage[s], p, tok0, c0 + s);
-    cp_async_commit();
-  }
+  if (c0 < c1) stage_chunk(s_x[0], p, tok0, c0);
   for (u32 c = c0; c < c1; ++c) {
-    const int i = c - c0, stage = i % STAGES;
-    // Refill the stage read in the previous iteration (its closing barrier freed it) with chunk
-    // c + STAGES - 1, then wait until chunk c has landed (one commit group per iteration, empty
-    // near the end, so the count stays right).
-    if (c + STAGES - 1 < c1) {
-      u8* next = s_stage[(i + STAGES - 1) % STAGES];
-      stage_activations(next, p, tok0, c + STAGES - 1);
-#if STAGED_WEIGHTS
-      stage_weights(next, w, p, block_row0, c + STAGES - 1);
-#endif
+    const int stage = (c - c0) & 1;
+    // The next chunk's activations load while this one is used; the barrier at the end of the
+    // previous iteration freed their stage.
+    if (c + 1 < c1) {
+      stage_chunk(s_x[stage ^ 1], p, tok0, c + 1);
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
     }
-    cp_async_commit();
-    cp_async_wait<STAGES - 1>();
     __syncthreads();
-#if STAGED_WEIGHTS
-    Unit units[MT][2];
-    {
-      const WeightRef ws = staged_ref(s_stage[stage]);
-#pragma unroll
-      for (int m = 0; m < MT; ++m)
-#pragma unroll
-        for (int h = 0; h < 2; ++h) load_unit(ws, local[2 * m + h], t >> 1, units[m][h]);
-    }
-#endif
     // A fragments of the 4 k-steps: step s covers the lane's chunk columns 4s .. 4s + 3.
     u32 a[MT][4][4];
 #pragma unroll
@@ -300,14 +198,11 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32) gemm_mma(const GemmMma
         a[m][s][3] = pack2(v1[4 * s + 2], v1[4 * s + 3]);
       }
     }
-#if !STAGED_WEIGHTS
     if (c + 1 < c1) load_chunk(w, row, c + 1, t, units);  // in flight during the MMAs
-#endif
-    const u16 (*xs)[XLD] = reinterpret_cast<const u16 (*)[XLD]>(s_stage[stage]);
 #pragma unroll
     for (int j = 0; j < NT; ++j) {
-      const uint4* xp = reinterpret_cast<const uint4*>(&xs[8 * j + g][16 * t]);
-      const uint4 lo = xp[0], hi = xp[1];
+      const uint4* xs = reinterpret_cast<const uint4*>(&s_x[stage][8 * j + g][16 * t]);
+      const uint4 lo = xs[0], hi = xs[1];
       const u32 b[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
 #pragma unroll
       for (int m = 0; m < MT; ++m)
