@@ -850,6 +850,30 @@ impl Executor for CudaExecutor {
         }).collect())
     }
 
+    /// One-token steps of 1 to `max_seqs` sequences at the batch sizes where the kernel tiling
+    /// changes (int8 GEMV tiles, small-batch GEMM tiles, device argmax), then one full prefill
+    /// chunk: NVRTC compiles (or loads from the disk cache) those variants now, not during the
+    /// first requests.
+    fn warm_up_paged(&mut self) -> anyhow::Result<()> {
+        let Some(config) = self.paged.as_ref().map(|p| p.config) else { bail!("warm_up_paged before init_paged") };
+        let greedy = DeviceSampling { temperature: 0.0, top_k: 1, top_p: 1.0, min_p: 0.0, seed: 0, step: 0 };
+        let blocks: Vec<u32> = (0..config.n_blocks as u32).collect();
+        let token = [0u32];
+        let mut sizes: Vec<usize> = [1, 2, 4, 8, 16, 32, 64, config.max_seqs].into_iter().filter(|&n| n <= config.max_seqs.min(config.n_blocks)).collect();
+        sizes.dedup();
+        for n in sizes {
+            let batch: Vec<SeqChunk> = blocks[..n].iter().map(|b| SeqChunk { tokens: &token, start_pos: 0, block_table: std::slice::from_ref(b) }).collect();
+            self.forward_paged_sampled(&batch, &vec![Some(greedy); n])?;
+        }
+        let len = config.max_tokens.min(config.n_blocks * config.block_size).min(self.model.config.context_length);
+        if len > 0 {
+            let tokens = vec![0u32; len];
+            let table = &blocks[..len.div_ceil(config.block_size)];
+            self.forward_paged_sampled(&[SeqChunk { tokens: &tokens, start_pos: 0, block_table: table }], &[Some(greedy)])?;
+        }
+        Ok(())
+    }
+
     fn forward_paged_sampled(&mut self, batch: &[SeqChunk<'_>], sample: &[Option<DeviceSampling>]) -> anyhow::Result<Vec<PagedOutput>> {
         if sample.len() != batch.len() {
             bail!("{} sampling requests for a batch of {} sequences", sample.len(), batch.len());

@@ -192,6 +192,7 @@ impl EngineHandle {
                         max_seqs: c.max_seqs,
                         max_tokens: c.max_batch_tokens,
                     })?;
+                    exec.warm_up_paged().context("warming up the batched kernels")?;
                     Ok(exec)
                 });
                 match setup {

@@ -121,15 +121,17 @@ fn compare_executors(
 
 /// Batched serving: CUDA `forward_paged` against the CPU reference's, three sequences of
 /// different lengths prefilling and decoding together on scrambled blocks, each fed the
-/// reference's greedy choice. From the third step on, sequence 1 takes its greedy token from the
-/// device (`forward_paged_sampled`) instead of its logits. Returns (worst relative logit error,
-/// agreeing choices, choices).
+/// reference's greedy choice, after the GPU's serving warm-up. From the third step on, sequence 1
+/// takes its greedy token from the device (`forward_paged_sampled`) instead of its logits.
+/// Returns (worst relative logit error, agreeing choices, choices).
 fn compare_paged(model: &Arc<Model>) -> (f64, usize, usize) {
     let config = PagedKvConfig { n_blocks: 16, block_size: 16, max_seqs: 4, max_tokens: 64 };
     let mut cpu = CpuExecutor::new(Arc::clone(model), CpuPrecision::Reference, opts(16)).unwrap();
     let mut gpu = ferrite_cuda::CudaExecutor::new(Arc::clone(model), opts(16)).unwrap();
     cpu.init_paged(config).unwrap();
     gpu.init_paged(config).unwrap();
+    // The warm-up leaves garbage in the blocks used below: no sequence may see it.
+    gpu.warm_up_paged().unwrap();
     let vocab = model.config.vocab_size as u32;
     let tables: [&[u32]; 3] = [&[15, 4], &[3, 0, 9], &[7, 12]];
     let mut tokens: Vec<Vec<u32>> =

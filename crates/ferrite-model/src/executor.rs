@@ -241,6 +241,14 @@ pub trait Executor {
         Err(no_batched_serving(self.describe()))
     }
 
+    /// Run throw-away batched steps of the shapes serving will meet (after
+    /// [`Executor::init_paged`]), so that kernels compiled or loaded on first use are ready
+    /// before the first request instead of stalling it. It writes garbage into cache blocks,
+    /// which is harmless: a sequence reads only the positions it wrote. By default nothing.
+    fn warm_up_paged(&mut self) -> anyhow::Result<()> {
+        Ok(())
+    }
+
     /// [`Executor::forward_paged`], where the sequences with `sample[i]` set may have their next
     /// token drawn on the device, as [`Executor::sample_on_device`] draws it (only the ids are
     /// read back, not 4 bytes per vocabulary entry per sequence): each output is the token for
