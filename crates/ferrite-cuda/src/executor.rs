@@ -687,17 +687,16 @@ impl CudaExecutor {
         let w = g.value(g.logits).width;
         let n_seqs = sample.len();
         let logits = paged.buf.slots[paged.plan.slot(g.logits)].as_ref().expect("logits slot");
-        let greedy = |p: &DeviceSampling| p.temperature <= 0.0 || p.top_k == 1;
         if sample.iter().all(Option::is_none) {
             let all = self.gpu.download(&logits.slice(0..n_seqs * w))?;
             self.gpu.check_device()?;
             return Ok(all.chunks(w).map(|l| PagedOutput::Logits(l.to_vec())).collect());
         }
-        if sample.iter().flatten().any(greedy) {
+        if sample.iter().flatten().any(DeviceSampling::is_greedy) {
             ops::argmax_rows(&self.gpu, &logits.slice(0..n_seqs * w), w, n_seqs, &mut paged.tokens)?;
         }
         for (i, p) in sample.iter().enumerate() {
-            if let Some(p) = p.filter(|p| !greedy(p)) {
+            if let Some(p) = p.filter(|p| !p.is_greedy()) {
                 let cfg = SamplingConfig { temperature: p.temperature, top_k: p.top_k, top_p: p.top_p, min_p: p.min_p, seed: p.seed };
                 ops::sample(&self.gpu, &logits.slice(i * w..(i + 1) * w), w, &cfg, p.step, None, &mut paged.tokens.slice_mut(i..i + 1))?;
             }
@@ -856,7 +855,7 @@ impl Executor for CudaExecutor {
     /// first requests.
     fn warm_up_paged(&mut self) -> anyhow::Result<()> {
         let Some(config) = self.paged.as_ref().map(|p| p.config) else { bail!("warm_up_paged before init_paged") };
-        let greedy = DeviceSampling { temperature: 0.0, top_k: 1, top_p: 1.0, min_p: 0.0, seed: 0, step: 0 };
+        let greedy = DeviceSampling::GREEDY;
         let blocks: Vec<u32> = (0..config.n_blocks as u32).collect();
         let token = [0u32];
         let mut sizes: Vec<usize> = [1, 2, 4, 8, 16, 32, 64, config.max_seqs].into_iter().filter(|&n| n <= config.max_seqs.min(config.n_blocks)).collect();

@@ -13,6 +13,8 @@ pub struct BenchResult {
     pub tokens: usize,
     /// Sequences decoded together (1 but for [`bench_batched`]).
     pub seqs: usize,
+    /// Positions each sequence had cached when the timed steps began.
+    pub start: usize,
     /// Tokens per second of each timed repetition (warm-up excluded).
     pub samples: Vec<f64>,
 }
@@ -58,7 +60,7 @@ pub fn bench_pp(session: &mut Session, n: usize, reps: usize, vocab: usize) -> R
             samples.push(tps);
         }
     }
-    Ok(BenchResult { test: format!("pp{n}"), tokens: n, seqs: 1, samples })
+    Ok(BenchResult { test: format!("pp{n}"), tokens: n, seqs: 1, start: 0, samples })
 }
 
 /// Token generation: `n` single-token steps from an empty cache, each followed by greedy
@@ -79,7 +81,7 @@ pub fn bench_tg(session: &mut Session, n: usize, reps: usize, vocab: usize) -> R
             samples.push(tps);
         }
     }
-    Ok(BenchResult { test: format!("tg{n}"), tokens: n, seqs: 1, samples })
+    Ok(BenchResult { test: format!("tg{n}"), tokens: n, seqs: 1, start: 0, samples })
 }
 
 /// Batched decode, as a server's continuous batching runs it without the HTTP side: `seqs`
@@ -108,7 +110,7 @@ pub fn bench_batched(session: &mut Session, seqs: usize, prompt: usize, n: usize
             let ids = next.clone();
             let batch: Vec<SeqChunk> =
                 tables.iter().zip(&ids).map(|(table, tok)| SeqChunk { tokens: std::slice::from_ref(tok), start_pos: prompt + step, block_table: table }).collect();
-            let greedy = DeviceSampling { temperature: 0.0, top_k: 1, top_p: 1.0, min_p: 0.0, seed: 0, step: step as u64 };
+            let greedy = DeviceSampling { step: step as u64, ..DeviceSampling::GREEDY };
             let outputs = exec.forward_paged_sampled(&batch, &vec![Some(greedy); seqs])?;
             next = outputs
                 .iter()
@@ -123,7 +125,7 @@ pub fn bench_batched(session: &mut Session, seqs: usize, prompt: usize, n: usize
             samples.push(tps);
         }
     }
-    Ok(BenchResult { test: format!("tg{n} x{seqs}"), tokens: n, seqs, samples })
+    Ok(BenchResult { test: format!("tg{n} x{seqs}"), tokens: n, seqs, start: prompt, samples })
 }
 
 /// The least work a token costs, for expressing speed as a fraction of the hardware limit.

@@ -3,6 +3,7 @@
 //! The order follows llama.cpp's default chain: penalties, then top-k, top-p, min-p, then
 //! temperature and a draw from the renormalised distribution. `temperature <= 0` is greedy.
 
+use ferrite_model::DeviceSampling;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
@@ -40,6 +41,19 @@ impl SamplerParams {
 
     pub fn is_greedy(&self) -> bool {
         self.temperature <= 0.0
+    }
+
+    /// These settings for a backend's device sampler at sampling step `step`, or `None` when
+    /// they need the host (a repetition penalty reads the history).
+    pub fn on_device(&self, step: u64) -> Option<DeviceSampling> {
+        (self.repeat_penalty == 1.0).then_some(DeviceSampling {
+            temperature: self.temperature,
+            top_k: self.top_k,
+            top_p: self.top_p,
+            min_p: self.min_p,
+            seed: self.seed,
+            step,
+        })
     }
 
     pub fn validate(&self) -> Result<(), String> {

@@ -587,10 +587,12 @@ impl Scheduler {
     /// when nothing in its request needs the logits on the host (log-probabilities, logit bias,
     /// penalties). The draw is the device sampler's, keyed by (seed, index of the token).
     fn device_sampling(s: &Seq) -> Option<DeviceSampling> {
-        let p = s.sampler.params();
         let r = &s.req;
-        let host_only = r.logprobs.is_some() || !r.logit_bias.is_empty() || r.presence_penalty != 0.0 || r.frequency_penalty != 0.0 || p.repeat_penalty != 1.0;
-        (!host_only).then_some(DeviceSampling { temperature: p.temperature, top_k: p.top_k, top_p: p.top_p, min_p: p.min_p, seed: p.seed, step: s.generated as u64 })
+        let host_only = r.logprobs.is_some() || !r.logit_bias.is_empty() || r.presence_penalty != 0.0 || r.frequency_penalty != 0.0;
+        if host_only {
+            return None;
+        }
+        s.sampler.params().on_device(s.generated as u64)
     }
 
     /// Take the next token of `s` (drawn on the device, or sampled here from its logits) and send

@@ -2,7 +2,7 @@
 
 use crate::sampling::{Sampler, SamplerParams};
 use anyhow::{bail, Result};
-use ferrite_model::{DeviceSampling, Executor};
+use ferrite_model::Executor;
 use std::time::{Duration, Instant};
 
 pub struct Session {
@@ -118,8 +118,7 @@ impl Session {
         let p = sampler.params();
         // The device sampler covers temperature/top-k/top-p/min-p; a repetition penalty needs the
         // host path.
-        if p.repeat_penalty == 1.0 {
-            let d = DeviceSampling { temperature: p.temperature, top_k: p.top_k, top_p: p.top_p, min_p: p.min_p, seed: p.seed, step };
+        if let Some(d) = p.on_device(step) {
             if let Some(tok) = self.exec.sample_on_device(&d) {
                 return tok;
             }

@@ -138,7 +138,7 @@ fn compare_paged(model: &Arc<Model>) -> (f64, usize, usize) {
         [5u32, 23, 12].iter().enumerate().map(|(i, &l)| (0..l).map(|t| (t * 977 + 31 * i as u32 + 5) % vocab).collect()).collect();
     let mut pos = [0usize; 3];
     let (mut worst, mut agreed, mut total) = (0f64, 0, 0);
-    let greedy = DeviceSampling { temperature: 0.0, top_k: 1, top_p: 1.0, min_p: 0.0, seed: 0, step: 0 };
+    let greedy = DeviceSampling::GREEDY;
     for (step, members) in [&[0][..], &[0, 1, 2], &[0, 1, 2], &[1, 2], &[0, 2], &[0, 1, 2]].into_iter().enumerate() {
         let (want, got) = {
             let batch: Vec<SeqChunk> =

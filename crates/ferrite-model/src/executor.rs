@@ -57,6 +57,16 @@ pub struct DeviceSampling {
     pub step: u64,
 }
 
+impl DeviceSampling {
+    /// The most likely token (argmax).
+    pub const GREEDY: DeviceSampling = DeviceSampling { temperature: 0.0, top_k: 1, top_p: 1.0, min_p: 0.0, seed: 0, step: 0 };
+
+    /// Whether the draw is the argmax: `temperature <= 0` or `top_k == 1`.
+    pub fn is_greedy(&self) -> bool {
+        self.temperature <= 0.0 || self.top_k == 1
+    }
+}
+
 /// The device limits a benchmark is measured against.
 #[derive(Clone, Debug)]
 pub struct HardwareCeilings {

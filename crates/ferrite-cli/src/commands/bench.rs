@@ -79,8 +79,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
             let tps = r.median();
             if r.test.starts_with("tg") {
                 // Per step: the weights once for all of the step's sequences.
-                let start = if r.seqs > 1 { args.seq_prompt.max(1) } else { 0 };
-                let bytes = work.decode_bytes(start, r.tokens, r.seqs, kv);
+                let bytes = work.decode_bytes(r.start, r.tokens, r.seqs, kv);
                 let steps = tps / r.seqs as f64;
                 println!(
                     "| {} | {:.1} MB per step | {:.2} TB/s | {:.1}% of copy bandwidth |",

@@ -46,8 +46,6 @@ use crate::weight::DeviceWeight;
 use crate::Gpu;
 use cudarc::driver::{DevicePtr, DevicePtrMut};
 
-/// Device address of a buffer, for a parameter struct. Event tracking is off on our context,
-/// so the guard cudarc returns does nothing and can be dropped at once.
 /// The kernel path an `auto|NAME|...` switch forces: `None` for `auto` or unset, the matching
 /// choice (case-insensitive) otherwise; another value is reported on stderr and means `auto`.
 pub(crate) fn forced_path<T: Copy>(switch: &ferrite_core::env::Switch, value: Option<&str>, choices: &[(&str, T)]) -> Option<T> {
@@ -63,6 +61,8 @@ pub(crate) fn forced_path<T: Copy>(switch: &ferrite_core::env::Switch, value: Op
     found
 }
 
+/// Device address of a buffer, for a parameter struct. Event tracking is off on our context,
+/// so the guard cudarc returns does nothing and can be dropped at once.
 pub(crate) fn addr<T>(gpu: &Gpu, buf: &impl DevicePtr<T>) -> u64 {
     buf.device_ptr(gpu.stream()).0
 }
@@ -309,7 +309,7 @@ macro_rules! gated_activation {
             check_len(OP, "up", up.len(), n)?;
             check_len(OP, "out", out.len(), n)?;
             let params = GluParams { gate: addr(gpu, gate), up: addr(gpu, up), out: addr_mut(gpu, out), n: n as u64, width: n as u64, in_stride: n as u64 };
-            gpu.launch(&ActivationVariant, OP, ActivationVariant.launch_config(n), &params)
+            launch_glu(gpu, OP, &params)
         }
     };
 }
@@ -339,7 +339,12 @@ pub fn glu_rows(gpu: &Gpu, src: &impl DevicePtr<f32>, rows: usize, half: usize, 
         Glu::SwiGlu => "swiglu",
         Glu::GeGlu => "geglu",
     };
-    gpu.launch(&ActivationVariant, entry, ActivationVariant.launch_config(n), &params)
+    launch_glu(gpu, entry, &params)
+}
+
+/// The `swiglu` / `geglu` kernel over `params.n` outputs.
+fn launch_glu(gpu: &Gpu, entry: &'static str, params: &GluParams) -> Result<(), CudaError> {
+    gpu.launch(&ActivationVariant, entry, ActivationVariant.launch_config(params.n as usize), params)
 }
 
 /// `acc += x` over `n` elements (the residual add).
