@@ -78,14 +78,14 @@ fn main() -> Result<(), CudaError> {
     // Serving-sized batches (issue #6): each shape at the batch sizes of the paths: the
     // small-batch tensor-core GEMM on the packed weights (auto, up to 64 tokens), and dequantize +
     // cuBLAS with the per-call dequantization and with a resident bf16 copy.
-    println!("\nbatched linear, Q4_0 (8B QKV, down and LM head): us per call, packed-weight GB/s");
+    println!("\nbatched linear, Q4_0 (8B QKV, output, gate/up, down and LM head): us per call, packed-weight GB/s");
     let cublas = LinearOptions { mma_max_tokens: 0, ..LinearOptions::default() };
     for dtype in [GgmlType::Q4_0, GgmlType::Q8_0, GgmlType::Q4_K, GgmlType::Q6_K] {
         for info in gpu.kernel_info(&GemmMmaVariant::for_shape(dtype, 64, true))? {
             println!("  {dtype} n=64: {info:?}");
         }
     }
-    for (rows, cols) in [(6144usize, 4096usize), (4096, 14336), (49152, 4096)] {
+    for (rows, cols) in [(6144usize, 4096usize), (4096, 4096), (28672, 4096), (4096, 14336), (49152, 4096)] {
         let values: Vec<f32> = (0..rows * cols).map(|i| ((i * 7919) % 2001) as f32 / 1000.0 - 1.0).collect();
         let packed = quantize(GgmlType::Q4_0, &values).expect("quantize");
         let mut w = gpu.upload_weight(GgmlType::Q4_0, rows, cols, &packed)?;

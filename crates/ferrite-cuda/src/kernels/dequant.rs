@@ -150,6 +150,10 @@ device_params! {
         pub src: u64,
         pub dst: u64,
         pub n: u64,
+        /// 1: swap the middle two of every four values (`n % 4 == 0`), the order `gemm_mma`
+        /// pairs its weights in; 0: keep the order.
+        pub interleave: u32,
+        pub pad: u32,
     }
 }
 
@@ -158,7 +162,7 @@ extern "C" __global__ void convert_f32(const ConvertParams p) {
   KERNEL_ENTRY();
   const float* src = reinterpret_cast<const float*>(p.src);
   for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < (i64)p.n; i += (i64)gridDim.x * blockDim.x)
-    store_out(p.dst, i, src[i]);
+    store_out(p.dst, p.interleave ? (i & ~3ll) | ((i & 1) << 1) | ((i >> 1) & 1) : i, src[i]);
 }
 "#;
 

@@ -5,20 +5,24 @@
 //! ## `gemm_mma`
 //!
 //! A block of `NWARPS` warps owns `BM` weight rows and `8 * NT` tokens; a warp owns `MT`
-//! 16-row m-tiles. The block walks 64-column chunks of its K slice (grid z). Per chunk, each
-//! lane decodes the 16 weights it needs of each of its rows straight from the packed planes
-//! (`load_unit` / `unit_value` of `common::QUANT`, so every GGML type works), rounds them to
-//! the MMA input type (bf16 or f16) in registers, and multiplies with `mma.sync` m16n8k16 (f32
-//! accumulation). The K order inside a chunk is permuted so that the lane holding A's k slots
-//! {2t, 2t+1, 2t+8, 2t+9} of step s also holds B's — lane (g, t) of a warp takes chunk columns
-//! 16t..16t+15 of its rows (half a 32-weight unit) and of its tokens (two 16-byte loads): no
-//! shuffles, and no shared memory for the weights. A dot product does not care in which order
-//! it sums. The activations, which all four warps read, are staged per chunk in shared memory
-//! with `cp.async` (two stages: the next chunk's copy runs during this chunk's MMAs).
+//! 16-row m-tiles. The block walks 128-column chunks of its K slice (grid z). In a chunk, lane
+//! (g, t) of a warp loads unit `4 c + t` (32 weights) of rows g and g + 8 of each m-tile with
+//! `load_unit` of `common::QUANT`, so every GGML type works and no two lanes load the same
+//! bytes. The unit's word s (weights 4s..4s+3, as 8-bit codes from `unit_word`) becomes the
+//! lane's A fragment of k-step s: pairs (w[4s], w[4s+2]) and (w[4s+1], w[4s+3]) made by bit
+//! tricks (a code OR'ed into the mantissa of 128.0 or 1024.0 is that float plus the code), then
+//! one `fma` with the unit's scales in the MMA input type. The lane's k slots of a step thus
+//! hold four of its own unit's weights: a dot product does not care in which order it sums, as
+//! long as the activations (B) come in the same order. They do because `convert_f32` writes
+//! them with the middle two of every four swapped (`interleave`), so lane t's B pairs are plain
+//! 32-bit words of its unit's 64 bytes. Those are staged per chunk in shared memory with
+//! `cp.async` (two stages; the 16-byte pieces of each row swizzled so a warp's loads hit no
+//! bank twice) and multiplied with `mma.sync` m16n8k16 (bf16 or f16 inputs, f32 accumulation).
 //!
-//! The next chunk's weights are loaded into registers while the current chunk's MMAs run. With grid z > 1 each
-//! slice writes f32 partials `[z][n][rows]` and `gemm_reduce` sums them in slice order
-//! (deterministic), so short-and-wide shapes still fill the SMs.
+//! The weights stream through registers, not shared memory: `DEPTH` chunks are in flight per
+//! lane (two for the small-unit types), issued before the MMAs of the chunk that precedes
+//! them. With grid z > 1 each slice writes f32 partials `[z][n][rows]` and `gemm_reduce` sums
+//! them in slice order (deterministic), so short-and-wide shapes still fill the SMs.
 
 use super::common::{HEADER, QUANT};
 use super::{blocks_for, device_params, KernelVariant};
@@ -67,7 +71,39 @@ const SOURCE: &str = r#"
 #define NWARPS 4
 #define MT 2                      // 16-row m-tiles per warp
 #define BM (NWARPS * MT * 16)     // weight rows per block
-#define KC 64                     // columns per chunk
+#define KC 128                    // columns per chunk: one 32-weight unit per lane t of a row
+#define XROW (KC * 2)             // bytes of a staged token row
+
+// Chunks of weights in flight per lane: two for the types whose units are a few registers.
+#if WTYPE == GGML_Q4_0 || WTYPE == GGML_Q4_1 || WTYPE == GGML_Q5_0 || WTYPE == GGML_Q5_1 || WTYPE == GGML_Q8_0
+#define DEPTH 2
+#else
+#define DEPTH 1
+#endif
+
+// Q8_0 codes are signed bytes: flipping the sign bit makes them unsigned with offset 128.
+#if WTYPE == GGML_Q8_0
+#define CODE_FLIP 0x80808080u
+#define CODE_OFFSET 128
+#else
+#define CODE_FLIP 0u
+#define CODE_OFFSET W_OFFSET
+#endif
+
+// Codes become 16-bit floats by bit tricks: `MAGIC | c` is the float MAGIC_VALUE + c, exact
+// while c fits the mantissa (7 bits in bf16, 10 in f16). Only Q8_0's 8-bit codes in bf16 need
+// the f32 route.
+#if BF16_IN
+#define MAGIC2 0x43004300u
+#define MAGIC_VALUE 128
+#define FAST_CODES (WTYPE != GGML_Q8_0)
+#define HX2 "bf16x2"
+#else
+#define MAGIC2 0x64006400u
+#define MAGIC_VALUE 1024
+#define FAST_CODES 1
+#define HX2 "f16x2"
+#endif
 
 __device__ __forceinline__ u32 pack2(float lo, float hi) {
   u32 r;
@@ -78,9 +114,15 @@ __device__ __forceinline__ u32 pack2(float lo, float hi) {
 #endif
   return r;
 }
+// a * b + c on pairs of 16-bit floats, rounded once.
+__device__ __forceinline__ u32 fma2(u32 a, u32 b, u32 c) {
+  u32 r;
+  asm("fma.rn." HX2 " %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(c));
+  return r;
+}
 
 // D += A B for one m16n8k16 tile (A row-major 16x16, B column-major 16x8; D f32).
-__device__ __forceinline__ void mma(float* d, const u32* a, u32 b0, u32 b1) {
+__device__ __forceinline__ void mma(float* d, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
 #if BF16_IN
   asm volatile(
       "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
@@ -89,75 +131,85 @@ __device__ __forceinline__ void mma(float* d, const u32* a, u32 b0, u32 b1) {
       "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
 #endif
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-// Q8_0 codes are signed bytes: flipping the sign bit makes them unsigned with offset 128.
-#if WTYPE == GGML_Q8_0
-#define CODE_FLIP 0x80808080u
-#define CODE_OFFSET 128.f
+// Weights 4s .. 4s + 3 of a unit as two pairs of the MMA input type: lo = (w[4s], w[4s+2]),
+// hi = (w[4s+1], w[4s+3]), each a * (code - offset) + b rounded once. The activations are
+// stored with the middle two of every four swapped (`convert_f32` with `interleave`), so the
+// same pairs of them are single 32-bit words.
+struct Scales2 { u32 a[2], b[2]; };
+__device__ __forceinline__ Scales2 unit_scales2(const Unit& o) {
+  Scales2 s;
+  s.a[0] = pack2(o.a0, o.a0); s.b[0] = pack2(o.b0, o.b0);
+  s.a[1] = pack2(o.a1, o.a1); s.b[1] = pack2(o.b1, o.b1);
+  return s;
+}
+__device__ __forceinline__ void decode_word(const Unit& o, const Scales2& sc, int s, u32& lo, u32& hi) {
+  const u32 w = unit_word(o, s) ^ CODE_FLIP;
+  const int half = s >> 2;
+#if FAST_CODES
+  // (MAGIC_VALUE + c) - (MAGIC_VALUE + offset) is exact; one more rounding applies the scales.
+  const u32 one2 = pack2(1.f, 1.f), base2 = pack2(-(float)(MAGIC_VALUE + CODE_OFFSET), -(float)(MAGIC_VALUE + CODE_OFFSET));
+  lo = fma2(fma2((w & 0x00FF00FFu) | MAGIC2, one2, base2), sc.a[half], sc.b[half]);
+  hi = fma2(fma2(((w >> 8) & 0x00FF00FFu) | MAGIC2, one2, base2), sc.a[half], sc.b[half]);
 #else
-#define CODE_FLIP 0u
-#define CODE_OFFSET ((float)W_OFFSET)
+  const float a = half ? o.a1 : o.a0, b = half ? o.b1 : o.b0;
+  float v[4];
+#pragma unroll
+  for (int k = 0; k < 4; ++k) v[k] = a * code_f((w >> (8 * k)) & 0xffu, (float)CODE_OFFSET) + b;
+  lo = pack2(v[0], v[2]);
+  hi = pack2(v[1], v[3]);
 #endif
-
-// Weights 16 h .. 16 h + 15 of a unit, dequantized exactly as `unit_value` does. `h` differs
-// between the lanes of a warp, so the unit is read through `unit_word` (whole 32-bit words
-// selected by h) rather than byte by byte.
-__device__ __forceinline__ void unit_half(const Unit& o, int h, float* v) {
-  const float a = h ? o.a1 : o.a0, b = h ? o.b1 : o.b0;
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const u32 word = unit_word(o, 4 * h + i) ^ CODE_FLIP;
-#pragma unroll
-    for (int k = 0; k < 4; ++k) v[4 * i + k] = a * code_f((word >> (8 * k)) & 0xffu, CODE_OFFSET) + b;
-  }
 }
 
-#define XLD (KC + 8)  // row stride of a staged activation chunk, in 16-bit elements
-
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, u32 bytes) {
   const u32 dst = (u32)__cvta_generic_to_shared(smem);
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(gmem) : "memory");
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(gmem), "r"(bytes) : "memory");
 }
 template <int N>
 __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
 }
 
-// Start copying chunk c of the block's NT * 8 token rows into a stage (16 bytes per copy; token
-// rows past the batch repeat the last token), as one commit group.
-__device__ __forceinline__ void stage_chunk(u16 (*dst)[XLD], const GemmMmaParams& p, u32 tok0, u32 c) {
+// A staged token row holds lane t's 64 bytes (its unit) at 64 t, as four 16-byte pieces in an
+// order that differs by row parity and t / 2, so that the 8 lanes of each phase of a 16-byte
+// shared load (rows g, g + 1, all t) hit 8 different bank groups.
+__device__ __forceinline__ int piece_slot(int row, int t, int p) { return 4 * t + (p ^ (((row & 1) << 1) | (t >> 1))); }
+
+// Start copying chunk c of the block's NT * 8 token rows into a stage, as one commit group.
+// Token rows past the batch and columns past the row are zero-filled.
+__device__ __forceinline__ void stage_chunk(u8* dst, const GemmMmaParams& p, u32 tok0, u32 c) {
   const u16* x = reinterpret_cast<const u16*>(p.x);
   for (int i = threadIdx.x; i < NT * 8 * (KC / 8); i += NWARPS * 32) {
     const int r = i / (KC / 8), piece = i % (KC / 8);
-    const u32 tok = min(tok0 + r, p.n_tokens - 1);
-    cp_async16(&dst[r][8 * piece], x + (i64)tok * p.cols + (i64)c * KC + 8 * piece);
+    const u32 tok = tok0 + r, col = c * KC + 8 * piece;
+    const bool in = tok < p.n_tokens && col < p.cols;
+    cp_async16(dst + r * XROW + 16 * piece_slot(r, piece >> 2, piece & 3), in ? x + (i64)tok * p.cols + col : x, in ? 16 : 0);
   }
   asm volatile("cp.async.commit_group;" ::: "memory");
 }
 
-// Lane (g, t) works on rows g and g + 8 of each m-tile; `units[m][h]` holds unit (2 chunk +
-// t / 2) of row 16 m + g + 8 h, whose weights 16 (t & 1) .. + 15 are the lane's chunk columns.
-__device__ __forceinline__ void load_chunk(const WeightRef& w, const i64* row, u32 chunk, int t, Unit (&units)[MT][2]) {
+// Lane (g, t) works on rows g and g + 8 of each m-tile and on unit 4 c + t of them (the last
+// unit again past the row: its activations are zero).
+__device__ __forceinline__ void load_chunk(const WeightRef& w, const i64* row, u32 c, int t, u32 units, Unit (&u)[MT][2]) {
+  const int unit = (int)min(4 * c + t, units - 1);
 #pragma unroll
   for (int m = 0; m < MT; ++m)
 #pragma unroll
-    for (int h = 0; h < 2; ++h) load_unit(w, row[2 * m + h], (int)(2 * chunk + (t >> 1)), units[m][h]);
+    for (int h = 0; h < 2; ++h) load_unit(w, row[2 * m + h], unit, u[m][h]);
 }
 
-extern "C" __global__ void __launch_bounds__(NWARPS * 32) gemm_mma(const GemmMmaParams p) {
+extern "C" __global__ void __launch_bounds__(NWARPS * 32, 2) gemm_mma(const GemmMmaParams p) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
   const WeightRef w = {(const u8*)p.w0, (const u8*)p.w1, (const u8*)p.w2, (const u8*)p.w3, (i64)p.cols};
-  const u32 row0 = blockIdx.x * BM + warp * MT * 16, tok0 = blockIdx.y * NT * 8;
-  const u32 chunks = p.cols / KC, c0 = blockIdx.z * p.slice_chunks, c1 = min(chunks, c0 + p.slice_chunks);
+  const u32 row0 = blockIdx.x * BM + warp * MT * 16, tok0 = blockIdx.y * NT * 8, units = p.cols / 32;
+  const u32 chunks = (p.cols + KC - 1) / KC, c0 = blockIdx.z * p.slice_chunks, c1 = min(chunks, c0 + p.slice_chunks);
   // Rows past the weight decode its last row and are never stored.
   i64 row[2 * MT];
 #pragma unroll
   for (int i = 0; i < 2 * MT; ++i) row[i] = min(row0 + 16 * (i >> 1) + g + 8 * (i & 1), p.rows - 1);
-  // The block's activations, one chunk per stage: token rows (the last token repeated past the
-  // batch) of KC columns, padded so that the 8 rows of a fragment load hit different banks.
-  __shared__ __align__(16) u16 s_x[2][NT * 8][XLD];
+  __shared__ __align__(16) u8 s_x[2][NT * 8 * XROW];
 
   float acc[MT][NT][4];
 #pragma unroll
@@ -167,49 +219,58 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32) gemm_mma(const GemmMma
 #pragma unroll
       for (int i = 0; i < 4; ++i) acc[m][j][i] = 0.f;
 
-  Unit units[MT][2];
-  if (c0 < c1) load_chunk(w, row, c0, t, units);  // weights: before the wait
+  // A ring of DEPTH chunks of weights in registers; the first ones load before the wait.
+  Unit u[DEPTH][MT][2];
+#pragma unroll
+  for (int d = 0; d < DEPTH; ++d)
+    if (c0 + d < c1) load_chunk(w, row, c0 + d, t, units, u[d]);
   pdl_wait();
   pdl_release();
   if (c0 < c1) stage_chunk(s_x[0], p, tok0, c0);
-  for (u32 c = c0; c < c1; ++c) {
-    const int stage = (c - c0) & 1;
-    // The next chunk's activations load while this one is used; the barrier at the end of the
-    // previous iteration freed their stage.
-    if (c + 1 < c1) {
-      stage_chunk(s_x[stage ^ 1], p, tok0, c + 1);
-      cp_async_wait<1>();
-    } else {
-      cp_async_wait<0>();
-    }
-    __syncthreads();
-    // A fragments of the 4 k-steps: step s covers the lane's chunk columns 4s .. 4s + 3.
-    u32 a[MT][4][4];
+  for (u32 cb = c0; cb < c1; cb += DEPTH) {
 #pragma unroll
-    for (int m = 0; m < MT; ++m) {
-      float v0[16], v1[16];
-      unit_half(units[m][0], t & 1, v0);
-      unit_half(units[m][1], t & 1, v1);
-#pragma unroll
-      for (int s = 0; s < 4; ++s) {
-        a[m][s][0] = pack2(v0[4 * s], v0[4 * s + 1]);
-        a[m][s][1] = pack2(v1[4 * s], v1[4 * s + 1]);
-        a[m][s][2] = pack2(v0[4 * s + 2], v0[4 * s + 3]);
-        a[m][s][3] = pack2(v1[4 * s + 2], v1[4 * s + 3]);
+    for (int d = 0; d < DEPTH; ++d) {
+      const u32 c = cb + d;
+      if (c >= c1) break;  // uniform over the block
+      const u8* xs = s_x[(c - c0) & 1];
+      // The next chunk's activations load while this one is used; the barrier at the end of
+      // the previous chunk freed their stage.
+      if (c + 1 < c1) {
+        stage_chunk(s_x[(c - c0 + 1) & 1], p, tok0, c + 1);
+        cp_async_wait<1>();
+      } else {
+        cp_async_wait<0>();
       }
+      __syncthreads();
+      // A fragments of the 8 k-steps: step s takes weights 4s .. 4s + 3 of the lane's units.
+      u32 a[MT][8][4];
+#pragma unroll
+      for (int m = 0; m < MT; ++m) {
+        const Scales2 s0 = unit_scales2(u[d][m][0]), s1 = unit_scales2(u[d][m][1]);
+#pragma unroll
+        for (int s = 0; s < 8; ++s) {
+          decode_word(u[d][m][0], s0, s, a[m][s][0], a[m][s][2]);
+          decode_word(u[d][m][1], s1, s, a[m][s][1], a[m][s][3]);
+        }
+      }
+      if (c + DEPTH < c1) load_chunk(w, row, c + DEPTH, t, units, u[d]);  // in flight meanwhile
+#pragma unroll
+      for (int j = 0; j < NT; ++j) {
+        const int r = 8 * j + g;
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {  // k-steps 2q, 2q + 1
+          const uint4 b = *reinterpret_cast<const uint4*>(xs + r * XROW + 16 * piece_slot(r, t, q));
+#pragma unroll
+          for (int m = 0; m < MT; ++m) {
+            const u32* a0 = a[m][2 * q];
+            const u32* a1 = a[m][2 * q + 1];
+            mma(acc[m][j], a0[0], a0[1], a0[2], a0[3], b.x, b.y);
+            mma(acc[m][j], a1[0], a1[1], a1[2], a1[3], b.z, b.w);
+          }
+        }
+      }
+      __syncthreads();  // every warp is done with this stage before it is refilled
     }
-    if (c + 1 < c1) load_chunk(w, row, c + 1, t, units);  // in flight during the MMAs
-#pragma unroll
-    for (int j = 0; j < NT; ++j) {
-      const uint4* xs = reinterpret_cast<const uint4*>(&s_x[stage][8 * j + g][16 * t]);
-      const uint4 lo = xs[0], hi = xs[1];
-      const u32 b[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
-#pragma unroll
-      for (int m = 0; m < MT; ++m)
-#pragma unroll
-        for (int s = 0; s < 4; ++s) mma(acc[m][j], a[m][s], b[2 * s], b[2 * s + 1]);
-    }
-    __syncthreads();  // every warp is done with this stage before it is refilled
   }
 
   // C fragment: acc[m][j] = rows (g, g + 8) x tokens (2t, 2t + 1) of tile (m, j).
@@ -242,7 +303,7 @@ extern "C" __global__ void gemm_reduce(const GemmReduceParams p) {
 
 /// Rows of a `gemm_mma` block and columns of a chunk (`BM`, `KC` in the source).
 pub const GEMM_BLOCK_ROWS: usize = 128;
-pub const GEMM_CHUNK_COLS: usize = 64;
+pub const GEMM_CHUNK_COLS: usize = 128;
 
 /// Compile-time shape of the small-batch tensor-core GEMM.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -265,16 +326,18 @@ impl GemmMmaVariant {
         GemmMmaVariant { wtype, nt, bf16 }
     }
 
-    /// K slices (grid z): enough blocks for two per SM, each slice at least 4 chunks, at most 8.
+    /// K slices (grid z): as many as keep the grid within one wave of two blocks per SM (a
+    /// second, partial wave would take as long as the first), at most 8, each at least 2 chunks.
     pub fn k_slices(&self, rows: usize, cols: usize, n_tokens: usize, sm_count: usize) -> usize {
         let blocks = rows.div_ceil(GEMM_BLOCK_ROWS) * n_tokens.div_ceil(8 * self.nt as usize);
-        let chunks = cols / GEMM_CHUNK_COLS;
-        (2 * sm_count).div_ceil(blocks).min(chunks / 4).clamp(1, 8)
+        let chunks = cols.div_ceil(GEMM_CHUNK_COLS);
+        let slices = (2 * sm_count / blocks).min(chunks / 2).clamp(1, 8);
+        chunks.div_ceil(Self::slice_chunks(cols, slices))
     }
 
     /// Chunks per slice for `slices` slices (the last slice may be shorter).
     pub fn slice_chunks(cols: usize, slices: usize) -> usize {
-        (cols / GEMM_CHUNK_COLS).div_ceil(slices)
+        cols.div_ceil(GEMM_CHUNK_COLS).div_ceil(slices)
     }
 
     pub fn launch_config(&self, rows: usize, n_tokens: usize, slices: usize) -> LaunchConfig {
@@ -315,14 +378,20 @@ mod tests {
         let v = GemmMmaVariant::for_shape(GgmlType::Q4_0, 9, true);
         assert_eq!(v.nt, 2);
         assert_eq!(GemmMmaVariant::for_shape(GgmlType::Q4_0, 64, true).nt, 8);
-        // 8B QKV (6144 x 4096) at 64 tokens: 48 row blocks, split 6 ways (11 chunks each).
+        // 8B QKV (6144 x 4096) at 64 tokens: 48 row blocks, 5 slices of 7 chunks (the last 4)
+        // fill 240 of the 264 two-per-SM slots.
         let v = GemmMmaVariant::for_shape(GgmlType::Q4_0, 64, true);
         let z = v.k_slices(6144, 4096, 64, 132);
-        assert_eq!(z, 6);
-        assert_eq!(GemmMmaVariant::slice_chunks(4096, z), 11);
-        assert_eq!(v.launch_config(6144, 64, z).grid_dim, (48, 1, 6));
-        // The LM head already has enough blocks; a short K never splits below 4 chunks a slice.
+        assert_eq!(z, 5);
+        assert_eq!(GemmMmaVariant::slice_chunks(4096, z), 7);
+        assert_eq!(v.launch_config(6144, 64, z).grid_dim, (48, 1, 5));
+        // 8B down (4096 x 14336): 32 row blocks, 8 slices of 14 chunks.
+        assert_eq!(v.k_slices(4096, 14336, 64, 132), 8);
+        // Gate/up already has 224 blocks; an LM head more than a wave; a short K at least 2
+        // chunks a slice (576 columns: 5 chunks, the last one partial).
+        assert_eq!(v.k_slices(28672, 4096, 64, 132), 1);
         assert_eq!(v.k_slices(49152, 4096, 64, 132), 1);
-        assert_eq!(v.k_slices(256, 256, 64, 132), 1);
+        assert_eq!(v.k_slices(128, 576, 9, 132), 2);
+        assert_eq!(GemmMmaVariant::slice_chunks(576, 2), 3);
     }
 }

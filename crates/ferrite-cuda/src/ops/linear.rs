@@ -14,7 +14,7 @@
 use super::{addr, addr_mut, as_u32, check_len, elems};
 use crate::error::{Context, CudaError};
 use crate::kernels::dequant::{ConvertParams, ConvertVariant, DequantParams, DequantVariant, OutType};
-use crate::kernels::gemm::{self as gemm_kernels, GemmMmaParams, GemmMmaVariant, GemmReduceParams, GEMM_CHUNK_COLS};
+use crate::kernels::gemm::{self as gemm_kernels, GemmMmaParams, GemmMmaVariant, GemmReduceParams};
 use crate::kernels::gemv::{GemvParams, GemvQ8Params, GemvQ8Variant, GemvVariant};
 use crate::kernels::quantize::{Prologue, QuantizeParams, QuantizeVariant};
 use crate::weight::{self, DeviceWeight};
@@ -180,7 +180,7 @@ pub fn linear_plan(dtype: GgmlType, cols: usize, n_tokens: usize, opts: &LinearO
     let mma = opts.path == LinearPath::Auto
         && n_tokens <= opts.mma_max_tokens
         && weight::planes(dtype).is_some()
-        && cols.is_multiple_of(GEMM_CHUNK_COLS)
+        && cols.is_multiple_of(32)
         && opts.precision != Precision::F32;
     if mma {
         return LinearPlan::Mma { precision: opts.precision };
@@ -692,10 +692,19 @@ pub(super) fn gemv_q8(
 
 const SCRATCH_ALIGN: usize = 256;
 
-/// `count` f32 activations at `x` rounded to the 16-bit GEMM input type of `precision` at `dst`.
-fn convert_activations(gpu: &Gpu, precision: Precision, x: u64, count: usize, dst: u64) -> Result<(), CudaError> {
+/// `count` f32 activations at `x` rounded to the 16-bit GEMM input type of `precision` at `dst`,
+/// in `gemm_mma`'s pair order when `interleave`.
+fn convert_activations(
+    gpu: &Gpu,
+    precision: Precision,
+    x: u64,
+    count: usize,
+    dst: u64,
+    interleave: bool,
+) -> Result<(), CudaError> {
     let variant = ConvertVariant { out: precision.out_type() };
-    gpu.launch(&variant, "convert_f32", variant.launch_config(count), &ConvertParams { src: x, dst, n: count as u64 })
+    let params = ConvertParams { src: x, dst, n: count as u64, interleave: interleave.into(), pad: 0 };
+    gpu.launch(&variant, "convert_f32", variant.launch_config(count), &params)
 }
 
 /// The small-batch tensor-core GEMM: activations converted to the MMA input type in scratch,
@@ -709,7 +718,7 @@ fn gemm_mma(gpu: &Gpu, w: &DeviceWeight, x: u64, n_tokens: usize, out: u64, prec
     let part_len = elems(OP, &[n_tokens, w.rows])?;
     let part_bytes = if slices > 1 { elems(OP, &[slices, part_len, 4])? } else { 0 };
     gpu.with_scratch(x_bytes + part_bytes, |scratch| {
-        convert_activations(gpu, precision, x, n_tokens * w.cols, scratch)?;
+        convert_activations(gpu, precision, x, n_tokens * w.cols, scratch, true)?;
         let partials = scratch + x_bytes as u64;
         let [w0, w1, w2, w3] = w.plane_ptrs(gpu);
         let params = GemmMmaParams {
@@ -768,7 +777,7 @@ fn gemm(
         };
         let input = if convert_input {
             let dst = scratch + w_bytes as u64;
-            convert_activations(gpu, precision, x, n_tokens * w.cols, dst)?;
+            convert_activations(gpu, precision, x, n_tokens * w.cols, dst, false)?;
             dst
         } else {
             x
@@ -841,13 +850,13 @@ mod tests {
         assert_eq!(linear_plan(GgmlType::Q4_0, 576, 8, &f32_act), LinearPlan::Gemv);
         assert_eq!(linear_plan(GgmlType::F16, 576, 1, &auto), LinearPlan::Gemv);
         // Batched decode steps: the small-batch tensor-core GEMM up to 64 tokens, cuBLAS above,
-        // or when switched off, for rows of partial 64-column chunks and at f32.
+        // or when switched off and at f32 (any whole number of 32-value units per row).
         let mma = LinearPlan::Mma { precision: Precision::BF16 };
         assert_eq!(linear_plan(GgmlType::Q4_0, 576, 9, &auto), mma);
         assert_eq!(linear_plan(GgmlType::Q6_K, 4096, 64, &auto), mma);
         let cublas = LinearPlan::Gemm { precision: Precision::BF16, dequantize_weight: true, convert_input: true };
         assert_eq!(linear_plan(GgmlType::Q4_0, 576, 65, &auto), cublas);
-        assert_eq!(linear_plan(GgmlType::Q4_0, 544, 9, &auto), cublas);
+        assert_eq!(linear_plan(GgmlType::Q4_0, 544, 9, &auto), mma);
         assert_eq!(linear_plan(GgmlType::Q4_0, 576, 9, &LinearOptions { mma_max_tokens: 0, ..auto }), cublas);
         assert_eq!(linear_plan(GgmlType::Q4_0, 576, 9, &LinearOptions { path: LinearPath::Gemm, ..auto }), cublas);
         assert!(matches!(linear_plan(GgmlType::BF16, 576, 9, &auto), LinearPlan::Gemm { .. }));
