@@ -2,8 +2,10 @@
 //! mean time per launch over a burst of back-to-back launches, and for the GEMV the weight
 //! bandwidth that implies. Launch overhead is included, as in real decoding.
 //!
-//!   cargo run -p ferrite-cuda --release --example kernel_bench
+//!   cargo run -p ferrite-cuda --release --example kernel_bench [SECTION ...]
 //!   (or the binary from scripts/gpu-build.sh, on the GPU machine: .device/kernel_bench)
+//!
+//! Sections: gemv, prefill, batched, tilings, attention, gdn, moe, sampling (default: all).
 
 use ferrite_cuda::kernels::gdn::{GdnChunkVariant, GdnDeltaVariant};
 use ferrite_cuda::kernels::gemm::GemmMmaVariant;
@@ -36,6 +38,31 @@ fn main() -> Result<(), CudaError> {
         gpu.compute_capability().1,
         gpu.sm_count()
     );
+    // `kernel_bench [SECTION ...]` runs only the named sections.
+    let wanted: Vec<String> = std::env::args().skip(1).collect();
+    let sections: [(&str, fn(&Gpu) -> Result<(), CudaError>); 8] = [
+        ("gemv", gemv),
+        ("prefill", prefill),
+        ("batched", batched),
+        ("tilings", tilings),
+        ("attention", attention),
+        ("gdn", gdn),
+        ("moe", moe),
+        ("sampling", sampling),
+    ];
+    if let Some(unknown) = wanted.iter().find(|w| !sections.iter().any(|(name, _)| name == w)) {
+        let names: Vec<&str> = sections.iter().map(|(name, _)| *name).collect();
+        return Err(CudaError::invalid("kernel_bench", format!("no section {unknown:?}; sections: {}", names.join(", "))));
+    }
+    for (name, run) in sections {
+        if wanted.is_empty() || wanted.iter().any(|w| w == name) {
+            run(&gpu)?;
+        }
+    }
+    Ok(())
+}
+
+fn gemv(gpu: &Gpu) -> Result<(), CudaError> {
     // SmolLM2-135M projections (q/o, k/v, gate/up, down, lm_head) and two large matrices
     // (k-quants need rows of whole 256-value blocks, so they skip SmolLM2's 576 columns).
     let shapes = [(576, 576), (192, 576), (1536, 576), (576, 1536), (49152, 576), (8192, 8192), (16384, 4096)];
@@ -58,23 +85,29 @@ fn main() -> Result<(), CudaError> {
             for n in [1usize, 4] {
                 let x = gpu.upload(&vec![0.5f32; n * cols], "x")?;
                 let mut out = gpu.alloc_zeros::<f32>(n * rows)?;
-                let s = time(&gpu, 200, || ops::linear_with(&gpu, &w, &x, n, &mut out, &gemv).map(|_| ()))?;
+                let s = time(gpu, 200, || ops::linear_with(gpu, &w, &x, n, &mut out, &gemv).map(|_| ()))?;
                 let gbs = bytes.len() as f64 / s / 1e9;
                 println!("{:<6} {:>6}x{:<6} {:>4} {:>10.2} {:>9.1}", dtype.name(), rows, cols, n, s * 1e6, gbs);
             }
         }
     }
+    Ok(())
+}
 
+fn prefill(gpu: &Gpu) -> Result<(), CudaError> {
     println!("\nprefill GEMM (dequantize + cuBLAS SGEMM), Q4_1 1536x576");
     let values: Vec<f32> = (0..1536 * 576).map(|i| (i % 17) as f32 / 17.0 - 0.5).collect();
     let w = gpu.upload_weight(GgmlType::Q4_1, 1536, 576, &quantize(GgmlType::Q4_1, &values).expect("quantize"))?;
     for n in [16usize, 128, 512] {
         let x = gpu.upload(&vec![0.5f32; n * 576], "x")?;
         let mut out = gpu.alloc_zeros::<f32>(n * 1536)?;
-        let s = time(&gpu, 50, || ops::linear(&gpu, &w, &x, n, &mut out))?;
+        let s = time(gpu, 50, || ops::linear(gpu, &w, &x, n, &mut out))?;
         println!("  n={n:<4} {:>9.2} us  {:>8.1} GFLOP/s", s * 1e6, 2.0 * 1536.0 * 576.0 * n as f64 / s / 1e9);
     }
+    Ok(())
+}
 
+fn batched(gpu: &Gpu) -> Result<(), CudaError> {
     // Serving-sized batches (issue #6): each shape at the batch sizes of the paths: the
     // small-batch tensor-core GEMM on the packed weights (auto, up to 64 tokens), and dequantize +
     // cuBLAS with the per-call dequantization and with a resident bf16 copy.
@@ -91,37 +124,72 @@ fn main() -> Result<(), CudaError> {
         let mut w = gpu.upload_weight(GgmlType::Q4_0, rows, cols, &packed)?;
         for (path, opts) in [("auto", LinearOptions::default()), ("cublas", cublas), ("cublas resident", cublas)] {
             if path == "cublas resident" {
-                ops::expand_weight(&gpu, &mut w, ops::Precision::BF16)?;
+                ops::expand_weight(gpu, &mut w, ops::Precision::BF16)?;
             }
             for n in [8usize, 9, 16, 32, 64, 512] {
                 let x = gpu.upload(&vec![0.5f32; n * cols], "x")?;
                 let mut out = gpu.alloc_zeros::<f32>(n * rows)?;
                 let mut plan = None;
-                let s = time(&gpu, 20, || ops::linear_with(&gpu, &w, &x, n, &mut out, &opts).map(|p| plan = Some(p)))?;
+                let s = time(gpu, 20, || ops::linear_with(gpu, &w, &x, n, &mut out, &opts).map(|p| plan = Some(p)))?;
                 let gbs = packed.len() as f64 / s / 1e9;
                 println!("  {rows}x{cols} n={n:<4} {path:<15} {:>9.2} us {gbs:>8.1} GB/s  {plan:?}", s * 1e6);
             }
         }
     }
+    Ok(())
+}
 
+fn tilings(gpu: &Gpu) -> Result<(), CudaError> {
+    // Tilings of the small-batch GEMM (m-tiles per warp, weight chunks in flight, activation
+    // stages) on the 8B QKV, gate/up and down shapes; the first line of each shape is the default.
+    println!("\nsmall-batch GEMM tilings, Q4_0: us per call (mt depth stages: registers, spilled bytes)");
+    for (rows, cols) in [(6144usize, 4096usize), (28672, 4096), (4096, 14336)] {
+        let values: Vec<f32> = (0..rows * cols).map(|i| ((i * 7919) % 2001) as f32 / 1000.0 - 1.0).collect();
+        let w = gpu.upload_weight(GgmlType::Q4_0, rows, cols, &quantize(GgmlType::Q4_0, &values).expect("quantize"))?;
+        for n in [16usize, 64] {
+            let x = gpu.upload(&vec![0.5f32; n * cols], "x")?;
+            let mut out = gpu.alloc_zeros::<f32>(n * rows)?;
+            let base = GemmMmaVariant::for_shape(GgmlType::Q4_0, n, true);
+            let mut line = format!("  {rows}x{cols} n={n:<3}");
+            let max_stages = 48 * 1024 / (2048 * base.nt);
+            for (mt, depth, stages) in [(base.mt, base.depth, base.stages), (2, 3, 2), (2, 4, 2), (2, 2, 3), (2, 3, 3), (1, 2, 2), (1, 4, 2), (1, 4, 3), (1, 4, 4)] {
+                if stages > max_stages {
+                    continue;
+                }
+                let v = GemmMmaVariant { mt, depth, stages, ..base };
+                let info = gpu.kernel_info(&v)?.into_iter().find(|i| i.name == "gemm_mma");
+                let s = time(gpu, 20, || ops::linear_mma(gpu, &w, &x, n, &mut out, v))?;
+                let (regs, local) = info.map_or((0, 0), |i| (i.registers, i.local_bytes));
+                line += &format!(" | {mt}{depth}{stages}: {:.1} ({regs}r {local}B)", s * 1e6);
+            }
+            println!("{line}");
+        }
+    }
+    Ok(())
+}
+
+fn attention(gpu: &Gpu) -> Result<(), CudaError> {
     println!("\ndecode attention, 9 heads / 3 KV heads, head_dim 64, f16 cache");
-    let mut cache = KvCache::new(&gpu, KvDtype::F16, 8192, 3, 64)?;
+    let mut cache = KvCache::new(gpu, KvDtype::F16, 8192, 3, 64)?;
     let qkv = gpu.upload(&vec![0.1f32; 8192 * 960], "qkv")?;
     let all: Vec<u32> = (0..8192).collect();
     let mut q_all = gpu.alloc_zeros::<f32>(8192 * 576)?;
-    ops::store_qkv(&gpu, &mut cache, &qkv, 960, 8192, 9, &gpu.upload(&all, "positions")?, None, &mut q_all)?;
+    ops::store_qkv(gpu, &mut cache, &qkv, 960, 8192, 9, &gpu.upload(&all, "positions")?, None, &mut q_all)?;
     let q = gpu.upload(&vec![0.1f32; 576], "q")?;
     let mut out = gpu.alloc_zeros::<f32>(576)?;
     let cfg = AttentionConfig { n_heads: 9, scale: 0.125, window: None, softcap: None };
     for pos in [127u32, 1023, 8191] {
         let p = gpu.upload(&[pos], "pos")?;
-        let s = time(&gpu, 200, || ops::attention(&gpu, &q, &cache, &p, 1, &cfg, &mut out, None))?;
+        let s = time(gpu, 200, || ops::attention(gpu, &q, &cache, &p, 1, &cfg, &mut out, None))?;
         let splits = ops::attention_splits(gpu.sm_count() as usize, 9, 1, 8192);
-        let mut scratch = ops::SplitScratch::new(&gpu, 9, splits, 64)?;
-        let split = time(&gpu, 200, || ops::attention_split(&gpu, &q, &cache, &p, 1, &cfg, splits, &mut scratch, &mut out, None))?;
+        let mut scratch = ops::SplitScratch::new(gpu, 9, splits, 64)?;
+        let split = time(gpu, 200, || ops::attention_split(gpu, &q, &cache, &p, 1, &cfg, splits, &mut scratch, &mut out, None))?;
         println!("  kv_len={:<5} {:>9.2} us, split in {splits}: {:>9.2} us", pos + 1, s * 1e6, split * 1e6);
     }
+    Ok(())
+}
 
+fn gdn(gpu: &Gpu) -> Result<(), CudaError> {
     println!("\nGated DeltaNet (conv + delta rule, recurrent / chunked), Qwen3.5-9B layer: 16 key / 32 value heads of 128");
     let shape = GdnShape { n_k_heads: 16, n_v_heads: 32, k_dim: 128, v_dim: 128, conv_kernel: 4, v_order: ValueHeadOrder::Tiled };
     for info in gpu.kernel_info(&GdnDeltaVariant::for_shape(128, 128).expect("Qwen3.5 heads"))? {
@@ -133,19 +201,22 @@ fn main() -> Result<(), CudaError> {
     let vector = |n: usize, v: f32| gpu.upload(&vec![v; n], "gdn weights");
     let (conv, a_coef, dt_bias, norm) = (vector(shape.conv_width() * 4, 0.3)?, vector(32, -2.0)?, vector(32, 0.5)?, vector(128, 1.0)?);
     let w = GdnWeights { conv: &conv, a_coef: &a_coef, dt_bias: &dt_bias, norm: &norm, eps: 1e-6 };
-    let mut state = GdnState::new(&gpu, shape)?;
+    let mut state = GdnState::new(gpu, shape)?;
     for (path, lengths) in [(GdnPath::Recurrent, &[1usize, 16, 128, 512][..]), (GdnPath::Chunked, &[16, 64, 128, 512, 2048][..])] {
         for &n in lengths {
             let x = gpu.upload(&(0..n * shape.proj_width()).map(|i| ((i * 7919) % 2001) as f32 / 1000.0 - 1.0).collect::<Vec<_>>(), "x")?;
             let mut scratch = gpu.alloc_zeros::<f32>(ops::gdn_scratch_len(&shape, n, path))?;
             let mut out = gpu.alloc_zeros::<f32>(n * shape.value_width())?;
-            let s = time(&gpu, 50, || ops::gated_delta_net_with(&gpu, path, &x, n, &w, &mut state, &mut scratch, &mut out))?;
+            let s = time(gpu, 50, || ops::gated_delta_net_with(gpu, path, &x, n, &w, &mut state, &mut scratch, &mut out))?;
             // The delta-rule state is read and written once per launch.
             let state_gbs = 2.0 * shape.ssm_state_len() as f64 * 4.0 / s / 1e9;
             println!("  {path:?} n={n:<4} {:>9.2} us  {:>7.2} us/token  state {state_gbs:>6.1} GB/s", s * 1e6, s * 1e6 / n as f64);
         }
     }
+    Ok(())
+}
 
+fn moe(gpu: &Gpu) -> Result<(), CudaError> {
     println!("\nMoE FFN (router, routing, experts, shared expert, combine), Qwen3.5-35B-A3B layer: 256 experts of 512, top 8, width 2048, Q4_0");
     let (d, e, k, ff) = (2048usize, 256usize, 8usize, 512usize);
     // Q4_0 blocks made directly (scale 2^-7, varied nibbles): the values do not matter here.
@@ -174,25 +245,28 @@ fn main() -> Result<(), CudaError> {
         norm_topk_prob: true,
     };
     let dims = weights.check()?;
-    let mut scratch = ops::MoeScratch::new(&gpu, dims, 256)?;
+    let mut scratch = ops::MoeScratch::new(gpu, dims, 256)?;
     // Bytes one token reads: its k experts' gate, up and down rows, the shared expert, the router.
     let per_token = (3 * k * ff * d + 3 * ff * d) as f64 * 18.0 / 32.0 + (e * d * 4) as f64;
     for n in [1usize, 8, 64, 256] {
         let x = gpu.upload(&(0..n * d).map(|i| ((i * 7919) % 2001) as f32 / 1000.0 - 1.0).collect::<Vec<_>>(), "x")?;
         let mut out = gpu.alloc_zeros::<f32>(n * d)?;
         let opts = gpu.linear_options();
-        let s = time(&gpu, 50, || ops::moe_ffn(&gpu, &weights, &x, n, None, &mut scratch, &mut out, &opts).map(|_| ()))?;
+        let s = time(gpu, 50, || ops::moe_ffn(gpu, &weights, &x, n, None, &mut scratch, &mut out, &opts).map(|_| ()))?;
         println!("  n={n:<4} {:>9.2} us  {:>7.2} us/token  {:>7.1} GB/s of routed + shared weights per token", s * 1e6, s * 1e6 / n as f64, per_token * n as f64 / s / 1e9);
     }
+    Ok(())
+}
 
+fn sampling(gpu: &Gpu) -> Result<(), CudaError> {
     println!("\nsampling over 49152 logits");
     let logits: Vec<f32> = (0..49152).map(|i| ((i * 7919) % 1000) as f32 / 100.0).collect();
     let logits = gpu.upload(&logits, "logits")?;
     let mut token = gpu.alloc_zeros::<u32>(1)?;
-    let s = time(&gpu, 200, || ops::argmax(&gpu, &logits, 49152, &mut token))?;
+    let s = time(gpu, 200, || ops::argmax(gpu, &logits, 49152, &mut token))?;
     println!("  argmax {:>9.2} us", s * 1e6);
     let cfg = SamplingConfig { temperature: 0.8, top_k: 40, top_p: 0.95, min_p: 0.05, seed: 1 };
-    let s = time(&gpu, 200, || ops::sample(&gpu, &logits, 49152, &cfg, 0, None, &mut token))?;
+    let s = time(gpu, 200, || ops::sample(gpu, &logits, 49152, &cfg, 0, None, &mut token))?;
     println!("  top-k/top-p/min-p sample {:>9.2} us", s * 1e6);
     Ok(())
 }

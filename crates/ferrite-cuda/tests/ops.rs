@@ -418,6 +418,26 @@ fn small_batch_gemm_matches_cpu_for_every_quantized_type() {
         }
         check_linear(gpu, &mut rng, dtype, 300, 2048, 24, &f16, is_mma);
     }
+    // Other tilings (m-tiles per warp, weight chunks in flight, activation stages) than the
+    // dispatcher's, on a partial last chunk and K slices.
+    for dtype in [GgmlType::Q4_0, GgmlType::Q8_0, GgmlType::Q6_K] {
+        let (rows, cols, n) = (200, 1280, 40);
+        let (bytes, w) = random_weight(&mut rng, dtype, rows, cols);
+        let weight = gpu.upload_weight(dtype, rows, cols, &bytes).unwrap();
+        let x = rng.vec(n * cols, -1.0, 1.0);
+        let mut want = vec![0f32; n * rows];
+        matmul_f32(&w, rows, cols, &x, n, &mut want);
+        for (mt, depth, stages) in [(1, 1, 2), (1, 4, 3), (2, 3, 3), (2, 2, 2)] {
+            let v = ferrite_cuda::kernels::gemm::GemmMmaVariant { mt, depth, stages, ..ferrite_cuda::kernels::gemm::GemmMmaVariant::for_shape(dtype, n, true) };
+            let mut out = poisoned(gpu, n * rows);
+            ops::linear_mma(gpu, &weight, &upload(gpu, &x), n, &mut out, v).unwrap();
+            let bound = |i: usize| {
+                let (t, r) = (i / rows, i % rows);
+                1.6e-2 * (0..cols).map(|c| (w[r * cols + c] * x[t * cols + c]).abs() as f64).sum::<f64>() + 1e-30
+            };
+            check("linear_mma", &format!("{dtype} {rows}x{cols} n={n} {v:?}"), &download(gpu, &out), &want, bound);
+        }
+    }
     check_linear(gpu, &mut rng, GgmlType::Q4_0, 300, 512, 65, &bf16, is_gemm);
     check_linear(gpu, &mut rng, GgmlType::BF16, 300, 512, 20, &bf16, is_gemm);
     check_linear(gpu, &mut rng, GgmlType::Q4_0, 300, 512, 20, &LinearOptions { precision: Precision::F32, ..bf16 }, is_gemm);
@@ -2203,6 +2223,9 @@ fn every_kernel_variant_compiles_for_sm90() {
                 let v = GemmMmaVariant::for_shape(dtype, n, bf16);
                 check(format!("{v:?}"), compile_variant(&v, "sm_90"));
             }
+            // The deepest tilings of the small-batch GEMM op test and kernel_bench.
+            let v = GemmMmaVariant { mt: 1, depth: 4, stages: 4, ..GemmMmaVariant::for_shape(dtype, 16, true) };
+            check(format!("{v:?}"), compile_variant(&v, "sm_90"));
             // Short rows (warp-level reduction), long rows (block-level), token tiles, epilogues.
             for (rows, cols, n, residual, bias) in
                 [(960, 576, 1, false, true), (4096, 14336, 1, true, false), (4096, 4096, 3, true, true), (300, 2048, 8, false, false)]

@@ -65,21 +65,22 @@ const SOURCE: &str = r#"
 #ifndef BF16_IN
 #error "BF16_IN (1: bf16 MMA inputs, 0: f16) must come from the kernel variant"
 #endif
+#ifndef MT
+#error "MT (16-row m-tiles per warp) must come from the kernel variant"
+#endif
+#ifndef DEPTH
+#error "DEPTH (chunks of weights in flight per lane) must come from the kernel variant"
+#endif
+#ifndef STAGES
+#error "STAGES (shared-memory stages of activations) must come from the kernel variant"
+#endif
 #if IS_FLOAT
 #error "gemm_mma decodes packed quantized weights; float weights go to cuBLAS"
 #endif
 #define NWARPS 4
-#define MT 2                      // 16-row m-tiles per warp
 #define BM (NWARPS * MT * 16)     // weight rows per block
 #define KC 128                    // columns per chunk: one 32-weight unit per lane t of a row
 #define XROW (KC * 2)             // bytes of a staged token row
-
-// Chunks of weights in flight per lane: two for the types whose units are a few registers.
-#if WTYPE == GGML_Q4_0 || WTYPE == GGML_Q4_1 || WTYPE == GGML_Q5_0 || WTYPE == GGML_Q5_1 || WTYPE == GGML_Q8_0
-#define DEPTH 2
-#else
-#define DEPTH 1
-#endif
 
 // Q8_0 codes are signed bytes: flipping the sign bit makes them unsigned with offset 128.
 #if WTYPE == GGML_Q8_0
@@ -209,7 +210,7 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32, 2) gemm_mma(const Gemm
   i64 row[2 * MT];
 #pragma unroll
   for (int i = 0; i < 2 * MT; ++i) row[i] = min(row0 + 16 * (i >> 1) + g + 8 * (i & 1), p.rows - 1);
-  __shared__ __align__(16) u8 s_x[2][NT * 8 * XROW];
+  __shared__ __align__(16) u8 s_x[STAGES][NT * 8 * XROW];
 
   float acc[MT][NT][4];
 #pragma unroll
@@ -226,22 +227,25 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32, 2) gemm_mma(const Gemm
     if (c0 + d < c1) load_chunk(w, row, c0 + d, t, units, u[d]);
   pdl_wait();
   pdl_release();
-  if (c0 < c1) stage_chunk(s_x[0], p, tok0, c0);
+  // Activations STAGES - 1 chunks ahead, one commit group per chunk (empty past the slice, so
+  // that waiting for all but the newest STAGES - 2 groups always means this chunk's).
+#pragma unroll
+  for (int i = 0; i < STAGES - 1; ++i) {
+    if (c0 + i < c1) stage_chunk(s_x[i], p, tok0, c0 + i);
+    else asm volatile("cp.async.commit_group;" ::: "memory");
+  }
   for (u32 cb = c0; cb < c1; cb += DEPTH) {
 #pragma unroll
     for (int d = 0; d < DEPTH; ++d) {
       const u32 c = cb + d;
       if (c >= c1) break;  // uniform over the block
-      const u8* xs = s_x[(c - c0) & 1];
-      // The next chunk's activations load while this one is used; the barrier at the end of
-      // the previous chunk freed their stage.
-      if (c + 1 < c1) {
-        stage_chunk(s_x[(c - c0 + 1) & 1], p, tok0, c + 1);
-        cp_async_wait<1>();
-      } else {
-        cp_async_wait<0>();
-      }
+      const u8* xs = s_x[(c - c0) % STAGES];
+      cp_async_wait<STAGES - 2>();
       __syncthreads();
+      // The barrier also says every warp is done with the stage of chunk c - 1, which now
+      // receives chunk c + STAGES - 1.
+      if (c + STAGES - 1 < c1) stage_chunk(s_x[(c - c0 + STAGES - 1) % STAGES], p, tok0, c + STAGES - 1);
+      else asm volatile("cp.async.commit_group;" ::: "memory");
       // A fragments of the 8 k-steps: step s takes weights 4s .. 4s + 3 of the lane's units.
       u32 a[MT][8][4];
 #pragma unroll
@@ -269,7 +273,6 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32, 2) gemm_mma(const Gemm
           }
         }
       }
-      __syncthreads();  // every warp is done with this stage before it is refilled
     }
   }
 
@@ -301,9 +304,9 @@ extern "C" __global__ void gemm_reduce(const GemmReduceParams p) {
 }
 "#;
 
-/// Rows of a `gemm_mma` block and columns of a chunk (`BM`, `KC` in the source).
-pub const GEMM_BLOCK_ROWS: usize = 128;
+/// Columns of a `gemm_mma` chunk (`KC` in the source) and warps of a block (`NWARPS`).
 pub const GEMM_CHUNK_COLS: usize = 128;
+const GEMM_WARPS: usize = 4;
 
 /// Compile-time shape of the small-batch tensor-core GEMM.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -313,6 +316,12 @@ pub struct GemmMmaVariant {
     pub nt: u32,
     /// bf16 MMA inputs (else f16).
     pub bf16: bool,
+    /// 16-row m-tiles per warp (1 or 2).
+    pub mt: u32,
+    /// Chunks of weights in flight per lane, in registers (1 to 4).
+    pub depth: u32,
+    /// Shared-memory stages of activations (2 or more; `STAGES * NT * 2 KiB` <= 48 KiB).
+    pub stages: u32,
 }
 
 impl GemmMmaVariant {
@@ -323,13 +332,19 @@ impl GemmMmaVariant {
             17..=32 => 4,
             _ => 8,
         };
-        GemmMmaVariant { wtype, nt, bf16 }
+        let small_unit = matches!(wtype, GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q5_0 | GgmlType::Q5_1 | GgmlType::Q8_0);
+        GemmMmaVariant { wtype, nt, bf16, mt: 2, depth: if small_unit { 2 } else { 1 }, stages: 2 }
+    }
+
+    /// Weight rows of a block (`BM` in the source).
+    pub fn block_rows(&self) -> usize {
+        GEMM_WARPS * self.mt as usize * 16
     }
 
     /// K slices (grid z): as many as keep the grid within one wave of two blocks per SM (a
     /// second, partial wave would take as long as the first), at most 8, each at least 2 chunks.
     pub fn k_slices(&self, rows: usize, cols: usize, n_tokens: usize, sm_count: usize) -> usize {
-        let blocks = rows.div_ceil(GEMM_BLOCK_ROWS) * n_tokens.div_ceil(8 * self.nt as usize);
+        let blocks = rows.div_ceil(self.block_rows()) * n_tokens.div_ceil(8 * self.nt as usize);
         let chunks = cols.div_ceil(GEMM_CHUNK_COLS);
         let slices = (2 * sm_count / blocks).min(chunks / 2).clamp(1, 8);
         chunks.div_ceil(Self::slice_chunks(cols, slices))
@@ -342,8 +357,8 @@ impl GemmMmaVariant {
 
     pub fn launch_config(&self, rows: usize, n_tokens: usize, slices: usize) -> LaunchConfig {
         LaunchConfig {
-            grid_dim: (blocks_for(rows, GEMM_BLOCK_ROWS), blocks_for(n_tokens, 8 * self.nt as usize), slices as u32),
-            block_dim: (128, 1, 1),
+            grid_dim: (blocks_for(rows, self.block_rows()), blocks_for(n_tokens, 8 * self.nt as usize), slices as u32),
+            block_dim: (32 * GEMM_WARPS as u32, 1, 1),
             shared_mem_bytes: 0,
         }
     }
@@ -355,7 +370,14 @@ impl KernelVariant for GemmMmaVariant {
     const ENTRY_POINTS: &'static [&'static str] = &["gemm_mma", "gemm_reduce"];
 
     fn macros(&self) -> Vec<(&'static str, String)> {
-        vec![("WTYPE", (self.wtype as u32).to_string()), ("NT", self.nt.to_string()), ("BF16_IN", u32::from(self.bf16).to_string())]
+        vec![
+            ("WTYPE", (self.wtype as u32).to_string()),
+            ("NT", self.nt.to_string()),
+            ("BF16_IN", u32::from(self.bf16).to_string()),
+            ("MT", self.mt.to_string()),
+            ("DEPTH", self.depth.to_string()),
+            ("STAGES", self.stages.to_string()),
+        ]
     }
 }
 
@@ -370,7 +392,7 @@ mod tests {
 
     #[test]
     fn macros_match_source() {
-        crate::kernels::tests::assert_macros_match(GemmMmaVariant { wtype: GgmlType::Q4_0, nt: 8, bf16: true });
+        crate::kernels::tests::assert_macros_match(GemmMmaVariant::for_shape(GgmlType::Q4_0, 64, true));
     }
 
     #[test]

@@ -277,7 +277,9 @@ pub fn linear_with(
                 gemv_q8(gpu, w, None, None, input, n_tokens, w.rows, (out, w.rows, 0), &Epilogue::default(), None)
             })?
         }
-        LinearPlan::Mma { precision } => gemm_mma(gpu, w, x, n_tokens, out, precision)?,
+        LinearPlan::Mma { precision } => {
+            gemm_mma(gpu, w, x, n_tokens, out, GemmMmaVariant::for_shape(w.dtype, n_tokens, precision == Precision::BF16))?
+        }
         LinearPlan::Gemm { precision, dequantize_weight, convert_input } => {
             gemm(gpu, w, x, n_tokens, out, precision, dequantize_weight, convert_input)?
         }
@@ -707,12 +709,32 @@ fn convert_activations(
     gpu.launch(&variant, "convert_f32", variant.launch_config(count), &params)
 }
 
+/// [`linear`] on the small-batch tensor-core GEMM with an explicit tiling (`kernel_bench`
+/// compares tilings with it; [`linear`] takes [`GemmMmaVariant::for_shape`]).
+pub fn linear_mma(
+    gpu: &Gpu,
+    w: &DeviceWeight,
+    x: &impl DevicePtr<f32>,
+    n_tokens: usize,
+    out: &mut impl DevicePtrMut<f32>,
+    variant: GemmMmaVariant,
+) -> Result<(), CudaError> {
+    const OP: &str = "linear_mma";
+    if variant.wtype != w.dtype || weight::planes(w.dtype).is_none() || !w.cols.is_multiple_of(32) {
+        return Err(CudaError::invalid(OP, format!("{variant:?} does not fit a {} {}x{} weight", w.dtype, w.rows, w.cols)));
+    }
+    check_len(OP, "x", x.len(), elems(OP, &[n_tokens, w.cols])?)?;
+    check_len(OP, "out", out.len(), elems(OP, &[n_tokens, w.rows])?)?;
+    let (x, out) = (addr(gpu, x), addr_mut(gpu, out));
+    gemm_mma(gpu, w, x, n_tokens, out, variant)
+}
+
 /// The small-batch tensor-core GEMM: activations converted to the MMA input type in scratch,
 /// then `gemm_mma` on the packed weight, straight into `out` or, split over K slices, into f32
 /// partials in scratch that `gemm_reduce` sums.
-fn gemm_mma(gpu: &Gpu, w: &DeviceWeight, x: u64, n_tokens: usize, out: u64, precision: Precision) -> Result<(), CudaError> {
+fn gemm_mma(gpu: &Gpu, w: &DeviceWeight, x: u64, n_tokens: usize, out: u64, variant: GemmMmaVariant) -> Result<(), CudaError> {
     const OP: &str = "linear";
-    let variant = GemmMmaVariant::for_shape(w.dtype, n_tokens, precision == Precision::BF16);
+    let precision = if variant.bf16 { Precision::BF16 } else { Precision::F16 };
     let slices = variant.k_slices(w.rows, w.cols, n_tokens, gpu.sm_count() as usize);
     let x_bytes = elems(OP, &[n_tokens, w.cols, 2])?.next_multiple_of(SCRATCH_ALIGN);
     let part_len = elems(OP, &[n_tokens, w.rows])?;
