@@ -52,7 +52,8 @@ fn main() -> Result<(), CudaError> {
     ];
     if let Some(unknown) = wanted.iter().find(|w| !sections.iter().any(|(name, _)| name == w)) {
         let names: Vec<&str> = sections.iter().map(|(name, _)| *name).collect();
-        return Err(CudaError::invalid("kernel_bench", format!("no section {unknown:?}; sections: {}", names.join(", "))));
+        eprintln!("error: no section {unknown:?}; sections: {}", names.join(", "));
+        std::process::exit(2);
     }
     for (name, run) in sections {
         if wanted.is_empty() || wanted.iter().any(|w| w == name) {
