@@ -153,7 +153,7 @@ fn tilings(gpu: &Gpu) -> Result<(), CudaError> {
             let base = GemmMmaVariant::for_shape(GgmlType::Q4_0, n, true);
             let mut line = format!("  {rows}x{cols} n={n:<3}");
             let max_stages = 48 * 1024 / (2048 * base.nt);
-            for (mt, depth, stages) in [(base.mt, base.depth, base.stages), (2, 3, 2), (2, 4, 2), (2, 2, 3), (2, 3, 3), (1, 2, 2), (1, 4, 2), (1, 4, 3), (1, 4, 4)] {
+            for (mt, depth, stages) in [(base.mt, base.depth, base.stages), (2, 3, 2), (2, 4, 2), (2, 2, 3), (2, 3, 3), (2, 3, 4), (1, 2, 2), (1, 3, 3), (1, 4, 2), (1, 4, 3), (1, 4, 4)] {
                 if stages > max_stages {
                     continue;
                 }

@@ -122,13 +122,14 @@ __device__ __forceinline__ u32 fma2(u32 a, u32 b, u32 c) {
   return r;
 }
 
-// D += A B for one m16n8k16 tile (A row-major 16x16, B column-major 16x8; D f32).
+// D += A B for one m16n8k16 tile (A row-major 16x16, B column-major 16x8; D f32). Not
+// volatile: the compiler may interleave independent tiles.
 __device__ __forceinline__ void mma(float* d, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
 #if BF16_IN
-  asm volatile(
+  asm(
       "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
 #else
-  asm volatile(
+  asm(
       "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
 #endif
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
@@ -246,33 +247,38 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32, 2) gemm_mma(const Gemm
       // receives chunk c + STAGES - 1.
       if (c + STAGES - 1 < c1) stage_chunk(s_x[(c - c0 + STAGES - 1) % STAGES], p, tok0, c + STAGES - 1);
       else asm volatile("cp.async.commit_group;" ::: "memory");
-      // A fragments of the 8 k-steps: step s takes weights 4s .. 4s + 3 of the lane's units.
-      u32 a[MT][8][4];
+      // Step pairs: the A fragments of k-steps 2q and 2q + 1 (step s takes weights 4s .. 4s + 3
+      // of the lane's units) are decoded just before their MMAs, so the decode of one pair
+      // overlaps the MMAs of the last and few registers hold fragments.
+      Scales2 sc[MT][2];
 #pragma unroll
       for (int m = 0; m < MT; ++m) {
-        const Scales2 s0 = unit_scales2(u[d][m][0]), s1 = unit_scales2(u[d][m][1]);
-#pragma unroll
-        for (int s = 0; s < 8; ++s) {
-          decode_word(u[d][m][0], s0, s, a[m][s][0], a[m][s][2]);
-          decode_word(u[d][m][1], s1, s, a[m][s][1], a[m][s][3]);
-        }
+        sc[m][0] = unit_scales2(u[d][m][0]);
+        sc[m][1] = unit_scales2(u[d][m][1]);
       }
-      if (c + DEPTH < c1) load_chunk(w, row, c + DEPTH, t, units, u[d]);  // in flight meanwhile
 #pragma unroll
-      for (int j = 0; j < NT; ++j) {
-        const int r = 8 * j + g;
+      for (int q = 0; q < 4; ++q) {
+        u32 a[MT][2][4];
 #pragma unroll
-        for (int q = 0; q < 4; ++q) {  // k-steps 2q, 2q + 1
+        for (int m = 0; m < MT; ++m)
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            decode_word(u[d][m][0], sc[m][0], 2 * q + h, a[m][h][0], a[m][h][2]);
+            decode_word(u[d][m][1], sc[m][1], 2 * q + h, a[m][h][1], a[m][h][3]);
+          }
+#pragma unroll
+        for (int j = 0; j < NT; ++j) {
+          const int r = 8 * j + g;
           const uint4 b = *reinterpret_cast<const uint4*>(xs + r * XROW + 16 * piece_slot(r, t, q));
 #pragma unroll
           for (int m = 0; m < MT; ++m) {
-            const u32* a0 = a[m][2 * q];
-            const u32* a1 = a[m][2 * q + 1];
-            mma(acc[m][j], a0[0], a0[1], a0[2], a0[3], b.x, b.y);
-            mma(acc[m][j], a1[0], a1[1], a1[2], a1[3], b.z, b.w);
+            mma(acc[m][j], a[m][0][0], a[m][0][1], a[m][0][2], a[m][0][3], b.x, b.y);
+            mma(acc[m][j], a[m][1][0], a[m][1][1], a[m][1][2], a[m][1][3], b.z, b.w);
           }
         }
       }
+      // The lane's units of chunk c are decoded: their registers take chunk c + DEPTH.
+      if (c + DEPTH < c1) load_chunk(w, row, c + DEPTH, t, units, u[d]);
     }
   }
 
