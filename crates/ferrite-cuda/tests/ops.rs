@@ -430,8 +430,8 @@ fn small_batch_gemm_matches_cpu_for_every_quantized_type() {
         let x = rng.vec(n * cols, -1.0, 1.0);
         let mut want = vec![0f32; n * rows];
         matmul_f32(&w, rows, cols, &x, n, &mut want);
-        for (mt, depth, stages) in [(1, 1, 2), (1, 4, 3), (2, 3, 3), (2, 2, 2)] {
-            let v = ferrite_cuda::kernels::gemm::GemmMmaVariant { mt, depth, stages, ..ferrite_cuda::kernels::gemm::GemmMmaVariant::for_shape(dtype, n, true) };
+        for (mt, depth, stages, occupancy) in [(1, 1, 2, 8), (1, 4, 3, 4), (2, 3, 3, 3), (2, 2, 2, 2)] {
+            let v = ferrite_cuda::kernels::gemm::GemmMmaVariant { mt, depth, stages, occupancy, ..ferrite_cuda::kernels::gemm::GemmMmaVariant::for_shape(dtype, n, true) };
             let mut out = poisoned(gpu, n * rows);
             ops::linear_mma(gpu, &weight, &upload(gpu, &x), n, &mut out, v).unwrap();
             let bound = |i: usize| {
@@ -2227,7 +2227,7 @@ fn every_kernel_variant_compiles_for_sm90() {
                 check(format!("{v:?}"), compile_variant(&v, "sm_90"));
             }
             // The deepest tilings of the small-batch GEMM op test and kernel_bench.
-            let v = GemmMmaVariant { mt: 1, depth: 4, stages: 4, ..GemmMmaVariant::for_shape(dtype, 16, true) };
+            let v = GemmMmaVariant { mt: 1, depth: 4, stages: 4, occupancy: 8, ..GemmMmaVariant::for_shape(dtype, 16, true) };
             check(format!("{v:?}"), compile_variant(&v, "sm_90"));
             // Short rows (warp-level reduction), long rows (block-level), token tiles, epilogues.
             for (rows, cols, n, residual, bias) in

@@ -74,6 +74,9 @@ const SOURCE: &str = r#"
 #ifndef STAGES
 #error "STAGES (shared-memory stages of activations) must come from the kernel variant"
 #endif
+#ifndef MIN_BLOCKS
+#error "MIN_BLOCKS (blocks per SM the registers must allow) must come from the kernel variant"
+#endif
 #if IS_FLOAT
 #error "gemm_mma decodes packed quantized weights; float weights go to cuBLAS"
 #endif
@@ -202,7 +205,7 @@ __device__ __forceinline__ void load_chunk(const WeightRef& w, const i64* row, u
     for (int h = 0; h < 2; ++h) load_unit(w, row[2 * m + h], unit, u[m][h]);
 }
 
-extern "C" __global__ void __launch_bounds__(NWARPS * 32, 2) gemm_mma(const GemmMmaParams p) {
+extern "C" __global__ void __launch_bounds__(NWARPS * 32, MIN_BLOCKS) gemm_mma(const GemmMmaParams p) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
   const WeightRef w = {(const u8*)p.w0, (const u8*)p.w1, (const u8*)p.w2, (const u8*)p.w3, (i64)p.cols};
   const u32 row0 = blockIdx.x * BM + warp * MT * 16, tok0 = blockIdx.y * NT * 8, units = p.cols / 32;
@@ -328,6 +331,10 @@ pub struct GemmMmaVariant {
     pub depth: u32,
     /// Shared-memory stages of activations (2 or more; `STAGES * NT * 2 KiB` <= 48 KiB).
     pub stages: u32,
+    /// Blocks per SM: the registers are capped so that this many fit, and the grid is sized
+    /// for one wave of them. The kernel is latency-bound per warp (decode, then MMAs), so more
+    /// resident warps is what makes it faster.
+    pub occupancy: u32,
 }
 
 impl GemmMmaVariant {
@@ -339,7 +346,7 @@ impl GemmMmaVariant {
             _ => 8,
         };
         let small_unit = matches!(wtype, GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q5_0 | GgmlType::Q5_1 | GgmlType::Q8_0);
-        GemmMmaVariant { wtype, nt, bf16, mt: 2, depth: if small_unit { 2 } else { 1 }, stages: 2 }
+        GemmMmaVariant { wtype, nt, bf16, mt: 2, depth: if small_unit { 2 } else { 1 }, stages: 2, occupancy: 2 }
     }
 
     /// Weight rows of a block (`BM` in the source).
@@ -347,12 +354,13 @@ impl GemmMmaVariant {
         GEMM_WARPS * self.mt as usize * 16
     }
 
-    /// K slices (grid z): as many as keep the grid within one wave of two blocks per SM (a
-    /// second, partial wave would take as long as the first), at most 8, each at least 2 chunks.
+    /// K slices (grid z): as many as keep the grid within one wave of `occupancy` blocks per
+    /// SM (a second, partial wave would take as long as the first), at most 16, each at least
+    /// 2 chunks.
     pub fn k_slices(&self, rows: usize, cols: usize, n_tokens: usize, sm_count: usize) -> usize {
         let blocks = rows.div_ceil(self.block_rows()) * n_tokens.div_ceil(8 * self.nt as usize);
         let chunks = cols.div_ceil(GEMM_CHUNK_COLS);
-        let slices = (2 * sm_count / blocks).min(chunks / 2).clamp(1, 8);
+        let slices = (self.occupancy as usize * sm_count / blocks).min(chunks / 2).clamp(1, 16);
         chunks.div_ceil(Self::slice_chunks(cols, slices))
     }
 
@@ -383,6 +391,7 @@ impl KernelVariant for GemmMmaVariant {
             ("MT", self.mt.to_string()),
             ("DEPTH", self.depth.to_string()),
             ("STAGES", self.stages.to_string()),
+            ("MIN_BLOCKS", self.occupancy.to_string()),
         ]
     }
 }
