@@ -143,37 +143,27 @@ fn batched(gpu: &Gpu) -> Result<(), CudaError> {
 fn tilings(gpu: &Gpu) -> Result<(), CudaError> {
     // Tilings of the small-batch GEMM (m-tiles per warp, weight chunks in flight, activation
     // stages) on the 8B QKV, gate/up and down shapes; the first line of each shape is the default.
-    println!("\nsmall-batch GEMM tilings, Q4_0: us per call (mt depth stages o blocks per SM: registers, spilled bytes)");
+    println!("\nsmall-batch GEMM tilings, Q4_0: us per call (nt mt depth stages o blocks per SM: registers, spilled bytes)");
     for (rows, cols) in [(6144usize, 4096usize), (28672, 4096), (4096, 14336)] {
         let values: Vec<f32> = (0..rows * cols).map(|i| ((i * 7919) % 2001) as f32 / 1000.0 - 1.0).collect();
         let w = gpu.upload_weight(GgmlType::Q4_0, rows, cols, &quantize(GgmlType::Q4_0, &values).expect("quantize"))?;
-        for n in [16usize, 64] {
+        for n in [16usize, 32, 64] {
             let x = gpu.upload(&vec![0.5f32; n * cols], "x")?;
             let mut out = gpu.alloc_zeros::<f32>(n * rows)?;
             let base = GemmMmaVariant::for_shape(GgmlType::Q4_0, n, true);
             let mut line = format!("  {rows}x{cols} n={n:<3}");
-            let max_stages = 48 * 1024 / (2048 * base.nt);
-            for (mt, depth, stages, occupancy) in [
-                (base.mt, base.depth, base.stages, base.occupancy),
-                (2, 2, 2, 3),
-                (2, 2, 2, 4),
-                (2, 3, 2, 3),
-                (2, 2, 3, 3),
-                (2, 3, 3, 4),
-                (1, 2, 2, 4),
-                (1, 3, 2, 4),
-                (1, 2, 3, 6),
-                (1, 3, 3, 6),
-                (1, 2, 2, 8),
-            ] {
-                if stages > max_stages {
+            // (n-tiles, m-tiles, depth, stages, blocks per SM); narrower n-tiles than the batch
+            // mean several token blocks per row block.
+            let tilings = [(base.nt, base.mt, base.depth, base.stages, base.occupancy), (2, 2, 2, 2, 4), (2, 1, 2, 2, 4), (4, 2, 2, 2, 3), (4, 2, 2, 2, 4), (4, 1, 2, 2, 4), (8, 2, 2, 2, 2)];
+            for (nt, mt, depth, stages, occupancy) in tilings {
+                if nt as usize * 8 > n.next_power_of_two().max(16) {
                     continue;
                 }
-                let v = GemmMmaVariant { mt, depth, stages, occupancy, ..base };
+                let v = GemmMmaVariant { nt, mt, depth, stages, occupancy, ..base };
                 let info = gpu.kernel_info(&v)?.into_iter().find(|i| i.name == "gemm_mma");
                 let s = time(gpu, 20, || ops::linear_mma(gpu, &w, &x, n, &mut out, v))?;
                 let (regs, local) = info.map_or((0, 0), |i| (i.registers, i.local_bytes));
-                line += &format!(" | {mt}{depth}{stages}o{occupancy}: {:.1} ({regs}r {local}B)", s * 1e6);
+                line += &format!(" | {nt}{mt}{depth}{stages}o{occupancy}: {:.1} ({regs}r {local}B)", s * 1e6);
             }
             println!("{line}");
         }

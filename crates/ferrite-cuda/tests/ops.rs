@@ -643,8 +643,8 @@ fn int8_handoffs_chain_gemvs_like_separate_quantize_launches() {
 
 /// A resident expanded copy (`expand_weight`) gives the GEMM the bits it would have dequantized
 /// itself: the same output, without the dequantization (the plan says so); a GEMM of another
-/// input type still dequantizes. A batch that would take the small-batch GEMM on the packed
-/// weight takes cuBLAS on the copy once there is one.
+/// input type still dequantizes. A batch of more than `MMA_OVER_RESIDENT_MAX_TOKENS` that would
+/// take the small-batch GEMM on the packed weight takes cuBLAS on the copy once there is one.
 #[test]
 fn expanded_weights_feed_the_gemm_unchanged() {
     let Some(gpu) = gpu() else { return };
@@ -672,8 +672,13 @@ fn expanded_weights_feed_the_gemm_unchanged() {
         let (f32_plan, _) = run(&w, Precision::F32);
         assert!(matches!(f32_plan, LinearPlan::Gemm { dequantize_weight: true, .. }), "{dtype}: an f32 GEMM cannot read the bf16 copy");
         if dtype == GgmlType::Q4_0 {
+            // Up to 32 tokens the small-batch GEMM on the packed weight stays; above, cuBLAS on
+            // the copy takes the batch.
             assert_eq!(packed_plan, LinearPlan::Mma { precision: Precision::BF16 });
-            assert_eq!(auto_plan(&w), after, "{dtype}: the resident copy should take the batch");
+            assert_eq!(auto_plan(&w), packed_plan, "{dtype}: {n} tokens should stay on the packed weight");
+            let m = ops::MMA_OVER_RESIDENT_MAX_TOKENS + 1;
+            let plan = ops::linear_with(gpu, &w, &upload(gpu, &rng.vec(m * cols, -2.0, 2.0)), m, &mut poisoned(gpu, m * rows), &LinearOptions::default()).unwrap();
+            assert_eq!(plan, after, "{dtype}: the resident copy should take {m} tokens");
         }
         println!("| {:<10} | {:<44} | {:>9} | {:>9} | {:>6} |", "expanded", format!("{dtype} {rows}x{cols} n={n} bf16"), "exact", "exact", 0);
     }

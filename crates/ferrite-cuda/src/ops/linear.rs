@@ -164,6 +164,10 @@ pub enum LinearPlan {
     },
 }
 
+/// Largest batch for which the small-batch GEMM on the packed weight is chosen over cuBLAS on a
+/// resident bf16 copy.
+pub const MMA_OVER_RESIDENT_MAX_TOKENS: usize = 32;
+
 /// Pick the path: GEMV needs whole 32-value units per row (always true for quantized types;
 /// float weights with `cols % 32 != 0` fall back to GEMM even when GEMV is forced).
 pub fn linear_plan(dtype: GgmlType, cols: usize, n_tokens: usize, opts: &LinearOptions) -> LinearPlan {
@@ -245,12 +249,12 @@ pub fn linear_with(
     let resident = |precision: Precision| w.expanded.as_ref().is_some_and(|(t, _)| *t == precision.out_type());
     let plan = match linear_plan(w.dtype, w.cols, n_tokens, opts) {
         // An expanded copy in the GEMM's input type needs no per-call dequantization; cuBLAS on
-        // it also beat the small-batch GEMM on the packed weight at 9-64 tokens on the H200
-        // (docs/perf.md), so a weight with a resident copy takes cuBLAS at any batch size.
+        // it beats the small-batch GEMM on the packed weight above 32 tokens on the H200, which
+        // is faster up to 32 (docs/perf.md).
         LinearPlan::Gemm { precision, convert_input, .. } if resident(precision) => {
             LinearPlan::Gemm { precision, dequantize_weight: false, convert_input }
         }
-        LinearPlan::Mma { precision } if resident(precision) => {
+        LinearPlan::Mma { precision } if resident(precision) && n_tokens > MMA_OVER_RESIDENT_MAX_TOKENS => {
             LinearPlan::Gemm { precision, dequantize_weight: false, convert_input: true }
         }
         plan => plan,
