@@ -349,14 +349,16 @@ impl GemmMmaVariant {
             _ => 8,
         };
         let small_unit = matches!(wtype, GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q5_0 | GgmlType::Q5_1 | GgmlType::Q8_0);
-        // Measured on the H200 (kernel_bench tilings): at 9-16 tokens four blocks per SM beat
-        // two by up to 27%; at 64 tokens capping the registers below two blocks' worth spills.
-        let occupancy = match nt {
-            2 => 4,
-            4 => 3,
-            _ => 2,
+        // Measured on the H200 (kernel_bench tilings, docs/perf.md): at 9-16 tokens four blocks
+        // per SM beat two by up to 27%; at 17-32 tokens four blocks of one m-tile per warp beat
+        // three of two (8B gate/up 56 vs 71 us); at 64 tokens capping the registers below two
+        // blocks' worth spills.
+        let (mt, occupancy) = match nt {
+            2 => (2, 4),
+            4 => (1, 4),
+            _ => (2, 2),
         };
-        GemmMmaVariant { wtype, nt, bf16, mt: 2, depth: if small_unit { 2 } else { 1 }, stages: 2, occupancy }
+        GemmMmaVariant { wtype, nt, bf16, mt, depth: if small_unit { 2 } else { 1 }, stages: 2, occupancy }
     }
 
     /// Weight rows of a block (`BM` in the source).
