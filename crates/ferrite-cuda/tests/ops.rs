@@ -401,8 +401,8 @@ fn linear_matches_cpu_for_every_dtype_and_path() {
 
 /// The small-batch tensor-core GEMM (batched decode steps) on every quantized type: each
 /// n-tiling, partial row blocks and token tiles, K split over slices (2048 and 4096 columns) or
-/// not (512), bf16 and f16 inputs. Float weights, f32 precision and rows that are not whole
-/// 64-column chunks stay on cuBLAS.
+/// not (512), rows ending in a partial 128-column chunk, bf16 and f16 inputs, and other tilings
+/// than the dispatcher's. Float weights and f32 precision stay on cuBLAS.
 #[test]
 fn small_batch_gemm_matches_cpu_for_every_quantized_type() {
     let Some(gpu) = gpu() else { return };

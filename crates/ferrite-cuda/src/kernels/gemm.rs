@@ -16,13 +16,17 @@
 //! long as the activations (B) come in the same order. They do because `convert_f32` writes
 //! them with the middle two of every four swapped (`interleave`), so lane t's B pairs are plain
 //! 32-bit words of its unit's 64 bytes. Those are staged per chunk in shared memory with
-//! `cp.async` (two stages; the 16-byte pieces of each row swizzled so a warp's loads hit no
+//! `cp.async` (`STAGES` stages; the 16-byte pieces of each row swizzled so a warp's loads hit no
 //! bank twice) and multiplied with `mma.sync` m16n8k16 (bf16 or f16 inputs, f32 accumulation).
+//! Each k-step pair is decoded just before its MMAs, so few fragments are live.
 //!
-//! The weights stream through registers, not shared memory: `DEPTH` chunks are in flight per
-//! lane (two for the small-unit types), issued before the MMAs of the chunk that precedes
-//! them. With grid z > 1 each slice writes f32 partials `[z][n][rows]` and `gemm_reduce` sums
-//! them in slice order (deterministic), so short-and-wide shapes still fill the SMs.
+//! The weights stream through registers, not shared memory: a ring of `DEPTH` chunks per lane,
+//! each slot reloaded once its chunk is decoded. Grid x walks (row block, token block) pairs,
+//! token blocks fastest. `MIN_BLOCKS` caps the registers so that many blocks fit per SM, and
+//! the K split (grid z) is sized for one wave of them: the kernel is bound by instruction
+//! latency per warp, so resident warps are what makes it fast (docs/perf.md, stop 14). With
+//! grid z > 1 each slice writes f32 partials `[z][n][rows]` and `gemm_reduce` sums them in slice
+//! order (deterministic).
 
 use super::common::{HEADER, QUANT};
 use super::{blocks_for, device_params, KernelVariant};
@@ -42,7 +46,7 @@ device_params! {
         pub rows: u32,
         pub cols: u32,
         pub n_tokens: u32,
-        /// 64-column chunks per K slice (grid z).
+        /// 128-column chunks per K slice (grid z).
         pub slice_chunks: u32,
     }
 }
