@@ -374,7 +374,7 @@ impl GemmMmaVariant {
     /// SM (a second, partial wave would take as long as the first), at most 16, each at least
     /// 2 chunks.
     pub fn k_slices(&self, rows: usize, cols: usize, n_tokens: usize, sm_count: usize) -> usize {
-        let blocks = rows.div_ceil(self.block_rows()) * n_tokens.div_ceil(8 * self.nt as usize);
+        let blocks = (rows.div_ceil(self.block_rows()) * n_tokens.div_ceil(8 * self.nt as usize)).max(1);
         let chunks = cols.div_ceil(GEMM_CHUNK_COLS);
         let slices = (self.occupancy as usize * sm_count / blocks).min(chunks / 2).clamp(1, 16);
         chunks.div_ceil(Self::slice_chunks(cols, slices))

@@ -729,6 +729,9 @@ pub fn linear_mma(
     }
     check_len(OP, "x", x.len(), elems(OP, &[n_tokens, w.cols])?)?;
     check_len(OP, "out", out.len(), elems(OP, &[n_tokens, w.rows])?)?;
+    if n_tokens == 0 || w.rows == 0 {
+        return Ok(());
+    }
     let (x, out) = (addr(gpu, x), addr_mut(gpu, out));
     gemm_mma(gpu, w, x, n_tokens, out, variant)
 }
