@@ -309,14 +309,33 @@ fn check_linear(
     opts: &LinearOptions,
     expect: fn(&LinearPlan) -> bool,
 ) {
+    let run = |w: &ferrite_cuda::DeviceWeight, x: &CudaSlice<f32>, out: &mut CudaSlice<f32>| {
+        let plan = ops::linear_with(gpu, w, x, n_tokens, out, opts).unwrap();
+        assert!(expect(&plan), "{dtype} {rows}x{cols} n={n_tokens} {opts:?}: unexpected plan {plan:?}");
+        plan
+    };
+    check_linear_run(gpu, rng, dtype, (rows, cols, n_tokens), "", run, expect);
+}
+
+/// [`check_linear`] for any way of running the linear: `run` returns the plan it took, `tag`
+/// ends the case's name.
+fn check_linear_run(
+    gpu: &Gpu,
+    rng: &mut Rng,
+    dtype: GgmlType,
+    (rows, cols, n_tokens): (usize, usize, usize),
+    tag: &str,
+    run: impl FnOnce(&ferrite_cuda::DeviceWeight, &CudaSlice<f32>, &mut CudaSlice<f32>) -> LinearPlan,
+    expect: fn(&LinearPlan) -> bool,
+) {
     let (bytes, w) = random_weight(rng, dtype, rows, cols);
     let weight = gpu.upload_weight(dtype, rows, cols, &bytes).unwrap();
     let x = rng.vec(n_tokens * cols, -1.0, 1.0);
     let mut want = vec![0f32; n_tokens * rows];
     matmul_f32(&w, rows, cols, &x, n_tokens, &mut want);
     let mut out = poisoned(gpu, n_tokens * rows);
-    let plan = ops::linear_with(gpu, &weight, &upload(gpu, &x), n_tokens, &mut out, opts).unwrap();
-    assert!(expect(&plan), "{dtype} {rows}x{cols} n={n_tokens} {opts:?}: unexpected plan {plan:?}");
+    let plan = run(&weight, &upload(gpu, &x), &mut out);
+    assert!(expect(&plan), "{dtype} {rows}x{cols} n={n_tokens} {tag}: unexpected plan {plan:?}");
     // Error scales with sum |w x| (cancellation makes |out| a poor yardstick); 16-bit inputs
     // round each product by up to 2^-11 (f16) or 2^-8 (bf16) twice; int8 activations are off
     // by at most half a step of their block (see `q8_bound`).
@@ -338,7 +357,7 @@ fn check_linear(
         LinearPlan::Gemm { precision, .. } => format!("gemm {precision:?}"),
         LinearPlan::Mma { precision } => format!("mma {precision:?}"),
     };
-    check("linear", &format!("{dtype} {rows}x{cols} n={n_tokens} {path}"), &download(gpu, &out), &want, bound);
+    check("linear", format!("{dtype} {rows}x{cols} n={n_tokens} {path} {tag}").trim_end(), &download(gpu, &out), &want, bound);
 }
 
 /// Quantization step of each activation's 32-value block (`max |x| / 127`).
@@ -405,6 +424,7 @@ fn linear_matches_cpu_for_every_dtype_and_path() {
 /// than the dispatcher's. Float weights and f32 precision stay on cuBLAS.
 #[test]
 fn small_batch_gemm_matches_cpu_for_every_quantized_type() {
+    use ferrite_cuda::kernels::gemm::GemmMmaVariant;
     let Some(gpu) = gpu() else { return };
     let mut rng = Rng(47);
     let is_mma: fn(&LinearPlan) -> bool = |p| matches!(p, LinearPlan::Mma { .. });
@@ -425,20 +445,14 @@ fn small_batch_gemm_matches_cpu_for_every_quantized_type() {
     // dispatcher's, on a partial last chunk and K slices.
     for dtype in [GgmlType::Q4_0, GgmlType::Q8_0, GgmlType::Q6_K] {
         let (rows, cols, n) = (200, 1280, 40);
-        let (bytes, w) = random_weight(&mut rng, dtype, rows, cols);
-        let weight = gpu.upload_weight(dtype, rows, cols, &bytes).unwrap();
-        let x = rng.vec(n * cols, -1.0, 1.0);
-        let mut want = vec![0f32; n * rows];
-        matmul_f32(&w, rows, cols, &x, n, &mut want);
         for (mt, depth, stages, occupancy) in [(1, 1, 2, 8), (1, 4, 3, 4), (2, 3, 3, 3), (2, 2, 2, 2)] {
-            let v = ferrite_cuda::kernels::gemm::GemmMmaVariant { mt, depth, stages, occupancy, ..ferrite_cuda::kernels::gemm::GemmMmaVariant::for_shape(dtype, n, true) };
-            let mut out = poisoned(gpu, n * rows);
-            ops::linear_mma(gpu, &weight, &upload(gpu, &x), n, &mut out, v).unwrap();
-            let bound = |i: usize| {
-                let (t, r) = (i / rows, i % rows);
-                1.6e-2 * (0..cols).map(|c| (w[r * cols + c] * x[t * cols + c]).abs() as f64).sum::<f64>() + 1e-30
+            let v = GemmMmaVariant { mt, depth, stages, occupancy, ..GemmMmaVariant::for_shape(dtype, n, true) };
+            let run = |w: &ferrite_cuda::DeviceWeight, x: &CudaSlice<f32>, out: &mut CudaSlice<f32>| {
+                ops::linear_mma(gpu, w, x, n, out, v).unwrap();
+                LinearPlan::Mma { precision: Precision::BF16 }
             };
-            check("linear_mma", &format!("{dtype} {rows}x{cols} n={n} {v:?}"), &download(gpu, &out), &want, bound);
+            let tag = format!("mt{mt} depth{depth} stages{stages} x{occupancy}/SM");
+            check_linear_run(gpu, &mut rng, dtype, (rows, cols, n), &tag, run, is_mma);
         }
     }
     check_linear(gpu, &mut rng, GgmlType::Q4_0, 300, 512, 65, &bf16, is_gemm);

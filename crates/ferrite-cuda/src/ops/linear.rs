@@ -262,9 +262,7 @@ pub fn linear_with(
     if n_tokens == 0 {
         return Ok(plan);
     }
-    check_len(OP, "x", x.len(), elems(OP, &[n_tokens, w.cols])?)?;
-    check_len(OP, "out", out.len(), elems(OP, &[n_tokens, w.rows])?)?;
-    let (x, out) = (addr(gpu, x), addr_mut(gpu, out));
+    let (x, out) = linear_operands(OP, gpu, w, x, n_tokens, out)?;
     if plan == LinearPlan::Gemv && x % 16 != 0 {
         return Err(CudaError::invalid(
             OP,
@@ -727,13 +725,26 @@ pub fn linear_mma(
     if variant.wtype != w.dtype || weight::planes(w.dtype).is_none() || !w.cols.is_multiple_of(32) {
         return Err(CudaError::invalid(OP, format!("{variant:?} does not fit a {} {}x{} weight", w.dtype, w.rows, w.cols)));
     }
-    check_len(OP, "x", x.len(), elems(OP, &[n_tokens, w.cols])?)?;
-    check_len(OP, "out", out.len(), elems(OP, &[n_tokens, w.rows])?)?;
+    let (x, out) = linear_operands(OP, gpu, w, x, n_tokens, out)?;
     if n_tokens == 0 || w.rows == 0 {
         return Ok(());
     }
-    let (x, out) = (addr(gpu, x), addr_mut(gpu, out));
     gemm_mma(gpu, w, x, n_tokens, out, variant)
+}
+
+/// The device addresses of a linear's `x` (`[n_tokens, w.cols]`) and `out` (`[n_tokens,
+/// w.rows]`), once their lengths are checked.
+fn linear_operands(
+    op: &'static str,
+    gpu: &Gpu,
+    w: &DeviceWeight,
+    x: &impl DevicePtr<f32>,
+    n_tokens: usize,
+    out: &mut impl DevicePtrMut<f32>,
+) -> Result<(u64, u64), CudaError> {
+    check_len(op, "x", x.len(), elems(op, &[n_tokens, w.cols])?)?;
+    check_len(op, "out", out.len(), elems(op, &[n_tokens, w.rows])?)?;
+    Ok((addr(gpu, x), addr_mut(gpu, out)))
 }
 
 /// The small-batch tensor-core GEMM: activations converted to the MMA input type in scratch,
