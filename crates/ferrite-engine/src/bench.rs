@@ -1,7 +1,7 @@
 //! llama-bench style measurements: prompt processing (pp N) and token generation (tg N).
 
 use crate::sampling::{argmax, Sampler, SamplerParams};
-use ferrite_model::graph::Op;
+use ferrite_model::graph::{Op, Rows};
 use ferrite_model::{DeviceSampling, Model, PagedKvConfig, PagedOutput, SeqChunk};
 use crate::session::Session;
 use anyhow::Result;
@@ -135,6 +135,9 @@ pub struct TokenWork {
     pub weight_bytes: usize,
     /// Matrix FLOPs per token of the linears (2 per multiply-add).
     pub linear_flops: f64,
+    /// The part of `linear_flops` computed on a batch's last row only (the output head): a
+    /// prompt pays it once, not per token.
+    pub last_row_flops: f64,
     /// Attention FLOPs per token per position of context (QK and PV, all layers and heads).
     pub attention_flops_per_position: f64,
 }
@@ -142,17 +145,21 @@ pub struct TokenWork {
 impl TokenWork {
     pub fn of(model: &Model) -> Self {
         let mut weight_bytes = 0;
-        let mut linear_flops = 0.0;
+        let (mut linear_flops, mut last_row_flops) = (0.0, 0.0);
         for op in &model.graph.ops {
-            if let Op::Linear { w, .. } | Op::GatedLinear { w, .. } = op {
+            if let Op::Linear { w, out, .. } | Op::GatedLinear { w, out, .. } = op {
                 let spec = model.weights.spec(*w);
                 weight_bytes += spec.rows * spec.dtype.row_bytes(spec.cols).unwrap_or(0);
-                linear_flops += 2.0 * (spec.rows * spec.cols) as f64;
+                let flops = 2.0 * (spec.rows * spec.cols) as f64;
+                linear_flops += flops;
+                if model.graph.value(*out).rows == Rows::Last {
+                    last_row_flops += flops;
+                }
             }
         }
         let a = model.graph.attention;
         let attention_flops_per_position = 4.0 * (model.graph.n_layers * a.n_heads * a.head_dim) as f64;
-        Self { weight_bytes, linear_flops, attention_flops_per_position }
+        Self { weight_bytes, linear_flops, last_row_flops, attention_flops_per_position }
     }
 
     /// Bytes per step of a decode run of `n` tokens from `start` cached positions, `seqs`
@@ -163,8 +170,10 @@ impl TokenWork {
         self.weight_bytes as f64 + (seqs * kv_bytes_per_position) as f64 * context
     }
 
-    /// FLOPs per token of processing an `n`-token prompt (causal: average context n/2).
+    /// FLOPs per token of processing an `n`-token prompt (causal: average context n/2; the
+    /// output head on the last token only).
     pub fn prompt_flops(&self, n: usize) -> f64 {
-        self.linear_flops + self.attention_flops_per_position * (n as f64 + 1.0) / 2.0
+        let per_token = self.linear_flops - self.last_row_flops;
+        per_token + self.last_row_flops / n.max(1) as f64 + self.attention_flops_per_position * (n as f64 + 1.0) / 2.0
     }
 }

@@ -82,7 +82,7 @@ fn qwen2_biases_fuse_bit_identically() {
 }
 
 /// The bench's per-token work on SmolLM2: every quantized matrix read once (the tied embedding
-/// table serves as the output head), FLOPs = 2 per weight.
+/// table serves as the output head), FLOPs = 2 per weight; a prompt pays the output head once.
 #[test]
 fn token_work_counts_every_matrix_once() {
     use ferrite_engine::bench::TokenWork;
@@ -94,5 +94,9 @@ fn token_work_counts_every_matrix_once() {
         let weights: u64 = matrices.iter().map(|t| t.n_elements()).sum();
         assert_eq!(work.linear_flops, 2.0 * weights as f64);
         assert_eq!(work.attention_flops_per_position, 4.0 * (30 * 9 * 64) as f64);
+        let head = 2.0 * (model.config.vocab_size * 576) as f64;
+        assert_eq!(work.last_row_flops, head);
+        let attention = work.attention_flops_per_position * 64.5;
+        assert_eq!(work.prompt_flops(128), work.linear_flops - head + head / 128.0 + attention);
     }
 }
