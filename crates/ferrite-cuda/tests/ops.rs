@@ -1325,8 +1325,12 @@ fn gated_delta_net_matches_cpu() {
     let mut rng = Rng(13);
     let shape = |n_k_heads, n_v_heads, k_dim, v_dim| GdnShape { n_k_heads, n_v_heads, k_dim, v_dim, conv_kernel: 4, v_order: ValueHeadOrder::Tiled };
     // Real head dims (128: 4 threads per state column), the tiny fixture's 16/12, odd sizes (a
-    // key dim that does not split evenly, value dims that leave idle threads), 256-wide keys.
-    for s in [shape(2, 4, 128, 128), shape(2, 4, 16, 12), shape(1, 3, 12, 10), shape(1, 2, 33, 7), shape(3, 6, 40, 24), shape(1, 2, 256, 64)] {
+    // key dim that does not split evenly, value dims that leave idle threads), 256-wide keys;
+    // then value heads in grouped order (Qwen3-Next), 2 and 4 per key head.
+    for s in [shape(2, 4, 128, 128), shape(2, 4, 16, 12), shape(1, 3, 12, 10), shape(1, 2, 33, 7), shape(3, 6, 40, 24), shape(1, 2, 256, 64)]
+        .into_iter()
+        .chain(grouped_gdn_shapes())
+    {
         let layer = GdnLayer::random(&mut rng, s);
         let (conv0, ssm0) = layer.state(&mut rng);
         let n = 12;
@@ -1344,7 +1348,7 @@ fn gated_delta_net_matches_cpu() {
         let mut out = poisoned(gpu, n * s.value_width());
         ops::gated_delta_net_with(gpu, GdnPath::Recurrent, &x_dev, n, &w, &mut state, &mut conv_out, &mut out).unwrap();
         let got = download(gpu, &out);
-        let case = format!("hk{} hv{} dk{} dv{}, {n} tokens", s.n_k_heads, s.n_v_heads, s.k_dim, s.v_dim);
+        let case = format!("hk{} hv{} dk{} dv{} {:?}, {n} tokens", s.n_k_heads, s.n_v_heads, s.k_dim, s.v_dim, s.v_order);
         // f32 sums in another order (and the norms' sums of squares in f32, where the CPU uses
         // f64) over a dozen recurrent steps: outputs are O(1) after the gated norm.
         let scale = want.iter().fold(0f32, |m, v| m.max(v.abs())) as f64;
@@ -1380,6 +1384,14 @@ fn gated_delta_net_matches_cpu() {
     assert!(err.contains("do not fit the delta-rule kernel"), "{err}");
 }
 
+/// Grouped value heads (Qwen3-Next's order: value head `h` reads key head `h / r`) for both
+/// paths' tests: real head dims (r = 2, as Qwen3-Next-80B), the tiny fixture's, and r = 4 with
+/// odd dims. Each has several key heads, so a kernel that read the tiled head would differ.
+fn grouped_gdn_shapes() -> [GdnShape; 3] {
+    let grouped = |n_k_heads, n_v_heads, k_dim, v_dim| GdnShape { n_k_heads, n_v_heads, k_dim, v_dim, conv_kernel: 4, v_order: ValueHeadOrder::Grouped };
+    [grouped(2, 4, 128, 128), grouped(2, 4, 16, 12), grouped(2, 8, 33, 7)]
+}
+
 // ---------------------------------------------------------------- chunked Gated DeltaNet
 
 /// Tokens per chunk of the chunked path (the kernels' `CHUNK`).
@@ -1409,7 +1421,7 @@ fn chunked_reference(layer: &GdnLayer, x: &[f32], n: usize, conv_state: &mut Vec
     let dot = |a: &[f32], b: &[f32]| a.iter().zip(b).map(|(x, y)| x * y).sum::<f32>();
     let mut out = vec![0f32; n * vw];
     for h in 0..hv {
-        let kh = h % hk;
+        let kh = s.key_head(h);
         let q = |t: usize| &y[t * cw + kh * dk..][..dk];
         let k = |t: usize| &y[t * cw + (hk + kh) * dk..][..dk];
         let v = |t: usize| &y[t * cw + 2 * hk * dk + h * dv..][..dv];
@@ -1518,13 +1530,17 @@ struct ChunkedCase {
 const CHUNKED_DECODE: usize = 3;
 
 /// The chunked path's cases: Qwen3.5-9B's 128/128 heads, the tiny fixture's, odd sizes and
-/// 256-wide keys; one token, a chunk less one, one chunk, one more, and several chunks with a
-/// partial last one; real-looking decay and a hundred times weaker, so that the state carries
-/// across chunks instead of fading within a few tokens.
+/// 256-wide keys, then grouped value heads ([`grouped_gdn_shapes`]); one token, a chunk less
+/// one, one chunk, one more, and several chunks with a partial last one; real-looking decay and
+/// a hundred times weaker, so that the state carries across chunks instead of fading within a
+/// few tokens.
 fn chunked_cases(rng: &mut Rng) -> Vec<ChunkedCase> {
     let shape = |n_k_heads, n_v_heads, k_dim, v_dim| GdnShape { n_k_heads, n_v_heads, k_dim, v_dim, conv_kernel: 4, v_order: ValueHeadOrder::Tiled };
     let mut cases = Vec::new();
-    for s in [shape(1, 2, 128, 128), shape(2, 4, 16, 12), shape(1, 3, 12, 10), shape(1, 2, 33, 7), shape(3, 6, 40, 24), shape(1, 2, 256, 64)] {
+    for s in [shape(1, 2, 128, 128), shape(2, 4, 16, 12), shape(1, 3, 12, 10), shape(1, 2, 33, 7), shape(3, 6, 40, 24), shape(1, 2, 256, 64)]
+        .into_iter()
+        .chain(grouped_gdn_shapes())
+    {
         for decay in [1.0, 0.01] {
             for n in [1, 63, 64, 65, 200] {
                 let mut layer = GdnLayer::random(rng, s);
@@ -1540,7 +1556,7 @@ fn chunked_cases(rng: &mut Rng) -> Vec<ChunkedCase> {
                 let split = n * s.proj_width();
                 let prefill = run(&x[..split], n, &mut conv, &mut ssm);
                 let decode = run(&x[split..], CHUNKED_DECODE, &mut conv, &mut ssm);
-                let name = format!("hk{} hv{} dk{} dv{}, decay x{decay}, {n} tokens", s.n_k_heads, s.n_v_heads, s.k_dim, s.v_dim);
+                let name = format!("hk{} hv{} dk{} dv{} {:?}, decay x{decay}, {n} tokens", s.n_k_heads, s.n_v_heads, s.k_dim, s.v_dim, s.v_order);
                 cases.push(ChunkedCase { name, layer, conv0, ssm0, n, x, prefill, decode });
             }
         }

@@ -240,6 +240,19 @@ fn cuda_fp32_matches_cpu_reference_on_real_shapes() {
         println!("{} {dtype}: worst relative error {worst:.2e}, {agreed}/33 greedy steps agree", shape.name);
         assert!(worst < 1e-4 && agreed == 33, "{} {dtype}: relative error {worst}, {agreed}/33 agree", shape.name);
     }
+    // Qwen3-Next (the Qwen3.5-MoE hybrid with GDN value heads in grouped order, projections
+    // de-interleaved at load, `norm_topk_prob`) on its tiny transformers-checked fixture; then
+    // its grouped heads on the chunked path too: a 300-token prompt in batches of 256 and 44.
+    let qwen3next = Arc::new(Model::load(common::workspace_root().join("fixtures/tiny/qwen3next.gguf"), FusionOptions::from_env()).unwrap());
+    let (worst, agreed) = compare(Arc::clone(&qwen3next), 32);
+    println!("tiny qwen3next: worst relative error {worst:.2e}, {agreed}/33 greedy steps agree");
+    assert!(worst < 1e-4 && agreed == 33, "tiny qwen3next: relative error {worst}, {agreed}/33 agree");
+    let long = ExecutorOptions { context_len: 512, ..opts(256) };
+    let cpu = CpuExecutor::new(Arc::clone(&qwen3next), CpuPrecision::Reference, long.clone()).unwrap();
+    let gpu = ferrite_cuda::CudaExecutor::new(Arc::clone(&qwen3next), long).unwrap();
+    let (worst, agreed) = compare_executors(&qwen3next, cpu, gpu, 300, 16);
+    println!("tiny qwen3next, chunked GDN prefill of 300 tokens: worst relative error {worst:.2e}, {agreed}/17 greedy steps agree");
+    assert!(worst < 1e-3 && agreed == 17, "tiny qwen3next chunked GDN prefill: relative error {worst}, {agreed}/17 agree");
     // Chunked Gated DeltaNet prefill: a 300-token prompt in batches of 256 (chunked path) and
     // 44 (recurrent), then decode from the state they left.
     let model = synthetic(&QWEN35_SMALL, GgmlType::Q8_0);

@@ -811,16 +811,26 @@ fn qwen3next_chunking_and_fusion() {
     chunking_and_fusion("qwen3next.gguf");
 }
 
-/// The CUDA backend refuses Qwen3-Next up front (grouped value heads; MoE), before any device
-/// work, with a message that says what and where.
+/// The CUDA backend accepts Qwen3-Next (`check_supported`, before any device work): the tiny
+/// graph, and with Qwen3-Next-80B-A3B's shapes (16 key / 32 value heads of 128 in grouped order,
+/// 512 experts top 10). tests/cuda_model.rs runs the tiny model against this CPU reference.
 #[test]
-fn qwen3next_is_refused_by_cuda() {
+fn qwen3next_is_supported_by_cuda() {
+    use ferrite_model::graph::{Op, ValueHeadOrder};
     let model = Model::load(workspace_root().join("fixtures/tiny/qwen3next.gguf"), FusionOptions::ALL).unwrap();
-    let err = format!("{:#}", ferrite_cuda::check_supported(&model.graph).unwrap_err());
-    assert!(err.contains("Gated DeltaNet of layer 0 on CUDA") && err.contains("grouped order (Qwen3-Next's layout) are not supported on CUDA yet"), "{err}");
-    let opts = ExecutorOptions { max_batch: 4, context_len: 16, trace: false, progress: None };
-    let err = format!("{:#}", ferrite_cuda::open_executor(Arc::new(model), opts).err().expect("opened"));
-    assert!(err.contains("not supported on CUDA yet"), "{err}");
+    ferrite_cuda::check_supported(&model.graph).unwrap();
+    let mut graph = model.graph.clone();
+    for op in &mut graph.ops {
+        match op {
+            Op::GatedDeltaNet { shape, .. } => {
+                assert_eq!(shape.v_order, ValueHeadOrder::Grouped);
+                (shape.n_k_heads, shape.n_v_heads, shape.k_dim, shape.v_dim) = (16, 32, 128, 128);
+            }
+            Op::MoeFfn { moe, .. } => (moe.n_experts, moe.top_k) = (512, 10),
+            _ => {}
+        }
+    }
+    ferrite_cuda::check_supported(&graph).unwrap();
 }
 
 /// Missing or mis-shaped Qwen3-Next tensors are refused by name.

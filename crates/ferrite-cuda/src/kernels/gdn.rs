@@ -10,7 +10,9 @@
 //! `q | k | v | z | b | a` (`proj_width`); the conv output has rows of `q | k | v` (`conv_width`
 //! channels); conv state `[conv_kernel - 1, conv_width]` (the last inputs, oldest first); delta
 //! state per value head a row-major `[k_dim, v_dim]` matrix `S` (`S[i][j]`: key dim `i`, value
-//! dim `j`). Value head `h` reads key head `h % n_k_heads` (llama.cpp's tiled order).
+//! dim `j`). Value head `h` reads key head `h % n_k_heads` in llama.cpp's tiled order (Qwen3.5's
+//! GGUFs) or `h / v_group` in HF's grouped order (Qwen3-Next; `v_group` = value heads per key
+//! head), as `GdnShape::key_head`: the order is a launch parameter, not a variant.
 //! The chunked form's scratch, per value head: the in-chunk cumulative log-decays `gam`
 //! (`[n_v_heads, n_tokens]`), `W` (`[n_v_heads, n_tokens, k_dim]`) and `U`, then `V'`
 //! (`[n_v_heads, n_tokens, v_dim]`).
@@ -96,6 +98,9 @@ device_params! {
         pub n_tokens: u32,
         pub n_k_heads: u32,
         pub n_v_heads: u32,
+        /// Value heads per key head in grouped order (value head `h` reads key head
+        /// `h / v_group`); 0 in tiled order (key head `h % n_k_heads`).
+        pub v_group: u32,
         pub x_width: u32,
         /// `k_dim^-1/2`, the query scale (computed on the host as the CPU reference does).
         pub q_scale: f32,
@@ -124,6 +129,11 @@ __device__ __forceinline__ Gate gdn_gate(const float* xrow, i64 conv_width, i64 
   const float b = xrow[conv_width + value_width + h];
   const float a = xrow[conv_width + value_width + n_v_heads + h];
   return Gate{1.f / (1.f + expf(-b)), a_coef * softplus(a + dt_bias)};
+}
+
+// The key (and query) head that value head h reads: grouped order when v_group > 0, else tiled.
+__device__ __forceinline__ u32 gdn_key_head(u32 h, u32 n_k_heads, u32 v_group) {
+  return v_group ? h / v_group : h % n_k_heads;
 }
 
 // The factor that L2-normalises a vector whose squares sum to ss (HF's and fla's epsilon), times scale.
@@ -159,7 +169,7 @@ __device__ __forceinline__ float column_sum(float v) {
 extern "C" __global__ void __launch_bounds__(THREADS) gdn_delta(const GdnDeltaParams p) {
   KERNEL_ENTRY();
   __shared__ float sq[K_DIM], sk[K_DIM], scratch[32];
-  const u32 h = blockIdx.x, kh = h % p.n_k_heads;
+  const u32 h = blockIdx.x, kh = gdn_key_head(h, p.n_k_heads, p.v_group);
   const u32 j = threadIdx.x / KSPLIT, s = threadIdx.x % KSPLIT, lane = threadIdx.x & 31;
   const bool owner = j < V_DIM;
   const i64 key_width = (i64)p.n_k_heads * K_DIM, value_width = (i64)p.n_v_heads * V_DIM;
@@ -291,6 +301,9 @@ device_params! {
         pub n_tokens: u32,
         pub n_k_heads: u32,
         pub n_v_heads: u32,
+        /// Value heads per key head in grouped order (value head `h` reads key head
+        /// `h / v_group`); 0 in tiled order (key head `h % n_k_heads`).
+        pub v_group: u32,
         pub x_width: u32,
         pub q_scale: f32,
         pub eps: f32,
@@ -313,7 +326,7 @@ const CHUNK_SRC: &str = r#"
 #define WARPS (CHUNK_THREADS / 32)
 
 // One chunk of one value head: tokens [t0, t0 + len), with row pointers into the conv output
-// (q and k of key head h % n_k_heads, v of head h) and the head's scratch rows.
+// (q and k of the key head that h reads, v of head h) and the head's scratch rows.
 struct Chunk {
   u32 h, len;
   i64 t0, conv_width, value_width;
@@ -329,7 +342,7 @@ __device__ __forceinline__ Chunk chunk_at(const GdnChunkParams& p, u32 h, i64 t0
   c.value_width = (i64)p.n_v_heads * V_DIM;
   c.conv_width = 2 * key_width + c.value_width;
   const float* row = reinterpret_cast<const float*>(p.qkv) + t0 * c.conv_width;
-  const u32 kh = h % p.n_k_heads;
+  const u32 kh = gdn_key_head(h, p.n_k_heads, p.v_group);
   c.q = row + (i64)kh * K_DIM;
   c.k = row + key_width + (i64)kh * K_DIM;
   c.v = row + 2 * key_width + (i64)h * V_DIM;

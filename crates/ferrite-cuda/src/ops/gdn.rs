@@ -16,15 +16,18 @@ pub fn check_gdn_shape(shape: &GdnShape) -> Result<GdnDeltaVariant, CudaError> {
     if s.n_k_heads == 0 || s.n_v_heads == 0 || !s.n_v_heads.is_multiple_of(s.n_k_heads) || s.conv_kernel == 0 {
         return Err(CudaError::invalid(OP, format!("bad shape {s:?}")));
     }
-    if s.v_order != ValueHeadOrder::Tiled && s.n_v_heads != s.n_k_heads {
-        return Err(CudaError::invalid(
-            OP,
-            "value heads in grouped order (Qwen3-Next's layout) are not supported on CUDA yet (the kernels read key head h % n_k_heads); run this model with the CPU backend",
-        ));
-    }
     as_u32(OP, "projection width", s.proj_width())?;
     GdnChunkVariant::for_shape(s.k_dim, s.v_dim).map_err(|e| CudaError::invalid(OP, e))?;
     GdnDeltaVariant::for_shape(s.k_dim, s.v_dim).map_err(|e| CudaError::invalid(OP, e))
+}
+
+/// The kernels' `v_group` for `shape`'s value-head order: value heads per key head when grouped,
+/// 0 when tiled.
+fn v_group(shape: &GdnShape) -> u32 {
+    match shape.v_order {
+        ValueHeadOrder::Tiled => 0,
+        ValueHeadOrder::Grouped => (shape.n_v_heads / shape.n_k_heads) as u32,
+    }
 }
 
 /// One Gated DeltaNet layer's recurrent state in device memory, f32: the conv window
@@ -241,6 +244,7 @@ pub fn gdn_delta(
         n_tokens: as_u32(OP, "n_tokens", n_tokens)?,
         n_k_heads: s.n_k_heads as u32,
         n_v_heads: s.n_v_heads as u32,
+        v_group: v_group(&s),
         x_width: s.proj_width() as u32,
         q_scale: 1.0 / (s.k_dim as f32).sqrt(),
         eps: w.eps,
@@ -302,6 +306,7 @@ pub fn gdn_chunked(
         n_tokens: as_u32(OP, "n_tokens", n_tokens)?,
         n_k_heads: s.n_k_heads as u32,
         n_v_heads: s.n_v_heads as u32,
+        v_group: v_group(&s),
         x_width: s.proj_width() as u32,
         q_scale: 1.0 / (s.k_dim as f32).sqrt(),
         eps: w.eps,
@@ -325,10 +330,30 @@ mod tests {
         let err = check_gdn_shape(&GdnShape { n_v_heads: 24, ..qwen35 }).unwrap_err().to_string();
         assert!(err.starts_with("gated_delta_net: bad shape"), "{err}");
         assert!(check_gdn_shape(&GdnShape { conv_kernel: 0, ..qwen35 }).is_err());
-        let err = check_gdn_shape(&GdnShape { v_order: ValueHeadOrder::Grouped, ..qwen35 }).unwrap_err().to_string();
-        assert!(err.contains("grouped order (Qwen3-Next's layout) are not supported on CUDA yet"), "{err}");
-        // With one value head per key head both orders are the same.
-        check_gdn_shape(&GdnShape { v_order: ValueHeadOrder::Grouped, n_v_heads: 16, ..qwen35 }).unwrap();
+        // Grouped value heads (Qwen3-Next) run too; their bad shapes are refused the same way.
+        let qwen3next = GdnShape { v_order: ValueHeadOrder::Grouped, ..qwen35 };
+        assert_eq!(check_gdn_shape(&qwen3next).unwrap(), GdnDeltaVariant { k_dim: 128, v_dim: 128, ksplit: 4 });
+        let err = check_gdn_shape(&GdnShape { n_v_heads: 24, ..qwen3next }).unwrap_err().to_string();
+        assert!(err.starts_with("gated_delta_net: bad shape"), "{err}");
+        assert!(check_gdn_shape(&GdnShape { v_dim: 512, ..qwen3next }).is_err());
+    }
+
+    /// `v_group` makes the kernels' `gdn_key_head` (`v_group ? h / v_group : h % n_k_heads`)
+    /// pick `GdnShape::key_head`'s head in both orders.
+    #[test]
+    fn v_group_follows_the_value_head_order() {
+        for v_order in [ValueHeadOrder::Tiled, ValueHeadOrder::Grouped] {
+            for (n_k_heads, n_v_heads) in [(16, 32), (2, 8), (3, 3), (1, 4)] {
+                let s = GdnShape { n_k_heads, n_v_heads, k_dim: 16, v_dim: 16, conv_kernel: 4, v_order };
+                let g = v_group(&s) as usize;
+                let kernel: Vec<usize> = (0..n_v_heads).map(|h| h.checked_div(g).unwrap_or(h % n_k_heads)).collect();
+                let want: Vec<usize> = (0..n_v_heads).map(|h| s.key_head(h)).collect();
+                assert_eq!(kernel, want, "{s:?}");
+            }
+        }
+        let grouped = GdnShape { n_k_heads: 16, n_v_heads: 32, k_dim: 128, v_dim: 128, conv_kernel: 4, v_order: ValueHeadOrder::Grouped };
+        assert_eq!(v_group(&grouped), 2);
+        assert_eq!(v_group(&GdnShape { v_order: ValueHeadOrder::Tiled, ..grouped }), 0);
     }
 
     #[test]
