@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Per-kernel time and DRAM traffic of a ferrite command under Nsight Compute (`ncu`, on the GPU
-# machine), summed by kernel name: where a step's time goes, kernel by kernel. ncu runs each
+# machine), summed by kernel name and grid (one row per launch shape): where a step's time goes,
+# kernel by kernel. ncu runs each
 # kernel alone (no overlap between launches, no graph replay speed), so these numbers orient
 # work; they are never optimisation targets (measure those with `ferrite bench`).
 #
@@ -16,7 +17,7 @@ source scripts/gpu-env.sh >/dev/null
 skip=$1 count=$2
 shift 3
 csv=$(mktemp)
-ncu --clock-control none --csv --print-units base --launch-skip "$skip" --launch-count "$count" \
+ncu --clock-control none --cache-control none --csv --print-units base --launch-skip "$skip" --launch-count "$count" \
     --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum "$@" > "$csv" 2>/dev/null || true
 python3 - "$csv" <<'PY'
 import csv, sys, collections
@@ -24,7 +25,7 @@ rows = [l for l in open(sys.argv[1]) if l.startswith('"')]
 stats = collections.defaultdict(lambda: [0, 0.0, 0.0])  # calls, ns, bytes
 seen = set()
 for r in csv.DictReader(rows):
-    name = r["Kernel Name"].split("(")[0]
+    name = r["Kernel Name"].split("(")[0] + " " + r.get("Grid Size", "").replace(" ", "")
     key = (r["ID"], name)
     s = stats[name]
     if key not in seen:
@@ -36,9 +37,9 @@ for r in csv.DictReader(rows):
     else:
         s[2] += v
 total = sum(s[1] for s in stats.values()) or 1
-print(f"{'kernel':<40} {'calls':>6} {'total us':>10} {'us/call':>9} {'MB/call':>9} {'GB/s':>7} {'share':>6}")
+print(f"{'kernel grid':<52} {'calls':>6} {'total us':>10} {'us/call':>9} {'MB/call':>9} {'GB/s':>7} {'share':>6}")
 for name, (n, ns, b) in sorted(stats.items(), key=lambda kv: -kv[1][1]):
-    print(f"{name[:40]:<40} {n:>6} {ns/1e3:>10.1f} {ns/1e3/n:>9.2f} {b/1e6/n:>9.2f} {b/ns if ns else 0:>7.0f} {100*ns/total:>5.1f}%")
-print(f"{'all':<40} {sum(s[0] for s in stats.values()):>6} {total/1e3:>10.1f}")
+    print(f"{name[:52]:<52} {n:>6} {ns/1e3:>10.1f} {ns/1e3/n:>9.2f} {b/1e6/n:>9.2f} {b/ns if ns else 0:>7.0f} {100*ns/total:>5.1f}%")
+print(f"{'all':<52} {sum(s[0] for s in stats.values()):>6} {total/1e3:>10.1f}")
 PY
 rm -f "$csv"

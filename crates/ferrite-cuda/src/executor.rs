@@ -17,7 +17,7 @@ use crate::ops::{self, AttentionConfig, GatedQuery, GdnState, GdnWeights, KvCach
 use crate::{CudaError, DeviceWeight, Gpu};
 use anyhow::{anyhow, bail, Context};
 use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
-use cudarc::driver::{CudaGraph, CudaSlice};
+use cudarc::driver::{CudaGraph, CudaSlice, CudaViewMut};
 use ferrite_core::env;
 use ferrite_gguf::GgmlType;
 use ferrite_model::graph::{ExpertGateUp, GatedActivation, NormSpec, Op, Rows, ValueId, WeightId};
@@ -492,19 +492,19 @@ impl CudaExecutor {
             Op::Linear { x, norm, w, bias, residual, out_col, .. } => {
                 let (r, xw, ow) = (rows(x), width(x), width(op.writes()));
                 let rows_w = matrix(w).rows;
-                let x_in = match norm {
-                    Some(nm) => {
-                        ops::rms_norm(gpu, input(x), vector(nm.weight), nm.eps, r, xw, false, &mut buf.scratch_a)?;
-                        &buf.scratch_a
-                    }
-                    None => input(x),
+                debug_assert_eq!(xw, matrix(w).cols);
+                let norm_scratch = &mut buf.scratch_a;
+                // The linear, its folded norm in its input path.
+                let mut linear = |dst: &mut CudaViewMut<f32>| match norm {
+                    Some(nm) => ops::linear_normed(gpu, matrix(w), input(x), &norm_prologue(nm), r, dst, norm_scratch, &gpu.linear_options()).map(|_| ()),
+                    None => ops::linear(gpu, matrix(w), input(x), r, dst),
                 };
                 if out_col == 0 && rows_w == ow {
-                    ops::linear(gpu, matrix(w), x_in, r, out)?;
+                    linear(&mut out.slice_mut(..))?;
                 } else if r == 1 {
-                    ops::linear(gpu, matrix(w), x_in, 1, &mut out.slice_mut(out_col..out_col + rows_w))?;
+                    linear(&mut out.slice_mut(out_col..out_col + rows_w))?;
                 } else {
-                    ops::linear(gpu, matrix(w), x_in, r, &mut buf.scratch_b)?;
+                    linear(&mut buf.scratch_b.slice_mut(..))?;
                     ops::copy_cols(gpu, &buf.scratch_b, rows_w, 0, out, ow, out_col, rows_w, r)?;
                 }
                 if let Some(b) = bias {
@@ -579,15 +579,13 @@ impl CudaExecutor {
                     let emit = emit.map(|dst| ops::Q8Emit { dst, norm: handoff_norm(index).map(norm_prologue) });
                     ops::linear_q8(gpu, matrix(w), q8, r, out, half, 0, &epilogue, emit)?;
                 } else {
-                    // Other paths: the projection into scratch, then the activation kernel.
-                    let x_in = match norm {
-                        Some(nm) => {
-                            ops::rms_norm(gpu, input(x), vector(nm.weight), nm.eps, r, xw, false, &mut buf.scratch_a)?;
-                            &buf.scratch_a
-                        }
-                        None => input(x),
-                    };
-                    ops::linear(gpu, matrix(w), x_in, r, &mut buf.scratch_c)?;
+                    // Other paths: the projection (its folded norm in its input path) into
+                    // scratch, then the activation kernel.
+                    match norm {
+                        Some(nm) => ops::linear_normed(gpu, matrix(w), input(x), &norm_prologue(nm), r, &mut buf.scratch_c, &mut buf.scratch_a, &gpu.linear_options())
+                            .map(|_| ())?,
+                        None => ops::linear(gpu, matrix(w), input(x), r, &mut buf.scratch_c)?,
+                    }
                     ops::glu_rows(gpu, &buf.scratch_c, r, half, glu, out)?;
                 }
             }

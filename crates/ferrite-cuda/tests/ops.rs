@@ -698,6 +698,46 @@ fn expanded_weights_feed_the_gemm_unchanged() {
     }
 }
 
+/// A norm-folded linear gives the bits of the norm followed by the linear on every path (the
+/// tensor-core paths normalise straight into their f16/bf16 input, one launch for both).
+#[test]
+fn normed_linear_matches_norm_then_linear() {
+    let Some(gpu) = gpu() else { return };
+    let mut rng = Rng(31);
+    let (rows, cols) = (96, 576);
+    let gemm = |precision| LinearOptions { path: LinearPath::Gemm, precision, ..LinearOptions::default() };
+    let cases = [
+        (1, LinearOptions::default()),
+        (5, LinearOptions::default()),
+        (20, LinearOptions::default()),
+        (20, gemm(Precision::BF16)),
+        (40, gemm(Precision::F16)),
+        (3, gemm(Precision::F32)),
+    ];
+    for dtype in [GgmlType::Q4_0, GgmlType::F16] {
+        let (bytes, _) = random_weight(&mut rng, dtype, rows, cols);
+        let w = gpu.upload_weight(dtype, rows, cols, &bytes).unwrap();
+        let g = upload(gpu, &rng.vec(cols, 0.5, 1.5));
+        for add_one in [false, true] {
+            let norm = ops::NormPrologue { weight: &g, eps: 1e-5, add_one };
+            for (n, opts) in &cases {
+                let n = *n;
+                let x = upload(gpu, &rng.vec(n * cols, -2.0, 2.0));
+                let mut normed = poisoned(gpu, n * cols);
+                ops::rms_norm(gpu, &x, &g, 1e-5, n, cols, add_one, &mut normed).unwrap();
+                let mut want = poisoned(gpu, n * rows);
+                let plan = ops::linear_with(gpu, &w, &normed, n, &mut want, opts).unwrap();
+                let mut got = poisoned(gpu, n * rows);
+                let fused = ops::linear_normed(gpu, &w, &x, &norm, n, &mut got, &mut poisoned(gpu, n * cols), opts).unwrap();
+                assert_eq!(fused, plan, "{dtype} n={n}");
+                let (want, got) = (download(gpu, &want), download(gpu, &got));
+                assert!(got.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()), "{dtype} n={n} {plan:?} add_one={add_one}: the folded norm changed the output");
+                println!("| {:<10} | {:<44} | {:>9} | {:>9} | {:>6} |", "normed", format!("{dtype} {rows}x{cols} n={n} {plan:?}"), "exact", "exact", 0);
+            }
+        }
+    }
+}
+
 /// An int8 hand-off quantizes whole rows of 32-value blocks: a column range is refused.
 #[test]
 fn int8_handoff_rejects_column_ranges() {
@@ -1112,7 +1152,8 @@ fn paged_attention_matches_contiguous_per_sequence() {
 fn activations_and_add_match_cpu() {
     let Some(gpu) = gpu() else { return };
     let mut rng = Rng(6);
-    for n in [1, 1000, 100_003] {
+    // Lengths of whole fours take the kernels' 16-byte path, the others the scalar one.
+    for n in [1, 1000, 100_003, 100_004] {
         let gate = rng.vec(n, -8.0, 8.0);
         let up = rng.vec(n, -2.0, 2.0);
         let (g, u) = (upload(gpu, &gate), upload(gpu, &up));
@@ -1136,6 +1177,12 @@ fn activations_and_add_match_cpu() {
         activation::add_inplace(&mut want, &up);
         ops::add(gpu, &mut acc, &u, n).unwrap();
         close("add", &format!("n={n}"), &download(gpu, &acc), &want, 0.0, 0.0);
+        // Operands one float off a 16-byte boundary: the scalar path.
+        if n > 1 {
+            let mut acc = upload(gpu, &gate);
+            ops::add(gpu, &mut acc.slice_mut(1..), &u.slice(1..), n - 1).unwrap();
+            close("add", &format!("n={n}, unaligned"), &download(gpu, &acc)[1..], &want[1..], 0.0, 0.0);
+        }
     }
     // Rows of a fused [gate | up] projection: the same values as the separate halves, bit for bit.
     for (rows, half) in [(1, 7), (3, 1536), (17, 4096)] {
@@ -2166,8 +2213,8 @@ fn kernel_cache_hits_misses_and_rebuilds_corrupt_entries() {
     let dir = std::env::temp_dir().join(format!("ferrite-kernel-cache-test-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     let open = || own_gpu(KernelCacheDir::Disk(dir.clone())).unwrap();
-    let v64 = NormVariant { block_size: 64 };
-    let v128 = NormVariant { block_size: 128 };
+    let v64 = NormVariant { block_size: 64, ..NormVariant::for_dim(256) };
+    let v128 = NormVariant { block_size: 128, ..NormVariant::for_dim(256) };
 
     let gpu = open();
     gpu.prepare(&v64).unwrap();
@@ -2305,6 +2352,7 @@ fn every_kernel_variant_compiles_for_sm90() {
     }
     for out in [OutType::F32, OutType::F16, OutType::BF16] {
         check(format!("convert {out:?}"), compile_variant(&ConvertVariant { out }, "sm_90"));
+        check(format!("norm 4096 {out:?}"), compile_variant(&NormVariant { out, ..NormVariant::for_dim(4096) }, "sm_90"));
     }
     for dim in [32, 576, 4096] {
         check(format!("norm {dim}"), compile_variant(&NormVariant::for_dim(dim), "sm_90"));

@@ -78,20 +78,37 @@ const SOURCE: &str = r#"
 // `in_stride`: the halves of a fused [gate | up] projection, or one dense row).
 __device__ __forceinline__ i64 glu_at(const GluParams& p, i64 i) { return (i / (i64)p.width) * (i64)p.in_stride + i % (i64)p.width; }
 
-// out = silu(gate) * up (out may alias gate or up when they are dense)
-extern "C" __global__ void swiglu(const GluParams p) {
-  KERNEL_ENTRY();
+// True when the addresses allow 16-byte accesses: the kernels below then move four floats per
+// load and store (a quarter of the instructions, and whole 16-byte sectors per lane).
+__device__ __forceinline__ bool aligned16(u64 a, u64 b, u64 c) { return ((a | b | c) & 15) == 0; }
+__device__ __forceinline__ float4 ld4(const float* p, i64 i) { return *reinterpret_cast<const float4*>(p + i); }
+
+// out = act(gate) * up (out may alias gate or up when they are dense: each thread reads its
+// elements before writing them). Four at a time when rows of 4-aligned width allow it.
+template <typename Act>
+__device__ __forceinline__ void gated(const GluParams& p, Act act) {
   const float* gate = reinterpret_cast<const float*>(p.gate);
   const float* up = reinterpret_cast<const float*>(p.up);
-  GRID_STRIDE(i, p.n) reinterpret_cast<float*>(p.out)[i] = silu(gate[glu_at(p, i)]) * up[glu_at(p, i)];
+  float* out = reinterpret_cast<float*>(p.out);
+  if (aligned16(p.gate, p.up, p.out) && p.width % 4 == 0 && p.in_stride % 4 == 0) {
+    GRID_STRIDE(g, p.n / 4) {
+      const i64 at = glu_at(p, 4 * g);
+      const float4 a = ld4(gate, at), b = ld4(up, at);
+      reinterpret_cast<float4*>(out)[g] = make_float4(act(a.x) * b.x, act(a.y) * b.y, act(a.z) * b.z, act(a.w) * b.w);
+    }
+  } else {
+    GRID_STRIDE(i, p.n) out[i] = act(gate[glu_at(p, i)]) * up[glu_at(p, i)];
+  }
 }
 
-// out = gelu_tanh(gate) * up (out may alias gate or up when they are dense)
+extern "C" __global__ void swiglu(const GluParams p) {
+  KERNEL_ENTRY();
+  gated(p, [](float g) { return silu(g); });
+}
+
 extern "C" __global__ void geglu(const GluParams p) {
   KERNEL_ENTRY();
-  const float* gate = reinterpret_cast<const float*>(p.gate);
-  const float* up = reinterpret_cast<const float*>(p.up);
-  GRID_STRIDE(i, p.n) reinterpret_cast<float*>(p.out)[i] = gelu_tanh(gate[glu_at(p, i)]) * up[glu_at(p, i)];
+  gated(p, [](float g) { return gelu_tanh(g); });
 }
 
 // acc += x (p.a = acc, p.b = x)
@@ -99,7 +116,16 @@ extern "C" __global__ void add(const ElementwiseParams p) {
   KERNEL_ENTRY();
   float* acc = reinterpret_cast<float*>(p.a);
   const float* x = reinterpret_cast<const float*>(p.b);
-  GRID_STRIDE(i, p.n) acc[i] += x[i];
+  if (aligned16(p.a, p.b, 0) && p.n % 4 == 0) {
+    GRID_STRIDE(g, p.n / 4) {
+      float4 a = ld4(acc, 4 * g);
+      const float4 b = ld4(x, 4 * g);
+      a.x += b.x; a.y += b.y; a.z += b.z; a.w += b.w;
+      reinterpret_cast<float4*>(acc)[g] = a;
+    }
+  } else {
+    GRID_STRIDE(i, p.n) acc[i] += x[i];
+  }
 }
 
 // dst[r, dst_col + c] = src[r, src_col + c] for c < n_cols, r < n_rows
@@ -160,6 +186,8 @@ extern "C" __global__ void add_rows(const AddRowsParams p) {
 pub struct ActivationVariant;
 
 impl ActivationVariant {
+    /// Threads for `n` work items: elements, or groups of four for the kernels that take four
+    /// at a time (`swiglu`, `geglu`, `add`; their grid-stride loops cover any remainder).
     pub fn launch_config(&self, n: usize) -> LaunchConfig {
         LaunchConfig {
             grid_dim: (blocks_for(n, 256).clamp(1, 65535), 1, 1),

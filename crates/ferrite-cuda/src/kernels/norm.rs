@@ -1,8 +1,11 @@
 //! RMSNorm: `out = x / sqrt(mean(x^2) + eps) * w` (or `* (1 + w)`), one block per row. A row
 //! can also be one head of a wider token row (`heads` per token, `ld` apart, from column `col`):
-//! Qwen3's QK-norm in place on the Q and K columns of `q | k | v`.
+//! Qwen3's QK-norm in place on the Q and K columns of `q | k | v`. The output may be f16/bf16
+//! (`OUT_TYPE`): the GEMM input of a norm-folded linear, written in one launch with the norm,
+//! in `gemm_mma`'s pair order when `interleave` is set.
 
 use super::common::HEADER;
+use super::dequant::{OutType, STORE};
 use super::{device_params, KernelVariant};
 use cudarc::driver::LaunchConfig;
 
@@ -18,6 +21,9 @@ device_params! {
         pub heads: u32,
         pub ld: u32,
         pub col: u32,
+        /// 1: swap the middle two of every four outputs (`convert_f32`'s `interleave`; whole
+        /// rows of `dim % 4 == 0`, one head per row).
+        pub interleave: u32,
     }
 }
 
@@ -32,11 +38,11 @@ extern "C" __global__ void __launch_bounds__(BLOCK_SIZE) rms_norm(const RmsNormP
   const i64 start = (i64)(blockIdx.x / p.heads) * p.ld + p.col + (i64)(blockIdx.x % p.heads) * p.dim;
   const float* x = reinterpret_cast<const float*>(p.x) + start;
   const float* wt = reinterpret_cast<const float*>(p.weight);
-  float* out = reinterpret_cast<float*>(p.out) + start;
   const float inv = row_rms_inv(x, p.dim, p.eps, scratch);
   for (u32 i = threadIdx.x; i < p.dim; i += BLOCK_SIZE) {
     const float g = p.add_one ? 1.f + wt[i] : wt[i];
-    out[i] = x[i] * inv * g;
+    const u32 at = p.interleave ? (i & ~3u) | ((i & 1u) << 1) | ((i >> 1) & 1u) : i;
+    store_out(p.out, start + at, x[i] * inv * g);
   }
 }
 "#;
@@ -44,12 +50,13 @@ extern "C" __global__ void __launch_bounds__(BLOCK_SIZE) rms_norm(const RmsNormP
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct NormVariant {
     pub block_size: u32,
+    pub out: OutType,
 }
 
 impl NormVariant {
-    /// About four elements per thread, between one warp and 1024 threads.
+    /// About four elements per thread, between one warp and 1024 threads; f32 output.
     pub fn for_dim(dim: usize) -> Self {
-        NormVariant { block_size: (dim / 4).clamp(32, 1024).next_power_of_two() as u32 }
+        NormVariant { block_size: (dim / 4).clamp(32, 1024).next_power_of_two() as u32, out: OutType::F32 }
     }
 
     pub fn launch_config(&self, n_rows: usize) -> LaunchConfig {
@@ -59,11 +66,11 @@ impl NormVariant {
 
 impl KernelVariant for NormVariant {
     const FAMILY: &'static str = "norm";
-    const SOURCES: &'static [&'static str] = &[HEADER, RmsNormParams::C_DECL, SOURCE];
+    const SOURCES: &'static [&'static str] = &[HEADER, STORE, RmsNormParams::C_DECL, SOURCE];
     const ENTRY_POINTS: &'static [&'static str] = &["rms_norm"];
 
     fn macros(&self) -> Vec<(&'static str, String)> {
-        vec![("BLOCK_SIZE", self.block_size.to_string())]
+        vec![("BLOCK_SIZE", self.block_size.to_string()), ("OUT_TYPE", (self.out as u32).to_string())]
     }
 }
 
@@ -74,6 +81,7 @@ mod tests {
     #[test]
     fn macros_match_source() {
         crate::kernels::tests::assert_macros_match(NormVariant::for_dim(576));
+        crate::kernels::tests::assert_macros_match(NormVariant { out: OutType::BF16, ..NormVariant::for_dim(576) });
     }
 
     #[test]

@@ -11,7 +11,7 @@
 //! - GEMM (many tokens): the weight is dequantized into scratch (skipped when it already has
 //!   the GEMM's input type) and cuBLAS multiplies, accumulating in f32.
 
-use super::{addr, addr_mut, as_u32, check_len, elems};
+use super::{addr, addr_mut, as_u32, check_len, elems, norm_rows, RowNorm};
 use crate::error::{Context, CudaError};
 use crate::kernels::dequant::{ConvertParams, ConvertVariant, DequantParams, DequantVariant, OutType};
 use crate::kernels::gemm::{self as gemm_kernels, GemmMmaParams, GemmMmaVariant, GemmReduceParams};
@@ -246,8 +246,52 @@ pub fn linear_with(
     opts: &LinearOptions,
 ) -> Result<LinearPlan, CudaError> {
     const OP: &str = "linear";
+    let plan = resolved_plan(w, n_tokens, opts);
+    if n_tokens == 0 {
+        return Ok(plan);
+    }
+    let (x, out) = linear_operands(OP, gpu, w, x, n_tokens, out)?;
+    run_plan(gpu, w, plan, Input { x, norm: None }, n_tokens, out)?;
+    Ok(plan)
+}
+
+/// [`linear`] of `RMSNorm(x)` (a norm-folded linear): the tensor-core paths normalise straight
+/// into their f16/bf16 input, one launch instead of a norm and a conversion, with the same
+/// bits; the others normalise into `norm_scratch` (f32, at least `[n_tokens, w.cols]`) first.
+#[allow(clippy::too_many_arguments)]
+pub fn linear_normed(
+    gpu: &Gpu,
+    w: &DeviceWeight,
+    x: &impl DevicePtr<f32>,
+    norm: &NormPrologue,
+    n_tokens: usize,
+    out: &mut impl DevicePtrMut<f32>,
+    norm_scratch: &mut impl DevicePtrMut<f32>,
+    opts: &LinearOptions,
+) -> Result<LinearPlan, CudaError> {
+    const OP: &str = "linear_normed";
+    let plan = resolved_plan(w, n_tokens, opts);
+    if n_tokens == 0 {
+        return Ok(plan);
+    }
+    let (x, out) = linear_operands(OP, gpu, w, x, n_tokens, out)?;
+    check_len(OP, "norm weight", norm.weight.len(), w.cols)?;
+    let row_norm = RowNorm { weight: addr(gpu, norm.weight), eps: norm.eps, add_one: norm.add_one };
+    if matches!(plan, LinearPlan::Mma { .. } | LinearPlan::Gemm { convert_input: true, .. }) {
+        run_plan(gpu, w, plan, Input { x, norm: Some(&row_norm) }, n_tokens, out)?;
+    } else {
+        check_len(OP, "norm scratch", norm_scratch.len(), elems(OP, &[n_tokens, w.cols])?)?;
+        let normed = addr_mut(gpu, norm_scratch);
+        norm_rows(gpu, x, &row_norm, n_tokens, w.cols, normed, OutType::F32, false)?;
+        run_plan(gpu, w, plan, Input { x: normed, norm: None }, n_tokens, out)?;
+    }
+    Ok(plan)
+}
+
+/// [`linear_plan`] with the weight's resident copy taken into account.
+fn resolved_plan(w: &DeviceWeight, n_tokens: usize, opts: &LinearOptions) -> LinearPlan {
     let resident = |precision: Precision| w.expanded.as_ref().is_some_and(|(t, _)| *t == precision.out_type());
-    let plan = match linear_plan(w.dtype, w.cols, n_tokens, opts) {
+    match linear_plan(w.dtype, w.cols, n_tokens, opts) {
         // An expanded copy in the GEMM's input type needs no per-call dequantization; cuBLAS on
         // it beats the small-batch GEMM on the packed weight above 32 tokens on the H200, which
         // is faster up to 32 (docs/perf.md).
@@ -258,11 +302,20 @@ pub fn linear_with(
             LinearPlan::Gemm { precision, dequantize_weight: false, convert_input: true }
         }
         plan => plan,
-    };
-    if n_tokens == 0 {
-        return Ok(plan);
     }
-    let (x, out) = linear_operands(OP, gpu, w, x, n_tokens, out)?;
+}
+
+/// A linear's input rows: f32 activations at `x`, RMS-normalised on the way in when `norm` is
+/// set (only on the paths that convert their input: the norm writes the converted rows).
+#[derive(Clone, Copy)]
+struct Input<'a> {
+    x: u64,
+    norm: Option<&'a RowNorm>,
+}
+
+fn run_plan(gpu: &Gpu, w: &DeviceWeight, plan: LinearPlan, input: Input, n_tokens: usize, out: u64) -> Result<(), CudaError> {
+    const OP: &str = "linear";
+    let x = input.x;
     if plan == LinearPlan::Gemv && x % 16 != 0 {
         return Err(CudaError::invalid(
             OP,
@@ -270,23 +323,22 @@ pub fn linear_with(
         ));
     }
     match plan {
-        LinearPlan::Gemv => gemv(gpu, w, x, n_tokens, out, w.rows, None)?,
+        LinearPlan::Gemv => gemv(gpu, w, x, n_tokens, out, w.rows, None),
         LinearPlan::GemvQ8 => {
             let (q_bytes, s_bytes, _) = Q8Activations::sizes(n_tokens * w.cols);
             gpu.with_scratch(q_bytes + s_bytes, |scratch| {
                 let input = Q8Input { xq: scratch, xs: scratch + q_bytes as u64, norm: None };
                 quantize_raw(gpu, x, w.cols, n_tokens, w.cols, None, input.xq, input.xs)?;
                 gemv_q8(gpu, w, None, None, input, n_tokens, w.rows, (out, w.rows, 0), &Epilogue::default(), None)
-            })?
+            })
         }
         LinearPlan::Mma { precision } => {
-            gemm_mma(gpu, w, x, n_tokens, out, GemmMmaVariant::for_shape(w.dtype, n_tokens, precision == Precision::BF16))?
+            gemm_mma(gpu, w, input, n_tokens, out, GemmMmaVariant::for_shape(w.dtype, n_tokens, precision == Precision::BF16))
         }
         LinearPlan::Gemm { precision, dequantize_weight, convert_input } => {
-            gemm(gpu, w, x, n_tokens, out, precision, dequantize_weight, convert_input)?
+            gemm(gpu, w, input, n_tokens, out, precision, dequantize_weight, convert_input)
         }
     }
-    Ok(plan)
 }
 
 /// The rows of a MoE expert GEMV (device side): grid y walks (token, slot) pairs; pair `i`
@@ -696,18 +748,24 @@ pub(super) fn gemv_q8(
 
 const SCRATCH_ALIGN: usize = 256;
 
-/// `count` f32 activations at `x` rounded to the 16-bit GEMM input type of `precision` at `dst`,
-/// in `gemm_mma`'s pair order when `interleave`.
+/// A linear's input rows (`n_tokens` of `cols`) written to `dst` in the GEMM input type of
+/// `precision`, in `gemm_mma`'s pair order when `interleave`: converted, or normalised and
+/// converted in one launch.
 fn convert_activations(
     gpu: &Gpu,
     precision: Precision,
-    x: u64,
-    count: usize,
+    input: Input,
+    n_tokens: usize,
+    cols: usize,
     dst: u64,
     interleave: bool,
 ) -> Result<(), CudaError> {
+    if let Some(norm) = input.norm {
+        return norm_rows(gpu, input.x, norm, n_tokens, cols, dst, precision.out_type(), interleave);
+    }
+    let count = n_tokens * cols;
     let variant = ConvertVariant { out: precision.out_type() };
-    let params = ConvertParams { src: x, dst, n: count as u64, interleave: interleave.into(), pad: 0 };
+    let params = ConvertParams { src: input.x, dst, n: count as u64, interleave: interleave.into(), pad: 0 };
     gpu.launch(&variant, "convert_f32", variant.launch_config(count), &params)
 }
 
@@ -729,7 +787,7 @@ pub fn linear_mma(
     if n_tokens == 0 || w.rows == 0 {
         return Ok(());
     }
-    gemm_mma(gpu, w, x, n_tokens, out, variant)
+    gemm_mma(gpu, w, Input { x, norm: None }, n_tokens, out, variant)
 }
 
 /// The device addresses of a linear's `x` (`[n_tokens, w.cols]`) and `out` (`[n_tokens,
@@ -750,7 +808,7 @@ fn linear_operands(
 /// The small-batch tensor-core GEMM: activations converted to the MMA input type in scratch,
 /// then `gemm_mma` on the packed weight, straight into `out` or, split over K slices, into f32
 /// partials in scratch that `gemm_reduce` sums.
-fn gemm_mma(gpu: &Gpu, w: &DeviceWeight, x: u64, n_tokens: usize, out: u64, variant: GemmMmaVariant) -> Result<(), CudaError> {
+fn gemm_mma(gpu: &Gpu, w: &DeviceWeight, input: Input, n_tokens: usize, out: u64, variant: GemmMmaVariant) -> Result<(), CudaError> {
     const OP: &str = "linear";
     let precision = if variant.bf16 { Precision::BF16 } else { Precision::F16 };
     let slices = variant.k_slices(w.rows, w.cols, n_tokens, gpu.sm_count() as usize);
@@ -758,7 +816,7 @@ fn gemm_mma(gpu: &Gpu, w: &DeviceWeight, x: u64, n_tokens: usize, out: u64, vari
     let part_len = elems(OP, &[n_tokens, w.rows])?;
     let part_bytes = if slices > 1 { elems(OP, &[slices, part_len, 4])? } else { 0 };
     gpu.with_scratch(x_bytes + part_bytes, |scratch| {
-        convert_activations(gpu, precision, x, n_tokens * w.cols, scratch, true)?;
+        convert_activations(gpu, precision, input, n_tokens, w.cols, scratch, true)?;
         let partials = scratch + x_bytes as u64;
         let [w0, w1, w2, w3] = w.plane_ptrs(gpu);
         let params = GemmMmaParams {
@@ -786,7 +844,7 @@ fn gemm_mma(gpu: &Gpu, w: &DeviceWeight, x: u64, n_tokens: usize, out: u64, vari
 fn gemm(
     gpu: &Gpu,
     w: &DeviceWeight,
-    x: u64,
+    input: Input,
     n_tokens: usize,
     out: u64,
     precision: Precision,
@@ -817,10 +875,10 @@ fn gemm(
         };
         let input = if convert_input {
             let dst = scratch + w_bytes as u64;
-            convert_activations(gpu, precision, x, n_tokens * w.cols, dst, false)?;
+            convert_activations(gpu, precision, input, n_tokens, w.cols, dst, false)?;
             dst
         } else {
-            x
+            input.x
         };
         let (alpha, beta) = (1.0f32, 0.0f32);
         let ty = precision.cuda_type();

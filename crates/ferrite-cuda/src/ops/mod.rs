@@ -24,7 +24,7 @@ pub use attention::{
     AttentionPath, KvCache, Paging, SplitScratch, FLASH_MIN_TOKENS, MAX_SPLITS,
 };
 pub use linear::{
-    expand_weight, expanded_bytes, linear, linear_mma, linear_plan, linear_q8, linear_q8_gated_pair, linear_with, quantize_q8, MMA_OVER_RESIDENT_MAX_TOKENS, Epilogue, GemvActivations, Glu, LinearOptions,
+    expand_weight, expanded_bytes, linear, linear_mma, linear_plan, linear_normed, linear_q8, linear_q8_gated_pair, linear_with, quantize_q8, MMA_OVER_RESIDENT_MAX_TOKENS, Epilogue, GemvActivations, Glu, LinearOptions,
     LinearPath, LinearPlan, NormPrologue, Precision, Q8Activations, Q8Emit,
 };
 pub use moe::{check_moe_shape, moe_ffn, moe_plan, moe_route, ExpertGateUp, ExpertGemv, MoeDims, MoePlan, MoeScratch, MoeWeights, SharedExpert};
@@ -39,6 +39,7 @@ pub use crate::kernels::sampling::sampling_uniform;
 
 use crate::error::CudaError;
 use crate::kernels::activation::{ActivationVariant, AddRowsParams, CopyColsParams, ElementwiseParams, GatedQueryParams, GluParams};
+use crate::kernels::dequant::OutType;
 use crate::kernels::embedding::{EmbedParams, EmbedVariant};
 use crate::kernels::norm::{NormVariant, RmsNormParams};
 use crate::kernels::rope::{RopeParams, RopeVariant};
@@ -161,22 +162,51 @@ pub fn rms_norm(
     if dim == 0 {
         return Err(CudaError::invalid(OP, "dim is 0"));
     }
-    as_u32(OP, "n_rows", n_rows)?;
     let n = elems(OP, &[n_rows, dim])?;
     check_len(OP, "x", x.len(), n)?;
     check_len(OP, "weight", weight.len(), dim)?;
     check_len(OP, "out", out.len(), n)?;
-    let variant = NormVariant::for_dim(dim);
+    let norm = RowNorm { weight: addr(gpu, weight), eps, add_one };
+    norm_rows(gpu, addr(gpu, x), &norm, n_rows, dim, addr_mut(gpu, out), OutType::F32, false)
+}
+
+/// An RMSNorm's weight (device address), epsilon and `(1 + w)` convention.
+pub(crate) struct RowNorm {
+    pub weight: u64,
+    pub eps: f32,
+    pub add_one: bool,
+}
+
+/// RMSNorm of `n_rows` rows of `dim` at `x` into `out` as `out_type`, in `gemm_mma`'s pair
+/// order when `interleave` (lengths checked by the caller; `dim > 0`).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn norm_rows(
+    gpu: &Gpu,
+    x: u64,
+    norm: &RowNorm,
+    n_rows: usize,
+    dim: usize,
+    out: u64,
+    out_type: OutType,
+    interleave: bool,
+) -> Result<(), CudaError> {
+    const OP: &str = "rms_norm";
+    as_u32(OP, "n_rows", n_rows)?;
+    if interleave && !dim.is_multiple_of(4) {
+        return Err(CudaError::invalid(OP, format!("the interleaved order needs rows of whole fours, not {dim}")));
+    }
+    let variant = NormVariant { out: out_type, ..NormVariant::for_dim(dim) };
     let params = RmsNormParams {
-        x: addr(gpu, x),
-        weight: addr(gpu, weight),
-        out: addr_mut(gpu, out),
+        x,
+        weight: norm.weight,
+        out,
         dim: as_u32(OP, "dim", dim)?,
-        eps,
-        add_one: u32::from(add_one),
+        eps: norm.eps,
+        add_one: u32::from(norm.add_one),
         heads: 1,
         ld: as_u32(OP, "dim", dim)?,
         col: 0,
+        interleave: u32::from(interleave),
     };
     gpu.launch(&variant, "rms_norm", variant.launch_config(n_rows), &params)
 }
@@ -217,6 +247,7 @@ pub fn head_norm(
         heads: n_heads as u32,
         ld: as_u32(OP, "ld", ld)?,
         col: as_u32(OP, "col", col)?,
+        interleave: 0,
     };
     gpu.launch(&variant, "rms_norm", variant.launch_config(blocks as usize), &params)
 }
@@ -285,10 +316,11 @@ pub fn rope(
     gpu.launch(&variant, "rope", variant.launch_config(pairs), &params)
 }
 
+/// An element-wise kernel that takes four elements per thread where it can.
 fn elementwise(gpu: &Gpu, entry: &'static str, a: u64, b: u64, out: u64, n: usize) -> Result<(), CudaError> {
     let variant = ActivationVariant;
     let params = ElementwiseParams { a, b, out, n: n as u64 };
-    gpu.launch(&variant, entry, variant.launch_config(n), &params)
+    gpu.launch(&variant, entry, variant.launch_config(n.div_ceil(4)), &params)
 }
 
 macro_rules! gated_activation {
@@ -342,9 +374,9 @@ pub fn glu_rows(gpu: &Gpu, src: &impl DevicePtr<f32>, rows: usize, half: usize, 
     launch_glu(gpu, entry, &params)
 }
 
-/// The `swiglu` / `geglu` kernel over `params.n` outputs.
+/// The `swiglu` / `geglu` kernel over `params.n` outputs (four per thread where it can).
 fn launch_glu(gpu: &Gpu, entry: &'static str, params: &GluParams) -> Result<(), CudaError> {
-    gpu.launch(&ActivationVariant, entry, ActivationVariant.launch_config(params.n as usize), params)
+    gpu.launch(&ActivationVariant, entry, ActivationVariant.launch_config((params.n as usize).div_ceil(4)), params)
 }
 
 /// `acc += x` over `n` elements (the residual add).
