@@ -6,6 +6,7 @@ use crate::error::{Context, CudaError};
 use crate::kernels::common::{ERR_EXPERT_ID, ERR_POSITION, ERR_TOKEN_ID};
 use crate::kernels::KernelVariant;
 use crate::ops::{AttentionPath, GdnPath, LinearOptions};
+use crate::blas_lt::BlasLt;
 use cudarc::cublas::CudaBlas;
 use cudarc::driver::sys::{self, CUdevice_attribute};
 use cudarc::driver::{
@@ -30,6 +31,12 @@ fn device_count() -> Result<usize, CudaError> {
     if !unsafe { cudarc::cublas::sys::is_culib_present() } {
         return Err(CudaError::NoDevice(
             "libcublas.so not found (add the CUDA toolkit's lib64 or the nvidia-cublas wheel's lib to LD_LIBRARY_PATH)"
+                .into(),
+        ));
+    }
+    if !unsafe { cudarc::cublaslt::sys::is_culib_present() } {
+        return Err(CudaError::NoDevice(
+            "libcublasLt.so not found (add the CUDA toolkit's lib64 or the nvidia-cublas wheel's lib to LD_LIBRARY_PATH)"
                 .into(),
         ));
     }
@@ -105,6 +112,7 @@ pub struct Gpu {
     // Declaration order is drop order: modules and buffers go before the stream and context.
     modules: ModuleCache,
     blas: CudaBlas,
+    blas_lt: BlasLt,
     error_flag: Mutex<CudaSlice<u32>>,
     error_flag_ptr: u64,
     scratch: Mutex<Option<CudaSlice<u8>>>,
@@ -134,6 +142,7 @@ impl Gpu {
         unsafe { ctx.disable_event_tracking() };
         let stream = ctx.new_stream().context(|| "creating the compute stream".into())?;
         let blas = CudaBlas::new(stream.clone()).context(|| "creating the cuBLAS handle".into())?;
+        let blas_lt = BlasLt::new(stream.clone())?;
         let name = ctx.name().context(|| "reading the device name".into())?;
         let (major, minor) = ctx.compute_capability().context(|| "reading the compute capability".into())?;
         let sm_count = ctx
@@ -158,6 +167,7 @@ impl Gpu {
         Ok(Gpu {
             modules,
             blas,
+            blas_lt,
             error_flag: Mutex::new(error_flag),
             error_flag_ptr,
             scratch: Mutex::new(None),
@@ -278,6 +288,10 @@ impl Gpu {
 
     pub(crate) fn error_flag_ptr(&self) -> u64 {
         self.error_flag_ptr
+    }
+
+    pub(crate) fn blas_lt(&self) -> &BlasLt {
+        &self.blas_lt
     }
 
     pub(crate) fn blas(&self) -> &CudaBlas {

@@ -17,7 +17,7 @@ use crate::ops::{self, AttentionConfig, GatedQuery, GdnState, GdnWeights, KvCach
 use crate::{CudaError, DeviceWeight, Gpu};
 use anyhow::{anyhow, bail, Context};
 use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
-use cudarc::driver::{CudaGraph, CudaSlice, CudaViewMut};
+use cudarc::driver::{CudaGraph, CudaSlice};
 use ferrite_core::env;
 use ferrite_gguf::GgmlType;
 use ferrite_model::graph::{ExpertGateUp, GatedActivation, NormSpec, Op, Rows, ValueId, WeightId};
@@ -493,24 +493,25 @@ impl CudaExecutor {
                 let (r, xw, ow) = (rows(x), width(x), width(op.writes()));
                 let rows_w = matrix(w).rows;
                 debug_assert_eq!(xw, matrix(w).cols);
-                let norm_scratch = &mut buf.scratch_a;
-                // The linear, its folded norm in its input path.
-                let mut linear = |dst: &mut CudaViewMut<f32>| match norm {
-                    Some(nm) => ops::linear_normed(gpu, matrix(w), input(x), &norm_prologue(nm), r, dst, norm_scratch, &gpu.linear_options()).map(|_| ()),
-                    None => ops::linear(gpu, matrix(w), input(x), r, dst),
-                };
-                if out_col == 0 && rows_w == ow {
-                    linear(&mut out.slice_mut(..))?;
+                let opts = gpu.linear_options();
+                // Norm and residual in the linear's own paths where it writes the whole output
+                // (the residual only without a bias: bias first, as the graph declares).
+                let whole = out_col == 0 && rows_w == ow;
+                let fused_residual = if whole && bias.is_none() { residual.map(input) } else { None };
+                let fusion = ops::LinearFusion { norm: norm.map(norm_prologue), residual: fused_residual };
+                if whole {
+                    ops::linear_fused(gpu, matrix(w), input(x), &fusion, r, out, &mut buf.scratch_a, &opts)?;
                 } else if r == 1 {
-                    linear(&mut out.slice_mut(out_col..out_col + rows_w))?;
+                    let dst = &mut out.slice_mut(out_col..out_col + rows_w);
+                    ops::linear_fused(gpu, matrix(w), input(x), &fusion, 1, dst, &mut buf.scratch_a, &opts)?;
                 } else {
-                    linear(&mut buf.scratch_b.slice_mut(..))?;
+                    ops::linear_fused(gpu, matrix(w), input(x), &fusion, r, &mut buf.scratch_b, &mut buf.scratch_a, &opts)?;
                     ops::copy_cols(gpu, &buf.scratch_b, rows_w, 0, out, ow, out_col, rows_w, r)?;
                 }
                 if let Some(b) = bias {
                     ops::add_rows(gpu, out, ow, out_col, vector(b), rows_w, r)?;
                 }
-                if let Some(res) = residual {
+                if let (Some(res), None) = (residual, fused_residual) {
                     ops::add(gpu, out, input(res), r * ow)?;
                 }
             }
@@ -581,11 +582,8 @@ impl CudaExecutor {
                 } else {
                     // Other paths: the projection (its folded norm in its input path) into
                     // scratch, then the activation kernel.
-                    match norm {
-                        Some(nm) => ops::linear_normed(gpu, matrix(w), input(x), &norm_prologue(nm), r, &mut buf.scratch_c, &mut buf.scratch_a, &gpu.linear_options())
-                            .map(|_| ())?,
-                        None => ops::linear(gpu, matrix(w), input(x), r, &mut buf.scratch_c)?,
-                    }
+                    let fusion = ops::LinearFusion { norm: norm.map(norm_prologue), residual: None };
+                    ops::linear_fused(gpu, matrix(w), input(x), &fusion, r, &mut buf.scratch_c, &mut buf.scratch_a, &gpu.linear_options())?;
                     ops::glu_rows(gpu, &buf.scratch_c, r, half, glu, out)?;
                 }
             }

@@ -10,6 +10,7 @@
 //! The crate builds and its CPU tests run without CUDA: libraries are loaded at run time,
 //! and [`cuda_available`] says why a GPU cannot be used.
 
+mod blas_lt;
 mod cache;
 mod ceilings;
 mod compile;

@@ -698,10 +698,11 @@ fn expanded_weights_feed_the_gemm_unchanged() {
     }
 }
 
-/// A norm-folded linear gives the bits of the norm followed by the linear on every path (the
-/// tensor-core paths normalise straight into their f16/bf16 input, one launch for both).
+/// A linear with its norm and residual folded in gives the bits of norm, linear and add run one
+/// after the other, on every path (the tensor-core paths normalise straight into their f16/bf16
+/// input; cuBLAS adds the residual in its epilogue).
 #[test]
-fn normed_linear_matches_norm_then_linear() {
+fn fused_linear_matches_norm_linear_add() {
     let Some(gpu) = gpu() else { return };
     let mut rng = Rng(31);
     let (rows, cols) = (96, 576);
@@ -718,21 +719,27 @@ fn normed_linear_matches_norm_then_linear() {
         let (bytes, _) = random_weight(&mut rng, dtype, rows, cols);
         let w = gpu.upload_weight(dtype, rows, cols, &bytes).unwrap();
         let g = upload(gpu, &rng.vec(cols, 0.5, 1.5));
-        for add_one in [false, true] {
-            let norm = ops::NormPrologue { weight: &g, eps: 1e-5, add_one };
+        for (add_one, with_norm, with_residual) in [(false, true, false), (true, true, true), (false, false, true)] {
+            let norm = with_norm.then_some(ops::NormPrologue { weight: &g, eps: 1e-5, add_one });
             for (n, opts) in &cases {
                 let n = *n;
                 let x = upload(gpu, &rng.vec(n * cols, -2.0, 2.0));
+                let residual = upload(gpu, &rng.vec(n * rows, -4.0, 4.0));
                 let mut normed = poisoned(gpu, n * cols);
                 ops::rms_norm(gpu, &x, &g, 1e-5, n, cols, add_one, &mut normed).unwrap();
                 let mut want = poisoned(gpu, n * rows);
-                let plan = ops::linear_with(gpu, &w, &normed, n, &mut want, opts).unwrap();
+                let plan = ops::linear_with(gpu, &w, if with_norm { &normed } else { &x }, n, &mut want, opts).unwrap();
+                if with_residual {
+                    ops::add(gpu, &mut want, &residual, n * rows).unwrap();
+                }
                 let mut got = poisoned(gpu, n * rows);
-                let fused = ops::linear_normed(gpu, &w, &x, &norm, n, &mut got, &mut poisoned(gpu, n * cols), opts).unwrap();
+                let fusion = ops::LinearFusion { norm, residual: with_residual.then_some(&residual) };
+                let fused = ops::linear_fused(gpu, &w, &x, &fusion, n, &mut got, &mut poisoned(gpu, n * cols), opts).unwrap();
                 assert_eq!(fused, plan, "{dtype} n={n}");
                 let (want, got) = (download(gpu, &want), download(gpu, &got));
-                assert!(got.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()), "{dtype} n={n} {plan:?} add_one={add_one}: the folded norm changed the output");
-                println!("| {:<10} | {:<44} | {:>9} | {:>9} | {:>6} |", "normed", format!("{dtype} {rows}x{cols} n={n} {plan:?}"), "exact", "exact", 0);
+                let case = format!("{dtype} {rows}x{cols} n={n} {plan:?} norm={with_norm} (1+w: {add_one}) residual={with_residual}");
+                assert!(got.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()), "{case}: the fused linear changed the output");
+                println!("| {:<10} | {:<44} | {:>9} | {:>9} | {:>6} |", "fused", case, "exact", "exact", 0);
             }
         }
     }

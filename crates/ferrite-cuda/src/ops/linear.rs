@@ -12,19 +12,17 @@
 //!   the GEMM's input type) and cuBLAS multiplies, accumulating in f32.
 
 use super::{addr, addr_mut, as_u32, check_len, elems, norm_rows, RowNorm};
-use crate::error::{Context, CudaError};
+use crate::blas_lt::LtShape;
+use crate::error::CudaError;
 use crate::kernels::dequant::{ConvertParams, ConvertVariant, DequantParams, DequantVariant, OutType};
 use crate::kernels::gemm::{self as gemm_kernels, GemmMmaParams, GemmMmaVariant, GemmReduceParams};
 use crate::kernels::gemv::{GemvParams, GemvQ8Params, GemvQ8Variant, GemvVariant};
 use crate::kernels::quantize::{Prologue, QuantizeParams, QuantizeVariant};
 use crate::weight::{self, DeviceWeight};
 use crate::Gpu;
-use cudarc::cublas::result::gemm_ex;
-use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType_t};
 use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
 use ferrite_core::env;
 use ferrite_gguf::GgmlType;
-use std::ffi::c_void;
 
 /// Which kernel path [`linear`] takes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -55,13 +53,6 @@ impl Precision {
         }
     }
 
-    fn cuda_type(self) -> cudaDataType_t {
-        match self {
-            Precision::F32 => cudaDataType_t::CUDA_R_32F,
-            Precision::F16 => cudaDataType_t::CUDA_R_16F,
-            Precision::BF16 => cudaDataType_t::CUDA_R_16BF,
-        }
-    }
 
     /// The weight type cuBLAS can read directly at this precision.
     fn native_weight(self) -> GgmlType {
@@ -251,39 +242,60 @@ pub fn linear_with(
         return Ok(plan);
     }
     let (x, out) = linear_operands(OP, gpu, w, x, n_tokens, out)?;
-    run_plan(gpu, w, plan, Input { x, norm: None }, n_tokens, out)?;
+    run_plan(gpu, w, plan, Input { x, norm: None }, n_tokens, out, None)?;
     Ok(plan)
 }
 
-/// [`linear`] of `RMSNorm(x)` (a norm-folded linear): the tensor-core paths normalise straight
-/// into their f16/bf16 input, one launch instead of a norm and a conversion, with the same
-/// bits; the others normalise into `norm_scratch` (f32, at least `[n_tokens, w.cols]`) first.
+/// What a linear folds in besides `x · Wᵀ`: the RMSNorm of its input, the residual added to its
+/// output (both declared in the graph at load).
+#[derive(Clone, Copy, Default)]
+pub struct LinearFusion<'a> {
+    pub norm: Option<NormPrologue<'a>>,
+    /// `[n_tokens, w.rows]`, added to the whole output.
+    pub residual: Option<&'a CudaSlice<f32>>,
+}
+
+/// [`linear_with`] of `RMSNorm(x)`, plus the residual: the tensor-core paths normalise straight
+/// into their f16/bf16 input (one launch instead of a norm and a conversion, the same bits) and
+/// cuBLAS adds the residual in its epilogue; the others normalise into `norm_scratch` (f32, at
+/// least `[n_tokens, w.cols]`; untouched without a norm) first and add the residual after.
 #[allow(clippy::too_many_arguments)]
-pub fn linear_normed(
+pub fn linear_fused(
     gpu: &Gpu,
     w: &DeviceWeight,
     x: &impl DevicePtr<f32>,
-    norm: &NormPrologue,
+    fusion: &LinearFusion,
     n_tokens: usize,
     out: &mut impl DevicePtrMut<f32>,
     norm_scratch: &mut impl DevicePtrMut<f32>,
     opts: &LinearOptions,
 ) -> Result<LinearPlan, CudaError> {
-    const OP: &str = "linear_normed";
+    const OP: &str = "linear_fused";
     let plan = resolved_plan(w, n_tokens, opts);
     if n_tokens == 0 {
         return Ok(plan);
     }
     let (x, out) = linear_operands(OP, gpu, w, x, n_tokens, out)?;
+    let residual = match fusion.residual {
+        Some(r) => {
+            check_len(OP, "residual", r.len(), elems(OP, &[n_tokens, w.rows])?)?;
+            Some(addr(gpu, r))
+        }
+        None => None,
+    };
+    let Some(norm) = fusion.norm else {
+        run_plan(gpu, w, plan, Input { x, norm: None }, n_tokens, out, residual)?;
+        return Ok(plan);
+    };
     check_len(OP, "norm weight", norm.weight.len(), w.cols)?;
     let row_norm = RowNorm { weight: addr(gpu, norm.weight), eps: norm.eps, add_one: norm.add_one };
     if matches!(plan, LinearPlan::Mma { .. } | LinearPlan::Gemm { convert_input: true, .. }) {
-        run_plan(gpu, w, plan, Input { x, norm: Some(&row_norm) }, n_tokens, out)?;
+        run_plan(gpu, w, plan, Input { x, norm: Some(&row_norm) }, n_tokens, out, residual)?;
     } else {
         check_len(OP, "norm scratch", norm_scratch.len(), elems(OP, &[n_tokens, w.cols])?)?;
         let normed = addr_mut(gpu, norm_scratch);
         norm_rows(gpu, x, &row_norm, n_tokens, w.cols, normed, OutType::F32, false)?;
-        run_plan(gpu, w, plan, Input { x: normed, norm: None }, n_tokens, out)?;
+        run_plan(gpu, w, plan, Input { x: normed, norm: None }, n_tokens, out, residual)?;
     }
     Ok(plan)
 }
@@ -313,7 +325,16 @@ struct Input<'a> {
     norm: Option<&'a RowNorm>,
 }
 
-fn run_plan(gpu: &Gpu, w: &DeviceWeight, plan: LinearPlan, input: Input, n_tokens: usize, out: u64) -> Result<(), CudaError> {
+/// Run `plan`; `out += residual` after it (cuBLAS reads the residual in its epilogue).
+fn run_plan(
+    gpu: &Gpu,
+    w: &DeviceWeight,
+    plan: LinearPlan,
+    input: Input,
+    n_tokens: usize,
+    out: u64,
+    residual: Option<u64>,
+) -> Result<(), CudaError> {
     const OP: &str = "linear";
     let x = input.x;
     if plan == LinearPlan::Gemv && x % 16 != 0 {
@@ -323,6 +344,9 @@ fn run_plan(gpu: &Gpu, w: &DeviceWeight, plan: LinearPlan, input: Input, n_token
         ));
     }
     match plan {
+        LinearPlan::Gemm { precision, dequantize_weight, convert_input } => {
+            return gemm(gpu, w, input, n_tokens, out, residual, precision, dequantize_weight, convert_input);
+        }
         LinearPlan::Gemv => gemv(gpu, w, x, n_tokens, out, w.rows, None),
         LinearPlan::GemvQ8 => {
             let (q_bytes, s_bytes, _) = Q8Activations::sizes(n_tokens * w.cols);
@@ -335,9 +359,10 @@ fn run_plan(gpu: &Gpu, w: &DeviceWeight, plan: LinearPlan, input: Input, n_token
         LinearPlan::Mma { precision } => {
             gemm_mma(gpu, w, input, n_tokens, out, GemmMmaVariant::for_shape(w.dtype, n_tokens, precision == Precision::BF16))
         }
-        LinearPlan::Gemm { precision, dequantize_weight, convert_input } => {
-            gemm(gpu, w, input, n_tokens, out, precision, dequantize_weight, convert_input)
-        }
+    }?;
+    match residual {
+        Some(r) => super::add_raw(gpu, out, r, n_tokens * w.rows),
+        None => Ok(()),
     }
 }
 
@@ -847,15 +872,12 @@ fn gemm(
     input: Input,
     n_tokens: usize,
     out: u64,
+    residual: Option<u64>,
     precision: Precision,
     dequantize_weight: bool,
     convert_input: bool,
 ) -> Result<(), CudaError> {
     const OP: &str = "linear";
-    let int = |what: &str, v: usize| {
-        i32::try_from(v).map_err(|_| CudaError::invalid(OP, format!("{what} = {v} is too large for cuBLAS")))
-    };
-    let (m, n, k) = (int("rows", w.rows)?, int("n_tokens", n_tokens)?, int("cols", w.cols)?);
     let elem = precision.out_type().bytes();
     let w_bytes =
         if dequantize_weight { elems(OP, &[w.rows, w.cols, elem])?.next_multiple_of(SCRATCH_ALIGN) } else { 0 };
@@ -880,34 +902,9 @@ fn gemm(
         } else {
             input.x
         };
-        let (alpha, beta) = (1.0f32, 0.0f32);
-        let ty = precision.cuda_type();
-        // Row-major out[n, m] = x[n, k] * w[m, k]^T is column-major out(m x n) = W^T(m x k) * X(k x n),
-        // with W the column-major (k x m) view of the row-major weight.
-        unsafe {
-            gemm_ex(
-                *gpu.blas().handle(),
-                cublasOperation_t::CUBLAS_OP_T,
-                cublasOperation_t::CUBLAS_OP_N,
-                m,
-                n,
-                k,
-                &alpha as *const f32 as *const c_void,
-                weight as *const c_void,
-                ty,
-                k,
-                input as *const c_void,
-                ty,
-                k,
-                &beta as *const f32 as *const c_void,
-                out as *mut c_void,
-                cudaDataType_t::CUDA_R_32F,
-                m,
-                cublasComputeType_t::CUBLAS_COMPUTE_32F,
-                cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
-            )
-        }
-        .context(|| format!("cublasGemmEx {m}x{n}x{k} ({precision:?}, weight {})", w.dtype))
+        // Row-major out[n, m] = x[n, k] · w[m, k]ᵀ, the residual (if any) read in the epilogue.
+        let shape = LtShape { m: w.rows as u64, n: n_tokens as u64, k: w.cols as u64, input: precision.out_type() };
+        gpu.blas_lt().matmul(shape, weight, input, residual, out)
     })
 }
 

@@ -24,8 +24,8 @@ pub use attention::{
     AttentionPath, KvCache, Paging, SplitScratch, FLASH_MIN_TOKENS, MAX_SPLITS,
 };
 pub use linear::{
-    expand_weight, expanded_bytes, linear, linear_mma, linear_plan, linear_normed, linear_q8, linear_q8_gated_pair, linear_with, quantize_q8, MMA_OVER_RESIDENT_MAX_TOKENS, Epilogue, GemvActivations, Glu, LinearOptions,
-    LinearPath, LinearPlan, NormPrologue, Precision, Q8Activations, Q8Emit,
+    expand_weight, expanded_bytes, linear, linear_mma, linear_plan, linear_fused, linear_q8, linear_q8_gated_pair, linear_with, quantize_q8, MMA_OVER_RESIDENT_MAX_TOKENS, Epilogue, GemvActivations, Glu, LinearOptions,
+    LinearFusion, LinearPath, LinearPlan, NormPrologue, Precision, Q8Activations, Q8Emit,
 };
 pub use moe::{check_moe_shape, moe_ffn, moe_plan, moe_route, ExpertGateUp, ExpertGemv, MoeDims, MoePlan, MoeScratch, MoeWeights, SharedExpert};
 pub use sampling::{argmax, argmax_rows, sample, SamplingConfig};
@@ -388,7 +388,12 @@ pub fn add(gpu: &Gpu, acc: &mut impl DevicePtrMut<f32>, x: &impl DevicePtr<f32>,
     check_len(OP, "acc", acc.len(), n)?;
     check_len(OP, "x", x.len(), n)?;
     let acc = addr_mut(gpu, acc);
-    elementwise(gpu, "add", acc, addr(gpu, x), acc, n)
+    add_raw(gpu, acc, addr(gpu, x), n)
+}
+
+/// `acc += x` over `n` f32 at device addresses (lengths checked by the caller).
+pub(crate) fn add_raw(gpu: &Gpu, acc: u64, x: u64, n: usize) -> Result<(), CudaError> {
+    elementwise(gpu, "add", acc, x, acc, n)
 }
 
 /// A column range of a row-major matrix: `n_cols` columns from `col` in rows of `width`.
