@@ -10,7 +10,7 @@
 use ferrite_cuda::kernels::gdn::{GdnChunkVariant, GdnDeltaVariant};
 use ferrite_cuda::kernels::gemm::GemmMmaVariant;
 use ferrite_cuda::kernels::gemv::GemvVariant;
-use ferrite_cuda::ops::{self, AttentionConfig, GdnPath, GdnState, GdnWeights, KvCache, KvDtype, LinearOptions, LinearPath, SamplingConfig};
+use ferrite_cuda::ops::{self, AttentionConfig, GdnPath, GdnState, GdnWeights, KvCache, KvDtype, LinearOptions, LinearPath, MoePath, SamplingConfig};
 use ferrite_cuda::{CudaError, Gpu};
 use ferrite_gguf::quant::quantize;
 use ferrite_gguf::GgmlType;
@@ -251,12 +251,34 @@ fn moe(gpu: &Gpu) -> Result<(), CudaError> {
     let mut scratch = ops::MoeScratch::new(gpu, dims, 256)?;
     // Bytes one token reads: its k experts' gate, up and down rows, the shared expert, the router.
     let per_token = (3 * k * ff * d + 3 * ff * d) as f64 * 18.0 / 32.0 + (e * d * 4) as f64;
-    for n in [1usize, 8, 64, 256] {
+    // The routed experts pair by pair (decode's path) and grouped by expert (prefill's, from
+    // ops::MOE_GROUPED_MIN_TOKENS under auto), at decode and prefill sizes.
+    let opts = gpu.linear_options();
+    for n in [1usize, 8, 16, 64, 256] {
         let x = gpu.upload(&(0..n * d).map(|i| ((i * 7919) % 2001) as f32 / 1000.0 - 1.0).collect::<Vec<_>>(), "x")?;
         let mut out = gpu.alloc_zeros::<f32>(n * d)?;
-        let opts = gpu.linear_options();
-        let s = time(gpu, 50, || ops::moe_ffn(gpu, &weights, &x, n, None, &mut scratch, &mut out, &opts).map(|_| ()))?;
-        println!("  n={n:<4} {:>9.2} us  {:>7.2} us/token  {:>7.1} GB/s of routed + shared weights per token", s * 1e6, s * 1e6 / n as f64, per_token * n as f64 / s / 1e9);
+        for path in [MoePath::Pairs, MoePath::Grouped] {
+            let s = time(gpu, 50, || ops::moe_ffn_with(gpu, Some(path), &weights, &x, n, None, &mut scratch, &mut out, &opts).map(|_| ()))?;
+            println!(
+                "  n={n:<4} {:<8} {:>9.2} us  {:>7.2} us/token  {:>7.1} GB/s of routed + shared weights per token",
+                format!("{path:?}"),
+                s * 1e6,
+                s * 1e6 / n as f64,
+                per_token * n as f64 / s / 1e9
+            );
+        }
+        // The grouping launch alone, on this batch's routing.
+        let pairs = n * k;
+        let mut groups = ops::MoeGroups::new(gpu, pairs, e)?;
+        let ids = scratch.routing().0;
+        let s = time(gpu, 50, || ops::moe_group(gpu, ids, pairs, e, &mut groups).map(|_| ()))?;
+        let distinct = {
+            let mut seen = gpu.download(ids)?[..pairs].to_vec();
+            seen.sort_unstable();
+            seen.dedup();
+            seen.len()
+        };
+        println!("  n={n:<4} moe_group {:>9.2} us  ({pairs} pairs on {distinct} experts)", s * 1e6);
     }
     Ok(())
 }

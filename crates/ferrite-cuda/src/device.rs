@@ -5,7 +5,7 @@ use crate::compile::{nvrtc_version, require_nvrtc, supported_archs};
 use crate::error::{Context, CudaError};
 use crate::kernels::common::{ERR_EXPERT_ID, ERR_POSITION, ERR_TOKEN_ID};
 use crate::kernels::KernelVariant;
-use crate::ops::{AttentionPath, GdnPath, LinearOptions};
+use crate::ops::{AttentionPath, GdnPath, LinearOptions, MoePath};
 use crate::blas_lt::BlasLt;
 use cudarc::cublas::CudaBlas;
 use cudarc::driver::sys::{self, CUdevice_attribute};
@@ -86,6 +86,8 @@ pub struct GpuOptions {
     pub gdn_path: Option<GdnPath>,
     /// The attention kernel every batch takes (`None`: [`crate::ops::attention_path`] decides).
     pub attention_path: Option<AttentionPath>,
+    /// The MoE expert path every batch takes (`None`: [`crate::ops::moe_plan`] decides).
+    pub moe_path: Option<MoePath>,
 }
 
 impl GpuOptions {
@@ -96,6 +98,7 @@ impl GpuOptions {
             dependent_launch: !env::DISABLE_CUDA_PDL.flag(false),
             gdn_path: GdnPath::forced_by(env::CUDA_GDN_PATH.get().as_deref()),
             attention_path: AttentionPath::forced_by(env::CUDA_ATTENTION_PATH.get().as_deref()),
+            moe_path: MoePath::forced_by(env::CUDA_MOE_PATH.get().as_deref()),
         }
     }
 }
@@ -120,6 +123,7 @@ pub struct Gpu {
     dependent_launch: bool,
     gdn_path: Option<GdnPath>,
     attention_path: Option<AttentionPath>,
+    moe_path: Option<MoePath>,
     props: DeviceProps,
     stream: Arc<CudaStream>,
     ctx: Arc<CudaContext>,
@@ -175,6 +179,7 @@ impl Gpu {
             dependent_launch: options.dependent_launch && major >= 9,
             gdn_path: options.gdn_path,
             attention_path: options.attention_path,
+            moe_path: options.moe_path,
             props: DeviceProps { name, compute_capability: (major as u32, minor as u32), sm_count: sm_count as u32 },
             stream,
             ctx,
@@ -225,6 +230,11 @@ impl Gpu {
     /// The attention kernel forced on this device (`FERRITE_CUDA_ATTENTION_PATH`), if any.
     pub fn attention_path(&self) -> Option<AttentionPath> {
         self.attention_path
+    }
+
+    /// The MoE expert path forced on this device (`FERRITE_CUDA_MOE_PATH`), if any.
+    pub fn moe_path(&self) -> Option<MoePath> {
+        self.moe_path
     }
 
     pub fn kernel_cache_stats(&self) -> CacheStats {

@@ -9,9 +9,10 @@
 // Skip notes go straight to stderr, past the test harness capture, so CI logs show them.
 use std::io::Write as _;
 use ferrite_cpu::kernels::{activation, attention, embedding, gdn, matmul_f32, moe, norm, rope, WeightView};
+use ferrite_cuda::kernels::moe::{group_max_tiles, GROUP_TILE};
 use ferrite_cuda::ops::{
     self, AttentionConfig, GatedQuery, GdnPath, GdnState, GdnWeights, GemvActivations, KvCache, KvDtype, LinearOptions, LinearPath, LinearPlan,
-    Precision, RopeConfig, SamplingConfig,
+    MoePath, Precision, RopeConfig, SamplingConfig,
 };
 use ferrite_cuda::{cuda_available, CudaSlice, Gpu, GpuOptions, KernelCacheDir};
 use ferrite_gguf::quant::{dequantize, quantize};
@@ -1726,6 +1727,8 @@ struct MoeCase {
     /// Per expert `d` rows of `ff`.
     down: Vec<Vec<f32>>,
     shared: Option<SharedHost>,
+    /// Column 0 of every token's input is 1 (see [`skew_routing`]).
+    x0_one: bool,
 }
 
 /// The shared expert's gate and up (`ffs` rows of `d`), down (`d` rows of `ffs`) and gate vector.
@@ -1811,8 +1814,170 @@ fn moe_case(
         }
         None => (None, None),
     };
-    let case = MoeCase { d, e, k, ff, ffs, router, gate_up, down, shared: shared_host };
+    let case = MoeCase { d, e, k, ff, ffs, router, gate_up, down, shared: shared_host, x0_one: false };
     (case, MoeDevice { router: router_dev, banks, down: down_dev, shared: shared_dev })
+}
+
+/// Route every token to expert 0 and never to the upper half of the experts (some experts get
+/// no pairs, one gets a pair of every token): column 0 of the router becomes +2 for expert 0,
+/// -4 for the upper half and 0 for the rest, and [`check_moe_ffn`] sets column 0 of the input
+/// to 1; the other columns are scaled to give logits of about ±0.2, so the chosen experts'
+/// weights stay within a factor of about 10. Needs `top_k <= n_experts / 2`.
+fn skew_routing(gpu: &Gpu, case: &mut MoeCase, dev: &mut MoeDevice) {
+    let (d, e) = (case.d, case.e);
+    assert!(case.k <= e / 2, "top {} of {e} cannot avoid the upper half", case.k);
+    for (ex, row) in case.router.chunks_exact_mut(d).enumerate() {
+        row.iter_mut().for_each(|v| *v *= 0.25);
+        row[0] = if ex == 0 { 2.0 } else if ex >= e / 2 { -4.0 } else { 0.0 };
+    }
+    dev.router = gpu.upload_weight(GgmlType::F32, e, d, bytemuck::cast_slice(&case.router)).unwrap();
+    case.x0_one = true;
+}
+
+/// The grouping `moe_group` must leave for pair ids `ids` of `e` experts, by a stable sort:
+/// the pairs ordered by bucket (the expert, or `e` for an id out of range), ascending inside a
+/// bucket, and the tiles of up to `GROUP_TILE` pairs of one bucket, `[bucket | pairs << 16,
+/// first place]`.
+fn group_reference(ids: &[u32], e: usize) -> (Vec<u32>, Vec<[u32; 2]>) {
+    let bucket = |i: u32| (ids[i as usize] as usize).min(e);
+    let mut perm: Vec<u32> = (0..ids.len() as u32).collect();
+    perm.sort_by_key(|&i| bucket(i));
+    let mut tiles = Vec::new();
+    let mut start = 0;
+    while start < perm.len() {
+        let b = bucket(perm[start]);
+        let end = perm[start..].iter().position(|&i| bucket(i) != b).map_or(perm.len(), |len| start + len);
+        for f in (start..end).step_by(GROUP_TILE) {
+            tiles.push([b as u32 | ((GROUP_TILE.min(end - f) as u32) << 16), f as u32]);
+        }
+        start = end;
+    }
+    (perm, tiles)
+}
+
+/// `moe_group`'s steps on the host (kernels/moe.rs), its atomic scatter visiting the pairs in
+/// `order`: bucket counts, one scan of (count, tiles), the tile list, the scatter, then each
+/// pair's place from the number of its bucket's pairs below it.
+fn group_emulated(ids: &[u32], e: usize, order: &[usize]) -> (Vec<u32>, Vec<[u32; 2]>) {
+    let bucket = |i: usize| (ids[i] as usize).min(e);
+    let mut count = vec![0usize; e + 1];
+    (0..ids.len()).for_each(|i| count[bucket(i)] += 1);
+    let (mut first, mut first_tile) = (vec![0usize; e + 2], vec![0usize; e + 2]);
+    for b in 0..=e {
+        first[b + 1] = first[b] + count[b];
+        first_tile[b + 1] = first_tile[b] + count[b].div_ceil(GROUP_TILE);
+    }
+    let mut tiles = vec![[0u32; 2]; first_tile[e + 1]];
+    for b in 0..=e {
+        for j in 0..count[b].div_ceil(GROUP_TILE) {
+            tiles[first_tile[b] + j] = [b as u32 | ((GROUP_TILE.min(count[b] - j * GROUP_TILE) as u32) << 16), (first[b] + j * GROUP_TILE) as u32];
+        }
+    }
+    let (mut cursor, mut scatter) = (first.clone(), vec![u32::MAX; ids.len()]);
+    for &i in order {
+        scatter[cursor[bucket(i)]] = i as u32;
+        cursor[bucket(i)] += 1;
+    }
+    let mut perm = vec![u32::MAX; ids.len()];
+    for &i in &scatter {
+        let b = bucket(i as usize);
+        let rank = scatter[first[b]..first[b + 1]].iter().filter(|&&j| j < i).count();
+        perm[first[b] + rank] = i;
+    }
+    (perm, tiles)
+}
+
+/// Routing-like expert ids for `n` tokens, top `k` of `e` (distinct in a token, in random
+/// order): expert 0 in every other token (many pairs), the rest drawn from experts
+/// 1 .. max(e / 2, k + 1), so the upper experts get none (`k == e`: every expert every time).
+fn skewed_ids(rng: &mut Rng, n: usize, k: usize, e: usize) -> Vec<u32> {
+    let hi = (e / 2).max(k + 1).min(e) as u32;
+    let mut ids = Vec::with_capacity(n * k);
+    for t in 0..n {
+        let mut row: Vec<u32> = if t % 2 == 0 || k == e { vec![0] } else { Vec::new() };
+        while row.len() < k {
+            let x = if k == e { rng.below(e as u32) } else { 1 + rng.below(hi - 1) };
+            if !row.contains(&x) {
+                row.push(x);
+            }
+        }
+        let slot = rng.below(k as u32) as usize;
+        row.swap(0, slot);
+        ids.extend(row);
+    }
+    ids
+}
+
+/// The grouping algorithm on the host: whatever order the scatter's atomics take, the result
+/// is the stable sort (so the GPU's grouping is reproducible), and the tiles fit the grid the
+/// host sizes without seeing the routing.
+#[test]
+fn moe_group_algorithm_is_order_independent() {
+    let mut rng = Rng(65);
+    for (n, k, e) in [(1, 1, 4), (37, 2, 16), (256, 8, 256), (100, 10, 512), (9, 8, 8), (300, 1, 3), (17, 3, 8)] {
+        let ids = skewed_ids(&mut rng, n, k, e);
+        let want = group_reference(&ids, e);
+        assert!(want.1.len() <= group_max_tiles(n * k, e), "{n}x{k} of {e}: {} tiles", want.1.len());
+        let reversed: Vec<usize> = (0..n * k).rev().collect();
+        let mut shuffled: Vec<usize> = (0..n * k).collect();
+        for i in (1..shuffled.len()).rev() {
+            shuffled.swap(i, rng.below(i as u32 + 1) as usize);
+        }
+        for order in [reversed, shuffled] {
+            assert_eq!(group_emulated(&ids, e, &order), want, "{n}x{k} of {e}");
+        }
+    }
+    // Ids out of range go last, in a bucket of their own.
+    let (perm, tiles) = group_reference(&[0, 7, 99, 1, 99], 8);
+    assert_eq!(perm, [0, 3, 1, 2, 4]);
+    assert_eq!(tiles, [[1 << 16, 0], [1 | 1 << 16, 1], [7 | 1 << 16, 2], [8 | 2 << 16, 3]]);
+    assert_eq!(group_emulated(&[0, 7, 99, 1, 99], 8, &[4, 2, 0, 1, 3]), (perm, tiles));
+}
+
+/// Download `groups` as `moe_group` left them for `pairs` pairs of `e` experts and compare
+/// with the stable sort of `ids`; tiles past the batch's are empty.
+fn check_groups(gpu: &Gpu, groups: &ops::MoeGroups, ids: &[u32], e: usize, label: &str) {
+    let (perm, tiles) = groups.output();
+    let pairs = ids.len();
+    let (want_perm, want_tiles) = group_reference(ids, e);
+    assert_eq!(download(gpu, perm)[..pairs], want_perm[..], "{label}: permutation");
+    let tiles: Vec<[u32; 2]> = download(gpu, tiles).chunks_exact(2).map(|c| [c[0], c[1]]).take(group_max_tiles(pairs, e)).collect();
+    assert_eq!(tiles[..want_tiles.len()], want_tiles[..], "{label}: tiles");
+    assert!(tiles[want_tiles.len()..].iter().all(|t| *t == [0, 0]), "{label}: tiles past the batch's must be empty");
+}
+
+/// `moe_group` on the GPU against the stable sort: skewed routings (experts with no pairs, one
+/// with a pair of every other token), every expert in every token, a single expert.
+#[test]
+fn moe_group_matches_host() {
+    let Some(gpu) = gpu() else { return };
+    let mut rng = Rng(66);
+    for (n, k, e) in [(1, 1, 4), (37, 2, 16), (256, 8, 256), (100, 10, 512), (9, 8, 8), (300, 1, 3), (2000, 8, 64), (64, 4, 4096)] {
+        let ids = skewed_ids(&mut rng, n, k, e);
+        let mut groups = ops::MoeGroups::new(gpu, n * k + 5, e).unwrap();
+        // Stale tiles from a larger batch must not survive a smaller one.
+        let max_tiles = ops::moe_group(gpu, &upload(gpu, &vec![0u32; n * k + 5]), n * k + 5, e, &mut groups).unwrap();
+        assert_eq!(max_tiles, group_max_tiles(n * k + 5, e));
+        ops::moe_group(gpu, &upload(gpu, &ids), n * k, e, &mut groups).unwrap();
+        check_groups(gpu, &groups, &ids, e, &format!("{n} tokens, top {k} of {e}"));
+    }
+    gpu.check_device().unwrap();
+    println!("| {:<10} | {:<44} | {:>9} | {:>9} | {:>6} |", "moe_group", "8 routings, exact", "-", "-", "-");
+}
+
+/// An expert id out of range is reported and grouped in a bucket of its own (whose rows the
+/// grouped GEMV poisons), never used as an index.
+#[test]
+fn moe_group_reports_out_of_range_ids() {
+    let Some(gpu) = own_gpu(KernelCacheDir::from_env()) else { return };
+    let ids = [0u32, 7, 99, 1, 99];
+    let mut groups = ops::MoeGroups::new(&gpu, 5, 8).unwrap();
+    ops::moe_group(&gpu, &upload(&gpu, &ids), 5, 8, &mut groups).unwrap();
+    let err = gpu.check_device().unwrap_err().to_string();
+    assert!(err.contains("expert id 99"), "{err}");
+    check_groups(&gpu, &groups, &ids, 8, "ids out of range");
+    let err = ops::moe_group(&gpu, &upload(&gpu, &ids), 5, 9, &mut groups).unwrap_err().to_string();
+    assert!(err.contains("do not fit a grouping"), "{err}");
 }
 
 /// `W x` per row of a `rows x cols` weight, in f64, and the bound on the GPU's error: f32
@@ -1847,10 +2012,12 @@ fn swiglu_bound(g: (&[f64], &[f64]), u: (&[f64], &[f64])) -> (Vec<f64>, Vec<f64>
         .unzip()
 }
 
-/// One MoE FFN on the GPU against the host reference: routing from the GPU's router logits by
-/// ferrite-cpu's `route` (the experts must be the same; the logits are checked against the CPU
-/// matmul first), each expert in f64 on the exact weights, with error bounds that follow the
-/// int8 quantization of each GEMV's activations through the SwiGLU and the down projection.
+/// One MoE FFN on the GPU (expert path `path`, `None`: the op's choice) against the host
+/// reference: routing from the GPU's router logits by ferrite-cpu's `route` (the experts must
+/// be the same; the logits are checked against the CPU matmul first), each expert in f64 on the
+/// exact weights, with error bounds that follow the int8 quantization of each GEMV's
+/// activations through the SwiGLU and the down projection. A grouped run's grouping is checked
+/// against the stable sort of the routing. Returns the plan, the output and the routing ids.
 #[allow(clippy::too_many_arguments)]
 fn check_moe_ffn(
     gpu: &Gpu,
@@ -1861,10 +2028,14 @@ fn check_moe_ffn(
     norm: bool,
     with_residual: bool,
     opts: &LinearOptions,
+    path: Option<MoePath>,
     label: &str,
-) -> ops::MoePlan {
+) -> (ops::MoePlan, Vec<f32>, Vec<u32>) {
     let MoeCase { d, e, k, ff, ffs, .. } = *case;
-    let x = rng.vec(n * d, -1.0, 1.0);
+    let mut x = rng.vec(n * d, -1.0, 1.0);
+    if case.x0_one {
+        (0..n).for_each(|t| x[t * d] = 1.0);
+    }
     let res = rng.vec(n * d, -2.0, 2.0);
     let weights = dev.weights(k, norm);
     let dims = weights.check().unwrap();
@@ -1872,7 +2043,7 @@ fn check_moe_ffn(
     let mut scratch = ops::MoeScratch::new(gpu, dims, n + 2).unwrap();
     let (x_dev, res_dev) = (upload(gpu, &x), upload(gpu, &res));
     let mut out = poisoned(gpu, n * d);
-    let plan = ops::moe_ffn(gpu, &weights, &x_dev, n, with_residual.then_some(&res_dev), &mut scratch, &mut out, opts).unwrap();
+    let plan = ops::moe_ffn_with(gpu, path, &weights, &x_dev, n, with_residual.then_some(&res_dev), &mut scratch, &mut out, opts).unwrap();
     let got = download(gpu, &out);
     gpu.check_device().unwrap();
 
@@ -1893,6 +2064,10 @@ fn check_moe_ffn(
     }
     assert_eq!(ids[..n * k].iter().map(|&i| i as usize).collect::<Vec<_>>(), want_ids, "{label}: routing");
     close("moe_route", &format!("{label}: weights"), &w[..n * k], &want_w, 1e-6, 1e-12);
+    let ids = ids[..n * k].to_vec();
+    if plan.experts == MoePath::Grouped {
+        check_groups(gpu, scratch.groups(), &ids, e, label);
+    }
 
     let shared_q8 = |dtype: GgmlType, cols: usize| ops::linear_plan(dtype, cols, n, opts) == LinearPlan::GemvQ8;
     let (mut want, mut bound) = (Vec::new(), Vec::new());
@@ -1935,7 +2110,7 @@ fn check_moe_ffn(
         }
     }
     check("moe_ffn", label, &got, &want, |i| bound[i]);
-    plan
+    (plan, got, ids)
 }
 
 /// The whole MoE FFN against the host reference for Q4_0 / Q8_0 / Q4_K banks (and float banks),
@@ -1980,13 +2155,63 @@ fn moe_ffn_matches_cpu() {
             if residual { "+res" } else { "" },
             if opts.activations == GemvActivations::F32 { " f32" } else { "" }
         );
-        let plan = check_moe_ffn(gpu, &mut rng, &case, &dev, n, norm, residual, opts, &label);
-        // The plan follows the banks and the activation format.
+        let (plan, _, _) = check_moe_ffn(gpu, &mut rng, &case, &dev, n, norm, residual, opts, None, &label);
+        // The plan follows the banks, the activation format and the batch size.
         let quantized = bank.is_quantized() && opts.activations == GemvActivations::Q8;
         let same_types = split.is_none_or(|(g, u)| g == u);
+        let grouped = quantized && n >= ops::MOE_GROUPED_MIN_TOKENS;
+        assert_eq!(plan.experts, if grouped { MoePath::Grouped } else { MoePath::Pairs }, "{label}: {plan:?}");
         assert_eq!(plan.gate_up_glu, quantized && same_types, "{label}: {plan:?}");
         assert_eq!(plan.down == ops::ExpertGemv::Q8, quantized, "{label}: {plan:?}");
         assert_eq!(plan.shared_glu, shared.is_some_and(|t| t.is_quantized()) && quantized && n <= 8, "{label}: {plan:?}");
+    }
+}
+
+/// The grouped expert path (pairs grouped by expert, tiles of up to 8 pairs of one expert)
+/// against the host reference, with the same bounds as the per-pair int8 path, and against the
+/// per-pair path on the same input: token counts on and off the tile size, top 1 / 2 / 4 / 8,
+/// routings where one expert takes a pair of every token and half the experts none, fused,
+/// split (one GEMV with `UP_SPLIT`) and two-type split banks (gate and up GEMVs without GLU),
+/// block and k-quant types, with and without the shared expert.
+#[test]
+fn moe_ffn_grouped_matches_cpu_and_pairs() {
+    let Some(gpu) = gpu() else { return };
+    let mut rng = Rng(67);
+    let opts = LinearOptions { precision: Precision::F32, ..LinearOptions::default() };
+    type Case = ((usize, usize, usize, usize, usize), GgmlType, Option<(GgmlType, GgmlType)>, Option<GgmlType>, &'static [usize], bool);
+    let cases: [Case; 6] = [
+        ((256, 8, 1, 256, 256), GgmlType::Q4_0, None, None, &[16, 37], true),
+        ((256, 16, 2, 256, 512), GgmlType::Q8_0, Some((GgmlType::Q8_0, GgmlType::Q8_0)), Some(GgmlType::Q8_0), &[23, 64], true),
+        ((512, 64, 8, 256, 256), GgmlType::Q4_K, None, Some(GgmlType::Q4_K), &[16, 45, 100], true),
+        ((256, 32, 8, 256, 256), GgmlType::Q6_K, None, None, &[19], false),
+        ((256, 16, 4, 256, 256), GgmlType::Q5_1, Some((GgmlType::Q4_0, GgmlType::Q8_0)), None, &[33], true),
+        ((256, 8, 3, 256, 256), GgmlType::Q5_K, Some((GgmlType::Q5_K, GgmlType::Q5_K)), Some(GgmlType::Q4_0), &[8, 24], false),
+    ];
+    for (dims, bank, split, shared, tokens, skewed) in cases {
+        let (mut case, mut dev) = moe_case(gpu, &mut rng, dims, bank, split, shared);
+        if skewed {
+            skew_routing(gpu, &mut case, &mut dev);
+        }
+        let (e, k) = (dims.1, dims.2);
+        for &n in tokens {
+            let layout = split.map_or(format!("{bank} fused"), |(g, u)| format!("{g}+{u} split"));
+            let label = format!("{layout} top{k}/{e}{} n={n}{}", if shared.is_some() { "+shared" } else { "" }, if skewed { " skewed" } else { "" });
+            let seed = rng.next_u64();
+            let run = |path| check_moe_ffn(gpu, &mut Rng(seed), &case, &dev, n, true, true, &opts, Some(path), &format!("{label} {path:?}"));
+            let (plan, grouped, ids) = run(MoePath::Grouped);
+            assert_eq!(plan.experts, MoePath::Grouped);
+            let (plan, pairs, _) = run(MoePath::Pairs);
+            assert_eq!(plan.experts, MoePath::Pairs);
+            if skewed {
+                let per_expert = |x: u32| ids.iter().filter(|&&i| i == x).count();
+                assert_eq!(per_expert(0), n, "{label}: expert 0 takes every token");
+                assert!((e / 2..e).all(|x| per_expert(x as u32) == 0), "{label}: the upper half gets no pairs");
+            }
+            // The same lanes sum the same units in the same order on both paths (the tilings
+            // differ in rows per lane group and pairs per tile), so the outputs agree to f32
+            // rounding (bit for bit unless the compiler contracts differently).
+            close("moe_ffn", &format!("{label}: grouped vs pairs"), &grouped, &pairs, 1e-6, 1e-7);
+        }
     }
 }
 
@@ -2015,6 +2240,20 @@ fn moe_ffn_rejects_mismatched_weights() {
     let w = ops::MoeWeights { gate_up: ops::ExpertGateUp::Fused(&gate_up), down: &ragged, shared: None, ..dev.weights(2, true) };
     let err = w.check().unwrap_err().to_string();
     assert!(err.contains("need multiples of 32"), "{err}");
+    // The grouped path forced where an expert GEMV takes f32 activations: an error, not a
+    // silent fallback to the per-pair path.
+    let (case, f16_dev) = moe_case(gpu, &mut rng, (64, 4, 2, 32, 96), GgmlType::F16, None, None);
+    let w = f16_dev.weights(2, true);
+    let err = ops::moe_plan(&w, 32, &LinearOptions::default(), Some(MoePath::Grouped)).unwrap_err().to_string();
+    assert!(err.contains("grouped expert path needs int8 activations") && err.contains("FERRITE_CUDA_MOE_PATH"), "{err}");
+    let f32_act = LinearOptions { activations: GemvActivations::F32, ..LinearOptions::default() };
+    assert!(ops::moe_plan(&dev.weights(2, true), 32, &f32_act, Some(MoePath::Grouped)).is_err());
+    assert_eq!(ops::moe_plan(&dev.weights(2, true), 32, &f32_act, None).unwrap().experts, MoePath::Pairs);
+    let mut scratch = ops::MoeScratch::new(gpu, w.check().unwrap(), 32).unwrap();
+    let x = upload(gpu, &vec![0.5f32; 32 * case.d]);
+    let mut out = poisoned(gpu, 32 * case.d);
+    let err = ops::moe_ffn_with(gpu, Some(MoePath::Grouped), &w, &x, 32, None, &mut scratch, &mut out, &LinearOptions::default()).unwrap_err();
+    assert!(err.to_string().contains("grouped expert path"), "{err}");
 }
 
 // ---------------------------------------------------------------- argmax / sampling
@@ -2338,13 +2577,20 @@ fn every_kernel_variant_compiles_for_sm90() {
                 }
             }
             // MoE: the expert GEMVs (down; gate/up with a fused or a split bank) at the
-            // 35B-A3B shape (decode, prefill) and a small one; a shared expert's split gate/up.
+            // 35B-A3B shape (decode, prefill) and a small one, per pair; grouped by expert
+            // (prefill), also gate and up without GLU (split banks of two types); a shared
+            // expert's split gate/up.
             for (ff, d, pairs) in [(512, 2048, 8), (512, 2048, 2048), (256, 256, 3)] {
                 let down = GemvQ8Variant::for_experts(dtype, d, ff, pairs, 132, 0);
                 check(format!("{down:?}"), compile_variant(&down, "sm_90"));
                 for up_split in [false, true] {
                     let gate_up = GemvQ8Variant { up_split, ..GemvQ8Variant::for_experts(dtype, ff, d, pairs, 132, 1) };
                     check(format!("{gate_up:?}"), compile_variant(&gate_up, "sm_90"));
+                }
+                let tiles = group_max_tiles(pairs, 256);
+                for (rows, cols, glu, up_split) in [(d, ff, 0, false), (ff, d, 0, false), (ff, d, 1, false), (ff, d, 1, true)] {
+                    let grouped = GemvQ8Variant { up_split, ..GemvQ8Variant::for_grouped_experts(dtype, rows, cols, tiles, 132, glu) };
+                    check(format!("{grouped:?}"), compile_variant(&grouped, "sm_90"));
                 }
             }
             for n in [1, 3, 8] {
@@ -2393,6 +2639,7 @@ fn every_kernel_variant_compiles_for_sm90() {
     }
     check("sampling".into(), compile_variant(&SamplingVariant::DEFAULT, "sm_90"));
     check("moe_route".into(), compile_variant(&MoeRouteVariant, "sm_90"));
+    check("moe_group".into(), compile_variant(&MoeGroupVariant, "sm_90"));
     for shared in [false, true] {
         for residual in [false, true] {
             let v = MoeCombineVariant { shared, residual };

@@ -23,8 +23,15 @@
 //! block barrier, no shared memory). Short rows (small models) use groups under a warp. The epilogue
 //! adds a bias and/or a residual and writes a column range of a wider output (`out_ld`,
 //! `out_col`), so a projection and its residual add are one launch.
+//!
+//! MoE expert GEMVs (`EXPERTS`) take the rows of a routed expert: with `EXPERTS == 1` grid y
+//! walks the batch's (token, slot) pairs one by one (decode); with `EXPERTS == 2` it walks the
+//! tiles `moe::moe_group` lists, up to `NTOK` pairs of one expert each, so every weight unit
+//! loaded serves all the tile's pairs (prefill). Either way a pair reads activation row
+//! `pair / x_div` and writes output row `pair`.
 
 use super::common::{HEADER, QUANT};
+use super::moe::GROUP_TILE;
 use super::quantize::Q8_BLOCK;
 use super::{blocks_for, device_params, KernelVariant};
 use cudarc::driver::LaunchConfig;
@@ -94,6 +101,9 @@ device_params! {
         /// `EXPERTS`: as in [`GemvParams`].
         pub experts: u64,
         pub error_flag: u64,
+        /// `EXPERTS == 2`: `moe_group`'s tile list and permutation (see [`super::moe`]).
+        pub expert_tiles: u64,
+        pub expert_perm: u64,
         pub expert_rows: u32,
         pub expert_off: u32,
         pub n_experts: u32,
@@ -139,7 +149,7 @@ const SOURCE_Q8: &str = r#"
 #error "UP_SPLIT (1: with GLU, the up rows come from a second weight (u0..u3) at the gate rows' indices) must come from the kernel variant"
 #endif
 #ifndef EXPERTS
-#error "EXPERTS (1: grid y walks (token, slot) pairs, each multiplying the rows of its pair's expert, read from device memory) must come from the kernel variant"
+#error "EXPERTS (1: grid y walks (token, slot) pairs, each multiplying the rows of its pair's expert, read from device memory; 2: grid y walks moe_group's tiles of up to NTOK pairs of one expert) must come from the kernel variant"
 #endif
 #define ROWS_PER_BLOCK (NWARPS * 32 / TPR * ROWS)
 #define SLICE_THREADS (NWARPS * 32)
@@ -149,8 +159,11 @@ const SOURCE_Q8: &str = r#"
 #if UP_SPLIT && !GLU
 #error "UP_SPLIT needs GLU"
 #endif
-#if EXPERTS && (NTOK != 1 || IN_NORM || EMIT || RESIDUAL || BIAS)
-#error "EXPERTS runs one pair per grid-y tile, without hand-offs, bias or residual"
+#if EXPERTS == 1 && NTOK != 1
+#error "EXPERTS == 1 runs one pair per grid-y tile"
+#endif
+#if EXPERTS && (IN_NORM || EMIT || RESIDUAL || BIAS)
+#error "EXPERTS runs without hand-offs, bias or residual"
 #endif
 
 // Accumulators per lane group: ROWS output rows, or with GLU their gate rows then their up rows
@@ -167,12 +180,18 @@ __device__ __forceinline__ i64 weight_row(const GemvQ8Params& p, i64 ebase, i64 
   return ebase + (GLU && !UP_SPLIT && i >= ROWS ? (i64)p.rows + row : row);
 }
 
-// The activation row of grid-y tile `tok`: with EXPERTS a (token, slot) pair reads row
-// pair / x_div (its token's row for the gate/up GEMV, its own for the down GEMV).
-#if EXPERTS
-#define XROW(tok) ((tok) / (int)p.x_div)
+// Output row of token t of the block's tile (p.n_tokens or more past its end): with EXPERTS == 2
+// the pair moe_group placed there. Its activation row: with EXPERTS a (token, slot) pair reads
+// row pair / x_div (its token's row for the gate/up GEMV, its own for the down GEMV).
+#if EXPERTS == 2
+#define TOK(t) pair[t]
 #else
-#define XROW(tok) (tok)
+#define TOK(t) (tok0 + (t))
+#endif
+#if EXPERTS
+#define XROW(t) (TOK(t) / (int)p.x_div)
+#else
+#define XROW(t) TOK(t)
 #endif
 
 // Adds bias and residual, stores, and returns the stored value.
@@ -245,10 +264,23 @@ extern "C" __global__ void __launch_bounds__(SLICE_THREADS * KSPLIT) gemv_q8(con
   pdl_wait();
   pdl_release();
   waited = true;
+#if EXPERTS == 2
+  // Tile y: (expert | pairs << 16, first place in the permutation). The grid covers the worst
+  // case; past the batch's tiles (no pairs) the whole block leaves, before any barrier.
+  const uint2 tile = reinterpret_cast<const uint2*>(p.expert_tiles)[blockIdx.y];
+  const u32 expert = tile.x & 0xffffu, count = tile.x >> 16;
+  if (count == 0) return;
+  int pair[NTOK];
+#pragma unroll
+  for (int t = 0; t < NTOK; ++t) pair[t] = t < (int)count ? (int)reinterpret_cast<const u32*>(p.expert_perm)[tile.y + t] : (int)p.n_tokens;
+  // Ids out of range come as the bucket n_experts (moe_group reported them): NaN outputs.
+  const bool bad_expert = expert >= p.n_experts;
+#else
   const u32 expert = reinterpret_cast<const u32*>(p.experts)[blockIdx.y];
   // An id out of range is never used as an index: the pair's outputs become NaN, the flag says why.
   const bool bad_expert = expert >= p.n_experts;
   if (bad_expert && tid == 0 && blockIdx.x == 0) report_error(p.error_flag, ERR_EXPERT_ID, expert);
+#endif
   if (!bad_expert) ebase = (i64)expert * p.expert_rows + p.expert_off;
 #endif
   if (row0 < p.rows) {
@@ -267,12 +299,12 @@ extern "C" __global__ void __launch_bounds__(SLICE_THREADS * KSPLIT) gemv_q8(con
       }
 #pragma unroll
       for (int t = 0; t < NTOK; ++t) {
-        if (tok0 + t < (int)p.n_tokens) {
+        if (TOK(t) < (int)p.n_tokens) {
           int4 xa[UNROLL], xb[UNROLL];
           uint2 sc[UNROLL];
 #pragma unroll
           for (int j = 0; j < UNROLL; ++j) {
-            const i64 blk = (i64)XROW(tok0 + t) * units + min(u0 + j * TPR, units - 1);
+            const i64 blk = (i64)XROW(t) * units + min(u0 + j * TPR, units - 1);
             xa[j] = xq[2 * blk];
             xb[j] = xq[2 * blk + 1];
             sc[j] = xs[blk];
@@ -355,7 +387,7 @@ extern "C" __global__ void __launch_bounds__(SLICE_THREADS * KSPLIT) gemv_q8(con
 #if EXPERTS
         if (bad_expert) v = QNAN;
 #endif
-        const float stored = store_q8(p, row0 + r, tok0 + t, v);
+        const float stored = store_q8(p, row0 + r, TOK(t), v);
 #if EMIT
         staged[t][group * ROWS + r] = stored;
 #endif
@@ -545,8 +577,19 @@ pub struct GemvQ8Variant {
     pub k_split: u32,
     /// With `glu`: the up rows come from a second weight of the same type (split gate and up).
     pub up_split: bool,
-    /// Grid y walks (token, slot) pairs of a MoE FFN, each on its routed expert's rows.
-    pub experts: bool,
+    /// Whether grid y walks a MoE FFN's (token, slot) pairs on their routed experts' rows.
+    pub experts: ExpertGrid,
+}
+
+/// What grid y of the int8 GEMV walks (the `EXPERTS` macro).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum ExpertGrid {
+    /// Tiles of `ntok` tokens of one weight.
+    Off = 0,
+    /// One (token, slot) pair per tile, on its expert's rows (decode).
+    Pairs = 1,
+    /// `moe_group`'s tiles of up to `ntok` pairs of one expert (prefill).
+    Grouped = 2,
 }
 
 impl GemvQ8Variant {
@@ -582,7 +625,7 @@ impl GemvQ8Variant {
             emit: 0,
             k_split: 1,
             up_split: false,
-            experts: false,
+            experts: ExpertGrid::Off,
         }
     }
 
@@ -592,7 +635,15 @@ impl GemvQ8Variant {
     pub fn for_experts(wtype: GgmlType, out_rows: usize, cols: usize, pairs: usize, sm_count: u32, glu: u32) -> Self {
         let rows = out_rows * pairs.max(1);
         let v = if glu > 0 { Self::for_gated(wtype, rows, cols, 1, sm_count, glu) } else { Self::for_shape(wtype, rows, cols, 1, sm_count) };
-        GemvQ8Variant { experts: true, ..v }
+        GemvQ8Variant { experts: ExpertGrid::Pairs, ..v }
+    }
+
+    /// The grouped expert GEMV over `tiles` tiles of up to [`GROUP_TILE`] pairs of one expert,
+    /// `out_rows` outputs per pair: the tiling of a GEMV of that many token tiles.
+    pub fn for_grouped_experts(wtype: GgmlType, out_rows: usize, cols: usize, tiles: usize, sm_count: u32, glu: u32) -> Self {
+        let tokens = tiles.max(1) * GROUP_TILE;
+        let v = if glu > 0 { Self::for_gated(wtype, out_rows, cols, tokens, sm_count, glu) } else { Self::for_shape(wtype, out_rows, cols, tokens, sm_count) };
+        GemvQ8Variant { experts: ExpertGrid::Grouped, ntok: GROUP_TILE as u32, ..v }
     }
 
     /// Loaded units per lane: small for types whose unit carries several 16-byte vectors.
@@ -681,7 +732,7 @@ impl KernelVariant for GemvQ8Variant {
             ("EMIT", self.emit.to_string()),
             ("KSPLIT", self.k_split.to_string()),
             ("UP_SPLIT", u32::from(self.up_split).to_string()),
-            ("EXPERTS", u32::from(self.experts).to_string()),
+            ("EXPERTS", (self.experts as u32).to_string()),
         ]
     }
 }
@@ -698,6 +749,19 @@ mod tests {
     #[test]
     fn q8_macros_match_source() {
         crate::kernels::tests::assert_macros_match(GemvQ8Variant::for_shape(GgmlType::Q4_K, 4096, 4096, 1, 132));
+    }
+
+    #[test]
+    fn grouped_experts_take_tiles_of_pairs() {
+        // Qwen3.5-35B-A3B gate/up at 256 tokens, top 8: 2048 pairs in at most 480 tiles of 8;
+        // 8 tokens per tile leave one gate and one up row per lane group.
+        let tiles = crate::kernels::moe::group_max_tiles(2048, 256);
+        let v = GemvQ8Variant::for_grouped_experts(GgmlType::Q4_0, 512, 2048, tiles, 132, 1);
+        assert_eq!((v.experts, v.ntok, v.rows, v.glu), (ExpertGrid::Grouped, GROUP_TILE as u32, 1, 1));
+        assert_eq!(v.launch_config(512, tiles * GROUP_TILE).grid_dim.1 as usize, tiles);
+        crate::kernels::tests::assert_macros_match(v);
+        // One tile still gets whole tiles of 8.
+        assert_eq!(GemvQ8Variant::for_grouped_experts(GgmlType::Q6_K, 2048, 512, 1, 132, 0).ntok, 8);
     }
 
     #[test]

@@ -124,7 +124,7 @@ pub(crate) mod tests {
     /// may issue early).
     #[test]
     fn every_kernel_waits_for_the_previous_one() {
-        let families: [(&str, &[&str]); 19] = [
+        let families: [(&str, &[&str]); 20] = [
             (activation::ActivationVariant::FAMILY, activation::ActivationVariant::SOURCES),
             (attention::AttentionVariant::FAMILY, attention::AttentionVariant::SOURCES),
             (attention::StoreQkvVariant::FAMILY, attention::StoreQkvVariant::SOURCES),
@@ -139,6 +139,7 @@ pub(crate) mod tests {
             (gemv::GemvVariant::FAMILY, gemv::GemvVariant::SOURCES),
             (gemv::GemvQ8Variant::FAMILY, gemv::GemvQ8Variant::SOURCES),
             (moe::MoeRouteVariant::FAMILY, moe::MoeRouteVariant::SOURCES),
+            (moe::MoeGroupVariant::FAMILY, moe::MoeGroupVariant::SOURCES),
             (moe::MoeCombineVariant::FAMILY, moe::MoeCombineVariant::SOURCES),
             (norm::NormVariant::FAMILY, norm::NormVariant::SOURCES),
             (quantize::QuantizeVariant::FAMILY, quantize::QuantizeVariant::SOURCES),

@@ -17,6 +17,7 @@ use crate::error::CudaError;
 use crate::kernels::dequant::{ConvertParams, ConvertVariant, DequantParams, DequantVariant, OutType};
 use crate::kernels::gemm::{self as gemm_kernels, GemmMmaParams, GemmMmaVariant, GemmReduceParams};
 use crate::kernels::gemv::{GemvParams, GemvQ8Params, GemvQ8Variant, GemvVariant};
+use crate::kernels::moe::GROUP_TILE;
 use crate::kernels::quantize::{Prologue, QuantizeParams, QuantizeVariant};
 use crate::weight::{self, DeviceWeight};
 use crate::Gpu;
@@ -366,9 +367,10 @@ fn run_plan(
     }
 }
 
-/// The rows of a MoE expert GEMV (device side): grid y walks (token, slot) pairs; pair `i`
-/// multiplies rows `ids[i] * expert_rows + expert_off ..` of the bank with activation row
-/// `i / x_div` and writes output row `i`.
+/// The rows of a MoE expert GEMV (device side): pair `i` multiplies rows `ids[i] *
+/// expert_rows + expert_off ..` of the bank with activation row `i / x_div` and writes output
+/// row `i`. Grid y walks the pairs one by one, or with `groups` (int8 GEMV only) the tiles of
+/// pairs of one expert that `moe_group` listed.
 #[derive(Clone, Copy, Debug)]
 pub(super) struct ExpertRows {
     pub ids: u64,
@@ -376,6 +378,16 @@ pub(super) struct ExpertRows {
     pub expert_rows: usize,
     pub expert_off: usize,
     pub x_div: usize,
+    pub groups: Option<ExpertGroups>,
+}
+
+/// `moe_group`'s output as the grouped GEMV reads it: the tile list (of `max_tiles` entries,
+/// the grid) and the permutation.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct ExpertGroups {
+    pub tiles: u64,
+    pub perm: u64,
+    pub max_tiles: usize,
 }
 
 impl ExpertRows {
@@ -397,6 +409,9 @@ impl ExpertRows {
 /// the rows of one expert).
 pub(super) fn gemv(gpu: &Gpu, w: &DeviceWeight, x: u64, n_tokens: usize, out: u64, out_rows: usize, experts: Option<ExpertRows>) -> Result<(), CudaError> {
     const OP: &str = "linear";
+    if experts.is_some_and(|e| e.groups.is_some()) {
+        return Err(CudaError::invalid(OP, "the f32 GEMV has no grouped expert form (int8 activations only)"));
+    }
     let variant = if experts.is_some() { GemvVariant::for_experts(w.dtype) } else { GemvVariant::for_shape(w.dtype, n_tokens) };
     let [w0, w1, w2, w3] = w.plane_ptrs(gpu);
     let (expert_rows, expert_off, n_experts, x_div) = ExpertRows::fields(experts, OP)?;
@@ -709,7 +724,11 @@ pub(super) fn gemv_q8(
 ) -> Result<(), CudaError> {
     const OP: &str = "linear_q8";
     let glu = epilogue.glu.map_or(0, |g| g as u32);
+    let groups = experts.and_then(|e| e.groups);
+    // Tokens grid y covers: with grouped experts, the worst case of moe_group's tile list.
+    let grid_tokens = groups.map_or(n_tokens, |g| g.max_tiles * GROUP_TILE);
     let tiling = match (experts, glu) {
+        (Some(_), glu) if groups.is_some() => GemvQ8Variant::for_grouped_experts(w.dtype, out_rows, w.cols, grid_tokens / GROUP_TILE, gpu.sm_count(), glu),
         (Some(_), glu) => GemvQ8Variant::for_experts(w.dtype, out_rows, w.cols, n_tokens, gpu.sm_count(), glu),
         (None, 0) => GemvQ8Variant::for_shape(w.dtype, out_rows, w.cols, n_tokens, gpu.sm_count()),
         (None, glu) => GemvQ8Variant::for_gated(w.dtype, out_rows, w.cols, n_tokens, gpu.sm_count(), glu),
@@ -718,7 +737,7 @@ pub(super) fn gemv_q8(
         Some(e) => tiling.emitting(if e.norm.is_some() { 2 } else { 1 }),
         None => tiling,
     };
-    let tiling = if gpu.linear_options().gemv_split_k { tiling.split_k(out_rows, w.cols, n_tokens, gpu.sm_count()) } else { tiling };
+    let tiling = if gpu.linear_options().gemv_split_k { tiling.split_k(out_rows, w.cols, grid_tokens, gpu.sm_count()) } else { tiling };
     let variant = GemvQ8Variant {
         residual: epilogue.residual.is_some(),
         bias: epilogue.bias.is_some(),
@@ -759,12 +778,14 @@ pub(super) fn gemv_q8(
         u3,
         experts: experts.map_or(0, |e| e.ids),
         error_flag: gpu.error_flag_ptr(),
+        expert_tiles: groups.map_or(0, |g| g.tiles),
+        expert_perm: groups.map_or(0, |g| g.perm),
         expert_rows,
         expert_off,
         n_experts,
         x_div,
     };
-    let cfg = variant.launch_config(out_rows, n_tokens);
+    let cfg = variant.launch_config(out_rows, grid_tokens);
     if cfg.grid_dim.1 > 65535 {
         return Err(CudaError::invalid(OP, format!("{n_tokens} tokens exceed the GEMV grid; use the GEMM path")));
     }

@@ -27,7 +27,10 @@ pub use linear::{
     expand_weight, expanded_bytes, linear, linear_mma, linear_plan, linear_fused, linear_q8, linear_q8_gated_pair, linear_with, quantize_q8, MMA_OVER_RESIDENT_MAX_TOKENS, Epilogue, GemvActivations, Glu, LinearOptions,
     LinearFusion, LinearPath, LinearPlan, NormPrologue, Precision, Q8Activations, Q8Emit,
 };
-pub use moe::{check_moe_shape, moe_ffn, moe_plan, moe_route, ExpertGateUp, ExpertGemv, MoeDims, MoePlan, MoeScratch, MoeWeights, SharedExpert};
+pub use moe::{
+    check_moe_shape, moe_ffn, moe_ffn_with, moe_group, moe_plan, moe_route, ExpertGateUp, ExpertGemv, MoeDims, MoeGroups, MoePath, MoePlan, MoeScratch, MoeWeights,
+    SharedExpert, MOE_GROUPED_MIN_TOKENS,
+};
 pub use sampling::{argmax, argmax_rows, sample, SamplingConfig};
 pub use gdn::{
     check_gdn_shape, gated_delta_net, gated_delta_net_with, gdn_chunked, gdn_conv, gdn_delta, gdn_plan, gdn_scratch_len, GdnPath, GdnState,

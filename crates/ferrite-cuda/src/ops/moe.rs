@@ -5,29 +5,30 @@
 //!    sees quantized activations, as on the CPU, so both backends choose the same experts);
 //! 2. [`moe_route`]: softmax, top-k (ties to the lower expert index), optional renormalisation,
 //!    into expert ids and weights `[n, top_k]` in device memory;
-//! 3. the routed experts on the GEMVs with `EXPERTS`: grid y walks the `n * top_k` (token,
-//!    slot) pairs and each block reads its pair's expert id and offsets its weight rows by it
-//!    (an expert bank is one matrix of `n_experts * rows` rows). The gate/up GEMV reads token
+//! 3. the routed experts on the GEMVs with `EXPERTS` (an expert bank is one matrix of
+//!    `n_experts * rows` rows, so an expert is a row offset). The gate/up GEMV reads token
 //!    `t`'s activations and writes row `t * top_k + slot` of `act = silu(gate) * up`; the down
-//!    GEMV reads that row and writes the same row of `y`. With int8 activations (the default,
-//!    quantized banks) gate and up are one GEMV with the SwiGLU epilogue (a fused
+//!    GEMV reads that row and writes the same row of `y`. [`MoePath::Pairs`] (decode): grid y
+//!    walks the `n * top_k` (token, slot) pairs and each block reads its pair's expert id.
+//!    [`MoePath::Grouped`] (prefill, int8 activations): [`moe_group`] lists the pairs expert
+//!    by expert on the device, and grid y walks tiles of up to 8 pairs of one expert, so each
+//!    weight unit loaded serves the whole tile instead of one pair. With int8 activations (the
+//!    default, quantized banks) gate and up are one GEMV with the SwiGLU epilogue (a fused
 //!    `[gate; up]` bank, or split banks of one type through the `UP_SPLIT` second weight);
 //!    float banks, `FERRITE_CUDA_GEMV_ACTIVATIONS=f32`, or split banks of two types take the
 //!    f32 (or per-bank) GEMVs and a separate `swiglu`;
 //! 4. the shared expert with the ordinary linear ops (gate and up as one int8 GEMV when they
 //!    can be, else two linears and `swiglu`; then the down linear);
 //! 5. `moe_combine`: `out = Σ_slot w y + sigmoid(x · gate_inp) shared + residual`.
-//!
-//! Prefill runs the same kernels over all the batch's pairs: each pair re-reads its expert's
-//! weights, correct but slow (grouping the pairs by expert is the next step).
 
-use super::linear::{gemv, gemv_q8, linear_q8_gated_pair, linear_with, ExpertRows};
+use super::linear::{gemv, gemv_q8, linear_q8_gated_pair, linear_with, ExpertGroups, ExpertRows};
 use super::{addr, addr_mut, as_u32, check_len, elems, quantize_q8, swiglu, Epilogue, GemvActivations, Glu, LinearOptions, LinearPath, LinearPlan, Precision, Q8Activations};
 use crate::error::CudaError;
-use crate::kernels::moe::{MoeCombineParams, MoeCombineVariant, MoeRouteParams, MoeRouteVariant};
+use crate::kernels::moe::{group_max_tiles, MoeCombineParams, MoeCombineVariant, MoeGroupParams, MoeGroupVariant, MoeRouteParams, MoeRouteVariant, GROUP_TILE};
 use crate::weight::{self, DeviceWeight};
 use crate::Gpu;
 use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
+use ferrite_core::env;
 
 /// The gate and up projections of the routed experts.
 #[derive(Clone, Copy)]
@@ -139,9 +140,37 @@ pub enum ExpertGemv {
     F32,
 }
 
+/// How the routed experts' GEMVs walk a batch's (token, slot) pairs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MoePath {
+    /// One pair per grid-y tile: each pair reads its expert's rows (decode, short batches).
+    Pairs,
+    /// The pairs grouped by expert on the device ([`moe_group`]), then tiles of up to 8 pairs
+    /// of one expert per block: each weight unit loaded serves the tile (prefill). int8 GEMVs
+    /// only.
+    Grouped,
+}
+
+impl MoePath {
+    /// The path `FERRITE_CUDA_MOE_PATH` forces (`pairs`, `grouped`), `None` for `auto` or
+    /// unset; another value is reported on stderr and means `auto`.
+    pub fn forced_by(value: Option<&str>) -> Option<MoePath> {
+        super::forced_path(&env::CUDA_MOE_PATH, value, &[("pairs", MoePath::Pairs), ("grouped", MoePath::Grouped)])
+    }
+}
+
+/// Smallest batch [`moe_plan`] groups (not measured yet; `kernel_bench moe` compares the
+/// paths). Grouping costs one single-block launch and saves a re-read of an expert's weights
+/// for each pair beyond its first: at 16 tokens, top 8 of 256 experts, 128 pairs fall on
+/// about 102 distinct experts (a fifth fewer weight reads, tens of MB per layer), at 8 tokens
+/// on about 57 of 64 (a saving near the launch's cost). Decode stays per pair.
+pub const MOE_GROUPED_MIN_TOKENS: usize = 16;
+
 /// The kernels [`moe_ffn`] runs for a batch.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct MoePlan {
+    /// How the routed experts walk the pairs.
+    pub experts: MoePath,
     /// Gate and up in one int8 GEMV with the SwiGLU epilogue; else two GEMVs (`gate`, `up`)
     /// and `swiglu`.
     pub gate_up_glu: bool,
@@ -162,8 +191,10 @@ fn expert_gemv(w: &DeviceWeight, opts: &LinearOptions) -> ExpertGemv {
 
 /// What [`moe_ffn`] runs for `n_tokens` tokens with `opts` (whose GEMV activation format also
 /// picks the expert GEMVs'; the routed experts always take GEMVs, the shared expert follows
-/// [`super::linear_plan`]).
-pub fn moe_plan(w: &MoeWeights, n_tokens: usize, opts: &LinearOptions) -> MoePlan {
+/// [`super::linear_plan`]) on the expert path `path` forces (`None`: grouped from
+/// [`MOE_GROUPED_MIN_TOKENS`] when every expert GEMV is an int8 one). Forcing the grouped path
+/// where an expert GEMV takes f32 activations is an error.
+pub fn moe_plan(w: &MoeWeights, n_tokens: usize, opts: &LinearOptions, path: Option<MoePath>) -> Result<MoePlan, CudaError> {
     let (gate, up) = match w.gate_up {
         ExpertGateUp::Fused(b) => (expert_gemv(b, opts), expert_gemv(b, opts)),
         ExpertGateUp::Split { gate, up } => (expert_gemv(gate, opts), expert_gemv(up, opts)),
@@ -177,7 +208,97 @@ pub fn moe_plan(w: &MoeWeights, n_tokens: usize, opts: &LinearOptions) -> MoePla
     let shared_glu = w.shared.is_some_and(|sh| {
         sh.gate.dtype == sh.up.dtype && super::linear_plan(sh.gate.dtype, sh.gate.cols, n_tokens, opts) == LinearPlan::GemvQ8
     });
-    MoePlan { gate_up_glu, gate, up, down: expert_gemv(w.down, opts), shared_glu }
+    let down = expert_gemv(w.down, opts);
+    let groupable = [gate, up, down].iter().all(|&g| g == ExpertGemv::Q8);
+    let experts = match path {
+        Some(MoePath::Grouped) if !groupable => {
+            let banks = match w.gate_up {
+                ExpertGateUp::Fused(b) => format!("gate/up {}", b.dtype),
+                ExpertGateUp::Split { gate, up } => format!("gate {}, up {}", gate.dtype, up.dtype),
+            };
+            return Err(CudaError::invalid(
+                "moe_ffn",
+                format!(
+                    "the grouped expert path needs int8 activations on quantized banks ({banks}, down {}, {:?} activations); run these pair by pair ({}=auto or pairs)",
+                    w.down.dtype,
+                    opts.activations,
+                    env::CUDA_MOE_PATH.name
+                ),
+            ));
+        }
+        Some(path) => path,
+        None if groupable && n_tokens >= MOE_GROUPED_MIN_TOKENS => MoePath::Grouped,
+        None => MoePath::Pairs,
+    };
+    Ok(MoePlan { experts, gate_up_glu, gate, up, down, shared_glu })
+}
+
+/// Device output of [`moe_group`] for up to `max_pairs` pairs: the pairs in expert order, the
+/// tile list of the grouped GEMV, and the kernel's working memory.
+pub struct MoeGroups {
+    n_experts: usize,
+    max_pairs: usize,
+    perm: CudaSlice<u32>,
+    /// (expert | pairs << 16, first place in `perm`) per tile, two u32 each.
+    tiles: CudaSlice<u32>,
+    scatter: CudaSlice<u32>,
+}
+
+impl MoeGroups {
+    pub fn new(gpu: &Gpu, max_pairs: usize, n_experts: usize) -> Result<Self, CudaError> {
+        let max_pairs = max_pairs.max(1);
+        Ok(MoeGroups {
+            n_experts,
+            max_pairs,
+            perm: gpu.alloc_zeros(max_pairs)?,
+            tiles: gpu.alloc_zeros(2 * group_max_tiles(max_pairs, n_experts))?,
+            scatter: gpu.alloc_zeros(max_pairs)?,
+        })
+    }
+
+    /// Device bytes held.
+    pub fn bytes(&self) -> usize {
+        4 * (self.perm.len() + self.tiles.len() + self.scatter.len())
+    }
+
+    /// The last grouping: the pairs expert by expert (ascending inside an expert; ids out of
+    /// range last), and the tile list as u32 pairs `(expert | pairs << 16, first place)`.
+    pub fn output(&self) -> (&CudaSlice<u32>, &CudaSlice<u32>) {
+        (&self.perm, &self.tiles)
+    }
+}
+
+/// Group `pairs` routed pairs by expert on the device (`ids`: `[pairs]` expert ids, pair `i =
+/// token * top_k + slot`), into `groups`: see [`crate::kernels::moe`]. Returns the tile list's
+/// length, [`group_max_tiles`]: the grouped GEMV's grid, which the host sizes without the
+/// routing. An id out of range goes to a last bucket `n_experts` and sets the device error flag.
+pub fn moe_group(gpu: &Gpu, ids: &impl DevicePtr<u32>, pairs: usize, n_experts: usize, groups: &mut MoeGroups) -> Result<usize, CudaError> {
+    const OP: &str = "moe_group";
+    if n_experts != groups.n_experts || pairs > groups.max_pairs {
+        return Err(CudaError::invalid(OP, format!("{pairs} pairs of {n_experts} experts do not fit a grouping made for {} of {}", groups.max_pairs, groups.n_experts)));
+    }
+    if n_experts == 0 || n_experts > MoeRouteVariant::MAX_EXPERTS {
+        return Err(CudaError::invalid(OP, format!("{n_experts} experts: the grouping kernel takes 1 ..= {}", MoeRouteVariant::MAX_EXPERTS)));
+    }
+    check_len(OP, "ids", ids.len(), pairs)?;
+    let max_tiles = group_max_tiles(pairs, n_experts);
+    if pairs == 0 {
+        return Ok(0);
+    }
+    let params = MoeGroupParams {
+        ids: addr(gpu, ids),
+        perm: addr_mut(gpu, &mut groups.perm),
+        tiles: addr_mut(gpu, &mut groups.tiles),
+        scatter: addr_mut(gpu, &mut groups.scatter),
+        error_flag: gpu.error_flag_ptr(),
+        pairs: as_u32(OP, "pairs", pairs)?,
+        n_experts: n_experts as u32,
+        tile: GROUP_TILE as u32,
+        max_tiles: as_u32(OP, "tiles", max_tiles)?,
+    };
+    let variant = MoeGroupVariant;
+    gpu.launch(&variant, "moe_group", variant.launch_config(n_experts), &params)?;
+    Ok(max_tiles)
 }
 
 /// Device working memory of [`moe_ffn`] for up to `max_tokens` tokens of one [`MoeDims`].
@@ -198,6 +319,7 @@ pub struct MoeScratch {
     shared_y: CudaSlice<f32>,
     q8_x: Q8Activations,
     q8_act: Q8Activations,
+    groups: MoeGroups,
 }
 
 impl MoeScratch {
@@ -222,6 +344,7 @@ impl MoeScratch {
             shared_y: f(if dims.n_ff_shared > 0 { n * dims.dim } else { 0 })?,
             q8_x: Q8Activations::new(gpu, n * dims.dim)?,
             q8_act: Q8Activations::new(gpu, routed)?,
+            groups: MoeGroups::new(gpu, pairs, dims.n_experts)?,
         })
     }
 
@@ -232,7 +355,7 @@ impl MoeScratch {
     /// Device bytes held.
     pub fn bytes(&self) -> usize {
         let floats = [&self.logits, &self.weights, &self.act, &self.tmp_a, &self.tmp_b, &self.y, &self.shared_act, &self.shared_y];
-        4 * (floats.iter().map(|b| b.len()).sum::<usize>() + self.ids.len()) + self.q8_x.bytes() + self.q8_act.bytes()
+        4 * (floats.iter().map(|b| b.len()).sum::<usize>() + self.ids.len()) + self.q8_x.bytes() + self.q8_act.bytes() + self.groups.bytes()
     }
 
     /// The last batch's router logits `[n, n_experts]`.
@@ -243,6 +366,11 @@ impl MoeScratch {
     /// The last batch's routing `[n, top_k]`: expert ids and weights, slots in routing order.
     pub fn routing(&self) -> (&CudaSlice<u32>, &CudaSlice<f32>) {
         (&self.ids, &self.weights)
+    }
+
+    /// The last grouped batch's grouping ([`moe_group`]).
+    pub fn groups(&self) -> &MoeGroups {
+        &self.groups
     }
 }
 
@@ -285,7 +413,9 @@ pub fn moe_route(
 /// The MoE FFN on `n_tokens` rows of the normalised input `x` (`[n_tokens, dim]`):
 /// `out = Σ_slot w · expert(x) + shared(x) + residual` (see the module docs), into `out`
 /// (`[n_tokens, dim]`, which must not overlap `x` or `residual`). `opts` are the linear options
-/// (the GEMV activation format applies to the expert GEMVs too). Returns the plan it ran.
+/// (the GEMV activation format applies to the expert GEMVs too); the expert path is the one
+/// `FERRITE_CUDA_MOE_PATH` forces ([`Gpu::moe_path`]) or [`moe_plan`]'s choice. Returns the
+/// plan it ran.
 #[allow(clippy::too_many_arguments)]
 pub fn moe_ffn(
     gpu: &Gpu,
@@ -297,9 +427,25 @@ pub fn moe_ffn(
     out: &mut impl DevicePtrMut<f32>,
     opts: &LinearOptions,
 ) -> Result<MoePlan, CudaError> {
+    moe_ffn_with(gpu, gpu.moe_path(), w, x, n_tokens, residual, s, out, opts)
+}
+
+/// [`moe_ffn`] with the expert path forced by `path` (`None`: [`moe_plan`] chooses).
+#[allow(clippy::too_many_arguments)]
+pub fn moe_ffn_with(
+    gpu: &Gpu,
+    path: Option<MoePath>,
+    w: &MoeWeights,
+    x: &impl DevicePtr<f32>,
+    n_tokens: usize,
+    residual: Option<&CudaSlice<f32>>,
+    s: &mut MoeScratch,
+    out: &mut impl DevicePtrMut<f32>,
+    opts: &LinearOptions,
+) -> Result<MoePlan, CudaError> {
     const OP: &str = "moe_ffn";
     let dims = w.check()?;
-    let plan = moe_plan(w, n_tokens, opts);
+    let plan = moe_plan(w, n_tokens, opts, path)?;
     if dims != s.dims {
         return Err(CudaError::invalid(OP, format!("the scratch was made for {:?}, the weights are {dims:?}", s.dims)));
     }
@@ -330,7 +476,14 @@ pub fn moe_ffn(
     linear_with(gpu, w.router, x, n, &mut s.logits, &router_opts)?;
     moe_route(gpu, &s.logits, n, e, k, w.norm_topk_prob, &mut s.ids, &mut s.weights)?;
     let ids = addr(gpu, &s.ids);
-    let rows = |expert_rows: usize, expert_off: usize, x_div: usize| ExpertRows { ids, n_experts: e, expert_rows, expert_off, x_div };
+    let groups = match plan.experts {
+        MoePath::Grouped => {
+            let max_tiles = moe_group(gpu, &s.ids, pairs, e, &mut s.groups)?;
+            Some(ExpertGroups { tiles: addr(gpu, &s.groups.tiles), perm: addr(gpu, &s.groups.perm), max_tiles })
+        }
+        MoePath::Pairs => None,
+    };
+    let rows = |expert_rows: usize, expert_off: usize, x_div: usize| ExpertRows { ids, n_experts: e, expert_rows, expert_off, x_div, groups };
 
     // 3. The routed experts: gate/up (per token input, x_div = k), then down (per pair input).
     if plan.gate == ExpertGemv::Q8 || plan.up == ExpertGemv::Q8 || plan.shared_glu {
