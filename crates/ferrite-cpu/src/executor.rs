@@ -12,7 +12,7 @@ use ferrite_model::planner::{self, Plan};
 use ferrite_model::profile::OpProfile;
 use ferrite_model::{
     BatchRows,
-    Executor, ExecutorOptions, LayerTrace, LoadProgress, Model, PagedKvConfig, RecurrentCursor, RopeConfig, RopeStyle, SeqChunk,
+    Collective, Executor, ExecutorOptions, LayerTrace, LoadProgress, Model, PagedKvConfig, RecurrentCursor, RopeConfig, RopeStyle, SeqChunk,
 };
 use std::sync::Arc;
 
@@ -97,8 +97,17 @@ struct StepSeq<'a> {
     blocks: &'a [u32],
 }
 
+/// A tensor-parallel rank: how it meets the other ranks, and the pool its kernels run on. The
+/// pool is its own because a rank waiting in an all-reduce blocks its thread: on the shared
+/// pool, that thread could be the worker another rank's kernels are queued for.
+struct Rank {
+    collective: Box<dyn Collective>,
+    pool: Arc<rayon::ThreadPool>,
+}
+
 pub struct CpuExecutor {
     model: Arc<Model>,
+    rank: Option<Rank>,
     precision: CpuPrecision,
     weights: Vec<Option<CpuWeight>>,
     plan: Plan,
@@ -113,6 +122,28 @@ pub struct CpuExecutor {
 
 impl CpuExecutor {
     pub fn new(model: Arc<Model>, precision: CpuPrecision, options: ExecutorOptions) -> anyhow::Result<Self> {
+        if let Some(s) = &model.graph.shard {
+            bail!("this model is rank {} of {} (tensor parallel): run it with `CpuExecutor::new_rank`", s.rank, s.n_ranks);
+        }
+        Self::build(model, precision, options, None)
+    }
+
+    /// Rank `collective.rank()` of a tensor-parallel model (see `ferrite_model::shard`): its
+    /// all-reduces go through `collective`, its kernels run on a pool of their own with an equal
+    /// share of the global pool's threads.
+    pub fn new_rank(model: Arc<Model>, precision: CpuPrecision, options: ExecutorOptions, collective: Box<dyn Collective>) -> anyhow::Result<Self> {
+        let (rank, n_ranks) = (collective.rank(), collective.n_ranks());
+        match &model.graph.shard {
+            Some(s) if (s.rank, s.n_ranks) == (rank, n_ranks) => {}
+            Some(s) => bail!("the model is rank {} of {} but the collective is rank {rank} of {n_ranks}", s.rank, s.n_ranks),
+            None => bail!("the model is not a tensor-parallel rank (see `ferrite_model::shard`)"),
+        }
+        let threads = (rayon::current_num_threads() / n_ranks).max(1);
+        let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).thread_name(move |i| format!("rank-{rank}-cpu-{i}")).build()?;
+        Self::build(model, precision, options, Some(Rank { collective, pool: Arc::new(pool) }))
+    }
+
+    fn build(model: Arc<Model>, precision: CpuPrecision, options: ExecutorOptions, rank: Option<Rank>) -> anyhow::Result<Self> {
         let graph = &model.graph;
         let mut weights: Vec<Option<CpuWeight>> = (0..model.weights.len()).map(|_| None).collect();
         let used = model.weights.used_by(graph);
@@ -155,7 +186,18 @@ impl CpuExecutor {
         }
         let buf = Buffers { slots, conv_state, ssm_state, profile: OpProfile::from_env(), ..Buffers::default() };
         let options = ExecutorOptions { max_batch, ..options };
-        Ok(Self { model, precision, weights, plan, buf, paged: None, options, last_rows: 0, state_pos: RecurrentCursor::default() })
+        Ok(Self { model, rank, precision, weights, plan, buf, paged: None, options, last_rows: 0, state_pos: RecurrentCursor::default() })
+    }
+
+    /// Token ids must be inside the vocabulary (the embedding op checks). A tensor-parallel rank
+    /// checks before any op runs: an op that fails aborts the group, where a bad id (the same on
+    /// every rank) should not.
+    fn check_tokens(&self, ids: &[u32]) -> anyhow::Result<()> {
+        let vocab = self.model.config.vocab_size;
+        match ids.iter().find(|&&id| id as usize >= vocab) {
+            Some(id) => bail!("token id {id} is outside the vocabulary ({vocab})"),
+            None => Ok(()),
+        }
     }
 
     /// Floats of one cached position of one layer (K or V).
@@ -338,16 +380,30 @@ impl CpuExecutor {
     fn run_ops(&self, buf: &mut Buffers, plan: &Plan, step: &Step<'_>) -> anyhow::Result<()> {
         let model = &*self.model;
         let graph = &model.graph;
-        for op in &graph.ops {
+        for (i, op) in graph.ops.iter().enumerate() {
             let out_id = op.writes();
             let out_slot = plan.slot(out_id);
             // Take the output buffer out so inputs can be borrowed alongside it; the plan
             // guarantees no input lives in the same slot (except in-place ops, handled below).
             let mut out = std::mem::take(&mut buf.slots[out_slot]);
             let t = buf.profile.is_some().then(std::time::Instant::now);
-            let result = self.run_op(op, buf, plan, &mut out, step);
+            let mut result = self.run_op(op, buf, plan, &mut out, step);
             if let (Some(p), Some(t)) = (buf.profile.as_mut(), t) {
                 p.add(op.kind(), t.elapsed().as_secs_f64() * 1e3);
+            }
+            if let Some(rank) = &self.rank {
+                if result.is_ok() && graph.all_reduces_after(i) {
+                    let t = buf.profile.is_some().then(std::time::Instant::now);
+                    let len = graph.value(out_id).rows_for(step.ids.len(), step.seqs.len()) * graph.value(out_id).width;
+                    result = rank.collective.all_reduce_sum(&mut out[..len]).context("all-reduce");
+                    if let (Some(p), Some(t)) = (buf.profile.as_mut(), t) {
+                        p.add("all_reduce", t.elapsed().as_secs_f64() * 1e3);
+                    }
+                }
+                // The other ranks may be waiting for this one at its next all-reduce.
+                if result.is_err() {
+                    rank.collective.abort();
+                }
             }
             buf.slots[out_slot] = out;
             result.with_context(|| format!("op {} writing `{}`", op.kind(), graph.value(out_id).name))?;
@@ -372,11 +428,9 @@ impl CpuExecutor {
                     let dst = &mut out[..n * spec.cols];
                     match &self.weights[table.0 as usize] {
                         Some(CpuWeight::F32(t)) => {
+                            self.check_tokens(ids)?;
                             for (row, &id) in dst.chunks_mut(spec.cols).zip(ids) {
                                 let id = id as usize;
-                                if id >= spec.rows {
-                                    bail!("token id {id} is outside the vocabulary ({})", spec.rows);
-                                }
                                 row.copy_from_slice(&t[id * spec.cols..(id + 1) * spec.cols]);
                             }
                         }
@@ -603,6 +657,9 @@ impl CpuExecutor {
     fn run_paged(&self, paged: &mut Paged, batch: &[SeqChunk<'_>]) -> anyhow::Result<Vec<Vec<f32>>> {
         let c = paged.config;
         let rows = BatchRows::new(batch, &c)?;
+        if self.rank.is_some() {
+            self.check_tokens(&rows.ids)?;
+        }
         let seqs: Vec<StepSeq> = batch
             .iter()
             .enumerate()
@@ -611,7 +668,7 @@ impl CpuExecutor {
         let step = Step { ids: &rows.ids, positions: &rows.positions, seqs: &seqs, block_size: Some(c.block_size) };
         let Paged { plan, buf, .. } = paged;
         // On a pool worker, like `forward`.
-        let result = rayon::scope(|_| self.run_ops(buf, plan, &step));
+        let result = on_pool(self.rank.as_ref().map(|r| &*r.pool), || self.run_ops(buf, plan, &step));
         if let Some(p) = buf.profile.as_mut() {
             p.end_forward();
         }
@@ -629,12 +686,17 @@ impl Executor for CpuExecutor {
             CpuPrecision::Reference => "fp32 reference",
             CpuPrecision::Quantized => "quantized",
         };
-        format!("cpu ({p}, {:?}, {} threads)", kernels::simd::simd_level(), rayon::current_num_threads())
+        let threads = self.rank.as_ref().map_or_else(rayon::current_num_threads, |r| r.pool.current_num_threads());
+        let rank = self.rank.as_ref().map(|r| format!(", rank {} of {}", r.collective.rank(), r.collective.n_ranks())).unwrap_or_default();
+        format!("cpu ({p}, {:?}, {threads} threads{rank})", kernels::simd::simd_level())
     }
 
     fn forward(&mut self, tokens: &[u32], start_pos: usize) -> anyhow::Result<()> {
         if tokens.is_empty() {
             bail!("forward called with no tokens");
+        }
+        if self.rank.is_some() {
+            self.check_tokens(tokens)?;
         }
         if start_pos + tokens.len() > self.options.context_len {
             bail!(
@@ -646,10 +708,9 @@ impl Executor for CpuExecutor {
         if self.model.graph.has_recurrent_state() && self.state_pos.begin(start_pos)? {
             self.buf.conv_state.iter_mut().chain(self.buf.ssm_state.iter_mut()).for_each(|s| s.fill(0.0));
         }
-        // Run on a pool worker: the kernels' parallel loops then fork from inside the pool,
-        // instead of paying a cross-thread hand-off and wake-up per kernel (3x on decode).
         let step = self.options.max_batch;
-        rayon::scope(|_| {
+        let pool = self.rank.as_ref().map(|r| Arc::clone(&r.pool));
+        on_pool(pool.as_deref(), || {
             for (i, chunk) in tokens.chunks(step).enumerate() {
                 self.run_chunk(chunk, start_pos + i * step)
                     .with_context(|| format!("forward pass at position {}", start_pos + i * step))?;
@@ -772,6 +833,16 @@ impl Drop for CpuExecutor {
         if let Some(p) = self.paged.as_ref().and_then(|p| p.buf.profile.as_ref()) {
             eprint!("{}", p.report(&format!("{}, batched steps", self.describe())));
         }
+    }
+}
+
+/// Run `f` on a worker of `pool` (a rank's own) or of the global pool: the kernels' parallel
+/// loops then fork from inside the pool, instead of paying a cross-thread hand-off and wake-up
+/// per kernel (3x on decode).
+fn on_pool<R: Send>(pool: Option<&rayon::ThreadPool>, f: impl FnOnce() -> R + Send) -> R {
+    match pool {
+        Some(pool) => pool.install(f),
+        None => rayon::scope(|_| f()),
     }
 }
 

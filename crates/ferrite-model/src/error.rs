@@ -12,6 +12,8 @@ pub enum ModelError {
     Tensor { name: String, msg: String },
     #[error("missing tensor `{0}`")]
     MissingTensor(String),
+    #[error("tensor parallelism over {ranks} ranks: {msg}")]
+    Shard { ranks: usize, msg: String },
 }
 
 impl ModelError {

@@ -333,6 +333,18 @@ pub struct Handoff {
     pub consumer: usize,
 }
 
+/// The share of one rank of a tensor-parallel model (see [`crate::shard`]): its graph computes
+/// its heads and MLP columns, and some of its ops leave a partial sum that all ranks must add up.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Shard {
+    pub rank: usize,
+    pub n_ranks: usize,
+    /// Ops (increasing indices) whose output holds this rank's partial sum: the executor replaces
+    /// it by the sum over all ranks (an all-reduce, in place) right after the op, before any op
+    /// reads it. Every rank has the same list, so the ranks meet in the same order.
+    pub all_reduce: Vec<usize>,
+}
+
 #[derive(Clone, Debug)]
 pub struct Graph {
     pub values: Vec<ValueInfo>,
@@ -342,6 +354,8 @@ pub struct Graph {
     pub logits: ValueId,
     pub n_layers: usize,
     pub attention: AttentionShape,
+    /// Set on a tensor-parallel rank's graph. An executor that cannot all-reduce must refuse it.
+    pub shard: Option<Shard>,
 }
 
 impl Graph {
@@ -353,6 +367,11 @@ impl Graph {
     /// state cannot be rewound, so a forward must start at 0 or where the last one ended.
     pub fn has_recurrent_state(&self) -> bool {
         self.ops.iter().any(|o| matches!(o, Op::GatedDeltaNet { .. }))
+    }
+
+    /// True if op `op`'s output is all-reduced over the ranks after it runs.
+    pub fn all_reduces_after(&self, op: usize) -> bool {
+        self.shard.as_ref().is_some_and(|s| s.all_reduce.binary_search(&op).is_ok())
     }
 
     /// Layers with a KV cache (an `Attention` op).
@@ -399,6 +418,14 @@ impl Graph {
         }
         if !written[self.logits.0 as usize] {
             return Err("logits are never written".into());
+        }
+        if let Some(s) = &self.shard {
+            if s.rank >= s.n_ranks {
+                return Err(format!("rank {} of {} ranks", s.rank, s.n_ranks));
+            }
+            if s.all_reduce.windows(2).any(|w| w[0] >= w[1]) || s.all_reduce.last().is_some_and(|&i| i >= self.ops.len()) {
+                return Err("all-reduces out of order or past the last op".into());
+            }
         }
         let mut previous_consumer = 0;
         for h in &self.handoffs {
@@ -479,7 +506,7 @@ impl GraphBuilder {
     }
 
     pub fn finish(self, logits: ValueId, n_layers: usize, attention: AttentionShape) -> Graph {
-        Graph { values: self.values, ops: self.ops, handoffs: Vec::new(), logits, n_layers, attention }
+        Graph { values: self.values, ops: self.ops, handoffs: Vec::new(), logits, n_layers, attention, shard: None }
     }
 }
 

@@ -5,6 +5,7 @@
 //! The [`planner`] assigns buffers to values; backends implement [`Executor`] and run the graph.
 
 pub mod arch;
+pub mod collective;
 pub mod config;
 pub mod error;
 pub mod executor;
@@ -13,9 +14,11 @@ pub mod graph;
 pub mod hf;
 pub mod planner;
 pub mod profile;
+pub mod shard;
 pub mod synth;
 pub mod weights;
 
+pub use collective::{Collective, RankThreads};
 pub use config::{Arch, ModelConfig, MoeConfig, RopeConfig, RopeStyle};
 pub use error::ModelError;
 pub use executor::{BatchRows, DeviceSampling, Executor, ExecutorOptions, HardwareCeilings, LayerTrace, LoadProgress, PagedKvConfig, PagedOutput, RecurrentCursor, SeqChunk};
@@ -25,7 +28,8 @@ pub use weights::{WeightPart, WeightSet, WeightSpec};
 
 /// Everything needed to instantiate a backend: the parsed file, its config, weights and graph.
 pub struct Model {
-    pub file: ferrite_gguf::GgufFile,
+    /// Shared by the ranks of a tensor-parallel model, whose weights are slices of its tensors.
+    pub file: std::sync::Arc<ferrite_gguf::GgufFile>,
     pub config: ModelConfig,
     pub weights: WeightSet,
     pub graph: Graph,
@@ -43,6 +47,6 @@ impl Model {
     pub fn from_file(file: ferrite_gguf::GgufFile, fusion: FusionOptions) -> Result<Self, ModelError> {
         let config = ModelConfig::from_gguf(&file)?;
         let (weights, graph) = arch::build(&config, &file, fusion)?;
-        Ok(Self { file, config, weights, graph })
+        Ok(Self { file: std::sync::Arc::new(file), config, weights, graph })
     }
 }
