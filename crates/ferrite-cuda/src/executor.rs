@@ -241,6 +241,13 @@ fn kv_dtype() -> KvDtype {
 /// Gated DeltaNet heads too large for the delta-rule kernel's block, MoE FFNs with more experts
 /// or experts per token than the routing kernels take.
 pub fn check_supported(graph: &ferrite_model::Graph) -> anyhow::Result<()> {
+    if let Some(shard) = &graph.shard {
+        anyhow::bail!(
+            "this graph is rank {} of a {}-way tensor-parallel split; the CUDA backend has no all-reduce yet (the NCCL executor is not built), so it cannot run a rank",
+            shard.rank,
+            shard.n_ranks
+        );
+    }
     for (i, op) in graph.ops.iter().enumerate() {
         if let Op::MoeFfn { out, moe, .. } = op {
             ops::check_moe_shape(moe.n_experts, moe.top_k).with_context(|| format!("MoE FFN op {i} (`{}`) on CUDA", graph.value(*out).name))?;

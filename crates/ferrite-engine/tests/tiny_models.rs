@@ -833,6 +833,16 @@ fn qwen3next_is_supported_by_cuda() {
     ferrite_cuda::check_supported(&graph).unwrap();
 }
 
+/// A tensor-parallel rank's graph needs an all-reduce the CUDA backend does not have yet: it is
+/// refused up front rather than run without one (which would give wrong logits silently).
+#[test]
+fn tensor_parallel_ranks_are_refused_by_cuda() {
+    let model = Model::load(workspace_root().join("fixtures/tiny/llama.gguf"), FusionOptions::ALL).unwrap();
+    let ranks = ferrite_model::shard::rank_models(&model, 2).unwrap();
+    let err = ferrite_cuda::check_supported(&ranks[1].graph).unwrap_err().to_string();
+    assert!(err.contains("rank 1 of a 2-way tensor-parallel split") && err.contains("no all-reduce yet"), "{err}");
+}
+
 /// Missing or mis-shaped Qwen3-Next tensors are refused by name.
 #[test]
 fn qwen3next_bad_layouts_are_refused() {
