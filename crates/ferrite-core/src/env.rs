@@ -159,7 +159,7 @@ switches! {
         "auto|simt|tensor: the CUDA attention kernel; auto runs batches of 16+ queries over an f16 cache in the tensor-core flash-attention kernel (prefill) and the rest in the one-query-per-block SIMT kernel; tensor on an f32 cache is an error.");
     /// Force a CUDA MoE expert path.
     CUDA_MOE_PATH = ("FERRITE_CUDA_MOE_PATH", "auto", AbTest,
-        "auto|pairs|grouped: how the CUDA MoE expert GEMVs walk a batch's (token, slot) pairs; auto groups the pairs by expert on the device from 16 tokens (each weight chunk loaded serves up to 8 pairs of one expert) and runs shorter batches (decode) pair by pair; the others force one path for every batch (grouped needs int8 activations on quantized banks, else it is an error).");
+        "auto|pairs|grouped: how the CUDA MoE expert GEMVs walk a batch's (token, slot) pairs; auto and pairs run them pair by pair; grouped groups the pairs by expert on the device first (each weight chunk loaded serves up to 8 pairs of one expert; slower than pairs on the H200 so far, docs/perf.md) and needs int8 activations on quantized banks, else it is an error.");
     /// Resident GEMM-type copies of the weights for prefill.
     CUDA_EXPAND_WEIGHTS = ("FERRITE_CUDA_EXPAND_WEIGHTS", "auto", AbTest,
         "auto|on|off: keep a copy of every batched linear's weight dequantized to the GEMM input type (bf16: 2 bytes per weight) so prefill GEMMs skip the per-call dequantization; auto does it when the copies fit in half the free device memory after the KV cache.");

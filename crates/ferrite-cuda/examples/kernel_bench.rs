@@ -251,8 +251,8 @@ fn moe(gpu: &Gpu) -> Result<(), CudaError> {
     let mut scratch = ops::MoeScratch::new(gpu, dims, 256)?;
     // Bytes one token reads: its k experts' gate, up and down rows, the shared expert, the router.
     let per_token = (3 * k * ff * d + 3 * ff * d) as f64 * 18.0 / 32.0 + (e * d * 4) as f64;
-    // The routed experts pair by pair (decode's path) and grouped by expert (prefill's, from
-    // ops::MOE_GROUPED_MIN_TOKENS under auto), at decode and prefill sizes.
+    // The routed experts pair by pair (auto's path) and grouped by expert (opt-in while it is
+    // slower), at decode and prefill sizes.
     let opts = gpu.linear_options();
     for n in [1usize, 8, 16, 64, 256] {
         let x = gpu.upload(&(0..n * d).map(|i| ((i * 7919) % 2001) as f32 / 1000.0 - 1.0).collect::<Vec<_>>(), "x")?;

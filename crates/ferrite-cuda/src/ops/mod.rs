@@ -29,7 +29,7 @@ pub use linear::{
 };
 pub use moe::{
     check_moe_shape, moe_ffn, moe_ffn_with, moe_group, moe_plan, moe_route, ExpertGateUp, ExpertGemv, MoeDims, MoeGroups, MoePath, MoePlan, MoeScratch, MoeWeights,
-    SharedExpert, MOE_GROUPED_MIN_TOKENS,
+    SharedExpert,
 };
 pub use sampling::{argmax, argmax_rows, sample, SamplingConfig};
 pub use gdn::{

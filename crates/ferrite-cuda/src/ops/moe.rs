@@ -159,13 +159,6 @@ impl MoePath {
     }
 }
 
-/// Smallest batch [`moe_plan`] groups (not measured yet; `kernel_bench moe` compares the
-/// paths). Grouping costs one single-block launch and saves a re-read of an expert's weights
-/// for each pair beyond its first: at 16 tokens, top 8 of 256 experts, 128 pairs fall on
-/// about 102 distinct experts (a fifth fewer weight reads, tens of MB per layer), at 8 tokens
-/// on about 57 of 64 (a saving near the launch's cost). Decode stays per pair.
-pub const MOE_GROUPED_MIN_TOKENS: usize = 16;
-
 /// The kernels [`moe_ffn`] runs for a batch.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct MoePlan {
@@ -191,9 +184,10 @@ fn expert_gemv(w: &DeviceWeight, opts: &LinearOptions) -> ExpertGemv {
 
 /// What [`moe_ffn`] runs for `n_tokens` tokens with `opts` (whose GEMV activation format also
 /// picks the expert GEMVs'; the routed experts always take GEMVs, the shared expert follows
-/// [`super::linear_plan`]) on the expert path `path` forces (`None`: grouped from
-/// [`MOE_GROUPED_MIN_TOKENS`] when every expert GEMV is an int8 one). Forcing the grouped path
-/// where an expert GEMV takes f32 activations is an error.
+/// [`super::linear_plan`]) on the expert path `path` forces (`None`: pair by pair, which was
+/// faster than the grouped path at every batch size `kernel_bench moe` measured on the H200,
+/// docs/perf.md). Forcing the grouped path where an expert GEMV takes f32 activations is an
+/// error.
 pub fn moe_plan(w: &MoeWeights, n_tokens: usize, opts: &LinearOptions, path: Option<MoePath>) -> Result<MoePlan, CudaError> {
     let (gate, up) = match w.gate_up {
         ExpertGateUp::Fused(b) => (expert_gemv(b, opts), expert_gemv(b, opts)),
@@ -227,7 +221,6 @@ pub fn moe_plan(w: &MoeWeights, n_tokens: usize, opts: &LinearOptions, path: Opt
             ));
         }
         Some(path) => path,
-        None if groupable && n_tokens >= MOE_GROUPED_MIN_TOKENS => MoePath::Grouped,
         None => MoePath::Pairs,
     };
     Ok(MoePlan { experts, gate_up_glu, gate, up, down, shared_glu })
