@@ -701,12 +701,11 @@ fn expanded_weights_feed_the_gemm_unchanged() {
 
 /// A linear with its norm and residual folded in gives the bits of norm, linear and add run one
 /// after the other, on every path (the tensor-core paths normalise straight into their f16/bf16
-/// input; cuBLAS adds the residual in its epilogue).
+/// input and add the residual in their epilogues: cuBLASLt's, `gemm_mma`'s or `gemm_reduce`'s).
 #[test]
 fn fused_linear_matches_norm_linear_add() {
     let Some(gpu) = gpu() else { return };
     let mut rng = Rng(31);
-    let (rows, cols) = (96, 576);
     let gemm = |precision| LinearOptions { path: LinearPath::Gemm, precision, ..LinearOptions::default() };
     let cases = [
         (1, LinearOptions::default()),
@@ -716,7 +715,8 @@ fn fused_linear_matches_norm_linear_add() {
         (40, gemm(Precision::F16)),
         (3, gemm(Precision::F32)),
     ];
-    for dtype in [GgmlType::Q4_0, GgmlType::F16] {
+    // 4096 columns: the small-batch GEMM splits K over slices (the reduce adds the residual).
+    for (dtype, rows, cols) in [(GgmlType::Q4_0, 96, 576), (GgmlType::Q4_0, 256, 4096), (GgmlType::F16, 96, 576)] {
         let (bytes, _) = random_weight(&mut rng, dtype, rows, cols);
         let w = gpu.upload_weight(dtype, rows, cols, &bytes).unwrap();
         let g = upload(gpu, &rng.vec(cols, 0.5, 1.5));

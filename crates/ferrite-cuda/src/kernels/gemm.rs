@@ -43,6 +43,8 @@ device_params! {
         pub x: u64,
         /// f32 `[n_tokens, rows]`, or with grid z > 1 the partials `[z][n_tokens, rows]`.
         pub out: u64,
+        /// f32 `[n_tokens, rows]` added to the output (0: none; with grid z > 1 the reduce adds it).
+        pub residual: u64,
         pub rows: u32,
         pub cols: u32,
         pub n_tokens: u32,
@@ -57,6 +59,8 @@ device_params! {
         pub out: u64,
         /// Elements per slice (`n_tokens * rows`).
         pub n: u64,
+        /// f32, `n` elements added to the sum (0: none).
+        pub residual: u64,
         pub slices: u32,
         pub pad: u32,
     }
@@ -292,8 +296,10 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32, MIN_BLOCKS) gemm_mma(c
     }
   }
 
-  // C fragment: acc[m][j] = rows (g, g + 8) x tokens (2t, 2t + 1) of tile (m, j).
+  // C fragment: acc[m][j] = rows (g, g + 8) x tokens (2t, 2t + 1) of tile (m, j). The residual
+  // is added by the one slice there is (more slices: by the reduce), once, after the sum.
   float* out = reinterpret_cast<float*>(p.out) + (i64)blockIdx.z * p.n_tokens * p.rows;
+  const float* residual = gridDim.z == 1 ? reinterpret_cast<const float*>(p.residual) : nullptr;
 #pragma unroll
   for (int m = 0; m < MT; ++m)
 #pragma unroll
@@ -301,21 +307,25 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32, MIN_BLOCKS) gemm_mma(c
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
         const u32 r = row0 + 16 * m + g + 8 * (i >> 1), tok = tok0 + 8 * j + 2 * t + (i & 1);
-        if (r < p.rows && tok < p.n_tokens) out[(i64)tok * p.rows + r] = acc[m][j][i];
+        if (r < p.rows && tok < p.n_tokens) {
+          const i64 at = (i64)tok * p.rows + r;
+          out[at] = residual ? acc[m][j][i] + residual[at] : acc[m][j][i];
+        }
       }
 }
 "#;
 
 const REDUCE: &str = r#"
-// out[i] = sum over slices z (in order) of partials[z][i].
+// out[i] = sum over slices z (in order) of partials[z][i], then + residual[i] if given.
 extern "C" __global__ void gemm_reduce(const GemmReduceParams p) {
   KERNEL_ENTRY();
   const float* part = reinterpret_cast<const float*>(p.partials);
+  const float* residual = reinterpret_cast<const float*>(p.residual);
   float* out = reinterpret_cast<float*>(p.out);
   for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < p.n; i += (u64)gridDim.x * blockDim.x) {
     float s = 0.f;
     for (u32 z = 0; z < p.slices; ++z) s += part[z * p.n + i];
-    out[i] = s;
+    out[i] = residual ? s + residual[i] : s;
   }
 }
 "#;

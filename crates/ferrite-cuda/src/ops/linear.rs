@@ -326,7 +326,7 @@ struct Input<'a> {
     norm: Option<&'a RowNorm>,
 }
 
-/// Run `plan`; `out += residual` after it (cuBLAS reads the residual in its epilogue).
+/// Run `plan`; `out += residual` after it (the tensor-core paths add it in their epilogues).
 fn run_plan(
     gpu: &Gpu,
     w: &DeviceWeight,
@@ -348,6 +348,10 @@ fn run_plan(
         LinearPlan::Gemm { precision, dequantize_weight, convert_input } => {
             return gemm(gpu, w, input, n_tokens, out, residual, precision, dequantize_weight, convert_input);
         }
+        LinearPlan::Mma { precision } => {
+            let variant = GemmMmaVariant::for_shape(w.dtype, n_tokens, precision == Precision::BF16);
+            return gemm_mma(gpu, w, input, n_tokens, out, residual, variant);
+        }
         LinearPlan::Gemv => gemv(gpu, w, x, n_tokens, out, w.rows, None),
         LinearPlan::GemvQ8 => {
             let (q_bytes, s_bytes, _) = Q8Activations::sizes(n_tokens * w.cols);
@@ -356,9 +360,6 @@ fn run_plan(
                 quantize_raw(gpu, x, w.cols, n_tokens, w.cols, None, input.xq, input.xs)?;
                 gemv_q8(gpu, w, None, None, input, n_tokens, w.rows, (out, w.rows, 0), &Epilogue::default(), None)
             })
-        }
-        LinearPlan::Mma { precision } => {
-            gemm_mma(gpu, w, input, n_tokens, out, GemmMmaVariant::for_shape(w.dtype, n_tokens, precision == Precision::BF16))
         }
     }?;
     match residual {
@@ -833,7 +834,7 @@ pub fn linear_mma(
     if n_tokens == 0 || w.rows == 0 {
         return Ok(());
     }
-    gemm_mma(gpu, w, Input { x, norm: None }, n_tokens, out, variant)
+    gemm_mma(gpu, w, Input { x, norm: None }, n_tokens, out, None, variant)
 }
 
 /// The device addresses of a linear's `x` (`[n_tokens, w.cols]`) and `out` (`[n_tokens,
@@ -854,7 +855,15 @@ fn linear_operands(
 /// The small-batch tensor-core GEMM: activations converted to the MMA input type in scratch,
 /// then `gemm_mma` on the packed weight, straight into `out` or, split over K slices, into f32
 /// partials in scratch that `gemm_reduce` sums.
-fn gemm_mma(gpu: &Gpu, w: &DeviceWeight, input: Input, n_tokens: usize, out: u64, variant: GemmMmaVariant) -> Result<(), CudaError> {
+fn gemm_mma(
+    gpu: &Gpu,
+    w: &DeviceWeight,
+    input: Input,
+    n_tokens: usize,
+    out: u64,
+    residual: Option<u64>,
+    variant: GemmMmaVariant,
+) -> Result<(), CudaError> {
     const OP: &str = "linear";
     let precision = if variant.bf16 { Precision::BF16 } else { Precision::F16 };
     let slices = variant.k_slices(w.rows, w.cols, n_tokens, gpu.sm_count() as usize);
@@ -872,6 +881,7 @@ fn gemm_mma(gpu: &Gpu, w: &DeviceWeight, input: Input, n_tokens: usize, out: u64
             w3,
             x: scratch,
             out: if slices > 1 { partials } else { out },
+            residual: residual.unwrap_or(0),
             rows: as_u32(OP, "rows", w.rows)?,
             cols: as_u32(OP, "cols", w.cols)?,
             n_tokens: as_u32(OP, "n_tokens", n_tokens)?,
@@ -879,7 +889,7 @@ fn gemm_mma(gpu: &Gpu, w: &DeviceWeight, input: Input, n_tokens: usize, out: u64
         };
         gpu.launch(&variant, "gemm_mma", variant.launch_config(w.rows, n_tokens, slices), &params)?;
         if slices > 1 {
-            let params = GemmReduceParams { partials, out, n: part_len as u64, slices: slices as u32, pad: 0 };
+            let params = GemmReduceParams { partials, out, n: part_len as u64, residual: residual.unwrap_or(0), slices: slices as u32, pad: 0 };
             gpu.launch(&variant, "gemm_reduce", gemm_kernels::reduce_launch_config(part_len), &params)?;
         }
         Ok(())
