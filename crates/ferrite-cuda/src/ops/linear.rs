@@ -258,8 +258,9 @@ pub struct LinearFusion<'a> {
 
 /// [`linear_with`] of `RMSNorm(x)`, plus the residual: the tensor-core paths normalise straight
 /// into their f16/bf16 input (one launch instead of a norm and a conversion, the same bits) and
-/// cuBLAS adds the residual in its epilogue; the others normalise into `norm_scratch` (f32, at
-/// least `[n_tokens, w.cols]`; untouched without a norm) first and add the residual after.
+/// add the residual in their epilogues (cuBLASLt's, `gemm_mma`'s or `gemm_reduce`'s); the others
+/// normalise into `norm_scratch` (f32, at least `[n_tokens, w.cols]`; untouched without a norm)
+/// first and add the residual after.
 #[allow(clippy::too_many_arguments)]
 pub fn linear_fused(
     gpu: &Gpu,
