@@ -29,6 +29,9 @@ fn time(gpu: &Gpu, iters: usize, mut f: impl FnMut() -> Result<(), CudaError>) -
     Ok(start.elapsed().as_secs_f64() / iters as f64)
 }
 
+/// A `kernel_bench` section: measures one family of kernels.
+type Section = fn(&Gpu) -> Result<(), CudaError>;
+
 fn main() -> Result<(), CudaError> {
     let gpu = Gpu::new(0)?;
     println!(
@@ -40,7 +43,7 @@ fn main() -> Result<(), CudaError> {
     );
     // `kernel_bench [SECTION ...]` runs only the named sections.
     let wanted: Vec<String> = std::env::args().skip(1).collect();
-    let sections: [(&str, fn(&Gpu) -> Result<(), CudaError>); 8] = [
+    let sections: [(&str, Section); 8] = [
         ("gemv", gemv),
         ("prefill", prefill),
         ("batched", batched),

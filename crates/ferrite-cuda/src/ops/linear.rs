@@ -339,7 +339,7 @@ fn run_plan(
 ) -> Result<(), CudaError> {
     const OP: &str = "linear";
     let x = input.x;
-    if plan == LinearPlan::Gemv && x % 16 != 0 {
+    if plan == LinearPlan::Gemv && !x.is_multiple_of(16) {
         return Err(CudaError::invalid(
             OP,
             format!("x at device address {x:#x} is not 16-byte aligned, as the GEMV needs"),
