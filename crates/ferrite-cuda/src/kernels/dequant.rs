@@ -42,7 +42,8 @@ __device__ __forceinline__ void dequant_row(const WeightRef& w, i64 row, int tid
 }
 "#;
 
-/// Device code: `store_out` / `store_out4` write values as `OUT_TYPE` (also the norm's output).
+/// Device code: `store_out` / `store_out4` write values as `OUT_TYPE` (also the norm's output);
+/// `pair_order` places them in `gemm_mma`'s pair order.
 pub(super) const STORE: &str = r#"
 #ifndef OUT_TYPE
 #error "OUT_TYPE (0 f32, 1 f16, 2 bf16) must come from the kernel variant"
@@ -63,6 +64,8 @@ __device__ __forceinline__ void store_out(u64 out, i64 i, float v) {
 #error "OUT_TYPE must be 0, 1 or 2"
 #endif
 }
+// Where value i goes in `gemm_mma`'s pair order: the middle two of every four swapped.
+__device__ __forceinline__ i64 pair_order(i64 i) { return (i & ~3ll) | ((i & 1) << 1) | ((i >> 1) & 1); }
 // Values i .. i + 3 (i % 4 == 0) in one store: 16 bytes of f32 or 8 of f16/bf16.
 __device__ __forceinline__ void store_out4(u64 out, i64 i, float4 v) {
 #if OUT_TYPE == 0
@@ -190,7 +193,7 @@ extern "C" __global__ void convert_f32(const ConvertParams p) {
     store_out4(p.dst, 4 * g, v);
   }
   for (i64 i = done + first; i < (i64)p.n; i += stride)
-    store_out(p.dst, p.interleave ? (i & ~3ll) | ((i & 1) << 1) | ((i >> 1) & 1) : i, src[i]);
+    store_out(p.dst, p.interleave ? pair_order(i) : i, src[i]);
 }
 "#;
 

@@ -41,8 +41,7 @@ extern "C" __global__ void __launch_bounds__(BLOCK_SIZE) rms_norm(const RmsNormP
   const float inv = row_rms_inv(x, p.dim, p.eps, scratch);
   for (u32 i = threadIdx.x; i < p.dim; i += BLOCK_SIZE) {
     const float g = p.add_one ? 1.f + wt[i] : wt[i];
-    const u32 at = p.interleave ? (i & ~3u) | ((i & 1u) << 1) | ((i >> 1) & 1u) : i;
-    store_out(p.out, start + at, x[i] * inv * g);
+    store_out(p.out, start + (p.interleave ? pair_order(i) : i), x[i] * inv * g);
   }
 }
 "#;

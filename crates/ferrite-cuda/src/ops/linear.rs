@@ -237,14 +237,7 @@ pub fn linear_with(
     out: &mut impl DevicePtrMut<f32>,
     opts: &LinearOptions,
 ) -> Result<LinearPlan, CudaError> {
-    const OP: &str = "linear";
-    let plan = resolved_plan(w, n_tokens, opts);
-    if n_tokens == 0 {
-        return Ok(plan);
-    }
-    let (x, out) = linear_operands(OP, gpu, w, x, n_tokens, out)?;
-    run_plan(gpu, w, plan, Input { x, norm: None }, n_tokens, out, None)?;
-    Ok(plan)
+    linear_at("linear", gpu, w, x, &LinearFusion::default(), n_tokens, out, None, opts)
 }
 
 /// What a linear folds in besides `x · Wᵀ`: the RMSNorm of its input, the residual added to its
@@ -272,15 +265,32 @@ pub fn linear_fused(
     norm_scratch: &mut impl DevicePtrMut<f32>,
     opts: &LinearOptions,
 ) -> Result<LinearPlan, CudaError> {
-    const OP: &str = "linear_fused";
+    let scratch = (addr_mut(gpu, norm_scratch), norm_scratch.len());
+    linear_at("linear_fused", gpu, w, x, fusion, n_tokens, out, Some(scratch), opts)
+}
+
+/// [`linear_fused`] for op name `op` (its errors' prefix); `norm_scratch` is the address and
+/// length of the f32 scratch, needed only by a norm on a path that cannot fold it.
+#[allow(clippy::too_many_arguments)]
+fn linear_at(
+    op: &'static str,
+    gpu: &Gpu,
+    w: &DeviceWeight,
+    x: &impl DevicePtr<f32>,
+    fusion: &LinearFusion,
+    n_tokens: usize,
+    out: &mut impl DevicePtrMut<f32>,
+    norm_scratch: Option<(u64, usize)>,
+    opts: &LinearOptions,
+) -> Result<LinearPlan, CudaError> {
     let plan = resolved_plan(w, n_tokens, opts);
     if n_tokens == 0 {
         return Ok(plan);
     }
-    let (x, out) = linear_operands(OP, gpu, w, x, n_tokens, out)?;
+    let (x, out) = linear_operands(op, gpu, w, x, n_tokens, out)?;
     let residual = match fusion.residual {
         Some(r) => {
-            check_len(OP, "residual", r.len(), elems(OP, &[n_tokens, w.rows])?)?;
+            check_len(op, "residual", r.len(), elems(op, &[n_tokens, w.rows])?)?;
             Some(addr(gpu, r))
         }
         None => None,
@@ -289,13 +299,13 @@ pub fn linear_fused(
         run_plan(gpu, w, plan, Input { x, norm: None }, n_tokens, out, residual)?;
         return Ok(plan);
     };
-    check_len(OP, "norm weight", norm.weight.len(), w.cols)?;
+    check_len(op, "norm weight", norm.weight.len(), w.cols)?;
     let row_norm = RowNorm { weight: addr(gpu, norm.weight), eps: norm.eps, add_one: norm.add_one };
     if matches!(plan, LinearPlan::Mma { .. } | LinearPlan::Gemm { convert_input: true, .. }) {
         run_plan(gpu, w, plan, Input { x, norm: Some(&row_norm) }, n_tokens, out, residual)?;
     } else {
-        check_len(OP, "norm scratch", norm_scratch.len(), elems(OP, &[n_tokens, w.cols])?)?;
-        let normed = addr_mut(gpu, norm_scratch);
+        let (normed, len) = norm_scratch.ok_or_else(|| CudaError::invalid(op, "a norm on this path needs an f32 scratch"))?;
+        check_len(op, "norm scratch", len, elems(op, &[n_tokens, w.cols])?)?;
         norm_rows(gpu, x, &row_norm, n_tokens, w.cols, normed, OutType::F32, false)?;
         run_plan(gpu, w, plan, Input { x: normed, norm: None }, n_tokens, out, residual)?;
     }
