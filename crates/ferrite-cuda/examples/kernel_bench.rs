@@ -192,6 +192,22 @@ fn attention(gpu: &Gpu) -> Result<(), CudaError> {
         let split = time(gpu, 200, || ops::attention_split(gpu, &q, &cache, &p, 1, &cfg, splits, &mut scratch, &mut out, None))?;
         println!("  kv_len={:<5} {:>9.2} us, split in {splits}: {:>9.2} us", pos + 1, s * 1e6, split * 1e6);
     }
+    // The decode step's kernel: K/V store, RoPE and attention in one launch, at the positions
+    // of a short generation (SmolLM2 / 1B heads of 64, 8B heads of 128).
+    for (n_heads, n_kv, head_dim) in [(9usize, 3usize, 64usize), (32, 8, 128)] {
+        println!("\nfused decode attention (store + RoPE + attend), {n_heads} heads / {n_kv} KV heads of {head_dim}, f16 cache");
+        let mut cache = KvCache::new(gpu, KvDtype::F16, 4096, n_kv, head_dim)?;
+        let row = (n_heads + 2 * n_kv) * head_dim;
+        let qkv = gpu.upload(&vec![0.1f32; row], "qkv")?;
+        let mut out = gpu.alloc_zeros::<f32>(n_heads * head_dim)?;
+        let cfg = AttentionConfig { n_heads, scale: 1.0 / (head_dim as f32).sqrt(), window: None, softcap: None };
+        let rope = ops::RopeConfig { n_heads, head_dim, rot_dim: head_dim, theta: 500_000.0, freq_scale: 1.0, neox: true };
+        for pos in [0u32, 31, 127, 511, 2047] {
+            let p = gpu.upload(&[pos], "pos")?;
+            let s = time(gpu, 200, || ops::store_and_attend(gpu, &mut cache, &qkv, &p, &cfg, Some(&rope), &mut out, None))?;
+            println!("  kv_len={:<5} {:>9.2} us", pos + 1, s * 1e6);
+        }
+    }
     Ok(())
 }
 

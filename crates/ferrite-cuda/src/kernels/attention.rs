@@ -112,10 +112,12 @@ const QKV_PAIR: &str = r#"
 #error "HEAD_DIM must come from the kernel variant"
 #endif
 // Pair `pair` of head `head` of the row `src` (Q heads, then K, then V): its element indices
-// (a, b) within the head and its values, rotated when head < rotated_heads and pair < rot_dim/2
-// (pairs past that, partial RoPE, and V pairs are plain copies).
-__device__ __forceinline__ void qkv_pair(const float* src, u32 head, u32 pair, u32 rotated_heads, u32 pos, u32 rot_dim,
-                                         float theta, float freq_scale, u32* a, u32* b, float* x0, float* x1) {
+// (a, b) within the head and its values, turned by the angle (c, s) of the pair at the token's
+// position when head < rotated_heads and pair < rot_dim/2 (pairs past that, partial RoPE, and V
+// pairs are plain copies). The angle depends on the position only, so a kernel may compute it
+// before its inputs are ready.
+__device__ __forceinline__ void qkv_pair_turned(const float* src, u32 head, u32 pair, u32 rotated_heads, u32 rot_dim, float c, float s,
+                                                u32* a, u32* b, float* x0, float* x1) {
   const float* h = src + (i64)head * HEAD_DIM;
   *a = 2 * pair;
   *b = 2 * pair + 1;
@@ -125,8 +127,6 @@ __device__ __forceinline__ void qkv_pair(const float* src, u32 head, u32 pair, u
     *a = pair;
     *b = pair + rot_dim / 2;
 #endif
-    float c, s;
-    rope_cos_sin(pos, pair, rot_dim, theta, freq_scale, &c, &s);
     *x0 = h[*a];
     *x1 = h[*b];
     rope_rotate(x0, x1, c, s);
@@ -135,6 +135,14 @@ __device__ __forceinline__ void qkv_pair(const float* src, u32 head, u32 pair, u
 #endif
   *x0 = h[*a];
   *x1 = h[*b];
+}
+// The angle of `pair` at `pos` (unused for pairs that are not rotated).
+__device__ __forceinline__ void qkv_pair_angle(u32 pair, u32 pos, u32 rot_dim, float theta, float freq_scale, float* c, float* s) {
+  *c = 1.f;
+  *s = 0.f;
+#if ROPE_STYLE
+  if (pair < rot_dim / 2) rope_cos_sin(pos, pair, rot_dim, theta, freq_scale, c, s);
+#endif
 }
 "#;
 
@@ -157,8 +165,10 @@ extern "C" __global__ void store_qkv(const StoreQkvParams p) {
     const u32 tok = (u32)(idx / HALF / heads);
     const u32 pos = reinterpret_cast<const u32*>(p.positions)[tok];
     u32 a, b;
-    float x0, x1;
-    qkv_pair(qkv + (i64)tok * p.stride, head, pair, p.n_heads + p.n_kv_heads, pos, p.rot_dim, p.theta, p.freq_scale, &a, &b, &x0, &x1);
+    float x0, x1, c = 1.f, s = 0.f;
+    const u32 rotated = p.n_heads + p.n_kv_heads;
+    if (head < rotated) qkv_pair_angle(pair, pos, p.rot_dim, p.theta, p.freq_scale, &c, &s);
+    qkv_pair_turned(qkv + (i64)tok * p.stride, head, pair, rotated, p.rot_dim, c, s, &a, &b, &x0, &x1);
     if (head < p.n_heads) {
       float* dst = q_out + ((i64)tok * p.n_heads + head) * HEAD_DIM;
       dst[a] = x0;
@@ -307,33 +317,71 @@ const ATTENTION: &str = r#"
 #if PAGED && (STORE || SPLIT)
 #error "the paged cache is read by the plain one-block kernel only"
 #endif
-#define DIMS_PER_LANE (HEAD_DIM / 32)
-// V rows read per step of the value accumulation: all their loads are issued before any math.
-#define V_GROUP 8
+#if (HEAD_DIM & (HEAD_DIM - 1)) != 0
+#error "HEAD_DIM must be a power of two: lanes split a row in whole 16-byte vectors"
+#endif
+#if STORE && HEAD_DIM / 2 > NWARPS * 32
+#error "the fused K/V store turns one value pair per thread"
+#endif
+// A cache row as 16-byte vectors of KV_VEC values. A lane scores one key: the first K_PRE
+// vectors of its K row are requested with the batch's V rows (see load_batch), the rest (long
+// rows only) as it multiplies.
+#define K_VECS (HEAD_DIM / KV_VEC)
+#define K_PRE (K_VECS < 16 ? K_VECS : 16)
+// The value accumulation's lane layout: a V row's HEAD_DIM values over V_LANES lanes of V_DIMS
+// consecutive dims (V_VECS vectors) each, so one load instruction of the warp reads V_RPI rows.
+// A group of V_GROUP rows is requested at once: at most 256 bytes per lane (all 32 rows of a
+// batch up to 128 f16 dims).
+#define V_LANES (K_VECS < 32 ? K_VECS : 32)
+#define V_DIMS (HEAD_DIM / V_LANES)
+#define V_VECS (V_DIMS / KV_VEC)
+#define V_RPI (32 / V_LANES)
+#define V_GROUP_FIT (32 * 256 / (HEAD_DIM * (int)sizeof(kv_t)))
+#define V_GROUP (V_GROUP_FIT < 32 ? V_GROUP_FIT : 32)
+#define V_STEPS (V_GROUP / V_RPI)
 
-// Lane l's DIMS_PER_LANE consecutive values (dims l * DIMS_PER_LANE ...) of a cache row, in
-// one load of their total size.
-__device__ __forceinline__ void kv_load_lane(const kv_t* row, int lane, float* out) {
-  const kv_t* p = row + lane * DIMS_PER_LANE;
-#if KV_F16 && DIMS_PER_LANE == 8
-  kv_load_vec(p, out);
-#elif KV_F16 && DIMS_PER_LANE == 4
-  const uint2 u = *reinterpret_cast<const uint2*>(p);
-  out[0] = f16_to_f32((u16)(u.x & 0xffffu)); out[1] = f16_to_f32((u16)(u.x >> 16));
-  out[2] = f16_to_f32((u16)(u.y & 0xffffu)); out[3] = f16_to_f32((u16)(u.y >> 16));
-#elif KV_F16 && DIMS_PER_LANE == 2
-  const u32 u = *reinterpret_cast<const u32*>(p);
-  out[0] = f16_to_f32((u16)(u & 0xffffu)); out[1] = f16_to_f32((u16)(u >> 16));
-#elif !KV_F16 && DIMS_PER_LANE >= 4
+// The values of one 16-byte vector of cache entries.
+__device__ __forceinline__ void kv_unpack(const uint4& u, float* out) {
+#if KV_F16
+  const u16* h = reinterpret_cast<const u16*>(&u);
 #pragma unroll
-  for (int e = 0; e < DIMS_PER_LANE; e += 4) kv_load_vec(p + e, out + e);
-#elif !KV_F16 && DIMS_PER_LANE == 2
-  const float2 u = *reinterpret_cast<const float2*>(p);
-  out[0] = u.x; out[1] = u.y;
+  for (int e = 0; e < 8; ++e) out[e] = f16_to_f32(h[e]);
 #else
-  out[0] = kv_load(p, 0);
+  out[0] = __uint_as_float(u.x); out[1] = __uint_as_float(u.y); out[2] = __uint_as_float(u.z); out[3] = __uint_as_float(u.w);
 #endif
 }
+
+// A warp's batch of 32 keys in registers: the lane's K row (its first K_PRE vectors) and its
+// share of one group of V rows.
+struct KvBatch {
+  uint4 k[K_PRE];
+  uint4 v[V_STEPS * V_VECS];
+};
+
+// Requests the lane's share of V rows g .. g + V_GROUP of the batch at `base` (count keys; rows
+// past them re-read the last one, whose weight is 0).
+__device__ __forceinline__ void load_v_group(const AttentionParams& p, const kv_t* vc, i64 row, u32 tok, u32 base, u32 count, u32 g, int lane, uint4* v) {
+  const int rg = lane / V_LANES, dc = lane % V_LANES;
+#pragma unroll
+  for (int st = 0; st < V_STEPS; ++st) {
+    const u32 r = min(g + st * V_RPI + rg, count - 1);
+    const uint4* src = reinterpret_cast<const uint4*>(vc + cache_row(p.block_tables, p.row_seq, p.max_blocks, p.block_size, tok, base + r) * row + dc * V_DIMS);
+#pragma unroll
+    for (int e = 0; e < V_VECS; ++e) v[st * V_VECS + e] = src[e];
+  }
+}
+
+// Requests the batch of keys base .. min(base + 32, end): every load is issued before any is
+// used, so a batch costs one memory round trip (two or more for heads past 128 f16 dims).
+__device__ __forceinline__ void load_batch(const AttentionParams& p, const kv_t* kc, const kv_t* vc, i64 row, u32 tok, u32 base, u32 end, int lane, KvBatch& b) {
+  if (base + lane < end) {
+    const uint4* k = reinterpret_cast<const uint4*>(kc + cache_row(p.block_tables, p.row_seq, p.max_blocks, p.block_size, tok, base + lane) * row);
+#pragma unroll
+    for (int i = 0; i < K_PRE; ++i) b.k[i] = k[i];
+  }
+  load_v_group(p, vc, row, tok, base, min(32u, end - base), 0, lane, b.v);
+}
+
 // Fewest keys per share: one batch of 32 keys for every warp of the block.
 #define MIN_SHARE (32u * NWARPS)
 // Most shares per query (the merge keeps a weight per share in shared memory).
@@ -359,9 +407,10 @@ __device__ __forceinline__ void prefetch_kv(const AttentionParams& p, const kv_t
 // One block per (head, query token, key share). Warps take turns on batches of 32 keys of the
 // block's share: each lane scores one key (a whole K row in 16-byte loads against q in shared
 // memory), the warp updates its online softmax (running max m, sum l) once per batch, then
-// accumulates the batch's V rows, a lane holding DIMS_PER_LANE consecutive dims, V_GROUP rows'
-// loads in flight at once. So a warp waits for memory once for the batch's keys and once per
-// V_GROUP rows, not once per key. The warps' states are merged through shared memory at the end.
+// accumulates the batch's V rows (see V_LANES). The batch's K and V loads are all issued
+// before any is used (load_batch), so a warp waits for memory once per batch, not once per key;
+// with the fused K/V store the first batch is requested before the kernel waits for the QKV
+// projection. The warps' states are merged through shared memory at the end.
 // With SPLIT, each block stores its merged state; the last block of a query to arrive (an
 // atomic counter) merges the shares and writes the output, so no second kernel is needed.
 extern "C" __global__ void __launch_bounds__(NWARPS * 32) attention(const AttentionParams p) {
@@ -383,6 +432,15 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32) attention(const Attent
   const i64 row = (i64)p.n_kv_heads * HEAD_DIM;
   const kv_t* kc = reinterpret_cast<const kv_t*>(p.k_cache) + (i64)kv_head * HEAD_DIM;
   const kv_t* vc = reinterpret_cast<const kv_t*>(p.v_cache) + (i64)kv_head * HEAD_DIM;
+  u32 base = begin + 32 * warp;  // the warp's first batch
+  KvBatch batch;
+#if STORE
+  // The cached rows (before pos) were written by earlier steps, and the angles depend on the
+  // position only: both may be had before the wait, while the QKV projection still runs.
+  if (!bad_pos && base < end) load_batch(p, kc, vc, row, tok, base, end, lane, batch);
+  float rope_c, rope_s;
+  qkv_pair_angle(threadIdx.x, pos, p.rot_dim, p.theta, p.freq_scale, &rope_c, &rope_s);
+#endif
   if (!bad_pos) prefetch_kv(p, kc, vc, row, tok, begin, end);
   KERNEL_ENTRY();
   if (bad_pos) {  // block-uniform, before any barrier; every share of the query returns
@@ -401,18 +459,19 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32) attention(const Attent
     const float* src = reinterpret_cast<const float*>(p.qkv);
     const bool writer = head % (p.n_heads / p.n_kv_heads) == 0;
     const i64 cache_row = ((i64)pos * p.n_kv_heads + kv_head) * HEAD_DIM;
-    for (u32 pair = threadIdx.x; pair < HEAD_DIM / 2; pair += NWARPS * 32) {
+    const u32 pair = threadIdx.x;
+    if (pair < HEAD_DIM / 2) {
       const u32 rotated = p.n_heads + p.n_kv_heads;
       u32 a, b;
       float x0, x1;
-      qkv_pair(src, head, pair, rotated, pos, p.rot_dim, p.theta, p.freq_scale, &a, &b, &x0, &x1);
+      qkv_pair_turned(src, head, pair, rotated, p.rot_dim, rope_c, rope_s, &a, &b, &x0, &x1);
       s_q[a] = x0 * p.scale;
       s_q[b] = x1 * p.scale;
-      qkv_pair(src, p.n_heads + kv_head, pair, rotated, pos, p.rot_dim, p.theta, p.freq_scale, &a, &b, &x0, &x1);
+      qkv_pair_turned(src, p.n_heads + kv_head, pair, rotated, p.rot_dim, rope_c, rope_s, &a, &b, &x0, &x1);
       s_k[a] = kv_round(x0);
       s_k[b] = kv_round(x1);
       if (writer) { kv_store((kv_t*)p.k_cache + cache_row, a, x0); kv_store((kv_t*)p.k_cache + cache_row, b, x1); }
-      qkv_pair(src, rotated + kv_head, pair, rotated, pos, p.rot_dim, p.theta, p.freq_scale, &a, &b, &x0, &x1);
+      qkv_pair_turned(src, rotated + kv_head, pair, rotated, p.rot_dim, rope_c, rope_s, &a, &b, &x0, &x1);
       s_v[a] = kv_round(x0);
       s_v[b] = kv_round(x1);
       if (writer) { kv_store((kv_t*)p.v_cache + cache_row, a, x0); kv_store((kv_t*)p.v_cache + cache_row, b, x1); }
@@ -421,25 +480,34 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32) attention(const Attent
 #else
   const float* q = reinterpret_cast<const float*>(p.q) + qrow;
   for (int d = threadIdx.x; d < HEAD_DIM; d += NWARPS * 32) s_q[d] = q[d] * p.scale;
+  // Rows of this launch's tokens may have been written by the previous kernel: read after the wait.
+  if (base < end) load_batch(p, kc, vc, row, tok, base, end, lane, batch);
 #endif
   __syncthreads();
 
-  float acc[DIMS_PER_LANE];
+  // Per lane: V_DIMS dims of the rows rg, rg + V_RPI, ... of each batch (summed over the lanes
+  // of a dim chunk at the end).
+  const int rg = lane / V_LANES, dc = lane % V_LANES;
+  float acc[V_DIMS];
 #pragma unroll
-  for (int i = 0; i < DIMS_PER_LANE; ++i) acc[i] = 0.f;
+  for (int i = 0; i < V_DIMS; ++i) acc[i] = 0.f;
   float m = NEG_INF, l = 0.f;
-  for (u32 base = begin + 32 * warp; base < end; base += 32 * NWARPS) {
+  for (; base < end; base += 32 * NWARPS) {
     const u32 j = base + lane;
     float s = NEG_INF;
     if (j < end) {
-      const kv_t* krow = kc + cache_row(p.block_tables, p.row_seq, p.max_blocks, p.block_size, tok, j) * row;
       float part[KV_VEC] = {};  // KV_VEC independent chains: shorter sums, more ILP
 #pragma unroll
-      for (int c = 0; c < HEAD_DIM; c += KV_VEC) {
+      for (int c = 0; c < K_VECS; ++c) {
         float k[KV_VEC];
-        kv_load_vec(krow + c, k);
+        if (c < K_PRE) {
+          kv_unpack(batch.k[c], k);
+        } else {
+          const kv_t* krow = kc + cache_row(p.block_tables, p.row_seq, p.max_blocks, p.block_size, tok, j) * row;
+          kv_unpack(reinterpret_cast<const uint4*>(krow)[c], k);
+        }
 #pragma unroll
-        for (int e = 0; e < KV_VEC; ++e) part[e] += s_q[c + e] * k[e];
+        for (int e = 0; e < KV_VEC; ++e) part[e] += s_q[c * KV_VEC + e] * k[e];
       }
       float dot = 0.f;
 #pragma unroll
@@ -451,27 +519,33 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32) attention(const Attent
     const float pj = j < end ? expf(s - m_new) : 0.f;
     l = l * corr + warp_sum(pj);
 #pragma unroll
-    for (int i = 0; i < DIMS_PER_LANE; ++i) acc[i] *= corr;
-    // The batch's V rows, V_GROUP at a time: a lane loads its dims of every row of the group
-    // (one vector load each) before multiplying, so a group costs one memory round trip. Rows
-    // past the share re-read its last row with weight 0.
+    for (int i = 0; i < V_DIMS; ++i) acc[i] *= corr;
+    // The batch's V rows, a group (the first came with the keys) at a time: row r's weight is
+    // lane r's pj (0 past the share).
     const u32 count = min(32u, end - base);
     for (u32 g = 0; g < count; g += V_GROUP) {
-      float v[V_GROUP][DIMS_PER_LANE];
+      if (g > 0) load_v_group(p, vc, row, tok, base, count, g, lane, batch.v);
 #pragma unroll
-      for (int jj = 0; jj < V_GROUP; ++jj) {
-        const i64 vr = cache_row(p.block_tables, p.row_seq, p.max_blocks, p.block_size, tok, base + min(g + jj, count - 1));
-        kv_load_lane(vc + vr * row, lane, v[jj]);
-      }
+      for (int st = 0; st < V_STEPS; ++st) {
+        const float w = __shfl_sync(FULL_MASK, pj, g + st * V_RPI + rg);
 #pragma unroll
-      for (int jj = 0; jj < V_GROUP; ++jj) {
-        const float w = __shfl_sync(FULL_MASK, pj, g + jj);  // 0 past the share
+        for (int e = 0; e < V_VECS; ++e) {
+          float v[KV_VEC];
+          kv_unpack(batch.v[st * V_VECS + e], v);
 #pragma unroll
-        for (int i = 0; i < DIMS_PER_LANE; ++i) acc[i] += w * v[jj][i];
+          for (int i = 0; i < KV_VEC; ++i) acc[e * KV_VEC + i] += w * v[i];
+        }
       }
     }
     m = m_new;
+    if (base + 32 * NWARPS < end) load_batch(p, kc, vc, row, tok, base + 32 * NWARPS, end, lane, batch);
   }
+  // Sum each dim chunk over its lanes (lanes dc, dc + V_LANES, ...): every lane then holds the
+  // warp's sums of its chunk.
+#pragma unroll
+  for (int o = V_LANES; o < 32; o <<= 1)
+#pragma unroll
+    for (int i = 0; i < V_DIMS; ++i) acc[i] += __shfl_xor_sync(FULL_MASK, acc[i], o);
 #if STORE
   if (warp == 0) {  // the new key, from shared memory
     float part = 0.f;
@@ -482,13 +556,14 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32) attention(const Attent
     const float corr = expf(m - m_new), pj = expf(s - m_new);
     l = l * corr + pj;
 #pragma unroll
-    for (int i = 0; i < DIMS_PER_LANE; ++i) acc[i] = acc[i] * corr + pj * s_v[lane * DIMS_PER_LANE + i];
+    for (int i = 0; i < V_DIMS; ++i) acc[i] = acc[i] * corr + pj * s_v[dc * V_DIMS + i];
     m = m_new;
   }
 #endif
   if (lane == 0) { s_m[warp] = m; s_l[warp] = l; }
+  if (rg == 0)
 #pragma unroll
-  for (int i = 0; i < DIMS_PER_LANE; ++i) s_acc[warp][lane * DIMS_PER_LANE + i] = acc[i];
+    for (int i = 0; i < V_DIMS; ++i) s_acc[warp][dc * V_DIMS + i] = acc[i];
   __syncthreads();
   float m_all = NEG_INF;
 #pragma unroll

@@ -194,14 +194,72 @@ __device__ __forceinline__ i64 weight_row(const GemvQ8Params& p, i64 ebase, i64 
 #define XROW(t) TOK(t)
 #endif
 
-// Adds bias and residual, stores, and returns the stored value.
-__device__ __forceinline__ float store_q8(const GemvQ8Params& p, i64 row, int tok, float s) {
-  if (row >= p.rows || tok >= (int)p.n_tokens) return s;
+// The epilogue's and the norm's inputs, requested as soon as they may be read (see gemv_q8) so
+// that their loads overlap the main loop's instead of adding round trips after the reduction.
+// Only the lanes that use them load them (k == 0 of slice 0; every lane for the norm sums).
+#define NORM_PARTS (NTOK == 1 ? 4 : 1)
+struct Prefetched {
+  float bias[ROWS];         // BIAS: the rows' biases
+  float res[ROWS][NTOK];    // RESIDUAL: the rows' residuals
+  float ss[NTOK][NORM_PARTS];  // IN_NORM: the producer's sums of squares lane, lane + 32, ...
+  float emit_g[ROWS_PER_BLOCK >= 32 ? ROWS_PER_BLOCK / 32 : 1];  // EMIT == 2: the next norm's weight, row 32 c + lane
+};
+
+// Before the wait: weights only (the next norm's weight).
+__device__ __forceinline__ void prefetch_weights(const GemvQ8Params& p, Prefetched& f) {
+#if EMIT == 2
+  const int lane = threadIdx.x & 31;
+#pragma unroll
+  for (int c = 0; c < ROWS_PER_BLOCK / 32; ++c) {
+    const i64 row = (i64)blockIdx.x * ROWS_PER_BLOCK + 32 * c + lane;
+    f.emit_g[c] = row < p.rows ? reinterpret_cast<const float*>(p.emit_norm)[row] : 0.f;
+  }
+#endif
+}
+
+// After the wait: what earlier kernels wrote (the residual, the norm's sums) and the bias.
+__device__ __forceinline__ void prefetch_inputs(const GemvQ8Params& p, Prefetched& f, i64 row0, int tok0, bool epilogue_lane, bool first_slice) {
+#if BIAS || RESIDUAL
+  if (epilogue_lane) {
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) {
+      const i64 row = min(row0 + r, (i64)p.rows - 1);
 #if BIAS
-  s += reinterpret_cast<const float*>(p.bias)[row];
+      f.bias[r] = reinterpret_cast<const float*>(p.bias)[row];
 #endif
 #if RESIDUAL
-  s += reinterpret_cast<const float*>(p.residual)[(i64)tok * p.res_ld + p.res_col + row];
+#pragma unroll
+      for (int t = 0; t < NTOK; ++t) {
+        const int tok = min(tok0 + t, (int)p.n_tokens - 1);
+        f.res[r][t] = reinterpret_cast<const float*>(p.residual)[(i64)tok * p.res_ld + p.res_col + row];
+      }
+#endif
+    }
+  }
+#endif
+#if IN_NORM
+  if (first_slice) {
+    const int lane = threadIdx.x & 31, units = (int)(p.cols / 32);
+#pragma unroll
+    for (int t = 0; t < NTOK; ++t)
+#pragma unroll
+      for (int k = 0; k < NORM_PARTS; ++k) {
+        const int i = lane + 32 * k;
+        f.ss[t][k] = tok0 + t < (int)p.n_tokens && i < units ? reinterpret_cast<const float*>(p.in_partials)[(i64)(tok0 + t) * units + i] : 0.f;
+      }
+  }
+#endif
+}
+
+// Adds bias and residual (prefetched for row r, token tile slot t), stores, and returns the
+// stored value.
+__device__ __forceinline__ float store_q8(const GemvQ8Params& p, const Prefetched& f, i64 row, int tok, int r, int t, float s) {
+  if (row >= p.rows || tok >= (int)p.n_tokens) return s;
+#if BIAS
+  s += f.bias[r];
+#endif
+#if RESIDUAL
+  s += f.res[r][t];
 #endif
   reinterpret_cast<float*>(p.out)[(i64)tok * p.out_ld + p.out_col + row] = s;
   return s;
@@ -212,7 +270,7 @@ __device__ __forceinline__ float store_q8(const GemvQ8Params& p, i64 row, int to
 // activations, one 32-row block per warp turn. With EMIT == 2 the codes are of the output times
 // the next RMSNorm's weight, and each block's sum of squares goes out beside them: quantization
 // is scale-invariant, so the consumer applies 1 / rms once to its dot products (IN_NORM).
-__device__ __forceinline__ void emit_q8(const GemvQ8Params& p, const float (*staged)[ROWS_PER_BLOCK], int tok0) {
+__device__ __forceinline__ void emit_q8(const GemvQ8Params& p, const Prefetched& f, const float (*staged)[ROWS_PER_BLOCK], int tok0) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const u32 blocks = p.rows / 32;
   for (int job = warp; job < NTOK * (ROWS_PER_BLOCK / 32); job += NWARPS * KSPLIT) {
@@ -224,7 +282,7 @@ __device__ __forceinline__ void emit_q8(const GemvQ8Params& p, const float (*sta
 #if EMIT == 2
     const float ss = warp_sum(v * v);
     if (lane == 0) reinterpret_cast<float*>(p.emit_partials)[blk] = ss;
-    const float g = reinterpret_cast<const float*>(p.emit_norm)[row0 + lane];
+    const float g = f.emit_g[c];
     v *= p.emit_add_one ? 1.f + g : g;
 #endif
     quantize_block_warp(v, lane, reinterpret_cast<i8*>(p.emit_q) + blk * 32, reinterpret_cast<uint2*>(p.emit_s) + blk);
@@ -256,14 +314,21 @@ extern "C" __global__ void __launch_bounds__(SLICE_THREADS * KSPLIT) gemv_q8(con
 
   // Lanes never leave early: the reduction below shuffles across the whole warp. The first
   // batch of weights is requested before waiting for the previous kernel (see pdl_wait): the
-  // weights stream in while that kernel finishes. With EXPERTS the rows depend on the routing
-  // (an earlier kernel's output), so the block waits first.
+  // weights stream in while that kernel finishes. Right after the wait the epilogue's inputs
+  // are requested too, so they arrive with the activations. With EXPERTS the rows depend on the
+  // routing (an earlier kernel's output), so the block waits first.
+  Prefetched pre;
+  prefetch_weights(p, pre);
   bool waited = false;
+  const auto wait_then_prefetch = [&]() {
+    pdl_wait();
+    pdl_release();
+    waited = true;
+    prefetch_inputs(p, pre, row0, tok0, k == 0 && slice == 0, slice == 0);
+  };
   i64 ebase = 0;
 #if EXPERTS
-  pdl_wait();
-  pdl_release();
-  waited = true;
+  wait_then_prefetch();
 #if EXPERTS == 2
   // Tile y: (expert | pairs << 16, first place in the permutation). The grid covers the worst
   // case; past the batch's tiles (no pairs) the whole block leaves, before any barrier.
@@ -292,11 +357,7 @@ extern "C" __global__ void __launch_bounds__(SLICE_THREADS * KSPLIT) gemv_q8(con
       for (int j = 0; j < UNROLL; ++j)
 #pragma unroll
         for (int r = 0; r < WROWS; ++r) load_unit(WEIGHT_OF(r), weight_row(p, ebase, row0, r), min(u0 + j * TPR, units - 1), wu[j][r]);
-      if (!waited) {
-        pdl_wait();
-        pdl_release();
-        waited = true;
-      }
+      if (!waited) wait_then_prefetch();
 #pragma unroll
       for (int t = 0; t < NTOK; ++t) {
         if (TOK(t) < (int)p.n_tokens) {
@@ -323,10 +384,7 @@ extern "C" __global__ void __launch_bounds__(SLICE_THREADS * KSPLIT) gemv_q8(con
     }
   }
 
-  if (!waited) {
-    pdl_wait();
-    pdl_release();
-  }
+  if (!waited) wait_then_prefetch();
 
   // A group is TPR consecutive lanes of one warp: xor offsets below TPR stay inside it.
 #pragma unroll
@@ -361,8 +419,10 @@ extern "C" __global__ void __launch_bounds__(SLICE_THREADS * KSPLIT) gemv_q8(con
 #pragma unroll
     for (int t = 0; t < NTOK; ++t) {
       float ss = 0.f;
+#pragma unroll
+      for (int k = 0; k < NORM_PARTS; ++k) ss += pre.ss[t][k];  // 0 past the sums (exact)
       if (tok0 + t < (int)p.n_tokens)
-        for (int i = lane; i < units; i += 32) ss += partials[(i64)(tok0 + t) * units + i];
+        for (int i = lane + 32 * NORM_PARTS; i < units; i += 32) ss += partials[(i64)(tok0 + t) * units + i];
       const float inv = 1.f / sqrtf(warp_sum(ss) / (float)p.cols + p.in_eps);
 #pragma unroll
       for (int r = 0; r < WROWS; ++r) acc[r][t] *= inv;
@@ -387,7 +447,7 @@ extern "C" __global__ void __launch_bounds__(SLICE_THREADS * KSPLIT) gemv_q8(con
 #if EXPERTS
         if (bad_expert) v = QNAN;
 #endif
-        const float stored = store_q8(p, row0 + r, TOK(t), v);
+        const float stored = store_q8(p, pre, row0 + r, TOK(t), r, t, v);
 #if EMIT
         staged[t][group * ROWS + r] = stored;
 #endif
@@ -395,7 +455,7 @@ extern "C" __global__ void __launch_bounds__(SLICE_THREADS * KSPLIT) gemv_q8(con
   }
 #if EMIT
   __syncthreads();
-  emit_q8(p, staged, tok0);
+  emit_q8(p, pre, staged, tok0);
 #endif
 }
 "#;

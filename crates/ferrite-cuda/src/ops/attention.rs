@@ -22,8 +22,8 @@ pub struct KvCache {
 }
 
 impl KvCache {
-    /// A zeroed cache. `head_dim` must be a multiple of 32 up to 256 (the attention kernel's
-    /// lane layout).
+    /// A zeroed cache. `head_dim` must be 32, 64, 128 or 256 (the attention kernel's lane
+    /// layout splits rows in whole 16-byte vectors).
     pub fn new(
         gpu: &Gpu,
         dtype: KvDtype,
@@ -32,8 +32,8 @@ impl KvCache {
         head_dim: usize,
     ) -> Result<Self, CudaError> {
         const OP: &str = "KvCache::new";
-        if head_dim == 0 || !head_dim.is_multiple_of(32) || head_dim > 256 {
-            return Err(CudaError::invalid(OP, format!("head_dim {head_dim} is not a multiple of 32 in 32..=256")));
+        if !matches!(head_dim, 32 | 64 | 128 | 256) {
+            return Err(CudaError::invalid(OP, format!("head_dim {head_dim} is not one of 32, 64, 128, 256")));
         }
         if max_seq == 0 || n_kv_heads == 0 {
             return Err(CudaError::invalid(OP, format!("empty cache ({max_seq} positions, {n_kv_heads} KV heads)")));

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# A/B benchmark of two ferrite binaries on the GPU machine, alternated so that drift in clocks
+# or temperature falls on both: for each SHAPE:DTYPE (synthetic, written by `ferrite synth` unless
+# present), runs BASE, NEW, BASE, NEW with the same `ferrite bench --backend cuda` arguments.
+#
+#   scripts/gpu-ab.sh BASE NEW [SHAPE:DTYPE ...]
+#   BENCH_ARGS="-p 0 -n 128 -r 3" scripts/gpu-ab.sh .device/ferrite-base .device/ferrite llama-3.1-8b:Q4_0
+set -uo pipefail
+cd "$(dirname "$0")/.."
+source scripts/gpu-env.sh >/dev/null
+[ $# -ge 2 ] || { echo "usage: scripts/gpu-ab.sh BASE NEW [SHAPE:DTYPE ...]" >&2; exit 2; }
+base=$1 new=$2
+shift 2
+models=("$@")
+[ ${#models[@]} -gt 0 ] || models=(smollm2-135m:Q4_1 llama-3.2-1b:Q4_0 llama-3.1-8b:Q4_0)
+read -ra bench_args <<< "${BENCH_ARGS:--p 0 -n 128 -r 3}"
+dir=${FERRITE_MODEL_DIR:-/tmp/ferrite-models}
+mkdir -p "$dir"
+status=0
+for m in "${models[@]}"; do
+    shape=${m%%:*} dtype=${m#*:}
+    f="$dir/$shape-$dtype.gguf"
+    [ -f "$f" ] || "$new" synth --shape "$shape" --dtype "$dtype" -o "$f" >/dev/null || { status=1; continue; }
+    for round in 1 2; do
+        for bin in "$base" "$new"; do
+            echo "== $shape $dtype round $round: $bin bench ${bench_args[*]}"
+            "$bin" bench --model "$f" --backend cuda "${bench_args[@]}" 2>&1 | grep -E '^\| (synthetic|pp|tg)|error' || status=1
+        done
+    done
+done
+exit $status
