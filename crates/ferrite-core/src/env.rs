@@ -144,9 +144,9 @@ switches! {
     /// Decode attention stores the token's K/V itself (CUDA).
     DISABLE_KV_STORE_FUSION = ("FERRITE_DISABLE_KV_STORE_FUSION", "0", AbTest,
         "1 runs the one-token CUDA decode step's K/V store (and RoPE) as its own store_qkv launch before attention, instead of inside the attention kernel.");
-    /// Split-KV (flash-decoding) attention for decode on CUDA (opt-in).
-    SPLIT_ATTENTION = ("FERRITE_SPLIT_ATTENTION", "0", AbTest,
-        "1 runs CUDA decode attention on caches over 256 positions split-KV: each query's keys cut into shares computed by separate blocks, merged by the last to finish. Off by default: on the H200 it measured slower than one block per query up to 4k-token contexts (docs/perf.md).");
+    /// Split-KV (flash-decoding) attention for decode on CUDA.
+    SPLIT_ATTENTION = ("FERRITE_SPLIT_ATTENTION", "1", AbTest,
+        "1 runs CUDA decode attention on caches over 256 positions split-KV: each query's keys cut into shares of at least 128 computed by separate blocks (as many as the position needs), merged by the last to finish; 0 gives each query one block.");
     /// Activation format of the CUDA GEMV on quantized weights.
     CUDA_GEMV_ACTIVATIONS = ("FERRITE_CUDA_GEMV_ACTIVATIONS", "q8", AbTest,
         "q8|f32: q8 quantizes activations to int8 blocks (the CPU quantized path's numerics) and multiplies with dp4a, fusing norm, bias and residual; f32 multiplies f32 activations (matches the fp32 CPU reference to rounding).");

@@ -553,9 +553,15 @@ impl CudaExecutor {
                     ops::attention_paged(gpu, &q, cache, &buf.positions, n, &cfg, &paging, out, emit)?;
                     return Ok(());
                 }
-                if n == 1 && buf.attention_splits[1] == 1 && buf.fused_kv_store {
+                if n == 1 && buf.fused_kv_store {
                     // Decode: one kernel stores the token's K/V and attends.
-                    ops::store_and_attend(gpu, cache, input(qkv), &buf.positions, &cfg, rope.as_ref(), out, emit)?;
+                    match buf.attention_splits[1] {
+                        1 => ops::store_and_attend(gpu, cache, input(qkv), &buf.positions, &cfg, rope.as_ref(), out, emit)?,
+                        splits => {
+                            let scratch = &mut buf.split_scratch;
+                            ops::store_and_attend_split(gpu, cache, input(qkv), &buf.positions, &cfg, rope.as_ref(), splits, scratch, out, emit)?
+                        }
+                    }
                     return Ok(());
                 }
                 // One kernel splits the rows: rotated Q to scratch, rotated K and V into the cache.

@@ -1085,6 +1085,45 @@ fn store_and_attend_matches_store_then_attention() {
     }
 }
 
+/// The fused decode kernel split over several blocks against the one-block kernel: the same
+/// cache rows written, outputs equal up to the merge's rounding, at positions where one share
+/// holds every key (no merge) and where several do, with and without a sliding window.
+#[test]
+fn split_store_and_attend_matches_one_block() {
+    let Some(gpu) = gpu() else { return };
+    let mut rng = Rng(23);
+    // (query heads, KV heads, head_dim, KV type, window, prefill length, shares)
+    let cases = [(9, 3, 64, KvDtype::F16, None, 0, 30), (8, 2, 128, KvDtype::F32, None, 600, 9), (4, 4, 256, KvDtype::F16, Some(300), 520, 4)];
+    for (n_heads, n_kv, hd, kv_dtype, window, prefill, splits) in cases {
+        let max_seq = 1024;
+        let row = (n_heads + 2 * n_kv) * hd;
+        let rope = RopeConfig { n_heads, head_dim: hd, rot_dim: hd, theta: 10_000.0, freq_scale: 1.0, neox: true };
+        let cfg = AttentionConfig { n_heads, scale: 1.0 / (hd as f32).sqrt(), window, softcap: None };
+        let (mut split, mut one) = (KvCache::new(gpu, kv_dtype, max_seq, n_kv, hd).unwrap(), KvCache::new(gpu, kv_dtype, max_seq, n_kv, hd).unwrap());
+        if prefill > 0 {
+            let rows = upload(gpu, &rng.vec(prefill * row, -1.0, 1.0));
+            let pos = upload(gpu, &(0..prefill as u32).collect::<Vec<u32>>());
+            let mut q = poisoned(gpu, prefill * n_heads * hd);
+            for cache in [&mut split, &mut one] {
+                ops::store_qkv(gpu, cache, &rows, row, prefill, n_heads, &pos, Some(&rope), &mut q).unwrap();
+            }
+        }
+        let mut scratch = ops::SplitScratch::new(gpu, n_heads, splits, hd).unwrap();
+        for p in prefill as u32..prefill as u32 + 4 {
+            let name = format!("h{n_heads}/{n_kv} d{hd} {kv_dtype:?} w{window:?} pos{p} in {splits} shares");
+            let qkv = upload(gpu, &rng.vec(row, -1.0, 1.0));
+            let pos = upload(gpu, &[p]);
+            let (mut got, mut want) = (poisoned(gpu, n_heads * hd), poisoned(gpu, n_heads * hd));
+            let mut emitted = ops::Q8Activations::new(gpu, n_heads * hd).unwrap();
+            ops::store_and_attend_split(gpu, &mut split, &qkv, &pos, &cfg, Some(&rope), splits, &mut scratch, &mut got, Some(&mut emitted)).unwrap();
+            ops::store_and_attend(gpu, &mut one, &qkv, &pos, &cfg, Some(&rope), &mut want, None).unwrap();
+            close("store+attn split", &name, &download(gpu, &got), &download(gpu, &want), 1e-5, 2e-6);
+            assert_handoff_is_quantize(gpu, &emitted, &got, 1, n_heads * hd, &name);
+        }
+        assert_eq!(split.download(gpu).unwrap(), one.download(gpu).unwrap(), "cache rows written by the split kernel");
+    }
+}
+
 /// A batch of sequences on a paged cache (blocks handed out in a scrambled order) against each
 /// sequence on its own contiguous cache: the same rows stored, and bit-identical attention
 /// outputs (same kernel arithmetic, same key order), including a sliding window and a prefill
@@ -2628,8 +2667,10 @@ fn every_kernel_variant_compiles_for_sm90() {
                 check(format!("{v:?}"), compile_variant(&v, "sm_90"));
             }
             let rope = [RopeStyle::None, RopeStyle::Normal, RopeStyle::Neox][hd / 64 % 3];
-            let v = AttentionVariant::storing(hd, kv, rope);
-            check(format!("{v:?}"), compile_variant(&v, "sm_90"));
+            for split in [false, true] {
+                let v = AttentionVariant::storing(hd, kv, rope, split);
+                check(format!("{v:?}"), compile_variant(&v, "sm_90"));
+            }
             let v = AttentionVariant::paged(hd, kv);
             check(format!("{v:?}"), compile_variant(&v, "sm_90"));
         }

@@ -46,12 +46,24 @@ fn bench_tokens(n: usize, vocab: usize) -> Vec<u32> {
     (0..n).map(|i| ((i * 7919 + 13) % vocab) as u32).collect()
 }
 
-/// Prompt processing: `n` tokens from an empty cache, one forward pass.
-pub fn bench_pp(session: &mut Session, n: usize, reps: usize, vocab: usize) -> Result<BenchResult> {
-    let tokens = bench_tokens(n, vocab);
+/// The name of a test at `depth` cached positions, as llama-bench writes it ("tg128 @ d2048").
+fn at_depth(test: String, depth: usize) -> String {
+    if depth == 0 {
+        test
+    } else {
+        format!("{test} @ d{depth}")
+    }
+}
+
+/// Prompt processing: `n` tokens after `depth` cached ones (prefilled untimed), one forward pass.
+pub fn bench_pp(session: &mut Session, n: usize, depth: usize, reps: usize, vocab: usize) -> Result<BenchResult> {
+    let tokens = bench_tokens(depth + n, vocab);
     let mut samples = Vec::new();
     for rep in 0..=reps {
         session.reset();
+        if depth > 0 {
+            session.prefill(&tokens[..depth])?;
+        }
         let t = Instant::now();
         session.prefill(&tokens)?;
         session.executor().logits()?;
@@ -60,16 +72,20 @@ pub fn bench_pp(session: &mut Session, n: usize, reps: usize, vocab: usize) -> R
             samples.push(tps);
         }
     }
-    Ok(BenchResult { test: format!("pp{n}"), tokens: n, seqs: 1, start: 0, samples })
+    Ok(BenchResult { test: at_depth(format!("pp{n}"), depth), tokens: n, seqs: 1, start: depth, samples })
 }
 
-/// Token generation: `n` single-token steps from an empty cache, each followed by greedy
-/// sampling (on the device where the backend can), as a generation loop does.
-pub fn bench_tg(session: &mut Session, n: usize, reps: usize, vocab: usize) -> Result<BenchResult> {
+/// Token generation: `n` single-token steps after `depth` cached positions (prefilled untimed),
+/// each followed by greedy sampling (on the device where the backend can), as a generation
+/// loop does.
+pub fn bench_tg(session: &mut Session, n: usize, depth: usize, reps: usize, vocab: usize) -> Result<BenchResult> {
     let mut samples = Vec::new();
     let mut sampler = Sampler::new(SamplerParams::greedy());
     for rep in 0..=reps {
         session.reset();
+        if depth > 0 {
+            session.prefill(&bench_tokens(depth, vocab))?;
+        }
         let mut tok = bench_tokens(1, vocab)[0];
         let t = Instant::now();
         for i in 0..n {
@@ -81,7 +97,7 @@ pub fn bench_tg(session: &mut Session, n: usize, reps: usize, vocab: usize) -> R
             samples.push(tps);
         }
     }
-    Ok(BenchResult { test: format!("tg{n}"), tokens: n, seqs: 1, start: 0, samples })
+    Ok(BenchResult { test: at_depth(format!("tg{n}"), depth), tokens: n, seqs: 1, start: depth, samples })
 }
 
 /// Batched decode, as a server's continuous batching runs it without the HTTP side: `seqs`
@@ -170,10 +186,10 @@ impl TokenWork {
         self.weight_bytes as f64 + (seqs * kv_bytes_per_position) as f64 * context
     }
 
-    /// FLOPs per token of processing an `n`-token prompt (causal: average context n/2; the
-    /// output head on the last token only).
-    pub fn prompt_flops(&self, n: usize) -> f64 {
+    /// FLOPs per token of processing an `n`-token prompt after `start` cached positions
+    /// (causal: average context start + (n + 1) / 2; the output head on the last token only).
+    pub fn prompt_flops(&self, n: usize, start: usize) -> f64 {
         let per_token = self.linear_flops - self.last_row_flops;
-        per_token + self.last_row_flops / n.max(1) as f64 + self.attention_flops_per_position * (n as f64 + 1.0) / 2.0
+        per_token + self.last_row_flops / n.max(1) as f64 + self.attention_flops_per_position * (start as f64 + (n as f64 + 1.0) / 2.0)
     }
 }

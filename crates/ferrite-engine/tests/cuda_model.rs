@@ -201,16 +201,19 @@ fn cuda_fp32_matches_cpu_reference_on_real_shapes() {
     let (worst, agreed) = compare(synthetic(synth::shape("gemma3-270m").unwrap(), GgmlType::Q8_0), 16);
     println!("gemma3-270m Q8_0: worst relative error {worst:.2e}, {agreed}/17 greedy steps agree");
     assert!(worst < 1e-4 && agreed == 17, "gemma3-270m: relative error {worst}, {agreed}/17 agree");
-    // Split-KV decode attention (opt-in, caches over 256 positions): a 530-token prompt,
-    // then decode, against the CPU oracle.
-    std::env::set_var("FERRITE_SPLIT_ATTENTION", "1");
-    let model = synthetic(synth::shape("smollm2-135m").unwrap(), GgmlType::Q8_0);
-    let long = ExecutorOptions { context_len: 1024, ..opts(64) };
-    let cpu = CpuExecutor::new(Arc::clone(&model), CpuPrecision::Reference, long.clone()).unwrap();
-    let gpu = ferrite_cuda::CudaExecutor::new(Arc::clone(&model), long).unwrap();
-    let (worst, agreed) = compare_executors(&model, cpu, gpu, 530, 24);
-    println!("split-KV attention, 530-token prompt: worst relative error {worst:.2e}, {agreed}/25 greedy steps agree");
-    assert!(worst < 1e-4 && agreed == 25, "split attention: relative error {worst}, {agreed}/25 agree");
+    // Decode attention on caches over 256 positions, split-KV (the default: the fused K/V store
+    // in shares of separate blocks) and one block per query: a 530-token prompt, then decode,
+    // against the CPU oracle.
+    for split in ["1", "0"] {
+        std::env::set_var("FERRITE_SPLIT_ATTENTION", split);
+        let model = synthetic(synth::shape("smollm2-135m").unwrap(), GgmlType::Q8_0);
+        let long = ExecutorOptions { context_len: 1024, ..opts(64) };
+        let cpu = CpuExecutor::new(Arc::clone(&model), CpuPrecision::Reference, long.clone()).unwrap();
+        let gpu = ferrite_cuda::CudaExecutor::new(Arc::clone(&model), long).unwrap();
+        let (worst, agreed) = compare_executors(&model, cpu, gpu, 530, 24);
+        println!("FERRITE_SPLIT_ATTENTION={split}, 530-token prompt: worst relative error {worst:.2e}, {agreed}/25 greedy steps agree");
+        assert!(worst < 1e-4 && agreed == 25, "split attention {split}: relative error {worst}, {agreed}/25 agree");
+    }
     std::env::remove_var("FERRITE_SPLIT_ATTENTION");
     // Batched serving on the paged cache: three sequences prefilling and decoding together.
     for (name, model) in [("smollm2-135m Q8_0", synthetic(synth::shape("smollm2-135m").unwrap(), GgmlType::Q8_0)), ("tiny qwen3", Arc::new(Model::load(common::workspace_root().join("fixtures/tiny/qwen3.gguf"), FusionOptions::from_env()).unwrap()))] {

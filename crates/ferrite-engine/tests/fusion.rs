@@ -97,6 +97,9 @@ fn token_work_counts_every_matrix_once() {
         let head = 2.0 * (model.config.vocab_size * 576) as f64;
         assert_eq!(work.last_row_flops, head);
         let attention = work.attention_flops_per_position * 64.5;
-        assert_eq!(work.prompt_flops(128), work.linear_flops - head + head / 128.0 + attention);
+        assert_eq!(work.prompt_flops(128, 0), work.linear_flops - head + head / 128.0 + attention);
+        // 1000 cached positions before the prompt: every token attends to them too.
+        let deep = work.attention_flops_per_position * 1064.5;
+        assert_eq!(work.prompt_flops(128, 1000), work.linear_flops - head + head / 128.0 + deep);
     }
 }

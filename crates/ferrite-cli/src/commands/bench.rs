@@ -11,6 +11,10 @@ pub struct BenchArgs {
     /// Generation lengths to test (tg N), comma separated; 0 skips.
     #[arg(short = 'n', long = "n-gen", value_delimiter = ',', default_value = "64")]
     pub n_gen: Vec<usize>,
+    /// Cached positions before each pp / tg test (prefilled, not timed), as llama-bench's
+    /// --n-depth: decode and prefill speed deep into a context.
+    #[arg(short = 'd', long = "n-depth", default_value_t = 0)]
+    pub depth: usize,
     /// Timed repetitions per test (one extra warm-up run is not counted).
     #[arg(short = 'r', long = "repetitions", default_value_t = 5, value_parser = clap::value_parser!(u64).range(1..))]
     pub reps: u64,
@@ -28,21 +32,21 @@ pub struct BenchArgs {
 pub fn run(args: BenchArgs) -> Result<()> {
     let loaded = load_model(&args.model)?;
     let vocab = loaded.model.config.vocab_size;
-    let longest = args.n_prompt.iter().chain(&args.n_gen).copied().max().unwrap_or(0);
+    let longest = args.depth + args.n_prompt.iter().chain(&args.n_gen).copied().max().unwrap_or(0);
     if args.seqs.contains(&0) {
         anyhow::bail!("--seqs counts sequences: each value must be at least 1");
     }
     let mut margs = args.model.clone();
     margs.ctx_size = margs.ctx_size.max(longest + 1);
-    margs.batch_size = margs.batch_size.max(*args.n_prompt.iter().max().unwrap_or(&1) as u64);
+    margs.batch_size = margs.batch_size.max(*args.n_prompt.iter().chain([&args.depth]).max().unwrap_or(&1) as u64);
     let mut session = loaded.session(&margs, margs.backend, false)?;
     let reps = args.reps as usize;
     let mut results: Vec<BenchResult> = Vec::new();
     for &n in args.n_prompt.iter().filter(|&&n| n > 0) {
-        results.push(bench_pp(&mut session, n, reps, vocab)?);
+        results.push(bench_pp(&mut session, n, args.depth, reps, vocab)?);
     }
     for &n in args.n_gen.iter().filter(|&&n| n > 0) {
-        results.push(bench_tg(&mut session, n, reps, vocab)?);
+        results.push(bench_tg(&mut session, n, args.depth, reps, vocab)?);
         for &seqs in &args.seqs {
             results.push(bench_batched(&mut session, seqs, args.seq_prompt.max(1), n, reps, vocab)?);
         }
@@ -89,7 +93,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
                     100.0 * bytes * steps / c.copy_bytes_per_s
                 );
             } else {
-                let flops = work.prompt_flops(r.tokens);
+                let flops = work.prompt_flops(r.tokens, r.start);
                 println!("| {} | {:.2} GFLOP | {:.1} TFLOP/s | {:.1}% of the matrix rate |", r.test, flops / 1e9, flops * tps / 1e12, 100.0 * flops * tps / c.matmul_flops);
             }
         }

@@ -7,9 +7,10 @@
 //! memory; query `t` attends to cache rows `first..=positions[t]` (causal, optional window).
 //!
 //! Split-KV (flash-decoding): with `SPLIT`, the grid's z dimension cuts each query's keys into
-//! equal shares (of at least 32 keys) computed by separate blocks; the last block to finish
-//! merges the shares' partial softmax states. The shares follow the key count read from device
-//! memory, so one captured decode graph serves every position.
+//! equal shares (of at least 32 keys per warp) computed by separate blocks; the last block to
+//! finish merges the shares' partial softmax states. The shares follow the key count read from
+//! device memory (blocks past the keys leave at once; a lone share skips the merge), so one
+//! captured decode graph serves every position.
 
 use super::common::HEADER;
 use super::quantize::Q8_BLOCK;
@@ -311,9 +312,6 @@ const ATTENTION: &str = r#"
 #ifndef STORE
 #error "STORE (1: one decode token, its K/V store and RoPE fused in; 0: q and the cache as given) must come from the kernel variant"
 #endif
-#if STORE && SPLIT
-#error "the fused K/V store is for the one-block kernel"
-#endif
 #if PAGED && (STORE || SPLIT)
 #error "the paged cache is read by the plain one-block kernel only"
 #endif
@@ -426,7 +424,12 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32) attention(const Attent
   const u32 pos = bad_pos ? 0 : pos_in;
   const u32 kv_head = head / (p.n_heads / p.n_kv_heads);
   const u32 first = (p.window > 0 && pos + 1 > p.window) ? pos + 1 - p.window : 0;
-  const u32 share = max((pos + 1 - first + gridDim.z - 1) / gridDim.z, SPLIT ? MIN_SHARE : 1u);
+  const u32 len = pos + 1 - first;  // keys of the query, the new one included
+  const u32 share = max((len + gridDim.z - 1) / gridDim.z, SPLIT ? MIN_SHARE : 1u);
+  // The shares that hold keys (the grid is sized for the longest context): blocks past them
+  // leave at once, and a lone share writes the output itself, without the merge.
+  const u32 active = (len + share - 1) / share;
+  if (blockIdx.z >= active) return;  // block-uniform, before any barrier
   // With STORE the cached keys end before pos; the new key comes after the loop.
   const u32 begin = first + blockIdx.z * share, end = min(pos + 1 - STORE, begin + share);
   const i64 row = (i64)p.n_kv_heads * HEAD_DIM;
@@ -457,7 +460,7 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32) attention(const Attent
   __shared__ __align__(16) float s_k[HEAD_DIM], s_v[HEAD_DIM];
   {
     const float* src = reinterpret_cast<const float*>(p.qkv);
-    const bool writer = head % (p.n_heads / p.n_kv_heads) == 0;
+    const bool writer = head % (p.n_heads / p.n_kv_heads) == 0 && blockIdx.z == 0;
     const i64 cache_row = ((i64)pos * p.n_kv_heads + kv_head) * HEAD_DIM;
     const u32 pair = threadIdx.x;
     if (pair < HEAD_DIM / 2) {
@@ -547,7 +550,7 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32) attention(const Attent
 #pragma unroll
     for (int i = 0; i < V_DIMS; ++i) acc[i] += __shfl_xor_sync(FULL_MASK, acc[i], o);
 #if STORE
-  if (warp == 0) {  // the new key, from shared memory
+  if (warp == 0 && blockIdx.z == active - 1) {  // the new key (in the last share), from shared memory
     float part = 0.f;
     for (int d = lane; d < HEAD_DIM; d += 32) part += s_q[d] * s_k[d];
     const float dot = warp_sum(part);
@@ -575,60 +578,62 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32) attention(const Attent
     l_all += s_l[w] * f[w];
   }
 #if SPLIT
-  // Store this share's state (a share without keys stores (-inf, 0, 0)), publish it, count in.
-  const i64 query = (i64)tok * p.n_heads + head;
-  float* parts = reinterpret_cast<float*>(p.partials) + query * gridDim.z * (2 + HEAD_DIM);
-  float* mine = parts + blockIdx.z * (2 + HEAD_DIM);
-  if (threadIdx.x == 0) { mine[0] = m_all; mine[1] = l_all; }
-  for (int d = threadIdx.x; d < HEAD_DIM; d += NWARPS * 32) {
-    float o = 0.f;
+  if (active > 1) {
+    // Store this share's state (a share without keys stores (-inf, 0, 0)), publish it, count in.
+    const i64 query = (i64)tok * p.n_heads + head;
+    float* parts = reinterpret_cast<float*>(p.partials) + query * gridDim.z * (2 + HEAD_DIM);
+    float* mine = parts + blockIdx.z * (2 + HEAD_DIM);
+    if (threadIdx.x == 0) { mine[0] = m_all; mine[1] = l_all; }
+    for (int d = threadIdx.x; d < HEAD_DIM; d += NWARPS * 32) {
+      float o = 0.f;
 #pragma unroll
-    for (int w = 0; w < NWARPS; ++w) o += s_acc[w][d] * f[w];
-    mine[2 + d] = o;
-  }
-  __threadfence();
-  __syncthreads();
-  __shared__ bool s_last;
-  if (threadIdx.x == 0) {
-    u32* counter = reinterpret_cast<u32*>(p.counters) + query;
-    s_last = atomicAdd(counter, 1u) == gridDim.z - 1;
-    if (s_last) *counter = 0;  // every share has arrived: ready for the next launch
-  }
-  __syncthreads();
-  if (!s_last) return;
-  __threadfence();
-  // The merge, with the shares' loads spread over the threads (not one chain per thread):
-  // each share's weight exp(m_z - max) and rescaled sum, then the weighted sum per dim.
-  __shared__ float s_w[MAX_SPLITS], s_ls[MAX_SPLITS];
-  for (u32 z = threadIdx.x; z < gridDim.z; z += NWARPS * 32) s_w[z] = __ldcg(parts + z * (2 + HEAD_DIM));
-  __syncthreads();
-  m_all = NEG_INF;
-  for (u32 z = 0; z < gridDim.z; ++z) m_all = fmaxf(m_all, s_w[z]);
-  __syncthreads();
-  for (u32 z = threadIdx.x; z < gridDim.z; z += NWARPS * 32) {
-    const float* part = parts + z * (2 + HEAD_DIM);
-    const float mz = __ldcg(part);
-    const float fz = mz == NEG_INF ? 0.f : expf(mz - m_all);
-    s_w[z] = fz;
-    s_ls[z] = __ldcg(part + 1) * fz;
-  }
-  __syncthreads();
-  l_all = 0.f;
-  for (u32 z = 0; z < gridDim.z; ++z) l_all += s_ls[z];
-  for (int d = threadIdx.x; d < HEAD_DIM; d += NWARPS * 32) {
-    float o = 0.f;
+      for (int w = 0; w < NWARPS; ++w) o += s_acc[w][d] * f[w];
+      mine[2 + d] = o;
+    }
+    __threadfence();
+    __syncthreads();
+    __shared__ bool s_last;
+    if (threadIdx.x == 0) {
+      u32* counter = reinterpret_cast<u32*>(p.counters) + query;
+      s_last = atomicAdd(counter, 1u) == active - 1;
+      if (s_last) *counter = 0;  // every share has arrived: ready for the next launch
+    }
+    __syncthreads();
+    if (!s_last) return;
+    __threadfence();
+    // The merge, with the shares' loads spread over the threads (not one chain per thread):
+    // each share's weight exp(m_z - max) and rescaled sum, then the weighted sum per dim.
+    __shared__ float s_w[MAX_SPLITS], s_ls[MAX_SPLITS];
+    for (u32 z = threadIdx.x; z < active; z += NWARPS * 32) s_w[z] = __ldcg(parts + z * (2 + HEAD_DIM));
+    __syncthreads();
+    m_all = NEG_INF;
+    for (u32 z = 0; z < active; ++z) m_all = fmaxf(m_all, s_w[z]);
+    __syncthreads();
+    for (u32 z = threadIdx.x; z < active; z += NWARPS * 32) {
+      const float* part = parts + z * (2 + HEAD_DIM);
+      const float mz = __ldcg(part);
+      const float fz = mz == NEG_INF ? 0.f : expf(mz - m_all);
+      s_w[z] = fz;
+      s_ls[z] = __ldcg(part + 1) * fz;
+    }
+    __syncthreads();
+    l_all = 0.f;
+    for (u32 z = 0; z < active; ++z) l_all += s_ls[z];
+    for (int d = threadIdx.x; d < HEAD_DIM; d += NWARPS * 32) {
+      float o = 0.f;
 #pragma unroll 8
-    for (u32 z = 0; z < gridDim.z; ++z) o += s_w[z] * __ldcg(parts + z * (2 + HEAD_DIM) + 2 + d);
-    store_output(p, qrow, d, o / l_all);
-  }
-#else
-  for (int d = threadIdx.x; d < HEAD_DIM; d += NWARPS * 32) {
-    float o = 0.f;
-#pragma unroll
-    for (int w = 0; w < NWARPS; ++w) o += s_acc[w][d] * f[w];
-    store_output(p, qrow, d, o / l_all);
+      for (u32 z = 0; z < active; ++z) o += s_w[z] * __ldcg(parts + z * (2 + HEAD_DIM) + 2 + d);
+      store_output(p, qrow, d, o / l_all);
+    }
+    return;
   }
 #endif
+  for (int d = threadIdx.x; d < HEAD_DIM; d += NWARPS * 32) {
+    float o = 0.f;
+#pragma unroll
+    for (int w = 0; w < NWARPS; ++w) o += s_acc[w][d] * f[w];
+    store_output(p, qrow, d, o / l_all);
+  }
 }
 "#;
 
@@ -655,9 +660,9 @@ impl AttentionVariant {
         AttentionVariant { paged: true, ..Self::new(head_dim, kv, false) }
     }
 
-    /// The one-token kernel with the K/V store and RoPE fused in.
-    pub fn storing(head_dim: usize, kv: KvDtype, rope: RopeStyle) -> Self {
-        AttentionVariant { store: Some(rope), ..Self::new(head_dim, kv, false) }
+    /// The one-token kernel with the K/V store and RoPE fused in (split-KV or not).
+    pub fn storing(head_dim: usize, kv: KvDtype, rope: RopeStyle, split: bool) -> Self {
+        AttentionVariant { store: Some(rope), ..Self::new(head_dim, kv, split) }
     }
 
     pub fn launch_config(&self, n_heads: usize, n_tokens: usize, splits: usize) -> LaunchConfig {
@@ -701,7 +706,7 @@ mod tests {
     fn macros_match_source() {
         crate::kernels::tests::assert_macros_match(StoreQkvVariant { kv: KvDtype::F32, head_dim: 64, rope: RopeStyle::Neox, paged: true });
         crate::kernels::tests::assert_macros_match(AttentionVariant::new(64, KvDtype::F16, true));
-        crate::kernels::tests::assert_macros_match(AttentionVariant::storing(128, KvDtype::F16, RopeStyle::Neox));
+        crate::kernels::tests::assert_macros_match(AttentionVariant::storing(128, KvDtype::F16, RopeStyle::Neox, true));
         crate::kernels::tests::assert_macros_match(AttentionVariant::paged(128, KvDtype::F16));
     }
 }

@@ -202,6 +202,40 @@ pub fn store_and_attend(
     out: &mut impl DevicePtrMut<f32>,
     emit: Option<&mut Q8Activations>,
 ) -> Result<(), CudaError> {
+    store_and_attend_with(gpu, cache, qkv, positions, cfg, rope, None, out, emit)
+}
+
+/// [`store_and_attend`] with the keys cut into up to `splits` shares of separate blocks, as in
+/// [`attention_split`]: as many shares run as the position needs (one up to 128 keys, which
+/// then skips the merge), so one launch (and one captured graph) serves every context length.
+#[allow(clippy::too_many_arguments)]
+pub fn store_and_attend_split(
+    gpu: &Gpu,
+    cache: &mut KvCache,
+    qkv: &impl DevicePtr<f32>,
+    positions: &impl DevicePtr<u32>,
+    cfg: &AttentionConfig,
+    rope: Option<&RopeConfig>,
+    splits: usize,
+    scratch: &mut SplitScratch,
+    out: &mut impl DevicePtrMut<f32>,
+    emit: Option<&mut Q8Activations>,
+) -> Result<(), CudaError> {
+    store_and_attend_with(gpu, cache, qkv, positions, cfg, rope, Some((splits, scratch)), out, emit)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn store_and_attend_with(
+    gpu: &Gpu,
+    cache: &mut KvCache,
+    qkv: &impl DevicePtr<f32>,
+    positions: &impl DevicePtr<u32>,
+    cfg: &AttentionConfig,
+    rope: Option<&RopeConfig>,
+    split: Option<(usize, &mut SplitScratch)>,
+    out: &mut impl DevicePtrMut<f32>,
+    emit: Option<&mut Q8Activations>,
+) -> Result<(), CudaError> {
     const OP: &str = "store_and_attend";
     let row = (cfg.n_heads + 2 * cache.n_kv_heads) * cache.head_dim;
     check_len(OP, "qkv", qkv.len(), row)?;
@@ -211,6 +245,9 @@ pub fn store_and_attend(
             return Err(CudaError::invalid(OP, format!("RoPE head_dim {} differs from the cache's {}", r.head_dim, cache.head_dim)));
         }
     }
+    if let Some((splits, scratch)) = &split {
+        scratch.check(OP, *splits, cfg.n_heads, cache.head_dim)?;
+    }
     let Some(mut params) = attention_params(gpu, qkv, cache, positions, 1, cfg, out, emit)? else { return Ok(()) };
     (params.qkv, params.q) = (params.q, 0);
     params.k_cache = addr_mut(gpu, &mut cache.k);
@@ -218,8 +255,16 @@ pub fn store_and_attend(
     params.rot_dim = rope.map_or(0, |r| r.rot_dim as u32);
     params.theta = rope.map_or(0.0, |r| r.theta);
     params.freq_scale = rope.map_or(0.0, |r| r.freq_scale);
-    let variant = AttentionVariant::storing(cache.head_dim, cache.dtype, rope_style(rope));
-    gpu.launch(&variant, "attention", variant.launch_config(cfg.n_heads, 1, 1), &params)
+    let splits = match split {
+        Some((splits, scratch)) => {
+            params.partials = addr_mut(gpu, &mut scratch.partials);
+            params.counters = addr_mut(gpu, &mut scratch.counters);
+            splits
+        }
+        None => 1,
+    };
+    let variant = AttentionVariant::storing(cache.head_dim, cache.dtype, rope_style(rope), splits > 1);
+    gpu.launch(&variant, "attention", variant.launch_config(cfg.n_heads, 1, splits), &params)
 }
 
 fn rope_style(rope: Option<&RopeConfig>) -> RopeStyle {
@@ -406,6 +451,23 @@ impl SplitScratch {
             head_dim,
         })
     }
+
+    /// Whether `queries` queries of `splits` shares of `head_dim` values fit.
+    fn check(&self, op: &'static str, splits: usize, queries: usize, head_dim: usize) -> Result<(), CudaError> {
+        if !(1..=MAX_SPLITS).contains(&splits) {
+            return Err(CudaError::invalid(op, format!("{splits} key shares (1..={MAX_SPLITS})")));
+        }
+        if queries > self.queries || splits > self.splits || head_dim != self.head_dim {
+            return Err(CudaError::invalid(
+                op,
+                format!(
+                    "scratch for {} queries x {} shares of {} dims cannot hold {queries} x {splits} of {head_dim}",
+                    self.queries, self.splits, self.head_dim
+                ),
+            ));
+        }
+        Ok(())
+    }
 }
 
 /// [`attention`] with each query's keys cut into `splits` shares computed by separate blocks
@@ -425,19 +487,7 @@ pub fn attention_split(
     emit: Option<&mut Q8Activations>,
 ) -> Result<(), CudaError> {
     const OP: &str = "attention_split";
-    if !(1..=MAX_SPLITS).contains(&splits) {
-        return Err(CudaError::invalid(OP, format!("{splits} key shares (1..={MAX_SPLITS})")));
-    }
-    let queries = n_tokens * cfg.n_heads;
-    if queries > scratch.queries || splits > scratch.splits || cache.head_dim != scratch.head_dim {
-        return Err(CudaError::invalid(
-            OP,
-            format!(
-                "scratch for {} queries x {} shares of {} dims cannot hold {queries} x {splits} of {}",
-                scratch.queries, scratch.splits, scratch.head_dim, cache.head_dim
-            ),
-        ));
-    }
+    scratch.check(OP, splits, n_tokens * cfg.n_heads, cache.head_dim)?;
     let Some(mut params) = attention_params(gpu, q, cache, positions, n_tokens, cfg, out, emit)? else { return Ok(()) };
     params.partials = addr_mut(gpu, &mut scratch.partials);
     params.counters = addr_mut(gpu, &mut scratch.counters);
