@@ -39,23 +39,31 @@ pub struct Switch {
     pub status: Status,
 }
 
+fn parse_flag(v: &str) -> Option<bool> {
+    match v.to_ascii_lowercase().as_str() {
+        "1" | "true" | "on" | "yes" => Some(true),
+        "0" | "false" | "off" | "no" => Some(false),
+        _ => None,
+    }
+}
+
 impl Switch {
     /// The raw value, if set and non-empty.
     pub fn get(&self) -> Option<String> {
         std::env::var(self.name).ok().filter(|v| !v.is_empty())
     }
 
-    /// Boolean switch: `1`/`true`/`on` are on, `0`/`false`/`off` are off, unset is `default`.
-    /// Any other value is reported once on stderr and treated as the default.
-    pub fn flag(&self, default: bool) -> bool {
-        match self.get().as_deref().map(str::to_ascii_lowercase).as_deref() {
+    /// Boolean switch: `1`/`true`/`on` are on, `0`/`false`/`off` are off, unset is the
+    /// registry's default (so the code and `ferrite env` cannot disagree). Any other value is
+    /// reported on stderr and treated as the default.
+    pub fn flag(&self) -> bool {
+        let default = parse_flag(self.default).unwrap_or(false);
+        match self.get() {
             None => default,
-            Some("1" | "true" | "on" | "yes") => true,
-            Some("0" | "false" | "off" | "no") => false,
-            Some(other) => {
-                eprintln!("warning: {}={other:?} is not 0/1; using the default", self.name);
+            Some(v) => parse_flag(&v).unwrap_or_else(|| {
+                eprintln!("warning: {}={v:?} is not 0/1; using the default", self.name);
                 default
-            }
+            }),
         }
     }
 
@@ -216,6 +224,19 @@ mod tests {
         let n = names.len();
         names.dedup();
         assert_eq!(n, names.len(), "duplicate switch name");
+    }
+
+    #[test]
+    fn flags_default_to_the_registry() {
+        // Unset switches (these names are never set; spelled in halves so the registry scan
+        // does not take them for real switches) read as their declared default.
+        let on = Switch { name: concat!("FERRITE", "_TEST_UNSET_ON"), default: "1", effect: "", status: Status::AbTest };
+        let off = Switch { name: concat!("FERRITE", "_TEST_UNSET_OFF"), default: "0", effect: "", status: Status::AbTest };
+        assert!(on.flag() && !off.flag());
+        // Every 0/1 switch's default parses as a flag.
+        for s in ALL.iter().filter(|s| matches!(s.default, "0" | "1")) {
+            assert_eq!(parse_flag(s.default), Some(s.default == "1"), "{}", s.name);
+        }
     }
 
     #[test]

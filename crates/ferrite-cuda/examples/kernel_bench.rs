@@ -202,10 +202,15 @@ fn attention(gpu: &Gpu) -> Result<(), CudaError> {
         let mut out = gpu.alloc_zeros::<f32>(n_heads * head_dim)?;
         let cfg = AttentionConfig { n_heads, scale: 1.0 / (head_dim as f32).sqrt(), window: None, softcap: None };
         let rope = ops::RopeConfig { n_heads, head_dim, rot_dim: head_dim, theta: 500_000.0, freq_scale: 1.0, neox: true };
-        for pos in [0u32, 31, 127, 511, 2047] {
+        let splits = ops::attention_splits(gpu.sm_count() as usize, n_heads, 1, 4096);
+        let mut scratch = ops::SplitScratch::new(gpu, n_heads, splits, head_dim)?;
+        for pos in [0u32, 31, 127, 511, 2047, 4095] {
             let p = gpu.upload(&[pos], "pos")?;
             let s = time(gpu, 200, || ops::store_and_attend(gpu, &mut cache, &qkv, &p, &cfg, Some(&rope), &mut out, None))?;
-            println!("  kv_len={:<5} {:>9.2} us", pos + 1, s * 1e6);
+            let split = time(gpu, 200, || ops::store_and_attend_split(gpu, &mut cache, &qkv, &p, &cfg, Some(&rope), splits, &mut scratch, &mut out, None))?;
+            // K and V rows read per launch (each query head's block reads its group's rows).
+            let gbs = (n_heads * (pos as usize + 1) * head_dim * 2 * 2) as f64 / split / 1e9;
+            println!("  kv_len={:<5} {:>9.2} us, split in {splits}: {:>9.2} us ({gbs:.0} GB/s of K/V rows per query head)", pos + 1, s * 1e6, split * 1e6);
         }
     }
     Ok(())

@@ -61,7 +61,7 @@ impl KernelCacheDir {
     /// `FERRITE_KERNEL_CACHE_OFF`, then `FERRITE_KERNEL_CACHE`, then `$XDG_CACHE_HOME/ferrite/kernels`,
     /// then `~/.cache/ferrite/kernels`; off when none of them gives a folder.
     pub fn from_env() -> Self {
-        if env::KERNEL_CACHE_OFF.flag(false) {
+        if env::KERNEL_CACHE_OFF.flag() {
             return KernelCacheDir::Off;
         }
         let var = |name: &str| std::env::var_os(name).filter(|v| !v.is_empty()).map(PathBuf::from);
@@ -95,7 +95,7 @@ impl GpuOptions {
         GpuOptions {
             kernel_cache: KernelCacheDir::from_env(),
             linear: LinearOptions::from_env(),
-            dependent_launch: !env::DISABLE_CUDA_PDL.flag(false),
+            dependent_launch: !env::DISABLE_CUDA_PDL.flag(),
             gdn_path: GdnPath::forced_by(env::CUDA_GDN_PATH.get().as_deref()),
             attention_path: AttentionPath::forced_by(env::CUDA_ATTENTION_PATH.get().as_deref()),
             moe_path: MoePath::forced_by(env::CUDA_MOE_PATH.get().as_deref()),

@@ -179,7 +179,7 @@ impl Buffers {
             slots: plan.slot_elems.iter().map(|&n| gpu.alloc_zeros::<f32>(n.max(1)).map(Some)).collect::<Result<_, _>>()?,
             split_scratch: ops::SplitScratch::new(gpu, split_tokens * cfg.n_heads, max_splits, cfg.head_dim)?,
             attention_splits,
-            fused_kv_store: !env::DISABLE_KV_STORE_FUSION.flag(false),
+            fused_kv_store: !env::DISABLE_KV_STORE_FUSION.flag(),
             scratch_a: gpu.alloc_zeros(scratch.max(gdn_scratch))?,
             scratch_b: gpu.alloc_zeros(scratch)?,
             scratch_c: gpu.alloc_zeros(scratch)?,
@@ -314,7 +314,7 @@ impl CudaExecutor {
             .map(|l| KvCache::new(&gpu, kv_dtype(), options.context_len, cfg.n_kv_heads, cfg.head_dim).map(|c| (l, c)))
             .collect::<Result<_, _>>()?;
         let gdn = gdn_shapes.into_iter().map(|(l, shape)| GdnState::new(&gpu, shape).map(|st| (l, st))).collect::<Result<_, _>>()?;
-        let split_attention = env::SPLIT_ATTENTION.flag(false);
+        let split_attention = env::SPLIT_ATTENTION.flag();
         let attention_splits: Vec<usize> = (0..=max_batch)
             .map(|n| {
                 let splits = ops::attention_splits(gpu.sm_count() as usize, cfg.n_heads, n, options.context_len);
@@ -322,7 +322,7 @@ impl CudaExecutor {
             })
             .collect();
         let buf = Buffers::new(&gpu, &model, &plan, max_batch, kv, gdn, attention_splits)?;
-        let decode_graph = if env::DISABLE_CUDA_GRAPH.flag(false) || buf.profile.is_some() {
+        let decode_graph = if env::DISABLE_CUDA_GRAPH.flag() || buf.profile.is_some() {
             DecodeGraph::Disabled
         } else {
             DecodeGraph::NotYet { warmed_up: false }

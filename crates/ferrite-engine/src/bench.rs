@@ -55,15 +55,23 @@ fn at_depth(test: String, depth: usize) -> String {
     }
 }
 
+/// The untimed context of a test at depth: prefilled and finished (the logits read back, so no
+/// device work of it runs into the timed part).
+fn prefill_depth(session: &mut Session, tokens: &[u32]) -> Result<()> {
+    if !tokens.is_empty() {
+        session.prefill(tokens)?;
+        session.executor().logits()?;
+    }
+    Ok(())
+}
+
 /// Prompt processing: `n` tokens after `depth` cached ones (prefilled untimed), one forward pass.
 pub fn bench_pp(session: &mut Session, n: usize, depth: usize, reps: usize, vocab: usize) -> Result<BenchResult> {
     let tokens = bench_tokens(depth + n, vocab);
     let mut samples = Vec::new();
     for rep in 0..=reps {
         session.reset();
-        if depth > 0 {
-            session.prefill(&tokens[..depth])?;
-        }
+        prefill_depth(session, &tokens[..depth])?;
         let t = Instant::now();
         session.prefill(&tokens)?;
         session.executor().logits()?;
@@ -83,9 +91,7 @@ pub fn bench_tg(session: &mut Session, n: usize, depth: usize, reps: usize, voca
     let mut sampler = Sampler::new(SamplerParams::greedy());
     for rep in 0..=reps {
         session.reset();
-        if depth > 0 {
-            session.prefill(&bench_tokens(depth, vocab))?;
-        }
+        prefill_depth(session, &bench_tokens(depth, vocab))?;
         let mut tok = bench_tokens(1, vocab)[0];
         let t = Instant::now();
         for i in 0..n {

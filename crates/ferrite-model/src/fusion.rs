@@ -48,13 +48,13 @@ impl FusionOptions {
     /// All fusions on, except those disabled by `FERRITE_DISABLE_*_FUSION=1`.
     pub fn from_env() -> Self {
         Self {
-            qkv: !env::DISABLE_QKV_FUSION.flag(false),
-            gate_up: !env::DISABLE_GATE_UP_FUSION.flag(false),
-            norm_into_linear: !env::DISABLE_NORM_FUSION.flag(false),
-            residual_into_linear: !env::DISABLE_RESIDUAL_FUSION.flag(false),
-            glu_into_linear: !env::DISABLE_GLU_FUSION.flag(false),
-            rope_into_attention: !env::DISABLE_ROPE_FUSION.flag(false),
-            int8_handoff: !env::DISABLE_INT8_HANDOFF.flag(false),
+            qkv: !env::DISABLE_QKV_FUSION.flag(),
+            gate_up: !env::DISABLE_GATE_UP_FUSION.flag(),
+            norm_into_linear: !env::DISABLE_NORM_FUSION.flag(),
+            residual_into_linear: !env::DISABLE_RESIDUAL_FUSION.flag(),
+            glu_into_linear: !env::DISABLE_GLU_FUSION.flag(),
+            rope_into_attention: !env::DISABLE_ROPE_FUSION.flag(),
+            int8_handoff: !env::DISABLE_INT8_HANDOFF.flag(),
         }
     }
 }

@@ -16,7 +16,7 @@ pub struct OpProfile {
 impl OpProfile {
     /// A profile if `FERRITE_PROFILE=1`, else `None`.
     pub fn from_env() -> Option<Self> {
-        ferrite_core::env::PROFILE.flag(false).then(Self::default)
+        ferrite_core::env::PROFILE.flag().then(Self::default)
     }
 
     pub fn add(&mut self, kind: &str, ms: f64) {

@@ -65,7 +65,7 @@ fn x86_avx512_vnni() -> bool {
 pub fn simd_level() -> SimdLevel {
     static LEVEL: OnceLock<SimdLevel> = OnceLock::new();
     *LEVEL.get_or_init(|| {
-        if ferrite_core::env::CPU_SCALAR.flag(false) {
+        if ferrite_core::env::CPU_SCALAR.flag() {
             SimdLevel::Scalar
         } else {
             *SimdLevel::available()

@@ -132,7 +132,7 @@ impl LinearOptions {
             Some(1) => GemvActivations::F32,
             _ => d.activations,
         };
-        let gemv_split_k = !env::DISABLE_GEMV_SPLIT_K.flag(!d.gemv_split_k);
+        let gemv_split_k = !env::DISABLE_GEMV_SPLIT_K.flag();
         let mma_max_tokens = env::CUDA_MMA_MAX_TOKENS.parse(d.mma_max_tokens);
         LinearOptions { path, precision, gemv_max_tokens, activations, gemv_split_k, mma_max_tokens }
     }
