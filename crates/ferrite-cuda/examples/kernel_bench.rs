@@ -5,11 +5,11 @@
 //!   cargo run -p ferrite-cuda --release --example kernel_bench [SECTION ...]
 //!   (or the binary from scripts/gpu-build.sh, on the GPU machine: .device/kernel_bench)
 //!
-//! Sections: gemv, prefill, batched, tilings, attention, gdn, moe, sampling (default: all).
+//! Sections: gemv, decode, prefill, batched, tilings, attention, gdn, moe, sampling (default: all).
 
 use ferrite_cuda::kernels::gdn::{GdnChunkVariant, GdnDeltaVariant};
 use ferrite_cuda::kernels::gemm::GemmMmaVariant;
-use ferrite_cuda::kernels::gemv::GemvVariant;
+use ferrite_cuda::kernels::gemv::{GemvQ8Variant, GemvVariant};
 use ferrite_cuda::ops::{self, AttentionConfig, GdnPath, GdnState, GdnWeights, KvCache, KvDtype, LinearOptions, LinearPath, MoePath, SamplingConfig};
 use ferrite_cuda::{CudaError, Gpu};
 use ferrite_gguf::quant::quantize;
@@ -43,8 +43,9 @@ fn main() -> Result<(), CudaError> {
     );
     // `kernel_bench [SECTION ...]` runs only the named sections.
     let wanted: Vec<String> = std::env::args().skip(1).collect();
-    let sections: [(&str, Section); 8] = [
+    let sections: [(&str, Section); 9] = [
         ("gemv", gemv),
+        ("decode", decode),
         ("prefill", prefill),
         ("batched", batched),
         ("tilings", tilings),
@@ -94,6 +95,57 @@ fn gemv(gpu: &Gpu) -> Result<(), CudaError> {
                 println!("{:<6} {:>6}x{:<6} {:>4} {:>10.2} {:>9.1}", dtype.name(), rows, cols, n, s * 1e6, gbs);
             }
         }
+    }
+    Ok(())
+}
+
+fn decode(gpu: &Gpu) -> Result<(), CudaError> {
+    // The 8B decode step's int8 GEMVs with their epilogues (QKV plain; output and down add the
+    // residual and leave the next GEMV's int8 input with its norm; gate/up applies SwiGLU and
+    // emits), each at the dispatcher's tiling and at others. Launches rotate over copies of the
+    // weight that together exceed the 50 MB L2 three times, so every launch streams from DRAM.
+    println!("\ndecode int8 GEMV tilings, Q4_0, 8B shapes, one token: us per launch, GB/s of weights (nwarps rows unroll k_split: registers, spilled bytes)");
+    // (name, weight rows, cols, gated, residual + emit)
+    let shapes = [("qkv", 6144usize, 4096usize, false, false), ("output", 4096, 4096, false, true), ("gate_up", 28672, 4096, true, true), ("down", 4096, 14336, false, true)];
+    // (nwarps, rows, unroll, k_split); the first entry is the dispatcher's own.
+    let tilings: [(u32, u32, u32, u32); 10] = [(0, 0, 0, 0), (4, 1, 4, 1), (4, 2, 2, 1), (4, 4, 2, 1), (8, 4, 2, 1), (8, 4, 1, 2), (16, 2, 2, 1), (16, 2, 4, 1), (16, 2, 2, 2), (32, 1, 4, 1)];
+    for (name, rows, cols, gated, emits) in shapes {
+        let values: Vec<f32> = (0..rows * cols).map(|i| ((i * 7919) % 2001) as f32 / 1000.0 - 1.0).collect();
+        let packed = quantize(GgmlType::Q4_0, &values).expect("quantize");
+        let copies = (150_000_000 / packed.len()).max(1) + 1;
+        let weights = (0..copies).map(|_| gpu.upload_weight(GgmlType::Q4_0, rows, cols, &packed)).collect::<Result<Vec<_>, _>>()?;
+        let out_rows = if gated { rows / 2 } else { rows };
+        let x: Vec<f32> = (0..cols).map(|i| ((i * 31) % 97) as f32 / 97.0 - 0.5).collect();
+        let mut q8 = ops::Q8Activations::new(gpu, cols)?;
+        ops::quantize_q8(gpu, &gpu.upload(&x, "x")?, 1, cols, None, &mut q8)?;
+        let residual = gpu.upload(&vec![0.25f32; out_rows], "residual")?;
+        let norm = gpu.upload(&vec![1.0f32; out_rows], "norm")?;
+        let mut emitted = ops::Q8Activations::new(gpu, out_rows)?;
+        let mut out = gpu.alloc_zeros::<f32>(out_rows)?;
+        let epilogue = ops::Epilogue { residual: emits.then_some(&residual), glu: gated.then_some(ops::Glu::SwiGlu), ..Default::default() };
+        let mut line = format!("  {name:<8} {rows}x{cols}");
+        for (nwarps, r, unroll, k_split) in tilings {
+            let chosen = std::cell::Cell::new(None);
+            let retile = |v: GemvQ8Variant| {
+                let v = if nwarps == 0 { v } else { GemvQ8Variant { nwarps, rows: r, unroll, k_split, ..v } };
+                chosen.set(Some(v));
+                v
+            };
+            let mut i = 0;
+            let result = time(gpu, 60, || {
+                i += 1;
+                let emit = emits.then_some(ops::Q8Emit { dst: &mut emitted, norm: Some(ops::NormPrologue { weight: &norm, eps: 1e-5, add_one: false }) });
+                ops::linear_q8_retiled(gpu, &weights[i % copies], &q8, 1, &mut out, out_rows, 0, &epilogue, emit, Some(&retile))
+            });
+            let Some(v) = chosen.get() else { continue };
+            // The launched variant: the tiling plus the epilogue's macros (bias and norm-in off).
+            let info = gpu.kernel_info(&GemvQ8Variant { residual: emits, ..v }).ok().and_then(|i| i.into_iter().next()).map_or((0, 0), |i| (i.registers, i.local_bytes));
+            match result {
+                Ok(s) => line += &format!(" | {}{}{}{}: {:.1} us {:.0} GB/s ({}r {}B)", v.nwarps, v.rows, v.unroll, v.k_split, s * 1e6, packed.len() as f64 / s / 1e9, info.0, info.1),
+                Err(_) => line += &format!(" | {}{}{}{}: -", v.nwarps, v.rows, v.unroll, v.k_split),
+            }
+        }
+        println!("{line}");
     }
     Ok(())
 }

@@ -369,7 +369,7 @@ fn run_plan(
             gpu.with_scratch(q_bytes + s_bytes, |scratch| {
                 let input = Q8Input { xq: scratch, xs: scratch + q_bytes as u64, norm: None };
                 quantize_raw(gpu, x, w.cols, n_tokens, w.cols, None, input.xq, input.xs)?;
-                gemv_q8(gpu, w, None, None, input, n_tokens, w.rows, (out, w.rows, 0), &Epilogue::default(), None)
+                gemv_q8(gpu, w, None, None, input, n_tokens, w.rows, (out, w.rows, 0), &Epilogue::default(), None, None)
             })
         }
     }?;
@@ -616,6 +616,27 @@ pub fn linear_q8(
     epilogue: &Epilogue,
     emit: Option<Q8Emit>,
 ) -> Result<(), CudaError> {
+    linear_q8_retiled(gpu, w, x, n_tokens, out, out_ld, out_col, epilogue, emit, None)
+}
+
+/// Changes the tiling the dispatcher picked for an int8 GEMV (`kernel_bench`'s tiling sweeps).
+pub type Retile<'a> = &'a dyn Fn(GemvQ8Variant) -> GemvQ8Variant;
+
+/// [`linear_q8`] with its tiling passed through `retile` (`None`: as dispatched). A tiling the
+/// kernel cannot take fails to compile, reported as an error.
+#[allow(clippy::too_many_arguments)]
+pub fn linear_q8_retiled(
+    gpu: &Gpu,
+    w: &DeviceWeight,
+    x: &Q8Activations,
+    n_tokens: usize,
+    out: &mut impl DevicePtrMut<f32>,
+    out_ld: usize,
+    out_col: usize,
+    epilogue: &Epilogue,
+    emit: Option<Q8Emit>,
+    retile: Option<Retile>,
+) -> Result<(), CudaError> {
     const OP: &str = "linear_q8";
     if weight::planes(w.dtype).is_none() {
         return Err(CudaError::invalid(OP, format!("the int8 GEMV needs a quantized weight, not {}", w.dtype)));
@@ -668,7 +689,7 @@ pub fn linear_q8(
         None => None,
     };
     let input = x.input(gpu);
-    gemv_q8(gpu, w, None, None, input, n_tokens, out_rows, (addr_mut(gpu, out), out_ld, out_col), epilogue, emit)
+    gemv_q8(gpu, w, None, None, input, n_tokens, out_rows, (addr_mut(gpu, out), out_ld, out_col), epilogue, emit, retile)
 }
 
 /// A gated linear whose gate and up rows are two weights of the same quantized type (a shared
@@ -698,7 +719,7 @@ pub fn linear_q8_gated_pair(
     }
     check_len(OP, "out", out.len(), elems(OP, &[n_tokens, gate.rows])?)?;
     let epilogue = Epilogue { glu: Some(glu), ..Default::default() };
-    gemv_q8(gpu, gate, Some(up), None, x.input(gpu), n_tokens, gate.rows, (addr_mut(gpu, out), gate.rows, 0), &epilogue, None)
+    gemv_q8(gpu, gate, Some(up), None, x.input(gpu), n_tokens, gate.rows, (addr_mut(gpu, out), gate.rows, 0), &epilogue, None, None)
 }
 
 /// Device side of [`Q8Activations`] as the GEMV reads it.
@@ -733,6 +754,7 @@ pub(super) fn gemv_q8(
     (out, out_ld, out_col): (u64, usize, usize),
     epilogue: &Epilogue,
     emit: Option<Q8Output>,
+    retile: Option<Retile>,
 ) -> Result<(), CudaError> {
     const OP: &str = "linear_q8";
     let glu = epilogue.glu.map_or(0, |g| g as u32);
@@ -750,6 +772,7 @@ pub(super) fn gemv_q8(
         None => tiling,
     };
     let tiling = if gpu.linear_options().gemv_split_k { tiling.split_k(out_rows, w.cols, grid_tokens, gpu.sm_count()) } else { tiling };
+    let tiling = retile.map_or(tiling, |f| f(tiling));
     let variant = GemvQ8Variant {
         residual: epilogue.residual.is_some(),
         bias: epilogue.bias.is_some(),

@@ -489,7 +489,7 @@ pub fn moe_ffn_with(
             ExpertGateUp::Split { gate, up } => (gate, Some(up), ff),
         };
         let epilogue = Epilogue { glu: Some(Glu::SwiGlu), ..Default::default() };
-        gemv_q8(gpu, bank, up, Some(rows(expert_rows, 0, k)), s.q8_x.input(gpu), pairs, ff, (act, ff, 0), &epilogue, None)?;
+        gemv_q8(gpu, bank, up, Some(rows(expert_rows, 0, k)), s.q8_x.input(gpu), pairs, ff, (act, ff, 0), &epilogue, None, None)?;
     } else {
         let (gate, up) = match w.gate_up {
             ExpertGateUp::Fused(b) => ((b, rows(2 * ff, 0, k)), (b, rows(2 * ff, ff, k))),
@@ -498,7 +498,7 @@ pub fn moe_ffn_with(
         let (a, b) = (addr_mut(gpu, &mut s.tmp_a), addr_mut(gpu, &mut s.tmp_b));
         for ((bank, r), path, dst) in [(gate, plan.gate, a), (up, plan.up, b)] {
             match path {
-                ExpertGemv::Q8 => gemv_q8(gpu, bank, None, Some(r), s.q8_x.input(gpu), pairs, ff, (dst, ff, 0), &Epilogue::default(), None)?,
+                ExpertGemv::Q8 => gemv_q8(gpu, bank, None, Some(r), s.q8_x.input(gpu), pairs, ff, (dst, ff, 0), &Epilogue::default(), None, None)?,
                 ExpertGemv::F32 => gemv(gpu, bank, xp, pairs, dst, ff, Some(r))?,
             }
         }
@@ -509,7 +509,7 @@ pub fn moe_ffn_with(
         ExpertGemv::Q8 => {
             quantize_q8(gpu, &s.act, pairs, ff, None, &mut s.q8_act)?;
             debug_assert_eq!(s.q8_act.shape(), (pairs, ff));
-            gemv_q8(gpu, w.down, None, Some(rows(d, 0, 1)), s.q8_act.input(gpu), pairs, d, (y, d, 0), &Epilogue::default(), None)?;
+            gemv_q8(gpu, w.down, None, Some(rows(d, 0, 1)), s.q8_act.input(gpu), pairs, d, (y, d, 0), &Epilogue::default(), None, None)?;
         }
         ExpertGemv::F32 => gemv(gpu, w.down, act, pairs, y, d, Some(rows(d, 0, 1)))?,
     }
