@@ -105,11 +105,16 @@ fn decode(gpu: &Gpu) -> Result<(), CudaError> {
     // emits), each at the dispatcher's tiling and at others. Launches rotate over copies of the
     // weight that together exceed the 50 MB L2 three times, so every launch streams from DRAM.
     println!("\ndecode int8 GEMV tilings, Q4_0, 8B shapes, one token: us per launch, GB/s of weights (nwarps rows unroll k_split: registers, spilled bytes)");
-    // (name, weight rows, cols, gated, residual + emit)
-    let shapes = [("qkv", 6144usize, 4096usize, false, false), ("output", 4096, 4096, false, true), ("gate_up", 28672, 4096, true, true), ("down", 4096, 14336, false, true)];
+    // (name, weight rows, cols, gated, residual, emits)
+    let shapes = [
+        ("qkv", 6144usize, 4096usize, false, false, false),
+        ("output", 4096, 4096, false, true, true),
+        ("gate_up", 28672, 4096, true, false, true),
+        ("down", 4096, 14336, false, true, true),
+    ];
     // (nwarps, rows, unroll, k_split); the first entry is the dispatcher's own.
     let tilings: [(u32, u32, u32, u32); 10] = [(0, 0, 0, 0), (4, 1, 4, 1), (4, 2, 2, 1), (4, 4, 2, 1), (8, 4, 2, 1), (8, 4, 1, 2), (16, 2, 2, 1), (16, 2, 4, 1), (16, 2, 2, 2), (32, 1, 4, 1)];
-    for (name, rows, cols, gated, emits) in shapes {
+    for (name, rows, cols, gated, adds, emits) in shapes {
         let values: Vec<f32> = (0..rows * cols).map(|i| ((i * 7919) % 2001) as f32 / 1000.0 - 1.0).collect();
         let packed = quantize(GgmlType::Q4_0, &values).expect("quantize");
         let copies = (150_000_000 / packed.len()).max(1) + 1;
@@ -122,7 +127,7 @@ fn decode(gpu: &Gpu) -> Result<(), CudaError> {
         let norm = gpu.upload(&vec![1.0f32; out_rows], "norm")?;
         let mut emitted = ops::Q8Activations::new(gpu, out_rows)?;
         let mut out = gpu.alloc_zeros::<f32>(out_rows)?;
-        let epilogue = ops::Epilogue { residual: emits.then_some(&residual), glu: gated.then_some(ops::Glu::SwiGlu), ..Default::default() };
+        let epilogue = ops::Epilogue { residual: adds.then_some(&residual), glu: gated.then_some(ops::Glu::SwiGlu), ..Default::default() };
         let mut line = format!("  {name:<8} {rows}x{cols}");
         for (nwarps, r, unroll, k_split) in tilings {
             let chosen = std::cell::Cell::new(None);
@@ -139,7 +144,7 @@ fn decode(gpu: &Gpu) -> Result<(), CudaError> {
             });
             let Some(v) = chosen.get() else { continue };
             // The launched variant: the tiling plus the epilogue's macros (bias and norm-in off).
-            let info = gpu.kernel_info(&GemvQ8Variant { residual: emits, ..v }).ok().and_then(|i| i.into_iter().next()).map_or((0, 0), |i| (i.registers, i.local_bytes));
+            let info = gpu.kernel_info(&GemvQ8Variant { residual: adds, ..v }).ok().and_then(|i| i.into_iter().next()).map_or((0, 0), |i| (i.registers, i.local_bytes));
             match result {
                 Ok(s) => line += &format!(" | {}{}{}{}: {:.1} us {:.0} GB/s ({}r {}B)", v.nwarps, v.rows, v.unroll, v.k_split, s * 1e6, packed.len() as f64 / s / 1e9, info.0, info.1),
                 Err(_) => line += &format!(" | {}{}{}{}: -", v.nwarps, v.rows, v.unroll, v.k_split),

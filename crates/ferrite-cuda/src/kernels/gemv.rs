@@ -656,13 +656,15 @@ impl GemvQ8Variant {
     const NWARPS: usize = 4;
 
     /// Tiling for a `rows x cols` weight and `n_tokens` tokens on a GPU with `sm_count` SMs.
-    /// Lanes per row: the units of a row, up to a warp. Units loaded per lane and row: up to 4.
+    /// Lanes per row: the units of a row, up to a warp. Units loaded per lane and row: up to 2
+    /// (measured on the 8B QKV shape, `kernel_bench decode`: 4 units per lane and row took 122
+    /// registers and ran 18% slower than 2 at 56, which keep more warps resident).
     /// Rows per group: as many (4, 2, 1) as the register budget for loaded units allows while
     /// the grid still has two blocks per SM, since every extra row shares the activation loads.
     pub fn for_shape(wtype: GgmlType, rows: usize, cols: usize, n_tokens: usize, sm_count: u32) -> Self {
         let units = (cols / 32).max(1);
         let tpr = units.next_power_of_two().min(32);
-        let unroll = units.div_ceil(tpr).min(4);
+        let unroll = units.div_ceil(tpr).min(2);
         let ntok = n_tokens.clamp(1, 8).next_power_of_two();
         let groups = Self::NWARPS * 32 / tpr;
         let token_tiles = n_tokens.max(1).div_ceil(ntok);
@@ -831,14 +833,15 @@ mod tests {
         let v = GemvQ8Variant::for_shape(GgmlType::Q4_1, 960, 576, 1, 132);
         assert_eq!((v.tpr, v.unroll, v.rows, v.rows_per_block()), (32, 1, 1, 4));
         assert_eq!(v.launch_config(960, 1).grid_dim, (240, 1, 1));
-        // 8B down projection: 448 units -> 4 units per lane and row, 2 rows per warp.
+        // 8B down projection (without a hand-off): 448 units -> 2 units per lane and row, 2 rows
+        // per group (4 would leave under two blocks per SM).
         let v = GemvQ8Variant::for_shape(GgmlType::Q4_0, 4096, 14336, 1, 132);
-        assert_eq!((v.tpr, v.unroll, v.rows, v.rows_per_block()), (32, 4, 2, 8));
+        assert_eq!((v.tpr, v.unroll, v.rows, v.rows_per_block()), (32, 2, 2, 8));
         assert_eq!(v.launch_config(4096, 1).grid_dim, (512, 1, 1));
         // Bulkier units (Q6_K) get a smaller budget; eight tokens, at most two rows per group.
         let v = GemvQ8Variant::for_shape(GgmlType::Q6_K, 28672, 4096, 8, 132);
-        assert_eq!((v.ntok, v.unroll, v.rows), (8, 4, 1));
-        assert_eq!(v.launch_config(28672, 19).grid_dim, (7168, 3, 1));
+        assert_eq!((v.ntok, v.unroll, v.rows), (8, 2, 2));
+        assert_eq!(v.launch_config(28672, 19).grid_dim, (3584, 3, 1));
         // Rows shorter than a warp: groups of 8 lanes.
         let v = GemvQ8Variant::for_shape(GgmlType::Q8_0, 100, 256, 1, 132);
         assert_eq!((v.tpr, v.unroll, v.rows_per_block()), (8, 1, 16));
