@@ -263,8 +263,8 @@ fn attention(gpu: &Gpu) -> Result<(), CudaError> {
         let mut scratch = ops::SplitScratch::new(gpu, n_heads, splits, head_dim)?;
         for pos in [0u32, 31, 127, 511, 2047, 4095] {
             let p = gpu.upload(&[pos], "pos")?;
-            let s = time(gpu, 200, || ops::store_and_attend(gpu, &mut cache, &qkv, &p, &cfg, Some(&rope), &mut out, None))?;
-            let split = time(gpu, 200, || ops::store_and_attend_split(gpu, &mut cache, &qkv, &p, &cfg, Some(&rope), splits, &mut scratch, &mut out, None))?;
+            let s = time(gpu, 200, || ops::store_and_attend(gpu, &mut cache, &qkv, &p, &cfg, Some(&rope), None, &mut out, None))?;
+            let split = time(gpu, 200, || ops::store_and_attend(gpu, &mut cache, &qkv, &p, &cfg, Some(&rope), Some((splits, &mut scratch)), &mut out, None))?;
             // K and V rows read per launch (each query head's block reads its group's rows).
             let gbs = (n_heads * (pos as usize + 1) * head_dim * 2 * 2) as f64 / split / 1e9;
             println!("  kv_len={:<5} {:>9.2} us, split in {splits}: {:>9.2} us ({gbs:.0} GB/s of K/V rows per query head)", pos + 1, s * 1e6, split * 1e6);

@@ -555,13 +555,11 @@ impl CudaExecutor {
                 }
                 if n == 1 && buf.fused_kv_store {
                     // Decode: one kernel stores the token's K/V and attends.
-                    match buf.attention_splits[1] {
-                        1 => ops::store_and_attend(gpu, cache, input(qkv), &buf.positions, &cfg, rope.as_ref(), out, emit)?,
-                        splits => {
-                            let scratch = &mut buf.split_scratch;
-                            ops::store_and_attend_split(gpu, cache, input(qkv), &buf.positions, &cfg, rope.as_ref(), splits, scratch, out, emit)?
-                        }
-                    }
+                    let split = match buf.attention_splits[1] {
+                        1 => None,
+                        splits => Some((splits, &mut buf.split_scratch)),
+                    };
+                    ops::store_and_attend(gpu, cache, input(qkv), &buf.positions, &cfg, rope.as_ref(), split, out, emit)?;
                     return Ok(());
                 }
                 // One kernel splits the rows: rotated Q to scratch, rotated K and V into the cache.

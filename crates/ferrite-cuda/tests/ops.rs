@@ -1073,7 +1073,7 @@ fn store_and_attend_matches_store_then_attention() {
             let pos = upload(gpu, &[p]);
             let (mut out, mut want) = (poisoned(gpu, qw), poisoned(gpu, qw));
             let mut emitted = ops::Q8Activations::new(gpu, qw).unwrap();
-            ops::store_and_attend(gpu, &mut fused, &qkv, &pos, &cfg, rope.as_ref(), &mut out, Some(&mut emitted)).unwrap();
+            ops::store_and_attend(gpu, &mut fused, &qkv, &pos, &cfg, rope.as_ref(), None, &mut out, Some(&mut emitted)).unwrap();
             let mut q = poisoned(gpu, qw);
             ops::store_qkv(gpu, &mut twin, &qkv, row, 1, n_heads, &pos, rope.as_ref(), &mut q).unwrap();
             ops::attention(gpu, &q, &twin, &pos, 1, &cfg, &mut want, None).unwrap();
@@ -1115,8 +1115,8 @@ fn split_store_and_attend_matches_one_block() {
             let pos = upload(gpu, &[p]);
             let (mut got, mut want) = (poisoned(gpu, n_heads * hd), poisoned(gpu, n_heads * hd));
             let mut emitted = ops::Q8Activations::new(gpu, n_heads * hd).unwrap();
-            ops::store_and_attend_split(gpu, &mut split, &qkv, &pos, &cfg, Some(&rope), splits, &mut scratch, &mut got, Some(&mut emitted)).unwrap();
-            ops::store_and_attend(gpu, &mut one, &qkv, &pos, &cfg, Some(&rope), &mut want, None).unwrap();
+            ops::store_and_attend(gpu, &mut split, &qkv, &pos, &cfg, Some(&rope), Some((splits, &mut scratch)), &mut got, Some(&mut emitted)).unwrap();
+            ops::store_and_attend(gpu, &mut one, &qkv, &pos, &cfg, Some(&rope), None, &mut want, None).unwrap();
             close("store+attn split", &name, &download(gpu, &got), &download(gpu, &want), 1e-5, 2e-6);
             assert_handoff_is_quantize(gpu, &emitted, &got, 1, n_heads * hd, &name);
         }

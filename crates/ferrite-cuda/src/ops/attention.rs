@@ -191,41 +191,12 @@ fn store_qkv_with(
 /// `q | k | v` row (as [`store_qkv`] reads it); the kernel rotates Q and K by `rope`, writes K
 /// and V to cache row `positions[0]` and attends over rows up to it, in one launch. Same
 /// results as [`store_qkv`] then [`attention`] (the new key's score is summed in another order).
+/// With `split = Some((splits, scratch))` the keys are cut into up to `splits` shares of
+/// separate blocks, as in [`attention_split`]: as many shares run as the position needs (one up
+/// to 128 keys, which then skips the merge), so one launch (and one captured graph) serves every
+/// context length.
 #[allow(clippy::too_many_arguments)]
 pub fn store_and_attend(
-    gpu: &Gpu,
-    cache: &mut KvCache,
-    qkv: &impl DevicePtr<f32>,
-    positions: &impl DevicePtr<u32>,
-    cfg: &AttentionConfig,
-    rope: Option<&RopeConfig>,
-    out: &mut impl DevicePtrMut<f32>,
-    emit: Option<&mut Q8Activations>,
-) -> Result<(), CudaError> {
-    store_and_attend_with(gpu, cache, qkv, positions, cfg, rope, None, out, emit)
-}
-
-/// [`store_and_attend`] with the keys cut into up to `splits` shares of separate blocks, as in
-/// [`attention_split`]: as many shares run as the position needs (one up to 128 keys, which
-/// then skips the merge), so one launch (and one captured graph) serves every context length.
-#[allow(clippy::too_many_arguments)]
-pub fn store_and_attend_split(
-    gpu: &Gpu,
-    cache: &mut KvCache,
-    qkv: &impl DevicePtr<f32>,
-    positions: &impl DevicePtr<u32>,
-    cfg: &AttentionConfig,
-    rope: Option<&RopeConfig>,
-    splits: usize,
-    scratch: &mut SplitScratch,
-    out: &mut impl DevicePtrMut<f32>,
-    emit: Option<&mut Q8Activations>,
-) -> Result<(), CudaError> {
-    store_and_attend_with(gpu, cache, qkv, positions, cfg, rope, Some((splits, scratch)), out, emit)
-}
-
-#[allow(clippy::too_many_arguments)]
-fn store_and_attend_with(
     gpu: &Gpu,
     cache: &mut KvCache,
     qkv: &impl DevicePtr<f32>,
