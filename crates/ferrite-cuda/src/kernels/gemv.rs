@@ -196,7 +196,8 @@ __device__ __forceinline__ i64 weight_row(const GemvQ8Params& p, i64 ebase, i64 
 
 // The epilogue's and the norm's inputs, requested as soon as they may be read (see gemv_q8) so
 // that their loads overlap the main loop's instead of adding round trips after the reduction.
-// Only the lanes that use them load them (k == 0 of slice 0; every lane for the norm sums).
+// Only the lanes that use them load them (bias and residual: lane k == 0 of slice 0; the norm
+// sums: every lane of slice 0; the next norm's weight: every lane).
 #define NORM_PARTS (NTOK == 1 ? 4 : 1)
 struct Prefetched {
   float bias[ROWS];         // BIAS: the rows' biases
