@@ -80,8 +80,9 @@ fn truncated_and_corrupt_files_give_clear_errors() {
     assert!(o.status.success() && text(&o).0.contains("tg4") && text(&o).0.contains("tg4 x3"), "{:?}", text(&o));
     assert_clean_error(&ferrite(&["bench", "--seqs", "0", "--model", hf.to_str().unwrap()]), "--seqs");
     // At a depth (llama-bench's --n-depth): the tests say so and the context grows to fit.
-    let o = ferrite(&["bench", "-p", "8", "-n", "4", "-d", "40", "-r", "1", "--model", hf.to_str().unwrap()]);
-    assert!(o.status.success() && text(&o).0.contains("pp8 @ d40") && text(&o).0.contains("tg4 @ d40"), "{:?}", text(&o));
+    let o = ferrite(&["bench", "-p", "8", "-n", "4", "-d", "0,40", "-r", "1", "--model", hf.to_str().unwrap()]);
+    let out = text(&o).0;
+    assert!(o.status.success() && out.contains("| pp8 |") && out.contains("pp8 @ d40") && out.contains("tg4 @ d40"), "{:?}", text(&o));
     let o = ferrite(&["compare", "--backend", "cpu", "--ids", "1,2,3", "--steps", "4", "--model", hf.to_str().unwrap()]);
     assert!(o.status.success() && text(&o).0.contains("greedy tokens agree"), "{:?}", text(&o));
     assert_clean_error(&ferrite(&["compare", "--ids", "1,999999", "--backend", "cpu", "--model", hf.to_str().unwrap()]), "outside the vocabulary");

@@ -11,10 +11,10 @@ pub struct BenchArgs {
     /// Generation lengths to test (tg N), comma separated; 0 skips.
     #[arg(short = 'n', long = "n-gen", value_delimiter = ',', default_value = "64")]
     pub n_gen: Vec<usize>,
-    /// Cached positions before each pp / tg test (prefilled, not timed), as llama-bench's
-    /// --n-depth: decode and prefill speed deep into a context.
-    #[arg(short = 'd', long = "n-depth", default_value_t = 0)]
-    pub depth: usize,
+    /// Cached positions before each pp / tg test (prefilled, not timed), comma separated, as
+    /// llama-bench's --n-depth: decode and prefill speed deep into a context.
+    #[arg(short = 'd', long = "n-depth", value_delimiter = ',', default_value = "0")]
+    pub depth: Vec<usize>,
     /// Timed repetitions per test (one extra warm-up run is not counted).
     #[arg(short = 'r', long = "repetitions", default_value_t = 5, value_parser = clap::value_parser!(u64).range(1..))]
     pub reps: u64,
@@ -32,21 +32,26 @@ pub struct BenchArgs {
 pub fn run(args: BenchArgs) -> Result<()> {
     let loaded = load_model(&args.model)?;
     let vocab = loaded.model.config.vocab_size;
-    let longest = args.depth + args.n_prompt.iter().chain(&args.n_gen).copied().max().unwrap_or(0);
+    let deepest = args.depth.iter().copied().max().unwrap_or(0);
+    let longest = deepest + args.n_prompt.iter().chain(&args.n_gen).copied().max().unwrap_or(0);
     if args.seqs.contains(&0) {
         anyhow::bail!("--seqs counts sequences: each value must be at least 1");
     }
     let mut margs = args.model.clone();
     margs.ctx_size = margs.ctx_size.max(longest + 1);
-    margs.batch_size = margs.batch_size.max(*args.n_prompt.iter().chain([&args.depth]).max().unwrap_or(&1) as u64);
+    margs.batch_size = margs.batch_size.max(*args.n_prompt.iter().chain([&deepest]).max().unwrap_or(&1) as u64);
     let mut session = loaded.session(&margs, margs.backend, false)?;
     let reps = args.reps as usize;
     let mut results: Vec<BenchResult> = Vec::new();
-    for &n in args.n_prompt.iter().filter(|&&n| n > 0) {
-        results.push(bench_pp(&mut session, n, args.depth, reps, vocab)?);
+    for &depth in &args.depth {
+        for &n in args.n_prompt.iter().filter(|&&n| n > 0) {
+            results.push(bench_pp(&mut session, n, depth, reps, vocab)?);
+        }
+        for &n in args.n_gen.iter().filter(|&&n| n > 0) {
+            results.push(bench_tg(&mut session, n, depth, reps, vocab)?);
+        }
     }
     for &n in args.n_gen.iter().filter(|&&n| n > 0) {
-        results.push(bench_tg(&mut session, n, args.depth, reps, vocab)?);
         for &seqs in &args.seqs {
             results.push(bench_batched(&mut session, seqs, args.seq_prompt.max(1), n, reps, vocab)?);
         }
