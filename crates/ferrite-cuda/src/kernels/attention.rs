@@ -499,16 +499,13 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32) attention(const Attent
     const u32 j = base + lane;
     float s = NEG_INF;
     if (j < end) {
+      // The vectors past K_PRE (rows over 128 f16 dims) are read here, from the key's row.
+      const uint4* krow = K_VECS > K_PRE ? reinterpret_cast<const uint4*>(kc + cache_row(p.block_tables, p.row_seq, p.max_blocks, p.block_size, tok, j) * row) : nullptr;
       float part[KV_VEC] = {};  // KV_VEC independent chains: shorter sums, more ILP
 #pragma unroll
       for (int c = 0; c < K_VECS; ++c) {
         float k[KV_VEC];
-        if (c < K_PRE) {
-          kv_unpack(batch.k[c], k);
-        } else {
-          const kv_t* krow = kc + cache_row(p.block_tables, p.row_seq, p.max_blocks, p.block_size, tok, j) * row;
-          kv_unpack(reinterpret_cast<const uint4*>(krow)[c], k);
-        }
+        kv_unpack(c < K_PRE ? batch.k[c] : krow[c], k);
 #pragma unroll
         for (int e = 0; e < KV_VEC; ++e) part[e] += s_q[c * KV_VEC + e] * k[e];
       }
@@ -577,19 +574,21 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32) attention(const Attent
     f[w] = s_m[w] == NEG_INF ? 0.f : expf(s_m[w] - m_all);  // a warp that saw no key adds nothing
     l_all += s_l[w] * f[w];
   }
+  // The block's (unnormalised) output value at dim d: its warps' sums, rescaled.
+  const auto block_acc = [&](int d) {
+    float o = 0.f;
+#pragma unroll
+    for (int w = 0; w < NWARPS; ++w) o += s_acc[w][d] * f[w];
+    return o;
+  };
 #if SPLIT
   if (active > 1) {
-    // Store this share's state (a share without keys stores (-inf, 0, 0)), publish it, count in.
+    // Store this share's state, publish it, count in.
     const i64 query = (i64)tok * p.n_heads + head;
     float* parts = reinterpret_cast<float*>(p.partials) + query * gridDim.z * (2 + HEAD_DIM);
     float* mine = parts + blockIdx.z * (2 + HEAD_DIM);
     if (threadIdx.x == 0) { mine[0] = m_all; mine[1] = l_all; }
-    for (int d = threadIdx.x; d < HEAD_DIM; d += NWARPS * 32) {
-      float o = 0.f;
-#pragma unroll
-      for (int w = 0; w < NWARPS; ++w) o += s_acc[w][d] * f[w];
-      mine[2 + d] = o;
-    }
+    for (int d = threadIdx.x; d < HEAD_DIM; d += NWARPS * 32) mine[2 + d] = block_acc(d);
     __threadfence();
     __syncthreads();
     __shared__ bool s_last;
@@ -628,12 +627,7 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32) attention(const Attent
     return;
   }
 #endif
-  for (int d = threadIdx.x; d < HEAD_DIM; d += NWARPS * 32) {
-    float o = 0.f;
-#pragma unroll
-    for (int w = 0; w < NWARPS; ++w) o += s_acc[w][d] * f[w];
-    store_output(p, qrow, d, o / l_all);
-  }
+  for (int d = threadIdx.x; d < HEAD_DIM; d += NWARPS * 32) store_output(p, qrow, d, block_acc(d) / l_all);
 }
 "#;
 
