@@ -152,6 +152,9 @@ switches! {
     /// Decode attention stores the token's K/V itself (CUDA).
     DISABLE_KV_STORE_FUSION = ("FERRITE_DISABLE_KV_STORE_FUSION", "0", AbTest,
         "1 runs the one-token CUDA decode step's K/V store (and RoPE) as its own store_qkv launch before attention, instead of inside the attention kernel.");
+    /// Decode steps enqueued before the previous token is read back.
+    DECODE_AHEAD = ("FERRITE_DECODE_AHEAD", "1", AbTest,
+        "1: where the backend samples on the device (CUDA), each generated token goes from the sampler to the next step's input on the device and that step is enqueued before the token is read back (through mapped host memory), so the device does not wait for the host between tokens; 0 reads each token back, then enqueues the next step.");
     /// Split-KV (flash-decoding) attention for decode on CUDA.
     SPLIT_ATTENTION = ("FERRITE_SPLIT_ATTENTION", "1", AbTest,
         "1 runs CUDA decode attention on caches over 256 positions split-KV: each query's keys cut into shares of at least 128 computed by separate blocks (as many as the position needs), merged by the last to finish; 0 gives each query one block.");

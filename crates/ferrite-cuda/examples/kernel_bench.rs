@@ -5,13 +5,14 @@
 //!   cargo run -p ferrite-cuda --release --example kernel_bench [SECTION ...]
 //!   (or the binary from scripts/gpu-build.sh, on the GPU machine: .device/kernel_bench)
 //!
-//! Sections: gemv, decode, prefill, batched, tilings, attention, gdn, moe, sampling (default: all).
+//! Sections: gemv, decode, chain, prefill, batched, tilings, attention, gdn, moe, sampling (default: all).
 
 use ferrite_cuda::kernels::gdn::{GdnChunkVariant, GdnDeltaVariant};
 use ferrite_cuda::kernels::gemm::GemmMmaVariant;
 use ferrite_cuda::kernels::gemv::{GemvQ8Variant, GemvVariant};
 use ferrite_cuda::ops::{self, AttentionConfig, GdnPath, GdnState, GdnWeights, KvCache, KvDtype, LinearOptions, LinearPath, MoePath, SamplingConfig};
-use ferrite_cuda::{CudaError, Gpu};
+use ferrite_cuda::{CudaError, Gpu, GpuOptions};
+use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
 use ferrite_gguf::quant::quantize;
 use ferrite_gguf::GgmlType;
 use ferrite_model::graph::{GdnShape, ValueHeadOrder};
@@ -43,9 +44,10 @@ fn main() -> Result<(), CudaError> {
     );
     // `kernel_bench [SECTION ...]` runs only the named sections.
     let wanted: Vec<String> = std::env::args().skip(1).collect();
-    let sections: [(&str, Section); 9] = [
+    let sections: [(&str, Section); 10] = [
         ("gemv", gemv),
         ("decode", decode),
+        ("chain", chain),
         ("prefill", prefill),
         ("batched", batched),
         ("tilings", tilings),
@@ -149,6 +151,59 @@ fn decode(gpu: &Gpu) -> Result<(), CudaError> {
                 Ok(s) => line += &format!(" | {}{}{}{}: {:.1} us {:.0} GB/s ({}r {}B)", v.nwarps, v.rows, v.unroll, v.k_split, s * 1e6, packed.len() as f64 / s / 1e9, info.0, info.1),
                 Err(_) => line += &format!(" | {}{}{}{}: -", v.nwarps, v.rows, v.unroll, v.k_split),
             }
+        }
+        println!("{line}");
+    }
+    Ok(())
+}
+
+/// Mean seconds per launch of `launches` dependent launches enqueued by `f`, captured once as a
+/// CUDA graph and replayed (as a decode step runs).
+fn time_graph(gpu: &Gpu, launches: usize, f: &mut dyn FnMut() -> Result<(), CudaError>) -> Result<f64, CudaError> {
+    let stream = gpu.stream();
+    f()?; // load the modules outside the capture
+    stream.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)?;
+    let recorded = f();
+    let graph = stream.end_capture(CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_USE_NODE_PRIORITY)?;
+    recorded?;
+    let graph = graph.expect("captured launches");
+    let s = time(gpu, 20, || Ok(graph.launch()?))?;
+    Ok(s / launches as f64)
+}
+
+fn chain(_: &Gpu) -> Result<(), CudaError> {
+    // The floor of a decode step's kernel chain: 150 launches, each reading what the previous one
+    // wrote, replayed from a graph, with and without programmatic dependent launch. The GEMV
+    // chains hand int8 activations from one to the next as the decode GEMVs do.
+    println!("
+dependent launch chains (150 launches, graph replay): us per launch");
+    for pdl in [true, false] {
+        let gpu = Gpu::with_options(0, GpuOptions { dependent_launch: pdl, ..GpuOptions::from_env() })?;
+        let gpu = &gpu;
+        let mut line = format!("  pdl {}", if pdl { "on " } else { "off" });
+        for n in [576usize, 132 * 1024] {
+            let x = gpu.upload(&vec![0.5f32; n], "x")?;
+            let mut acc = gpu.alloc_zeros::<f32>(n)?;
+            let s = time_graph(gpu, 150, &mut || (0..150).try_for_each(|_| ops::add(gpu, &mut acc, &x, n)))?;
+            line += &format!(" | add {n}: {:.2}", s * 1e6);
+        }
+        for (dtype, rows, cols) in [(GgmlType::Q4_1, 576usize, 576usize), (GgmlType::Q4_0, 2048, 2048), (GgmlType::Q4_0, 4096, 4096)] {
+            let values: Vec<f32> = (0..rows * cols).map(|i| ((i * 7919) % 2001) as f32 / 1000.0 - 1.0).collect();
+            let w = gpu.upload_weight(dtype, rows, cols, &quantize(dtype, &values).expect("quantize"))?;
+            let mut q8 = [ops::Q8Activations::new(gpu, cols)?, ops::Q8Activations::new(gpu, cols)?];
+            let x: Vec<f32> = (0..cols).map(|i| ((i * 31) % 97) as f32 / 97.0 - 0.5).collect();
+            for q in &mut q8 {
+                ops::quantize_q8(gpu, &gpu.upload(&x, "x")?, 1, cols, None, q)?;
+            }
+            let mut out = gpu.alloc_zeros::<f32>(rows)?;
+            let s = time_graph(gpu, 150, &mut || {
+                (0..150).try_for_each(|i| {
+                    let [a, b] = &mut q8;
+                    let (src, dst) = if i % 2 == 0 { (&*a, b) } else { (&*b, a) };
+                    ops::linear_q8(gpu, &w, src, 1, &mut out, rows, 0, &ops::Epilogue::default(), Some(ops::Q8Emit { dst, norm: None }))
+                })
+            })?;
+            line += &format!(" | gemv {dtype} {rows}x{cols}: {:.2}", s * 1e6);
         }
         println!("{line}");
     }

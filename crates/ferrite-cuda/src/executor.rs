@@ -14,6 +14,7 @@
 //! a scratch of their own, so they replay too.
 
 use crate::ops::{self, AttentionConfig, GatedQuery, GdnState, GdnWeights, KvCache, KvDtype, RopeConfig, SamplingConfig};
+use crate::staging::{Mailbox, StagingRing};
 use crate::{CudaError, DeviceWeight, Gpu};
 use anyhow::{anyhow, bail, Context};
 use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
@@ -217,6 +218,12 @@ pub struct CudaExecutor {
     decode_graph: DecodeGraph,
     /// Batched serving (`init_paged`): the paged cache and its buffers.
     paged: Option<PagedState>,
+    /// Token ids, positions and block tables go to the device through this ring.
+    staging: StagingRing,
+    /// Sampled tokens come back through this (`[token, error flag, detail, tag]`), tagged with
+    /// the count of draws so far.
+    mailbox: Mailbox,
+    mail_tag: u32,
 }
 
 enum DecodeGraph {
@@ -329,6 +336,9 @@ impl CudaExecutor {
         };
         let options = ExecutorOptions { max_batch, ..options };
         let expanded = expand_batched_weights(&gpu, graph, &mut weights, max_batch)?;
+        // Each chunk stages two copies (ids, positions), a batched step four: 8 slots never wait.
+        let staging = StagingRing::new(&gpu, 8, max_batch)?;
+        let mailbox = Mailbox::new(&gpu, 4)?;
         Ok(Self {
             expanded,
             buf,
@@ -341,6 +351,9 @@ impl CudaExecutor {
             state_pos: RecurrentCursor::default(),
             decode_graph,
             paged: None,
+            staging,
+            mailbox,
+            mail_tag: 0,
         })
     }
 
@@ -351,9 +364,14 @@ impl CudaExecutor {
     fn run_chunk(&mut self, ids: &[u32], start_pos: usize) -> anyhow::Result<()> {
         let n = ids.len();
         let positions: Vec<u32> = (start_pos..start_pos + n).map(|p| p as u32).collect();
-        let stream = Arc::clone(self.gpu.stream());
-        stream.memcpy_htod(ids, &mut self.buf.ids.slice_mut(0..n)).map_err(CudaError::from)?;
-        stream.memcpy_htod(&positions, &mut self.buf.positions.slice_mut(0..n)).map_err(CudaError::from)?;
+        self.staging.copy(&self.gpu, ids, &mut self.buf.ids.slice_mut(0..n))?;
+        self.staging.copy(&self.gpu, &positions, &mut self.buf.positions.slice_mut(0..n))?;
+        self.launch_step(n)
+    }
+
+    /// Enqueue a forward pass of the `n` tokens whose ids and positions are in the device
+    /// buffers: one-token steps replay the decode graph (captured at the second one).
+    fn launch_step(&mut self, n: usize) -> anyhow::Result<()> {
         self.last_rows = n;
         if n == 1 {
             match &self.decode_graph {
@@ -375,6 +393,56 @@ impl CudaExecutor {
             }
         }
         self.run_ops(n)
+    }
+
+    /// Checks a forward of `n` tokens at `start_pos` before anything is enqueued, and resets the
+    /// recurrent state (in stream order) when the forward starts over.
+    fn begin_forward(&mut self, n: usize, start_pos: usize) -> anyhow::Result<()> {
+        if start_pos + n > self.options.context_len {
+            bail!("prompt too long: {n} tokens at position {start_pos} exceed the context of {} tokens", self.options.context_len);
+        }
+        if self.model.graph.has_recurrent_state() && self.state_pos.begin(start_pos)? {
+            // Before the first kernel of this forward (never part of the decode graph).
+            for state in self.buf.gdn.iter_mut() {
+                state.reset(&self.gpu)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Draw a token from the current logits on the device; it reaches the host through the
+    /// mailbox and, with `next_pos`, the next step's input buffers, and that step is enqueued
+    /// before the host waits for the token.
+    fn draw(&mut self, p: &DeviceSampling, next_pos: Option<usize>) -> anyhow::Result<u32> {
+        if let Some(pos) = next_pos {
+            self.begin_forward(1, pos)?;
+        }
+        let g = &self.model.graph;
+        let width = g.value(g.logits).width;
+        let logits = self.buf.slots[self.plan.slot(g.logits)].as_ref().expect("logits slot");
+        let cfg = SamplingConfig { temperature: p.temperature, top_k: p.top_k, top_p: p.top_p, min_p: p.min_p, seed: p.seed };
+        self.mail_tag = self.mail_tag.wrapping_add(1);
+        let next_step = next_pos.map(|pos| (&mut self.buf.ids, &mut self.buf.positions, pos as u32));
+        let delivery = ops::TokenDelivery { next_step, mailbox: &self.mailbox, tag: self.mail_tag };
+        ops::sample_delivering(&self.gpu, &logits.slice(0..width), width, &cfg, p.step, None, &mut self.buf.token, Some(delivery))?;
+        self.mailbox.post(&self.gpu)?;
+        if let Some(pos) = next_pos {
+            let stepped = self.launch_step(1);
+            self.state_pos.finish(pos + 1);
+            stepped?;
+        }
+        let mail = self.mailbox.read()?;
+        let (token, flag, tag) = (mail[0], mail[1], mail[3]);
+        if flag != 0 {
+            self.gpu.check_device()?;
+        }
+        if tag != self.mail_tag {
+            bail!("the device sampler delivered no token (mailbox tag {tag}, expected {})", self.mail_tag);
+        }
+        if token as usize >= width {
+            bail!("the device sampler drew token id {token}, outside the vocabulary ({width})");
+        }
+        Ok(token)
     }
 
     /// Record the one-token op sequence into a graph (capture enqueues nothing).
@@ -668,15 +736,12 @@ impl CudaExecutor {
         for (i, s) in batch.iter().enumerate() {
             tables[i * max_blocks..i * max_blocks + s.block_table.len()].copy_from_slice(s.block_table);
         }
-        let stream = Arc::clone(self.gpu.stream());
         let buf = &mut paged.buf;
         let pg = buf.paging.as_mut().expect("init_paged sets the paging buffers");
-        stream.memcpy_htod(&rows.ids, &mut buf.ids.slice_mut(0..n)).map_err(CudaError::from)?;
-        stream.memcpy_htod(&rows.positions, &mut buf.positions.slice_mut(0..n)).map_err(CudaError::from)?;
-        stream.memcpy_htod(&rows.row_seq, &mut pg.row_seq.slice_mut(0..n)).map_err(CudaError::from)?;
-        if !tables.is_empty() {
-            stream.memcpy_htod(&tables, &mut pg.tables.slice_mut(0..tables.len())).map_err(CudaError::from)?;
-        }
+        self.staging.copy(&self.gpu, &rows.ids, &mut buf.ids.slice_mut(0..n))?;
+        self.staging.copy(&self.gpu, &rows.positions, &mut buf.positions.slice_mut(0..n))?;
+        self.staging.copy(&self.gpu, &rows.row_seq, &mut pg.row_seq.slice_mut(0..n))?;
+        self.staging.copy(&self.gpu, &tables, &mut pg.tables.slice_mut(0..tables.len()))?;
         (pg.n_seqs, pg.max_blocks, pg.last_rows) = (batch.len(), max_blocks, rows.last_rows().collect());
         std::mem::swap(&mut self.buf, &mut paged.buf);
         std::mem::swap(&mut self.plan, &mut paged.plan);
@@ -736,19 +801,11 @@ impl Executor for CudaExecutor {
         if tokens.is_empty() {
             bail!("forward called with no tokens");
         }
-        if start_pos + tokens.len() > self.options.context_len {
-            bail!("prompt too long: {} tokens at position {start_pos} exceed the context of {} tokens", tokens.len(), self.options.context_len);
-        }
         let vocab = self.model.config.vocab_size;
         if let Some(bad) = tokens.iter().find(|&&t| t as usize >= vocab) {
             bail!("token id {bad} is outside the vocabulary ({vocab})");
         }
-        if self.model.graph.has_recurrent_state() && self.state_pos.begin(start_pos)? {
-            // In stream order, before the first kernel of this forward (never part of the decode graph).
-            for state in self.buf.gdn.iter_mut() {
-                state.reset(&self.gpu)?;
-            }
-        }
+        self.begin_forward(tokens.len(), start_pos)?;
         let step = self.options.max_batch;
         for (i, chunk) in tokens.chunks(step).enumerate() {
             self.run_chunk(chunk, start_pos + i * step)?;
@@ -769,17 +826,11 @@ impl Executor for CudaExecutor {
     }
 
     fn sample_on_device(&mut self, p: &DeviceSampling) -> Option<anyhow::Result<u32>> {
-        let mut run = || -> anyhow::Result<u32> {
-            let g = &self.model.graph;
-            let width = g.value(g.logits).width;
-            let logits = self.buf.slots[self.plan.slot(g.logits)].as_ref().expect("logits slot");
-            let cfg = SamplingConfig { temperature: p.temperature, top_k: p.top_k, top_p: p.top_p, min_p: p.min_p, seed: p.seed };
-            ops::sample(&self.gpu, &logits.slice(0..width), width, &cfg, p.step, None, &mut self.buf.token)?;
-            let id = self.gpu.download(&self.buf.token)?[0];
-            self.gpu.check_device()?;
-            Ok(id)
-        };
-        Some(run())
+        Some(self.draw(p, None))
+    }
+
+    fn sample_and_step(&mut self, p: &DeviceSampling, next_pos: Option<usize>) -> Option<anyhow::Result<u32>> {
+        Some(self.draw(p, next_pos))
     }
 
     fn traces(&mut self) -> anyhow::Result<Vec<LayerTrace>> {

@@ -19,6 +19,7 @@ mod error;
 mod executor;
 pub mod kernels;
 pub mod ops;
+mod staging;
 mod weight;
 
 pub use cache::{compile_variant, CacheKey, CacheStats, DiskCache, DiskLookup, KernelInfo};
@@ -26,4 +27,5 @@ pub use cudarc::driver::{CudaSlice, CudaView, CudaViewMut};
 pub use device::{cuda_available, Gpu, GpuOptions, KernelCacheDir};
 pub use error::CudaError;
 pub use executor::{check_supported, open_executor, CudaExecutor};
+pub use staging::{Mailbox, StagingRing};
 pub use weight::{supported as weight_supported, DeviceWeight};

@@ -2455,6 +2455,62 @@ fn sample_step_from_device_memory() {
     }
 }
 
+/// A token delivered to the next step's inputs and to the host's mailbox (with the tag and the
+/// device error flag), greedy and sampled; without a step, only the mailbox and `out` change.
+#[test]
+fn sample_delivers_to_the_next_step_and_the_mailbox() {
+    let Some(gpu) = own_gpu(KernelCacheDir::from_env()) else { return };
+    let mut rng = Rng(12);
+    let values = rng.vec(3000, -3.0, 3.0);
+    let logits = upload(&gpu, &values);
+    let mailbox = ferrite_cuda::Mailbox::new(&gpu, 4).unwrap();
+    let sampled = SamplingConfig { temperature: 0.8, top_k: 40, top_p: 0.95, min_p: 0.0, seed: 3 };
+    for (tag, cfg) in [(1u32, SamplingConfig { temperature: 0.0, ..sampled }), (2, sampled)] {
+        let want = device_sample(&gpu, &logits, 3000, &cfg, 4);
+        let (mut ids, mut positions, mut out) = (upload(&gpu, &[7u32, 8]), upload(&gpu, &[9u32, 10]), upload(&gpu, &[u32::MAX]));
+        let delivery = ops::TokenDelivery { next_step: Some((&mut ids, &mut positions, 123)), mailbox: &mailbox, tag };
+        ops::sample_delivering(&gpu, &logits, 3000, &cfg, 4, None, &mut out, Some(delivery)).unwrap();
+        mailbox.post(&gpu).unwrap();
+        assert_eq!(mailbox.read().unwrap(), vec![want, 0, 0, tag], "{cfg:?}");
+        assert_eq!((download(&gpu, &out), download(&gpu, &ids), download(&gpu, &positions)), (vec![want], vec![want, 8], vec![123, 10]));
+    }
+    // No next step: only the mailbox and out.
+    let (mut out, delivery) = (upload(&gpu, &[u32::MAX]), ops::TokenDelivery { next_step: None, mailbox: &mailbox, tag: 3 });
+    ops::sample_delivering(&gpu, &logits, 3000, &SamplingConfig { temperature: 0.0, ..sampled }, 0, None, &mut out, Some(delivery)).unwrap();
+    mailbox.post(&gpu).unwrap();
+    assert_eq!(mailbox.read().unwrap(), vec![host_argmax(&values), 0, 0, 3]);
+    // A device error recorded earlier in the stream reaches the mailbox (an embedding of an id
+    // past the table).
+    let table = gpu.upload_weight(GgmlType::F32, 4, 64, bytemuck::cast_slice(&[0.5f32; 4 * 64])).unwrap();
+    let mut embedded = poisoned(&gpu, 64);
+    ops::embed(&gpu, &table, &upload(&gpu, &[99u32]), 1, &mut embedded).unwrap();
+    let (mut out, delivery) = (upload(&gpu, &[u32::MAX]), ops::TokenDelivery { next_step: None, mailbox: &mailbox, tag: 4 });
+    ops::sample_delivering(&gpu, &logits, 3000, &sampled, 0, None, &mut out, Some(delivery)).unwrap();
+    mailbox.post(&gpu).unwrap();
+    let mail = mailbox.read().unwrap();
+    assert_eq!((mail[1], mail[2], mail[3]), (1, 99, 4), "error flag (bad token id 99) and tag: {mail:?}");
+    assert!(gpu.check_device().is_err());
+    println!("| {:<10} | {:<44} | {:>9} | {:>9} | {:>6} |", "sample", "delivered to next step + mailbox, error flag", "exact", "exact", "0");
+}
+
+/// Host-to-device copies through the staging ring land in stream order, including when a copy
+/// outgrows the slots and when the ring wraps many times without the host waiting.
+#[test]
+fn staging_ring_copies_in_stream_order() {
+    let Some(gpu) = gpu() else { return };
+    let mut ring = ferrite_cuda::StagingRing::new(gpu, 3, 4).unwrap();
+    let mut dst = upload(gpu, &vec![0u32; 64 * 40]);
+    let mut want = vec![0u32; 64 * 40];
+    for i in 0..40usize {
+        let len = [1, 4, 5, 64][i % 4];
+        let data: Vec<u32> = (0..len as u32).map(|j| (i as u32) * 1000 + j).collect();
+        ring.copy(gpu, &data, &mut dst.slice_mut(i * 64..i * 64 + 64)).unwrap();
+        want[i * 64..i * 64 + len].copy_from_slice(&data);
+    }
+    assert_eq!(download(gpu, &dst), want);
+    assert!(ring.copy(gpu, &[1, 2, 3], &mut dst.slice_mut(0..2)).is_err(), "a copy larger than its destination is refused");
+}
+
 #[test]
 fn sample_frequencies_follow_the_distribution() {
     let Some(gpu) = gpu() else { return };

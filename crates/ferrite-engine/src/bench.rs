@@ -85,18 +85,23 @@ pub fn bench_pp(session: &mut Session, n: usize, depth: usize, reps: usize, voca
 
 /// Token generation: `n` single-token steps after `depth` cached positions (prefilled untimed),
 /// each followed by greedy sampling (on the device where the backend can), as a generation
-/// loop does.
+/// loop does (`Session::generate`: without a host round trip between steps where the backend
+/// samples on the device).
 pub fn bench_tg(session: &mut Session, n: usize, depth: usize, reps: usize, vocab: usize) -> Result<BenchResult> {
     let mut samples = Vec::new();
     let mut sampler = Sampler::new(SamplerParams::greedy());
     for rep in 0..=reps {
         session.reset();
         prefill_depth(session, &bench_tokens(depth, vocab))?;
-        let mut tok = bench_tokens(1, vocab)[0];
         let t = Instant::now();
+        session.step(bench_tokens(1, vocab)[0])?;
         for i in 0..n {
-            session.step(tok)?;
-            tok = session.sample(&mut sampler, &[], i as u64)?;
+            // As `Session::generate` runs: the next step enqueued before the token is read back
+            // where the backend can.
+            let (tok, appended) = session.sample_ahead(&mut sampler, &[], i as u64, i + 1 < n)?;
+            if !appended && i + 1 < n {
+                session.step(tok)?;
+            }
         }
         let tps = n as f64 / t.elapsed().as_secs_f64();
         if rep > 0 {

@@ -9,6 +9,8 @@ pub struct Session {
     exec: Box<dyn Executor>,
     /// Tokens whose K/V are in the cache, in position order.
     cached: Vec<u32>,
+    /// `FERRITE_DECODE_AHEAD`: `sample_ahead` may enqueue the next step before the token is back.
+    decode_ahead: bool,
 }
 
 /// Timings of one `generate` call.
@@ -45,7 +47,12 @@ impl GenStats {
 
 impl Session {
     pub fn new(exec: Box<dyn Executor>) -> Self {
-        Self { exec, cached: Vec::new() }
+        Self { exec, cached: Vec::new(), decode_ahead: ferrite_core::env::DECODE_AHEAD.flag() }
+    }
+
+    /// Override `FERRITE_DECODE_AHEAD` for this session (A/B comparisons, tests).
+    pub fn set_decode_ahead(&mut self, on: bool) {
+        self.decode_ahead = on;
     }
 
     pub fn executor(&mut self) -> &mut dyn Executor {
@@ -115,16 +122,36 @@ impl Session {
 
     /// Choose the next token from the current logits.
     pub fn sample(&mut self, sampler: &mut Sampler, history: &[u32], step: u64) -> Result<u32> {
+        Ok(self.sample_ahead(sampler, history, step, false)?.0)
+    }
+
+    /// Choose the next token from the current logits; with `ahead`, where the backend samples on
+    /// the device, also append it to the cache, enqueued before the token is read back, so the
+    /// device goes from one step to the next without waiting for the host (the token is then
+    /// appended even if the caller stops at it). Returns the token and whether it was appended.
+    pub fn sample_ahead(&mut self, sampler: &mut Sampler, history: &[u32], step: u64, ahead: bool) -> Result<(u32, bool)> {
+        let ahead = ahead && self.decode_ahead && self.cached.len() < self.context_len();
         let p = sampler.params();
         // The device sampler covers temperature/top-k/top-p/min-p; a repetition penalty needs the
         // host path.
         if let Some(d) = p.on_device(step) {
+            let next_pos = ahead.then_some(self.cached.len());
+            if let Some(drawn) = self.exec.sample_and_step(&d, next_pos) {
+                if drawn.is_err() && ahead && self.exec.has_recurrent_state() {
+                    self.cached.clear();
+                }
+                let tok = drawn?;
+                if ahead {
+                    self.cached.push(tok);
+                }
+                return Ok((tok, ahead));
+            }
             if let Some(tok) = self.exec.sample_on_device(&d) {
-                return tok;
+                return Ok((tok?, false));
             }
         }
         let mut logits = self.exec.logits()?;
-        Ok(sampler.sample(&mut logits, history))
+        Ok((sampler.sample(&mut logits, history), false))
     }
 
     /// Process `prompt`, then sample up to `max_new` tokens. `on_token` gets each new token and
@@ -145,7 +172,9 @@ impl Session {
         let t1 = Instant::now();
         let mut history = prompt.to_vec();
         for i in 0..max_new {
-            let tok = self.sample(&mut sampler, &history, i as u64)?;
+            // Each token but the last one asked for is appended as it is drawn where the device
+            // can run ahead (`sample_ahead`), else after the checks below.
+            let (tok, appended) = self.sample_ahead(&mut sampler, &history, i as u64, i + 1 < max_new)?;
             if is_end(tok) {
                 stats.stop = StopReason::EndOfGeneration;
                 break;
@@ -159,11 +188,13 @@ impl Session {
             if i + 1 == max_new {
                 break;
             }
-            if self.cached.len() >= self.context_len() {
-                stats.stop = StopReason::ContextFull;
-                break;
+            if !appended {
+                if self.cached.len() >= self.context_len() {
+                    stats.stop = StopReason::ContextFull;
+                    break;
+                }
+                self.step(tok)?;
             }
-            self.step(tok)?;
         }
         stats.gen_time = t1.elapsed();
         Ok(stats)

@@ -324,6 +324,50 @@ fn cuda_fp32_matches_cpu_reference_on_real_shapes() {
     }
     println!("decode graph replay: bit-identical logits over 17 steps and a restart, with and without recurrent state, with MoE layers");
     recurrent_state_positions();
+    decode_ahead_matches_step_by_step();
+}
+
+/// `Session::generate` with the next step enqueued before each token is read back (the token
+/// handed from the sampler to the step on the device) against reading each token back first:
+/// the same tokens, cache and logits, bit for bit, greedy and sampled, with and without
+/// recurrent state; stopping at an end token leaves that token in the cache only when run ahead.
+fn decode_ahead_matches_step_by_step() {
+    use ferrite_engine::{SamplerParams, Session, StopReason};
+    let sampled = SamplerParams { temperature: 0.8, top_k: 40, top_p: 0.95, min_p: 0.05, seed: 5, ..SamplerParams::DEFAULT };
+    for model in [synthetic(synth::shape("smollm2-135m").unwrap(), GgmlType::Q4_1), synthetic(&QWEN35_SMALL, GgmlType::Q8_0)] {
+        let arch = model.config.arch.name();
+        let gpu = ferrite_cuda::CudaExecutor::new(Arc::clone(&model), opts(16)).unwrap();
+        let mut session = Session::new(Box::new(gpu));
+        let prompt: Vec<u32> = (0..PROMPT as u32).map(|i| (i * 977 + 5) % model.config.vocab_size as u32).collect();
+        let mut run = |ahead: bool, params: &SamplerParams, end: Option<u32>| {
+            session.reset();
+            session.set_decode_ahead(ahead);
+            let mut tokens = Vec::new();
+            let stats = session
+                .generate(&prompt, 24, params, |t| Some(t) == end, |t| {
+                    tokens.push(t);
+                    true
+                })
+                .unwrap();
+            let logits: Vec<u32> = session.executor().logits().unwrap().into_iter().map(f32::to_bits).collect();
+            (tokens, stats.stop, session.cached_tokens().to_vec(), logits)
+        };
+        for params in [SamplerParams::greedy(), sampled.clone()] {
+            let (ahead, behind) = (run(true, &params, None), run(false, &params, None));
+            assert_eq!(ahead.0.len(), 24, "{arch}: 24 tokens");
+            assert!(ahead == behind, "{arch} {params:?}: decoding ahead changes tokens, cache or logits");
+            assert_eq!(ahead.2.len(), PROMPT + 23, "{arch}: every token but the last appended");
+        }
+        let greedy = run(false, &SamplerParams::greedy(), None).0;
+        let end = greedy[7];
+        let first = greedy.iter().position(|&t| t == end).unwrap();
+        let (ahead, behind) = (run(true, &SamplerParams::greedy(), Some(end)), run(false, &SamplerParams::greedy(), Some(end)));
+        assert_eq!((ahead.0.len(), ahead.1), (first, StopReason::EndOfGeneration), "{arch}: stops at the end token");
+        assert_eq!(ahead.0, behind.0, "{arch}: tokens before the end token");
+        assert_eq!(&ahead.2[PROMPT..], &greedy[..first + 1], "{arch}: run ahead, the end token is in the cache");
+        assert_eq!(&behind.2[PROMPT..], &greedy[..first], "{arch}: read back first, it is not");
+    }
+    println!("decode ahead: same tokens, cache and logits as reading each token back, greedy and sampled, with recurrent state");
 }
 
 /// Recurrent state on the GPU follows the executor rules: position 0 resets it, the consumed

@@ -220,6 +220,15 @@ pub trait Executor {
         None
     }
 
+    /// [`Self::sample_on_device`], and with `next_pos` the one-token forward of the drawn token
+    /// at that position, enqueued before the token is read back: the token goes from the sampler
+    /// to the step on the device, so the device does not wait for the host between tokens. The
+    /// step runs whatever the caller then does with the token (stopping at an end token leaves
+    /// it in the cache, computed). `None`: this backend has no such path (sample, then forward).
+    fn sample_and_step(&mut self, _params: &DeviceSampling, _next_pos: Option<usize>) -> Option<anyhow::Result<u32>> {
+        None
+    }
+
     /// Traced values of the last `forward` chunk (empty unless created with `trace`).
     fn traces(&mut self) -> anyhow::Result<Vec<LayerTrace>>;
 

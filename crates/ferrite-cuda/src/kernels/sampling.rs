@@ -31,11 +31,20 @@ device_params! {
         pub step_ptr: u64,
         pub seed: u64,
         pub step: u64,
+        /// 0, or the next decode step's inputs: the token goes to `feed_ids[0]`, and
+        /// `next_pos` to `feed_pos[0]` (see `ops::TokenDelivery`).
+        pub feed_ids: u64,
+        pub feed_pos: u64,
+        /// 0, or a device-mapped host `u32 [4]`: token, the device error flag's two words, `tag`.
+        pub mailbox: u64,
+        pub error_flag: u64,
         pub n: u32,
         pub top_k: u32,
         pub temperature: f32,
         pub top_p: f32,
         pub min_p: f32,
+        pub next_pos: u32,
+        pub tag: u32,
         pub pad: u32,
     }
 }
@@ -132,6 +141,26 @@ struct Mine {
   }
 };
 
+// The chosen token (one thread): to out[0] and, when asked, on to the next decode step (its
+// input id and position) and to the host's mailbox with the error flag. The tag goes last, so
+// a mailbox holding this call's tag holds this call's token.
+__device__ __forceinline__ void deliver(const SampleParams& p, u32 token) {
+  reinterpret_cast<u32*>(p.out)[0] = token;
+  if (p.feed_ids) {
+    reinterpret_cast<u32*>(p.feed_ids)[0] = token;
+    reinterpret_cast<u32*>(p.feed_pos)[0] = p.next_pos;
+  }
+  if (p.mailbox) {
+    volatile u32* m = reinterpret_cast<volatile u32*>(p.mailbox);
+    const volatile u32* flag = reinterpret_cast<const volatile u32*>(p.error_flag);
+    m[0] = token;
+    m[1] = flag[0];
+    m[2] = flag[1];
+    __threadfence_system();
+    m[3] = p.tag;
+  }
+}
+
 extern "C" __global__ void __launch_bounds__(BLOCK_SIZE) sample(const SampleParams p) {
   KERNEL_ENTRY();
   __shared__ u32 s_key[32], s_idx[32], s_radix[2], s_hist[256];
@@ -141,13 +170,12 @@ extern "C" __global__ void __launch_bounds__(BLOCK_SIZE) sample(const SamplePara
   __shared__ float c_logit[BLOCK_SIZE];
   __shared__ u32 c_index[BLOCK_SIZE];
   const float* logits = reinterpret_cast<const float*>(p.logits);
-  u32* out = reinterpret_cast<u32*>(p.out);
   const u32 n = p.n;
   const u32 best = block_argmax(logits, n, s_key, s_idx);
   const float max_logit = logits[best];
   // Greedy cases, and logits with no finite maximum (nothing to weigh).
   if (p.temperature <= 0.f || p.top_k == 1u || n == 1u || !(fabsf(max_logit) <= 3.402823466e38f)) {
-    if (threadIdx.x == 0) out[0] = best;
+    if (threadIdx.x == 0) deliver(p, best);
     return;
   }
 
@@ -247,7 +275,7 @@ extern "C" __global__ void __launch_bounds__(BLOCK_SIZE) sample(const SamplePara
         done = c > r;
       }
     });
-    out[0] = pick;
+    deliver(p, pick);
   }
 }
 "#;

@@ -3,8 +3,9 @@
 use super::{addr, addr_mut, as_u32, check_len};
 use crate::error::CudaError;
 use crate::kernels::sampling::{ArgmaxParams, SampleParams, SamplingVariant};
+use crate::staging::Mailbox;
 use crate::Gpu;
-use cudarc::driver::{CudaView, DevicePtr, DevicePtrMut};
+use cudarc::driver::{CudaSlice, CudaView, DevicePtr, DevicePtrMut};
 
 /// Write the index of the largest of `logits[0..n]` to `out[0]` (first one on ties; NaN
 /// never wins over a number).
@@ -36,6 +37,17 @@ pub struct SamplingConfig {
     pub seed: u64,
 }
 
+/// Where [`sample_delivering`] sends the token besides `out`, so that a decode loop neither
+/// copies it back nor waits for it before the next step.
+pub struct TokenDelivery<'a> {
+    /// The next one-token step's inputs: the token becomes `ids[0]` and the position
+    /// `positions[0]`, so the step can be enqueued before the host has seen the token.
+    pub next_step: Option<(&'a mut CudaSlice<u32>, &'a mut CudaSlice<u32>, u32)>,
+    /// Receives `[token, error flag, error detail, tag]` (see [`Mailbox`]).
+    pub mailbox: &'a Mailbox,
+    pub tag: u32,
+}
+
 /// Draw a token from `logits[0..vocab]` and write its id to `out[0]`: keep the top-k, then the
 /// smallest top set holding `top_p` of their (temperature-1) probability, then the tokens at
 /// least `min_p` times as likely as the best; draw from `softmax(logits / temperature)` over
@@ -51,6 +63,21 @@ pub fn sample(
     counter: Option<&CudaView<'_, u32>>,
     out: &mut impl DevicePtrMut<u32>,
 ) -> Result<(), CudaError> {
+    sample_delivering(gpu, logits, vocab, cfg, step, counter, out, None)
+}
+
+/// [`sample`], also delivering the token where `delivery` says.
+#[allow(clippy::too_many_arguments)]
+pub fn sample_delivering(
+    gpu: &Gpu,
+    logits: &impl DevicePtr<f32>,
+    vocab: usize,
+    cfg: &SamplingConfig,
+    step: u64,
+    counter: Option<&CudaView<'_, u32>>,
+    out: &mut impl DevicePtrMut<u32>,
+    delivery: Option<TokenDelivery<'_>>,
+) -> Result<(), CudaError> {
     const OP: &str = "sample";
     if vocab == 0 {
         return Err(CudaError::invalid(OP, "no logits"));
@@ -64,17 +91,32 @@ pub fn sample(
         check_len(OP, "counter", c.len(), 1)?;
     }
     let variant = SamplingVariant::DEFAULT;
+    let (mut feed_ids, mut feed_pos, mut next_pos, mut mailbox, mut tag) = (0, 0, 0, 0, 0);
+    if let Some(d) = delivery {
+        if let Some((ids, positions, pos)) = d.next_step {
+            check_len(OP, "next step ids", ids.len(), 1)?;
+            check_len(OP, "next step positions", positions.len(), 1)?;
+            (feed_ids, feed_pos, next_pos) = (addr_mut(gpu, ids), addr_mut(gpu, positions), pos);
+        }
+        (mailbox, tag) = (d.mailbox.device_addr(), d.tag);
+    }
     let params = SampleParams {
         logits: addr(gpu, logits),
         out: addr_mut(gpu, out),
         step_ptr: counter.map_or(0, |c| addr(gpu, c)),
         seed: cfg.seed,
         step,
+        feed_ids,
+        feed_pos,
+        mailbox,
+        error_flag: gpu.error_flag_ptr(),
         n: as_u32(OP, "vocab", vocab)?,
         top_k: u32::try_from(cfg.top_k).unwrap_or(u32::MAX),
         temperature: cfg.temperature,
         top_p: cfg.top_p,
         min_p: cfg.min_p,
+        next_pos,
+        tag,
         pad: 0,
     };
     gpu.launch(&variant, "sample", variant.launch_config(), &params)

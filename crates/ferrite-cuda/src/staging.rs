@@ -1,0 +1,108 @@
+//! The host's side of a step's small transfers, without pageable copies and without waiting for
+//! the stream:
+//! - [`StagingRing`]: host-to-device copies (token ids, positions, block tables) through a ring
+//!   of page-locked slots, in stream order. A pageable copy makes the driver stage the data
+//!   itself and may stall the host; from page-locked memory the copy is an async DMA, and a slot
+//!   is reused only after the copy that last read it has run.
+//! - [`Mailbox`]: page-locked host memory mapped into the device, which a kernel writes a few
+//!   words into (the sampled token and the device error flag). The host reads it after an event,
+//!   so no copy sits in the stream between one decode step and the next.
+
+use crate::error::{Context, CudaError};
+use crate::Gpu;
+use cudarc::driver::{sys, CudaEvent, CudaViewMut, DevicePtrMut, PinnedHostSlice};
+
+/// Page-locked `u32` slots for host-to-device copies, used round robin.
+pub struct StagingRing {
+    host: PinnedHostSlice<u32>,
+    slot_len: usize,
+    /// Per slot: recorded after the copy that last read it.
+    copied: Vec<CudaEvent>,
+    next: usize,
+}
+
+impl StagingRing {
+    pub fn new(gpu: &Gpu, slots: usize, slot_len: usize) -> Result<Self, CudaError> {
+        let what = || format!("allocating a staging ring of {slots} x {slot_len} words");
+        let ctx = gpu.context();
+        // SAFETY: the memory is written before any copy reads it (`copy` fills a slot first).
+        let host = unsafe { ctx.alloc_pinned::<u32>(slots * slot_len.max(1)) }.context(what)?;
+        let copied = (0..slots).map(|_| ctx.new_event(None)).collect::<Result<_, _>>().context(what)?;
+        Ok(Self { host, slot_len: slot_len.max(1), copied, next: 0 })
+    }
+
+    /// Copy `src` into `dst[..src.len()]`, in stream order, through the next slot.
+    pub fn copy(&mut self, gpu: &Gpu, src: &[u32], dst: &mut CudaViewMut<'_, u32>) -> Result<(), CudaError> {
+        if src.len() > dst.len() {
+            return Err(CudaError::invalid("staging copy", format!("{} words into a buffer of {}", src.len(), dst.len())));
+        }
+        if src.is_empty() {
+            return Ok(());
+        }
+        if src.len() > self.slot_len {
+            // Grow (rare: a larger batch table than ever before): every slot's copy must have run.
+            for e in &self.copied {
+                e.synchronize().context(|| "waiting for the staging ring's copies".into())?;
+            }
+            *self = Self::new(gpu, self.copied.len(), src.len().next_power_of_two())?;
+        }
+        let slot = self.next;
+        self.next = (slot + 1) % self.copied.len();
+        let done = &self.copied[slot];
+        // Only the copy that read this slot a whole ring ago can still be pending.
+        done.synchronize().context(|| "waiting for a staging slot".into())?;
+        let stream = gpu.stream();
+        let host = self.host.as_mut_slice().context(|| "mapping the staging ring".into())?;
+        let staged = &mut host[slot * self.slot_len..slot * self.slot_len + src.len()];
+        staged.copy_from_slice(src);
+        let (dst_ptr, _sync) = dst.device_ptr_mut(stream);
+        // SAFETY: `staged` is page-locked and stays untouched until `done` has fired, which is
+        // recorded right after this copy in the same stream.
+        unsafe { cudarc::driver::result::memcpy_htod_async(dst_ptr, staged, stream.cu_stream()) }
+            .context(|| format!("copying {} words to the device", src.len()))?;
+        done.record(stream).context(|| "recording a staging copy".into())
+    }
+}
+
+/// A few `u32` words of page-locked host memory that kernels write through a device mapping.
+/// The host reads them once the event [`Mailbox::post`] recorded after the writing kernel has
+/// fired.
+pub struct Mailbox {
+    host: PinnedHostSlice<u32>,
+    device_addr: u64,
+    posted: CudaEvent,
+}
+
+impl Mailbox {
+    pub fn new(gpu: &Gpu, words: usize) -> Result<Self, CudaError> {
+        let what = || format!("allocating a {words}-word device-mapped host mailbox");
+        let ctx = gpu.context();
+        // SAFETY: zeroed below before any use.
+        let mut host = unsafe { ctx.alloc_pinned_with_flags::<u32>(words, sys::CU_MEMHOSTALLOC_DEVICEMAP) }.context(what)?;
+        host.as_mut_slice().context(what)?.fill(0);
+        let mut device_addr: sys::CUdeviceptr = 0;
+        let ptr = host.as_mut_slice().context(what)?.as_mut_ptr();
+        // SAFETY: `ptr` is the start of a live allocation made with CU_MEMHOSTALLOC_DEVICEMAP.
+        unsafe { sys::cuMemHostGetDevicePointer_v2(&mut device_addr, ptr.cast(), 0) }.result().context(what)?;
+        let posted = ctx.new_event(None).context(what)?;
+        Ok(Self { host, device_addr, posted })
+    }
+
+    /// The address kernels write to.
+    pub fn device_addr(&self) -> u64 {
+        self.device_addr
+    }
+
+    /// Mark the end of the kernels that write the mailbox (call right after enqueueing them).
+    pub fn post(&self, gpu: &Gpu) -> Result<(), CudaError> {
+        self.posted.record(gpu.stream()).context(|| "recording the mailbox event".into())
+    }
+
+    /// Wait for the last [`Self::post`], then read the words.
+    pub fn read(&self) -> Result<Vec<u32>, CudaError> {
+        self.posted.synchronize().context(|| "waiting for the mailbox".into())?;
+        let words = self.host.as_slice().context(|| "reading the mailbox".into())?;
+        // Volatile: the device wrote these behind the compiler's back.
+        Ok(words.iter().map(|w| unsafe { std::ptr::read_volatile(w) }).collect())
+    }
+}
