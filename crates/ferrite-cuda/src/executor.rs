@@ -224,6 +224,8 @@ pub struct CudaExecutor {
     /// the count of draws so far.
     mailbox: Mailbox,
     mail_tag: u32,
+    /// Candidate lists of two-stage draws (`None`: `FERRITE_DISABLE_SAMPLE_CANDIDATES`).
+    sample_scratch: Option<ops::SampleScratch>,
 }
 
 enum DecodeGraph {
@@ -339,6 +341,8 @@ impl CudaExecutor {
         // Each chunk stages two copies (ids, positions), a batched step four: 8 slots never wait.
         let staging = StagingRing::new(&gpu, 8, max_batch)?;
         let mailbox = Mailbox::new(&gpu, 4)?;
+        let vocab = graph.value(graph.logits).width;
+        let sample_scratch = if env::DISABLE_SAMPLE_CANDIDATES.flag() { None } else { Some(ops::SampleScratch::new(&gpu, vocab)?) };
         Ok(Self {
             expanded,
             buf,
@@ -354,6 +358,7 @@ impl CudaExecutor {
             staging,
             mailbox,
             mail_tag: 0,
+            sample_scratch,
         })
     }
 
@@ -424,7 +429,8 @@ impl CudaExecutor {
         self.mail_tag = self.mail_tag.wrapping_add(1);
         let next_step = next_pos.map(|pos| (&mut self.buf.ids, &mut self.buf.positions, pos as u32));
         let delivery = ops::TokenDelivery { next_step, mailbox: &self.mailbox, tag: self.mail_tag };
-        ops::sample_delivering(&self.gpu, &logits.slice(0..width), width, &cfg, p.step, None, &mut self.buf.token, Some(delivery))?;
+        let scratch = self.sample_scratch.as_mut();
+        ops::sample_delivering(&self.gpu, &logits.slice(0..width), width, &cfg, p.step, None, &mut self.buf.token, Some(delivery), scratch)?;
         self.mailbox.post(&self.gpu)?;
         if let Some(pos) = next_pos {
             let stepped = self.launch_step(1);

@@ -2455,6 +2455,52 @@ fn sample_step_from_device_memory() {
     }
 }
 
+/// The two-stage draw (a block per 1024 logits keeps its chunk's top-k, then one block over the
+/// candidates) gives the one-block draw's token: greedy and top-k settings, vocabularies of one
+/// chunk and a partial one up to Qwen's, NaN and -inf logits, and logits with heavy ties (more
+/// candidates than the gathered list holds: the whole vocabulary is read instead).
+#[test]
+fn two_stage_sample_draws_the_one_block_token() {
+    let Some(gpu) = gpu() else { return };
+    let mut rng = Rng(13);
+    let base = SamplingConfig { temperature: 0.8, top_k: 40, top_p: 0.95, min_p: 0.05, seed: 7 };
+    let configs = [
+        SamplingConfig { temperature: 0.0, ..base },
+        SamplingConfig { top_k: 1, ..base },
+        base,
+        SamplingConfig { top_k: 1024, top_p: 0.9, min_p: 0.0, ..base },
+        SamplingConfig { top_k: 5, top_p: 1.0, min_p: 0.0, temperature: 1.5, ..base },
+    ];
+    let mut draws = 0;
+    for (vocab, ties) in [(1500usize, false), (5000, false), (49152, false), (151936, false), (49152, true)] {
+        let mut logits = rng.vec(vocab, -6.0, 6.0);
+        if ties {
+            logits.iter_mut().for_each(|l| *l = (*l * 2.0).round() / 2.0);
+        } else {
+            logits[vocab / 3] = f32::NAN;
+            logits[vocab / 2] = f32::NEG_INFINITY;
+        }
+        let dev = upload(gpu, &logits);
+        let mut scratch = ops::SampleScratch::new(gpu, vocab).unwrap();
+        // With heavy ties more than 1024 tokens may survive top-k, and the one block then sums
+        // their masses over different per-thread chunks: only greedy draws compare exactly.
+        for cfg in if ties { &configs[..2] } else { &configs[..] } {
+            for step in 0..12u64 {
+                let one = device_sample(gpu, &dev, vocab, cfg, step);
+                let mut out = upload(gpu, &[u32::MAX]);
+                ops::sample_delivering(gpu, &dev, vocab, cfg, step, None, &mut out, None, Some(&mut scratch)).unwrap();
+                let two = download(gpu, &out)[0];
+                assert_eq!(two, one, "vocab {vocab} ties {ties} {cfg:?} step {step}");
+                draws += 1;
+            }
+        }
+        if !ties {
+            assert_eq!(device_sample(gpu, &dev, vocab, &configs[0], 0), host_argmax(&logits), "vocab {vocab}: greedy is the argmax");
+        }
+    }
+    println!("| {:<10} | {:<44} | {:>9} | {:>9} | {:>6} |", "sample", format!("two-stage = one block: {draws} draws"), "exact", "exact", "0");
+}
+
 /// A token delivered to the next step's inputs and to the host's mailbox (with the tag and the
 /// device error flag), greedy and sampled; without a step, only the mailbox and `out` change.
 #[test]
@@ -2469,14 +2515,14 @@ fn sample_delivers_to_the_next_step_and_the_mailbox() {
         let want = device_sample(&gpu, &logits, 3000, &cfg, 4);
         let (mut ids, mut positions, mut out) = (upload(&gpu, &[7u32, 8]), upload(&gpu, &[9u32, 10]), upload(&gpu, &[u32::MAX]));
         let delivery = ops::TokenDelivery { next_step: Some((&mut ids, &mut positions, 123)), mailbox: &mailbox, tag };
-        ops::sample_delivering(&gpu, &logits, 3000, &cfg, 4, None, &mut out, Some(delivery)).unwrap();
+        ops::sample_delivering(&gpu, &logits, 3000, &cfg, 4, None, &mut out, Some(delivery), None).unwrap();
         mailbox.post(&gpu).unwrap();
         assert_eq!(mailbox.read().unwrap(), vec![want, 0, 0, tag], "{cfg:?}");
         assert_eq!((download(&gpu, &out), download(&gpu, &ids), download(&gpu, &positions)), (vec![want], vec![want, 8], vec![123, 10]));
     }
     // No next step: only the mailbox and out.
     let (mut out, delivery) = (upload(&gpu, &[u32::MAX]), ops::TokenDelivery { next_step: None, mailbox: &mailbox, tag: 3 });
-    ops::sample_delivering(&gpu, &logits, 3000, &SamplingConfig { temperature: 0.0, ..sampled }, 0, None, &mut out, Some(delivery)).unwrap();
+    ops::sample_delivering(&gpu, &logits, 3000, &SamplingConfig { temperature: 0.0, ..sampled }, 0, None, &mut out, Some(delivery), None).unwrap();
     mailbox.post(&gpu).unwrap();
     assert_eq!(mailbox.read().unwrap(), vec![host_argmax(&values), 0, 0, 3]);
     // A device error recorded earlier in the stream reaches the mailbox (an embedding of an id
@@ -2485,7 +2531,7 @@ fn sample_delivers_to_the_next_step_and_the_mailbox() {
     let mut embedded = poisoned(&gpu, 64);
     ops::embed(&gpu, &table, &upload(&gpu, &[99u32]), 1, &mut embedded).unwrap();
     let (mut out, delivery) = (upload(&gpu, &[u32::MAX]), ops::TokenDelivery { next_step: None, mailbox: &mailbox, tag: 4 });
-    ops::sample_delivering(&gpu, &logits, 3000, &sampled, 0, None, &mut out, Some(delivery)).unwrap();
+    ops::sample_delivering(&gpu, &logits, 3000, &sampled, 0, None, &mut out, Some(delivery), None).unwrap();
     mailbox.post(&gpu).unwrap();
     let mail = mailbox.read().unwrap();
     assert_eq!((mail[1], mail[2], mail[3]), (1, 99, 4), "error flag (bad token id 99) and tag: {mail:?}");

@@ -7,7 +7,10 @@
 //! logits' ordered bit patterns with fixed-order block reductions, and the draw walks the
 //! vocabulary in index order, so the same (logits, seed, step) always gives the same token.
 //! top-k is a radix select (4 histogram passes); when at most 1024 tokens survive it, they are
-//! gathered into shared memory and the later filters run on them alone.
+//! gathered into shared memory and the later filters run on them alone. With a candidate list
+//! (`topk_candidates`, a block per chunk of 1024 logits, for top-k up to 1024 and greedy draws)
+//! the single `sample` block looks only at the chunks' own top-k, which hold the vocabulary's:
+//! the same token, from a few thousand logits instead of the whole vocabulary.
 //! [`sampling_uniform`] reproduces the draw on the host.
 
 use super::common::HEADER;
@@ -38,6 +41,11 @@ device_params! {
         /// 0, or a device-mapped host `u32 [4]`: token, the device error flag's two words, `tag`.
         pub mailbox: u64,
         pub error_flag: u64,
+        /// 0, or `topk_candidates`' output for these logits: per chunk of `BLOCK_SIZE` logits the
+        /// indices of its candidates (`[n_chunks, BLOCK_SIZE]`) and their count (`[n_chunks]`).
+        pub cand: u64,
+        pub cand_counts: u64,
+        pub n_chunks: u32,
         pub n: u32,
         pub top_k: u32,
         pub temperature: f32,
@@ -45,15 +53,26 @@ device_params! {
         pub min_p: f32,
         pub next_pos: u32,
         pub tag: u32,
-        pub pad: u32,
+    }
+}
+
+device_params! {
+    pub struct CandidateParams {
+        pub logits: u64,
+        pub cand: u64,
+        pub cand_counts: u64,
+        pub n: u32,
+        pub top_k: u32,
     }
 }
 
 const SOURCE: &str = r#"
 #ifndef BLOCK_SIZE
-#error "BLOCK_SIZE (threads of the single sampling block) must come from the kernel variant"
+#error "BLOCK_SIZE (threads of a sampling block, and logits per candidate chunk) must come from the kernel variant"
 #endif
 #define NO_INDEX 0xffffffffu
+// Most candidates `sample` gathers into shared memory from `topk_candidates`' output.
+#define CAND_CAP 4096u
 
 // Monotone map of floats to u32 (larger float -> larger key); NaN maps to 0, below -inf.
 __device__ __forceinline__ u32 order_key(float f) {
@@ -67,10 +86,21 @@ __device__ __forceinline__ void keep_better(u32& key, u32& idx, u32 k2, u32 i2) 
   if (k2 > key || (k2 == key && i2 < idx)) { key = k2; idx = i2; }
 }
 
-__device__ u32 block_argmax(const float* logits, u32 n, u32* s_key, u32* s_idx) {
+// The logits a draw looks at, in index order: all of them, or the gathered candidates
+// (`idx`, ascending) of a top-k draw.
+struct Elements {
+  const float* logits;
+  const u32* idx;  // nullptr: element e is token e
+  u32 m;
+  __device__ __forceinline__ u32 index(u32 e) const { return idx ? idx[e] : e; }
+  __device__ __forceinline__ float logit(u32 e) const { return logits[index(e)]; }
+};
+
+// The element with the largest logit (first on ties; NaN never wins), returned to every thread.
+__device__ u32 block_argmax(const Elements& el, u32* s_key, u32* s_idx) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   u32 key = 0u, idx = NO_INDEX;
-  for (u32 i = threadIdx.x; i < n; i += BLOCK_SIZE) keep_better(key, idx, order_key(logits[i]), i);
+  for (u32 e = threadIdx.x; e < el.m; e += BLOCK_SIZE) keep_better(key, idx, order_key(el.logit(e)), e);
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) keep_better(key, idx, __shfl_xor_sync(FULL_MASK, key, o), __shfl_xor_sync(FULL_MASK, idx, o));
   __syncthreads();
@@ -87,11 +117,85 @@ __device__ u32 block_argmax(const float* logits, u32 n, u32* s_key, u32* s_idx) 
   return s_idx[0];
 }
 
+// The k-th largest of the keys key_of(e), e < m (k <= m), returned to every thread: a radix
+// select, 8 bits per pass from the top. Lanes adding to the same bin are merged into one shared
+// atomic (logits crowd into few top-byte bins), and warp 0 finds each pass's bin with a scan.
+template <typename K>
+__device__ u32 block_kth_key(u32 m, u32 k, K key_of, u32* s_hist, u32* s_radix) {
+  const int lane = threadIdx.x & 31;
+  u32 prefix = 0u, mask = 0u;
+  for (int shift = 24; shift >= 0; shift -= 8) {
+    for (int b = threadIdx.x; b < 256; b += BLOCK_SIZE) s_hist[b] = 0u;
+    __syncthreads();
+    for (u32 e0 = threadIdx.x - lane; e0 < m; e0 += BLOCK_SIZE) {  // warp-uniform loop
+      const u32 e = e0 + lane;
+      const u32 key = e < m ? key_of(e) : 0u;
+      const bool in = e < m && (key & mask) == prefix;
+      const u32 bin = in ? (key >> shift) & 255u : 256u + lane;  // lanes out of play: bins of their own
+      const u32 same = __match_any_sync(FULL_MASK, bin);
+      if (in && lane == __ffs(same) - 1) atomicAdd(&s_hist[bin], __popc(same));
+    }
+    __syncthreads();
+    if (threadIdx.x < 32) {
+      // Lane l owns bins 255 - 8l down to 248 - 8l; counts above a lane's bins by a warp scan.
+      u32 own = 0u;
+#pragma unroll
+      for (int i = 0; i < 8; ++i) own += s_hist[255 - 8 * lane - i];
+      u32 above = own;
+#pragma unroll
+      for (int o = 1; o < 32; o <<= 1) {
+        const u32 v = __shfl_up_sync(FULL_MASK, above, o);
+        if (lane >= o) above += v;
+      }
+      above -= own;
+      if (above < k && k <= above + own) {  // exactly one lane: the bins hold at least k keys
+        int b = 255 - 8 * lane;
+        while (above + s_hist[b] < k) above += s_hist[b--];
+        s_radix[0] = prefix | ((u32)b << shift);
+        s_radix[1] = k - above;
+      }
+    }
+    __syncthreads();
+    prefix = s_radix[0];
+    k = s_radix[1];
+    mask |= 255u << shift;
+  }
+  return prefix;
+}
+
+// Stage 1 of a top-k draw over a large vocabulary: block b takes the BLOCK_SIZE logits of chunk
+// b, finds the chunk's top_k-th largest key and writes the indices of the logits at or above it
+// (ascending) to cand[b * BLOCK_SIZE ...] and their count to counts[b]. The chunk's k-th key is
+// at most the vocabulary's, so every token a top-k keeps (ties included) is a candidate.
+extern "C" __global__ void __launch_bounds__(BLOCK_SIZE) topk_candidates(const CandidateParams p) {
+  KERNEL_ENTRY();
+  __shared__ u32 s_hist[256], s_radix[2], s_count[32];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const float* logits = reinterpret_cast<const float*>(p.logits) + (u64)blockIdx.x * BLOCK_SIZE;
+  const u32 m = min((u32)BLOCK_SIZE, p.n - blockIdx.x * BLOCK_SIZE);
+  const u32 key = threadIdx.x < m ? order_key(logits[threadIdx.x]) : 0u;
+  u32 th = 0u;
+  if (p.top_k < m) th = block_kth_key(m, p.top_k, [&](u32 e) { return order_key(logits[e]); }, s_hist, s_radix);
+  const bool keep = threadIdx.x < m && key >= th;
+  // The candidate's place: earlier warps' counts, then earlier lanes'.
+  const u32 ballot = __ballot_sync(FULL_MASK, keep);
+  if (lane == 0) s_count[warp] = __popc(ballot);
+  __syncthreads();
+  u32 before = 0u, total = 0u;
+  for (int w = 0; w < BLOCK_SIZE / 32; ++w) {
+    before += w < warp ? s_count[w] : 0u;
+    total += s_count[w];
+  }
+  if (keep) reinterpret_cast<u32*>(p.cand)[(u64)blockIdx.x * BLOCK_SIZE + before + __popc(ballot & ((1u << lane) - 1u))] = blockIdx.x * BLOCK_SIZE + threadIdx.x;
+  if (threadIdx.x == 0) reinterpret_cast<u32*>(p.cand_counts)[blockIdx.x] = total;
+}
+
 // One block per row of n logits (a batched step's sequences): out[row] = its argmax.
 extern "C" __global__ void __launch_bounds__(BLOCK_SIZE) argmax(const ArgmaxParams p) {
   KERNEL_ENTRY();
   __shared__ u32 s_key[32], s_idx[32];
-  const u32 best = block_argmax(reinterpret_cast<const float*>(p.logits) + (u64)blockIdx.x * p.n, p.n, s_key, s_idx);
+  const Elements el = {reinterpret_cast<const float*>(p.logits) + (u64)blockIdx.x * p.n, nullptr, p.n};
+  const u32 best = block_argmax(el, s_key, s_idx);
   if (threadIdx.x == 0) reinterpret_cast<u32*>(p.out)[blockIdx.x] = best;
 }
 
@@ -122,21 +226,42 @@ __device__ T block_scan(T v, T* s) {
   return s[threadIdx.x];
 }
 
-// A thread's tokens after top-k: one gathered candidate, or its chunk of the vocabulary.
+// The candidates of `topk_candidates` gathered into s_cand in index order (warp w copies chunks
+// w, w + 32, ...); false (nothing gathered) when more than CAND_CAP (ties) or no candidate list.
+__device__ bool gather_candidates(const SampleParams& p, u32* s_cand, u32* s_uscan, u32* m) {
+  if (!p.cand || p.n_chunks > BLOCK_SIZE) return false;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const u32* counts = reinterpret_cast<const u32*>(p.cand_counts);
+  const u32 mine = threadIdx.x < p.n_chunks ? counts[threadIdx.x] : 0u;
+  block_scan(mine, s_uscan);
+  __syncthreads();
+  const u32 total = s_uscan[BLOCK_SIZE - 1];
+  if (total == 0u || total > CAND_CAP) return false;  // block-uniform
+  const u32* cand = reinterpret_cast<const u32*>(p.cand);
+  for (u32 c = warp; c < p.n_chunks; c += BLOCK_SIZE / 32) {
+    const u32 end = s_uscan[c], count = counts[c];
+    for (u32 j = lane; j < count; j += 32) s_cand[end - count + j] = cand[(u64)c * BLOCK_SIZE + j];
+  }
+  __syncthreads();
+  *m = total;
+  return true;
+}
+
+// A thread's tokens after top-k: one gathered survivor, or its chunk of the elements.
 struct Mine {
   bool gathered;
   u32 kept;
   const float* c_logit;
   const u32* c_index;
-  const float* logits;
+  Elements el;
   u32 begin, end;
-  // Call f(logit, index) for each, in index order.
+  // Call f(logit, token) for each, in index order.
   template <typename F>
   __device__ void each(F&& f) const {
     if (gathered) {
       if (threadIdx.x < kept) f(c_logit[threadIdx.x], c_index[threadIdx.x]);
     } else {
-      for (u32 i = begin; i < end; ++i) f(logits[i], i);
+      for (u32 e = begin; e < end; ++e) f(el.logit(e), el.index(e));
     }
   }
 };
@@ -169,67 +294,45 @@ extern "C" __global__ void __launch_bounds__(BLOCK_SIZE) sample(const SamplePara
   __shared__ u32 s_uscan[BLOCK_SIZE];
   __shared__ float c_logit[BLOCK_SIZE];
   __shared__ u32 c_index[BLOCK_SIZE];
-  const float* logits = reinterpret_cast<const float*>(p.logits);
-  const u32 n = p.n;
-  const u32 best = block_argmax(logits, n, s_key, s_idx);
-  const float max_logit = logits[best];
+  __shared__ u32 s_cand[CAND_CAP];
+  Elements el = {reinterpret_cast<const float*>(p.logits), nullptr, p.n};
+  if (gather_candidates(p, s_cand, s_uscan, &el.m)) el.idx = s_cand;
+  const u32 best_e = block_argmax(el, s_key, s_idx);
+  const u32 best = el.index(best_e);
+  const float max_logit = el.logit(best_e);
   // Greedy cases, and logits with no finite maximum (nothing to weigh).
-  if (p.temperature <= 0.f || p.top_k == 1u || n == 1u || !(fabsf(max_logit) <= 3.402823466e38f)) {
+  if (p.temperature <= 0.f || p.top_k == 1u || el.m == 1u || !(fabsf(max_logit) <= 3.402823466e38f)) {
     if (threadIdx.x == 0) deliver(p, best);
     return;
   }
 
-  // top-k: radix select of the top_k-th largest key, 8 bits per pass from the top; th is that
-  // key, so every token with key >= th stays (ties at the cut are all kept).
+  // top-k: every token with key >= th stays (ties at the cut are all kept).
   u32 th = 0u;
-  if (p.top_k > 0u && p.top_k < n) {
-    u32 prefix = 0u, mask = 0u, k = p.top_k;
-    for (int shift = 24; shift >= 0; shift -= 8) {
-      for (int b = threadIdx.x; b < 256; b += BLOCK_SIZE) s_hist[b] = 0u;
-      __syncthreads();
-      for (u32 i = threadIdx.x; i < n; i += BLOCK_SIZE) {
-        const u32 key = order_key(logits[i]);
-        if ((key & mask) == prefix) atomicAdd(&s_hist[(key >> shift) & 255u], 1u);
-      }
-      __syncthreads();
-      if (threadIdx.x == 0) {
-        // At least k keys match the prefix, so the walk stops at a bucket >= 0.
-        u32 above = 0u;
-        int b = 255;
-        while (above + s_hist[b] < k) above += s_hist[b--];
-        s_radix[0] = prefix | ((u32)b << shift);
-        s_radix[1] = k - above;
-      }
-      __syncthreads();
-      prefix = s_radix[0];
-      k = s_radix[1];
-      mask |= 255u << shift;
-    }
-    th = prefix;
-  }
+  if (p.top_k > 0u && p.top_k < el.m) th = block_kth_key(el.m, p.top_k, [&](u32 e) { return order_key(el.logit(e)); }, s_hist, s_radix);
 
-  // Thread t owns the contiguous chunk [begin, end) of the vocabulary. When at most BLOCK_SIZE
+  // Thread t owns the contiguous chunk [begin, end) of the elements. When at most BLOCK_SIZE
   // tokens survive top-k they are gathered (in index order) into shared memory, one per
   // thread, and the filters below touch only them; otherwise they scan the chunks.
-  const u32 chunk = (n + BLOCK_SIZE - 1) / BLOCK_SIZE;
-  const u32 begin = min(n, threadIdx.x * chunk), end = min(n, begin + chunk);
+  const u32 chunk = (el.m + BLOCK_SIZE - 1) / BLOCK_SIZE;
+  const u32 begin = min(el.m, threadIdx.x * chunk), end = min(el.m, begin + chunk);
   u32 my_count = 0u;
-  for (u32 i = begin; i < end; ++i) my_count += order_key(logits[i]) >= th ? 1u : 0u;
+  for (u32 e = begin; e < end; ++e) my_count += order_key(el.logit(e)) >= th ? 1u : 0u;
   const u32 slot_end = block_scan(my_count, s_uscan);
   const u32 kept = s_uscan[BLOCK_SIZE - 1];
   const bool gathered = kept <= BLOCK_SIZE;
   if (gathered) {
     u32 slot = slot_end - my_count;
-    for (u32 i = begin; i < end; ++i) {
-      if (order_key(logits[i]) >= th) {
-        c_logit[slot] = logits[i];
-        c_index[slot] = i;
+    for (u32 e = begin; e < end; ++e) {
+      const float l = el.logit(e);
+      if (order_key(l) >= th) {
+        c_logit[slot] = l;
+        c_index[slot] = el.index(e);
         ++slot;
       }
     }
   }
   __syncthreads();
-  const Mine mine = {gathered, kept, c_logit, c_index, logits, begin, end};
+  const Mine mine = {gathered, kept, c_logit, c_index, el, begin, end};
   // This thread's unnormalised probability mass at temperature 1/inv_t over keys >= t.
   auto mass = [&](u32 t, float inv_t) {
     float m = 0.f;
@@ -300,8 +403,8 @@ impl SamplingVariant {
 
 impl KernelVariant for SamplingVariant {
     const FAMILY: &'static str = "sampling";
-    const SOURCES: &'static [&'static str] = &[HEADER, ArgmaxParams::C_DECL, SampleParams::C_DECL, SOURCE];
-    const ENTRY_POINTS: &'static [&'static str] = &["argmax", "sample"];
+    const SOURCES: &'static [&'static str] = &[HEADER, ArgmaxParams::C_DECL, SampleParams::C_DECL, CandidateParams::C_DECL, SOURCE];
+    const ENTRY_POINTS: &'static [&'static str] = &["argmax", "sample", "topk_candidates"];
 
     fn macros(&self) -> Vec<(&'static str, String)> {
         vec![("BLOCK_SIZE", self.block_size.to_string())]

@@ -31,7 +31,7 @@ pub use moe::{
     check_moe_shape, moe_ffn, moe_ffn_with, moe_group, moe_plan, moe_route, ExpertGateUp, ExpertGemv, MoeDims, MoeGroups, MoePath, MoePlan, MoeScratch, MoeWeights,
     SharedExpert,
 };
-pub use sampling::{argmax, argmax_rows, sample, sample_delivering, SamplingConfig, TokenDelivery};
+pub use sampling::{argmax, argmax_rows, sample, sample_delivering, SampleScratch, SamplingConfig, TokenDelivery};
 pub use gdn::{
     check_gdn_shape, gated_delta_net, gated_delta_net_with, gdn_chunked, gdn_conv, gdn_delta, gdn_plan, gdn_scratch_len, GdnPath, GdnState,
     GdnWeights, GDN_CHUNKED_MIN_TOKENS,
@@ -142,7 +142,8 @@ pub fn embed_scaled(
         scale,
         pad: 0,
     };
-    gpu.launch(&variant, "embed", variant.launch_config(n_tokens), &params)
+    // The first kernel of a forward: it waits for everything before it (see `Gpu::launch_after_all`).
+    gpu.launch_after_all(&variant, "embed", variant.launch_config(n_tokens), &params)
 }
 
 /// RMSNorm of `n_rows` rows of `dim`: `out = x / sqrt(mean(x^2) + eps) * g` with

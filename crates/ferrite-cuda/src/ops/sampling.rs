@@ -2,7 +2,7 @@
 
 use super::{addr, addr_mut, as_u32, check_len};
 use crate::error::CudaError;
-use crate::kernels::sampling::{ArgmaxParams, SampleParams, SamplingVariant};
+use crate::kernels::sampling::{ArgmaxParams, CandidateParams, SampleParams, SamplingVariant};
 use crate::staging::Mailbox;
 use crate::Gpu;
 use cudarc::driver::{CudaSlice, CudaView, DevicePtr, DevicePtrMut};
@@ -63,10 +63,28 @@ pub fn sample(
     counter: Option<&CudaView<'_, u32>>,
     out: &mut impl DevicePtrMut<u32>,
 ) -> Result<(), CudaError> {
-    sample_delivering(gpu, logits, vocab, cfg, step, counter, out, None)
+    sample_delivering(gpu, logits, vocab, cfg, step, counter, out, None, None)
 }
 
-/// [`sample`], also delivering the token where `delivery` says.
+/// Working memory of the two-stage draw (see [`sample_delivering`]) over up to `vocab` logits.
+pub struct SampleScratch {
+    cand: CudaSlice<u32>,
+    counts: CudaSlice<u32>,
+    vocab: usize,
+}
+
+impl SampleScratch {
+    pub fn new(gpu: &Gpu, vocab: usize) -> Result<Self, CudaError> {
+        let chunks = vocab.div_ceil(SamplingVariant::DEFAULT.block_size as usize).max(1);
+        Ok(Self { cand: gpu.alloc_zeros(chunks * SamplingVariant::DEFAULT.block_size as usize)?, counts: gpu.alloc_zeros(chunks)?, vocab })
+    }
+}
+
+/// [`sample`], also delivering the token where `delivery` says. With `scratch`, a greedy draw
+/// or one with top-k up to 1024 over more than 1024 logits runs in two stages: a block per chunk
+/// of 1024 logits keeps the chunk's own top-k (`topk_candidates`), then the single sampling
+/// block looks at those candidates only (they hold every token the top-k keeps, so the token is
+/// the same). Other draws (top-k off or larger, no scratch) read the whole vocabulary in one block.
 #[allow(clippy::too_many_arguments)]
 pub fn sample_delivering(
     gpu: &Gpu,
@@ -77,6 +95,7 @@ pub fn sample_delivering(
     counter: Option<&CudaView<'_, u32>>,
     out: &mut impl DevicePtrMut<u32>,
     delivery: Option<TokenDelivery<'_>>,
+    scratch: Option<&mut SampleScratch>,
 ) -> Result<(), CudaError> {
     const OP: &str = "sample";
     if vocab == 0 {
@@ -100,6 +119,15 @@ pub fn sample_delivering(
         }
         (mailbox, tag) = (d.mailbox.device_addr(), d.tag);
     }
+    let block = variant.block_size as usize;
+    let k = if cfg.temperature <= 0.0 || cfg.top_k == 1 { 1 } else { cfg.top_k };
+    let chunks = vocab.div_ceil(block);
+    let (mut cand, mut cand_counts, mut n_chunks) = (0, 0, 0);
+    if let Some(s) = scratch.filter(|s| (1..=block).contains(&k) && vocab > block && chunks <= block && s.vocab >= vocab) {
+        (cand, cand_counts, n_chunks) = (addr_mut(gpu, &mut s.cand), addr_mut(gpu, &mut s.counts), chunks as u32);
+        let params = CandidateParams { logits: addr(gpu, logits), cand, cand_counts, n: vocab as u32, top_k: k as u32 };
+        gpu.launch(&variant, "topk_candidates", variant.rows_launch_config(n_chunks), &params)?;
+    }
     let params = SampleParams {
         logits: addr(gpu, logits),
         out: addr_mut(gpu, out),
@@ -110,6 +138,9 @@ pub fn sample_delivering(
         feed_pos,
         mailbox,
         error_flag: gpu.error_flag_ptr(),
+        cand,
+        cand_counts,
+        n_chunks,
         n: as_u32(OP, "vocab", vocab)?,
         top_k: u32::try_from(cfg.top_k).unwrap_or(u32::MAX),
         temperature: cfg.temperature,
@@ -117,7 +148,6 @@ pub fn sample_delivering(
         min_p: cfg.min_p,
         next_pos,
         tag,
-        pad: 0,
     };
     gpu.launch(&variant, "sample", variant.launch_config(), &params)
 }
