@@ -316,37 +316,12 @@ impl Gpu {
         cfg: LaunchConfig,
         params: &P,
     ) -> Result<(), CudaError> {
-        self.launch_with(variant, entry, cfg, params, self.dependent_launch)
-    }
-
-    /// [`Self::launch`] as an ordinary launch: the kernel starts only once everything before it
-    /// in the stream has finished. A forward's first kernel launches so, because kernels may read
-    /// K/V rows of earlier steps before their wait, and the chain of early-scheduled launches
-    /// must not reach back into the previous forward (see `pdl_wait` in the common header).
-    pub(crate) fn launch_after_all<V: KernelVariant, P: DeviceRepr>(
-        &self,
-        variant: &V,
-        entry: &'static str,
-        cfg: LaunchConfig,
-        params: &P,
-    ) -> Result<(), CudaError> {
-        self.launch_with(variant, entry, cfg, params, false)
-    }
-
-    fn launch_with<V: KernelVariant, P: DeviceRepr>(
-        &self,
-        variant: &V,
-        entry: &'static str,
-        cfg: LaunchConfig,
-        params: &P,
-        dependent: bool,
-    ) -> Result<(), CudaError> {
         let module = self.modules.get(variant)?;
         let function = module.function(entry);
         let what = || {
             format!("launching {}::{entry} ({variant:?}, grid {:?}, block {:?})", V::FAMILY, cfg.grid_dim, cfg.block_dim)
         };
-        if !dependent {
+        if !self.dependent_launch {
             let mut builder = self.stream.launch_builder(function);
             builder.arg(params);
             unsafe { builder.launch(cfg) }.context(what)?;

@@ -412,7 +412,6 @@ __device__ __forceinline__ void prefetch_kv(const AttentionParams& p, const kv_t
 // With SPLIT, each block stores its merged state; the last block of a query to arrive (an
 // atomic counter) merges the shares and writes the output, so no second kernel is needed.
 extern "C" __global__ void __launch_bounds__(NWARPS * 32) attention(const AttentionParams p) {
-  pdl_release();  // the next kernel's blocks may start loading weights (see pdl_wait)
   __shared__ __align__(16) float s_q[HEAD_DIM];
   __shared__ float s_m[NWARPS], s_l[NWARPS], s_acc[NWARPS][HEAD_DIM];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -446,7 +445,7 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32) attention(const Attent
   qkv_pair_angle(threadIdx.x, pos, p.rot_dim, p.theta, p.freq_scale, &rope_c, &rope_s);
 #endif
   if (!bad_pos) prefetch_kv(p, kc, vc, row, tok, begin, end);
-  pdl_wait();
+  KERNEL_ENTRY();
   if (bad_pos) {  // block-uniform, before any barrier; every share of the query returns
     if (threadIdx.x == 0 && blockIdx.z == 0) report_error(p.error_flag, ERR_POSITION, pos_in);
     if (blockIdx.z == 0)

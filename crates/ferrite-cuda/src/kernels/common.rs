@@ -78,13 +78,9 @@ __device__ __forceinline__ float gelu_tanh(float x) {
 
 // Programmatic dependent launch (Hopper, see `Gpu::launch`): a kernel may be scheduled while the
 // previous kernel of the stream is still running. `pdl_wait` blocks until that kernel has
-// finished and its writes are visible (and so, transitively, every kernel before it), so every
-// kernel calls it before it reads an activation or writes anything. `pdl_release` lets the next
-// kernel be scheduled; every kernel calls it first thing, so the next kernels' blocks become
-// resident and request their weights while this one still waits or runs. Several launches may
-// therefore be in flight at once: before its wait a kernel may read only what no kernel of the
-// chain writes (weights, positions and block tables copied in before the step, cached rows of
-// earlier steps). Both are no-ops for an ordinary launch.
+// finished and its writes are visible, so every kernel calls it before it reads an activation
+// or writes anything (weights, which nothing writes, may be loaded before). `pdl_release` then
+// lets the next kernel be scheduled early. Both are no-ops for an ordinary launch.
 __device__ __forceinline__ void pdl_wait() {
 #if __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;" ::: "memory");
@@ -98,8 +94,8 @@ __device__ __forceinline__ void pdl_release() {
 // The first statement of every kernel that has nothing to load before waiting.
 #define KERNEL_ENTRY() \
   do {                 \
-    pdl_release();     \
     pdl_wait();        \
+    pdl_release();     \
   } while (0)
 
 // 1 / sqrt(mean(x^2) + eps) over a row of `cols`, computed by the whole block (every thread

@@ -236,12 +236,12 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32, MIN_BLOCKS) gemm_mma(c
       for (int i = 0; i < 4; ++i) acc[m][j][i] = 0.f;
 
   // A ring of DEPTH chunks of weights in registers; the first ones load before the wait.
-  pdl_release();
   Unit u[DEPTH][MT][2];
 #pragma unroll
   for (int d = 0; d < DEPTH; ++d)
     if (c0 + d < c1) load_chunk(w, row, c0 + d, t, units, u[d]);
   pdl_wait();
+  pdl_release();
   // Activations STAGES - 1 chunks ahead, one commit group per chunk (empty past the slice, so
   // that waiting for all but the newest STAGES - 2 groups always means this chunk's).
 #pragma unroll

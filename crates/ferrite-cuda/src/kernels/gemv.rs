@@ -318,12 +318,12 @@ extern "C" __global__ void __launch_bounds__(SLICE_THREADS * KSPLIT) gemv_q8(con
   // weights stream in while that kernel finishes. Right after the wait the epilogue's inputs
   // are requested too, so they arrive with the activations. With EXPERTS the rows depend on the
   // routing (an earlier kernel's output), so the block waits first.
-  pdl_release();
   Prefetched pre;
   prefetch_weights(p, pre);
   bool waited = false;
   const auto wait_then_prefetch = [&]() {
     pdl_wait();
+    pdl_release();
     waited = true;
     prefetch_inputs(p, pre, row0, tok0, k == 0 && slice == 0, slice == 0);
   };

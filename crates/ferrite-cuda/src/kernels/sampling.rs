@@ -8,7 +8,7 @@
 //! vocabulary in index order, so the same (logits, seed, step) always gives the same token.
 //! top-k is a radix select (4 histogram passes); when at most 1024 tokens survive it, they are
 //! gathered into shared memory and the later filters run on them alone. With a candidate list
-//! (`topk_candidates`, a block per chunk of 1024 logits, for top-k up to 1024 and greedy draws)
+//! (`topk_candidates`, a block per chunk of 1024 logits, for top-k up to 1024)
 //! the single `sample` block looks only at the chunks' own top-k, which hold the vocabulary's:
 //! the same token, from a few thousand logits instead of the whole vocabulary.
 //! [`sampling_uniform`] reproduces the draw on the host.

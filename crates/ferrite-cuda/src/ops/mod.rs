@@ -142,8 +142,7 @@ pub fn embed_scaled(
         scale,
         pad: 0,
     };
-    // The first kernel of a forward: it waits for everything before it (see `Gpu::launch_after_all`).
-    gpu.launch_after_all(&variant, "embed", variant.launch_config(n_tokens), &params)
+    gpu.launch(&variant, "embed", variant.launch_config(n_tokens), &params)
 }
 
 /// RMSNorm of `n_rows` rows of `dim`: `out = x / sqrt(mean(x^2) + eps) * g` with

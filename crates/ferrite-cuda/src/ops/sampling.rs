@@ -80,11 +80,12 @@ impl SampleScratch {
     }
 }
 
-/// [`sample`], also delivering the token where `delivery` says. With `scratch`, a greedy draw
-/// or one with top-k up to 1024 over more than 1024 logits runs in two stages: a block per chunk
-/// of 1024 logits keeps the chunk's own top-k (`topk_candidates`), then the single sampling
-/// block looks at those candidates only (they hold every token the top-k keeps, so the token is
-/// the same). Other draws (top-k off or larger, no scratch) read the whole vocabulary in one block.
+/// [`sample`], also delivering the token where `delivery` says. With `scratch`, a draw with
+/// top-k up to 1024 over more than 1024 logits runs in two stages: a block per chunk of 1024
+/// logits keeps the chunk's own top-k (`topk_candidates`), then the single sampling block looks
+/// at those candidates only (they hold every token the top-k keeps, so the token is the same).
+/// Other draws read the whole vocabulary in one block: greedy ones (one pass, faster than two
+/// stages: `kernel_bench sampling`), top-k off or larger, no scratch.
 #[allow(clippy::too_many_arguments)]
 pub fn sample_delivering(
     gpu: &Gpu,
@@ -120,10 +121,10 @@ pub fn sample_delivering(
         (mailbox, tag) = (d.mailbox.device_addr(), d.tag);
     }
     let block = variant.block_size as usize;
-    let k = if cfg.temperature <= 0.0 || cfg.top_k == 1 { 1 } else { cfg.top_k };
+    let (greedy, k) = (cfg.temperature <= 0.0 || cfg.top_k == 1, cfg.top_k);
     let chunks = vocab.div_ceil(block);
     let (mut cand, mut cand_counts, mut n_chunks) = (0, 0, 0);
-    if let Some(s) = scratch.filter(|s| (1..=block).contains(&k) && vocab > block && chunks <= block && s.vocab >= vocab) {
+    if let Some(s) = scratch.filter(|s| !greedy && (1..=block).contains(&k) && vocab > block && chunks <= block && s.vocab >= vocab) {
         (cand, cand_counts, n_chunks) = (addr_mut(gpu, &mut s.cand), addr_mut(gpu, &mut s.counts), chunks as u32);
         let params = CandidateParams { logits: addr(gpu, logits), cand, cand_counts, n: vocab as u32, top_k: k as u32 };
         gpu.launch(&variant, "topk_candidates", variant.rows_launch_config(n_chunks), &params)?;
