@@ -50,8 +50,12 @@ fn quantized_cpu_path_stays_close_to_transformers() {
         println!("{}: max |diff| {max_abs:.2e}, relative {rel:.2e}, {agreed} greedy tokens agree", c.name);
         results.push((c.name.clone(), rel, argmax(&logits) == c.greedy[0]));
     }
+    // The bound covers the spread between SIMD levels, which quantize and sum in different
+    // orders: a code at a rounding boundary flips, and the flip grows through the residual
+    // stream's outlier channel (block 11 on). On "capital" the relative error is 3.9e-2 with the
+    // scalar kernels and 1.1e-1 with AVX2 (AMD EPYC), the two 1.2e-4 apart after block 0.
     for (name, rel, top) in results {
-        assert!(rel < 8e-2, "{name}: relative error {rel} too large");
+        assert!(rel < 0.15, "{name}: relative error {rel} too large");
         assert!(top, "{name}: different top token");
     }
 }
