@@ -157,7 +157,7 @@ switches! {
         "1: where the backend samples on the device (CUDA), each generated token goes from the sampler to the next step's input on the device and that step is enqueued before the token is read back (through mapped host memory), so the device does not wait for the host between tokens; 0 reads each token back, then enqueues the next step.");
     /// Two-stage device sampling (chunk candidates, then one block over them).
     DISABLE_SAMPLE_CANDIDATES = ("FERRITE_DISABLE_SAMPLE_CANDIDATES", "0", AbTest,
-        "1: CUDA top-k draws (k up to 1024, not greedy) read the whole vocabulary in one block; by default a block per 1024 logits first keeps that chunk's top-k and the one sampling block looks at those candidates only (the same token, about 6x faster for top-k 40 over 49152 logits).");
+        "1: CUDA draws read the whole vocabulary in one block; by default a block per 1024 logits works on its chunk first (top-k up to 1024: keeps the chunk's top-k for the one sampling block, about 6x faster for top-k 40 over 49152 logits; greedy: the chunk's best, the last block to finish picks the best of those). The same token either way.");
     /// Split-KV (flash-decoding) attention for decode on CUDA.
     SPLIT_ATTENTION = ("FERRITE_SPLIT_ATTENTION", "1", AbTest,
         "1 runs CUDA decode attention on caches over 256 positions split-KV: each query's keys cut into shares of at least 128 computed by separate blocks (as many as the position needs), merged by the last to finish; 0 gives each query one block.");

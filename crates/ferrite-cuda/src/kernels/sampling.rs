@@ -43,6 +43,8 @@ device_params! {
         pub error_flag: u64,
         /// 0, or `topk_candidates`' output for these logits: per chunk of `BLOCK_SIZE` logits the
         /// indices of its candidates (`[n_chunks, BLOCK_SIZE]`) and their count (`[n_chunks]`).
+        /// `argmax_chunks` keeps each chunk's best (key, index) in `cand[2c..]` and its arrival
+        /// counter in `cand_counts[n_chunks]`.
         pub cand: u64,
         pub cand_counts: u64,
         pub n_chunks: u32,
@@ -286,6 +288,45 @@ __device__ __forceinline__ void deliver(const SampleParams& p, u32 token) {
   }
 }
 
+// A greedy draw over many chunks in one launch: block b finds the best (key, index) of chunk b
+// of BLOCK_SIZE logits and publishes it in cand[2b], cand[2b + 1]; the last block to arrive
+// (counter cand_counts[n_chunks], zero between launches) takes the best of the chunks' bests
+// and delivers it. Ties go to the smaller index, as in block_argmax.
+extern "C" __global__ void __launch_bounds__(BLOCK_SIZE) argmax_chunks(const SampleParams p) {
+  KERNEL_ENTRY();
+  __shared__ u32 s_key[32], s_idx[32];
+  __shared__ bool s_last;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const u32 base = blockIdx.x * BLOCK_SIZE;
+  const Elements chunk = {reinterpret_cast<const float*>(p.logits) + base, nullptr, min((u32)BLOCK_SIZE, p.n - base)};
+  const u32 e = block_argmax(chunk, s_key, s_idx);
+  u32* pairs = reinterpret_cast<u32*>(p.cand);
+  if (threadIdx.x == 0) {
+    pairs[2 * blockIdx.x] = order_key(chunk.logits[e]);
+    pairs[2 * blockIdx.x + 1] = base + e;
+    __threadfence();
+    u32* counter = reinterpret_cast<u32*>(p.cand_counts) + p.n_chunks;
+    s_last = atomicAdd(counter, 1u) == p.n_chunks - 1;
+    if (s_last) *counter = 0u;  // every chunk has arrived: ready for the next launch
+  }
+  __syncthreads();
+  if (!s_last) return;  // block-uniform
+  __threadfence();
+  u32 key = 0u, idx = NO_INDEX;
+  for (u32 c = threadIdx.x; c < p.n_chunks; c += BLOCK_SIZE) keep_better(key, idx, __ldcg(pairs + 2 * c), __ldcg(pairs + 2 * c + 1));
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) keep_better(key, idx, __shfl_xor_sync(FULL_MASK, key, o), __shfl_xor_sync(FULL_MASK, idx, o));
+  if (lane == 0) { s_key[warp] = key; s_idx[warp] = idx; }
+  __syncthreads();
+  if (warp == 0) {
+    key = lane < BLOCK_SIZE / 32 ? s_key[lane] : 0u;
+    idx = lane < BLOCK_SIZE / 32 ? s_idx[lane] : NO_INDEX;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) keep_better(key, idx, __shfl_xor_sync(FULL_MASK, key, o), __shfl_xor_sync(FULL_MASK, idx, o));
+    if (lane == 0) deliver(p, idx);
+  }
+}
+
 extern "C" __global__ void __launch_bounds__(BLOCK_SIZE) sample(const SampleParams p) {
   KERNEL_ENTRY();
   __shared__ u32 s_key[32], s_idx[32], s_radix[2], s_hist[256];
@@ -404,7 +445,7 @@ impl SamplingVariant {
 impl KernelVariant for SamplingVariant {
     const FAMILY: &'static str = "sampling";
     const SOURCES: &'static [&'static str] = &[HEADER, ArgmaxParams::C_DECL, SampleParams::C_DECL, CandidateParams::C_DECL, SOURCE];
-    const ENTRY_POINTS: &'static [&'static str] = &["argmax", "sample", "topk_candidates"];
+    const ENTRY_POINTS: &'static [&'static str] = &["argmax", "sample", "topk_candidates", "argmax_chunks"];
 
     fn macros(&self) -> Vec<(&'static str, String)> {
         vec![("BLOCK_SIZE", self.block_size.to_string())]

@@ -76,16 +76,18 @@ pub struct SampleScratch {
 impl SampleScratch {
     pub fn new(gpu: &Gpu, vocab: usize) -> Result<Self, CudaError> {
         let chunks = vocab.div_ceil(SamplingVariant::DEFAULT.block_size as usize).max(1);
-        Ok(Self { cand: gpu.alloc_zeros(chunks * SamplingVariant::DEFAULT.block_size as usize)?, counts: gpu.alloc_zeros(chunks)?, vocab })
+        // counts: one per chunk, then `argmax_chunks`' arrival counter.
+        Ok(Self { cand: gpu.alloc_zeros(chunks * SamplingVariant::DEFAULT.block_size as usize)?, counts: gpu.alloc_zeros(chunks + 1)?, vocab })
     }
 }
 
-/// [`sample`], also delivering the token where `delivery` says. With `scratch`, a draw with
-/// top-k up to 1024 over more than 1024 logits runs in two stages: a block per chunk of 1024
-/// logits keeps the chunk's own top-k (`topk_candidates`), then the single sampling block looks
-/// at those candidates only (they hold every token the top-k keeps, so the token is the same).
-/// Other draws read the whole vocabulary in one block: greedy ones (one pass, faster than two
-/// stages: `kernel_bench sampling`), top-k off or larger, no scratch.
+/// [`sample`], also delivering the token where `delivery` says. With `scratch`, over more than
+/// 1024 logits: a draw with top-k up to 1024 runs in two stages, a block per chunk of 1024
+/// logits keeping the chunk's own top-k (`topk_candidates`), then the single sampling block
+/// looking at those candidates only (they hold every token the top-k keeps, so the token is the
+/// same); a greedy draw is one launch of a block per chunk, the last to finish taking the best
+/// of the chunks' bests (`argmax_chunks`). Other draws (top-k off or larger, no scratch) read
+/// the whole vocabulary in one block.
 #[allow(clippy::too_many_arguments)]
 pub fn sample_delivering(
     gpu: &Gpu,
@@ -124,10 +126,13 @@ pub fn sample_delivering(
     let (greedy, k) = (cfg.temperature <= 0.0 || cfg.top_k == 1, cfg.top_k);
     let chunks = vocab.div_ceil(block);
     let (mut cand, mut cand_counts, mut n_chunks) = (0, 0, 0);
-    if let Some(s) = scratch.filter(|s| !greedy && (1..=block).contains(&k) && vocab > block && chunks <= block && s.vocab >= vocab) {
+    let staged = scratch.filter(|s| (greedy || (1..=block).contains(&k)) && vocab > block && chunks <= block && s.vocab >= vocab);
+    if let Some(s) = staged {
         (cand, cand_counts, n_chunks) = (addr_mut(gpu, &mut s.cand), addr_mut(gpu, &mut s.counts), chunks as u32);
-        let params = CandidateParams { logits: addr(gpu, logits), cand, cand_counts, n: vocab as u32, top_k: k as u32 };
-        gpu.launch(&variant, "topk_candidates", variant.rows_launch_config(n_chunks), &params)?;
+        if !greedy {
+            let params = CandidateParams { logits: addr(gpu, logits), cand, cand_counts, n: vocab as u32, top_k: k as u32 };
+            gpu.launch(&variant, "topk_candidates", variant.rows_launch_config(n_chunks), &params)?;
+        }
     }
     let params = SampleParams {
         logits: addr(gpu, logits),
@@ -150,5 +155,8 @@ pub fn sample_delivering(
         next_pos,
         tag,
     };
+    if greedy && n_chunks > 0 {
+        return gpu.launch(&variant, "argmax_chunks", variant.rows_launch_config(n_chunks), &params);
+    }
     gpu.launch(&variant, "sample", variant.launch_config(), &params)
 }
