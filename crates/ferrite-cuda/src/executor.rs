@@ -759,7 +759,7 @@ impl CudaExecutor {
 
     /// After [`Self::run_paged`]: tokens drawn on the device for the sequences with a sampling
     /// request (greedy ones by one argmax launch over all rows), logits read back for the rest.
-    fn paged_outputs(&self, paged: &mut PagedState, sample: &[Option<DeviceSampling>]) -> anyhow::Result<Vec<PagedOutput>> {
+    fn paged_outputs(&mut self, paged: &mut PagedState, sample: &[Option<DeviceSampling>]) -> anyhow::Result<Vec<PagedOutput>> {
         let g = &self.model.graph;
         let w = g.value(g.logits).width;
         let n_seqs = sample.len();
@@ -775,7 +775,9 @@ impl CudaExecutor {
         for (i, p) in sample.iter().enumerate() {
             if let Some(p) = p.filter(|p| !p.is_greedy()) {
                 let cfg = SamplingConfig { temperature: p.temperature, top_k: p.top_k, top_p: p.top_p, min_p: p.min_p, seed: p.seed };
-                ops::sample(&self.gpu, &logits.slice(i * w..(i + 1) * w), w, &cfg, p.step, None, &mut paged.tokens.slice_mut(i..i + 1))?;
+                // One draw after another in stream order, so they share the candidate scratch.
+                let (row, scratch) = (logits.slice(i * w..(i + 1) * w), self.sample_scratch.as_mut());
+                ops::sample_delivering(&self.gpu, &row, w, &cfg, p.step, None, &mut paged.tokens.slice_mut(i..i + 1), None, scratch)?;
             }
         }
         let tokens = self.gpu.download(&paged.tokens.slice(0..n_seqs))?;
