@@ -79,9 +79,10 @@ impl Mailbox {
         let ctx = gpu.context();
         // SAFETY: zeroed below before any use.
         let mut host = unsafe { ctx.alloc_pinned_with_flags::<u32>(words, sys::CU_MEMHOSTALLOC_DEVICEMAP) }.context(what)?;
-        host.as_mut_slice().context(what)?.fill(0);
+        let words_mut = host.as_mut_slice().context(what)?;
+        words_mut.fill(0);
+        let ptr = words_mut.as_mut_ptr();
         let mut device_addr: sys::CUdeviceptr = 0;
-        let ptr = host.as_mut_slice().context(what)?.as_mut_ptr();
         // SAFETY: `ptr` is the start of a live allocation made with CU_MEMHOSTALLOC_DEVICEMAP.
         unsafe { sys::cuMemHostGetDevicePointer_v2(&mut device_addr, ptr.cast(), 0) }.result().context(what)?;
         let posted = ctx.new_event(None).context(what)?;

@@ -98,11 +98,9 @@ struct Elements {
   __device__ __forceinline__ float logit(u32 e) const { return logits[index(e)]; }
 };
 
-// The element with the largest logit (first on ties; NaN never wins), returned to every thread.
-__device__ u32 block_argmax(const Elements& el, u32* s_key, u32* s_idx) {
+// The best of the threads' (key, index) pairs (keep_better), its index returned to every thread.
+__device__ u32 block_best(u32 key, u32 idx, u32* s_key, u32* s_idx) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  u32 key = 0u, idx = NO_INDEX;
-  for (u32 e = threadIdx.x; e < el.m; e += BLOCK_SIZE) keep_better(key, idx, order_key(el.logit(e)), e);
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) keep_better(key, idx, __shfl_xor_sync(FULL_MASK, key, o), __shfl_xor_sync(FULL_MASK, idx, o));
   __syncthreads();
@@ -117,6 +115,13 @@ __device__ u32 block_argmax(const Elements& el, u32* s_key, u32* s_idx) {
   }
   __syncthreads();
   return s_idx[0];
+}
+
+// The element with the largest logit (first on ties; NaN never wins), returned to every thread.
+__device__ u32 block_argmax(const Elements& el, u32* s_key, u32* s_idx) {
+  u32 key = 0u, idx = NO_INDEX;
+  for (u32 e = threadIdx.x; e < el.m; e += BLOCK_SIZE) keep_better(key, idx, order_key(el.logit(e)), e);
+  return block_best(key, idx, s_key, s_idx);
 }
 
 // The k-th largest of the keys key_of(e), e < m (k <= m), returned to every thread: a radix
@@ -296,7 +301,6 @@ extern "C" __global__ void __launch_bounds__(BLOCK_SIZE) argmax_chunks(const Sam
   KERNEL_ENTRY();
   __shared__ u32 s_key[32], s_idx[32];
   __shared__ bool s_last;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const u32 base = blockIdx.x * BLOCK_SIZE;
   const Elements chunk = {reinterpret_cast<const float*>(p.logits) + base, nullptr, min((u32)BLOCK_SIZE, p.n - base)};
   const u32 e = block_argmax(chunk, s_key, s_idx);
@@ -314,17 +318,8 @@ extern "C" __global__ void __launch_bounds__(BLOCK_SIZE) argmax_chunks(const Sam
   __threadfence();
   u32 key = 0u, idx = NO_INDEX;
   for (u32 c = threadIdx.x; c < p.n_chunks; c += BLOCK_SIZE) keep_better(key, idx, __ldcg(pairs + 2 * c), __ldcg(pairs + 2 * c + 1));
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) keep_better(key, idx, __shfl_xor_sync(FULL_MASK, key, o), __shfl_xor_sync(FULL_MASK, idx, o));
-  if (lane == 0) { s_key[warp] = key; s_idx[warp] = idx; }
-  __syncthreads();
-  if (warp == 0) {
-    key = lane < BLOCK_SIZE / 32 ? s_key[lane] : 0u;
-    idx = lane < BLOCK_SIZE / 32 ? s_idx[lane] : NO_INDEX;
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) keep_better(key, idx, __shfl_xor_sync(FULL_MASK, key, o), __shfl_xor_sync(FULL_MASK, idx, o));
-    if (lane == 0) deliver(p, idx);
-  }
+  const u32 best = block_best(key, idx, s_key, s_idx);
+  if (threadIdx.x == 0) deliver(p, best);
 }
 
 extern "C" __global__ void __launch_bounds__(BLOCK_SIZE) sample(const SampleParams p) {
