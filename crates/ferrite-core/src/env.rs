@@ -169,9 +169,6 @@ switches! {
         "auto|recurrent|chunked: the CUDA Gated DeltaNet delta rule; auto runs batches of 128+ tokens in the chunked (WY/UT transform, 64-token chunks) form and shorter ones token by token; the others force one path for every batch.");
     DISABLE_GEMV_SPLIT_K = ("FERRITE_DISABLE_GEMV_SPLIT_K", "0", AbTest,
         "1: the int8 GEMV never splits a row's units over slices of a block (by default it does, up to 4 slices, when its grid has at most one block per SM, e.g. the emitting output/down projections).");
-    /// Whole-block weight prefetch into L2 in the int8 GEMV.
-    CUDA_GEMV_L2_PREFETCH = ("FERRITE_CUDA_GEMV_L2_PREFETCH", "0", AbTest,
-        "1: each int8 GEMV block asks the copy engine of its SM (cp.async.bulk.prefetch.L2) for all of its weight rows into L2 before waiting for the previous kernel, so the weights stream in during that kernel and the block's own loads hit L2; 0: only the first batch is loaded early.");
     CUDA_ATTENTION_PATH = ("FERRITE_CUDA_ATTENTION_PATH", "auto", AbTest,
         "auto|simt|tensor: the CUDA attention kernel; auto runs batches of 16+ queries over an f16 cache in the tensor-core flash-attention kernel (prefill) and the rest in the one-query-per-block SIMT kernel; tensor on an f32 cache is an error.");
     /// Force a CUDA MoE expert path.

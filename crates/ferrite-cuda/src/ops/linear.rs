@@ -83,9 +83,6 @@ pub struct LinearOptions {
     pub activations: GemvActivations,
     /// Let the int8 GEMV split rows' units over slices of a block ([`GemvQ8Variant::split_k`]).
     pub gemv_split_k: bool,
-    /// Let each int8 GEMV block prefetch all its weight rows into L2 before its wait
-    /// (`GemvQ8Variant::l2_prefetch`).
-    pub gemv_l2_prefetch: bool,
     /// Largest token count that takes the small-batch tensor-core GEMM in [`LinearPath::Auto`]
     /// (quantized weights above `gemv_max_tokens`; 0 never).
     pub mma_max_tokens: usize,
@@ -99,7 +96,6 @@ impl Default for LinearOptions {
             gemv_max_tokens: 8,
             activations: GemvActivations::Q8,
             gemv_split_k: true,
-            gemv_l2_prefetch: false,
             mma_max_tokens: 64,
         }
     }
@@ -137,9 +133,8 @@ impl LinearOptions {
             _ => d.activations,
         };
         let gemv_split_k = !env::DISABLE_GEMV_SPLIT_K.flag();
-        let gemv_l2_prefetch = env::CUDA_GEMV_L2_PREFETCH.flag();
         let mma_max_tokens = env::CUDA_MMA_MAX_TOKENS.parse(d.mma_max_tokens);
-        LinearOptions { path, precision, gemv_max_tokens, activations, gemv_split_k, gemv_l2_prefetch, mma_max_tokens }
+        LinearOptions { path, precision, gemv_max_tokens, activations, gemv_split_k, mma_max_tokens }
     }
 }
 
@@ -777,7 +772,6 @@ pub(super) fn gemv_q8(
         None => tiling,
     };
     let tiling = if gpu.linear_options().gemv_split_k { tiling.split_k(out_rows, w.cols, grid_tokens, gpu.sm_count()) } else { tiling };
-    let tiling = GemvQ8Variant { l2_prefetch: gpu.linear_options().gemv_l2_prefetch && experts.is_none(), ..tiling };
     let tiling = retile.map_or(tiling, |f| f(tiling));
     let variant = GemvQ8Variant {
         residual: epilogue.residual.is_some(),
@@ -787,7 +781,6 @@ pub(super) fn gemv_q8(
         ..tiling
     };
     let [w0, w1, w2, w3] = w.plane_ptrs(gpu);
-    let [rb0, rb1, rb2, rb3] = w.plane_row_bytes();
     let [u0, u1, u2, u3] = up.map_or([0; 4], |u| u.plane_ptrs(gpu));
     let (expert_rows, expert_off, n_experts, x_div) = ExpertRows::fields(experts, OP)?;
     let params = GemvQ8Params {
@@ -818,10 +811,6 @@ pub(super) fn gemv_q8(
         u1,
         u2,
         u3,
-        rb0,
-        rb1,
-        rb2,
-        rb3,
         experts: experts.map_or(0, |e| e.ids),
         error_flag: gpu.error_flag_ptr(),
         expert_tiles: groups.map_or(0, |g| g.tiles),
