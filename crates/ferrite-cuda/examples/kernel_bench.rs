@@ -106,16 +106,21 @@ fn decode(gpu: &Gpu) -> Result<(), CudaError> {
     // residual and leave the next GEMV's int8 input with its norm; gate/up applies SwiGLU and
     // emits), each at the dispatcher's tiling and at others. Launches rotate over copies of the
     // weight that together exceed the 50 MB L2 three times, so every launch streams from DRAM.
-    println!("\ndecode int8 GEMV tilings, Q4_0, 8B shapes, one token: us per launch, GB/s of weights (nwarps rows unroll k_split: registers, spilled bytes)");
+    println!("\ndecode int8 GEMV tilings, Q4_0, 8B and 1B shapes, one token: us per launch, GB/s of weights (nwarps rows unroll k_split: registers, spilled bytes)");
     // (name, weight rows, cols, gated, residual, emits)
     let shapes = [
         ("qkv", 6144usize, 4096usize, false, false, false),
         ("output", 4096, 4096, false, true, true),
         ("gate_up", 28672, 4096, true, false, true),
         ("down", 4096, 14336, false, true, true),
+        ("1b qkv", 3072, 2048, false, false, false),
+        ("1b out", 2048, 2048, false, true, true),
+        ("1b g/u", 16384, 2048, true, false, true),
+        ("1b down", 2048, 8192, false, true, true),
     ];
     // (nwarps, rows, unroll, k_split); the first entry is the dispatcher's own.
-    let tilings: [(u32, u32, u32, u32); 10] = [(0, 0, 0, 0), (4, 1, 4, 1), (4, 2, 2, 1), (4, 4, 2, 1), (8, 4, 2, 1), (8, 4, 1, 2), (16, 2, 2, 1), (16, 2, 4, 1), (16, 2, 2, 2), (32, 1, 4, 1)];
+    let tilings: [(u32, u32, u32, u32); 12] =
+        [(0, 0, 0, 0), (4, 1, 4, 1), (4, 2, 2, 1), (4, 4, 2, 1), (8, 4, 2, 1), (8, 4, 1, 2), (8, 4, 1, 4), (16, 2, 2, 1), (16, 2, 4, 1), (16, 2, 2, 2), (16, 2, 1, 2), (32, 1, 4, 1)];
     for (name, rows, cols, gated, adds, emits) in shapes {
         let values: Vec<f32> = (0..rows * cols).map(|i| ((i * 7919) % 2001) as f32 / 1000.0 - 1.0).collect();
         let packed = quantize(GgmlType::Q4_0, &values).expect("quantize");

@@ -482,10 +482,12 @@ impl CudaExecutor {
             result.with_context(|| format!("op {} writing `{}`", op.kind(), model.graph.value(op.writes()).name))?;
             if let Some(start) = start {
                 // Kind and written value without the layer prefix ("linear attn_out"): the
-                // projections of a layer that share a kind stay apart.
+                // projections of a layer that share a kind stay apart; so do batch sizes (a
+                // server's prefill chunks and its decode steps take different kernels).
                 let name = &model.graph.value(op.writes()).name;
                 let role = name.strip_prefix("blk.").and_then(|s| s.split_once('.')).map_or(name.as_str(), |(_, r)| r);
-                events.push((format!("{} {role}", op.kind()), start, stream.record_event(timing).map_err(CudaError::from)?));
+                let rows = if n > 1 { format!(" [{n} rows]") } else { String::new() };
+                events.push((format!("{} {role}{rows}", op.kind()), start, stream.record_event(timing).map_err(CudaError::from)?));
             }
         }
         if let Some(profile) = self.buf.profile.as_mut() {

@@ -34,11 +34,11 @@ impl OpProfile {
         let mut rows: Vec<_> = self.by_kind.iter().collect();
         rows.sort_by(|a, b| b.1 .0.total_cmp(&a.1 .0));
         let mut s = format!(
-            "per-op profile ({backend}, {} forward calls) — WARNING: profiled timings are not optimisation targets; measure with `ferrite bench`\n{:<28} {:>10} {:>8} {:>10} {:>7}\n",
+            "per-op profile ({backend}, {} forward calls) — WARNING: profiled timings are not optimisation targets; measure with `ferrite bench`\n{:<40} {:>10} {:>8} {:>10} {:>7}\n",
             self.forwards, "op", "total ms", "calls", "µs/call", "share"
         );
         for (kind, (ms, n)) in rows {
-            s += &format!("{kind:<28} {ms:>10.2} {n:>8} {:>10.1} {:>6.1}%\n", 1000.0 * ms / *n as f64, 100.0 * ms / total.max(1e-12));
+            s += &format!("{kind:<40} {ms:>10.2} {n:>8} {:>10.1} {:>6.1}%\n", 1000.0 * ms / *n as f64, 100.0 * ms / total.max(1e-12));
         }
         s
     }
