@@ -330,6 +330,30 @@ fn attention(gpu: &Gpu) -> Result<(), CudaError> {
             println!("  kv_len={:<5} {:>9.2} us, split in {splits}: {:>9.2} us ({gbs:.0} GB/s of K/V rows per query head)", pos + 1, s * 1e6, split * 1e6);
         }
     }
+    // A batched decode step on the paged cache (serve, `bench --seqs`): one query per sequence,
+    // 8B heads, blocks of 16 positions, each sequence's blocks scattered over the cache.
+    println!("\npaged decode attention (store_qkv_paged + attention_paged), 32 heads / 8 KV heads of 128, f16 cache, blocks of 16");
+    let (n_heads, n_kv, head_dim, block) = (32usize, 8usize, 128usize, 16usize);
+    for (seqs, len) in [(16usize, 64usize), (64, 64), (64, 512)] {
+        let max_blocks = len.div_ceil(block);
+        let mut cache = KvCache::new(gpu, KvDtype::F16, seqs * max_blocks * block, n_kv, head_dim)?;
+        // Sequence s owns blocks s, s + seqs, s + 2 seqs, ...: neighbours in a table are far apart.
+        let tables: Vec<u32> = (0..seqs).flat_map(|s| (0..max_blocks).map(move |b| (b * seqs + s) as u32)).collect();
+        let row = (n_heads + 2 * n_kv) * head_dim;
+        let qkv = gpu.upload(&vec![0.1f32; seqs * row], "qkv")?;
+        let (tables, row_seq) = (gpu.upload(&tables, "tables")?, gpu.upload(&(0..seqs as u32).collect::<Vec<_>>(), "row_seq")?);
+        let paging = ops::Paging { tables: &tables, row_seq: &row_seq, n_seqs: seqs, max_blocks, block_size: block };
+        let positions = gpu.upload(&vec![len as u32 - 1; seqs], "positions")?;
+        let mut q = gpu.alloc_zeros::<f32>(seqs * n_heads * head_dim)?;
+        let mut out = gpu.alloc_zeros::<f32>(seqs * n_heads * head_dim)?;
+        let cfg = AttentionConfig { n_heads, scale: 1.0 / (head_dim as f32).sqrt(), window: None, softcap: None };
+        let rope = ops::RopeConfig { n_heads, head_dim, rot_dim: head_dim, theta: 500_000.0, freq_scale: 1.0, neox: true };
+        let store = time(gpu, 200, || ops::store_qkv_paged(gpu, &mut cache, &qkv, row, seqs, n_heads, &positions, Some(&rope), &paging, &mut q))?;
+        let attend = time(gpu, 200, || ops::attention_paged(gpu, &q, &cache, &positions, seqs, &cfg, &paging, &mut out, None))?;
+        // K and V rows as each query head's block reads them (a group's heads share them via L2).
+        let gbs = (seqs * n_heads * len * head_dim * 2 * 2) as f64 / attend / 1e9;
+        println!("  {seqs:>3} seqs x {len:<4} keys: store {:>7.2} us, attention {:>7.2} us ({gbs:.0} GB/s of K/V rows per query head)", store * 1e6, attend * 1e6);
+    }
     Ok(())
 }
 
