@@ -86,6 +86,9 @@ pub struct GpuOptions {
     pub gdn_path: Option<GdnPath>,
     /// The attention kernel every batch takes (`None`: [`crate::ops::attention_path`] decides).
     pub attention_path: Option<AttentionPath>,
+    /// Let one attention block serve several query heads of a KV group where the kernel can
+    /// (paged batched steps), so they share its K/V loads.
+    pub attention_groups: bool,
     /// The MoE expert path every batch takes (`None`: [`crate::ops::moe_plan`] decides).
     pub moe_path: Option<MoePath>,
 }
@@ -98,6 +101,7 @@ impl GpuOptions {
             dependent_launch: !env::DISABLE_CUDA_PDL.flag(),
             gdn_path: GdnPath::forced_by(env::CUDA_GDN_PATH.get().as_deref()),
             attention_path: AttentionPath::forced_by(env::CUDA_ATTENTION_PATH.get().as_deref()),
+            attention_groups: !env::DISABLE_ATTENTION_GROUPS.flag(),
             moe_path: MoePath::forced_by(env::CUDA_MOE_PATH.get().as_deref()),
         }
     }
@@ -123,6 +127,7 @@ pub struct Gpu {
     dependent_launch: bool,
     gdn_path: Option<GdnPath>,
     attention_path: Option<AttentionPath>,
+    attention_groups: bool,
     moe_path: Option<MoePath>,
     props: DeviceProps,
     stream: Arc<CudaStream>,
@@ -179,6 +184,7 @@ impl Gpu {
             dependent_launch: options.dependent_launch && major >= 9,
             gdn_path: options.gdn_path,
             attention_path: options.attention_path,
+            attention_groups: options.attention_groups,
             moe_path: options.moe_path,
             props: DeviceProps { name, compute_capability: (major as u32, minor as u32), sm_count: sm_count as u32 },
             stream,
@@ -230,6 +236,11 @@ impl Gpu {
     /// The attention kernel forced on this device (`FERRITE_CUDA_ATTENTION_PATH`), if any.
     pub fn attention_path(&self) -> Option<AttentionPath> {
         self.attention_path
+    }
+
+    /// Whether attention blocks may serve several query heads of a KV group (`FERRITE_DISABLE_ATTENTION_GROUPS`).
+    pub fn attention_groups(&self) -> bool {
+        self.attention_groups
     }
 
     /// The MoE expert path forced on this device (`FERRITE_CUDA_MOE_PATH`), if any.

@@ -2773,8 +2773,10 @@ fn every_kernel_variant_compiles_for_sm90() {
                 let v = AttentionVariant::storing(hd, kv, rope, split);
                 check(format!("{v:?}"), compile_variant(&v, "sm_90"));
             }
-            let v = AttentionVariant::paged(hd, kv);
-            check(format!("{v:?}"), compile_variant(&v, "sm_90"));
+            for group in [1, 3, 4, 8] {
+                let v = AttentionVariant::paged(hd, kv, group);
+                check(format!("{v:?}"), compile_variant(&v, "sm_90"));
+            }
         }
     }
     for head_dim in [32, 64, 128, 256] {

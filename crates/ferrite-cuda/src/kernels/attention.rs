@@ -321,6 +321,12 @@ const ATTENTION: &str = r#"
 #if STORE && HEAD_DIM / 2 > NWARPS * 32
 #error "the fused K/V store turns one value pair per thread"
 #endif
+#ifndef GROUP
+#error "GROUP (query heads per block: the heads of one KV group score each K row and weigh each V row they load together; 1: a block per query head) must come from the kernel variant"
+#endif
+#if GROUP > 1 && (STORE || SPLIT)
+#error "GROUP > 1 runs on the one-block kernel (paged batched steps) only"
+#endif
 // A cache row as 16-byte vectors of KV_VEC values. A lane scores one key: the first K_PRE
 // vectors of its K row are requested with the batch's V rows (see load_batch), the rest (long
 // rows only) as it multiplies.
@@ -329,12 +335,13 @@ const ATTENTION: &str = r#"
 // The value accumulation's lane layout: a V row's HEAD_DIM values over V_LANES lanes of V_DIMS
 // consecutive dims (V_VECS vectors) each, so one load instruction of the warp reads V_RPI rows.
 // A group of V_GROUP rows is requested at once: at most 256 bytes per lane (all 32 rows of a
-// batch up to 128 f16 dims).
+// batch up to 128 f16 dims), 128 with several query heads (their accumulators need the room).
 #define V_LANES (K_VECS < 32 ? K_VECS : 32)
 #define V_DIMS (HEAD_DIM / V_LANES)
 #define V_VECS (V_DIMS / KV_VEC)
 #define V_RPI (32 / V_LANES)
-#define V_GROUP_FIT (32 * 256 / (HEAD_DIM * (int)sizeof(kv_t)))
+#define V_LANE_BYTES (GROUP > 1 ? 128 : 256)
+#define V_GROUP_FIT (32 * V_LANE_BYTES / (HEAD_DIM * (int)sizeof(kv_t)))
 #define V_GROUP (V_GROUP_FIT < 32 ? V_GROUP_FIT : 32)
 #define V_STEPS (V_GROUP / V_RPI)
 
@@ -402,21 +409,23 @@ __device__ __forceinline__ void prefetch_kv(const AttentionParams& p, const kv_t
   }
 }
 
-// One block per (head, query token, key share). Warps take turns on batches of 32 keys of the
-// block's share: each lane scores one key (a whole K row in 16-byte loads against q in shared
-// memory), the warp updates its online softmax (running max m, sum l) once per batch, then
-// accumulates the batch's V rows (see V_LANES). The batch's K and V loads are all issued
+// One block per (GROUP query heads of one KV group, query token, key share). Warps take turns
+// on batches of 32 keys of the block's share: each lane scores one key (a whole K row in 16-byte
+// loads against each head's q in shared memory), the warp updates each head's online softmax
+// (running max m, sum l) once per batch, then accumulates the batch's V rows (see V_LANES) into
+// each head's sums. A head's arithmetic is the same at every GROUP (bit-identical outputs); the
+// group only shares the K/V loads. The batch's K and V loads are all issued
 // before any is used (load_batch), so a warp waits for memory once per batch, not once per key;
 // with the fused K/V store the first batch is requested before the kernel waits for the QKV
 // projection. The warps' states are merged through shared memory at the end.
 // With SPLIT, each block stores its merged state; the last block of a query to arrive (an
 // atomic counter) merges the shares and writes the output, so no second kernel is needed.
 extern "C" __global__ void __launch_bounds__(NWARPS * 32) attention(const AttentionParams p) {
-  __shared__ __align__(16) float s_q[HEAD_DIM];
-  __shared__ float s_m[NWARPS], s_l[NWARPS], s_acc[NWARPS][HEAD_DIM];
+  __shared__ __align__(16) float s_q[GROUP][HEAD_DIM];
+  __shared__ float s_m[NWARPS][GROUP], s_l[NWARPS][GROUP], s_acc[NWARPS][GROUP][HEAD_DIM];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const u32 head = blockIdx.x, tok = blockIdx.y;
-  const i64 qrow = ((i64)tok * p.n_heads + head) * HEAD_DIM;
+  const u32 head = blockIdx.x * GROUP, tok = blockIdx.y;  // the block's first query head
+  const i64 qrow = ((i64)tok * p.n_heads + head) * HEAD_DIM;  // head g's row: qrow + g * HEAD_DIM
   // Positions (and block tables) are copied in by the host before the step's first kernel, so
   // they may be read before waiting for the previous kernel; so may the cached rows (below).
   const u32 pos_in = reinterpret_cast<const u32*>(p.positions)[tok];
@@ -449,7 +458,8 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32) attention(const Attent
   if (bad_pos) {  // block-uniform, before any barrier; every share of the query returns
     if (threadIdx.x == 0 && blockIdx.z == 0) report_error(p.error_flag, ERR_POSITION, pos_in);
     if (blockIdx.z == 0)
-      for (int d = threadIdx.x; d < HEAD_DIM; d += NWARPS * 32) store_output(p, qrow, d, QNAN);
+      for (int g = 0; g < GROUP; ++g)
+        for (int d = threadIdx.x; d < HEAD_DIM; d += NWARPS * 32) store_output(p, qrow + g * HEAD_DIM, d, QNAN);
     return;
   }
 #if STORE
@@ -468,8 +478,8 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32) attention(const Attent
       u32 a, b;
       float x0, x1;
       qkv_pair_turned(src, head, pair, rotated, p.rot_dim, rope_c, rope_s, &a, &b, &x0, &x1);
-      s_q[a] = x0 * p.scale;
-      s_q[b] = x1 * p.scale;
+      s_q[0][a] = x0 * p.scale;
+      s_q[0][b] = x1 * p.scale;
       qkv_pair_turned(src, p.n_heads + kv_head, pair, rotated, p.rot_dim, rope_c, rope_s, &a, &b, &x0, &x1);
       s_k[a] = kv_round(x0);
       s_k[b] = kv_round(x1);
@@ -482,7 +492,7 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32) attention(const Attent
   }
 #else
   const float* q = reinterpret_cast<const float*>(p.q) + qrow;
-  for (int d = threadIdx.x; d < HEAD_DIM; d += NWARPS * 32) s_q[d] = q[d] * p.scale;
+  for (int d = threadIdx.x; d < GROUP * HEAD_DIM; d += NWARPS * 32) s_q[d / HEAD_DIM][d % HEAD_DIM] = q[d] * p.scale;
   // Rows of this launch's tokens may have been written by the previous kernel: read after the wait.
   if (base < end) load_batch(p, kc, vc, row, tok, base, end, lane, batch);
 #endif
@@ -491,35 +501,52 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32) attention(const Attent
   // Per lane: V_DIMS dims of the rows rg, rg + V_RPI, ... of each batch (summed over the lanes
   // of a dim chunk at the end).
   const int rg = lane / V_LANES, dc = lane % V_LANES;
-  float acc[V_DIMS];
+  float acc[GROUP][V_DIMS];
+  float m[GROUP], l[GROUP];
 #pragma unroll
-  for (int i = 0; i < V_DIMS; ++i) acc[i] = 0.f;
-  float m = NEG_INF, l = 0.f;
+  for (int g = 0; g < GROUP; ++g) {
+    m[g] = NEG_INF;
+    l[g] = 0.f;
+#pragma unroll
+    for (int i = 0; i < V_DIMS; ++i) acc[g][i] = 0.f;
+  }
   for (; base < end; base += 32 * NWARPS) {
     const u32 j = base + lane;
-    float s = NEG_INF;
+    float s[GROUP];
+#pragma unroll
+    for (int g = 0; g < GROUP; ++g) s[g] = NEG_INF;
     if (j < end) {
       // The vectors past K_PRE (rows over 128 f16 dims) are read here, from the key's row.
       const uint4* krow = K_VECS > K_PRE ? reinterpret_cast<const uint4*>(kc + cache_row(p.block_tables, p.row_seq, p.max_blocks, p.block_size, tok, j) * row) : nullptr;
-      float part[KV_VEC] = {};  // KV_VEC independent chains: shorter sums, more ILP
+      float part[GROUP][KV_VEC] = {};  // KV_VEC independent chains per head: shorter sums, more ILP
 #pragma unroll
       for (int c = 0; c < K_VECS; ++c) {
         float k[KV_VEC];
         kv_unpack(c < K_PRE ? batch.k[c] : krow[c], k);
 #pragma unroll
-        for (int e = 0; e < KV_VEC; ++e) part[e] += s_q[c * KV_VEC + e] * k[e];
+        for (int g = 0; g < GROUP; ++g)
+#pragma unroll
+          for (int e = 0; e < KV_VEC; ++e) part[g][e] += s_q[g][c * KV_VEC + e] * k[e];
       }
-      float dot = 0.f;
 #pragma unroll
-      for (int e = 0; e < KV_VEC; ++e) dot += part[e];
-      s = p.softcap > 0.f ? p.softcap * tanhf(dot / p.softcap) : dot;
+      for (int g = 0; g < GROUP; ++g) {
+        float dot = 0.f;
+#pragma unroll
+        for (int e = 0; e < KV_VEC; ++e) dot += part[g][e];
+        s[g] = p.softcap > 0.f ? p.softcap * tanhf(dot / p.softcap) : dot;
+      }
     }
-    const float m_new = fmaxf(m, warp_max(s));  // finite: key `base` (lane 0) is in the share
-    const float corr = expf(m - m_new);
-    const float pj = j < end ? expf(s - m_new) : 0.f;
-    l = l * corr + warp_sum(pj);
+    float pj[GROUP];
 #pragma unroll
-    for (int i = 0; i < V_DIMS; ++i) acc[i] *= corr;
+    for (int g = 0; g < GROUP; ++g) {
+      const float m_new = fmaxf(m[g], warp_max(s[g]));  // finite: key `base` (lane 0) is in the share
+      const float corr = expf(m[g] - m_new);
+      pj[g] = j < end ? expf(s[g] - m_new) : 0.f;
+      l[g] = l[g] * corr + warp_sum(pj[g]);
+#pragma unroll
+      for (int i = 0; i < V_DIMS; ++i) acc[g][i] *= corr;
+      m[g] = m_new;
+    }
     // The batch's V rows, a group (the first came with the keys) at a time: row r's weight is
     // lane r's pj (0 past the share).
     const u32 count = min(32u, end - base);
@@ -527,17 +554,20 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32) attention(const Attent
       if (g > 0) load_v_group(p, vc, row, tok, base, count, g, lane, batch.v);
 #pragma unroll
       for (int st = 0; st < V_STEPS; ++st) {
-        const float w = __shfl_sync(FULL_MASK, pj, g + st * V_RPI + rg);
+        float w[GROUP];
+#pragma unroll
+        for (int h = 0; h < GROUP; ++h) w[h] = __shfl_sync(FULL_MASK, pj[h], g + st * V_RPI + rg);
 #pragma unroll
         for (int e = 0; e < V_VECS; ++e) {
           float v[KV_VEC];
           kv_unpack(batch.v[st * V_VECS + e], v);
 #pragma unroll
-          for (int i = 0; i < KV_VEC; ++i) acc[e * KV_VEC + i] += w * v[i];
+          for (int h = 0; h < GROUP; ++h)
+#pragma unroll
+            for (int i = 0; i < KV_VEC; ++i) acc[h][e * KV_VEC + i] += w[h] * v[i];
         }
       }
     }
-    m = m_new;
     if (base + 32 * NWARPS < end) load_batch(p, kc, vc, row, tok, base + 32 * NWARPS, end, lane, batch);
   }
   // Sum each dim chunk over its lanes (lanes dc, dc + V_LANES, ...): every lane then holds the
@@ -545,40 +575,50 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32) attention(const Attent
 #pragma unroll
   for (int o = V_LANES; o < 32; o <<= 1)
 #pragma unroll
-    for (int i = 0; i < V_DIMS; ++i) acc[i] += __shfl_xor_sync(FULL_MASK, acc[i], o);
+    for (int g = 0; g < GROUP; ++g)
+#pragma unroll
+      for (int i = 0; i < V_DIMS; ++i) acc[g][i] += __shfl_xor_sync(FULL_MASK, acc[g][i], o);
 #if STORE
   if (warp == 0 && blockIdx.z == active - 1) {  // the new key (in the last share), from shared memory
     float part = 0.f;
-    for (int d = lane; d < HEAD_DIM; d += 32) part += s_q[d] * s_k[d];
+    for (int d = lane; d < HEAD_DIM; d += 32) part += s_q[0][d] * s_k[d];
     const float dot = warp_sum(part);
     const float s = p.softcap > 0.f ? p.softcap * tanhf(dot / p.softcap) : dot;
-    const float m_new = fmaxf(m, s);
-    const float corr = expf(m - m_new), pj = expf(s - m_new);
-    l = l * corr + pj;
+    const float m_new = fmaxf(m[0], s);
+    const float corr = expf(m[0] - m_new), pj = expf(s - m_new);
+    l[0] = l[0] * corr + pj;
 #pragma unroll
-    for (int i = 0; i < V_DIMS; ++i) acc[i] = acc[i] * corr + pj * s_v[dc * V_DIMS + i];
-    m = m_new;
+    for (int i = 0; i < V_DIMS; ++i) acc[0][i] = acc[0][i] * corr + pj * s_v[dc * V_DIMS + i];
+    m[0] = m_new;
   }
 #endif
-  if (lane == 0) { s_m[warp] = m; s_l[warp] = l; }
-  if (rg == 0)
 #pragma unroll
-    for (int i = 0; i < V_DIMS; ++i) s_acc[warp][dc * V_DIMS + i] = acc[i];
-  __syncthreads();
-  float m_all = NEG_INF;
+  for (int g = 0; g < GROUP; ++g) {
+    if (lane == 0) { s_m[warp][g] = m[g]; s_l[warp][g] = l[g]; }
+    if (rg == 0)
 #pragma unroll
-  for (int w = 0; w < NWARPS; ++w) m_all = fmaxf(m_all, s_m[w]);
-  float l_all = 0.f, f[NWARPS];
-#pragma unroll
-  for (int w = 0; w < NWARPS; ++w) {
-    f[w] = s_m[w] == NEG_INF ? 0.f : expf(s_m[w] - m_all);  // a warp that saw no key adds nothing
-    l_all += s_l[w] * f[w];
+      for (int i = 0; i < V_DIMS; ++i) s_acc[warp][g][dc * V_DIMS + i] = acc[g][i];
   }
-  // The block's (unnormalised) output value at dim d: its warps' sums, rescaled.
-  const auto block_acc = [&](int d) {
+  __syncthreads();
+  // Per head: the warps' states merged (max, rescaled sums).
+  float m_all[GROUP], l_all[GROUP], f[GROUP][NWARPS];
+#pragma unroll
+  for (int g = 0; g < GROUP; ++g) {
+    m_all[g] = NEG_INF;
+#pragma unroll
+    for (int w = 0; w < NWARPS; ++w) m_all[g] = fmaxf(m_all[g], s_m[w][g]);
+    l_all[g] = 0.f;
+#pragma unroll
+    for (int w = 0; w < NWARPS; ++w) {
+      f[g][w] = s_m[w][g] == NEG_INF ? 0.f : expf(s_m[w][g] - m_all[g]);  // a warp that saw no key adds nothing
+      l_all[g] += s_l[w][g] * f[g][w];
+    }
+  }
+  // The block's (unnormalised) output value of head g at dim d: its warps' sums, rescaled.
+  const auto block_acc = [&](int g, int d) {
     float o = 0.f;
 #pragma unroll
-    for (int w = 0; w < NWARPS; ++w) o += s_acc[w][d] * f[w];
+    for (int w = 0; w < NWARPS; ++w) o += s_acc[w][g][d] * f[g][w];
     return o;
   };
 #if SPLIT
@@ -587,8 +627,8 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32) attention(const Attent
     const i64 query = (i64)tok * p.n_heads + head;
     float* parts = reinterpret_cast<float*>(p.partials) + query * gridDim.z * (2 + HEAD_DIM);
     float* mine = parts + blockIdx.z * (2 + HEAD_DIM);
-    if (threadIdx.x == 0) { mine[0] = m_all; mine[1] = l_all; }
-    for (int d = threadIdx.x; d < HEAD_DIM; d += NWARPS * 32) mine[2 + d] = block_acc(d);
+    if (threadIdx.x == 0) { mine[0] = m_all[0]; mine[1] = l_all[0]; }
+    for (int d = threadIdx.x; d < HEAD_DIM; d += NWARPS * 32) mine[2 + d] = block_acc(0, d);
     __threadfence();
     __syncthreads();
     __shared__ bool s_last;
@@ -605,29 +645,31 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32) attention(const Attent
     __shared__ float s_w[MAX_SPLITS], s_ls[MAX_SPLITS];
     for (u32 z = threadIdx.x; z < active; z += NWARPS * 32) s_w[z] = __ldcg(parts + z * (2 + HEAD_DIM));
     __syncthreads();
-    m_all = NEG_INF;
-    for (u32 z = 0; z < active; ++z) m_all = fmaxf(m_all, s_w[z]);
+    float m_max = NEG_INF;
+    for (u32 z = 0; z < active; ++z) m_max = fmaxf(m_max, s_w[z]);
     __syncthreads();
     for (u32 z = threadIdx.x; z < active; z += NWARPS * 32) {
       const float* part = parts + z * (2 + HEAD_DIM);
       const float mz = __ldcg(part);
-      const float fz = mz == NEG_INF ? 0.f : expf(mz - m_all);
+      const float fz = mz == NEG_INF ? 0.f : expf(mz - m_max);
       s_w[z] = fz;
       s_ls[z] = __ldcg(part + 1) * fz;
     }
     __syncthreads();
-    l_all = 0.f;
-    for (u32 z = 0; z < active; ++z) l_all += s_ls[z];
+    float l_sum = 0.f;
+    for (u32 z = 0; z < active; ++z) l_sum += s_ls[z];
     for (int d = threadIdx.x; d < HEAD_DIM; d += NWARPS * 32) {
       float o = 0.f;
 #pragma unroll 8
       for (u32 z = 0; z < active; ++z) o += s_w[z] * __ldcg(parts + z * (2 + HEAD_DIM) + 2 + d);
-      store_output(p, qrow, d, o / l_all);
+      store_output(p, qrow, d, o / l_sum);
     }
     return;
   }
 #endif
-  for (int d = threadIdx.x; d < HEAD_DIM; d += NWARPS * 32) store_output(p, qrow, d, block_acc(d) / l_all);
+#pragma unroll
+  for (int g = 0; g < GROUP; ++g)
+    for (int d = threadIdx.x; d < HEAD_DIM; d += NWARPS * 32) store_output(p, qrow + g * HEAD_DIM, d, block_acc(g, d) / l_all[g]);
 }
 "#;
 
@@ -642,16 +684,28 @@ pub struct AttentionVariant {
     pub store: Option<RopeStyle>,
     /// Cache rows through block tables.
     pub paged: bool,
+    /// Query heads per block (`GROUP`): heads of one KV group that share each K/V row load.
+    pub group: u32,
 }
 
 impl AttentionVariant {
+    /// Most query heads one block serves (their accumulators live in registers).
+    pub const MAX_GROUP: usize = 8;
+
     pub fn new(head_dim: usize, kv: KvDtype, split: bool) -> Self {
-        AttentionVariant { head_dim: head_dim as u32, kv, nwarps: 4, split, store: None, paged: false }
+        AttentionVariant { head_dim: head_dim as u32, kv, nwarps: 4, split, store: None, paged: false, group: 1 }
     }
 
-    /// The one-block kernel reading a paged cache.
-    pub fn paged(head_dim: usize, kv: KvDtype) -> Self {
-        AttentionVariant { paged: true, ..Self::new(head_dim, kv, false) }
+    /// The one-block kernel reading a paged cache, `group` query heads per block (1, or a
+    /// divisor of the heads per KV head up to [`Self::MAX_GROUP`]: see [`Self::group_for`]).
+    pub fn paged(head_dim: usize, kv: KvDtype, group: usize) -> Self {
+        AttentionVariant { paged: true, group: group as u32, ..Self::new(head_dim, kv, false) }
+    }
+
+    /// The most query heads of one KV group (`heads_per_kv`) that a block can serve: the largest
+    /// divisor of `heads_per_kv` up to [`Self::MAX_GROUP`].
+    pub fn group_for(heads_per_kv: usize) -> usize {
+        (1..=Self::MAX_GROUP.min(heads_per_kv)).rev().find(|g| heads_per_kv.is_multiple_of(*g)).unwrap_or(1)
     }
 
     /// The one-token kernel with the K/V store and RoPE fused in (split-KV or not).
@@ -661,7 +715,7 @@ impl AttentionVariant {
 
     pub fn launch_config(&self, n_heads: usize, n_tokens: usize, splits: usize) -> LaunchConfig {
         LaunchConfig {
-            grid_dim: (n_heads as u32, n_tokens as u32, splits as u32),
+            grid_dim: ((n_heads / self.group as usize) as u32, n_tokens as u32, splits as u32),
             block_dim: (self.nwarps * 32, 1, 1),
             shared_mem_bytes: 0,
         }
@@ -682,6 +736,7 @@ impl KernelVariant for AttentionVariant {
             ("STORE", u32::from(self.store.is_some()).to_string()),
             ("ROPE_STYLE", self.store.map_or(0, RopeStyle::macro_value).to_string()),
             ("PAGED", u32::from(self.paged).to_string()),
+            ("GROUP", self.group.to_string()),
         ]
     }
 }
@@ -701,6 +756,13 @@ mod tests {
         crate::kernels::tests::assert_macros_match(StoreQkvVariant { kv: KvDtype::F32, head_dim: 64, rope: RopeStyle::Neox, paged: true });
         crate::kernels::tests::assert_macros_match(AttentionVariant::new(64, KvDtype::F16, true));
         crate::kernels::tests::assert_macros_match(AttentionVariant::storing(128, KvDtype::F16, RopeStyle::Neox, true));
-        crate::kernels::tests::assert_macros_match(AttentionVariant::paged(128, KvDtype::F16));
+        crate::kernels::tests::assert_macros_match(AttentionVariant::paged(128, KvDtype::F16, 4));
+    }
+
+    #[test]
+    fn groups_divide_the_kv_groups() {
+        assert_eq!([1, 2, 3, 4, 6, 8, 12, 16].map(AttentionVariant::group_for), [1, 2, 3, 4, 6, 8, 6, 8]);
+        let v = AttentionVariant::paged(128, KvDtype::F16, 4);
+        assert_eq!(v.launch_config(32, 64, 1).grid_dim, (8, 64, 1));
     }
 }

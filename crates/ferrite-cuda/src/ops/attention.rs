@@ -381,7 +381,8 @@ pub fn attention_paged(
     params.row_seq = addr(gpu, paging.row_seq);
     params.max_blocks = paging.max_blocks as u32;
     params.block_size = paging.block_size as u32;
-    let variant = AttentionVariant::paged(cache.head_dim, cache.dtype);
+    let group = if gpu.attention_groups() { AttentionVariant::group_for(cfg.n_heads / cache.n_kv_heads) } else { 1 };
+    let variant = AttentionVariant::paged(cache.head_dim, cache.dtype, group);
     gpu.launch(&variant, "attention", variant.launch_config(cfg.n_heads, n_tokens, 1), &params)
 }
 
