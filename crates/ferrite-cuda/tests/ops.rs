@@ -2770,8 +2770,10 @@ fn every_kernel_variant_compiles_for_sm90() {
             }
             let rope = [RopeStyle::None, RopeStyle::Normal, RopeStyle::Neox][hd / 64 % 3];
             for split in [false, true] {
-                let v = AttentionVariant::storing(hd, kv, rope, split);
-                check(format!("{v:?}"), compile_variant(&v, "sm_90"));
+                for group in [1, 4] {
+                    let v = AttentionVariant::storing(hd, kv, rope, split, group);
+                    check(format!("{v:?}"), compile_variant(&v, "sm_90"));
+                }
             }
             for group in [1, 3, 4, 8] {
                 let v = AttentionVariant::paged(hd, kv, group);

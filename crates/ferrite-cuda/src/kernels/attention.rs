@@ -324,9 +324,6 @@ const ATTENTION: &str = r#"
 #ifndef GROUP
 #error "GROUP (query heads per block: the heads of one KV group score each K row and weigh each V row they load together; 1: a block per query head) must come from the kernel variant"
 #endif
-#if GROUP > 1 && (STORE || SPLIT)
-#error "GROUP > 1 runs on the one-block kernel (paged batched steps) only"
-#endif
 // A cache row as 16-byte vectors of KV_VEC values. A lane scores one key: the first K_PRE
 // vectors of its K row are requested with the batch's V rows (see load_batch), the rest (long
 // rows only) as it multiplies.
@@ -463,9 +460,9 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32) attention(const Attent
     return;
   }
 #if STORE
-  // One decode token with its K/V store fused in: the block rotates its Q head and its group's
-  // new K row and reads the new V row from q | k | v itself (rounded as the cache stores them),
-  // and the group's first head writes them to cache row pos. The new key is folded in after the
+  // One decode token with its K/V store fused in: the block rotates its Q heads and their
+  // group's new K row and reads the new V row from q | k | v itself (rounded as the cache stores
+  // them), and the block of the group's first head writes them to cache row pos. The new key is folded in after the
   // cached ones, so no block reads a row that another block is writing.
   __shared__ __align__(16) float s_k[HEAD_DIM], s_v[HEAD_DIM];
   {
@@ -477,9 +474,12 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32) attention(const Attent
       const u32 rotated = p.n_heads + p.n_kv_heads;
       u32 a, b;
       float x0, x1;
-      qkv_pair_turned(src, head, pair, rotated, p.rot_dim, rope_c, rope_s, &a, &b, &x0, &x1);
-      s_q[0][a] = x0 * p.scale;
-      s_q[0][b] = x1 * p.scale;
+#pragma unroll
+      for (int g = 0; g < GROUP; ++g) {
+        qkv_pair_turned(src, head + g, pair, rotated, p.rot_dim, rope_c, rope_s, &a, &b, &x0, &x1);
+        s_q[g][a] = x0 * p.scale;
+        s_q[g][b] = x1 * p.scale;
+      }
       qkv_pair_turned(src, p.n_heads + kv_head, pair, rotated, p.rot_dim, rope_c, rope_s, &a, &b, &x0, &x1);
       s_k[a] = kv_round(x0);
       s_k[b] = kv_round(x1);
@@ -580,16 +580,19 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32) attention(const Attent
       for (int i = 0; i < V_DIMS; ++i) acc[g][i] += __shfl_xor_sync(FULL_MASK, acc[g][i], o);
 #if STORE
   if (warp == 0 && blockIdx.z == active - 1) {  // the new key (in the last share), from shared memory
-    float part = 0.f;
-    for (int d = lane; d < HEAD_DIM; d += 32) part += s_q[0][d] * s_k[d];
-    const float dot = warp_sum(part);
-    const float s = p.softcap > 0.f ? p.softcap * tanhf(dot / p.softcap) : dot;
-    const float m_new = fmaxf(m[0], s);
-    const float corr = expf(m[0] - m_new), pj = expf(s - m_new);
-    l[0] = l[0] * corr + pj;
 #pragma unroll
-    for (int i = 0; i < V_DIMS; ++i) acc[0][i] = acc[0][i] * corr + pj * s_v[dc * V_DIMS + i];
-    m[0] = m_new;
+    for (int g = 0; g < GROUP; ++g) {
+      float part = 0.f;
+      for (int d = lane; d < HEAD_DIM; d += 32) part += s_q[g][d] * s_k[d];
+      const float dot = warp_sum(part);
+      const float s = p.softcap > 0.f ? p.softcap * tanhf(dot / p.softcap) : dot;
+      const float m_new = fmaxf(m[g], s);
+      const float corr = expf(m[g] - m_new), pj = expf(s - m_new);
+      l[g] = l[g] * corr + pj;
+#pragma unroll
+      for (int i = 0; i < V_DIMS; ++i) acc[g][i] = acc[g][i] * corr + pj * s_v[dc * V_DIMS + i];
+      m[g] = m_new;
+    }
   }
 #endif
 #pragma unroll
@@ -623,12 +626,17 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32) attention(const Attent
   };
 #if SPLIT
   if (active > 1) {
-    // Store this share's state, publish it, count in.
+    // Store this share's state of each head, publish them, count in (one counter per block
+    // group: the first head's).
     const i64 query = (i64)tok * p.n_heads + head;
-    float* parts = reinterpret_cast<float*>(p.partials) + query * gridDim.z * (2 + HEAD_DIM);
-    float* mine = parts + blockIdx.z * (2 + HEAD_DIM);
-    if (threadIdx.x == 0) { mine[0] = m_all[0]; mine[1] = l_all[0]; }
-    for (int d = threadIdx.x; d < HEAD_DIM; d += NWARPS * 32) mine[2 + d] = block_acc(0, d);
+    const i64 part_len = (i64)gridDim.z * (2 + HEAD_DIM);  // one query head's shares
+    float* parts = reinterpret_cast<float*>(p.partials) + query * part_len;
+#pragma unroll
+    for (int g = 0; g < GROUP; ++g) {
+      float* mine = parts + g * part_len + blockIdx.z * (2 + HEAD_DIM);
+      if (threadIdx.x == 0) { mine[0] = m_all[g]; mine[1] = l_all[g]; }
+      for (int d = threadIdx.x; d < HEAD_DIM; d += NWARPS * 32) mine[2 + d] = block_acc(g, d);
+    }
     __threadfence();
     __syncthreads();
     __shared__ bool s_last;
@@ -640,29 +648,34 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32) attention(const Attent
     __syncthreads();
     if (!s_last) return;
     __threadfence();
-    // The merge, with the shares' loads spread over the threads (not one chain per thread):
-    // each share's weight exp(m_z - max) and rescaled sum, then the weighted sum per dim.
+    // The merge, head by head, with the shares' loads spread over the threads (not one chain
+    // per thread): each share's weight exp(m_z - max) and rescaled sum, then the weighted sum
+    // per dim.
     __shared__ float s_w[MAX_SPLITS], s_ls[MAX_SPLITS];
-    for (u32 z = threadIdx.x; z < active; z += NWARPS * 32) s_w[z] = __ldcg(parts + z * (2 + HEAD_DIM));
-    __syncthreads();
-    float m_max = NEG_INF;
-    for (u32 z = 0; z < active; ++z) m_max = fmaxf(m_max, s_w[z]);
-    __syncthreads();
-    for (u32 z = threadIdx.x; z < active; z += NWARPS * 32) {
-      const float* part = parts + z * (2 + HEAD_DIM);
-      const float mz = __ldcg(part);
-      const float fz = mz == NEG_INF ? 0.f : expf(mz - m_max);
-      s_w[z] = fz;
-      s_ls[z] = __ldcg(part + 1) * fz;
-    }
-    __syncthreads();
-    float l_sum = 0.f;
-    for (u32 z = 0; z < active; ++z) l_sum += s_ls[z];
-    for (int d = threadIdx.x; d < HEAD_DIM; d += NWARPS * 32) {
-      float o = 0.f;
+    for (int g = 0; g < GROUP; ++g) {
+      const float* head_parts = parts + g * part_len;
+      for (u32 z = threadIdx.x; z < active; z += NWARPS * 32) s_w[z] = __ldcg(head_parts + z * (2 + HEAD_DIM));
+      __syncthreads();
+      float m_max = NEG_INF;
+      for (u32 z = 0; z < active; ++z) m_max = fmaxf(m_max, s_w[z]);
+      __syncthreads();
+      for (u32 z = threadIdx.x; z < active; z += NWARPS * 32) {
+        const float* part = head_parts + z * (2 + HEAD_DIM);
+        const float mz = __ldcg(part);
+        const float fz = mz == NEG_INF ? 0.f : expf(mz - m_max);
+        s_w[z] = fz;
+        s_ls[z] = __ldcg(part + 1) * fz;
+      }
+      __syncthreads();
+      float l_sum = 0.f;
+      for (u32 z = 0; z < active; ++z) l_sum += s_ls[z];
+      for (int d = threadIdx.x; d < HEAD_DIM; d += NWARPS * 32) {
+        float o = 0.f;
 #pragma unroll 8
-      for (u32 z = 0; z < active; ++z) o += s_w[z] * __ldcg(parts + z * (2 + HEAD_DIM) + 2 + d);
-      store_output(p, qrow, d, o / l_sum);
+        for (u32 z = 0; z < active; ++z) o += s_w[z] * __ldcg(head_parts + z * (2 + HEAD_DIM) + 2 + d);
+        store_output(p, qrow + g * HEAD_DIM, d, o / l_sum);
+      }
+      __syncthreads();  // s_w and s_ls are the next head's
     }
     return;
   }
@@ -708,9 +721,10 @@ impl AttentionVariant {
         (1..=Self::MAX_GROUP.min(heads_per_kv)).rev().find(|g| heads_per_kv.is_multiple_of(*g)).unwrap_or(1)
     }
 
-    /// The one-token kernel with the K/V store and RoPE fused in (split-KV or not).
-    pub fn storing(head_dim: usize, kv: KvDtype, rope: RopeStyle, split: bool) -> Self {
-        AttentionVariant { store: Some(rope), ..Self::new(head_dim, kv, split) }
+    /// The one-token kernel with the K/V store and RoPE fused in (split-KV or not), `group`
+    /// query heads per block.
+    pub fn storing(head_dim: usize, kv: KvDtype, rope: RopeStyle, split: bool, group: usize) -> Self {
+        AttentionVariant { store: Some(rope), group: group as u32, ..Self::new(head_dim, kv, split) }
     }
 
     pub fn launch_config(&self, n_heads: usize, n_tokens: usize, splits: usize) -> LaunchConfig {
@@ -755,7 +769,7 @@ mod tests {
     fn macros_match_source() {
         crate::kernels::tests::assert_macros_match(StoreQkvVariant { kv: KvDtype::F32, head_dim: 64, rope: RopeStyle::Neox, paged: true });
         crate::kernels::tests::assert_macros_match(AttentionVariant::new(64, KvDtype::F16, true));
-        crate::kernels::tests::assert_macros_match(AttentionVariant::storing(128, KvDtype::F16, RopeStyle::Neox, true));
+        crate::kernels::tests::assert_macros_match(AttentionVariant::storing(128, KvDtype::F16, RopeStyle::Neox, true, 4));
         crate::kernels::tests::assert_macros_match(AttentionVariant::paged(128, KvDtype::F16, 4));
     }
 

@@ -234,7 +234,7 @@ pub fn store_and_attend(
         }
         None => 1,
     };
-    let variant = AttentionVariant::storing(cache.head_dim, cache.dtype, rope_style(rope), splits > 1);
+    let variant = AttentionVariant::storing(cache.head_dim, cache.dtype, rope_style(rope), splits > 1, attention_group(gpu, cfg.n_heads, cache.n_kv_heads));
     gpu.launch(&variant, "attention", variant.launch_config(cfg.n_heads, 1, splits), &params)
 }
 
@@ -381,16 +381,27 @@ pub fn attention_paged(
     params.row_seq = addr(gpu, paging.row_seq);
     params.max_blocks = paging.max_blocks as u32;
     params.block_size = paging.block_size as u32;
-    let group = if gpu.attention_groups() { AttentionVariant::group_for(cfg.n_heads / cache.n_kv_heads) } else { 1 };
-    let variant = AttentionVariant::paged(cache.head_dim, cache.dtype, group);
+    let variant = AttentionVariant::paged(cache.head_dim, cache.dtype, attention_group(gpu, cfg.n_heads, cache.n_kv_heads));
     gpu.launch(&variant, "attention", variant.launch_config(cfg.n_heads, n_tokens, 1), &params)
+}
+
+/// Query heads per block of the kernels that serve a KV group together ([`store_and_attend`],
+/// [`attention_paged`]): [`AttentionVariant::group_for`] of the heads per KV head, or 1 with
+/// `FERRITE_DISABLE_ATTENTION_GROUPS=1`. Their launch grids have `n_heads / group` blocks per
+/// token and key share (size the shares with [`attention_splits`] on that count).
+pub fn attention_group(gpu: &Gpu, n_heads: usize, n_kv_heads: usize) -> usize {
+    if gpu.attention_groups() && n_kv_heads > 0 && n_heads.is_multiple_of(n_kv_heads) {
+        AttentionVariant::group_for(n_heads / n_kv_heads)
+    } else {
+        1
+    }
 }
 
 /// Most key shares per query of [`attention_split`] (the kernel's `MAX_SPLITS`).
 pub const MAX_SPLITS: usize = 256;
 
-/// Key shares per query for split-KV decode attention: enough blocks to cover the device twice
-/// over, each share at least 128 of the cache's `max_seq` positions (the kernel also keeps 128
+/// Key shares per query for split-KV decode attention, for `n_heads` blocks per token (query
+/// heads, or head groups: [`attention_group`]): enough blocks to cover the device twice over, each share at least 128 of the cache's `max_seq` positions (the kernel also keeps 128
 /// keys per share at run time, a batch of 32 for each of its 4 warps, so short contexts use
 /// fewer shares). 1 (no split) for batches of more than 8 tokens (prefill has blocks enough)
 /// and caches of at most 256 positions.
