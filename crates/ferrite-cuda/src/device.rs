@@ -5,7 +5,7 @@ use crate::compile::{nvrtc_version, require_nvrtc, supported_archs};
 use crate::error::{Context, CudaError};
 use crate::kernels::common::{ERR_EXPERT_ID, ERR_POSITION, ERR_TOKEN_ID};
 use crate::kernels::KernelVariant;
-use crate::ops::{AttentionPath, GdnPath, LinearOptions, MoePath};
+use crate::ops::{AttentionGroups, AttentionPath, GdnPath, LinearOptions, MoePath};
 use crate::blas_lt::BlasLt;
 use cudarc::cublas::CudaBlas;
 use cudarc::driver::sys::{self, CUdevice_attribute};
@@ -86,9 +86,8 @@ pub struct GpuOptions {
     pub gdn_path: Option<GdnPath>,
     /// The attention kernel every batch takes (`None`: [`crate::ops::attention_path`] decides).
     pub attention_path: Option<AttentionPath>,
-    /// Let one attention block serve several query heads of a KV group where the kernel can
-    /// (paged batched steps), so they share its K/V loads.
-    pub attention_groups: bool,
+    /// Which attention kernels run a block per KV group's query heads, sharing its K/V loads.
+    pub attention_groups: AttentionGroups,
     /// The MoE expert path every batch takes (`None`: [`crate::ops::moe_plan`] decides).
     pub moe_path: Option<MoePath>,
 }
@@ -101,7 +100,7 @@ impl GpuOptions {
             dependent_launch: !env::DISABLE_CUDA_PDL.flag(),
             gdn_path: GdnPath::forced_by(env::CUDA_GDN_PATH.get().as_deref()),
             attention_path: AttentionPath::forced_by(env::CUDA_ATTENTION_PATH.get().as_deref()),
-            attention_groups: !env::DISABLE_ATTENTION_GROUPS.flag(),
+            attention_groups: AttentionGroups::from_env(),
             moe_path: MoePath::forced_by(env::CUDA_MOE_PATH.get().as_deref()),
         }
     }
@@ -127,7 +126,7 @@ pub struct Gpu {
     dependent_launch: bool,
     gdn_path: Option<GdnPath>,
     attention_path: Option<AttentionPath>,
-    attention_groups: bool,
+    attention_groups: AttentionGroups,
     moe_path: Option<MoePath>,
     props: DeviceProps,
     stream: Arc<CudaStream>,
@@ -238,8 +237,8 @@ impl Gpu {
         self.attention_path
     }
 
-    /// Whether attention blocks may serve several query heads of a KV group (`FERRITE_DISABLE_ATTENTION_GROUPS`).
-    pub fn attention_groups(&self) -> bool {
+    /// Which attention kernels serve a KV group's query heads per block (`FERRITE_CUDA_ATTENTION_GROUPS`).
+    pub fn attention_groups(&self) -> AttentionGroups {
         self.attention_groups
     }
 

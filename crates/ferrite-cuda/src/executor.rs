@@ -325,7 +325,7 @@ impl CudaExecutor {
         let gdn = gdn_shapes.into_iter().map(|(l, shape)| GdnState::new(&gpu, shape).map(|st| (l, st))).collect::<Result<_, _>>()?;
         let split_attention = env::SPLIT_ATTENTION.flag();
         // One-token steps run the fused store + attention kernel, a block per group of query heads.
-        let group = ops::attention_group(&gpu, cfg.n_heads, cfg.n_kv_heads);
+        let group = ops::attention_group(&gpu, cfg.n_heads, cfg.n_kv_heads, true);
         let attention_splits: Vec<usize> = (0..=max_batch)
             .map(|n| {
                 let blocks = if n == 1 { cfg.n_heads / group } else { cfg.n_heads };

@@ -1045,6 +1045,13 @@ fn store_qkv_rotates_like_rope() {
 #[test]
 fn store_and_attend_matches_store_then_attention() {
     let Some(gpu) = gpu() else { return };
+    // A block per query head, and (FERRITE_CUDA_ATTENTION_GROUPS=all) per KV group's heads.
+    for gpu in [gpu, grouped_gpu()] {
+        store_and_attend_matches_store_then_attention_on(gpu);
+    }
+}
+
+fn store_and_attend_matches_store_then_attention_on(gpu: &Gpu) {
     let mut rng = Rng(19);
     // (rope: neox / rot_dim, query heads, KV heads, head_dim, KV type, window, softcap)
     let cases = [
@@ -1091,6 +1098,13 @@ fn store_and_attend_matches_store_then_attention() {
 #[test]
 fn split_store_and_attend_matches_one_block() {
     let Some(gpu) = gpu() else { return };
+    // A block per query head, and (FERRITE_CUDA_ATTENTION_GROUPS=all) per KV group's heads.
+    for gpu in [gpu, grouped_gpu()] {
+        split_store_and_attend_matches_one_block_on(gpu);
+    }
+}
+
+fn split_store_and_attend_matches_one_block_on(gpu: &Gpu) {
     let mut rng = Rng(23);
     // (query heads, KV heads, head_dim, KV type, window, prefill length, shares)
     let cases = [(9, 3, 64, KvDtype::F16, None, 0, 30), (8, 2, 128, KvDtype::F32, None, 600, 9), (4, 4, 256, KvDtype::F16, Some(300), 520, 4)];
@@ -1122,6 +1136,13 @@ fn split_store_and_attend_matches_one_block() {
         }
         assert_eq!(split.download(gpu).unwrap(), one.download(gpu).unwrap(), "cache rows written by the split kernel");
     }
+}
+
+/// A second device handle whose one-token decode kernel also runs a block per KV group's query
+/// heads (`FERRITE_CUDA_ATTENTION_GROUPS=all`), so the op tests cover both kernels.
+fn grouped_gpu() -> &'static Gpu {
+    static GPU: OnceLock<Gpu> = OnceLock::new();
+    GPU.get_or_init(|| Gpu::with_options(0, GpuOptions { attention_groups: ops::AttentionGroups::All, ..GpuOptions::from_env() }).expect("open GPU"))
 }
 
 /// A batch of sequences on a paged cache (blocks handed out in a scrambled order) against each

@@ -234,7 +234,7 @@ pub fn store_and_attend(
         }
         None => 1,
     };
-    let variant = AttentionVariant::storing(cache.head_dim, cache.dtype, rope_style(rope), splits > 1, attention_group(gpu, cfg.n_heads, cache.n_kv_heads));
+    let variant = AttentionVariant::storing(cache.head_dim, cache.dtype, rope_style(rope), splits > 1, attention_group(gpu, cfg.n_heads, cache.n_kv_heads, true));
     gpu.launch(&variant, "attention", variant.launch_config(cfg.n_heads, 1, splits), &params)
 }
 
@@ -306,6 +306,30 @@ pub fn attention_on(
             let variant = AttentionVariant::new(cache.head_dim, cache.dtype, false);
             gpu.launch(&variant, "attention", variant.launch_config(cfg.n_heads, n_tokens, 1), &params)
         }
+    }
+}
+
+/// Which attention kernels run a block per KV group's query heads (`FERRITE_CUDA_ATTENTION_GROUPS`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AttentionGroups {
+    /// A block per query head everywhere.
+    Off,
+    /// The paged kernel of batched steps (the default).
+    Paged,
+    /// Also the fused one-token decode kernel ([`store_and_attend`]): faster deep in a context,
+    /// slower at short ones (fewer, busier blocks on the step's critical path).
+    All,
+}
+
+impl AttentionGroups {
+    /// `FERRITE_CUDA_ATTENTION_GROUPS`; an unknown value is reported on stderr and means `paged`.
+    pub fn from_env() -> Self {
+        let choices = [("off", AttentionGroups::Off), ("paged", AttentionGroups::Paged), ("all", AttentionGroups::All)];
+        let value = env::CUDA_ATTENTION_GROUPS.get().unwrap_or_else(|| env::CUDA_ATTENTION_GROUPS.default.to_string()).to_ascii_lowercase();
+        choices.iter().find(|(name, _)| *name == value).map(|&(_, g)| g).unwrap_or_else(|| {
+            eprintln!("warning: {}={value:?} is not off, paged or all; using paged", env::CUDA_ATTENTION_GROUPS.name);
+            AttentionGroups::Paged
+        })
     }
 }
 
@@ -381,16 +405,22 @@ pub fn attention_paged(
     params.row_seq = addr(gpu, paging.row_seq);
     params.max_blocks = paging.max_blocks as u32;
     params.block_size = paging.block_size as u32;
-    let variant = AttentionVariant::paged(cache.head_dim, cache.dtype, attention_group(gpu, cfg.n_heads, cache.n_kv_heads));
+    let variant = AttentionVariant::paged(cache.head_dim, cache.dtype, attention_group(gpu, cfg.n_heads, cache.n_kv_heads, false));
     gpu.launch(&variant, "attention", variant.launch_config(cfg.n_heads, n_tokens, 1), &params)
 }
 
-/// Query heads per block of the kernels that serve a KV group together ([`store_and_attend`],
-/// [`attention_paged`]): [`AttentionVariant::group_for`] of the heads per KV head, or 1 with
-/// `FERRITE_DISABLE_ATTENTION_GROUPS=1`. Their launch grids have `n_heads / group` blocks per
-/// token and key share (size the shares with [`attention_splits`] on that count).
-pub fn attention_group(gpu: &Gpu, n_heads: usize, n_kv_heads: usize) -> usize {
-    if gpu.attention_groups() && n_kv_heads > 0 && n_heads.is_multiple_of(n_kv_heads) {
+/// Query heads per block of the kernels that can serve a KV group together: the paged kernel
+/// (`decode_step` false) and the fused one-token decode kernel ([`store_and_attend`], `decode_step`
+/// true), as [`AttentionGroups`] allows: [`AttentionVariant::group_for`] of the heads per KV
+/// head, else 1. Their launch grids have `n_heads / group` blocks per token and key share (size
+/// the shares with [`attention_splits`] on that count).
+pub fn attention_group(gpu: &Gpu, n_heads: usize, n_kv_heads: usize, decode_step: bool) -> usize {
+    let allowed = match gpu.attention_groups() {
+        AttentionGroups::Off => false,
+        AttentionGroups::Paged => !decode_step,
+        AttentionGroups::All => true,
+    };
+    if allowed && n_kv_heads > 0 && n_heads.is_multiple_of(n_kv_heads) {
         AttentionVariant::group_for(n_heads / n_kv_heads)
     } else {
         1
