@@ -462,8 +462,8 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32) attention(const Attent
 #if STORE
   // One decode token with its K/V store fused in: the block rotates its Q heads and their
   // group's new K row and reads the new V row from q | k | v itself (rounded as the cache stores
-  // them), and the block of the group's first head writes them to cache row pos. The new key is folded in after the
-  // cached ones, so no block reads a row that another block is writing.
+  // them), and the block of the group's first head writes them to cache row pos. The new key is
+  // folded in after the cached ones, so no block reads a row that another block is writing.
   __shared__ __align__(16) float s_k[HEAD_DIM], s_v[HEAD_DIM];
   {
     const float* src = reinterpret_cast<const float*>(p.qkv);
