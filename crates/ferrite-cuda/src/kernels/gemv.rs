@@ -761,11 +761,14 @@ impl GemvQ8Variant {
     /// 1B output 2.5 -> 2.3 us, 1B down 5.7 -> 5.6 us; 8B output unchanged).
     pub fn split_k(self, rows: usize, cols: usize, n_tokens: usize, sm_count: u32) -> Self {
         let blocks = rows.div_ceil(self.rows_per_block()) * n_tokens.max(1).div_ceil(self.ntok as usize);
-        let one_unit = blocks <= sm_count as usize && self.emit > 0 && self.glu == 0 && self.ntok == 1 && Self::unit_budget(self.wtype) == 8;
+        if blocks > sm_count as usize {
+            return GemvQ8Variant { k_split: 1, ..self };
+        }
+        let one_unit = self.emit > 0 && self.glu == 0 && self.ntok == 1 && Self::unit_budget(self.wtype) == 8;
         let (v, max_threads) = if one_unit { (GemvQ8Variant { unroll: 1, ..self }, Self::MAX_SPLIT_THREADS_ONE_UNIT) } else { (self, Self::MAX_SPLIT_THREADS) };
         let batches = (cols / 32).div_ceil((v.tpr * v.unroll) as usize);
         let mut k_split = 1;
-        while blocks <= sm_count as usize && k_split * 2 <= 4 && batches >= k_split * 2 && v.nwarps * 32 * (k_split as u32) * 2 <= max_threads {
+        while k_split * 2 <= 4 && batches >= k_split * 2 && v.nwarps * 32 * (k_split as u32) * 2 <= max_threads {
             k_split *= 2;
         }
         GemvQ8Variant { k_split: k_split as u32, ..v }

@@ -322,14 +322,11 @@ pub enum AttentionGroups {
 }
 
 impl AttentionGroups {
-    /// `FERRITE_CUDA_ATTENTION_GROUPS`; an unknown value is reported on stderr and means `paged`.
+    /// `FERRITE_CUDA_ATTENTION_GROUPS`; unset, `auto` or an unknown value (reported on stderr)
+    /// is the default, `paged`.
     pub fn from_env() -> Self {
         let choices = [("off", AttentionGroups::Off), ("paged", AttentionGroups::Paged), ("all", AttentionGroups::All)];
-        let value = env::CUDA_ATTENTION_GROUPS.get().unwrap_or_else(|| env::CUDA_ATTENTION_GROUPS.default.to_string()).to_ascii_lowercase();
-        choices.iter().find(|(name, _)| *name == value).map(|&(_, g)| g).unwrap_or_else(|| {
-            eprintln!("warning: {}={value:?} is not off, paged or all; using paged", env::CUDA_ATTENTION_GROUPS.name);
-            AttentionGroups::Paged
-        })
+        super::forced_path(&env::CUDA_ATTENTION_GROUPS, env::CUDA_ATTENTION_GROUPS.get().as_deref(), &choices).unwrap_or(AttentionGroups::Paged)
     }
 }
 
@@ -431,7 +428,8 @@ pub fn attention_group(gpu: &Gpu, n_heads: usize, n_kv_heads: usize, decode_step
 pub const MAX_SPLITS: usize = 256;
 
 /// Key shares per query for split-KV decode attention, for `n_heads` blocks per token (query
-/// heads, or head groups: [`attention_group`]): enough blocks to cover the device twice over, each share at least 128 of the cache's `max_seq` positions (the kernel also keeps 128
+/// heads, or head groups: [`attention_group`]): enough blocks to cover the device twice over,
+/// each share at least 128 of the cache's `max_seq` positions (the kernel also keeps 128
 /// keys per share at run time, a batch of 32 for each of its 4 warps, so short contexts use
 /// fewer shares). 1 (no split) for batches of more than 8 tokens (prefill has blocks enough)
 /// and caches of at most 256 positions.
