@@ -5,7 +5,7 @@
 //!   cargo run -p ferrite-cuda --release --example kernel_bench [SECTION ...]
 //!   (or the binary from scripts/gpu-build.sh, on the GPU machine: .device/kernel_bench)
 //!
-//! Sections: gemv, decode, chain, prefill, batched, tilings, attention, gdn, moe, sampling (default: all).
+//! Sections: gemv, decode, chain, prefill, batched, tilings, mma64, attention, gdn, moe, sampling (default: all).
 
 use ferrite_cuda::kernels::gdn::{GdnChunkVariant, GdnDeltaVariant};
 use ferrite_cuda::kernels::gemm::GemmMmaVariant;
@@ -44,13 +44,14 @@ fn main() -> Result<(), CudaError> {
     );
     // `kernel_bench [SECTION ...]` runs only the named sections.
     let wanted: Vec<String> = std::env::args().skip(1).collect();
-    let sections: [(&str, Section); 10] = [
+    let sections: [(&str, Section); 11] = [
         ("gemv", gemv),
         ("decode", decode),
         ("chain", chain),
         ("prefill", prefill),
         ("batched", batched),
         ("tilings", tilings),
+        ("mma64", mma64),
         ("attention", attention),
         ("gdn", gdn),
         ("moe", moe),
@@ -263,7 +264,7 @@ fn batched(gpu: &Gpu) -> Result<(), CudaError> {
 fn tilings(gpu: &Gpu) -> Result<(), CudaError> {
     // Tilings of the small-batch GEMM (m-tiles per warp, weight chunks in flight, activation
     // stages) on the 8B QKV, gate/up and down shapes; the first line of each shape is the default.
-    println!("\nsmall-batch GEMM tilings, Q4_0: us per call (nt mt depth stages o blocks per SM: registers, spilled bytes)");
+    println!("\nsmall-batch GEMM tilings, Q4_0: us per call ([wg: wgmma] nt mt depth stages o blocks per SM: registers, spilled bytes)");
     for (rows, cols) in [(6144usize, 4096usize), (28672, 4096), (4096, 14336)] {
         let values: Vec<f32> = (0..rows * cols).map(|i| ((i * 7919) % 2001) as f32 / 1000.0 - 1.0).collect();
         let w = gpu.upload_weight(GgmlType::Q4_0, rows, cols, &quantize(GgmlType::Q4_0, &values).expect("quantize"))?;
@@ -274,19 +275,59 @@ fn tilings(gpu: &Gpu) -> Result<(), CudaError> {
             let mut line = format!("  {rows}x{cols} n={n:<3}");
             // (n-tiles, m-tiles, depth, stages, blocks per SM); narrower n-tiles than the batch
             // mean several token blocks per row block.
-            let tilings = [(base.nt, base.mt, base.depth, base.stages, base.occupancy), (2, 2, 2, 2, 4), (2, 1, 2, 2, 4), (4, 2, 2, 2, 3), (4, 2, 2, 2, 4), (4, 1, 2, 2, 4), (8, 2, 2, 2, 2)];
-            for (nt, mt, depth, stages, occupancy) in tilings {
-                if nt as usize * 8 > n.next_power_of_two().max(16) {
+            // (.., wgmma k-steps per group, 0: mma.sync): warpgroup MMAs need 3 stages and an
+            // sm_90 device.
+            let wgmma = gpu.compute_capability() == (9, 0);
+            let tilings = [
+                (base.nt, base.mt, base.depth, base.stages, base.occupancy, base.wgmma),
+                (2, 2, 2, 2, 4, 0),
+                (4, 1, 2, 2, 4, 0),
+                (8, 2, 2, 2, 2, 0),
+                (2, 2, 2, 4, 4, 4),
+                (2, 1, 2, 4, 4, 8),
+                (4, 2, 2, 4, 3, 4),
+                (4, 1, 2, 4, 4, 8),
+                (8, 1, 2, 4, 3, 8),
+                (8, 1, 1, 4, 4, 8),
+                (8, 2, 2, 3, 2, 4),
+                (8, 2, 2, 4, 2, 4),
+                (8, 2, 1, 4, 2, 8),
+                (8, 2, 2, 6, 2, 8),
+            ];
+            for (nt, mt, depth, stages, occupancy, wg) in tilings {
+                if nt as usize * 8 > n.next_power_of_two().max(16) || (wg > 0 && !wgmma) {
                     continue;
                 }
-                let v = GemmMmaVariant { nt, mt, depth, stages, occupancy, ..base };
+                let v = GemmMmaVariant { nt, mt, depth, stages, occupancy, wgmma: wg, ..base };
                 let info = gpu.kernel_info(&v)?.into_iter().find(|i| i.name == "gemm_mma");
                 let s = time(gpu, 20, || ops::linear_mma(gpu, &w, &x, n, &mut out, v))?;
                 let (regs, local) = info.map_or((0, 0), |i| (i.registers, i.local_bytes));
-                line += &format!(" | {nt}{mt}{depth}{stages}o{occupancy}: {:.1} ({regs}r {local}B)", s * 1e6);
+                let kind = if wg > 0 { format!("wg{wg}:") } else { String::new() };
+                line += &format!(" | {kind}{nt}{mt}{depth}{stages}o{occupancy}: {:.1} ({regs}r {local}B)", s * 1e6);
             }
             println!("{line}");
         }
+    }
+    Ok(())
+}
+
+fn mma64(gpu: &Gpu) -> Result<(), CudaError> {
+    // Two launches (warm-up, then one to profile) of each small-batch GEMM kernel kind on the 8B
+    // gate/up shape at 64 tokens: the dispatcher's tiling and the warpgroup-MMA one. For Nsight
+    // Compute: `ncu -k regex:gemm_mma --launch-skip 1 --launch-count 3 kernel_bench mma64`
+    // profiles the second launch of each.
+    let (rows, cols, n) = (28672usize, 4096usize, 64usize);
+    let values: Vec<f32> = (0..rows * cols).map(|i| ((i * 7919) % 2001) as f32 / 1000.0 - 1.0).collect();
+    let w = gpu.upload_weight(GgmlType::Q4_0, rows, cols, &quantize(GgmlType::Q4_0, &values).expect("quantize"))?;
+    let x = gpu.upload(&vec![0.5f32; n * cols], "x")?;
+    let mut out = gpu.alloc_zeros::<f32>(n * rows)?;
+    let base = GemmMmaVariant::for_shape(GgmlType::Q4_0, n, true);
+    for v in [base, GemmMmaVariant { stages: 3, wgmma: 4, ..base }] {
+        for _ in 0..2 {
+            ops::linear_mma(gpu, &w, &x, n, &mut out, v)?;
+        }
+        gpu.synchronize()?;
+        println!("{v:?}: launched twice");
     }
     Ok(())
 }

@@ -155,11 +155,13 @@ fn verify(bytes: &[u8], key: &CacheKey) -> Result<(), String> {
     Ok(())
 }
 
-/// NVRTC flags for a variant: the target arch (`sm_90`), then the sorted macro set.
+/// NVRTC flags for a variant: the target arch (`sm_90`, or `sm_90a` for an arch-specific
+/// variant), then the sorted macro set.
 pub(crate) fn nvrtc_options<V: KernelVariant>(variant: &V, arch: &str) -> Vec<String> {
     let mut macros = variant.macros();
     macros.sort();
-    let mut opts = vec![format!("--gpu-architecture={arch}"), "-std=c++17".to_string()];
+    let suffix = if variant.arch_specific() { "a" } else { "" };
+    let mut opts = vec![format!("--gpu-architecture={arch}{suffix}"), "-std=c++17".to_string()];
     opts.extend(macros.into_iter().map(|(name, value)| format!("-D{name}={value}")));
     opts
 }

@@ -179,7 +179,8 @@ impl Gpu {
             error_flag: Mutex::new(error_flag),
             error_flag_ptr,
             scratch: Mutex::new(None),
-            linear: options.linear,
+            // Warpgroup MMAs are sm_90 (Hopper) instructions.
+            linear: LinearOptions { wgmma: options.linear.wgmma && (major, minor) == (9, 0), ..options.linear },
             dependent_launch: options.dependent_launch && major >= 9,
             gdn_path: options.gdn_path,
             attention_path: options.attention_path,
@@ -331,6 +332,12 @@ impl Gpu {
         let what = || {
             format!("launching {}::{entry} ({variant:?}, grid {:?}, block {:?})", V::FAMILY, cfg.grid_dim, cfg.block_dim)
         };
+        // A block gets more than 48 KiB of dynamic shared memory only once the function allows it.
+        if cfg.shared_mem_bytes > 48 * 1024 {
+            function
+                .set_attribute(sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, cfg.shared_mem_bytes as i32)
+                .context(what)?;
+        }
         if !self.dependent_launch {
             let mut builder = self.stream.launch_builder(function);
             builder.arg(params);

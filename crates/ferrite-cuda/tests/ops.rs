@@ -341,8 +341,8 @@ fn check_linear_run(
     // round each product by up to 2^-11 (f16) or 2^-8 (bf16) twice; int8 activations are off
     // by at most half a step of their block (see `q8_bound`).
     let rtol = match plan {
-        LinearPlan::Gemm { precision: Precision::F16, .. } | LinearPlan::Mma { precision: Precision::F16 } => 2e-3,
-        LinearPlan::Gemm { precision: Precision::BF16, .. } | LinearPlan::Mma { precision: Precision::BF16 } => 1.6e-2,
+        LinearPlan::Gemm { precision: Precision::F16, .. } | LinearPlan::Mma { precision: Precision::F16, .. } => 2e-3,
+        LinearPlan::Gemm { precision: Precision::BF16, .. } | LinearPlan::Mma { precision: Precision::BF16, .. } => 1.6e-2,
         _ => 2e-5,
     };
     let step = q8_steps(&x, cols);
@@ -356,7 +356,7 @@ fn check_linear_run(
         LinearPlan::Gemv => "gemv".to_string(),
         LinearPlan::GemvQ8 => "gemv q8".to_string(),
         LinearPlan::Gemm { precision, .. } => format!("gemm {precision:?}"),
-        LinearPlan::Mma { precision } => format!("mma {precision:?}"),
+        LinearPlan::Mma { precision, wgmma } => format!("mma {precision:?}{}", if wgmma { " wgmma" } else { "" }),
     };
     check("linear", format!("{dtype} {rows}x{cols} n={n_tokens} {path} {tag}").trim_end(), &download(gpu, &out), &want, bound);
 }
@@ -448,18 +448,37 @@ fn small_batch_gemm_matches_cpu_for_every_quantized_type() {
         let (rows, cols, n) = (200, 1280, 40);
         for (mt, depth, stages, occupancy) in [(1, 1, 2, 8), (1, 4, 3, 4), (2, 3, 3, 3), (2, 2, 2, 2)] {
             let v = GemmMmaVariant { mt, depth, stages, occupancy, ..GemmMmaVariant::for_shape(dtype, n, true) };
-            let run = |w: &ferrite_cuda::DeviceWeight, x: &CudaSlice<f32>, out: &mut CudaSlice<f32>| {
-                ops::linear_mma(gpu, w, x, n, out, v).unwrap();
-                LinearPlan::Mma { precision: Precision::BF16 }
-            };
-            let tag = format!("mt{mt} depth{depth} stages{stages} x{occupancy}/SM");
-            check_linear_run(gpu, &mut rng, dtype, (rows, cols, n), &tag, run, is_mma);
+            check_mma_tiling(gpu, &mut rng, dtype, (rows, cols, n), v);
         }
+    }
+    // Warpgroup MMAs (sm_90 only): each n-tiling, one and two m-tiles, f16, K slices and partial
+    // row blocks (200 and 1000 rows of 64-row tiles) and token tiles.
+    if gpu.compute_capability() == (9, 0) {
+        for dtype in [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q8_0, GgmlType::Q4_K, GgmlType::Q6_K] {
+            // (.., k-steps per commit group)
+            for (rows, cols, n, mt, bf16, steps) in [(200, 1280, 40, 1, true, 1), (1000, 4096, 64, 2, true, 8), (300, 2048, 13, 2, false, 2), (130, 512, 30, 1, true, 4)] {
+                let v = GemmMmaVariant { wgmma: steps, stages: 3, mt, ..GemmMmaVariant::for_shape(dtype, n, bf16) };
+                check_mma_tiling(gpu, &mut rng, dtype, (rows, cols, n), v);
+            }
+        }
+    } else {
+        let _ = writeln!(std::io::stderr(), "skipped: wgmma tilings need an sm_90 device");
     }
     check_linear(gpu, &mut rng, GgmlType::Q4_0, 300, 512, 65, &bf16, is_gemm);
     check_linear(gpu, &mut rng, GgmlType::BF16, 300, 512, 20, &bf16, is_gemm);
     check_linear(gpu, &mut rng, GgmlType::Q4_0, 300, 512, 20, &LinearOptions { precision: Precision::F32, ..bf16 }, is_gemm);
     check_linear(gpu, &mut rng, GgmlType::Q4_0, 300, 512, 20, &LinearOptions { mma_max_tokens: 0, ..bf16 }, is_gemm);
+}
+
+/// One tiling of the small-batch GEMM against the CPU, through `linear_mma`.
+fn check_mma_tiling(gpu: &Gpu, rng: &mut Rng, dtype: GgmlType, shape: (usize, usize, usize), v: ferrite_cuda::kernels::gemm::GemmMmaVariant) {
+    let precision = if v.bf16 { Precision::BF16 } else { Precision::F16 };
+    let run = |w: &ferrite_cuda::DeviceWeight, x: &CudaSlice<f32>, out: &mut CudaSlice<f32>| {
+        ops::linear_mma(gpu, w, x, shape.2, out, v).unwrap();
+        LinearPlan::Mma { precision, wgmma: v.wgmma > 0 }
+    };
+    let tag = format!("{v:?}");
+    check_linear_run(gpu, rng, dtype, shape, &tag, run, |p| matches!(p, LinearPlan::Mma { .. }));
 }
 
 /// The fused int8 path of a norm-folded projection with bias and residual, writing a column
@@ -688,8 +707,9 @@ fn expanded_weights_feed_the_gemm_unchanged() {
         assert!(matches!(f32_plan, LinearPlan::Gemm { dequantize_weight: true, .. }), "{dtype}: an f32 GEMM cannot read the bf16 copy");
         if dtype == GgmlType::Q4_0 {
             // Up to 32 tokens the small-batch GEMM on the packed weight stays; above, cuBLAS on
-            // the copy takes the batch.
-            assert_eq!(packed_plan, LinearPlan::Mma { precision: Precision::BF16 });
+            // the copy takes the batch (576 columns are no whole 128-column chunks, so the
+            // warpgroup-MMA kernel does not).
+            assert_eq!(packed_plan, LinearPlan::Mma { precision: Precision::BF16, wgmma: false });
             assert_eq!(auto_plan(&w), packed_plan, "{dtype}: {n} tokens should stay on the packed weight");
             let m = ops::MMA_OVER_RESIDENT_MAX_TOKENS + 1;
             let plan = ops::linear_with(gpu, &w, &upload(gpu, &rng.vec(m * cols, -2.0, 2.0)), m, &mut poisoned(gpu, m * rows), &LinearOptions::default()).unwrap();
@@ -2720,6 +2740,11 @@ fn every_kernel_variant_compiles_for_sm90() {
             // The deepest tilings of the small-batch GEMM op test and kernel_bench.
             let v = GemmMmaVariant { mt: 1, depth: 4, stages: 4, occupancy: 8, ..GemmMmaVariant::for_shape(dtype, 16, true) };
             check(format!("{v:?}"), compile_variant(&v, "sm_90"));
+            // Warpgroup MMAs (sm_90a), every n-tiling.
+            for (n, bf16) in [(16, true), (32, false), (64, true)] {
+                let v = GemmMmaVariant { wgmma: 4, stages: 3, ..GemmMmaVariant::for_shape(dtype, n, bf16) };
+                check(format!("{v:?}"), compile_variant(&v, "sm_90"));
+            }
             // Short rows (warp-level reduction), long rows (block-level), token tiles, epilogues.
             for (rows, cols, n, residual, bias) in
                 [(960, 576, 1, false, true), (4096, 14336, 1, true, false), (4096, 4096, 3, true, true), (300, 2048, 8, false, false)]

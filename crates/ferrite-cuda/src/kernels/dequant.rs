@@ -23,6 +23,52 @@ impl OutType {
     }
 }
 
+/// The column order of a GEMM input row as `convert_f32` and `rms_norm` write it (`order`): as
+/// is, or the order `gemm_mma` pairs its decoded weights in, per MMA instruction.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum MmaOrder {
+    Natural,
+    /// `mma.sync`: the middle two of every four values swapped (rows of whole fours).
+    Pairs,
+    /// `wgmma`: each 128 values permuted into k-step order and tiled by blocks of
+    /// `tile_tokens` rows as the kernel's shared-memory stage (rows of whole 128s; the buffer
+    /// holds whole tiles).
+    Wgmma { tile_tokens: usize },
+}
+
+impl MmaOrder {
+    /// The kernels' `order` code.
+    pub fn code(self) -> u32 {
+        match self {
+            MmaOrder::Natural => 0,
+            MmaOrder::Pairs => 1,
+            MmaOrder::Wgmma { .. } => 2,
+        }
+    }
+
+    /// Rows per tile (1 unless tiled).
+    pub fn tile_tokens(self) -> u32 {
+        match self {
+            MmaOrder::Wgmma { tile_tokens } => tile_tokens as u32,
+            _ => 1,
+        }
+    }
+
+    /// The row lengths the order is defined for.
+    pub fn row_multiple(self) -> usize {
+        match self {
+            MmaOrder::Natural => 1,
+            MmaOrder::Pairs => 4,
+            MmaOrder::Wgmma { .. } => 128,
+        }
+    }
+
+    /// Rows a buffer of `n` rows in this layout spans (whole tiles).
+    pub fn padded_rows(self, n: usize) -> usize {
+        n.next_multiple_of(self.tile_tokens() as usize)
+    }
+}
+
 /// Device code: decode row `row` of a weight, calling `store(column, value)` for each value.
 /// Threads `tid` of `nthreads` split the row (by element for float types, by unit otherwise).
 pub const ROW: &str = r#"
@@ -43,7 +89,7 @@ __device__ __forceinline__ void dequant_row(const WeightRef& w, i64 row, int tid
 "#;
 
 /// Device code: `store_out` / `store_out4` write values as `OUT_TYPE` (also the norm's output);
-/// `pair_order` places them in `gemm_mma`'s pair order.
+/// `mma_index` places them in the layout `gemm_mma` reads.
 pub(super) const STORE: &str = r#"
 #ifndef OUT_TYPE
 #error "OUT_TYPE (0 f32, 1 f16, 2 bf16) must come from the kernel variant"
@@ -64,8 +110,20 @@ __device__ __forceinline__ void store_out(u64 out, i64 i, float v) {
 #error "OUT_TYPE must be 0, 1 or 2"
 #endif
 }
-// Where value i goes in `gemm_mma`'s pair order: the middle two of every four swapped.
-__device__ __forceinline__ i64 pair_order(i64 i) { return (i & ~3ll) | ((i & 1) << 1) | ((i >> 1) & 1); }
+// Where value i of row `tok` (of `cols`) goes in the layout `gemm_mma` reads (`MmaOrder`):
+// 0 row-major; 1 (mma.sync) row-major with the middle two of every four swapped; 2 (wgmma)
+// within each 128 columns, value 4s + r of unit t (32 values) at k = 16 s + 8 (r & 1) + 2 t +
+// (r >> 1) (k-step s pairs lane t's weights (4s, 4s + 2) and (4s + 1, 4s + 3) with these), and
+// tiled: per block of `tile` rows and 128-column chunk, 8-value groups k / 8 outermost, then
+// rows (the staged image of the wgmma kernel's shared memory).
+__device__ __forceinline__ i64 mma_index(i64 tok, i64 i, u32 cols, u32 order, u32 tile) {
+  if (order == 1) return tok * cols + ((i & ~3ll) | ((i & 1) << 1) | ((i >> 1) & 1));
+  if (order == 2) {
+    const i64 k = (((i >> 2) & 7) << 4) | ((i & 1) << 3) | (((i >> 5) & 3) << 1) | ((i >> 1) & 1);
+    return ((((tok / tile) * (cols / 128) + (i >> 7)) * 16 + (k >> 3)) * tile + tok % tile) * 8 + (k & 7);
+  }
+  return tok * cols + i;
+}
 // Values i .. i + 3 (i % 4 == 0) in one store: 16 bytes of f32 or 8 of f16/bf16.
 __device__ __forceinline__ void store_out4(u64 out, i64 i, float4 v) {
 #if OUT_TYPE == 0
@@ -167,9 +225,11 @@ device_params! {
         pub src: u64,
         pub dst: u64,
         pub n: u64,
-        /// 1: swap the middle two of every four values (`n % 4 == 0`), the order `gemm_mma`
-        /// pairs its weights in; 0: keep the order.
-        pub interleave: u32,
+        /// [`MmaOrder`] of the output (`n` a multiple of 4; for `Wgmma`, rows of whole 128s).
+        pub order: u32,
+        /// Row length and rows per tile of the `Wgmma` layout.
+        pub cols: u32,
+        pub tile_tokens: u32,
         pub pad: u32,
     }
 }
@@ -179,13 +239,13 @@ extern "C" __global__ void convert_f32(const ConvertParams p) {
   KERNEL_ENTRY();
   const float* src = reinterpret_cast<const float*>(p.src);
   const i64 first = (i64)blockIdx.x * blockDim.x + threadIdx.x, stride = (i64)gridDim.x * blockDim.x;
-  // Four values per step (one 16-byte load, one store) where the addresses allow it; the
-  // interleave then swaps the middle two of the four in registers.
-  const bool vec = ((p.src | p.dst) & (OUT_TYPE == 0 ? 15 : 7)) == 0;
+  // Four values per step (one 16-byte load, one store) where the addresses allow it; the pair
+  // order swaps the middle two of the four in registers, the wgmma order stores two pairs.
+  const bool vec = p.order != 2 && ((p.src | p.dst) & (OUT_TYPE == 0 ? 15 : 7)) == 0;
   const i64 done = vec ? (i64)(p.n & ~3ull) : 0;
   for (i64 g = first; g < done / 4; g += stride) {
     float4 v = reinterpret_cast<const float4*>(src)[g];
-    if (p.interleave) {
+    if (p.order == 1) {
       const float t = v.y;
       v.y = v.z;
       v.z = t;
@@ -193,7 +253,7 @@ extern "C" __global__ void convert_f32(const ConvertParams p) {
     store_out4(p.dst, 4 * g, v);
   }
   for (i64 i = done + first; i < (i64)p.n; i += stride)
-    store_out(p.dst, p.interleave ? pair_order(i) : i, src[i]);
+    store_out(p.dst, p.order == 2 ? mma_index(i / p.cols, i % p.cols, p.cols, 2, p.tile_tokens) : mma_index(0, i, 0, p.order, 1), src[i]);
 }
 "#;
 

@@ -29,6 +29,7 @@
 //! order (deterministic).
 
 use super::common::{HEADER, QUANT};
+use super::dequant::MmaOrder;
 use super::{blocks_for, device_params, KernelVariant};
 use cudarc::driver::LaunchConfig;
 use ferrite_gguf::GgmlType;
@@ -85,11 +86,27 @@ const SOURCE: &str = r#"
 #ifndef MIN_BLOCKS
 #error "MIN_BLOCKS (blocks per SM the registers must allow) must come from the kernel variant"
 #endif
+#ifndef WGMMA
+#error "WGMMA (0: mma.sync; 1, 2, 4, 8: warpgroup MMAs, sm_90a, k-steps per commit group) must come from the kernel variant"
+#endif
 #if IS_FLOAT
 #error "gemm_mma decodes packed quantized weights; float weights go to cuBLAS"
 #endif
 #define NWARPS 4
 #define BM (NWARPS * MT * 16)     // weight rows per block
+// Rows of a warp's m-tile m: WARP_ROW0 * warp + MTILE_ROWS * m + (g, g + 8). With mma.sync a warp
+// owns MT consecutive 16-row tiles; with wgmma the block's warpgroup owns MT 64-row tiles, 16
+// rows of each per warp.
+#if WGMMA
+#define WARP_ROW0 16
+#define MTILE_ROWS 64
+#else
+#define WARP_ROW0 (MT * 16)
+#define MTILE_ROWS 16
+#endif
+// Activation chunks staged ahead. wgmma reads a stage asynchronously, so the stage a chunk
+// overwrites must be that of two chunks back, whose MMAs have all retired.
+#define AHEAD (STAGES - 1 - (WGMMA > 0))
 #define KC 128                    // columns per chunk: one 32-weight unit per lane t of a row
 #define XROW (KC * 2)             // bytes of a staged token row
 
@@ -147,6 +164,61 @@ __device__ __forceinline__ void mma(float* d, u32 a0, u32 a1, u32 a2, u32 a3, u3
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
+#if WGMMA
+#if 8 % WGMMA
+#error "WGMMA must divide the 8 k-steps of a chunk"
+#endif
+// D (64 x 8NT, f32, the warp's 16 rows in the mma.sync C layout per 8 columns) += A B: A 64 x 16
+// from registers (the warp's 16 rows in the mma.sync A layout), B 16 x 8NT from shared memory
+// (K-major, no swizzle, described by `desc`). Asynchronous: it runs until a `wgmma_wait`.
+#define ACC4(j) "+f"(d[j][0]), "+f"(d[j][1]), "+f"(d[j][2]), "+f"(d[j][3])
+#if BF16_IN
+#define WG_TYPES ".f32.bf16.bf16"
+#else
+#define WG_TYPES ".f32.f16.f16"
+#endif
+__device__ __forceinline__ void wgmma(float (&d)[NT][4], u32 a0, u32 a1, u32 a2, u32 a3, u64 desc) {
+#if NT == 8
+  asm volatile("wgmma.mma_async.sync.aligned.m64n64k16" WG_TYPES
+      " {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31},"
+      " {%32,%33,%34,%35}, %36, 1, 1, 1, 0;"
+      : ACC4(0), ACC4(1), ACC4(2), ACC4(3), ACC4(4), ACC4(5), ACC4(6), ACC4(7)
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc));
+#elif NT == 4
+  asm volatile("wgmma.mma_async.sync.aligned.m64n32k16" WG_TYPES
+      " {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15}, {%16,%17,%18,%19}, %20, 1, 1, 1, 0;"
+      : ACC4(0), ACC4(1), ACC4(2), ACC4(3)
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc));
+#elif NT == 2
+  asm volatile("wgmma.mma_async.sync.aligned.m64n16k16" WG_TYPES
+      " {%0,%1,%2,%3,%4,%5,%6,%7}, {%8,%9,%10,%11}, %12, 1, 1, 1, 0;"
+      : ACC4(0), ACC4(1)
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc));
+#else
+#error "wgmma takes 2, 4 or 8 n-tiles"
+#endif
+}
+// Orders register writes (fragments, accumulators) before the wgmmas that read them.
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory"); }
+// Keeps the compiler from moving accumulator accesses across the asynchronous MMAs.
+__device__ __forceinline__ void fence_acc(float (&d)[NT][4]) {
+#pragma unroll
+  for (int j = 0; j < NT; ++j)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) asm volatile("" : "+f"(d[j][i])::"memory");
+}
+// Shared-memory matrix descriptor of k-step s of a stage: core matrices of 8 token rows x 16
+// bytes (8 k), 128 contiguous bytes each; k-group kg (two per step) and token group ng at
+// (kg * NT + ng) * 128. Leading (K) byte offset NT * 128, stride (N) byte offset 128.
+__device__ __forceinline__ u64 stage_desc(const u8* stage, int s) {
+  const u32 addr = (u32)__cvta_generic_to_shared(stage) + s * 2 * NT * 128;
+  return (u64)((addr & 0x3FFFF) >> 4) | ((u64)((NT * 128) >> 4) << 16) | ((u64)(128 >> 4) << 32);
+}
+#endif
+
 // Weights 4s .. 4s + 3 of a unit as two pairs of the MMA input type: lo = (w[4s], w[4s+2]),
 // hi = (w[4s+1], w[4s+3]), each a * (code - offset) + b rounded once. The activations are
 // stored with the middle two of every four swapped (`convert_f32` with `interleave`), so the
@@ -190,6 +262,32 @@ __device__ __forceinline__ void cp_async_wait() {
 // shared load (rows g, g + 1, all t) hit 8 different bank groups.
 __device__ __forceinline__ int piece_slot(int row, int t, int p) { return 4 * t + (p ^ (((row & 1) << 1) | (t >> 1))); }
 
+#if WGMMA
+// The activations come tiled (`MmaOrder::Wgmma`): per block of 8 NT tokens and chunk, the
+// stage's image (k-group p = 8 of the chunk's k in the order above, token r: 16 bytes at
+// (p * 8 NT + r) * 16, the descriptor's core matrices), so a stage is one bulk copy (the async
+// proxy, as wgmma reads it), completed on an mbarrier per stage.
+#define STAGE_BYTES (NT * 8 * XROW)
+__device__ __forceinline__ u32 smem_addr(const void* p) { return (u32)__cvta_generic_to_shared(p); }
+__device__ __forceinline__ void stage_issue(u8* dst, u64* bar, const GemmMmaParams& p, u32 tb, u32 c) {
+  if (threadIdx.x != 0) return;
+  const u8* src = reinterpret_cast<const u8*>(p.x) + ((u64)tb * (p.cols / KC) + c) * STAGE_BYTES;
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)), "n"(STAGE_BYTES) : "memory");
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+               ::"r"(smem_addr(dst)), "l"(src), "n"(STAGE_BYTES), "r"(smem_addr(bar)) : "memory");
+}
+// Wait until the stage's copy of its `use`-th chunk (counting from 0) has landed. A copy that
+// never lands is a bug; the kernel traps (a launch error) rather than hang the device.
+__device__ __forceinline__ void stage_wait(u64* bar, u32 use) {
+  for (u32 tries = 0;; ++tries) {
+    u32 done;
+    asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
+                 : "=r"(done) : "r"(smem_addr(bar)), "r"(use & 1) : "memory");
+    if (done) return;
+    if (tries == (1u << 24)) asm volatile("trap;");
+  }
+}
+#else
 // Start copying chunk c of the block's NT * 8 token rows into a stage, as one commit group.
 // Token rows past the batch and columns past the row are zero-filled.
 __device__ __forceinline__ void stage_chunk(u8* dst, const GemmMmaParams& p, u32 tok0, u32 c) {
@@ -202,6 +300,7 @@ __device__ __forceinline__ void stage_chunk(u8* dst, const GemmMmaParams& p, u32
   }
   asm volatile("cp.async.commit_group;" ::: "memory");
 }
+#endif
 
 // Lane (g, t) works on rows g and g + 8 of each m-tile and on unit 4 c + t of them (the last
 // unit again past the row: its activations are zero).
@@ -219,13 +318,20 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32, MIN_BLOCKS) gemm_mma(c
   // Grid x walks (row block, token block) pairs, token blocks fastest: the blocks that share
   // a row block's weights run side by side, so all but the first read them from L2.
   const u32 token_blocks = (p.n_tokens + NT * 8 - 1) / (NT * 8);
-  const u32 row0 = blockIdx.x / token_blocks * BM + warp * MT * 16, tok0 = blockIdx.x % token_blocks * NT * 8, units = p.cols / 32;
+  const u32 row0 = blockIdx.x / token_blocks * BM + warp * WARP_ROW0, tok0 = blockIdx.x % token_blocks * NT * 8, units = p.cols / 32;
   const u32 chunks = (p.cols + KC - 1) / KC, c0 = blockIdx.z * p.slice_chunks, c1 = min(chunks, c0 + p.slice_chunks);
   // Rows past the weight decode its last row and are never stored.
   i64 row[2 * MT];
 #pragma unroll
-  for (int i = 0; i < 2 * MT; ++i) row[i] = min(row0 + 16 * (i >> 1) + g + 8 * (i & 1), p.rows - 1);
+  for (int i = 0; i < 2 * MT; ++i) row[i] = min(row0 + MTILE_ROWS * (i >> 1) + g + 8 * (i & 1), p.rows - 1);
+#if WGMMA
+  // Dynamic shared memory (the launch sizes it): the stages, then their mbarriers.
+  extern __shared__ __align__(128) u8 s_dyn[];
+  u8 (*s_x)[STAGE_BYTES] = reinterpret_cast<u8 (*)[STAGE_BYTES]>(s_dyn);
+  u64* s_bar = reinterpret_cast<u64*>(s_dyn + STAGES * STAGE_BYTES);
+#else
   __shared__ __align__(16) u8 s_x[STAGES][NT * 8 * XROW];
+#endif
 
   float acc[MT][NT][4];
 #pragma unroll
@@ -242,34 +348,82 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32, MIN_BLOCKS) gemm_mma(c
     if (c0 + d < c1) load_chunk(w, row, c0 + d, t, units, u[d]);
   pdl_wait();
   pdl_release();
-  // Activations STAGES - 1 chunks ahead, one commit group per chunk (empty past the slice, so
-  // that waiting for all but the newest STAGES - 2 groups always means this chunk's).
+#if WGMMA
+  const u32 tb = blockIdx.x % token_blocks;
+  if (threadIdx.x == 0) {
 #pragma unroll
-  for (int i = 0; i < STAGES - 1; ++i) {
+    for (int i = 0; i < STAGES; ++i) asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_addr(&s_bar[i])) : "memory");
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+#pragma unroll
+  for (int i = 0; i < AHEAD; ++i)
+    if (c0 + i < c1) stage_issue(s_x[i], &s_bar[i], p, tb, c0 + i);
+#else
+  // Activations AHEAD chunks ahead, one commit group per chunk (empty past the slice, so that
+  // waiting for all but the newest AHEAD - 1 groups always means this chunk's).
+#pragma unroll
+  for (int i = 0; i < AHEAD; ++i) {
     if (c0 + i < c1) stage_chunk(s_x[i], p, tok0, c0 + i);
     else asm volatile("cp.async.commit_group;" ::: "memory");
   }
+#endif
   for (u32 cb = c0; cb < c1; cb += DEPTH) {
 #pragma unroll
     for (int d = 0; d < DEPTH; ++d) {
       const u32 c = cb + d;
       if (c >= c1) break;  // uniform over the block
-      const u8* xs = s_x[(c - c0) % STAGES];
-      cp_async_wait<STAGES - 2>();
+      const u32 stage = (c - c0) % STAGES;
+      const u8* xs = s_x[stage];
+      // After the barrier every warp is done with the stage of chunk c + AHEAD - STAGES (with
+      // wgmma: its MMAs retired, as each warp waits for all but its latest group), which then
+      // receives chunk c + AHEAD.
+#if WGMMA
+      stage_wait(&s_bar[stage], (c - c0) / STAGES);
       __syncthreads();
-      // The barrier also says every warp is done with the stage of chunk c - 1, which now
-      // receives chunk c + STAGES - 1.
-      if (c + STAGES - 1 < c1) stage_chunk(s_x[(c - c0 + STAGES - 1) % STAGES], p, tok0, c + STAGES - 1);
+      if (c + AHEAD < c1) stage_issue(s_x[(c - c0 + AHEAD) % STAGES], &s_bar[(c - c0 + AHEAD) % STAGES], p, tb, c + AHEAD);
+#else
+      cp_async_wait<AHEAD - 1>();
+      __syncthreads();
+      if (c + AHEAD < c1) stage_chunk(s_x[(c - c0 + AHEAD) % STAGES], p, tok0, c + AHEAD);
       else asm volatile("cp.async.commit_group;" ::: "memory");
-      // Step pairs: the A fragments of k-steps 2q and 2q + 1 (step s takes weights 4s .. 4s + 3
-      // of the lane's units) are decoded just before their MMAs, so the decode of one pair
-      // overlaps the MMAs of the last and few registers hold fragments.
+#endif
       Scales2 sc[MT][2];
 #pragma unroll
       for (int m = 0; m < MT; ++m) {
         sc[m][0] = unit_scales2(u[d][m][0]);
         sc[m][1] = unit_scales2(u[d][m][1]);
       }
+#if WGMMA
+      // k-step s takes weights 4s .. 4s + 3 of the lane's units (the activations are stored in
+      // that order, `mma_order`). The chunk's steps go in groups of WGMMA: a group's fragments
+      // are decoded, its MMAs issued as one commit group, and then the warp waits for the group
+      // before it, so the fragments of a group stay untouched until its MMAs retire while the
+      // next group decodes.
+#pragma unroll
+      for (int s0 = 0; s0 < 8; s0 += WGMMA) {
+        u32 a[WGMMA][MT][4];
+#pragma unroll
+        for (int s = 0; s < WGMMA; ++s)
+#pragma unroll
+          for (int m = 0; m < MT; ++m) {
+            decode_word(u[d][m][0], sc[m][0], s0 + s, a[s][m][0], a[s][m][2]);
+            decode_word(u[d][m][1], sc[m][1], s0 + s, a[s][m][1], a[s][m][3]);
+          }
+        wgmma_fence();
+#pragma unroll
+        for (int s = 0; s < WGMMA; ++s)
+#pragma unroll
+          for (int m = 0; m < MT; ++m) wgmma(acc[m], a[s][m][0], a[s][m][1], a[s][m][2], a[s][m][3], stage_desc(xs, s0 + s));
+        wgmma_commit();
+#pragma unroll
+        for (int m = 0; m < MT; ++m) fence_acc(acc[m]);
+        wgmma_wait<1>();
+      }
+#else
+      // Step pairs: the A fragments of k-steps 2q and 2q + 1 (step s takes weights 4s .. 4s + 3
+      // of the lane's units) are decoded just before their MMAs, so the decode of one pair
+      // overlaps the MMAs of the last and few registers hold fragments.
 #pragma unroll
       for (int q = 0; q < 4; ++q) {
         u32 a[MT][2][4];
@@ -291,10 +445,16 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32, MIN_BLOCKS) gemm_mma(c
           }
         }
       }
+#endif
       // The lane's units of chunk c are decoded: their registers take chunk c + DEPTH.
       if (c + DEPTH < c1) load_chunk(w, row, c + DEPTH, t, units, u[d]);
     }
   }
+#if WGMMA
+  wgmma_wait<0>();
+#pragma unroll
+  for (int m = 0; m < MT; ++m) fence_acc(acc[m]);
+#endif
 
   // C fragment: acc[m][j] = rows (g, g + 8) x tokens (2t, 2t + 1) of tile (m, j). The residual
   // is added by the one slice there is (more slices: by the reduce), once, after the sum.
@@ -306,7 +466,7 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32, MIN_BLOCKS) gemm_mma(c
     for (int j = 0; j < NT; ++j)
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
-        const u32 r = row0 + 16 * m + g + 8 * (i >> 1), tok = tok0 + 8 * j + 2 * t + (i & 1);
+        const u32 r = row0 + MTILE_ROWS * m + g + 8 * (i >> 1), tok = tok0 + 8 * j + 2 * t + (i & 1);
         if (r < p.rows && tok < p.n_tokens) {
           const i64 at = (i64)tok * p.rows + r;
           out[at] = residual ? acc[m][j][i] + residual[at] : acc[m][j][i];
@@ -346,12 +506,18 @@ pub struct GemmMmaVariant {
     pub mt: u32,
     /// Chunks of weights in flight per lane, in registers (1 to 4).
     pub depth: u32,
-    /// Shared-memory stages of activations (2 or more; `STAGES * NT * 2 KiB` <= 48 KiB).
+    /// Shared-memory stages of activations (2 or more; `STAGES * NT * 2 KiB` <= 48 KiB for
+    /// mma.sync, whose stages are static; the wgmma kernel's are dynamic, up to the SM's limit).
     pub stages: u32,
     /// Blocks per SM: the registers are capped so that this many fit, and the grid is sized
     /// for one wave of them. The kernel is latency-bound per warp (decode, then MMAs), so more
     /// resident warps is what makes it faster.
     pub occupancy: u32,
+    /// 0: `mma.sync`. 1, 2, 4 or 8: warpgroup MMAs (`wgmma`, sm_90a; at least 3 stages)
+    /// issued that many k-steps (of a chunk's 8) per commit group: the block's warpgroup
+    /// multiplies 64-row tiles with the shared activation stage as B, asynchronously, while its
+    /// warps decode the next group.
+    pub wgmma: u32,
 }
 
 impl GemmMmaVariant {
@@ -372,7 +538,24 @@ impl GemmMmaVariant {
             4 => (1, 4),
             _ => (2, 2),
         };
-        GemmMmaVariant { wtype, nt, bf16, mt, depth: if small_unit { 2 } else { 1 }, stages: 2, occupancy }
+        GemmMmaVariant { wtype, nt, bf16, mt, depth: if small_unit { 2 } else { 1 }, stages: 2, occupancy, wgmma: 0 }
+    }
+
+    /// The warpgroup-MMA tiling for `n_tokens` (sm_90): measured on the H200 (`kernel_bench
+    /// tilings`, docs/perf.md), one warpgroup with two 64-row tiles, 2 blocks per SM, 3 stages,
+    /// 4 k-steps per commit group (8B gate/up at 64 tokens 56.7 µs, mma.sync 78.0).
+    pub fn for_wgmma(wtype: GgmlType, n_tokens: usize, bf16: bool) -> Self {
+        let base = GemmMmaVariant::for_shape(wtype, n_tokens, bf16);
+        GemmMmaVariant { mt: 2, stages: 3, occupancy: if base.nt == 8 { 2 } else { 3 }, wgmma: 4, ..base }
+    }
+
+    /// The column order the kernel reads its activations in.
+    pub fn activation_order(&self) -> MmaOrder {
+        if self.wgmma > 0 {
+            MmaOrder::Wgmma { tile_tokens: 8 * self.nt as usize }
+        } else {
+            MmaOrder::Pairs
+        }
     }
 
     /// Weight rows of a block (`BM` in the source).
@@ -396,10 +579,13 @@ impl GemmMmaVariant {
     }
 
     pub fn launch_config(&self, rows: usize, n_tokens: usize, slices: usize) -> LaunchConfig {
+        // The wgmma kernel's stages (16-bit activations, `GEMM_CHUNK_COLS` per token) and one
+        // 8-byte mbarrier each are dynamic shared memory.
+        let stage_bytes = 8 * self.nt * GEMM_CHUNK_COLS as u32 * 2;
         LaunchConfig {
             grid_dim: (blocks_for(rows, self.block_rows()) * blocks_for(n_tokens, 8 * self.nt as usize), 1, slices as u32),
             block_dim: (32 * GEMM_WARPS as u32, 1, 1),
-            shared_mem_bytes: 0,
+            shared_mem_bytes: if self.wgmma > 0 { self.stages * (stage_bytes + 8) } else { 0 },
         }
     }
 }
@@ -418,7 +604,12 @@ impl KernelVariant for GemmMmaVariant {
             ("DEPTH", self.depth.to_string()),
             ("STAGES", self.stages.to_string()),
             ("MIN_BLOCKS", self.occupancy.to_string()),
+            ("WGMMA", self.wgmma.to_string()),
         ]
+    }
+
+    fn arch_specific(&self) -> bool {
+        self.wgmma > 0
     }
 }
 
@@ -434,6 +625,7 @@ mod tests {
     #[test]
     fn macros_match_source() {
         crate::kernels::tests::assert_macros_match(GemmMmaVariant::for_shape(GgmlType::Q4_0, 64, true));
+        crate::kernels::tests::assert_macros_match(GemmMmaVariant { wgmma: 4, stages: 3, ..GemmMmaVariant::for_shape(GgmlType::Q4_0, 64, true) });
     }
 
     #[test]

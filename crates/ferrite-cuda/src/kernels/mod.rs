@@ -41,6 +41,11 @@ pub trait KernelVariant: Copy + Eq + Hash + Debug + Send + Sync + 'static {
     const ENTRY_POINTS: &'static [&'static str];
     /// The macro dictionary: every `-D NAME=VALUE` this variant compiles with.
     fn macros(&self) -> Vec<(&'static str, String)>;
+    /// Whether the variant uses instructions of the device's arch-specific target (`sm_90a`:
+    /// `wgmma`), so it compiles for that target and runs on that arch only.
+    fn arch_specific(&self) -> bool {
+        false
+    }
 }
 
 /// C spelling of the scalar field types allowed in kernel parameter structs.

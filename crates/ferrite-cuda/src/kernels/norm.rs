@@ -2,7 +2,7 @@
 //! can also be one head of a wider token row (`heads` per token, `ld` apart, from column `col`):
 //! Qwen3's QK-norm in place on the Q and K columns of `q | k | v`. The output may be f16/bf16
 //! (`OUT_TYPE`): the GEMM input of a norm-folded linear, written in one launch with the norm,
-//! in `gemm_mma`'s pair order when `interleave` is set.
+//! in the order `gemm_mma` multiplies it in (`order`).
 
 use super::common::HEADER;
 use super::dequant::{OutType, STORE};
@@ -21,9 +21,11 @@ device_params! {
         pub heads: u32,
         pub ld: u32,
         pub col: u32,
-        /// 1: swap the middle two of every four outputs (`convert_f32`'s `interleave`; whole
-        /// rows of `dim % 4 == 0`, one head per row).
-        pub interleave: u32,
+        /// The outputs' [`super::dequant::MmaOrder`] (`convert_f32`'s `order`; one head per
+        /// row, `ld == dim`, `col == 0`, `dim` a multiple of 4, of 128 for `Wgmma`) and its rows
+        /// per tile.
+        pub order: u32,
+        pub tile_tokens: u32,
     }
 }
 
@@ -41,7 +43,7 @@ extern "C" __global__ void __launch_bounds__(BLOCK_SIZE) rms_norm(const RmsNormP
   const float inv = row_rms_inv(x, p.dim, p.eps, scratch);
   for (u32 i = threadIdx.x; i < p.dim; i += BLOCK_SIZE) {
     const float g = p.add_one ? 1.f + wt[i] : wt[i];
-    store_out(p.out, start + (p.interleave ? pair_order(i) : i), x[i] * inv * g);
+    store_out(p.out, p.order ? mma_index(blockIdx.x, i, p.dim, p.order, p.tile_tokens) : start + i, x[i] * inv * g);
   }
 }
 "#;

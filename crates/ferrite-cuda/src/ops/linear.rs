@@ -14,8 +14,8 @@
 use super::{addr, addr_mut, as_u32, check_len, elems, norm_rows, RowNorm};
 use crate::blas_lt::LtShape;
 use crate::error::CudaError;
-use crate::kernels::dequant::{ConvertParams, ConvertVariant, DequantParams, DequantVariant, OutType};
-use crate::kernels::gemm::{self as gemm_kernels, GemmMmaParams, GemmMmaVariant, GemmReduceParams};
+use crate::kernels::dequant::{ConvertParams, ConvertVariant, DequantParams, DequantVariant, MmaOrder, OutType};
+use crate::kernels::gemm::{self as gemm_kernels, GemmMmaParams, GemmMmaVariant, GemmReduceParams, GEMM_CHUNK_COLS};
 use crate::kernels::gemv::{GemvParams, GemvQ8Params, GemvQ8Variant, GemvVariant};
 use crate::kernels::moe::GROUP_TILE;
 use crate::kernels::quantize::{Prologue, QuantizeParams, QuantizeVariant};
@@ -86,6 +86,9 @@ pub struct LinearOptions {
     /// Largest token count that takes the small-batch tensor-core GEMM in [`LinearPath::Auto`]
     /// (quantized weights above `gemv_max_tokens`; 0 never).
     pub mma_max_tokens: usize,
+    /// Let the small-batch GEMM use warpgroup MMAs above [`MMA_OVER_RESIDENT_MAX_TOKENS`]
+    /// tokens (rows of whole 128-column chunks; a `Gpu` clears it on devices other than sm_90).
+    pub wgmma: bool,
 }
 
 impl Default for LinearOptions {
@@ -97,6 +100,7 @@ impl Default for LinearOptions {
             activations: GemvActivations::Q8,
             gemv_split_k: true,
             mma_max_tokens: 64,
+            wgmma: true,
         }
     }
 }
@@ -134,7 +138,8 @@ impl LinearOptions {
         };
         let gemv_split_k = !env::DISABLE_GEMV_SPLIT_K.flag();
         let mma_max_tokens = env::CUDA_MMA_MAX_TOKENS.parse(d.mma_max_tokens);
-        LinearOptions { path, precision, gemv_max_tokens, activations, gemv_split_k, mma_max_tokens }
+        let wgmma = !env::DISABLE_CUDA_WGMMA.flag();
+        LinearOptions { path, precision, gemv_max_tokens, activations, gemv_split_k, mma_max_tokens, wgmma }
     }
 }
 
@@ -145,8 +150,9 @@ pub enum LinearPlan {
     Gemv,
     /// int8-activation GEMV (quantized weights only).
     GemvQ8,
-    /// Small-batch tensor-core GEMM on the packed weights, activations converted to f16/bf16.
-    Mma { precision: Precision },
+    /// Small-batch tensor-core GEMM on the packed weights, activations converted to f16/bf16;
+    /// `wgmma`: on warpgroup MMAs, else `mma.sync`.
+    Mma { precision: Precision, wgmma: bool },
     Gemm {
         precision: Precision,
         /// Weight dequantized/converted into scratch first (false: cuBLAS reads it as stored).
@@ -156,8 +162,8 @@ pub enum LinearPlan {
     },
 }
 
-/// Largest batch for which the small-batch GEMM on the packed weight is chosen over cuBLAS on a
-/// resident bf16 copy.
+/// Largest batch for which the `mma.sync` small-batch GEMM on the packed weight is chosen over
+/// cuBLAS on a resident bf16 copy; larger batches take the warpgroup-MMA one where it runs.
 pub const MMA_OVER_RESIDENT_MAX_TOKENS: usize = 32;
 
 /// Pick the path: GEMV needs whole 32-value units per row (always true for quantized types;
@@ -179,7 +185,10 @@ pub fn linear_plan(dtype: GgmlType, cols: usize, n_tokens: usize, opts: &LinearO
         && cols.is_multiple_of(32)
         && opts.precision != Precision::F32;
     if mma {
-        return LinearPlan::Mma { precision: opts.precision };
+        // Up to 32 tokens the two kernels are as fast (kernel_bench tilings); above, the
+        // warpgroup one beats mma.sync by 14–27% on the 8B shapes.
+        let wgmma = opts.wgmma && n_tokens > MMA_OVER_RESIDENT_MAX_TOKENS && cols.is_multiple_of(GEMM_CHUNK_COLS);
+        return LinearPlan::Mma { precision: opts.precision, wgmma };
     }
     LinearPlan::Gemm {
         precision: opts.precision,
@@ -283,6 +292,8 @@ fn linear_at(
     norm_scratch: Option<(u64, usize)>,
     opts: &LinearOptions,
 ) -> Result<LinearPlan, CudaError> {
+    // Warpgroup MMAs only where the device has them (options made by hand may ask anyway).
+    let opts = &LinearOptions { wgmma: opts.wgmma && gpu.compute_capability() == (9, 0), ..*opts };
     let plan = resolved_plan(w, n_tokens, opts);
     if n_tokens == 0 {
         return Ok(plan);
@@ -306,7 +317,7 @@ fn linear_at(
     } else {
         let (normed, len) = norm_scratch.ok_or_else(|| CudaError::invalid(op, "a norm on this path needs an f32 scratch"))?;
         check_len(op, "norm scratch", len, elems(op, &[n_tokens, w.cols])?)?;
-        norm_rows(gpu, x, &row_norm, n_tokens, w.cols, normed, OutType::F32, false)?;
+        norm_rows(gpu, x, &row_norm, n_tokens, w.cols, normed, OutType::F32, MmaOrder::Natural)?;
         run_plan(gpu, w, plan, Input { x: normed, norm: None }, n_tokens, out, residual)?;
     }
     Ok(plan)
@@ -317,12 +328,12 @@ fn resolved_plan(w: &DeviceWeight, n_tokens: usize, opts: &LinearOptions) -> Lin
     let resident = |precision: Precision| w.expanded.as_ref().is_some_and(|(t, _)| *t == precision.out_type());
     match linear_plan(w.dtype, w.cols, n_tokens, opts) {
         // An expanded copy in the GEMM's input type needs no per-call dequantization; cuBLAS on
-        // it beats the small-batch GEMM on the packed weight above 32 tokens on the H200, which
-        // is faster up to 32 (docs/perf.md).
+        // it beats the mma.sync small-batch GEMM on the packed weight above 32 tokens on the
+        // H200, which is faster up to 32 (docs/perf.md); the wgmma one beats it above.
         LinearPlan::Gemm { precision, convert_input, .. } if resident(precision) => {
             LinearPlan::Gemm { precision, dequantize_weight: false, convert_input }
         }
-        LinearPlan::Mma { precision } if resident(precision) && n_tokens > MMA_OVER_RESIDENT_MAX_TOKENS => {
+        LinearPlan::Mma { precision, wgmma: false } if resident(precision) && n_tokens > MMA_OVER_RESIDENT_MAX_TOKENS => {
             LinearPlan::Gemm { precision, dequantize_weight: false, convert_input: true }
         }
         plan => plan,
@@ -359,8 +370,9 @@ fn run_plan(
         LinearPlan::Gemm { precision, dequantize_weight, convert_input } => {
             return gemm(gpu, w, input, n_tokens, out, residual, precision, dequantize_weight, convert_input);
         }
-        LinearPlan::Mma { precision } => {
-            let variant = GemmMmaVariant::for_shape(w.dtype, n_tokens, precision == Precision::BF16);
+        LinearPlan::Mma { precision, wgmma } => {
+            let bf16 = precision == Precision::BF16;
+            let variant = if wgmma { GemmMmaVariant::for_wgmma(w.dtype, n_tokens, bf16) } else { GemmMmaVariant::for_shape(w.dtype, n_tokens, bf16) };
             return gemm_mma(gpu, w, input, n_tokens, out, residual, variant);
         }
         LinearPlan::Gemv => gemv(gpu, w, x, n_tokens, out, w.rows, None),
@@ -830,8 +842,7 @@ pub(super) fn gemv_q8(
 const SCRATCH_ALIGN: usize = 256;
 
 /// A linear's input rows (`n_tokens` of `cols`) written to `dst` in the GEMM input type of
-/// `precision`, in `gemm_mma`'s pair order when `interleave`: converted, or normalised and
-/// converted in one launch.
+/// `precision`, in column order `order`: converted, or normalised and converted in one launch.
 fn convert_activations(
     gpu: &Gpu,
     precision: Precision,
@@ -839,14 +850,14 @@ fn convert_activations(
     n_tokens: usize,
     cols: usize,
     dst: u64,
-    interleave: bool,
+    order: MmaOrder,
 ) -> Result<(), CudaError> {
     if let Some(norm) = input.norm {
-        return norm_rows(gpu, input.x, norm, n_tokens, cols, dst, precision.out_type(), interleave);
+        return norm_rows(gpu, input.x, norm, n_tokens, cols, dst, precision.out_type(), order);
     }
     let count = n_tokens * cols;
     let variant = ConvertVariant { out: precision.out_type() };
-    let params = ConvertParams { src: input.x, dst, n: count as u64, interleave: interleave.into(), pad: 0 };
+    let params = ConvertParams { src: input.x, dst, n: count as u64, order: order.code(), cols: as_u32("convert", "cols", cols)?, tile_tokens: order.tile_tokens(), pad: 0 };
     gpu.launch(&variant, "convert_f32", variant.launch_config(count), &params)
 }
 
@@ -899,13 +910,21 @@ fn gemm_mma(
     variant: GemmMmaVariant,
 ) -> Result<(), CudaError> {
     const OP: &str = "linear";
+    if variant.wgmma > 0 {
+        if gpu.compute_capability() != (9, 0) {
+            return Err(CudaError::invalid(OP, format!("the wgmma GEMM needs an sm_90 device, not {}", gpu.name())));
+        }
+        if !w.cols.is_multiple_of(GEMM_CHUNK_COLS) || variant.stages < 3 {
+            return Err(CudaError::invalid(OP, format!("the wgmma GEMM needs rows of whole {GEMM_CHUNK_COLS}-column chunks and 3 stages, not {} columns and {variant:?}", w.cols)));
+        }
+    }
     let precision = if variant.bf16 { Precision::BF16 } else { Precision::F16 };
     let slices = variant.k_slices(w.rows, w.cols, n_tokens, gpu.sm_count() as usize);
-    let x_bytes = elems(OP, &[n_tokens, w.cols, 2])?.next_multiple_of(SCRATCH_ALIGN);
+    let x_bytes = elems(OP, &[variant.activation_order().padded_rows(n_tokens), w.cols, 2])?.next_multiple_of(SCRATCH_ALIGN);
     let part_len = elems(OP, &[n_tokens, w.rows])?;
     let part_bytes = if slices > 1 { elems(OP, &[slices, part_len, 4])? } else { 0 };
     gpu.with_scratch(x_bytes + part_bytes, |scratch| {
-        convert_activations(gpu, precision, input, n_tokens, w.cols, scratch, true)?;
+        convert_activations(gpu, precision, input, n_tokens, w.cols, scratch, variant.activation_order())?;
         let partials = scratch + x_bytes as u64;
         let [w0, w1, w2, w3] = w.plane_ptrs(gpu);
         let params = GemmMmaParams {
@@ -962,7 +981,7 @@ fn gemm(
         };
         let input = if convert_input {
             let dst = scratch + w_bytes as u64;
-            convert_activations(gpu, precision, input, n_tokens, w.cols, dst, false)?;
+            convert_activations(gpu, precision, input, n_tokens, w.cols, dst, MmaOrder::Natural)?;
             dst
         } else {
             input.x
@@ -1011,9 +1030,15 @@ mod tests {
         assert_eq!(linear_plan(GgmlType::F16, 576, 1, &auto), LinearPlan::Gemv);
         // Batched decode steps: the small-batch tensor-core GEMM up to 64 tokens, cuBLAS above,
         // or when switched off and at f32 (any whole number of 32-value units per row).
-        let mma = LinearPlan::Mma { precision: Precision::BF16 };
+        let mma = LinearPlan::Mma { precision: Precision::BF16, wgmma: false };
         assert_eq!(linear_plan(GgmlType::Q4_0, 576, 9, &auto), mma);
-        assert_eq!(linear_plan(GgmlType::Q6_K, 4096, 64, &auto), mma);
+        assert_eq!(linear_plan(GgmlType::Q6_K, 4096, 32, &auto), mma);
+        // Above 32 tokens, warpgroup MMAs on rows of whole 128-column chunks (where allowed).
+        let wgmma = LinearPlan::Mma { precision: Precision::BF16, wgmma: true };
+        assert_eq!(linear_plan(GgmlType::Q6_K, 4096, 64, &auto), wgmma);
+        assert_eq!(linear_plan(GgmlType::Q4_0, 4096, 33, &auto), wgmma);
+        assert_eq!(linear_plan(GgmlType::Q4_0, 576, 64, &auto), mma);
+        assert_eq!(linear_plan(GgmlType::Q4_0, 4096, 64, &LinearOptions { wgmma: false, ..auto }), mma);
         let cublas = LinearPlan::Gemm { precision: Precision::BF16, dequantize_weight: true, convert_input: true };
         assert_eq!(linear_plan(GgmlType::Q4_0, 576, 65, &auto), cublas);
         assert_eq!(linear_plan(GgmlType::Q4_0, 544, 9, &auto), mma);

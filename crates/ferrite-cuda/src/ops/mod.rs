@@ -42,7 +42,7 @@ pub use crate::kernels::sampling::sampling_uniform;
 
 use crate::error::CudaError;
 use crate::kernels::activation::{ActivationVariant, AddRowsParams, CopyColsParams, ElementwiseParams, GatedQueryParams, GluParams};
-use crate::kernels::dequant::OutType;
+use crate::kernels::dequant::{MmaOrder, OutType};
 use crate::kernels::embedding::{EmbedParams, EmbedVariant};
 use crate::kernels::norm::{NormVariant, RmsNormParams};
 use crate::kernels::rope::{RopeParams, RopeVariant};
@@ -170,7 +170,7 @@ pub fn rms_norm(
     check_len(OP, "weight", weight.len(), dim)?;
     check_len(OP, "out", out.len(), n)?;
     let norm = RowNorm { weight: addr(gpu, weight), eps, add_one };
-    norm_rows(gpu, addr(gpu, x), &norm, n_rows, dim, addr_mut(gpu, out), OutType::F32, false)
+    norm_rows(gpu, addr(gpu, x), &norm, n_rows, dim, addr_mut(gpu, out), OutType::F32, MmaOrder::Natural)
 }
 
 /// An RMSNorm's weight (device address), epsilon and `(1 + w)` convention.
@@ -180,8 +180,8 @@ pub(crate) struct RowNorm {
     pub add_one: bool,
 }
 
-/// RMSNorm of `n_rows` rows of `dim` at `x` into `out` as `out_type`, in `gemm_mma`'s pair
-/// order when `interleave` (lengths checked by the caller; `dim > 0`).
+/// RMSNorm of `n_rows` rows of `dim` at `x` into `out` as `out_type`, in column order `order`
+/// (lengths checked by the caller; `dim > 0`).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn norm_rows(
     gpu: &Gpu,
@@ -191,12 +191,12 @@ pub(crate) fn norm_rows(
     dim: usize,
     out: u64,
     out_type: OutType,
-    interleave: bool,
+    order: MmaOrder,
 ) -> Result<(), CudaError> {
     const OP: &str = "rms_norm";
     as_u32(OP, "n_rows", n_rows)?;
-    if interleave && !dim.is_multiple_of(4) {
-        return Err(CudaError::invalid(OP, format!("the interleaved order needs rows of whole fours, not {dim}")));
+    if !dim.is_multiple_of(order.row_multiple()) {
+        return Err(CudaError::invalid(OP, format!("the {order:?} order needs rows of whole {}s, not {dim}", order.row_multiple())));
     }
     let variant = NormVariant { out: out_type, ..NormVariant::for_dim(dim) };
     let params = RmsNormParams {
@@ -209,7 +209,8 @@ pub(crate) fn norm_rows(
         heads: 1,
         ld: as_u32(OP, "dim", dim)?,
         col: 0,
-        interleave: u32::from(interleave),
+        order: order.code(),
+        tile_tokens: order.tile_tokens(),
     };
     gpu.launch(&variant, "rms_norm", variant.launch_config(n_rows), &params)
 }
@@ -250,7 +251,8 @@ pub fn head_norm(
         heads: n_heads as u32,
         ld: as_u32(OP, "ld", ld)?,
         col: as_u32(OP, "col", col)?,
-        interleave: 0,
+        order: MmaOrder::Natural.code(),
+        tile_tokens: 1,
     };
     gpu.launch(&variant, "rms_norm", variant.launch_config(blocks as usize), &params)
 }
