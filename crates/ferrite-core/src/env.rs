@@ -139,10 +139,10 @@ switches! {
     CUDA_GEMV_MAX_TOKENS = ("FERRITE_CUDA_GEMV_MAX_TOKENS", "8", AbTest,
         "Largest token count that takes the quantized GEMV under FERRITE_CUDA_LINEAR=auto; more tokens take the small-batch tensor-core GEMM (up to FERRITE_CUDA_MMA_MAX_TOKENS) or dequantize + cuBLAS.");
     CUDA_MMA_MAX_TOKENS = ("FERRITE_CUDA_MMA_MAX_TOKENS", "64", AbTest,
-        "Largest token count that takes the small-batch tensor-core GEMM on packed quantized weights (above FERRITE_CUDA_GEMV_MAX_TOKENS; batched decode steps of a server); a weight with a resident bf16 copy takes it up to 32 tokens and cuBLAS on the copy above; 0 sends those batches to cuBLAS (on the copy, or dequantized per call).");
+        "Largest token count that takes the small-batch tensor-core GEMM on packed quantized weights (above FERRITE_CUDA_GEMV_MAX_TOKENS; batched decode steps of a server); a weight with a resident bf16 copy takes it up to 32 tokens and above that cuBLAS on the copy unless the warpgroup-MMA kernel is faster for it (FERRITE_DISABLE_CUDA_WGMMA); 0 sends those batches to cuBLAS (on the copy, or dequantized per call).");
     /// Warpgroup MMAs in the small-batch GEMM (CUDA, sm_90).
     DISABLE_CUDA_WGMMA = ("FERRITE_DISABLE_CUDA_WGMMA", "0", AbTest,
-        "1 keeps the small-batch tensor-core GEMM on mma.sync at every batch size (33-64-token batches then take cuBLAS on a resident bf16 copy where there is one), instead of warpgroup MMAs (wgmma, sm_90 only) above 32 tokens.");
+        "1 keeps the small-batch tensor-core GEMM on mma.sync at every batch size (33-64-token batches then take cuBLAS on a resident bf16 copy where there is one), instead of warpgroup MMAs (wgmma, sm_90 only) above 32 tokens on rows of whole 128-column chunks (over a resident copy only for weights with at least 8 chunks of work per block slot).");
     /// Programmatic dependent launch on sm_90+.
     DISABLE_CUDA_PDL = ("FERRITE_DISABLE_CUDA_PDL", "0", AbTest,
         "1 launches CUDA kernels without programmatic dependent launch (each kernel then starts only after the previous one has finished, instead of overlapping its start-up and weight loads).");

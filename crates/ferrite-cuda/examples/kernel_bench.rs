@@ -248,7 +248,7 @@ fn batched(gpu: &Gpu) -> Result<(), CudaError> {
             if path == "cublas resident" {
                 ops::expand_weight(gpu, &mut w, ops::Precision::BF16)?;
             }
-            for n in [8usize, 9, 16, 32, 64, 512] {
+            for n in [8usize, 9, 16, 32, 48, 64, 512] {
                 let x = gpu.upload(&vec![0.5f32; n * cols], "x")?;
                 let mut out = gpu.alloc_zeros::<f32>(n * rows)?;
                 let mut plan = None;
@@ -313,7 +313,7 @@ fn tilings(gpu: &Gpu) -> Result<(), CudaError> {
 
 fn mma64(gpu: &Gpu) -> Result<(), CudaError> {
     // Two launches (warm-up, then one to profile) of each small-batch GEMM kernel kind on the 8B
-    // gate/up shape at 64 tokens: the dispatcher's tiling and the warpgroup-MMA one. For Nsight
+    // gate/up shape at 64 tokens: mma.sync and the dispatcher's warpgroup-MMA tiling. For Nsight
     // Compute: `ncu -k regex:gemm_mma --launch-skip 1 --launch-count 3 kernel_bench mma64`
     // profiles the second launch of each.
     let (rows, cols, n) = (28672usize, 4096usize, 64usize);
@@ -322,7 +322,7 @@ fn mma64(gpu: &Gpu) -> Result<(), CudaError> {
     let x = gpu.upload(&vec![0.5f32; n * cols], "x")?;
     let mut out = gpu.alloc_zeros::<f32>(n * rows)?;
     let base = GemmMmaVariant::for_shape(GgmlType::Q4_0, n, true);
-    for v in [base, GemmMmaVariant { stages: 3, wgmma: 4, ..base }] {
+    for v in [base, GemmMmaVariant::for_wgmma(GgmlType::Q4_0, n, true)] {
         for _ in 0..2 {
             ops::linear_mma(gpu, &w, &x, n, &mut out, v)?;
         }

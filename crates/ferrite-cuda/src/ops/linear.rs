@@ -294,7 +294,7 @@ fn linear_at(
 ) -> Result<LinearPlan, CudaError> {
     // Warpgroup MMAs only where the device has them (options made by hand may ask anyway).
     let opts = &LinearOptions { wgmma: opts.wgmma && gpu.compute_capability() == (9, 0), ..*opts };
-    let plan = resolved_plan(w, n_tokens, opts);
+    let plan = resolved_plan(w, n_tokens, opts, gpu.sm_count() as usize);
     if n_tokens == 0 {
         return Ok(plan);
     }
@@ -323,21 +323,41 @@ fn linear_at(
     Ok(plan)
 }
 
-/// [`linear_plan`] with the weight's resident copy taken into account.
-fn resolved_plan(w: &DeviceWeight, n_tokens: usize, opts: &LinearOptions) -> LinearPlan {
+/// Chunks of work per block slot from which the warpgroup-MMA GEMM beats cuBLAS on a resident
+/// bf16 copy at 33–64 tokens (H200, `kernel_bench batched`, docs/perf.md): the 8B gate/up
+/// (27 chunks per slot) and down (14) shapes gain 10–12 and 5 µs, the QKV (6) and output (4)
+/// shapes lose 5 and 2–4 µs, where each block's short K walk and the split-K reduce weigh more.
+pub const WGMMA_OVER_RESIDENT_MIN_CHUNKS: usize = 8;
+
+/// [`linear_plan`] with the weight's resident copy taken into account (`sm_count` sizes the
+/// warpgroup-MMA GEMM's grid).
+fn resolved_plan(w: &DeviceWeight, n_tokens: usize, opts: &LinearOptions, sm_count: usize) -> LinearPlan {
     let resident = |precision: Precision| w.expanded.as_ref().is_some_and(|(t, _)| *t == precision.out_type());
     match linear_plan(w.dtype, w.cols, n_tokens, opts) {
         // An expanded copy in the GEMM's input type needs no per-call dequantization; cuBLAS on
         // it beats the mma.sync small-batch GEMM on the packed weight above 32 tokens on the
-        // H200, which is faster up to 32 (docs/perf.md); the wgmma one beats it above.
+        // H200, which is faster up to 32 (docs/perf.md); the wgmma one beats it above on
+        // weights with enough work per block.
         LinearPlan::Gemm { precision, convert_input, .. } if resident(precision) => {
             LinearPlan::Gemm { precision, dequantize_weight: false, convert_input }
         }
-        LinearPlan::Mma { precision, wgmma: false } if resident(precision) && n_tokens > MMA_OVER_RESIDENT_MAX_TOKENS => {
-            LinearPlan::Gemm { precision, dequantize_weight: false, convert_input: true }
+        LinearPlan::Mma { precision, wgmma } if resident(precision) && n_tokens > MMA_OVER_RESIDENT_MAX_TOKENS => {
+            if wgmma && wgmma_beats_resident(w.dtype, w.rows, w.cols, n_tokens, sm_count) {
+                LinearPlan::Mma { precision, wgmma }
+            } else {
+                LinearPlan::Gemm { precision, dequantize_weight: false, convert_input: true }
+            }
         }
         plan => plan,
     }
+}
+
+/// Whether a `rows x cols` weight has [`WGMMA_OVER_RESIDENT_MIN_CHUNKS`] chunks of work per
+/// block slot of the warpgroup-MMA GEMM at `n_tokens`.
+fn wgmma_beats_resident(dtype: GgmlType, rows: usize, cols: usize, n_tokens: usize, sm_count: usize) -> bool {
+    let v = GemmMmaVariant::for_wgmma(dtype, n_tokens, true);
+    let chunks = rows.div_ceil(v.block_rows()) * cols.div_ceil(GEMM_CHUNK_COLS);
+    chunks >= WGMMA_OVER_RESIDENT_MIN_CHUNKS * v.occupancy as usize * sm_count
 }
 
 /// A linear's input rows: f32 activations at `x`, RMS-normalised on the way in when `norm` is
@@ -1018,6 +1038,14 @@ mod tests {
         assert_eq!(with(path, "gemm").path, LinearPath::Gemm);
         assert_eq!(with(path, "gemv").path, LinearPath::Gemv);
         assert_eq!(with(path, "auto").path, LinearPath::Auto);
+    }
+
+    #[test]
+    fn wgmma_takes_the_big_weights_from_resident_copies() {
+        // The 8B shapes on 132 SMs at 64 tokens: gate/up and down, not QKV and output.
+        let beats = |rows, cols| wgmma_beats_resident(GgmlType::Q4_0, rows, cols, 64, 132);
+        assert!(beats(28672, 4096) && beats(4096, 14336));
+        assert!(!beats(6144, 4096) && !beats(4096, 4096));
     }
 
     #[test]
