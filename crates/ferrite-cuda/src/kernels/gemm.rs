@@ -14,7 +14,7 @@
 //! one `fma` with the unit's scales in the MMA input type. The lane's k slots of a step thus
 //! hold four of its own unit's weights: a dot product does not care in which order it sums, as
 //! long as the activations (B) come in the same order. They do because `convert_f32` writes
-//! them with the middle two of every four swapped (`interleave`), so lane t's B pairs are plain
+//! them with the middle two of every four swapped (`MmaOrder::Pairs`), so lane t's B pairs are plain
 //! 32-bit words of its unit's 64 bytes. Those are staged per chunk in shared memory with
 //! `cp.async` (`STAGES` stages; the 16-byte pieces of each row swizzled so a warp's loads hit no
 //! bank twice) and multiplied with `mma.sync` m16n8k16 (bf16 or f16 inputs, f32 accumulation).
@@ -27,6 +27,17 @@
 //! latency per warp, so resident warps are what makes it fast (docs/perf.md, stop 14). With
 //! grid z > 1 each slice writes f32 partials `[z][n][rows]` and `gemm_reduce` sums them in slice
 //! order (deterministic).
+//!
+//! ## Warpgroup MMAs (`WGMMA` > 0, sm_90a)
+//!
+//! The block's 4 warps are one warpgroup owning `MT` 64-row tiles (16 rows of each per warp)
+//! and all `8 * NT` tokens. The weights and their decode are as above; the MMA is
+//! `wgmma.mma_async` with A from those registers and B from the shared activation stage through
+//! a matrix descriptor. The chunk's 8 k-steps go in commit groups of `WGMMA`, each warp waiting
+//! for the group before the one it just issued, so fragments are not rewritten while their
+//! MMAs run. The activations come tiled as the stage's image (`MmaOrder::Wgmma`), so a stage is
+//! one bulk copy on an mbarrier: bulk copies are async-proxy writes, which wgmma may read
+//! without the proxy fence that `cp.async` would need (it drains the weight prefetch).
 
 use super::common::{HEADER, QUANT};
 use super::dequant::MmaOrder;
@@ -221,7 +232,7 @@ __device__ __forceinline__ u64 stage_desc(const u8* stage, int s) {
 
 // Weights 4s .. 4s + 3 of a unit as two pairs of the MMA input type: lo = (w[4s], w[4s+2]),
 // hi = (w[4s+1], w[4s+3]), each a * (code - offset) + b rounded once. The activations are
-// stored with the middle two of every four swapped (`convert_f32` with `interleave`), so the
+// stored with the middle two of every four swapped (`MmaOrder::Pairs`), so the
 // same pairs of them are single 32-bit words.
 struct Scales2 { u32 a[2], b[2]; };
 __device__ __forceinline__ Scales2 unit_scales2(const Unit& o) {
@@ -396,7 +407,7 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32, MIN_BLOCKS) gemm_mma(c
       }
 #if WGMMA
       // k-step s takes weights 4s .. 4s + 3 of the lane's units (the activations are stored in
-      // that order, `mma_order`). The chunk's steps go in groups of WGMMA: a group's fragments
+      // that order, `MmaOrder::Wgmma`). The chunk's steps go in groups of WGMMA: a group's fragments
       // are decoded, its MMAs issued as one commit group, and then the warp waits for the group
       // before it, so the fragments of a group stay untouched until its MMAs retire while the
       // next group decodes.
