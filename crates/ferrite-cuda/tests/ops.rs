@@ -721,7 +721,8 @@ fn expanded_weights_feed_the_gemm_unchanged() {
 
 /// A linear with its norm and residual folded in gives the bits of norm, linear and add run one
 /// after the other, on every path (the tensor-core paths normalise straight into their f16/bf16
-/// input and add the residual in their epilogues: cuBLASLt's, `gemm_mma`'s or `gemm_reduce`'s).
+/// input, in the layout their kernel reads, and add the residual in their epilogues: cuBLASLt's,
+/// `gemm_mma`'s or `gemm_reduce`'s).
 #[test]
 fn fused_linear_matches_norm_linear_add() {
     let Some(gpu) = gpu() else { return };
@@ -731,6 +732,8 @@ fn fused_linear_matches_norm_linear_add() {
         (1, LinearOptions::default()),
         (5, LinearOptions::default()),
         (20, LinearOptions::default()),
+        // Above 32 tokens on 4096 columns: the warpgroup-MMA GEMM on sm_90 (tiled input).
+        (40, LinearOptions::default()),
         (20, gemm(Precision::BF16)),
         (40, gemm(Precision::F16)),
         (3, gemm(Precision::F32)),
