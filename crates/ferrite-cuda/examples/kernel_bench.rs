@@ -19,6 +19,12 @@ use ferrite_model::graph::{GdnShape, ValueHeadOrder};
 use std::time::Instant;
 
 /// Mean seconds per call of `f` over `iters` calls, after a warm-up call.
+/// `n` values spread over [-1, 1) in a fixed, unsorted order: weights and activations for the
+/// timings.
+fn ramp(n: usize) -> Vec<f32> {
+    (0..n).map(|i| ((i * 7919) % 2001) as f32 / 1000.0 - 1.0).collect()
+}
+
 fn time(gpu: &Gpu, iters: usize, mut f: impl FnMut() -> Result<(), CudaError>) -> Result<f64, CudaError> {
     f()?;
     gpu.synchronize()?;
@@ -87,7 +93,7 @@ fn gemv(gpu: &Gpu) -> Result<(), CudaError> {
             if cols % dtype.block_size() != 0 {
                 continue;
             }
-            let values: Vec<f32> = (0..rows * cols).map(|i| ((i * 7919) % 2001) as f32 / 1000.0 - 1.0).collect();
+            let values = ramp(rows * cols);
             let bytes = quantize(dtype, &values).expect("quantize");
             let w = gpu.upload_weight(dtype, rows, cols, &bytes)?;
             for n in [1usize, 4] {
@@ -123,7 +129,7 @@ fn decode(gpu: &Gpu) -> Result<(), CudaError> {
     let tilings: [(u32, u32, u32, u32); 12] =
         [(0, 0, 0, 0), (4, 1, 4, 1), (4, 2, 2, 1), (4, 4, 2, 1), (8, 4, 2, 1), (8, 4, 1, 2), (8, 4, 1, 4), (16, 2, 2, 1), (16, 2, 4, 1), (16, 2, 2, 2), (16, 2, 1, 2), (32, 1, 4, 1)];
     for (name, rows, cols, gated, adds, emits) in shapes {
-        let values: Vec<f32> = (0..rows * cols).map(|i| ((i * 7919) % 2001) as f32 / 1000.0 - 1.0).collect();
+        let values = ramp(rows * cols);
         let packed = quantize(GgmlType::Q4_0, &values).expect("quantize");
         let copies = (150_000_000 / packed.len()).max(1) + 1;
         let weights = (0..copies).map(|_| gpu.upload_weight(GgmlType::Q4_0, rows, cols, &packed)).collect::<Result<Vec<_>, _>>()?;
@@ -194,7 +200,7 @@ dependent launch chains (150 launches, graph replay): us per launch");
             line += &format!(" | add {n}: {:.2}", s * 1e6);
         }
         for (dtype, rows, cols) in [(GgmlType::Q4_1, 576usize, 576usize), (GgmlType::Q4_0, 2048, 2048), (GgmlType::Q4_0, 4096, 4096)] {
-            let values: Vec<f32> = (0..rows * cols).map(|i| ((i * 7919) % 2001) as f32 / 1000.0 - 1.0).collect();
+            let values = ramp(rows * cols);
             let w = gpu.upload_weight(dtype, rows, cols, &quantize(dtype, &values).expect("quantize"))?;
             let mut q8 = [ops::Q8Activations::new(gpu, cols)?, ops::Q8Activations::new(gpu, cols)?];
             let x: Vec<f32> = (0..cols).map(|i| ((i * 31) % 97) as f32 / 97.0 - 0.5).collect();
@@ -241,7 +247,7 @@ fn batched(gpu: &Gpu) -> Result<(), CudaError> {
         }
     }
     for (rows, cols) in [(6144usize, 4096usize), (4096, 4096), (28672, 4096), (4096, 14336), (49152, 4096)] {
-        let values: Vec<f32> = (0..rows * cols).map(|i| ((i * 7919) % 2001) as f32 / 1000.0 - 1.0).collect();
+        let values = ramp(rows * cols);
         let packed = quantize(GgmlType::Q4_0, &values).expect("quantize");
         let mut w = gpu.upload_weight(GgmlType::Q4_0, rows, cols, &packed)?;
         for (path, opts) in [("auto", LinearOptions::default()), ("cublas", cublas), ("cublas resident", cublas)] {
@@ -266,7 +272,7 @@ fn tilings(gpu: &Gpu) -> Result<(), CudaError> {
     // stages) on the 8B QKV, gate/up and down shapes; the first line of each shape is the default.
     println!("\nsmall-batch GEMM tilings, Q4_0: us per call ([wg: wgmma] nt mt depth stages o blocks per SM: registers, spilled bytes)");
     for (rows, cols) in [(6144usize, 4096usize), (28672, 4096), (4096, 14336)] {
-        let values: Vec<f32> = (0..rows * cols).map(|i| ((i * 7919) % 2001) as f32 / 1000.0 - 1.0).collect();
+        let values = ramp(rows * cols);
         let w = gpu.upload_weight(GgmlType::Q4_0, rows, cols, &quantize(GgmlType::Q4_0, &values).expect("quantize"))?;
         for n in [16usize, 32, 64] {
             let x = gpu.upload(&vec![0.5f32; n * cols], "x")?;
@@ -277,7 +283,7 @@ fn tilings(gpu: &Gpu) -> Result<(), CudaError> {
             // mean several token blocks per row block.
             // (.., wgmma k-steps per group, 0: mma.sync): warpgroup MMAs need 3 stages and an
             // sm_90 device.
-            let wgmma = gpu.compute_capability() == (9, 0);
+            let wgmma = gpu.supports_wgmma();
             let tilings = [
                 (base.nt, base.mt, base.depth, base.stages, base.occupancy, base.wgmma),
                 (2, 2, 2, 2, 4, 0),
@@ -317,7 +323,7 @@ fn mma64(gpu: &Gpu) -> Result<(), CudaError> {
     // Compute: `ncu -k regex:gemm_mma --launch-skip 1 --launch-count 3 kernel_bench mma64`
     // profiles the second launch of each.
     let (rows, cols, n) = (28672usize, 4096usize, 64usize);
-    let values: Vec<f32> = (0..rows * cols).map(|i| ((i * 7919) % 2001) as f32 / 1000.0 - 1.0).collect();
+    let values = ramp(rows * cols);
     let w = gpu.upload_weight(GgmlType::Q4_0, rows, cols, &quantize(GgmlType::Q4_0, &values).expect("quantize"))?;
     let x = gpu.upload(&vec![0.5f32; n * cols], "x")?;
     let mut out = gpu.alloc_zeros::<f32>(n * rows)?;
@@ -414,7 +420,7 @@ fn gdn(gpu: &Gpu) -> Result<(), CudaError> {
     let mut state = GdnState::new(gpu, shape)?;
     for (path, lengths) in [(GdnPath::Recurrent, &[1usize, 16, 128, 512][..]), (GdnPath::Chunked, &[16, 64, 128, 512, 2048][..])] {
         for &n in lengths {
-            let x = gpu.upload(&(0..n * shape.proj_width()).map(|i| ((i * 7919) % 2001) as f32 / 1000.0 - 1.0).collect::<Vec<_>>(), "x")?;
+            let x = gpu.upload(&ramp(n * shape.proj_width()), "x")?;
             let mut scratch = gpu.alloc_zeros::<f32>(ops::gdn_scratch_len(&shape, n, path))?;
             let mut out = gpu.alloc_zeros::<f32>(n * shape.value_width())?;
             let s = time(gpu, 50, || ops::gated_delta_net_with(gpu, path, &x, n, &w, &mut state, &mut scratch, &mut out))?;
@@ -462,7 +468,7 @@ fn moe(gpu: &Gpu) -> Result<(), CudaError> {
     // slower), at decode and prefill sizes.
     let opts = gpu.linear_options();
     for n in [1usize, 8, 16, 64, 256] {
-        let x = gpu.upload(&(0..n * d).map(|i| ((i * 7919) % 2001) as f32 / 1000.0 - 1.0).collect::<Vec<_>>(), "x")?;
+        let x = gpu.upload(&ramp(n * d), "x")?;
         let mut out = gpu.alloc_zeros::<f32>(n * d)?;
         for path in [MoePath::Pairs, MoePath::Grouped] {
             let s = time(gpu, 50, || ops::moe_ffn_with(gpu, Some(path), &weights, &x, n, None, &mut scratch, &mut out, &opts).map(|_| ()))?;

@@ -179,8 +179,7 @@ impl Gpu {
             error_flag: Mutex::new(error_flag),
             error_flag_ptr,
             scratch: Mutex::new(None),
-            // Warpgroup MMAs are sm_90 (Hopper) instructions.
-            linear: LinearOptions { wgmma: options.linear.wgmma && (major, minor) == (9, 0), ..options.linear },
+            linear: options.linear,
             dependent_launch: options.dependent_launch && major >= 9,
             gdn_path: options.gdn_path,
             attention_path: options.attention_path,
@@ -198,6 +197,11 @@ impl Gpu {
 
     pub fn sm_count(&self) -> u32 {
         self.props.sm_count
+    }
+
+    /// Whether the device runs sm_90a code such as warpgroup MMAs (`wgmma`): Hopper only.
+    pub fn supports_wgmma(&self) -> bool {
+        self.compute_capability() == (9, 0)
     }
 
     pub fn compute_capability(&self) -> (u32, u32) {

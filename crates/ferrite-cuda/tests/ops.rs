@@ -453,7 +453,7 @@ fn small_batch_gemm_matches_cpu_for_every_quantized_type() {
     }
     // Warpgroup MMAs (sm_90 only): each n-tiling, one and two m-tiles, f16, K slices and partial
     // row blocks (200 and 1000 rows of 64-row tiles) and token tiles.
-    if gpu.compute_capability() == (9, 0) {
+    if gpu.supports_wgmma() {
         for dtype in [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q8_0, GgmlType::Q4_K, GgmlType::Q6_K] {
             // (.., k-steps per commit group)
             for (rows, cols, n, mt, bf16, steps) in [(200, 1280, 40, 1, true, 1), (1000, 4096, 64, 2, true, 8), (300, 2048, 13, 2, false, 2), (130, 512, 30, 1, true, 4)] {

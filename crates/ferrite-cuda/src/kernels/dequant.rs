@@ -227,7 +227,7 @@ device_params! {
         pub n: u64,
         /// [`MmaOrder`] of the output (`n` a multiple of 4; for `Wgmma`, rows of whole 128s).
         pub order: u32,
-        /// Row length and rows per tile of the `Wgmma` layout.
+        /// Row length (a multiple of 4 for `Pairs`) and rows per tile of the `Wgmma` layout.
         pub cols: u32,
         pub tile_tokens: u32,
         pub pad: u32,
@@ -253,7 +253,7 @@ extern "C" __global__ void convert_f32(const ConvertParams p) {
     store_out4(p.dst, 4 * g, v);
   }
   for (i64 i = done + first; i < (i64)p.n; i += stride)
-    store_out(p.dst, p.order == 2 ? mma_index(i / p.cols, i % p.cols, p.cols, 2, p.tile_tokens) : mma_index(0, i, 0, p.order, 1), src[i]);
+    store_out(p.dst, mma_index(i / p.cols, i % p.cols, p.cols, p.order, p.tile_tokens), src[i]);
 }
 "#;
 

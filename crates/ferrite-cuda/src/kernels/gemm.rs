@@ -175,6 +175,8 @@ __device__ __forceinline__ void mma(float* d, u32 a0, u32 a1, u32 a2, u32 a3, u3
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
+__device__ __forceinline__ u32 smem_addr(const void* p) { return (u32)__cvta_generic_to_shared(p); }
+
 #if WGMMA
 #if 8 % WGMMA
 #error "WGMMA must divide the 8 k-steps of a chunk"
@@ -225,7 +227,7 @@ __device__ __forceinline__ void fence_acc(float (&d)[NT][4]) {
 // bytes (8 k), 128 contiguous bytes each; k-group kg (two per step) and token group ng at
 // (kg * NT + ng) * 128. Leading (K) byte offset NT * 128, stride (N) byte offset 128.
 __device__ __forceinline__ u64 stage_desc(const u8* stage, int s) {
-  const u32 addr = (u32)__cvta_generic_to_shared(stage) + s * 2 * NT * 128;
+  const u32 addr = smem_addr(stage) + s * 2 * NT * 128;
   return (u64)((addr & 0x3FFFF) >> 4) | ((u64)((NT * 128) >> 4) << 16) | ((u64)(128 >> 4) << 32);
 }
 #endif
@@ -260,7 +262,7 @@ __device__ __forceinline__ void decode_word(const Unit& o, const Scales2& sc, in
 }
 
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, u32 bytes) {
-  const u32 dst = (u32)__cvta_generic_to_shared(smem);
+  const u32 dst = smem_addr(smem);
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(gmem), "r"(bytes) : "memory");
 }
 template <int N>
@@ -279,7 +281,6 @@ __device__ __forceinline__ int piece_slot(int row, int t, int p) { return 4 * t 
 // (p * 8 NT + r) * 16, the descriptor's core matrices), so a stage is one bulk copy (the async
 // proxy, as wgmma reads it), completed on an mbarrier per stage.
 #define STAGE_BYTES (NT * 8 * XROW)
-__device__ __forceinline__ u32 smem_addr(const void* p) { return (u32)__cvta_generic_to_shared(p); }
 __device__ __forceinline__ void stage_issue(u8* dst, u64* bar, const GemmMmaParams& p, u32 tb, u32 c) {
   if (threadIdx.x != 0) return;
   const u8* src = reinterpret_cast<const u8*>(p.x) + ((u64)tb * (p.cols / KC) + c) * STAGE_BYTES;

@@ -87,7 +87,8 @@ pub struct LinearOptions {
     /// (quantized weights above `gemv_max_tokens`; 0 never).
     pub mma_max_tokens: usize,
     /// Let the small-batch GEMM use warpgroup MMAs above [`MMA_OVER_RESIDENT_MAX_TOKENS`]
-    /// tokens (rows of whole 128-column chunks; a `Gpu` clears it on devices other than sm_90).
+    /// tokens (rows of whole 128-column chunks; ignored on devices without them,
+    /// [`Gpu::supports_wgmma`]).
     pub wgmma: bool,
 }
 
@@ -292,8 +293,8 @@ fn linear_at(
     norm_scratch: Option<(u64, usize)>,
     opts: &LinearOptions,
 ) -> Result<LinearPlan, CudaError> {
-    // Warpgroup MMAs only where the device has them (options made by hand may ask anyway).
-    let opts = &LinearOptions { wgmma: opts.wgmma && gpu.compute_capability() == (9, 0), ..*opts };
+    // Warpgroup MMAs only where the device has them.
+    let opts = &LinearOptions { wgmma: opts.wgmma && gpu.supports_wgmma(), ..*opts };
     let plan = resolved_plan(w, n_tokens, opts, gpu.sm_count() as usize);
     if n_tokens == 0 {
         return Ok(plan);
@@ -931,7 +932,7 @@ fn gemm_mma(
 ) -> Result<(), CudaError> {
     const OP: &str = "linear";
     if variant.wgmma > 0 {
-        if gpu.compute_capability() != (9, 0) {
+        if !gpu.supports_wgmma() {
             return Err(CudaError::invalid(OP, format!("the wgmma GEMM needs an sm_90 device, not {}", gpu.name())));
         }
         if !w.cols.is_multiple_of(GEMM_CHUNK_COLS) || variant.stages < 3 {
