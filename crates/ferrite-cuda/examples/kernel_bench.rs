@@ -270,7 +270,7 @@ fn batched(gpu: &Gpu) -> Result<(), CudaError> {
 fn tilings(gpu: &Gpu) -> Result<(), CudaError> {
     // Tilings of the small-batch GEMM (m-tiles per warp, weight chunks in flight, activation
     // stages) on the 8B QKV, gate/up and down shapes; the first line of each shape is the default.
-    println!("\nsmall-batch GEMM tilings, Q4_0: us per call ([wg: wgmma] nt mt depth stages o blocks per SM: registers, spilled bytes)");
+    println!("\nsmall-batch GEMM tilings, Q4_0: us per call ([wg: wgmma k-steps per group, s: weight stages] nt mt warpgroups depth stages o blocks per SM: registers, spilled bytes)");
     for (rows, cols) in [(6144usize, 4096usize), (28672, 4096), (4096, 14336)] {
         let values = ramp(rows * cols);
         let w = gpu.upload_weight(GgmlType::Q4_0, rows, cols, &quantize(GgmlType::Q4_0, &values).expect("quantize"))?;
@@ -279,37 +279,46 @@ fn tilings(gpu: &Gpu) -> Result<(), CudaError> {
             let mut out = gpu.alloc_zeros::<f32>(n * rows)?;
             let base = GemmMmaVariant::for_shape(GgmlType::Q4_0, n, true);
             let mut line = format!("  {rows}x{cols} n={n:<3}");
-            // (n-tiles, m-tiles, depth, stages, blocks per SM); narrower n-tiles than the batch
-            // mean several token blocks per row block.
+            // (n-tiles, m-tiles, warpgroups, depth, stages, blocks per SM); narrower n-tiles than
+            // the batch mean several token blocks per row block.
             // (.., wgmma k-steps per group, 0: mma.sync): warpgroup MMAs need 3 stages and an
             // sm_90 device.
             let wgmma = gpu.supports_wgmma();
+            let wg = GemmMmaVariant::for_wgmma(GgmlType::Q4_0, n, true);
+            // (.., weight stages in shared memory, 0: weights through registers)
             let tilings = [
-                (base.nt, base.mt, base.depth, base.stages, base.occupancy, base.wgmma),
-                (2, 2, 2, 2, 4, 0),
-                (4, 1, 2, 2, 4, 0),
-                (8, 2, 2, 2, 2, 0),
-                (2, 2, 2, 4, 4, 4),
-                (2, 1, 2, 4, 4, 8),
-                (4, 2, 2, 4, 3, 4),
-                (4, 1, 2, 4, 4, 8),
-                (8, 1, 2, 4, 3, 8),
-                (8, 1, 1, 4, 4, 8),
-                (8, 2, 2, 3, 2, 4),
-                (8, 2, 2, 4, 2, 4),
-                (8, 2, 1, 4, 2, 8),
-                (8, 2, 2, 6, 2, 8),
+                (base.nt, base.mt, base.warpgroups, base.depth, base.stages, base.occupancy, base.wgmma, base.weight_stages),
+                (wg.nt, wg.mt, wg.warpgroups, wg.depth, wg.stages, wg.occupancy, wg.wgmma, wg.weight_stages),
+                (2, 2, 1, 2, 2, 4, 0, 0),
+                (4, 1, 1, 2, 2, 4, 0, 0),
+                (8, 2, 1, 2, 2, 2, 0, 0),
+                (4, 1, 1, 2, 4, 4, 8, 0),
+                (8, 2, 1, 2, 3, 2, 4, 0),
+                (8, 2, 1, 1, 3, 2, 4, 4),
+                (8, 2, 1, 1, 3, 2, 8, 4),
+                (8, 1, 1, 1, 3, 3, 4, 4),
+                (8, 1, 2, 1, 3, 2, 4, 4),
+                (8, 1, 2, 1, 3, 2, 8, 4),
+                (8, 1, 2, 1, 3, 2, 2, 4),
+                (8, 1, 2, 1, 4, 2, 4, 4),
+                (8, 1, 2, 1, 3, 2, 4, 2),
+                (8, 1, 2, 2, 3, 2, 4, 0),
+                (4, 1, 2, 1, 3, 3, 4, 4),
             ];
-            for (nt, mt, depth, stages, occupancy, wg) in tilings {
+            for (nt, mt, warpgroups, depth, stages, occupancy, wg, ws) in tilings {
                 if nt as usize * 8 > n.next_power_of_two().max(16) || (wg > 0 && !wgmma) {
                     continue;
                 }
-                let v = GemmMmaVariant { nt, mt, depth, stages, occupancy, wgmma: wg, ..base };
+                let v = GemmMmaVariant { nt, mt, warpgroups, depth, stages, occupancy, wgmma: wg, weight_stages: ws, ..base };
                 let info = gpu.kernel_info(&v)?.into_iter().find(|i| i.name == "gemm_mma");
                 let s = time(gpu, 20, || ops::linear_mma(gpu, &w, &x, n, &mut out, v))?;
                 let (regs, local) = info.map_or((0, 0), |i| (i.registers, i.local_bytes));
-                let kind = if wg > 0 { format!("wg{wg}:") } else { String::new() };
-                line += &format!(" | {kind}{nt}{mt}{depth}{stages}o{occupancy}: {:.1} ({regs}r {local}B)", s * 1e6);
+                let kind = match (wg, ws) {
+                    (0, _) => String::new(),
+                    (_, 0) => format!("wg{wg}:"),
+                    _ => format!("wg{wg}s{ws}:"),
+                };
+                line += &format!(" | {kind}{nt}{mt}{warpgroups}{depth}{stages}o{occupancy}: {:.1} ({regs}r {local}B)", s * 1e6);
             }
             println!("{line}");
         }

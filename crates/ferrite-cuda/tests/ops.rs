@@ -442,23 +442,38 @@ fn small_batch_gemm_matches_cpu_for_every_quantized_type() {
         }
         check_linear(gpu, &mut rng, dtype, 300, 2048, 24, &f16, is_mma);
     }
-    // Other tilings (m-tiles per warp, weight chunks in flight, activation stages) than the
-    // dispatcher's, on a partial last chunk and K slices.
+    // Other tilings (m-tiles per warp, weight chunks in flight, activation stages, 8 warps) than
+    // the dispatcher's, on a partial last chunk and K slices.
     for dtype in [GgmlType::Q4_0, GgmlType::Q8_0, GgmlType::Q6_K] {
         let (rows, cols, n) = (200, 1280, 40);
         for (mt, depth, stages, occupancy) in [(1, 1, 2, 8), (1, 4, 3, 4), (2, 3, 3, 3), (2, 2, 2, 2)] {
             let v = GemmMmaVariant { mt, depth, stages, occupancy, ..GemmMmaVariant::for_shape(dtype, n, true) };
             check_mma_tiling(gpu, &mut rng, dtype, (rows, cols, n), v);
         }
+        let v = GemmMmaVariant { warpgroups: 2, ..GemmMmaVariant::for_shape(dtype, n, true) };
+        check_mma_tiling(gpu, &mut rng, dtype, (rows, cols, n), v);
     }
     // Warpgroup MMAs (sm_90 only): each n-tiling, one and two m-tiles, f16, K slices and partial
-    // row blocks (200 and 1000 rows of 64-row tiles) and token tiles.
+    // row blocks (200 and 1000 rows of 64-row tiles) and token tiles, weights through registers
+    // and through shared memory.
     if gpu.supports_wgmma() {
-        for dtype in [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q8_0, GgmlType::Q4_K, GgmlType::Q6_K] {
+        for dtype in [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q5_0, GgmlType::Q8_0, GgmlType::Q4_K, GgmlType::Q6_K] {
             // (.., k-steps per commit group)
             for (rows, cols, n, mt, bf16, steps) in [(200, 1280, 40, 1, true, 1), (1000, 4096, 64, 2, true, 8), (300, 2048, 13, 2, false, 2), (130, 512, 30, 1, true, 4)] {
                 let v = GemmMmaVariant { wgmma: steps, stages: 3, mt, ..GemmMmaVariant::for_shape(dtype, n, bf16) };
                 check_mma_tiling(gpu, &mut rng, dtype, (rows, cols, n), v);
+                // The weights through shared-memory stages (2 to 4 of them), where the type allows.
+                let staged = GemmMmaVariant { depth: 1, weight_stages: 2 + rows as u32 % 3, ..v };
+                let v = if staged.can_stage_weights() {
+                    check_mma_tiling(gpu, &mut rng, dtype, (rows, cols, n), staged);
+                    staged
+                } else {
+                    v
+                };
+                // Two warpgroups per block sharing the activation stages.
+                if mt == 1 {
+                    check_mma_tiling(gpu, &mut rng, dtype, (rows, cols, n), GemmMmaVariant { warpgroups: 2, ..v });
+                }
             }
         }
     } else {

@@ -100,19 +100,25 @@ const SOURCE: &str = r#"
 #ifndef WGMMA
 #error "WGMMA (0: mma.sync; 1, 2, 4, 8: warpgroup MMAs, sm_90a, k-steps per commit group) must come from the kernel variant"
 #endif
+#ifndef WARPGROUPS
+#error "WARPGROUPS (groups of 4 warps per block) must come from the kernel variant"
+#endif
+#ifndef WSTAGES
+#error "WSTAGES (0: weights through registers; 2 or more: shared-memory stages of weights) must come from the kernel variant"
+#endif
 #if IS_FLOAT
 #error "gemm_mma decodes packed quantized weights; float weights go to cuBLAS"
 #endif
-#define NWARPS 4
+#define NWARPS (4 * WARPGROUPS)
 #define BM (NWARPS * MT * 16)     // weight rows per block
-// Rows of a warp's m-tile m: WARP_ROW0 * warp + MTILE_ROWS * m + (g, g + 8). With mma.sync a warp
-// owns MT consecutive 16-row tiles; with wgmma the block's warpgroup owns MT 64-row tiles, 16
-// rows of each per warp.
+// Rows of a warp's m-tile m: WARP_ROW0(warp) + MTILE_ROWS * m + (g, g + 8). With mma.sync a warp
+// owns MT consecutive 16-row tiles; with wgmma each warpgroup owns MT 64-row tiles, 16 rows of
+// each per warp.
 #if WGMMA
-#define WARP_ROW0 16
+#define WARP_ROW0(warp) ((warp) / 4 * 64 * MT + (warp) % 4 * 16)
 #define MTILE_ROWS 64
 #else
-#define WARP_ROW0 (MT * 16)
+#define WARP_ROW0(warp) ((warp) * MT * 16)
 #define MTILE_ROWS 16
 #endif
 // Activation chunks staged ahead. wgmma reads a stage asynchronously, so the stage a chunk
@@ -314,6 +320,68 @@ __device__ __forceinline__ void stage_chunk(u8* dst, const GemmMmaParams& p, u32
 }
 #endif
 
+#if WSTAGES
+#if !WGMMA || DEPTH != 1 || QK != 32
+#error "weights staged in shared memory: the wgmma kernel (DEPTH 1) on the 32-weight block types only"
+#endif
+// Bytes per 32-weight block of each plane (weight.rs): their sum is the block's size.
+#if WTYPE == GGML_Q4_0
+#define PB0 16
+#define PB1 2
+#define PB2 0
+#elif WTYPE == GGML_Q4_1
+#define PB0 16
+#define PB1 4
+#define PB2 0
+#elif WTYPE == GGML_Q5_0
+#define PB0 16
+#define PB1 4
+#define PB2 2
+#elif WTYPE == GGML_Q5_1
+#define PB0 16
+#define PB1 4
+#define PB2 4
+#else  // Q8_0
+#define PB0 32
+#define PB1 2
+#define PB2 0
+#endif
+// A weight stage holds each plane's fields of the chunk's 4 blocks for the block's BM rows,
+// [row][4 * PB] bytes per plane: as a WeightRef of 128-column rows, `load_unit` reads it as is.
+#define WSTAGE_BYTES (BM * 4 * (PB0 + PB1 + PB2))
+template <int N>
+__device__ __forceinline__ void cp_async_small(u8* smem, const u8* gmem) {
+  if (N == 16) asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem_addr(smem)), "l"(gmem) : "memory");
+  else asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" ::"r"(smem_addr(smem)), "l"(gmem) : "memory");
+}
+// Copy plane fields of blocks 4c .. 4c + 3 of rows row0 .. row0 + BM - 1 (past the weight: its
+// last row) into dst.
+template <int PB>
+__device__ __forceinline__ void stage_plane(u8* dst, const u8* plane, u32 row0, const GemmMmaParams& p, u32 c) {
+  // (PB 0: a type without that plane copies nothing.)
+  constexpr int ROW = 4 * PB, PIECE = ROW < 16 ? ROW : 16, PER_ROW = PB ? ROW / PIECE : 0;
+  for (int k = threadIdx.x; k < BM * PER_ROW; k += NWARPS * 32) {
+    const int r = k / PER_ROW, j = k % PER_ROW;
+    const i64 row = min(row0 + r, p.rows - 1);
+    cp_async_small<PIECE>(dst + r * ROW + j * PIECE, plane + (row * (p.cols / 32) + 4 * c) * PB + j * PIECE);
+  }
+}
+// Start copying chunk c's weights into a stage, as one commit group (empty past the slice).
+__device__ __forceinline__ void stage_weights(u8* dst, const WeightRef& w, u32 row0, const GemmMmaParams& p, u32 c, bool in) {
+  if (in) {
+    stage_plane<PB0>(dst, w.p0, row0, p, c);
+    stage_plane<PB1>(dst + BM * 4 * PB0, w.p1, row0, p, c);
+    stage_plane<PB2>(dst + BM * 4 * (PB0 + PB1), w.p2, row0, p, c);
+  }
+  asm volatile("cp.async.commit_group;" ::: "memory");
+}
+__device__ __forceinline__ WeightRef staged_weights(const u8* stage) {
+  return {stage, stage + BM * 4 * PB0, stage + BM * 4 * (PB0 + PB1), nullptr, KC};
+}
+#else
+#define WSTAGE_BYTES 0
+#endif
+
 // Lane (g, t) works on rows g and g + 8 of each m-tile and on unit 4 c + t of them (the last
 // unit again past the row: its activations are zero).
 __device__ __forceinline__ void load_chunk(const WeightRef& w, const i64* row, u32 c, int t, u32 units, Unit (&u)[MT][2]) {
@@ -330,17 +398,18 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32, MIN_BLOCKS) gemm_mma(c
   // Grid x walks (row block, token block) pairs, token blocks fastest: the blocks that share
   // a row block's weights run side by side, so all but the first read them from L2.
   const u32 token_blocks = (p.n_tokens + NT * 8 - 1) / (NT * 8);
-  const u32 row0 = blockIdx.x / token_blocks * BM + warp * WARP_ROW0, tok0 = blockIdx.x % token_blocks * NT * 8, units = p.cols / 32;
+  const u32 block_row0 = blockIdx.x / token_blocks * BM, row0 = block_row0 + WARP_ROW0(warp), tok0 = blockIdx.x % token_blocks * NT * 8, units = p.cols / 32;
   const u32 chunks = (p.cols + KC - 1) / KC, c0 = blockIdx.z * p.slice_chunks, c1 = min(chunks, c0 + p.slice_chunks);
   // Rows past the weight decode its last row and are never stored.
   i64 row[2 * MT];
 #pragma unroll
   for (int i = 0; i < 2 * MT; ++i) row[i] = min(row0 + MTILE_ROWS * (i >> 1) + g + 8 * (i & 1), p.rows - 1);
 #if WGMMA
-  // Dynamic shared memory (the launch sizes it): the stages, then their mbarriers.
+  // Dynamic shared memory (the launch sizes it): the activation stages, the weight stages,
+  // then the activation stages' mbarriers.
   extern __shared__ __align__(128) u8 s_dyn[];
   u8 (*s_x)[STAGE_BYTES] = reinterpret_cast<u8 (*)[STAGE_BYTES]>(s_dyn);
-  u64* s_bar = reinterpret_cast<u64*>(s_dyn + STAGES * STAGE_BYTES);
+  u64* s_bar = reinterpret_cast<u64*>(s_dyn + STAGES * STAGE_BYTES + WSTAGES * WSTAGE_BYTES);
 #else
   __shared__ __align__(16) u8 s_x[STAGES][NT * 8 * XROW];
 #endif
@@ -353,11 +422,23 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32, MIN_BLOCKS) gemm_mma(c
 #pragma unroll
       for (int i = 0; i < 4; ++i) acc[m][j][i] = 0.f;
 
-  // A ring of DEPTH chunks of weights in registers; the first ones load before the wait.
   Unit u[DEPTH][MT][2];
+#if WSTAGES
+  // Weight chunks WSTAGES - 1 ahead through shared memory (cp.async: the kernel reads them with
+  // plain loads, so no proxy fence), the first ones before the wait. The lane's rows of a
+  // stage, as `load_chunk` takes them.
+  u8 (*s_w)[WSTAGE_BYTES] = reinterpret_cast<u8 (*)[WSTAGE_BYTES]>(s_dyn + STAGES * STAGE_BYTES);
+#pragma unroll
+  for (int i = 0; i < WSTAGES - 1; ++i) stage_weights(s_w[i], w, block_row0, p, c0 + i, c0 + i < c1);
+  i64 stage_row[2 * MT];
+#pragma unroll
+  for (int i = 0; i < 2 * MT; ++i) stage_row[i] = WARP_ROW0(warp) + MTILE_ROWS * (i >> 1) + g + 8 * (i & 1);
+#else
+  // A ring of DEPTH chunks of weights in registers; the first ones load before the wait.
 #pragma unroll
   for (int d = 0; d < DEPTH; ++d)
     if (c0 + d < c1) load_chunk(w, row, c0 + d, t, units, u[d]);
+#endif
   pdl_wait();
   pdl_release();
 #if WGMMA
@@ -391,9 +472,17 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32, MIN_BLOCKS) gemm_mma(c
       // wgmma: its MMAs retired, as each warp waits for all but its latest group), which then
       // receives chunk c + AHEAD.
 #if WGMMA
+#if WSTAGES
+      cp_async_wait<WSTAGES - 2>();  // this thread's copies of chunk c's weights
+#endif
       stage_wait(&s_bar[stage], (c - c0) / STAGES);
       __syncthreads();
       if (c + AHEAD < c1) stage_issue(s_x[(c - c0 + AHEAD) % STAGES], &s_bar[(c - c0 + AHEAD) % STAGES], p, tb, c + AHEAD);
+#if WSTAGES
+      // Every warp has its units of chunk c - 1 in registers: that stage takes chunk c + WSTAGES - 1.
+      stage_weights(s_w[(c - c0 + WSTAGES - 1) % WSTAGES], w, block_row0, p, c + WSTAGES - 1, c + WSTAGES - 1 < c1);
+      load_chunk(staged_weights(s_w[(c - c0) % WSTAGES]), stage_row, 0, t, 4, u[d]);
+#endif
 #else
       cp_async_wait<AHEAD - 1>();
       __syncthreads();
@@ -458,8 +547,10 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32, MIN_BLOCKS) gemm_mma(c
         }
       }
 #endif
+#if !WSTAGES
       // The lane's units of chunk c are decoded: their registers take chunk c + DEPTH.
       if (c + DEPTH < c1) load_chunk(w, row, c + DEPTH, t, units, u[d]);
+#endif
     }
   }
 #if WGMMA
@@ -502,9 +593,10 @@ extern "C" __global__ void gemm_reduce(const GemmReduceParams p) {
 }
 "#;
 
-/// Columns of a `gemm_mma` chunk (`KC` in the source) and warps of a block (`NWARPS`).
+/// Columns of a `gemm_mma` chunk (`KC` in the source).
 pub const GEMM_CHUNK_COLS: usize = 128;
-const GEMM_WARPS: usize = 4;
+/// Shared memory an sm_90 SM gives its blocks (228 KiB, less 1 KiB reserved per block).
+const SHARED_BYTES_PER_SM: usize = 220 * 1024;
 
 /// Compile-time shape of the small-batch tensor-core GEMM.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -516,6 +608,9 @@ pub struct GemmMmaVariant {
     pub bf16: bool,
     /// 16-row m-tiles per warp (1 or 2).
     pub mt: u32,
+    /// Groups of 4 warps per block (1 or 2). With wgmma each is a warpgroup with its own MT
+    /// 64-row tiles, all multiplying the block's shared activation stages.
+    pub warpgroups: u32,
     /// Chunks of weights in flight per lane, in registers (1 to 4).
     pub depth: u32,
     /// Shared-memory stages of activations (2 or more; `STAGES * NT * 2 KiB` <= 48 KiB for
@@ -530,6 +625,11 @@ pub struct GemmMmaVariant {
     /// multiplies 64-row tiles with the shared activation stage as B, asynchronously, while its
     /// warps decode the next group.
     pub wgmma: u32,
+    /// 0: each lane loads its weights into registers, `depth` chunks ahead. 2 or more (wgmma,
+    /// `depth` 1, 32-weight block types): the block copies the chunks' weights into that many
+    /// shared-memory stages (`cp.async`, stages - 1 chunks ahead) and the lanes load them from
+    /// there, so the weights in flight do not cost registers.
+    pub weight_stages: u32,
 }
 
 impl GemmMmaVariant {
@@ -550,15 +650,52 @@ impl GemmMmaVariant {
             4 => (1, 4),
             _ => (2, 2),
         };
-        GemmMmaVariant { wtype, nt, bf16, mt, depth: if small_unit { 2 } else { 1 }, stages: 2, occupancy, wgmma: 0 }
+        GemmMmaVariant { wtype, nt, bf16, mt, warpgroups: 1, depth: if small_unit { 2 } else { 1 }, stages: 2, occupancy, wgmma: 0, weight_stages: 0 }
     }
 
     /// The warpgroup-MMA tiling for `n_tokens` (sm_90): measured on the H200 (`kernel_bench
     /// tilings`, docs/perf.md), one warpgroup with two 64-row tiles, 2 blocks per SM, 3 stages,
-    /// 4 k-steps per commit group (8B gate/up at 64 tokens 56.7 µs, mma.sync 78.0).
+    /// 4 k-steps per commit group (8B gate/up at 64 tokens 56.7 µs, mma.sync 78.0); the 32-weight
+    /// block types stage their weights in shared memory, as many stages (up to 4) as fit.
     pub fn for_wgmma(wtype: GgmlType, n_tokens: usize, bf16: bool) -> Self {
         let base = GemmMmaVariant::for_shape(wtype, n_tokens, bf16);
-        GemmMmaVariant { mt: 2, stages: 3, occupancy: if base.nt == 8 { 2 } else { 3 }, wgmma: 4, ..base }
+        let v = match base.nt {
+            8 => GemmMmaVariant { mt: 1, warpgroups: 2, stages: 3, occupancy: 2, wgmma: 8, ..base },
+            _ => GemmMmaVariant { mt: 2, stages: 3, occupancy: 3, wgmma: 4, ..base },
+        };
+        if !v.can_stage_weights() {
+            return v;
+        }
+        let fits = |ws: u32| v.occupancy as usize * v.shared_bytes_with(ws) <= SHARED_BYTES_PER_SM;
+        match (2..=4).rev().find(|&ws| fits(ws)) {
+            Some(weight_stages) => GemmMmaVariant { depth: 1, weight_stages, ..v },
+            None => v,
+        }
+    }
+
+    /// Whether the kernel can stage this type's weights in shared memory (the wgmma kernel, on
+    /// types whose planes hold whole fields per 32-weight block).
+    pub fn can_stage_weights(&self) -> bool {
+        use GgmlType::*;
+        self.wgmma > 0 && matches!(self.wtype, Q4_0 | Q4_1 | Q5_0 | Q5_1 | Q8_0)
+    }
+
+    /// Bytes of dynamic shared memory per block.
+    pub fn shared_bytes(&self) -> usize {
+        if self.wgmma > 0 {
+            self.shared_bytes_with(self.weight_stages)
+        } else {
+            0
+        }
+    }
+
+    /// The wgmma kernel's stages of 16-bit activations (`GEMM_CHUNK_COLS` per token), `ws`
+    /// weight stages (the block's rows' blocks of a chunk) and one 8-byte mbarrier per
+    /// activation stage.
+    fn shared_bytes_with(&self, ws: u32) -> usize {
+        let stage = 8 * self.nt as usize * GEMM_CHUNK_COLS * 2;
+        let weight_stage = self.block_rows() * GEMM_CHUNK_COLS / 32 * self.wtype.type_size();
+        self.stages as usize * (stage + 8) + ws as usize * weight_stage
     }
 
     /// The column order the kernel reads its activations in.
@@ -570,9 +707,14 @@ impl GemmMmaVariant {
         }
     }
 
+    /// Warps of a block (`NWARPS` in the source).
+    pub fn warps(&self) -> usize {
+        4 * self.warpgroups as usize
+    }
+
     /// Weight rows of a block (`BM` in the source).
     pub fn block_rows(&self) -> usize {
-        GEMM_WARPS * self.mt as usize * 16
+        self.warps() * self.mt as usize * 16
     }
 
     /// K slices (grid z): as many as keep the grid within one wave of `occupancy` blocks per
@@ -591,13 +733,10 @@ impl GemmMmaVariant {
     }
 
     pub fn launch_config(&self, rows: usize, n_tokens: usize, slices: usize) -> LaunchConfig {
-        // The wgmma kernel's stages (16-bit activations, `GEMM_CHUNK_COLS` per token) and one
-        // 8-byte mbarrier each are dynamic shared memory.
-        let stage_bytes = 8 * self.nt * GEMM_CHUNK_COLS as u32 * 2;
         LaunchConfig {
             grid_dim: (blocks_for(rows, self.block_rows()) * blocks_for(n_tokens, 8 * self.nt as usize), 1, slices as u32),
-            block_dim: (32 * GEMM_WARPS as u32, 1, 1),
-            shared_mem_bytes: if self.wgmma > 0 { self.stages * (stage_bytes + 8) } else { 0 },
+            block_dim: (32 * self.warps() as u32, 1, 1),
+            shared_mem_bytes: self.shared_bytes() as u32,
         }
     }
 }
@@ -617,6 +756,8 @@ impl KernelVariant for GemmMmaVariant {
             ("STAGES", self.stages.to_string()),
             ("MIN_BLOCKS", self.occupancy.to_string()),
             ("WGMMA", self.wgmma.to_string()),
+            ("WARPGROUPS", self.warpgroups.to_string()),
+            ("WSTAGES", self.weight_stages.to_string()),
         ]
     }
 
@@ -638,6 +779,7 @@ mod tests {
     fn macros_match_source() {
         crate::kernels::tests::assert_macros_match(GemmMmaVariant::for_shape(GgmlType::Q4_0, 64, true));
         crate::kernels::tests::assert_macros_match(GemmMmaVariant { wgmma: 4, stages: 3, ..GemmMmaVariant::for_shape(GgmlType::Q4_0, 64, true) });
+        crate::kernels::tests::assert_macros_match(GemmMmaVariant::for_wgmma(GgmlType::Q4_0, 64, true));
     }
 
     #[test]

@@ -86,9 +86,8 @@ pub struct LinearOptions {
     /// Largest token count that takes the small-batch tensor-core GEMM in [`LinearPath::Auto`]
     /// (quantized weights above `gemv_max_tokens`; 0 never).
     pub mma_max_tokens: usize,
-    /// Let the small-batch GEMM use warpgroup MMAs above [`MMA_OVER_RESIDENT_MAX_TOKENS`]
-    /// tokens (rows of whole 128-column chunks; ignored on devices without them,
-    /// [`Gpu::supports_wgmma`]).
+    /// Let the small-batch GEMM use warpgroup MMAs from [`WGMMA_MIN_TOKENS`] tokens (rows of
+    /// whole 128-column chunks; ignored on devices without them, [`Gpu::supports_wgmma`]).
     pub wgmma: bool,
 }
 
@@ -167,6 +166,10 @@ pub enum LinearPlan {
 /// cuBLAS on a resident bf16 copy; larger batches take the warpgroup-MMA one where it runs.
 pub const MMA_OVER_RESIDENT_MAX_TOKENS: usize = 32;
 
+/// Smallest batch that may take the warpgroup-MMA GEMM (n-tiles of 32 tokens and more); at 16
+/// tokens and fewer it is no faster than `mma.sync` (kernel_bench tilings, docs/perf.md).
+pub const WGMMA_MIN_TOKENS: usize = 17;
+
 /// Pick the path: GEMV needs whole 32-value units per row (always true for quantized types;
 /// float weights with `cols % 32 != 0` fall back to GEMM even when GEMV is forced).
 pub fn linear_plan(dtype: GgmlType, cols: usize, n_tokens: usize, opts: &LinearOptions) -> LinearPlan {
@@ -186,9 +189,9 @@ pub fn linear_plan(dtype: GgmlType, cols: usize, n_tokens: usize, opts: &LinearO
         && cols.is_multiple_of(32)
         && opts.precision != Precision::F32;
     if mma {
-        // Up to 32 tokens the two kernels are as fast (kernel_bench tilings); above, the
-        // warpgroup one beats mma.sync by 14–27% on the 8B shapes.
-        let wgmma = opts.wgmma && n_tokens > MMA_OVER_RESIDENT_MAX_TOKENS && cols.is_multiple_of(GEMM_CHUNK_COLS);
+        // From 17 tokens the warpgroup kernel may take the batch; `resolved_plan` keeps it for
+        // the weights with enough work per block (kernel_bench tilings, docs/perf.md).
+        let wgmma = opts.wgmma && n_tokens >= WGMMA_MIN_TOKENS && cols.is_multiple_of(GEMM_CHUNK_COLS);
         return LinearPlan::Mma { precision: opts.precision, wgmma };
     }
     LinearPlan::Gemm {
@@ -324,11 +327,13 @@ fn linear_at(
     Ok(plan)
 }
 
-/// Chunks of work per block slot from which the warpgroup-MMA GEMM beats cuBLAS on a resident
-/// bf16 copy at 33–64 tokens (H200, `kernel_bench batched`, docs/perf.md): the 8B gate/up
-/// (27 chunks per slot) and down (14) shapes gain 10–12 and 5 µs, the QKV (6) and output (4)
-/// shapes lose 5 and 2–4 µs, where each block's short K walk and the split-K reduce weigh more.
-pub const WGMMA_OVER_RESIDENT_MIN_CHUNKS: usize = 8;
+/// Chunks of work per block slot from which the warpgroup-MMA GEMM is the fastest path (H200,
+/// `kernel_bench batched` and `tilings`, docs/perf.md). At 33–64 tokens, against cuBLAS on a
+/// resident bf16 copy: the 8B gate/up (27 chunks per slot) and down (14) shapes gain 16–19 and
+/// 7–8 µs, the QKV (6) and output (4) shapes lose, where each block's short K walk and the
+/// split-K reduce weigh more. At 17–32 tokens, against `mma.sync`: gate/up gains 10 µs, down
+/// is even, QKV loses.
+pub const WGMMA_MIN_CHUNKS_PER_SLOT: usize = 8;
 
 /// [`linear_plan`] with the weight's resident copy taken into account (`sm_count` sizes the
 /// warpgroup-MMA GEMM's grid).
@@ -337,28 +342,31 @@ fn resolved_plan(w: &DeviceWeight, n_tokens: usize, opts: &LinearOptions, sm_cou
     match linear_plan(w.dtype, w.cols, n_tokens, opts) {
         // An expanded copy in the GEMM's input type needs no per-call dequantization; cuBLAS on
         // it beats the mma.sync small-batch GEMM on the packed weight above 32 tokens on the
-        // H200, which is faster up to 32 (docs/perf.md); the wgmma one beats it above on
-        // weights with enough work per block.
+        // H200, which is faster up to 32 (docs/perf.md); the wgmma one beats both on weights
+        // with enough work per block.
         LinearPlan::Gemm { precision, convert_input, .. } if resident(precision) => {
             LinearPlan::Gemm { precision, dequantize_weight: false, convert_input }
         }
-        LinearPlan::Mma { precision, wgmma } if resident(precision) && n_tokens > MMA_OVER_RESIDENT_MAX_TOKENS => {
-            if wgmma && wgmma_beats_resident(w.dtype, w.rows, w.cols, n_tokens, sm_count) {
-                LinearPlan::Mma { precision, wgmma }
-            } else {
+        LinearPlan::Mma { precision, wgmma: allowed } => {
+            let pays = allowed && wgmma_pays(w.dtype, w.rows, w.cols, n_tokens, sm_count);
+            let above = n_tokens > MMA_OVER_RESIDENT_MAX_TOKENS;
+            if above && resident(precision) && !pays {
                 LinearPlan::Gemm { precision, dequantize_weight: false, convert_input: true }
+            } else {
+                // Above 32 tokens without a copy, wgmma beats mma.sync on every 8B shape.
+                LinearPlan::Mma { precision, wgmma: allowed && (above || pays) }
             }
         }
         plan => plan,
     }
 }
 
-/// Whether a `rows x cols` weight has [`WGMMA_OVER_RESIDENT_MIN_CHUNKS`] chunks of work per
-/// block slot of the warpgroup-MMA GEMM at `n_tokens`.
-fn wgmma_beats_resident(dtype: GgmlType, rows: usize, cols: usize, n_tokens: usize, sm_count: usize) -> bool {
+/// Whether a `rows x cols` weight has [`WGMMA_MIN_CHUNKS_PER_SLOT`] chunks of work per block
+/// slot of the warpgroup-MMA GEMM at `n_tokens`.
+fn wgmma_pays(dtype: GgmlType, rows: usize, cols: usize, n_tokens: usize, sm_count: usize) -> bool {
     let v = GemmMmaVariant::for_wgmma(dtype, n_tokens, true);
     let chunks = rows.div_ceil(v.block_rows()) * cols.div_ceil(GEMM_CHUNK_COLS);
-    chunks >= WGMMA_OVER_RESIDENT_MIN_CHUNKS * v.occupancy as usize * sm_count
+    chunks >= WGMMA_MIN_CHUNKS_PER_SLOT * v.occupancy as usize * sm_count
 }
 
 /// A linear's input rows: f32 activations at `x`, RMS-normalised on the way in when `norm` is
@@ -939,6 +947,9 @@ fn gemm_mma(
             return Err(CudaError::invalid(OP, format!("the wgmma GEMM needs rows of whole {GEMM_CHUNK_COLS}-column chunks and 3 stages, not {} columns and {variant:?}", w.cols)));
         }
     }
+    if variant.weight_stages > 0 && (!variant.can_stage_weights() || variant.weight_stages < 2 || variant.depth != 1) {
+        return Err(CudaError::invalid(OP, format!("weights staged in shared memory need the wgmma kernel, a 32-weight block type, 2 or more stages and depth 1: {variant:?}")));
+    }
     let precision = if variant.bf16 { Precision::BF16 } else { Precision::F16 };
     let slices = variant.k_slices(w.rows, w.cols, n_tokens, gpu.sm_count() as usize);
     let x_bytes = elems(OP, &[variant.activation_order().padded_rows(n_tokens), w.cols, 2])?.next_multiple_of(SCRATCH_ALIGN);
@@ -1042,11 +1053,13 @@ mod tests {
     }
 
     #[test]
-    fn wgmma_takes_the_big_weights_from_resident_copies() {
-        // The 8B shapes on 132 SMs at 64 tokens: gate/up and down, not QKV and output.
-        let beats = |rows, cols| wgmma_beats_resident(GgmlType::Q4_0, rows, cols, 64, 132);
-        assert!(beats(28672, 4096) && beats(4096, 14336));
-        assert!(!beats(6144, 4096) && !beats(4096, 4096));
+    fn wgmma_takes_the_big_weights() {
+        // The 8B shapes on 132 SMs at 64 and 32 tokens: gate/up and down, not QKV and output.
+        for n in [64, 32] {
+            let pays = |rows, cols| wgmma_pays(GgmlType::Q4_0, rows, cols, n, 132);
+            assert!(pays(28672, 4096) && pays(4096, 14336), "{n} tokens");
+            assert!(!pays(6144, 4096) && !pays(4096, 4096), "{n} tokens");
+        }
     }
 
     #[test]
@@ -1061,11 +1074,11 @@ mod tests {
         // or when switched off and at f32 (any whole number of 32-value units per row).
         let mma = LinearPlan::Mma { precision: Precision::BF16, wgmma: false };
         assert_eq!(linear_plan(GgmlType::Q4_0, 576, 9, &auto), mma);
-        assert_eq!(linear_plan(GgmlType::Q6_K, 4096, 32, &auto), mma);
-        // Above 32 tokens, warpgroup MMAs on rows of whole 128-column chunks (where allowed).
+        assert_eq!(linear_plan(GgmlType::Q6_K, 4096, 16, &auto), mma);
+        // From 17 tokens, warpgroup MMAs on rows of whole 128-column chunks (where allowed).
         let wgmma = LinearPlan::Mma { precision: Precision::BF16, wgmma: true };
         assert_eq!(linear_plan(GgmlType::Q6_K, 4096, 64, &auto), wgmma);
-        assert_eq!(linear_plan(GgmlType::Q4_0, 4096, 33, &auto), wgmma);
+        assert_eq!(linear_plan(GgmlType::Q4_0, 4096, 17, &auto), wgmma);
         assert_eq!(linear_plan(GgmlType::Q4_0, 576, 64, &auto), mma);
         assert_eq!(linear_plan(GgmlType::Q4_0, 4096, 64, &LinearOptions { wgmma: false, ..auto }), mma);
         let cublas = LinearPlan::Gemm { precision: Precision::BF16, dequantize_weight: true, convert_input: true };
