@@ -459,7 +459,7 @@ fn small_batch_gemm_matches_cpu_for_every_quantized_type() {
     if gpu.supports_wgmma() {
         for dtype in [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q5_0, GgmlType::Q8_0, GgmlType::Q4_K, GgmlType::Q6_K] {
             // (.., k-steps per commit group)
-            for (rows, cols, n, mt, bf16, steps) in [(200, 1280, 40, 1, true, 1), (1000, 4096, 64, 2, true, 8), (300, 2048, 13, 2, false, 2), (130, 512, 30, 1, true, 4)] {
+            for (rows, cols, n, mt, bf16, steps) in [(200, 1280, 40, 1, true, 1), (1000, 4096, 64, 2, true, 4), (300, 2048, 13, 2, false, 2), (130, 512, 30, 1, true, 4)] {
                 let v = GemmMmaVariant { wgmma: steps, stages: 3, mt, ..GemmMmaVariant::for_shape(dtype, n, bf16) };
                 check_mma_tiling(gpu, &mut rng, dtype, (rows, cols, n), v);
                 // The weights through shared-memory stages (2 to 4 of them), where the type allows.
@@ -483,6 +483,40 @@ fn small_batch_gemm_matches_cpu_for_every_quantized_type() {
     check_linear(gpu, &mut rng, GgmlType::BF16, 300, 512, 20, &bf16, is_gemm);
     check_linear(gpu, &mut rng, GgmlType::Q4_0, 300, 512, 20, &LinearOptions { precision: Precision::F32, ..bf16 }, is_gemm);
     check_linear(gpu, &mut rng, GgmlType::Q4_0, 300, 512, 20, &LinearOptions { mma_max_tokens: 0, ..bf16 }, is_gemm);
+}
+
+/// The small-batch GEMM gives the same bits on every run (no races between its warps, stages and
+/// K slices): each wgmma tiling kind, five runs on one input, 8B-like columns (K split).
+#[test]
+fn small_batch_gemm_is_deterministic() {
+    use ferrite_cuda::kernels::gemm::GemmMmaVariant;
+    let Some(gpu) = gpu() else { return };
+    if !gpu.supports_wgmma() {
+        let _ = writeln!(std::io::stderr(), "skipped: wgmma tilings need an sm_90 device");
+        return;
+    }
+    let mut rng = Rng(53);
+    let (rows, cols, n) = (256, 4096, 40);
+    let (bytes, _) = random_weight(&mut rng, GgmlType::Q4_0, rows, cols);
+    let w = gpu.upload_weight(GgmlType::Q4_0, rows, cols, &bytes).unwrap();
+    let x = upload(gpu, &rng.vec(n * cols, -2.0, 2.0));
+    let wg = GemmMmaVariant::for_wgmma(GgmlType::Q4_0, n, true);
+    let one_group = GemmMmaVariant { mt: 2, warpgroups: 1, wgmma: 2, ..wg };
+    for v in [wg, one_group, GemmMmaVariant { depth: 2, weight_stages: 0, ..one_group }, GemmMmaVariant { depth: 2, weight_stages: 0, ..wg }] {
+        let mut first = None;
+        for run in 0..5 {
+            let mut out = poisoned(gpu, n * rows);
+            ops::linear_mma(gpu, &w, &x, n, &mut out, v).unwrap();
+            let got: Vec<u32> = download(gpu, &out).iter().map(|v| v.to_bits()).collect();
+            match &first {
+                None => first = Some(got),
+                Some(want) => {
+                    let diff = got.iter().zip(want).filter(|(a, b)| a != b).count();
+                    assert_eq!(diff, 0, "{v:?}: run {run} differs from run 0 in {diff} of {} outputs", got.len());
+                }
+            }
+        }
+    }
 }
 
 /// One tiling of the small-batch GEMM against the CPU, through `linear_mma`.
@@ -2758,9 +2792,12 @@ fn every_kernel_variant_compiles_for_sm90() {
             // The deepest tilings of the small-batch GEMM op test and kernel_bench.
             let v = GemmMmaVariant { mt: 1, depth: 4, stages: 4, occupancy: 8, ..GemmMmaVariant::for_shape(dtype, 16, true) };
             check(format!("{v:?}"), compile_variant(&v, "sm_90"));
-            // Warpgroup MMAs (sm_90a), every n-tiling.
+            // Warpgroup MMAs (sm_90a), every n-tiling, and the dispatcher's tilings (two
+            // warpgroups; weights through shared memory where the type allows).
             for (n, bf16) in [(16, true), (32, false), (64, true)] {
                 let v = GemmMmaVariant { wgmma: 4, stages: 3, ..GemmMmaVariant::for_shape(dtype, n, bf16) };
+                check(format!("{v:?}"), compile_variant(&v, "sm_90"));
+                let v = GemmMmaVariant::for_wgmma(dtype, n, bf16);
                 check(format!("{v:?}"), compile_variant(&v, "sm_90"));
             }
             // Short rows (warp-level reduction), long rows (block-level), token tiles, epilogues.

@@ -30,14 +30,18 @@
 //!
 //! ## Warpgroup MMAs (`WGMMA` > 0, sm_90a)
 //!
-//! The block's 4 warps are one warpgroup owning `MT` 64-row tiles (16 rows of each per warp)
-//! and all `8 * NT` tokens. The weights and their decode are as above; the MMA is
+//! Each of the block's `WARPGROUPS` warpgroups owns `MT` 64-row tiles (16 rows of each per
+//! warp) and all `8 * NT` tokens. The weights and their decode are as above; the MMA is
 //! `wgmma.mma_async` with A from those registers and B from the shared activation stage through
 //! a matrix descriptor. The chunk's 8 k-steps go in commit groups of `WGMMA`, each warp waiting
-//! for the group before the one it just issued, so fragments are not rewritten while their
-//! MMAs run. The activations come tiled as the stage's image (`MmaOrder::Wgmma`), so a stage is
-//! one bulk copy on an mbarrier: bulk copies are async-proxy writes, which wgmma may read
-//! without the proxy fence that `cp.async` would need (it drains the weight prefetch).
+//! for the group before the one it just issued. The MMAs read their A registers until that
+//! wait, so two fragment buffers alternate and each is kept live (an empty asm) until the wait
+//! that retires its group: the compiler cannot give its registers to the next decode early.
+//! The activations come tiled as the stage's image (`MmaOrder::Wgmma`), so a stage is one bulk
+//! copy on an mbarrier: bulk copies are async-proxy writes, which wgmma may read without the
+//! proxy fence that `cp.async` would need (it drains the weight prefetch). With `WSTAGES` the
+//! weights also pass through shared memory (`cp.async`, read back with plain loads, so no
+//! fence): the lanes' registers no longer hold chunks in flight.
 
 use super::common::{HEADER, QUANT};
 use super::dequant::MmaOrder;
@@ -98,7 +102,7 @@ const SOURCE: &str = r#"
 #error "MIN_BLOCKS (blocks per SM the registers must allow) must come from the kernel variant"
 #endif
 #ifndef WGMMA
-#error "WGMMA (0: mma.sync; 1, 2, 4, 8: warpgroup MMAs, sm_90a, k-steps per commit group) must come from the kernel variant"
+#error "WGMMA (0: mma.sync; 1, 2, 4: warpgroup MMAs, sm_90a, k-steps per commit group) must come from the kernel variant"
 #endif
 #ifndef WARPGROUPS
 #error "WARPGROUPS (groups of 4 warps per block) must come from the kernel variant"
@@ -184,8 +188,8 @@ __device__ __forceinline__ void mma(float* d, u32 a0, u32 a1, u32 a2, u32 a3, u3
 __device__ __forceinline__ u32 smem_addr(const void* p) { return (u32)__cvta_generic_to_shared(p); }
 
 #if WGMMA
-#if 8 % WGMMA
-#error "WGMMA must divide the 8 k-steps of a chunk"
+#if 8 % WGMMA || WGMMA > 4
+#error "WGMMA must divide the 8 k-steps of a chunk into an even number of commit groups"
 #endif
 // D (64 x 8NT, f32, the warp's 16 rows in the mma.sync C layout per 8 columns) += A B: A 64 x 16
 // from registers (the warp's 16 rows in the mma.sync A layout), B 16 x 8NT from shared memory
@@ -228,6 +232,16 @@ __device__ __forceinline__ void fence_acc(float (&d)[NT][4]) {
   for (int j = 0; j < NT; ++j)
 #pragma unroll
     for (int i = 0; i < 4; ++i) asm volatile("" : "+f"(d[j][i])::"memory");
+}
+// A commit group's A fragments, kept live (and in their registers) up to this point: after the
+// wait that retires the group's MMAs, which read them asynchronously until then.
+__device__ __forceinline__ void fence_frags(u32 (&a)[WGMMA][MT][4]) {
+#pragma unroll
+  for (int s = 0; s < WGMMA; ++s)
+#pragma unroll
+    for (int m = 0; m < MT; ++m)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) asm volatile("" : "+r"(a[s][m][i])::"memory");
 }
 // Shared-memory matrix descriptor of k-step s of a stage: core matrices of 8 token rows x 16
 // bytes (8 k), 128 contiguous bytes each; k-group kg (two per step) and token group ng at
@@ -442,6 +456,10 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32, MIN_BLOCKS) gemm_mma(c
   pdl_wait();
   pdl_release();
 #if WGMMA
+  // The A fragments of the last two commit groups, in turn (an even number per chunk): PTX
+  // leaves rewriting a group's fragment registers before the wait that retires it undefined, so
+  // each buffer stays live until then and the next decode cannot take its registers.
+  u32 frag[2][WGMMA][MT][4] = {};
   const u32 tb = blockIdx.x % token_blocks;
   if (threadIdx.x == 0) {
 #pragma unroll
@@ -503,7 +521,7 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32, MIN_BLOCKS) gemm_mma(c
       // next group decodes.
 #pragma unroll
       for (int s0 = 0; s0 < 8; s0 += WGMMA) {
-        u32 a[WGMMA][MT][4];
+        u32 (&a)[WGMMA][MT][4] = frag[(s0 / WGMMA) & 1];
 #pragma unroll
         for (int s = 0; s < WGMMA; ++s)
 #pragma unroll
@@ -520,6 +538,7 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32, MIN_BLOCKS) gemm_mma(c
 #pragma unroll
         for (int m = 0; m < MT; ++m) fence_acc(acc[m]);
         wgmma_wait<1>();
+        fence_frags(frag[((s0 / WGMMA) & 1) ^ 1]);  // the group before is retired
       }
 #else
       // Step pairs: the A fragments of k-steps 2q and 2q + 1 (step s takes weights 4s .. 4s + 3
@@ -557,6 +576,8 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32, MIN_BLOCKS) gemm_mma(c
   wgmma_wait<0>();
 #pragma unroll
   for (int m = 0; m < MT; ++m) fence_acc(acc[m]);
+  fence_frags(frag[0]);
+  fence_frags(frag[1]);
 #endif
 
   // C fragment: acc[m][j] = rows (g, g + 8) x tokens (2t, 2t + 1) of tile (m, j). The residual
@@ -620,7 +641,7 @@ pub struct GemmMmaVariant {
     /// for one wave of them. The kernel is latency-bound per warp (decode, then MMAs), so more
     /// resident warps is what makes it faster.
     pub occupancy: u32,
-    /// 0: `mma.sync`. 1, 2, 4 or 8: warpgroup MMAs (`wgmma`, sm_90a; at least 3 stages)
+    /// 0: `mma.sync`. 1, 2 or 4: warpgroup MMAs (`wgmma`, sm_90a; at least 3 stages)
     /// issued that many k-steps (of a chunk's 8) per commit group: the block's warpgroup
     /// multiplies 64-row tiles with the shared activation stage as B, asynchronously, while its
     /// warps decode the next group.
@@ -653,14 +674,16 @@ impl GemmMmaVariant {
         GemmMmaVariant { wtype, nt, bf16, mt, warpgroups: 1, depth: if small_unit { 2 } else { 1 }, stages: 2, occupancy, wgmma: 0, weight_stages: 0 }
     }
 
-    /// The warpgroup-MMA tiling for `n_tokens` (sm_90): measured on the H200 (`kernel_bench
-    /// tilings`, docs/perf.md), one warpgroup with two 64-row tiles, 2 blocks per SM, 3 stages,
-    /// 4 k-steps per commit group (8B gate/up at 64 tokens 56.7 µs, mma.sync 78.0); the 32-weight
-    /// block types stage their weights in shared memory, as many stages (up to 4) as fit.
+    /// The warpgroup-MMA tiling for `n_tokens` (sm_90), from `kernel_bench tilings` on the H200
+    /// (docs/perf.md, stop 20): at 64-token tiles two warpgroups of one 64-row tile share the
+    /// activation stages, 2 blocks per SM, 3 stages, 4 k-steps per commit group (8B gate/up at 64
+    /// tokens 51.4 µs; one warpgroup of two tiles 51.9, `mma.sync` 77.6); narrower tiles keep one
+    /// warpgroup of two. The 32-weight block types stage their weights in shared memory, as many
+    /// stages (up to 4) as fit.
     pub fn for_wgmma(wtype: GgmlType, n_tokens: usize, bf16: bool) -> Self {
         let base = GemmMmaVariant::for_shape(wtype, n_tokens, bf16);
         let v = match base.nt {
-            8 => GemmMmaVariant { mt: 1, warpgroups: 2, stages: 3, occupancy: 2, wgmma: 8, ..base },
+            8 => GemmMmaVariant { mt: 1, warpgroups: 2, stages: 3, occupancy: 2, wgmma: 4, ..base },
             _ => GemmMmaVariant { mt: 2, stages: 3, occupancy: 3, wgmma: 4, ..base },
         };
         if !v.can_stage_weights() {
@@ -780,6 +803,20 @@ mod tests {
         crate::kernels::tests::assert_macros_match(GemmMmaVariant::for_shape(GgmlType::Q4_0, 64, true));
         crate::kernels::tests::assert_macros_match(GemmMmaVariant { wgmma: 4, stages: 3, ..GemmMmaVariant::for_shape(GgmlType::Q4_0, 64, true) });
         crate::kernels::tests::assert_macros_match(GemmMmaVariant::for_wgmma(GgmlType::Q4_0, 64, true));
+    }
+
+    #[test]
+    fn wgmma_tiling_stages_weights_where_they_fit() {
+        // 64 tokens: two blocks per SM of 3 x 16 KiB activation stages plus the weight stages
+        // (128 rows x 4 blocks of each type's bytes); k-quants keep their weights in registers.
+        for (dtype, stages) in [(GgmlType::Q4_0, 4), (GgmlType::Q5_1, 4), (GgmlType::Q8_0, 3), (GgmlType::Q6_K, 0)] {
+            let v = GemmMmaVariant::for_wgmma(dtype, 64, true);
+            assert_eq!((v.weight_stages, v.depth == 1 || stages == 0), (stages, true), "{dtype}");
+            assert!(v.occupancy as usize * v.shared_bytes() <= SHARED_BYTES_PER_SM, "{dtype}");
+            assert_eq!(v.launch_config(28672, 64, 1).block_dim, (256, 1, 1));
+        }
+        let q4 = GemmMmaVariant::for_wgmma(GgmlType::Q4_0, 64, true);
+        assert_eq!((q4.block_rows(), q4.shared_bytes()), (128, 3 * (16384 + 8) + 4 * 128 * 4 * 18));
     }
 
     #[test]

@@ -166,9 +166,10 @@ pub enum LinearPlan {
 /// cuBLAS on a resident bf16 copy; larger batches take the warpgroup-MMA one where it runs.
 pub const MMA_OVER_RESIDENT_MAX_TOKENS: usize = 32;
 
-/// Smallest batch that may take the warpgroup-MMA GEMM (n-tiles of 32 tokens and more); at 16
-/// tokens and fewer it is no faster than `mma.sync` (kernel_bench tilings, docs/perf.md).
-pub const WGMMA_MIN_TOKENS: usize = 17;
+/// Smallest batch that takes the warpgroup-MMA GEMM. Its 32-token tiling beats `mma.sync` on
+/// the 8B gate/up alone (46 vs 56 µs) and not end to end (x32 6.93k → 6.87k tok/s), so batches
+/// up to 32 tokens stay on `mma.sync` (docs/perf.md, stop 20).
+pub const WGMMA_MIN_TOKENS: usize = MMA_OVER_RESIDENT_MAX_TOKENS + 1;
 
 /// Pick the path: GEMV needs whole 32-value units per row (always true for quantized types;
 /// float weights with `cols % 32 != 0` fall back to GEMM even when GEMV is forced).
@@ -189,8 +190,8 @@ pub fn linear_plan(dtype: GgmlType, cols: usize, n_tokens: usize, opts: &LinearO
         && cols.is_multiple_of(32)
         && opts.precision != Precision::F32;
     if mma {
-        // From 17 tokens the warpgroup kernel may take the batch; `resolved_plan` keeps it for
-        // the weights with enough work per block (kernel_bench tilings, docs/perf.md).
+        // Above 32 tokens the warpgroup kernel takes the batch (over a resident copy only the
+        // weights with enough work per block, `resolved_plan`).
         let wgmma = opts.wgmma && n_tokens >= WGMMA_MIN_TOKENS && cols.is_multiple_of(GEMM_CHUNK_COLS);
         return LinearPlan::Mma { precision: opts.precision, wgmma };
     }
@@ -327,12 +328,10 @@ fn linear_at(
     Ok(plan)
 }
 
-/// Chunks of work per block slot from which the warpgroup-MMA GEMM is the fastest path (H200,
-/// `kernel_bench batched` and `tilings`, docs/perf.md). At 33–64 tokens, against cuBLAS on a
-/// resident bf16 copy: the 8B gate/up (27 chunks per slot) and down (14) shapes gain 16–19 and
-/// 7–8 µs, the QKV (6) and output (4) shapes lose, where each block's short K walk and the
-/// split-K reduce weigh more. At 17–32 tokens, against `mma.sync`: gate/up gains 10 µs, down
-/// is even, QKV loses.
+/// Chunks of work per block slot from which the warpgroup-MMA GEMM beats cuBLAS on a resident
+/// bf16 copy at 33–64 tokens (H200, `kernel_bench batched` and `tilings`, docs/perf.md): the 8B
+/// gate/up (27 chunks per slot) and down (14) shapes gain 16–19 and 7–8 µs, the QKV (6) and
+/// output (4) shapes lose, where each block's short K walk and the split-K reduce weigh more.
 pub const WGMMA_MIN_CHUNKS_PER_SLOT: usize = 8;
 
 /// [`linear_plan`] with the weight's resident copy taken into account (`sm_count` sizes the
@@ -1054,8 +1053,8 @@ mod tests {
 
     #[test]
     fn wgmma_takes_the_big_weights() {
-        // The 8B shapes on 132 SMs at 64 and 32 tokens: gate/up and down, not QKV and output.
-        for n in [64, 32] {
+        // The 8B shapes on 132 SMs at 64 and 40 tokens: gate/up and down, not QKV and output.
+        for n in [64, 40] {
             let pays = |rows, cols| wgmma_pays(GgmlType::Q4_0, rows, cols, n, 132);
             assert!(pays(28672, 4096) && pays(4096, 14336), "{n} tokens");
             assert!(!pays(6144, 4096) && !pays(4096, 4096), "{n} tokens");
@@ -1074,11 +1073,11 @@ mod tests {
         // or when switched off and at f32 (any whole number of 32-value units per row).
         let mma = LinearPlan::Mma { precision: Precision::BF16, wgmma: false };
         assert_eq!(linear_plan(GgmlType::Q4_0, 576, 9, &auto), mma);
-        assert_eq!(linear_plan(GgmlType::Q6_K, 4096, 16, &auto), mma);
-        // From 17 tokens, warpgroup MMAs on rows of whole 128-column chunks (where allowed).
+        assert_eq!(linear_plan(GgmlType::Q6_K, 4096, 32, &auto), mma);
+        // Above 32 tokens, warpgroup MMAs on rows of whole 128-column chunks (where allowed).
         let wgmma = LinearPlan::Mma { precision: Precision::BF16, wgmma: true };
         assert_eq!(linear_plan(GgmlType::Q6_K, 4096, 64, &auto), wgmma);
-        assert_eq!(linear_plan(GgmlType::Q4_0, 4096, 17, &auto), wgmma);
+        assert_eq!(linear_plan(GgmlType::Q4_0, 4096, 33, &auto), wgmma);
         assert_eq!(linear_plan(GgmlType::Q4_0, 576, 64, &auto), mma);
         assert_eq!(linear_plan(GgmlType::Q4_0, 4096, 64, &LinearOptions { wgmma: false, ..auto }), mma);
         let cublas = LinearPlan::Gemm { precision: Precision::BF16, dequantize_weight: true, convert_input: true };
