@@ -32,6 +32,8 @@ enum CpuWeight {
     Packed(Vec<u8>),
     /// Packed weight bytes used in place from the memory-mapped file.
     InFile(TensorInfo),
+    /// Q4_0/Q4_1 matrices repacked into 8-row groups for the AVX2 matmul (`RowGroups`).
+    RowGroups(kernels::RowGroups),
 }
 
 /// Mutable buffers of a forward pass, kept apart from the read-only model data.
@@ -159,6 +161,15 @@ impl CpuExecutor {
                 _ => None,
             })
             .collect();
+        // Matrices of the dense linears (whole-row-range matmuls) may be repacked into row groups.
+        let dense: Vec<WeightId> = graph
+            .ops
+            .iter()
+            .filter_map(|o| match o {
+                Op::Linear { w, .. } | Op::GatedLinear { w, .. } => Some(*w),
+                _ => None,
+            })
+            .collect();
         for (i, &id) in used.iter().enumerate() {
             LoadProgress::report(&options.progress, i, used.len());
             let spec = model.weights.spec(id);
@@ -170,6 +181,14 @@ impl CpuExecutor {
             } else {
                 // Fused weights and row selections are gathered once at load.
                 CpuWeight::Packed(model.weights.bytes(&model.file, id)?.into_owned())
+            };
+            let w = match w {
+                CpuWeight::InFile(_) | CpuWeight::Packed(_) if dense.contains(&id) => {
+                    let bytes = model.weights.bytes(&model.file, id)?;
+                    let view = WeightView { dtype: spec.dtype, rows: spec.rows, cols: spec.cols, data: &bytes };
+                    kernels::RowGroups::repack(&view).map_or(w, CpuWeight::RowGroups)
+                }
+                w => w,
             };
             weights[id.0 as usize] = Some(w);
         }
@@ -228,6 +247,7 @@ impl CpuExecutor {
             }
             Some(CpuWeight::Packed(bytes)) => bytes.as_slice(),
             Some(CpuWeight::InFile(t)) => self.model.file.tensor_data(t),
+            Some(CpuWeight::RowGroups(g)) => return Ok(g.matmul(rows, x, n, out)?),
             None => bail!("weight `{}` was not loaded", spec.name),
         };
         let row_bytes = spec.dtype.row_bytes(spec.cols).ok_or_else(|| anyhow!("`{}`: rows are not whole blocks", spec.name))?;
@@ -764,6 +784,7 @@ impl Executor for CpuExecutor {
             .map(|w| match w {
                 Some(CpuWeight::F32(v)) => v.len() * 4,
                 Some(CpuWeight::Packed(v)) => v.len(),
+                Some(CpuWeight::RowGroups(g)) => g.bytes(),
                 _ => 0,
             })
             .sum();

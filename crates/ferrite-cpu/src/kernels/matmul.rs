@@ -128,21 +128,7 @@ fn run<K: DotKernel>(
     let dot_tile = K::row_dot::<TOKEN_TILE>(level);
     let rows = w.rows;
     let chunk = chunk_rows(rows, row_bytes, n_tokens);
-    // `out` is token-major: hand each row chunk its piece of every token's output row.
-    let mut per_token: Vec<_> = out.chunks_mut(rows).map(|o| o.chunks_mut(chunk)).collect();
-    let n_chunks = rows.div_ceil(chunk);
-    let mut pieces: Vec<&mut [f32]> = Vec::with_capacity(n_chunks * n_tokens);
-    for _ in 0..n_chunks {
-        pieces.extend(
-            per_token
-                .iter_mut()
-                .map(|t| t.next().expect("every token row has n_chunks pieces")),
-        );
-    }
-    pieces
-        .par_chunks_mut(n_tokens)
-        .enumerate()
-        .for_each(|(c, outs)| {
+    for_each_row_chunk(out, rows, n_tokens, chunk, |c, outs| {
             let weights = &w.data[c * chunk * row_bytes..];
             let row = |r: usize| &weights[r * row_bytes..(r + 1) * row_bytes];
             let n_rows = outs[0].len();
@@ -178,6 +164,32 @@ fn run<K: DotKernel>(
                 }
             }
         });
+}
+
+/// Runs `f(c, outs)` in parallel for every chunk `c` of `chunk` output rows (the last may be
+/// shorter), where `outs[t]` is that chunk's piece of token `t`'s row of the token-major `out`
+/// (`n_tokens` rows of `rows`).
+pub(crate) fn for_each_row_chunk(
+    out: &mut [f32],
+    rows: usize,
+    n_tokens: usize,
+    chunk: usize,
+    f: impl Fn(usize, &mut [&mut [f32]]) + Sync,
+) {
+    let mut per_token: Vec<_> = out.chunks_mut(rows).map(|o| o.chunks_mut(chunk)).collect();
+    let n_chunks = rows.div_ceil(chunk);
+    let mut pieces: Vec<&mut [f32]> = Vec::with_capacity(n_chunks * n_tokens);
+    for _ in 0..n_chunks {
+        pieces.extend(
+            per_token
+                .iter_mut()
+                .map(|t| t.next().expect("every token row has n_chunks pieces")),
+        );
+    }
+    pieces
+        .par_chunks_mut(n_tokens)
+        .enumerate()
+        .for_each(|(c, outs)| f(c, outs));
 }
 
 /// The f32 reference: `w` is `rows x cols` row-major (already dequantized). Each output is an

@@ -13,12 +13,14 @@ pub mod matmul;
 pub mod moe;
 pub mod norm;
 pub mod rope;
+pub mod row_groups;
 pub mod simd;
 
 mod fvec;
 mod quant;
 
 pub use matmul::{matmul, matmul_f32, matmul_with};
+pub use row_groups::RowGroups;
 
 use ferrite_gguf::GgmlType;
 

@@ -1,0 +1,235 @@
+//! Q4_0 / Q4_1 weights repacked at load into groups of 8 rows, for the AVX2 matmul.
+//!
+//! The GGUF layout keeps each row's blocks together, so a dot-product kernel converts and
+//! scales every (row, block, token) on its own: about 9 instructions per 32 multiply-adds. Here,
+//! per block, the 8 rows' scales sit side by side and their codes interleave by 4 bytes: one
+//! 256-bit register holds 4 codes of each of the 8 rows, so one `vpmaddubsw` with a broadcast
+//! of 4 activation codes serves 8 rows, and each (8 rows, block, token) needs one conversion and
+//! two multiply-adds (about 30 instructions per 256 multiply-adds). The integer sums are those
+//! of the row kernels; only the order of the float additions differs.
+//!
+//! Group layout per block: `d` of the 8 rows (f16), `m` of the 8 rows (f16, Q4_1 only), then
+//! 4 x 32 bytes: register q holds bytes 4q .. 4q + 3 of each row's 16 `qs` bytes (low nibbles:
+//! elements 4q ..; high nibbles: elements 16 + 4q ..).
+
+use super::matmul::for_each_row_chunk;
+use super::quant::ActQ8;
+use super::simd::{simd_level, SimdLevel};
+use super::{KernelError, WeightView};
+use ferrite_gguf::GgmlType;
+
+/// Rows per group.
+pub const GROUP_ROWS: usize = 8;
+/// Tokens per kernel call when several share a group (the group's codes are unpacked once).
+const TOKEN_TILE: usize = 4;
+
+/// A Q4_0 or Q4_1 weight in 8-row groups (see the module docs).
+pub struct RowGroups {
+    dtype: GgmlType,
+    rows: usize,
+    cols: usize,
+    data: Vec<u8>,
+}
+
+impl RowGroups {
+    /// The repacked copy of `w`, or `None` where this layout does not serve: other types, rows
+    /// not a multiple of 8, or a CPU (or `FERRITE_CPU_SCALAR` / `FERRITE_CPU_ROW_GROUPS=0`)
+    /// without the AVX2 kernel.
+    pub fn repack(w: &WeightView) -> Option<Self> {
+        let level = simd_level();
+        let enabled = ferrite_core::env::CPU_ROW_GROUPS.flag();
+        if !enabled || !matches!(level, SimdLevel::Avx2 | SimdLevel::Avx512Vnni) || !matches!(w.dtype, GgmlType::Q4_0 | GgmlType::Q4_1) {
+            return None;
+        }
+        let row_bytes = w.row_bytes("row_groups").ok()?;
+        if !w.rows.is_multiple_of(GROUP_ROWS) || w.cols == 0 {
+            return None;
+        }
+        let (nb, block, min) = (w.cols / 32, w.dtype.type_size(), w.dtype == GgmlType::Q4_1);
+        let group = group_bytes(w.dtype);
+        let qs_at = if min { 4 } else { 2 };
+        let mut data = vec![0u8; w.rows / GROUP_ROWS * nb * group];
+        for (g, dst) in data.chunks_exact_mut(nb * group).enumerate() {
+            for (b, dst) in dst.chunks_exact_mut(group).enumerate() {
+                for r in 0..GROUP_ROWS {
+                    let src = &w.data[(g * GROUP_ROWS + r) * row_bytes + b * block..][..block];
+                    dst[2 * r..2 * r + 2].copy_from_slice(&src[..2]);
+                    if min {
+                        dst[16 + 2 * r..18 + 2 * r].copy_from_slice(&src[2..4]);
+                    }
+                    let codes = &mut dst[if min { 32 } else { 16 }..];
+                    for q in 0..4 {
+                        codes[(q * GROUP_ROWS + r) * 4..][..4].copy_from_slice(&src[qs_at + 4 * q..qs_at + 4 * q + 4]);
+                    }
+                }
+            }
+        }
+        Some(RowGroups { dtype: w.dtype, rows: w.rows, cols: w.cols, data })
+    }
+
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    /// Bytes of the repacked copy.
+    pub fn bytes(&self) -> usize {
+        self.data.len()
+    }
+
+    /// `out[t * m + i] = x[t] · W[rows.start + i]` (`m = rows.len()`) for `n_tokens` tokens; the
+    /// range must be whole groups.
+    pub fn matmul(&self, rows: std::ops::Range<usize>, x: &[f32], n_tokens: usize, out: &mut [f32]) -> Result<(), KernelError> {
+        let (m, cols) = (rows.len(), self.cols);
+        let shape = |detail: String| KernelError::Shape { op: "row_groups", detail };
+        if !rows.start.is_multiple_of(GROUP_ROWS) || !m.is_multiple_of(GROUP_ROWS) || rows.end > self.rows {
+            return Err(shape(format!("rows {rows:?} are not whole {GROUP_ROWS}-row groups of 0..{}", self.rows)));
+        }
+        if x.len() != n_tokens * cols || out.len() != n_tokens * m {
+            return Err(shape(format!("{n_tokens} tokens: input {} and output {} values for {m} x {cols}", x.len(), out.len())));
+        }
+        if out.is_empty() {
+            return Ok(());
+        }
+        let acts = ActQ8::quantize(x, cols, n_tokens);
+        let per_group = cols / 32 * group_bytes(self.dtype);
+        let weights = &self.data[rows.start / GROUP_ROWS * per_group..rows.end / GROUP_ROWS * per_group];
+        let kernel: [GroupDot; 3] = match self.dtype {
+            GgmlType::Q4_1 => [group_dot::<true, 1>, group_dot::<true, 2>, group_dot::<true, TOKEN_TILE>],
+            _ => [group_dot::<false, 1>, group_dot::<false, 2>, group_dot::<false, TOKEN_TILE>],
+        };
+        let tasks = rayon::current_num_threads() * 4;
+        let chunk = m.div_ceil(tasks).next_multiple_of(GROUP_ROWS).max(GROUP_ROWS);
+        for_each_row_chunk(out, m, n_tokens, chunk, |c, outs| {
+            let n_rows = outs[0].len();
+            for g in 0..n_rows / GROUP_ROWS {
+                let w = &weights[(c * chunk / GROUP_ROWS + g) * per_group..][..per_group];
+                let mut t = 0;
+                for (nt, dot) in [(TOKEN_TILE, kernel[2]), (2, kernel[1]), (1, kernel[0])] {
+                    while t + nt <= n_tokens {
+                        let mut sums = [[0f32; GROUP_ROWS]; TOKEN_TILE];
+                        // SAFETY: `repack` made this copy only where the AVX2 kernel runs.
+                        unsafe { dot(w, &acts, t, &mut sums) };
+                        for (i, s) in sums[..nt].iter().enumerate() {
+                            outs[t + i][g * GROUP_ROWS..(g + 1) * GROUP_ROWS].copy_from_slice(s);
+                        }
+                        t += nt;
+                    }
+                }
+            }
+        });
+        Ok(())
+    }
+}
+
+fn group_bytes(dtype: GgmlType) -> usize {
+    if dtype == GgmlType::Q4_1 {
+        32 + 128
+    } else {
+        16 + 128
+    }
+}
+
+/// One group's dot products with tokens `t0 ..` (as many as the kernel's tile), into `sums`.
+type GroupDot = unsafe fn(group: &[u8], acts: &ActQ8, t0: usize, sums: &mut [[f32; GROUP_ROWS]; TOKEN_TILE]);
+
+/// `sum_b (d_r * da) * (codes_r · y) + c_r * sa * F`, with c = m and F = 1 for Q4_1, c = d and
+/// F = -8 for Q4_0 (its codes are offset by 8).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn group_dot<const MIN: bool, const NT: usize>(group: &[u8], acts: &ActQ8, t0: usize, sums: &mut [[f32; GROUP_ROWS]; TOKEN_TILE]) {
+    use std::arch::x86_64::*;
+    let nb = acts.blocks();
+    let block = if MIN { 32 + 128 } else { 16 + 128 };
+    assert!(group.len() == nb * block && t0 + NT <= acts.n_tokens() && NT <= TOKEN_TILE, "row_groups: kernel arguments");
+    let (ones, low) = (_mm256_set1_epi16(1), _mm256_set1_epi8(0x0F));
+    let min_factor = _mm256_set1_ps(if MIN { 1.0 } else { -8.0 });
+    let tokens: [(&[i8], &[[f32; 2]]); NT] = std::array::from_fn(|t| acts.token(t0 + t));
+    let mut acc = [_mm256_setzero_ps(); NT];
+    for b in 0..nb {
+        let p = group.as_ptr().add(b * block);
+        let d = _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i));
+        let c = if MIN { _mm256_cvtph_ps(_mm_loadu_si128(p.add(16) as *const __m128i)) } else { d };
+        let c = _mm256_mul_ps(c, min_factor);
+        let q = p.add(if MIN { 32 } else { 16 });
+        let mut codes = [_mm256_setzero_si256(); 8];
+        for i in 0..4 {
+            let v = _mm256_loadu_si256(q.add(32 * i) as *const __m256i);
+            codes[i] = _mm256_and_si256(v, low);
+            codes[i + 4] = _mm256_and_si256(_mm256_srli_epi16::<4>(v), low);
+        }
+        for (t, (qs, ds)) in tokens.iter().enumerate() {
+            // Codes k-group j are elements 4j .. 4j + 3 (j < 4: low nibbles, else high ones).
+            // |sum of 8 pairs| <= 8 * 2 * 15 * 127 fits the 16-bit lanes of vpmaddubsw.
+            let y = qs.as_ptr().add(b * 32) as *const i32;
+            let mut s = _mm256_maddubs_epi16(codes[0], _mm256_set1_epi32(y.read_unaligned()));
+            for (j, code) in codes.iter().enumerate().skip(1) {
+                s = _mm256_add_epi16(s, _mm256_maddubs_epi16(*code, _mm256_set1_epi32(y.add(j).read_unaligned())));
+            }
+            let isum = _mm256_cvtepi32_ps(_mm256_madd_epi16(s, ones));
+            let [da, sa] = ds[b];
+            acc[t] = _mm256_fmadd_ps(isum, _mm256_mul_ps(d, _mm256_set1_ps(da)), acc[t]);
+            acc[t] = _mm256_fmadd_ps(c, _mm256_set1_ps(sa), acc[t]);
+        }
+    }
+    for t in 0..NT {
+        _mm256_storeu_ps(sums[t].as_mut_ptr(), acc[t]);
+    }
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+unsafe fn group_dot<const MIN: bool, const NT: usize>(_: &[u8], _: &ActQ8, _: usize, _: &mut [[f32; GROUP_ROWS]; TOKEN_TILE]) {
+    unreachable!("row groups are made only where the AVX2 kernel runs")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kernels::matmul;
+
+    /// The repacked matmul gives the row kernels' results (same integer sums, float order aside)
+    /// on Q4_0 and Q4_1, every token tiling, whole and partial row ranges.
+    #[test]
+    fn row_groups_match_the_row_kernels() {
+        let mut seed = 0x9E37_79B9_7F4A_7C15u64;
+        let mut rnd = move || {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed
+        };
+        for dtype in [GgmlType::Q4_0, GgmlType::Q4_1] {
+            let (rows, cols) = (40, 96);
+            let block = dtype.type_size();
+            let mut data = vec![0u8; rows * cols / 32 * block];
+            for b in data.chunks_exact_mut(block) {
+                b[..2].copy_from_slice(&half::f16::from_f32(0.01 + (rnd() % 64) as f32 * 1e-3).to_bits().to_le_bytes());
+                if dtype == GgmlType::Q4_1 {
+                    b[2..4].copy_from_slice(&half::f16::from_f32((rnd() % 64) as f32 * -2e-3).to_bits().to_le_bytes());
+                }
+                for v in &mut b[if dtype == GgmlType::Q4_1 { 4 } else { 2 }..] {
+                    *v = rnd() as u8;
+                }
+            }
+            let view = WeightView { dtype, rows, cols, data: &data };
+            let Some(groups) = RowGroups::repack(&view) else {
+                eprintln!("skipped: no AVX2 row-group kernel on this CPU");
+                return;
+            };
+            for n in [1usize, 2, 3, 4, 7, 9] {
+                let x: Vec<f32> = (0..n * cols).map(|_| (rnd() % 2001) as f32 / 1000.0 - 1.0).collect();
+                for range in [0..rows, 8..32] {
+                    let m = range.len();
+                    let sub = WeightView { rows: m, data: &data[range.start * cols / 32 * block..range.end * cols / 32 * block], ..view };
+                    let (mut want, mut got) = (vec![0f32; n * m], vec![f32::NAN; n * m]);
+                    matmul::matmul(&sub, &x, n, &mut want).unwrap();
+                    groups.matmul(range.clone(), &x, n, &mut got).unwrap();
+                    for (i, (a, b)) in got.iter().zip(&want).enumerate() {
+                        assert!((a - b).abs() <= 1e-4 * (1.0 + b.abs()), "{dtype} n={n} {range:?} [{i}]: {a} vs {b}");
+                    }
+                }
+            }
+            let err = groups.matmul(4..12, &[0.0; 96], 1, &mut [0.0; 8]).unwrap_err().to_string();
+            assert!(err.contains("not whole 8-row groups"), "{err}");
+        }
+    }
+}
