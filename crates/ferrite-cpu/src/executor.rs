@@ -162,6 +162,7 @@ impl CpuExecutor {
             })
             .collect();
         // Matrices of the dense linears (whole-row-range matmuls) may be repacked into row groups.
+        let row_groups = kernels::RowGroups::preferred();
         let dense: Vec<WeightId> = graph
             .ops
             .iter()
@@ -183,7 +184,7 @@ impl CpuExecutor {
                 CpuWeight::Packed(model.weights.bytes(&model.file, id)?.into_owned())
             };
             let w = match w {
-                CpuWeight::InFile(_) | CpuWeight::Packed(_) if dense.contains(&id) => {
+                CpuWeight::InFile(_) | CpuWeight::Packed(_) if row_groups && dense.contains(&id) => {
                     let bytes = model.weights.bytes(&model.file, id)?;
                     let view = WeightView { dtype: spec.dtype, rows: spec.rows, cols: spec.cols, data: &bytes };
                     kernels::RowGroups::repack(&view).map_or(w, CpuWeight::RowGroups)

@@ -32,13 +32,17 @@ pub struct RowGroups {
 }
 
 impl RowGroups {
-    /// The repacked copy of `w`, or `None` where this layout does not serve: other types, rows
-    /// not a multiple of 8, or a CPU (or `FERRITE_CPU_SCALAR` / `FERRITE_CPU_ROW_GROUPS=0`)
-    /// without the AVX2 kernel.
+    /// Whether the executors should repack: on CPUs whose best kernels are AVX2 (on AVX-512 VNNI
+    /// ones the row kernels' `vpdpbusd` has not been compared with this layout yet), unless
+    /// `FERRITE_CPU_ROW_GROUPS=0` (or `FERRITE_CPU_SCALAR=1`).
+    pub fn preferred() -> bool {
+        simd_level() == SimdLevel::Avx2 && ferrite_core::env::CPU_ROW_GROUPS.flag()
+    }
+
+    /// The repacked copy of `w`, or `None` where this layout cannot serve: other types than
+    /// Q4_0/Q4_1, rows not a multiple of 8, or a CPU without AVX2.
     pub fn repack(w: &WeightView) -> Option<Self> {
-        let level = simd_level();
-        let enabled = ferrite_core::env::CPU_ROW_GROUPS.flag();
-        if !enabled || !matches!(level, SimdLevel::Avx2 | SimdLevel::Avx512Vnni) || !matches!(w.dtype, GgmlType::Q4_0 | GgmlType::Q4_1) {
+        if !SimdLevel::Avx2.is_available() || !matches!(w.dtype, GgmlType::Q4_0 | GgmlType::Q4_1) {
             return None;
         }
         let row_bytes = w.row_bytes("row_groups").ok()?;
@@ -107,7 +111,7 @@ impl RowGroups {
                 for (nt, dot) in [(TOKEN_TILE, kernel[2]), (2, kernel[1]), (1, kernel[0])] {
                     while t + nt <= n_tokens {
                         let mut sums = [[0f32; GROUP_ROWS]; TOKEN_TILE];
-                        // SAFETY: `repack` made this copy only where the AVX2 kernel runs.
+                        // SAFETY: `repack` makes a copy only on CPUs with AVX2.
                         unsafe { dot(w, &acts, t, &mut sums) };
                         for (i, s) in sums[..nt].iter().enumerate() {
                             outs[t + i][g * GROUP_ROWS..(g + 1) * GROUP_ROWS].copy_from_slice(s);
