@@ -1,16 +1,18 @@
-//! Q4_0 / Q4_1 weights repacked at load into groups of 8 rows, for the AVX2 matmul.
+//! Q4_0 / Q4_1 / Q8_0 weights repacked at load into groups of 8 rows, for the AVX2 matmul.
 //!
 //! The GGUF layout keeps each row's blocks together, so a dot-product kernel converts and
 //! scales every (row, block, token) on its own: about 9 instructions per 32 multiply-adds. Here,
 //! per block, the 8 rows' scales sit side by side and their codes interleave by 4 bytes: one
 //! 256-bit register holds 4 codes of each of the 8 rows, so one `vpmaddubsw` with a broadcast
 //! of 4 activation codes serves 8 rows, and each (8 rows, block, token) needs one conversion and
-//! two multiply-adds (about 30 instructions per 256 multiply-adds). The integer sums are those
-//! of the row kernels; only the order of the float additions differs.
+//! two multiply-adds (about 30 instructions per 256 multiply-adds for the 4-bit types, 43 for
+//! Q8_0, whose signed codes take `vpsignb` and whose pair sums need 32-bit adds). The integer
+//! sums are those of the row kernels; only the order of the float additions differs.
 //!
 //! Group layout per block: `d` of the 8 rows (f16), `m` of the 8 rows (f16, Q4_1 only), then
-//! 4 x 32 bytes: register q holds bytes 4q .. 4q + 3 of each row's 16 `qs` bytes (low nibbles:
-//! elements 4q ..; high nibbles: elements 16 + 4q ..).
+//! the codes. 4-bit: 4 x 32 bytes, register q holds bytes 4q .. 4q + 3 of each row's 16 `qs`
+//! bytes (low nibbles: elements 4q ..; high nibbles: elements 16 + 4q ..). Q8_0: 8 x 32 bytes,
+//! register j holds elements 4j .. 4j + 3 of each row.
 
 use super::matmul::for_each_row_chunk;
 use super::quant::ActQ8;
@@ -23,7 +25,7 @@ pub const GROUP_ROWS: usize = 8;
 /// Tokens per kernel call when several share a group (the group's codes are unpacked once).
 const TOKEN_TILE: usize = 4;
 
-/// A Q4_0 or Q4_1 weight in 8-row groups (see the module docs).
+/// A Q4_0, Q4_1 or Q8_0 weight in 8-row groups (see the module docs).
 pub struct RowGroups {
     dtype: GgmlType,
     rows: usize,
@@ -40,18 +42,20 @@ impl RowGroups {
     }
 
     /// The repacked copy of `w`, or `None` where this layout cannot serve: other types than
-    /// Q4_0/Q4_1, rows not a multiple of 8, or a CPU without AVX2.
+    /// Q4_0/Q4_1/Q8_0, rows not a multiple of 8, or a CPU without AVX2.
     pub fn repack(w: &WeightView) -> Option<Self> {
-        if !SimdLevel::Avx2.is_available() || !matches!(w.dtype, GgmlType::Q4_0 | GgmlType::Q4_1) {
+        if !SimdLevel::Avx2.is_available() || !matches!(w.dtype, GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q8_0) {
             return None;
         }
         let row_bytes = w.row_bytes("row_groups").ok()?;
         if !w.rows.is_multiple_of(GROUP_ROWS) || w.cols == 0 {
             return None;
         }
-        let (nb, block, min) = (w.cols / 32, w.dtype.type_size(), w.dtype == GgmlType::Q4_1);
+        let (nb, block, min, bytes8) = (w.cols / 32, w.dtype.type_size(), w.dtype == GgmlType::Q4_1, w.dtype == GgmlType::Q8_0);
         let group = group_bytes(w.dtype);
         let qs_at = if min { 4 } else { 2 };
+        // Registers of 4 code bytes per row: the 16 nibble bytes or the 32 int8 codes.
+        let registers = if bytes8 { 8 } else { 4 };
         let mut data = vec![0u8; w.rows / GROUP_ROWS * nb * group];
         for (g, dst) in data.chunks_exact_mut(nb * group).enumerate() {
             for (b, dst) in dst.chunks_exact_mut(group).enumerate() {
@@ -62,7 +66,7 @@ impl RowGroups {
                         dst[16 + 2 * r..18 + 2 * r].copy_from_slice(&src[2..4]);
                     }
                     let codes = &mut dst[if min { 32 } else { 16 }..];
-                    for q in 0..4 {
+                    for q in 0..registers {
                         codes[(q * GROUP_ROWS + r) * 4..][..4].copy_from_slice(&src[qs_at + 4 * q..qs_at + 4 * q + 4]);
                     }
                 }
@@ -98,8 +102,9 @@ impl RowGroups {
         let per_group = cols / 32 * group_bytes(self.dtype);
         let weights = &self.data[rows.start / GROUP_ROWS * per_group..rows.end / GROUP_ROWS * per_group];
         let kernel: [GroupDot; 3] = match self.dtype {
-            GgmlType::Q4_1 => [group_dot::<true, 1>, group_dot::<true, 2>, group_dot::<true, TOKEN_TILE>],
-            _ => [group_dot::<false, 1>, group_dot::<false, 2>, group_dot::<false, TOKEN_TILE>],
+            GgmlType::Q4_0 => [group_dot::<Q4_0, 1>, group_dot::<Q4_0, 2>, group_dot::<Q4_0, TOKEN_TILE>],
+            GgmlType::Q4_1 => [group_dot::<Q4_1, 1>, group_dot::<Q4_1, 2>, group_dot::<Q4_1, TOKEN_TILE>],
+            _ => [group_dot::<Q8_0, 1>, group_dot::<Q8_0, 2>, group_dot::<Q8_0, TOKEN_TILE>],
         };
         let tasks = rayon::current_num_threads() * 4;
         let chunk = m.div_ceil(tasks).next_multiple_of(GROUP_ROWS).max(GROUP_ROWS);
@@ -125,54 +130,83 @@ impl RowGroups {
     }
 }
 
-fn group_bytes(dtype: GgmlType) -> usize {
-    if dtype == GgmlType::Q4_1 {
-        32 + 128
-    } else {
-        16 + 128
+// The kernels' weight formats.
+const Q4_0: u8 = 0;
+const Q4_1: u8 = 1;
+const Q8_0: u8 = 2;
+
+/// Bytes of one block of a group: the scales, then the code registers.
+const fn block_bytes(kind: u8) -> usize {
+    match kind {
+        Q4_0 => 16 + 128,
+        Q4_1 => 32 + 128,
+        _ => 16 + 256,
     }
+}
+
+fn group_bytes(dtype: GgmlType) -> usize {
+    block_bytes(match dtype {
+        GgmlType::Q4_0 => Q4_0,
+        GgmlType::Q4_1 => Q4_1,
+        _ => Q8_0,
+    })
 }
 
 /// One group's dot products with tokens `t0 ..` (as many as the kernel's tile), into `sums`.
 type GroupDot = unsafe fn(group: &[u8], acts: &ActQ8, t0: usize, sums: &mut [[f32; GROUP_ROWS]; TOKEN_TILE]);
 
 /// `sum_b (d_r * da) * (codes_r · y) + c_r * sa * F`, with c = m and F = 1 for Q4_1, c = d and
-/// F = -8 for Q4_0 (its codes are offset by 8).
+/// F = -8 for Q4_0 (its codes are offset by 8), no such term for Q8_0.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn group_dot<const MIN: bool, const NT: usize>(group: &[u8], acts: &ActQ8, t0: usize, sums: &mut [[f32; GROUP_ROWS]; TOKEN_TILE]) {
+unsafe fn group_dot<const KIND: u8, const NT: usize>(group: &[u8], acts: &ActQ8, t0: usize, sums: &mut [[f32; GROUP_ROWS]; TOKEN_TILE]) {
     use std::arch::x86_64::*;
     let nb = acts.blocks();
-    let block = if MIN { 32 + 128 } else { 16 + 128 };
+    let block = block_bytes(KIND);
     assert!(group.len() == nb * block && t0 + NT <= acts.n_tokens() && NT <= TOKEN_TILE, "row_groups: kernel arguments");
     let (ones, low) = (_mm256_set1_epi16(1), _mm256_set1_epi8(0x0F));
-    let min_factor = _mm256_set1_ps(if MIN { 1.0 } else { -8.0 });
+    let min_factor = _mm256_set1_ps(if KIND == Q4_1 { 1.0 } else { -8.0 });
     let tokens: [(&[i8], &[[f32; 2]]); NT] = std::array::from_fn(|t| acts.token(t0 + t));
     let mut acc = [_mm256_setzero_ps(); NT];
     for b in 0..nb {
         let p = group.as_ptr().add(b * block);
         let d = _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i));
-        let c = if MIN { _mm256_cvtph_ps(_mm_loadu_si128(p.add(16) as *const __m128i)) } else { d };
+        let c = if KIND == Q4_1 { _mm256_cvtph_ps(_mm_loadu_si128(p.add(16) as *const __m128i)) } else { d };
         let c = _mm256_mul_ps(c, min_factor);
-        let q = p.add(if MIN { 32 } else { 16 });
+        let q = p.add(if KIND == Q4_1 { 32 } else { 16 });
+        // Register j: codes of elements 4j .. 4j + 3 of the 8 rows (4-bit: j < 4 low nibbles,
+        // else high ones; Q8_0: signed, their magnitudes for vpmaddubsw's unsigned side).
         let mut codes = [_mm256_setzero_si256(); 8];
-        for i in 0..4 {
-            let v = _mm256_loadu_si256(q.add(32 * i) as *const __m256i);
-            codes[i] = _mm256_and_si256(v, low);
-            codes[i + 4] = _mm256_and_si256(_mm256_srli_epi16::<4>(v), low);
+        let mut ucodes = [_mm256_setzero_si256(); 8];
+        if KIND == Q8_0 {
+            for j in 0..8 {
+                codes[j] = _mm256_loadu_si256(q.add(32 * j) as *const __m256i);
+                ucodes[j] = _mm256_abs_epi8(codes[j]);
+            }
+        } else {
+            for i in 0..4 {
+                let v = _mm256_loadu_si256(q.add(32 * i) as *const __m256i);
+                ucodes[i] = _mm256_and_si256(v, low);
+                ucodes[i + 4] = _mm256_and_si256(_mm256_srli_epi16::<4>(v), low);
+            }
         }
         for (t, (qs, ds)) in tokens.iter().enumerate() {
-            // Codes k-group j are elements 4j .. 4j + 3 (j < 4: low nibbles, else high ones).
-            // |sum of 8 pairs| <= 8 * 2 * 15 * 127 fits the 16-bit lanes of vpmaddubsw.
             let y = qs.as_ptr().add(b * 32) as *const i32;
-            let mut s = _mm256_maddubs_epi16(codes[0], _mm256_set1_epi32(y.read_unaligned()));
-            for (j, code) in codes.iter().enumerate().skip(1) {
-                s = _mm256_add_epi16(s, _mm256_maddubs_epi16(*code, _mm256_set1_epi32(y.add(j).read_unaligned())));
-            }
-            let isum = _mm256_cvtepi32_ps(_mm256_madd_epi16(s, ones));
+            let y4 = |j: usize| _mm256_set1_epi32(y.add(j).read_unaligned());
+            let isum = if KIND == Q8_0 {
+                // A pair sum reaches 2 * 128 * 127: each goes to 32 bits before adding.
+                let dot = |j: usize| _mm256_madd_epi16(_mm256_maddubs_epi16(ucodes[j], _mm256_sign_epi8(y4(j), codes[j])), ones);
+                (1..8).fold(dot(0), |s, j| _mm256_add_epi32(s, dot(j)))
+            } else {
+                // |sum of 8 pairs| <= 8 * 2 * 15 * 127 fits vpmaddubsw's 16-bit lanes.
+                let s = (1..8).fold(_mm256_maddubs_epi16(ucodes[0], y4(0)), |s, j| _mm256_add_epi16(s, _mm256_maddubs_epi16(ucodes[j], y4(j))));
+                _mm256_madd_epi16(s, ones)
+            };
             let [da, sa] = ds[b];
-            acc[t] = _mm256_fmadd_ps(isum, _mm256_mul_ps(d, _mm256_set1_ps(da)), acc[t]);
-            acc[t] = _mm256_fmadd_ps(c, _mm256_set1_ps(sa), acc[t]);
+            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(d, _mm256_set1_ps(da)), acc[t]);
+            if KIND != Q8_0 {
+                acc[t] = _mm256_fmadd_ps(c, _mm256_set1_ps(sa), acc[t]);
+            }
         }
     }
     for t in 0..NT {
@@ -181,7 +215,7 @@ unsafe fn group_dot<const MIN: bool, const NT: usize>(group: &[u8], acts: &ActQ8
 }
 
 #[cfg(not(target_arch = "x86_64"))]
-unsafe fn group_dot<const MIN: bool, const NT: usize>(_: &[u8], _: &ActQ8, _: usize, _: &mut [[f32; GROUP_ROWS]; TOKEN_TILE]) {
+unsafe fn group_dot<const KIND: u8, const NT: usize>(_: &[u8], _: &ActQ8, _: usize, _: &mut [[f32; GROUP_ROWS]; TOKEN_TILE]) {
     unreachable!("row groups are made only where the AVX2 kernel runs")
 }
 
@@ -191,7 +225,8 @@ mod tests {
     use crate::kernels::matmul;
 
     /// The repacked matmul gives the row kernels' results (same integer sums, float order aside)
-    /// on Q4_0 and Q4_1, every token tiling, whole and partial row ranges.
+    /// on Q4_0, Q4_1 and Q8_0 (codes of both signs, -128 too), every token tiling, whole and
+    /// partial row ranges.
     #[test]
     fn row_groups_match_the_row_kernels() {
         let mut seed = 0x9E37_79B9_7F4A_7C15u64;
@@ -201,7 +236,7 @@ mod tests {
             seed ^= seed << 17;
             seed
         };
-        for dtype in [GgmlType::Q4_0, GgmlType::Q4_1] {
+        for dtype in [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q8_0] {
             let (rows, cols) = (40, 96);
             let block = dtype.type_size();
             let mut data = vec![0u8; rows * cols / 32 * block];
