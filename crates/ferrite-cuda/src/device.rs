@@ -122,6 +122,8 @@ pub struct Gpu {
     error_flag: Mutex<CudaSlice<u32>>,
     error_flag_ptr: u64,
     scratch: Mutex<Option<CudaSlice<u8>>>,
+    /// Times the scratch buffer was (re)allocated: a captured CUDA graph holds its address.
+    scratch_generation: std::sync::atomic::AtomicU64,
     linear: LinearOptions,
     dependent_launch: bool,
     gdn_path: Option<GdnPath>,
@@ -179,6 +181,7 @@ impl Gpu {
             error_flag: Mutex::new(error_flag),
             error_flag_ptr,
             scratch: Mutex::new(None),
+            scratch_generation: Default::default(),
             linear: options.linear,
             dependent_launch: options.dependent_launch && major >= 9,
             gdn_path: options.gdn_path,
@@ -383,6 +386,12 @@ impl Gpu {
         self.with_scratch(bytes, |_| Ok(()))
     }
 
+    /// Changes whenever the scratch buffer moves: a CUDA graph captured under another generation
+    /// holds a freed address and must not be replayed.
+    pub(crate) fn scratch_generation(&self) -> u64 {
+        self.scratch_generation.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
     /// Run `f` with the device address of a scratch area of at least `bytes` bytes.
     /// The lock keeps other threads from resizing it while `f` enqueues work; the old buffer
     /// is freed in stream order, after the work already queued on it.
@@ -397,6 +406,7 @@ impl Gpu {
             let buf =
                 unsafe { self.stream.alloc::<u8>(bytes) }.context(|| format!("allocating {bytes} bytes of scratch"))?;
             *scratch = Some(buf);
+            self.scratch_generation.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         }
         let (ptr, _sync) = scratch.as_ref().expect("allocated above").device_ptr(&self.stream);
         f(ptr)

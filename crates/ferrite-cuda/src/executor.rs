@@ -28,6 +28,7 @@ use ferrite_model::{
     BatchRows, DeviceSampling, Executor, ExecutorOptions, HardwareCeilings, LayerTrace, LoadProgress, Model, PagedKvConfig,
     PagedOutput, RecurrentCursor, RopeStyle, SeqChunk,
 };
+use std::collections::HashMap;
 use std::ops::{Index, IndexMut};
 use std::sync::Arc;
 
@@ -132,6 +133,7 @@ struct PagedState {
     buf: Buffers,
     /// The sequences' tokens drawn on the device (`max_seqs`).
     tokens: CudaSlice<u32>,
+    graphs: BatchGraphs,
 }
 
 impl Buffers {
@@ -232,7 +234,59 @@ enum DecodeGraph {
     Disabled,
     /// Enabled; captured at the second one-token step (the first loads every kernel module).
     NotYet { warmed_up: bool },
-    Ready(CudaGraph),
+    Ready(CapturedStep),
+}
+
+/// A forward pass captured as a CUDA graph, with the GEMM scratch generation it holds the
+/// address of (a graph from an older generation must be captured again).
+struct CapturedStep {
+    graph: CudaGraph,
+    scratch_generation: u64,
+}
+
+/// Batched decode steps (one token per sequence) replayed as CUDA graphs, one per step shape:
+/// (sequences, block-table width rounded up to a power of two). Everything else a step changes
+/// (ids, positions, row sequences, block tables) is read from device buffers at fixed addresses.
+/// A shape is captured the second time it runs (the first loads its kernels and sizes the
+/// scratch); at most [`BatchGraphs::MAX_READY`] graphs are kept, the least recently used go.
+struct BatchGraphs {
+    enabled: bool,
+    shapes: HashMap<(usize, usize), BatchGraph>,
+    clock: u64,
+    /// Steps launched from a graph (captures included).
+    replays: u64,
+}
+
+enum BatchGraph {
+    Seen,
+    Ready { step: CapturedStep, last_used: u64 },
+}
+
+impl BatchGraphs {
+    const MAX_READY: usize = 64;
+
+    fn new() -> Self {
+        BatchGraphs { enabled: !env::DISABLE_CUDA_BATCH_GRAPHS.flag() && !env::DISABLE_CUDA_GRAPH.flag(), shapes: HashMap::new(), clock: 0, replays: 0 }
+    }
+
+    /// Drop the least recently used graph while more than `MAX_READY` are kept.
+    fn evict(&mut self) {
+        let ready = |g: &BatchGraph| matches!(g, BatchGraph::Ready { .. });
+        while self.shapes.values().filter(|g| ready(g)).count() > Self::MAX_READY {
+            let oldest = self
+                .shapes
+                .iter()
+                .filter_map(|(k, g)| match g {
+                    BatchGraph::Ready { last_used, .. } => Some((*last_used, *k)),
+                    BatchGraph::Seen => None,
+                })
+                .min()
+                .map(|(_, k)| k);
+            if let Some(k) = oldest {
+                self.shapes.insert(k, BatchGraph::Seen);
+            }
+        }
+    }
 }
 
 fn kv_dtype() -> KvDtype {
@@ -369,6 +423,11 @@ impl CudaExecutor {
         self.buf.slots[self.plan.slot(v)].as_ref().expect("slot is not held by a running op")
     }
 
+    /// Batched decode steps launched from a captured CUDA graph since `init_paged`.
+    pub fn batch_graph_replays(&self) -> u64 {
+        self.paged.as_ref().map_or(0, |p| p.graphs.replays)
+    }
+
     fn run_chunk(&mut self, ids: &[u32], start_pos: usize) -> anyhow::Result<()> {
         let n = ids.len();
         let positions: Vec<u32> = (start_pos..start_pos + n).map(|p| p as u32).collect();
@@ -382,14 +441,19 @@ impl CudaExecutor {
     fn launch_step(&mut self, n: usize) -> anyhow::Result<()> {
         self.last_rows = n;
         if n == 1 {
+            let generation = self.gpu.scratch_generation();
             match &self.decode_graph {
-                DecodeGraph::Ready(graph) => return Ok(graph.launch().map_err(CudaError::from)?),
-                DecodeGraph::NotYet { warmed_up: true } => match self.capture_decode() {
-                    Ok(graph) => {
-                        graph.launch().map_err(CudaError::from)?;
-                        self.decode_graph = DecodeGraph::Ready(graph);
+                DecodeGraph::Ready(step) if step.scratch_generation == generation => {
+                    return Ok(step.graph.launch().map_err(CudaError::from)?);
+                }
+                DecodeGraph::Ready(_) | DecodeGraph::NotYet { warmed_up: true } => match self.capture_ops(1) {
+                    Ok(Some(step)) => {
+                        step.graph.launch().map_err(CudaError::from)?;
+                        self.decode_graph = DecodeGraph::Ready(step);
                         return Ok(());
                     }
+                    // The scratch moved while capturing: run eagerly, capture next time.
+                    Ok(None) => self.decode_graph = DecodeGraph::NotYet { warmed_up: true },
                     Err(e) => {
                         // Explicit fallback: say why, then launch ops one by one from now on.
                         eprintln!("warning: decode graph capture failed, launching ops individually: {e:#}");
@@ -454,15 +518,61 @@ impl CudaExecutor {
         Ok(token)
     }
 
-    /// Record the one-token op sequence into a graph (capture enqueues nothing).
-    fn capture_decode(&mut self) -> anyhow::Result<CudaGraph> {
+    /// Record the op sequence of an `n`-row step into a graph (capture enqueues nothing).
+    /// `None` when the GEMM scratch moved meanwhile: the graph would hold a freed address.
+    fn capture_ops(&mut self, n: usize) -> anyhow::Result<Option<CapturedStep>> {
         let stream = Arc::clone(self.gpu.stream());
+        let scratch_generation = self.gpu.scratch_generation();
         stream.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED).map_err(CudaError::from)?;
-        let recorded = self.run_ops(1);
+        let recorded = self.run_ops(n);
         // End the capture even when an op failed, so the stream is usable again.
         let graph = stream.end_capture(CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_USE_NODE_PRIORITY).map_err(CudaError::from);
-        recorded.context("capturing the decode step as a CUDA graph")?;
-        graph?.ok_or_else(|| anyhow!("capturing the decode step produced no CUDA graph"))
+        recorded.with_context(|| format!("capturing a {n}-row step as a CUDA graph"))?;
+        let graph = graph?.ok_or_else(|| anyhow!("capturing a {n}-row step produced no CUDA graph"))?;
+        Ok((self.gpu.scratch_generation() == scratch_generation).then_some(CapturedStep { graph, scratch_generation }))
+    }
+
+    /// Enqueue a batched decode step of `key.0` sequences (the paged buffers swapped in):
+    /// replayed from its graph where one is ready, else launched op by op (and captured the
+    /// second time its shape runs).
+    fn launch_batch_decode(&mut self, graphs: &mut BatchGraphs, key: (usize, usize)) -> anyhow::Result<()> {
+        let n = key.0;
+        if !graphs.enabled {
+            return self.run_ops(n);
+        }
+        graphs.clock += 1;
+        let generation = self.gpu.scratch_generation();
+        match graphs.shapes.get_mut(&key) {
+            Some(BatchGraph::Ready { step, last_used }) if step.scratch_generation == generation => {
+                *last_used = graphs.clock;
+                graphs.replays += 1;
+                return Ok(step.graph.launch().map_err(CudaError::from)?);
+            }
+            None => {
+                graphs.shapes.insert(key, BatchGraph::Seen);
+                return self.run_ops(n);
+            }
+            Some(_) => {}
+        }
+        match self.capture_ops(n) {
+            Ok(Some(step)) => {
+                step.graph.launch().map_err(CudaError::from)?;
+                graphs.replays += 1;
+                graphs.shapes.insert(key, BatchGraph::Ready { step, last_used: graphs.clock });
+                graphs.evict();
+                Ok(())
+            }
+            Ok(None) => {
+                graphs.shapes.insert(key, BatchGraph::Seen);
+                self.run_ops(n)
+            }
+            Err(e) => {
+                eprintln!("warning: batched step graph capture failed, launching ops individually from now on: {e:#}");
+                graphs.enabled = false;
+                graphs.shapes.clear();
+                self.run_ops(n)
+            }
+        }
     }
 
     /// Enqueue every op of the graph for a batch of `n` tokens whose ids and positions are in
@@ -686,6 +796,10 @@ impl CudaExecutor {
                 // The batch as one row of n * w: the last token's w columns (of each sequence,
                 // in a batched step) go to the output, one row per sequence.
                 match &buf.paging {
+                    // A decode step: every row is its sequence's last.
+                    Some(pg) if pg.last_rows.iter().enumerate().all(|(i, &r)| i == r) => {
+                        ops::copy_cols(gpu, input(x), n * w, 0, out, pg.n_seqs * w, 0, pg.n_seqs * w, 1)?;
+                    }
                     Some(pg) => {
                         for (i, &r) in pg.last_rows.iter().enumerate() {
                             ops::copy_cols(gpu, input(x), n * w, r * w, out, pg.n_seqs * w, i * w, w, 1)?;
@@ -742,7 +856,11 @@ impl CudaExecutor {
     fn run_paged(&mut self, paged: &mut PagedState, batch: &[SeqChunk<'_>]) -> anyhow::Result<()> {
         let rows = BatchRows::new(batch, &paged.config)?;
         let n = rows.ids.len();
-        let max_blocks = batch.iter().map(|s| s.block_table.len()).max().unwrap_or(0);
+        let longest = batch.iter().map(|s| s.block_table.len()).max().unwrap_or(0);
+        // A decode step (one token per sequence) keeps its table width for 2x growth of the
+        // longest table, so that its graph serves the steps until then.
+        let decode = n == batch.len();
+        let max_blocks = if decode { longest.next_power_of_two().min(paged.config.n_blocks).max(longest) } else { longest };
         let mut tables = vec![0u32; batch.len() * max_blocks];
         for (i, s) in batch.iter().enumerate() {
             tables[i * max_blocks..i * max_blocks + s.block_table.len()].copy_from_slice(s.block_table);
@@ -756,7 +874,7 @@ impl CudaExecutor {
         (pg.n_seqs, pg.max_blocks, pg.last_rows) = (batch.len(), max_blocks, rows.last_rows().collect());
         std::mem::swap(&mut self.buf, &mut paged.buf);
         std::mem::swap(&mut self.plan, &mut paged.plan);
-        let result = self.run_ops(n);
+        let result = if decode { self.launch_batch_decode(&mut paged.graphs, (n, max_blocks)) } else { self.run_ops(n) };
         std::mem::swap(&mut self.buf, &mut paged.buf);
         std::mem::swap(&mut self.plan, &mut paged.plan);
         result.context("batched forward pass")
@@ -907,7 +1025,9 @@ impl Executor for CudaExecutor {
             last_rows: Vec::new(),
         });
         let tokens = self.gpu.alloc_zeros(max_seqs)?;
-        self.paged = Some(PagedState { config, plan, buf, tokens });
+        let mut graphs = BatchGraphs::new();
+        graphs.enabled &= buf.profile.is_none();
+        self.paged = Some(PagedState { config, plan, buf, tokens, graphs });
         Ok(())
     }
 

@@ -323,8 +323,62 @@ fn cuda_fp32_matches_cpu_reference_on_real_shapes() {
         assert!(replayed == eager, "{}: graph replay changes the logits", model.config.arch.name());
     }
     println!("decode graph replay: bit-identical logits over 17 steps and a restart, with and without recurrent state, with MoE layers");
+    batch_graph_replay_matches_eager();
     recurrent_state_positions();
     decode_ahead_matches_step_by_step();
+}
+
+/// Batched decode steps replayed from their CUDA graphs against launching every op: the same
+/// logits bit for bit and the same device-drawn tokens, over steps that see a shape, capture it,
+/// replay it, widen the block tables (new shapes) and shrink the batch; a prefill chunk in the
+/// middle grows the GEMM scratch, which the graphs captured before must not replay.
+fn batch_graph_replay_matches_eager() {
+    let model = synthetic(synth::shape("smollm2-135m").unwrap(), GgmlType::Q4_1);
+    let run = |disable: &str| {
+        std::env::set_var("FERRITE_DISABLE_CUDA_BATCH_GRAPHS", disable);
+        let mut gpu = ferrite_cuda::CudaExecutor::new(Arc::clone(&model), opts(64)).unwrap();
+        let block = 4;
+        gpu.init_paged(PagedKvConfig { n_blocks: 48, block_size: block, max_seqs: 4, max_tokens: 64 }).unwrap();
+        let tables: Vec<Vec<u32>> = (0..4u32).map(|s| (0..12).map(|b| s * 12 + b).collect()).collect();
+        let mut pos = [0usize; 4];
+        let mut bits = Vec::new();
+        let mut tokens = Vec::new();
+        let greedy = DeviceSampling::GREEDY;
+        // Sequences 0-2 prefill 3 tokens, decode 14 steps together (tables of 1-5 blocks);
+        // sequence 3 prefills 40 tokens (a larger GEMM scratch), then 0 and 2 decode 6 more.
+        let schedule: Vec<(Vec<usize>, usize)> = std::iter::once((vec![0, 1, 2], 3))
+            .chain(std::iter::repeat_n((vec![0, 1, 2], 1), 14))
+            .chain(std::iter::once((vec![3], 40)))
+            .chain(std::iter::repeat_n((vec![0, 2], 1), 6))
+            .collect();
+        for (step, (members, len)) in schedule.iter().enumerate() {
+            let toks: Vec<Vec<u32>> = members.iter().map(|&i| (0..*len).map(|t| ((pos[i] + t) * 389 + i * 17 + 1) as u32 % 49152).collect()).collect();
+            let batch: Vec<SeqChunk> = members
+                .iter()
+                .zip(&toks)
+                .map(|(&i, t)| SeqChunk { tokens: t, start_pos: pos[i], block_table: &tables[i][..(pos[i] + len).div_ceil(block)] })
+                .collect();
+            if step % 2 == 0 {
+                for l in gpu.forward_paged(&batch).unwrap() {
+                    bits.extend(l.into_iter().map(f32::to_bits));
+                }
+            } else {
+                let sample = vec![Some(DeviceSampling { step: step as u64, ..greedy }); batch.len()];
+                tokens.push(gpu.forward_paged_sampled(&batch, &sample).unwrap());
+            }
+            for &i in members {
+                pos[i] += len;
+            }
+        }
+        (bits, format!("{tokens:?}"), gpu.batch_graph_replays())
+    };
+    let (replayed, eager) = (run("0"), run("1"));
+    std::env::remove_var("FERRITE_DISABLE_CUDA_BATCH_GRAPHS");
+    assert_eq!(eager.2, 0, "graphs replayed with FERRITE_DISABLE_CUDA_BATCH_GRAPHS=1");
+    assert!(replayed.2 >= 10, "only {} batched steps replayed from graphs", replayed.2);
+    assert!(replayed.0 == eager.0, "batched step graph replay changes the logits");
+    assert_eq!(replayed.1, eager.1, "batched step graph replay changes the device-drawn tokens");
+    println!("batched decode graph replay: bit-identical logits and tokens over {} replayed steps", replayed.2);
 }
 
 /// `Session::generate` with the next step enqueued before each token is read back (the token
