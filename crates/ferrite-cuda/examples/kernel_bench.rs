@@ -50,7 +50,7 @@ fn main() -> Result<(), CudaError> {
     );
     // `kernel_bench [SECTION ...]` runs only the named sections.
     let wanted: Vec<String> = std::env::args().skip(1).collect();
-    let sections: [(&str, Section); 11] = [
+    let sections: [(&str, Section); 12] = [
         ("gemv", gemv),
         ("decode", decode),
         ("chain", chain),
@@ -58,6 +58,7 @@ fn main() -> Result<(), CudaError> {
         ("batched", batched),
         ("tilings", tilings),
         ("mma64", mma64),
+        ("glu", glu),
         ("attention", attention),
         ("gdn", gdn),
         ("moe", moe),
@@ -342,6 +343,33 @@ fn mma64(gpu: &Gpu) -> Result<(), CudaError> {
         }
         gpu.synchronize()?;
         println!("{v:?}: launched twice");
+    }
+    Ok(())
+}
+
+fn glu(gpu: &Gpu) -> Result<(), CudaError> {
+    // A fused gate/up weight of the 8B shape (2 x 14336 rows) at 33-64 tokens, RMSNorm folded:
+    // the warpgroup-MMA GEMM writing both halves, then the SwiGLU kernel, against the GEMM with
+    // the SwiGLU in its epilogue.
+    println!("\ngate/up + SwiGLU, 8B shape (28672 x 4096, Q4_0), norm folded, us per call");
+    let (rows, cols) = (28672usize, 4096usize);
+    let w = gpu.upload_weight(GgmlType::Q4_0, rows, cols, &quantize(GgmlType::Q4_0, &ramp(rows * cols)).expect("quantize"))?;
+    let g = gpu.upload(&vec![1f32; cols], "norm")?;
+    let opts = ops::LinearOptions::default();
+    for n in [33usize, 48, 64] {
+        let x = gpu.upload(&vec![0.5f32; n * cols], "x")?;
+        let mut both = gpu.alloc_zeros::<f32>(n * rows)?;
+        let mut out = gpu.alloc_zeros::<f32>(n * rows / 2)?;
+        let mut normed = gpu.alloc_zeros::<f32>(n * cols)?;
+        let norm = Some(ops::NormPrologue { weight: &g, eps: 1e-5, add_one: false });
+        let plain = ops::LinearFusion { norm, residual: None, glu: None };
+        let fused = ops::LinearFusion { glu: Some(ops::Glu::SwiGlu), ..plain };
+        let apart = time_graph(gpu, 1, &mut || {
+            ops::linear_fused(gpu, &w, &x, &plain, n, &mut both, &mut normed, &opts)?;
+            ops::glu_rows(gpu, &both, n, rows / 2, ops::Glu::SwiGlu, &mut out)
+        })?;
+        let one = time_graph(gpu, 1, &mut || ops::linear_fused(gpu, &w, &x, &fused, n, &mut out, &mut normed, &opts).map(|_| ()))?;
+        println!("  n={n:<3} GEMM + swiglu {:>7.1} | GLU epilogue {:>7.1}", apart * 1e6, one * 1e6);
     }
     Ok(())
 }

@@ -693,7 +693,7 @@ impl CudaExecutor {
                 // (the residual only without a bias: bias first, as the graph declares).
                 let whole = out_col == 0 && rows_w == ow;
                 let fused_residual = if whole && bias.is_none() { residual.map(input) } else { None };
-                let fusion = ops::LinearFusion { norm: norm.map(norm_prologue), residual: fused_residual };
+                let fusion = ops::LinearFusion { norm: norm.map(norm_prologue), residual: fused_residual, glu: None };
                 if whole {
                     ops::linear_fused(gpu, matrix(w), input(x), &fusion, r, out, &mut buf.scratch_a, &opts)?;
                 } else if r == 1 {
@@ -778,10 +778,14 @@ impl CudaExecutor {
                     let epilogue = ops::Epilogue { glu: Some(glu), ..Default::default() };
                     let emit = emit.map(|dst| ops::Q8Emit { dst, norm: handoff_norm(index).map(norm_prologue) });
                     ops::linear_q8(gpu, matrix(w), q8, r, out, half, 0, &epilogue, emit)?;
+                } else if ops::glu_fuses(gpu, matrix(w), r, &gpu.linear_options()) {
+                    // The warpgroup-MMA GEMM pairs gate and up tiles and applies the activation.
+                    let fusion = ops::LinearFusion { norm: norm.map(norm_prologue), residual: None, glu: Some(glu) };
+                    ops::linear_fused(gpu, matrix(w), input(x), &fusion, r, out, &mut buf.scratch_a, &gpu.linear_options())?;
                 } else {
                     // Other paths: the projection (its folded norm in its input path) into
                     // scratch, then the activation kernel.
-                    let fusion = ops::LinearFusion { norm: norm.map(norm_prologue), residual: None };
+                    let fusion = ops::LinearFusion { norm: norm.map(norm_prologue), residual: None, glu: None };
                     ops::linear_fused(gpu, matrix(w), input(x), &fusion, r, &mut buf.scratch_c, &mut buf.scratch_a, &gpu.linear_options())?;
                     ops::glu_rows(gpu, &buf.scratch_c, r, half, glu, out)?;
                 }

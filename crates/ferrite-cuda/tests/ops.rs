@@ -806,7 +806,7 @@ fn fused_linear_matches_norm_linear_add() {
                     ops::add(gpu, &mut want, &residual, n * rows).unwrap();
                 }
                 let mut got = poisoned(gpu, n * rows);
-                let fusion = ops::LinearFusion { norm, residual: with_residual.then_some(&residual) };
+                let fusion = ops::LinearFusion { norm, residual: with_residual.then_some(&residual), glu: None };
                 let fused = ops::linear_fused(gpu, &w, &x, &fusion, n, &mut got, &mut poisoned(gpu, n * cols), opts).unwrap();
                 assert_eq!(fused, plan, "{dtype} n={n}");
                 let (want, got) = (download(gpu, &want), download(gpu, &got));
@@ -814,6 +814,52 @@ fn fused_linear_matches_norm_linear_add() {
                 assert!(got.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()), "{case}: the fused linear changed the output");
                 println!("| {:<10} | {:<44} | {:>9} | {:>9} | {:>6} |", "fused", case, "exact", "exact", 0);
             }
+        }
+    }
+}
+
+/// The GLU in the warpgroup-MMA GEMM's epilogue (gate and up tiles of one block) against the
+/// same GEMM writing both halves and the activation kernel after it: bit-identical, for the
+/// staged-weight and register-ring types, SwiGLU and GeGLU, with and without the folded norm,
+/// a partial last tile (160 output rows) and a partial token tile. Where it cannot apply (the
+/// GEMV at 5 tokens, a residual) it is an error, never a silent fallback.
+#[test]
+fn gemm_glu_epilogue_matches_linear_then_activation() {
+    let Some(gpu) = gpu() else { return };
+    if !gpu.supports_wgmma() {
+        let _ = writeln!(std::io::stderr(), "skipped: the GLU epilogue needs the sm_90 warpgroup-MMA GEMM");
+        return;
+    }
+    let mut rng = Rng(47);
+    let opts = LinearOptions::default();
+    for (dtype, rows, cols) in [(GgmlType::Q4_0, 320, 384), (GgmlType::Q8_0, 2048, 256), (GgmlType::Q4_K, 320, 256)] {
+        let (bytes, _) = random_weight(&mut rng, dtype, rows, cols);
+        let w = gpu.upload_weight(dtype, rows, cols, &bytes).unwrap();
+        let g = upload(gpu, &rng.vec(cols, 0.5, 1.5));
+        for (n, glu, with_norm) in [(64, ops::Glu::SwiGlu, true), (40, ops::Glu::GeGlu, false), (33, ops::Glu::SwiGlu, false)] {
+            let x = upload(gpu, &rng.vec(n * cols, -2.0, 2.0));
+            let norm = with_norm.then_some(ops::NormPrologue { weight: &g, eps: 1e-5, add_one: false });
+            assert!(ops::glu_fuses(gpu, &w, n, &opts), "{dtype} {rows}x{cols} n={n}");
+            let mut both = poisoned(gpu, n * rows);
+            let plain = ops::LinearFusion { norm, residual: None, glu: None };
+            ops::linear_fused(gpu, &w, &x, &plain, n, &mut both, &mut poisoned(gpu, n * cols), &opts).unwrap();
+            let mut want = poisoned(gpu, n * rows / 2);
+            ops::glu_rows(gpu, &both, n, rows / 2, glu, &mut want).unwrap();
+            let mut got = poisoned(gpu, n * rows / 2);
+            let fused = ops::LinearFusion { norm, residual: None, glu: Some(glu) };
+            ops::linear_fused(gpu, &w, &x, &fused, n, &mut got, &mut poisoned(gpu, n * cols), &opts).unwrap();
+            let (want, got) = (download(gpu, &want), download(gpu, &got));
+            let case = format!("{dtype} {rows}x{cols} n={n} {glu:?} norm={with_norm}");
+            let differ = got.iter().zip(&want).filter(|(a, b)| a.to_bits() != b.to_bits()).count();
+            assert_eq!(differ, 0, "{case}: {differ} of {} outputs differ", want.len());
+            println!("| {:<10} | {:<44} | {:>9} | {:>9} | {:>6} |", "glu gemm", case, "exact", "exact", 0);
+        }
+        let residual = upload(gpu, &vec![0f32; 5 * rows]);
+        for (n, residual) in [(5, None), (64, Some(&residual))] {
+            let x = upload(gpu, &vec![0.5f32; n * cols]);
+            let fusion = ops::LinearFusion { norm: None, residual, glu: Some(ops::Glu::SwiGlu) };
+            let err = ops::linear_fused(gpu, &w, &x, &fusion, n, &mut poisoned(gpu, n * rows), &mut poisoned(gpu, n * cols), &opts).unwrap_err().to_string();
+            assert!(err.contains("no GLU epilogue"), "{dtype} n={n}: {err}");
         }
     }
 }
@@ -2799,6 +2845,12 @@ fn every_kernel_variant_compiles_for_sm90() {
                 check(format!("{v:?}"), compile_variant(&v, "sm_90"));
                 let v = GemmMmaVariant::for_wgmma(dtype, n, bf16);
                 check(format!("{v:?}"), compile_variant(&v, "sm_90"));
+                if v.can_fuse_glu() {
+                    for glu in [1, 2] {
+                        let v = GemmMmaVariant { glu, ..v };
+                        check(format!("{v:?}"), compile_variant(&v, "sm_90"));
+                    }
+                }
             }
             // Short rows (warp-level reduction), long rows (block-level), token tiles, epilogues.
             for (rows, cols, n, residual, bias) in

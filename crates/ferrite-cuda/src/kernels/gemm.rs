@@ -110,11 +110,20 @@ const SOURCE: &str = r#"
 #ifndef WSTAGES
 #error "WSTAGES (0: weights through registers; 2 or more: shared-memory stages of weights) must come from the kernel variant"
 #endif
+#ifndef GLU
+#error "GLU (0: none; 1: SwiGLU, 2: GeGLU epilogue over the weight's two row halves) must come from the kernel variant"
+#endif
 #if IS_FLOAT
 #error "gemm_mma decodes packed quantized weights; float weights go to cuBLAS"
 #endif
+#if GLU && !(WGMMA && WARPGROUPS == 2 && MT == 1)
+#error "the GLU epilogue pairs warpgroup 0's gate tile with warpgroup 1's up tile (wgmma, 2 warpgroups of one 64-row tile)"
+#endif
 #define NWARPS (4 * WARPGROUPS)
 #define BM (NWARPS * MT * 16)     // weight rows per block
+// Output rows per block: with GLU the block's two 64-row tiles are gate rows r0.. and up rows
+// rows / 2 + r0.. of one 64-row output tile.
+#define BLOCK_OUT_ROWS (GLU ? BM / 2 : BM)
 // Rows of a warp's m-tile m: WARP_ROW0(warp) + MTILE_ROWS * m + (g, g + 8). With mma.sync a warp
 // owns MT consecutive 16-row tiles; with wgmma each warpgroup owns MT 64-row tiles, 16 rows of
 // each per warp.
@@ -368,15 +377,24 @@ __device__ __forceinline__ void cp_async_small(u8* smem, const u8* gmem) {
   if (N == 16) asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem_addr(smem)), "l"(gmem) : "memory");
   else asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" ::"r"(smem_addr(smem)), "l"(gmem) : "memory");
 }
-// Copy plane fields of blocks 4c .. 4c + 3 of rows row0 .. row0 + BM - 1 (past the weight: its
-// last row) into dst.
+// Weight row of row r of a block's weight stage: row0 + r, or with GLU the gate tile's row0 + r
+// then the up tile's (past the weight: its last row).
+__device__ __forceinline__ i64 staged_row(u32 row0, int r, const GemmMmaParams& p) {
+#if GLU
+  const u32 at = r < 64 ? row0 + r : p.rows / 2 + row0 + (r - 64);
+#else
+  const u32 at = row0 + r;
+#endif
+  return min(at, p.rows - 1);
+}
+// Copy plane fields of blocks 4c .. 4c + 3 of the block's BM staged rows into dst.
 template <int PB>
 __device__ __forceinline__ void stage_plane(u8* dst, const u8* plane, u32 row0, const GemmMmaParams& p, u32 c) {
   // (PB 0: a type without that plane copies nothing.)
   constexpr int ROW = 4 * PB, PIECE = ROW < 16 ? ROW : 16, PER_ROW = PB ? ROW / PIECE : 0;
   for (int k = threadIdx.x; k < BM * PER_ROW; k += NWARPS * 32) {
     const int r = k / PER_ROW, j = k % PER_ROW;
-    const i64 row = min(row0 + r, p.rows - 1);
+    const i64 row = staged_row(row0, r, p);
     cp_async_small<PIECE>(dst + r * ROW + j * PIECE, plane + (row * (p.cols / 32) + 4 * c) * PB + j * PIECE);
   }
 }
@@ -412,7 +430,12 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32, MIN_BLOCKS) gemm_mma(c
   // Grid x walks (row block, token block) pairs, token blocks fastest: the blocks that share
   // a row block's weights run side by side, so all but the first read them from L2.
   const u32 token_blocks = (p.n_tokens + NT * 8 - 1) / (NT * 8);
-  const u32 block_row0 = blockIdx.x / token_blocks * BM, row0 = block_row0 + WARP_ROW0(warp), tok0 = blockIdx.x % token_blocks * NT * 8, units = p.cols / 32;
+  const u32 block_row0 = blockIdx.x / token_blocks * BLOCK_OUT_ROWS, tok0 = blockIdx.x % token_blocks * NT * 8, units = p.cols / 32;
+#if GLU
+  const u32 row0 = block_row0 + warp / 4 * (p.rows / 2) + warp % 4 * 16;
+#else
+  const u32 row0 = block_row0 + WARP_ROW0(warp);
+#endif
   const u32 chunks = (p.cols + KC - 1) / KC, c0 = blockIdx.z * p.slice_chunks, c1 = min(chunks, c0 + p.slice_chunks);
   // Rows past the weight decode its last row and are never stored.
   i64 row[2 * MT];
@@ -580,6 +603,39 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32, MIN_BLOCKS) gemm_mma(c
   fence_frags(frag[1]);
 #endif
 
+#if GLU
+  // Warpgroup 1 hands its up tile to warpgroup 0 through the activation stages (every MMA has
+  // retired: nothing reads them any more); lanes of the same place in the two warpgroups hold
+  // the same (row, token) fragment, so each up value goes to its gate's lane. Then out[t, r] =
+  // act(gate) * up, as the activation kernels compute it.
+  static_assert(4 * 32 * NT * 16 <= STAGES * STAGE_BYTES, "the up tile fits the activation stages");
+  __syncthreads();
+  float4* s_up = reinterpret_cast<float4*>(s_dyn) + (warp % 4 * 32 + lane) * NT;
+  if (warp >= 4) {
+#pragma unroll
+    for (int j = 0; j < NT; ++j) s_up[j] = make_float4(acc[0][j][0], acc[0][j][1], acc[0][j][2], acc[0][j][3]);
+  }
+  __syncthreads();
+  if (warp >= 4) return;
+  const u32 half = p.rows / 2;
+  float* glu_out = reinterpret_cast<float*>(p.out);
+#pragma unroll
+  for (int j = 0; j < NT; ++j) {
+    const float4 up4 = s_up[j];
+    const float up[4] = {up4.x, up4.y, up4.z, up4.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const u32 r = row0 + g + 8 * (i >> 1), tok = tok0 + 8 * j + 2 * t + (i & 1);
+#if GLU == 1
+      const float v = silu(acc[0][j][i]) * up[i];
+#else
+      const float v = gelu_tanh(acc[0][j][i]) * up[i];
+#endif
+      if (r < half && tok < p.n_tokens) glu_out[(i64)tok * half + r] = v;
+    }
+  }
+  return;
+#endif
   // C fragment: acc[m][j] = rows (g, g + 8) x tokens (2t, 2t + 1) of tile (m, j). The residual
   // is added by the one slice there is (more slices: by the reduce), once, after the sum.
   float* out = reinterpret_cast<float*>(p.out) + (i64)blockIdx.z * p.n_tokens * p.rows;
@@ -651,6 +707,10 @@ pub struct GemmMmaVariant {
     /// shared-memory stages (`cp.async`, stages - 1 chunks ahead) and the lanes load them from
     /// there, so the weights in flight do not cost registers.
     pub weight_stages: u32,
+    /// 0, or the GLU epilogue (`Glu as u32`: 1 SwiGLU, 2 GeGLU) of a fused gate/up weight:
+    /// `out[t, r] = act(gate) * up` with gate rows r and up rows rows / 2 + r. Needs the 64-token
+    /// wgmma tiling (2 warpgroups of one tile: the gate tile and the up tile) and one K slice.
+    pub glu: u32,
 }
 
 impl GemmMmaVariant {
@@ -671,7 +731,7 @@ impl GemmMmaVariant {
             4 => (1, 4),
             _ => (2, 2),
         };
-        GemmMmaVariant { wtype, nt, bf16, mt, warpgroups: 1, depth: if small_unit { 2 } else { 1 }, stages: 2, occupancy, wgmma: 0, weight_stages: 0 }
+        GemmMmaVariant { wtype, nt, bf16, mt, warpgroups: 1, depth: if small_unit { 2 } else { 1 }, stages: 2, occupancy, wgmma: 0, weight_stages: 0, glu: 0 }
     }
 
     /// The warpgroup-MMA tiling for `n_tokens` (sm_90), from `kernel_bench tilings` on the H200
@@ -740,6 +800,20 @@ impl GemmMmaVariant {
         self.warps() * self.mt as usize * 16
     }
 
+    /// Whether this tiling can take the GLU epilogue (see `glu`).
+    pub fn can_fuse_glu(&self) -> bool {
+        self.wgmma > 0 && self.warpgroups == 2 && self.mt == 1
+    }
+
+    /// Output rows of a `rows`-row weight (half of them with the GLU epilogue).
+    pub fn out_rows(&self, rows: usize) -> usize {
+        if self.glu > 0 {
+            rows / 2
+        } else {
+            rows
+        }
+    }
+
     /// K slices (grid z): as many as keep the grid within one wave of `occupancy` blocks per
     /// SM (a second, partial wave would take as long as the first), at most 16, each at least
     /// 2 chunks.
@@ -757,7 +831,8 @@ impl GemmMmaVariant {
 
     pub fn launch_config(&self, rows: usize, n_tokens: usize, slices: usize) -> LaunchConfig {
         LaunchConfig {
-            grid_dim: (blocks_for(rows, self.block_rows()) * blocks_for(n_tokens, 8 * self.nt as usize), 1, slices as u32),
+            // With GLU a block's two tiles make one tile of the half-height output.
+            grid_dim: (blocks_for(self.out_rows(rows), self.block_rows() / if self.glu > 0 { 2 } else { 1 }) * blocks_for(n_tokens, 8 * self.nt as usize), 1, slices as u32),
             block_dim: (32 * self.warps() as u32, 1, 1),
             shared_mem_bytes: self.shared_bytes() as u32,
         }
@@ -781,6 +856,7 @@ impl KernelVariant for GemmMmaVariant {
             ("WGMMA", self.wgmma.to_string()),
             ("WARPGROUPS", self.warpgroups.to_string()),
             ("WSTAGES", self.weight_stages.to_string()),
+            ("GLU", self.glu.to_string()),
         ]
     }
 
@@ -803,6 +879,7 @@ mod tests {
         crate::kernels::tests::assert_macros_match(GemmMmaVariant::for_shape(GgmlType::Q4_0, 64, true));
         crate::kernels::tests::assert_macros_match(GemmMmaVariant { wgmma: 4, stages: 3, ..GemmMmaVariant::for_shape(GgmlType::Q4_0, 64, true) });
         crate::kernels::tests::assert_macros_match(GemmMmaVariant::for_wgmma(GgmlType::Q4_0, 64, true));
+        crate::kernels::tests::assert_macros_match(GemmMmaVariant { glu: 1, ..GemmMmaVariant::for_wgmma(GgmlType::Q4_0, 64, true) });
     }
 
     #[test]

@@ -89,6 +89,9 @@ pub struct LinearOptions {
     /// Let the small-batch GEMM use warpgroup MMAs from [`WGMMA_MIN_TOKENS`] tokens (rows of
     /// whole 128-column chunks; ignored on devices without them, [`Gpu::supports_wgmma`]).
     pub wgmma: bool,
+    /// Let the warpgroup-MMA GEMM apply a fused gate/up weight's GLU in its epilogue
+    /// ([`glu_fuses`]).
+    pub gemm_glu: bool,
 }
 
 impl Default for LinearOptions {
@@ -101,6 +104,7 @@ impl Default for LinearOptions {
             gemv_split_k: true,
             mma_max_tokens: 64,
             wgmma: true,
+            gemm_glu: true,
         }
     }
 }
@@ -139,7 +143,8 @@ impl LinearOptions {
         let gemv_split_k = !env::DISABLE_GEMV_SPLIT_K.flag();
         let mma_max_tokens = env::CUDA_MMA_MAX_TOKENS.parse(d.mma_max_tokens);
         let wgmma = !env::DISABLE_CUDA_WGMMA.flag();
-        LinearOptions { path, precision, gemv_max_tokens, activations, gemv_split_k, mma_max_tokens, wgmma }
+        let gemm_glu = !env::DISABLE_CUDA_GEMM_GLU.flag();
+        LinearOptions { path, precision, gemv_max_tokens, activations, gemv_split_k, mma_max_tokens, wgmma, gemm_glu }
     }
 }
 
@@ -261,6 +266,28 @@ pub struct LinearFusion<'a> {
     pub norm: Option<NormPrologue<'a>>,
     /// `[n_tokens, w.rows]`, added to the whole output.
     pub residual: Option<&'a CudaSlice<f32>>,
+    /// The activation of a fused gate/up weight in the GEMM's epilogue: `out[t, r] =
+    /// act(x W[r]) * (x W[rows / 2 + r])`, `[n_tokens, w.rows / 2]`. Only where [`glu_fuses`]
+    /// says so (no residual then); elsewhere the caller runs the linear, then [`super::glu_rows`].
+    pub glu: Option<Glu>,
+}
+
+/// Whether [`linear_fused`] of `w` at `n_tokens` can apply a GLU in its epilogue: the 64-token
+/// warpgroup-MMA tiling (its two warpgroups take the gate and the up tile of the same rows) in
+/// one K slice.
+pub fn glu_fuses(gpu: &Gpu, w: &DeviceWeight, n_tokens: usize, opts: &LinearOptions) -> bool {
+    if !opts.gemm_glu {
+        return false;
+    }
+    let opts = &LinearOptions { wgmma: opts.wgmma && gpu.supports_wgmma(), ..*opts };
+    glu_variant(w, n_tokens, resolved_plan(w, n_tokens, opts, gpu.sm_count() as usize), gpu.sm_count() as usize).is_some()
+}
+
+/// The GEMM tiling that applies the GLU in its epilogue for `plan`, if it can.
+fn glu_variant(w: &DeviceWeight, n_tokens: usize, plan: LinearPlan, sm_count: usize) -> Option<GemmMmaVariant> {
+    let LinearPlan::Mma { precision, wgmma: true } = plan else { return None };
+    let v = GemmMmaVariant::for_wgmma(w.dtype, n_tokens, precision == Precision::BF16);
+    (v.can_fuse_glu() && w.rows.is_multiple_of(2) && v.k_slices(w.rows, w.cols, n_tokens, sm_count) == 1).then_some(v)
 }
 
 /// [`linear_with`] of `RMSNorm(x)`, plus the residual: the tensor-core paths normalise straight
@@ -303,6 +330,9 @@ fn linear_at(
     if n_tokens == 0 {
         return Ok(plan);
     }
+    if let Some(glu) = fusion.glu {
+        return linear_glu(op, gpu, w, x, fusion, glu, plan, n_tokens, out);
+    }
     let (x, out) = linear_operands(op, gpu, w, x, n_tokens, out)?;
     let residual = match fusion.residual {
         Some(r) => {
@@ -325,6 +355,36 @@ fn linear_at(
         norm_rows(gpu, x, &row_norm, n_tokens, w.cols, normed, OutType::F32, MmaOrder::Natural)?;
         run_plan(gpu, w, plan, Input { x: normed, norm: None }, n_tokens, out, residual)?;
     }
+    Ok(plan)
+}
+
+/// [`linear_at`] with the GLU in the GEMM's epilogue (an error where [`glu_fuses`] is false).
+#[allow(clippy::too_many_arguments)]
+fn linear_glu(
+    op: &'static str,
+    gpu: &Gpu,
+    w: &DeviceWeight,
+    x: &impl DevicePtr<f32>,
+    fusion: &LinearFusion,
+    glu: Glu,
+    plan: LinearPlan,
+    n_tokens: usize,
+    out: &mut impl DevicePtrMut<f32>,
+) -> Result<LinearPlan, CudaError> {
+    let variant = glu_variant(w, n_tokens, plan, gpu.sm_count() as usize).filter(|_| fusion.residual.is_none()).ok_or_else(|| {
+        CudaError::invalid(op, format!("no GLU epilogue for a {} {}x{} weight at {n_tokens} tokens ({plan:?}, residual: {})", w.dtype, w.rows, w.cols, fusion.residual.is_some()))
+    })?;
+    check_len(op, "x", x.len(), elems(op, &[n_tokens, w.cols])?)?;
+    check_len(op, "out", out.len(), elems(op, &[n_tokens, w.rows / 2])?)?;
+    let (x, out) = (addr(gpu, x), addr_mut(gpu, out));
+    let row_norm = match fusion.norm {
+        Some(norm) => {
+            check_len(op, "norm weight", norm.weight.len(), w.cols)?;
+            Some(RowNorm { weight: addr(gpu, norm.weight), eps: norm.eps, add_one: norm.add_one })
+        }
+        None => None,
+    };
+    gemm_mma(gpu, w, Input { x, norm: row_norm.as_ref() }, n_tokens, out, None, GemmMmaVariant { glu: glu as u32, ..variant })?;
     Ok(plan)
 }
 
@@ -945,6 +1005,9 @@ fn gemm_mma(
         if !w.cols.is_multiple_of(GEMM_CHUNK_COLS) || variant.stages < 3 {
             return Err(CudaError::invalid(OP, format!("the wgmma GEMM needs rows of whole {GEMM_CHUNK_COLS}-column chunks and 3 stages, not {} columns and {variant:?}", w.cols)));
         }
+    }
+    if variant.glu > 0 && (!variant.can_fuse_glu() || residual.is_some() || variant.k_slices(w.rows, w.cols, n_tokens, gpu.sm_count() as usize) > 1) {
+        return Err(CudaError::invalid(OP, format!("the GLU epilogue needs the two-warpgroup wgmma tiling, one K slice and no residual: {variant:?}")));
     }
     if variant.weight_stages > 0 && (!variant.can_stage_weights() || variant.weight_stages < 2 || variant.depth != 1) {
         return Err(CudaError::invalid(OP, format!("weights staged in shared memory need the wgmma kernel, a 32-weight block type, 2 or more stages and depth 1: {variant:?}")));
