@@ -161,7 +161,7 @@ switches! {
         "1 drops the int8 hand-offs declared at load: each int8 GEMV quantizes its input (and applies its RMSNorm) in a launch of its own, instead of the attention or the previous GEMV leaving it quantized (CUDA: up to four kernels fewer per layer).");
     /// Decode attention stores the token's K/V itself (CUDA).
     DISABLE_KV_STORE_FUSION = ("FERRITE_DISABLE_KV_STORE_FUSION", "0", AbTest,
-        "1 runs the one-token CUDA decode step's K/V store (and RoPE) as its own store_qkv launch before attention, instead of inside the attention kernel.");
+        "1 runs the CUDA decode steps' K/V store (and RoPE) as its own store_qkv launch before attention, instead of inside the attention kernel (one-token steps, and batched serving steps of one token per sequence).");
     /// Decode steps enqueued before the previous token is read back.
     DECODE_AHEAD = ("FERRITE_DECODE_AHEAD", "1", AbTest,
         "1: where the backend samples on the device (CUDA), each generated token goes from the sampler to the next step's input on the device and that step is enqueued before the token is read back (through mapped host memory), so the device does not wait for the host between tokens; 0 reads each token back, then enqueues the next step.");

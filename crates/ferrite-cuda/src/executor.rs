@@ -737,6 +737,12 @@ impl CudaExecutor {
                     let paging =
                         ops::Paging { tables: &pg.tables, row_seq: &pg.row_seq, n_seqs: pg.n_seqs, max_blocks: pg.max_blocks, block_size: pg.block_size };
                     let (qkv, stride) = (input(qkv), width(qkv));
+                    let decode = n == pg.n_seqs && n <= ops::FUSED_PAGED_STORE_MAX_SEQS;
+                    if buf.fused_kv_store && decode && stride == (a.n_heads + 2 * cache.n_kv_heads) * a.head_dim {
+                        // A decode step: each row stores its own K/V inside its attention.
+                        ops::store_and_attend_paged(gpu, cache, qkv, n, &buf.positions, &cfg, rope.as_ref(), &paging, out, emit)?;
+                        return Ok(());
+                    }
                     ops::store_qkv_paged(gpu, cache, qkv, stride, n, a.n_heads, &buf.positions, rope.as_ref(), &paging, &mut buf.scratch_a)?;
                     let q = buf.scratch_a.slice(0..n * a.n_heads * a.head_dim);
                     ops::attention_paged(gpu, &q, cache, &buf.positions, n, &cfg, &paging, out, emit)?;
@@ -1017,9 +1023,9 @@ impl Executor for CudaExecutor {
             .into_iter()
             .map(|l| KvCache::new(&self.gpu, kv_dtype(), cache_rows, cfg.n_kv_heads, cfg.head_dim).map(|c| (l, c)))
             .collect::<Result<_, _>>()?;
-        // Batched steps run the plain kernels: no split attention, K/V stored by store_qkv.
+        // Batched steps attend without splitting the keys; decode steps (a token per sequence)
+        // store K/V inside the attention kernel, steps with a prefill chunk with store_qkv.
         let mut buf = Buffers::new(&self.gpu, &self.model, &plan, max_tokens, kv, PerLayer(Vec::new()), vec![1; max_tokens + 1])?;
-        buf.fused_kv_store = false;
         buf.paging = Some(BatchPaging {
             tables: self.gpu.alloc_zeros(max_seqs * n_blocks)?,
             row_seq: self.gpu.alloc_zeros(max_tokens)?,

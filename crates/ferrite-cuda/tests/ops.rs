@@ -1266,7 +1266,9 @@ fn grouped_gpu() -> &'static Gpu {
 /// A batch of sequences on a paged cache (blocks handed out in a scrambled order) against each
 /// sequence on its own contiguous cache: the same rows stored, and bit-identical attention
 /// outputs (same kernel arithmetic, same key order), including a sliding window and a prefill
-/// chunk that attends to its own new keys.
+/// chunk that attends to its own new keys. On a twin paged cache, the decode steps (a token per
+/// sequence) go through `store_and_attend_paged`: outputs equal to rounding (the new key is
+/// folded in last), the same cache rows.
 #[test]
 fn paged_attention_matches_contiguous_per_sequence() {
     let Some(gpu) = gpu() else { return };
@@ -1278,13 +1280,14 @@ fn paged_attention_matches_contiguous_per_sequence() {
         let rope = RopeConfig { n_heads, head_dim: hd, rot_dim: hd, theta: 10_000.0, freq_scale: 1.0, neox: true };
         let cfg = AttentionConfig { n_heads, scale: 1.0 / (hd as f32).sqrt(), window, softcap: None };
         let mut paged = KvCache::new(gpu, kv_dtype, n_blocks * block_size, n_kv, hd).unwrap();
+        let mut fused = KvCache::new(gpu, kv_dtype, n_blocks * block_size, n_kv, hd).unwrap();
         // Three sequences; block b of sequence s is physical block tables[s][b].
         let tables: Vec<Vec<u32>> = vec![vec![5, 17, 2, 9, 11, 0], vec![23, 1, 14], vec![8, 3, 20, 6]];
         let max_blocks = 6;
         let mut own: Vec<KvCache> = (0..3).map(|_| KvCache::new(gpu, kv_dtype, max_seq, n_kv, hd).unwrap()).collect();
         let mut lens = [0usize; 3];
         // Steps: (tokens per sequence); 0 = the sequence sits this step out.
-        for step in [[37, 5, 20], [1, 1, 0], [3, 1, 1], [1, 0, 9]] {
+        for step in [[37, 5, 20], [1, 1, 0], [3, 1, 1], [1, 1, 1], [1, 0, 9], [1, 1, 1]] {
             let seqs: Vec<usize> = (0..3).filter(|&s| step[s] > 0).collect();
             let n: usize = seqs.iter().map(|&s| step[s]).sum();
             let rows = rng.vec(n * row, -1.0, 1.0);
@@ -1304,6 +1307,14 @@ fn paged_attention_matches_contiguous_per_sequence() {
             let mut got = poisoned(gpu, n * qw);
             ops::attention_paged(gpu, &q, &paged, &pos_d, n, &cfg, &paging, &mut got, None).unwrap();
             let got = download(gpu, &got);
+            if n == seqs.len() {
+                let mut out = poisoned(gpu, n * qw);
+                ops::store_and_attend_paged(gpu, &mut fused, &rows_d, n, &pos_d, &cfg, Some(&rope), &paging, &mut out, None).unwrap();
+                let name = format!("h{n_heads}/{n_kv} d{hd} {kv_dtype:?} w{window:?} decode {seqs:?}");
+                close("attn_paged_store", &name, &download(gpu, &out), &got, 1e-5, 2e-6);
+            } else {
+                ops::store_qkv_paged(gpu, &mut fused, &rows_d, row, n, n_heads, &pos_d, Some(&rope), &paging, &mut poisoned(gpu, n * qw)).unwrap();
+            }
             let mut first = 0;
             for &s in &seqs {
                 let m = step[s];
@@ -1320,6 +1331,7 @@ fn paged_attention_matches_contiguous_per_sequence() {
                 first += m;
             }
         }
+        assert_eq!(fused.download(gpu).unwrap(), paged.download(gpu).unwrap(), "cache rows written by the fused paged store");
         // Every position landed in its sequence's block.
         let (pk, _) = paged.download(gpu).unwrap();
         for s in 0..3 {
@@ -2930,6 +2942,9 @@ fn every_kernel_variant_compiles_for_sm90() {
             }
             for group in [1, 3, 4, 8] {
                 let v = AttentionVariant::paged(hd, kv, group);
+                check(format!("{v:?}"), compile_variant(&v, "sm_90"));
+                // Batched decode steps: the K/V store fused into the paged kernel.
+                let v = AttentionVariant { paged: true, ..AttentionVariant::storing(hd, kv, rope, false, group) };
                 check(format!("{v:?}"), compile_variant(&v, "sm_90"));
             }
         }

@@ -312,8 +312,8 @@ const ATTENTION: &str = r#"
 #ifndef STORE
 #error "STORE (1: one decode token, its K/V store and RoPE fused in; 0: q and the cache as given) must come from the kernel variant"
 #endif
-#if PAGED && (STORE || SPLIT)
-#error "the paged cache is read by the plain one-block kernel only"
+#if PAGED && SPLIT
+#error "the paged cache is read by the one-block kernels only"
 #endif
 #if (HEAD_DIM & (HEAD_DIM - 1)) != 0
 #error "HEAD_DIM must be a power of two: lanes split a row in whole 16-byte vectors"
@@ -466,9 +466,10 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32) attention(const Attent
   // folded in after the cached ones, so no block reads a row that another block is writing.
   __shared__ __align__(16) float s_k[HEAD_DIM], s_v[HEAD_DIM];
   {
-    const float* src = reinterpret_cast<const float*>(p.qkv);
+    // (PAGED: a batched decode step, one token of each sequence, q | k | v rows back to back.)
+    const float* src = reinterpret_cast<const float*>(p.qkv) + (i64)tok * (p.n_heads + 2 * p.n_kv_heads) * HEAD_DIM;
     const bool writer = head % (p.n_heads / p.n_kv_heads) == 0 && blockIdx.z == 0;
-    const i64 cache_row = ((i64)pos * p.n_kv_heads + kv_head) * HEAD_DIM;
+    const i64 new_row = ((i64)cache_row(p.block_tables, p.row_seq, p.max_blocks, p.block_size, tok, pos) * p.n_kv_heads + kv_head) * HEAD_DIM;
     const u32 pair = threadIdx.x;
     if (pair < HEAD_DIM / 2) {
       const u32 rotated = p.n_heads + p.n_kv_heads;
@@ -483,11 +484,11 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32) attention(const Attent
       qkv_pair_turned(src, p.n_heads + kv_head, pair, rotated, p.rot_dim, rope_c, rope_s, &a, &b, &x0, &x1);
       s_k[a] = kv_round(x0);
       s_k[b] = kv_round(x1);
-      if (writer) { kv_store((kv_t*)p.k_cache + cache_row, a, x0); kv_store((kv_t*)p.k_cache + cache_row, b, x1); }
+      if (writer) { kv_store((kv_t*)p.k_cache + new_row, a, x0); kv_store((kv_t*)p.k_cache + new_row, b, x1); }
       qkv_pair_turned(src, rotated + kv_head, pair, rotated, p.rot_dim, rope_c, rope_s, &a, &b, &x0, &x1);
       s_v[a] = kv_round(x0);
       s_v[b] = kv_round(x1);
-      if (writer) { kv_store((kv_t*)p.v_cache + cache_row, a, x0); kv_store((kv_t*)p.v_cache + cache_row, b, x1); }
+      if (writer) { kv_store((kv_t*)p.v_cache + new_row, a, x0); kv_store((kv_t*)p.v_cache + new_row, b, x1); }
     }
   }
 #else
@@ -693,7 +694,8 @@ pub struct AttentionVariant {
     pub nwarps: u32,
     /// Several blocks share each query's keys (`splits > 1` in the launch grid).
     pub split: bool,
-    /// One decode token whose K/V store (rotated by this RoPE) the kernel does itself.
+    /// One decode token (paged: one per sequence) whose K/V store (rotated by this RoPE) the
+    /// kernel does itself.
     pub store: Option<RopeStyle>,
     /// Cache rows through block tables.
     pub paged: bool,
@@ -771,6 +773,7 @@ mod tests {
         crate::kernels::tests::assert_macros_match(AttentionVariant::new(64, KvDtype::F16, true));
         crate::kernels::tests::assert_macros_match(AttentionVariant::storing(128, KvDtype::F16, RopeStyle::Neox, true, 4));
         crate::kernels::tests::assert_macros_match(AttentionVariant::paged(128, KvDtype::F16, 4));
+        crate::kernels::tests::assert_macros_match(AttentionVariant { paged: true, ..AttentionVariant::storing(128, KvDtype::F16, RopeStyle::Neox, false, 4) });
     }
 
     #[test]

@@ -238,6 +238,63 @@ pub fn store_and_attend(
     gpu.launch(&variant, "attention", variant.launch_config(cfg.n_heads, 1, splits), &params)
 }
 
+/// Most sequences of a batched decode step that [`store_and_attend_paged`] serves: on the H200
+/// (8B Q4_0, docs/perf.md stop 21) it made 16-sequence steps 1.5% faster and 64-sequence ones 2%
+/// slower than [`store_qkv_paged`] then [`attention_paged`].
+pub const FUSED_PAGED_STORE_MAX_SEQS: usize = 16;
+
+/// A batched decode step on the paged cache in one launch: row `t` of `qkv` (`q | k | v`
+/// rows of `n_tokens` sequences, one token each, back to back) has its K/V rotated and stored
+/// at `positions[t]` of its sequence and attends to its sequence's keys, the new one included;
+/// the cache rows [`store_qkv_paged`] writes and the output of [`attention_paged`] after it up
+/// to rounding (the new key is folded in last; op test). A step with a
+/// sequence of several rows needs those two: its rows read each other's new keys.
+#[allow(clippy::too_many_arguments)]
+pub fn store_and_attend_paged(
+    gpu: &Gpu,
+    cache: &mut KvCache,
+    qkv: &impl DevicePtr<f32>,
+    n_tokens: usize,
+    positions: &impl DevicePtr<u32>,
+    cfg: &AttentionConfig,
+    rope: Option<&RopeConfig>,
+    paging: &Paging,
+    out: &mut impl DevicePtrMut<f32>,
+    emit: Option<&mut Q8Activations>,
+) -> Result<(), CudaError> {
+    const OP: &str = "store_and_attend_paged";
+    if n_tokens != paging.n_seqs {
+        return Err(CudaError::invalid(OP, format!("{n_tokens} rows for {} sequences: one decode token per sequence", paging.n_seqs)));
+    }
+    let row = (cfg.n_heads + 2 * cache.n_kv_heads) * cache.head_dim;
+    check_len(OP, "qkv", qkv.len(), elems(OP, &[n_tokens, row])?)?;
+    if let Some(r) = rope {
+        r.check(OP)?;
+        if r.head_dim != cache.head_dim {
+            return Err(CudaError::invalid(OP, format!("RoPE head_dim {} differs from the cache's {}", r.head_dim, cache.head_dim)));
+        }
+    }
+    let max_seq = paging.check(OP, cache, n_tokens)?;
+    let Some(mut params) = attention_params(gpu, qkv, cache, positions, n_tokens, cfg, out, emit)? else { return Ok(()) };
+    (params.qkv, params.q) = (params.q, 0);
+    params.k_cache = addr_mut(gpu, &mut cache.k);
+    params.v_cache = addr_mut(gpu, &mut cache.v);
+    params.rot_dim = rope.map_or(0, |r| r.rot_dim as u32);
+    params.theta = rope.map_or(0.0, |r| r.theta);
+    params.freq_scale = rope.map_or(0.0, |r| r.freq_scale);
+    params.max_seq = max_seq as u32;
+    if let Some(w) = cfg.window {
+        params.window = w.min(max_seq) as u32;
+    }
+    params.block_tables = addr(gpu, paging.tables);
+    params.row_seq = addr(gpu, paging.row_seq);
+    params.max_blocks = paging.max_blocks as u32;
+    params.block_size = paging.block_size as u32;
+    let group = attention_group(gpu, cfg.n_heads, cache.n_kv_heads, false);
+    let variant = AttentionVariant { paged: true, ..AttentionVariant::storing(cache.head_dim, cache.dtype, rope_style(rope), false, group) };
+    gpu.launch(&variant, "attention", variant.launch_config(cfg.n_heads, n_tokens, 1), &params)
+}
+
 fn rope_style(rope: Option<&RopeConfig>) -> RopeStyle {
     match rope {
         None => RopeStyle::None,
