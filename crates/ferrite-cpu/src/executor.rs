@@ -540,6 +540,11 @@ impl CpuExecutor {
                         window,
                         softcap: None,
                     };
+                    // Each row's Q (rotated) to scratch and K/V (rotated) into its cache row,
+                    // sequence by sequence; then attention over every row at once.
+                    let n_rows = n;
+                    let q = &mut buf.scratch;
+                    q.resize(n_rows * qw, 0.0);
                     for seq in step.seqs {
                         let (start_pos, n) = (seq.start_pos, seq.n);
                         let rows = seq.first_row..seq.first_row + n;
@@ -558,45 +563,46 @@ impl CpuExecutor {
                             }
                             _ => {}
                         }
-                        let q = &mut buf.scratch;
-                        q.resize(n * qw, 0.0);
-                        for t in 0..n {
-                            let row = &src[(rows.start + t) * w..(rows.start + t + 1) * w];
-                            let p = cache_row(start_pos + t) * kvw;
+                        for t in rows.clone() {
+                            let row = &src[t * w..(t + 1) * w];
+                            let p = cache_row(start_pos + t - rows.start) * kvw;
                             let (q_t, k_t) = (&mut q[t * qw..(t + 1) * qw], &mut buf.k_cache[layer][p..p + kvw]);
                             q_t.copy_from_slice(&row[..qw]);
                             k_t.copy_from_slice(&row[qw..qw + kvw]);
                             if let Some(rope) = &rope {
                                 // The same rotation as a separate Rope op, on the copies.
-                                let pos = &positions[rows.start + t..rows.start + t + 1];
+                                let pos = &positions[t..t + 1];
                                 rope.apply(q_t, a.n_heads, pos);
                                 rope.apply(k_t, a.n_kv_heads, pos);
                             }
                             buf.v_cache[layer][p..p + kvw].copy_from_slice(&row[qw + kvw..qw + 2 * kvw]);
                         }
-                        let dst = &mut out[rows.start * qw..rows.end * qw];
-                        match step.block_size {
-                            None => {
+                    }
+                    let q = &buf.scratch[..n_rows * qw];
+                    match step.block_size {
+                        None => {
+                            for seq in step.seqs {
+                                let (start_pos, n, r0) = (seq.start_pos, seq.n, seq.first_row);
                                 let kv_len = start_pos + n;
                                 kernels::attention::attention(
                                     &params,
-                                    q,
+                                    &q[r0 * qw..(r0 + n) * qw],
                                     &buf.k_cache[layer][..kv_len * kvw],
                                     &buf.v_cache[layer][..kv_len * kvw],
                                     start_pos,
                                     n,
-                                    dst,
+                                    &mut out[r0 * qw..(r0 + n) * qw],
                                 )
                             }
-                            Some(block_size) => {
-                                let kv = kernels::attention::PagedKv {
-                                    k: &buf.k_cache[layer],
-                                    v: &buf.v_cache[layer],
-                                    block_size,
-                                    blocks: seq.blocks,
-                                };
-                                kernels::attention::attention_paged(&params, q, &kv, start_pos, n, dst)
-                            }
+                        }
+                        Some(block_size) => {
+                            let kv = kernels::attention::PagedKv { k: &buf.k_cache[layer], v: &buf.v_cache[layer], block_size };
+                            let seqs: Vec<_> = step
+                                .seqs
+                                .iter()
+                                .map(|s| kernels::attention::PagedSeq { blocks: s.blocks, start_pos: s.start_pos, n_tokens: s.n })
+                                .collect();
+                            kernels::attention::attention_paged(&params, q, &kv, &seqs, &mut out[..n_rows * qw]);
                         }
                     }
                 }

@@ -149,52 +149,61 @@ fn attend(
     }
 }
 
-/// Where a sequence's cached rows live in a paged KV cache: row `p` is row `p % block_size` of
-/// physical block `blocks[p / block_size]`; a block holds `block_size` rows of the cache width.
+/// A paged KV cache: row `p` of a sequence is row `p % block_size` of physical block
+/// `blocks[p / block_size]` of its [`PagedSeq`]; a block holds `block_size` rows of the cache width.
 #[derive(Clone, Copy, Debug)]
 pub struct PagedKv<'a> {
     pub k: &'a [f32],
     pub v: &'a [f32],
     pub block_size: usize,
+}
+
+/// One sequence's query rows in a batched [`attention_paged`] call: `n_tokens` new rows at
+/// positions `start_pos ..`, its cache rows through `blocks`.
+#[derive(Clone, Copy, Debug)]
+pub struct PagedSeq<'a> {
     pub blocks: &'a [u32],
+    pub start_pos: usize,
+    pub n_tokens: usize,
 }
 
-/// [`attention`] over a paged cache: the same arithmetic in the same order as the contiguous
-/// kernel, so a sequence gets bit-identical outputs whichever layout holds its cache.
-/// Panics on inconsistent sizes (a block table too short for `start_pos + n_tokens` rows, a
-/// block outside the cache).
-pub fn attention_paged(p: &AttentionParams, q: &[f32], kv: &PagedKv<'_>, start_pos: usize, n_tokens: usize, out: &mut [f32]) {
-    attention_paged_at(simd_level(), p, q, kv, start_pos, n_tokens, out)
+/// [`attention`] over a paged cache for a batch of sequences whose query rows follow each other
+/// in `q` and `out`, all (row, head) pairs in one parallel loop (a batched decode step has one
+/// row per sequence: one loop per sequence would pay a fork-join each). The same arithmetic in
+/// the same order as the contiguous kernel, so a sequence gets bit-identical outputs whichever
+/// layout holds its cache and whichever batch it is in.
+/// Panics on inconsistent sizes (a block table too short for its rows, a block outside the cache).
+pub fn attention_paged(p: &AttentionParams, q: &[f32], kv: &PagedKv<'_>, seqs: &[PagedSeq<'_>], out: &mut [f32]) {
+    attention_paged_at(simd_level(), p, q, kv, seqs, out)
 }
 
-pub(crate) fn attention_paged_at(
-    level: SimdLevel,
-    p: &AttentionParams,
-    q: &[f32],
-    kv: &PagedKv<'_>,
-    start_pos: usize,
-    n_tokens: usize,
-    out: &mut [f32],
-) {
+pub(crate) fn attention_paged_at(level: SimdLevel, p: &AttentionParams, q: &[f32], kv: &PagedKv<'_>, seqs: &[PagedSeq<'_>], out: &mut [f32]) {
     let (nh, nkv, hd) = (p.n_heads, p.n_kv_heads, p.head_dim);
     assert!(nkv > 0 && nh % nkv == 0 && hd > 0, "attention: {nh} heads cannot share {nkv} KV heads of {hd}");
     assert!(p.window != Some(0), "attention: a window of 0 sees no key");
     assert!(level.is_available(), "attention: {level:?} is not available on this CPU");
     let (qw, kvw, bs) = (nh * hd, nkv * hd, kv.block_size);
     assert!(bs > 0, "attention: block size 0");
-    assert_eq!(q.len(), n_tokens * qw, "attention: q has {} values, expected {n_tokens} x {qw}", q.len());
-    assert_eq!(out.len(), n_tokens * qw, "attention: out has {} values, expected {n_tokens} x {qw}", out.len());
-    let kv_len = start_pos + n_tokens;
-    assert!(kv.blocks.len() * bs >= kv_len, "attention: {} blocks of {bs} cannot hold {kv_len} rows", kv.blocks.len());
+    let n_rows: usize = seqs.iter().map(|s| s.n_tokens).sum();
+    assert_eq!(q.len(), n_rows * qw, "attention: q has {} values, expected {n_rows} x {qw}", q.len());
+    assert_eq!(out.len(), n_rows * qw, "attention: out has {} values, expected {n_rows} x {qw}", out.len());
     let block_elems = bs * kvw;
-    for &b in &kv.blocks[..kv_len.div_ceil(bs)] {
-        let end = (b as usize + 1) * block_elems;
-        assert!(end <= kv.k.len() && end <= kv.v.len(), "attention: block {b} is outside the cache");
+    // Each row's sequence and position.
+    let mut rows = Vec::with_capacity(n_rows);
+    for (i, s) in seqs.iter().enumerate() {
+        let kv_len = s.start_pos + s.n_tokens;
+        assert!(s.blocks.len() * bs >= kv_len, "attention: {} blocks of {bs} cannot hold {kv_len} rows", s.blocks.len());
+        for &b in &s.blocks[..kv_len.div_ceil(bs)] {
+            let end = (b as usize + 1) * block_elems;
+            assert!(end <= kv.k.len() && end <= kv.v.len(), "attention: block {b} is outside the cache");
+        }
+        rows.extend((s.start_pos..kv_len).map(|pos| (i, pos)));
     }
     let group = nh / nkv;
     out.par_chunks_mut(hd).enumerate().for_each(|(i, out)| {
         let (t, h) = (i / nh, i % nh);
-        let pos = start_pos + t;
+        let (seq, pos) = rows[t];
+        let blocks = seqs[seq].blocks;
         let first = p.window.map_or(0, |w| (pos + 1).saturating_sub(w));
         let query = &q[t * qw + h * hd..][..hd];
         let col = h / group * hd;
@@ -204,7 +213,7 @@ pub(crate) fn attention_paged_at(
         while r <= pos {
             let (b, off) = (r / bs, r % bs);
             let len = (bs - off).min(pos + 1 - r);
-            runs.push((r - first, (kv.blocks[b] as usize * bs + off) * kvw + col, len));
+            runs.push((r - first, (blocks[b] as usize * bs + off) * kvw + col, len));
             r += len;
         }
         attend(level, p, query, kv.k, kv.v, kvw, &runs, out);
@@ -502,9 +511,22 @@ mod tests {
                 let mut want = vec![0f32; q.len()];
                 attention_at(level, &p, &q, &k, &v, start, n, &mut want);
                 let mut got = vec![0f32; q.len()];
-                let kv = PagedKv { k: &ka, v: &va, block_size: bs, blocks: &blocks };
-                attention_paged_at(level, &p, &q, &kv, start, n, &mut got);
+                let kv = PagedKv { k: &ka, v: &va, block_size: bs };
+                attention_paged_at(level, &p, &q, &kv, &[PagedSeq { blocks: &blocks, start_pos: start, n_tokens: n }], &mut got);
                 assert_eq!(got, want, "{level:?} case {nh}/{nkv}/{hd} start {start} n {n} block {bs}");
+                // Twice in one batch, behind a one-row sequence on the same blocks: the same bits.
+                let seqs = [
+                    PagedSeq { blocks: &blocks, start_pos: 0, n_tokens: 1 },
+                    PagedSeq { blocks: &blocks, start_pos: start, n_tokens: n },
+                    PagedSeq { blocks: &blocks, start_pos: start, n_tokens: n },
+                ];
+                let mut q3 = q[..nh * hd].to_vec();
+                q3.extend_from_slice(&q);
+                q3.extend_from_slice(&q);
+                let mut got3 = vec![0f32; q3.len()];
+                attention_paged_at(level, &p, &q3, &kv, &seqs, &mut got3);
+                assert_eq!(got3[nh * hd..nh * hd + q.len()], want[..], "{level:?} batch of three: second sequence");
+                assert_eq!(got3[nh * hd + q.len()..], want[..], "{level:?} batch of three: third sequence");
             }
         }
     }
