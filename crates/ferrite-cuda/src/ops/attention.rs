@@ -210,22 +210,12 @@ pub fn store_and_attend(
     const OP: &str = "store_and_attend";
     let row = (cfg.n_heads + 2 * cache.n_kv_heads) * cache.head_dim;
     check_len(OP, "qkv", qkv.len(), row)?;
-    if let Some(r) = rope {
-        r.check(OP)?;
-        if r.head_dim != cache.head_dim {
-            return Err(CudaError::invalid(OP, format!("RoPE head_dim {} differs from the cache's {}", r.head_dim, cache.head_dim)));
-        }
-    }
+    check_rope(OP, rope, cache)?;
     if let Some((splits, scratch)) = &split {
         scratch.check(OP, *splits, cfg.n_heads, cache.head_dim)?;
     }
     let Some(mut params) = attention_params(gpu, qkv, cache, positions, 1, cfg, out, emit)? else { return Ok(()) };
-    (params.qkv, params.q) = (params.q, 0);
-    params.k_cache = addr_mut(gpu, &mut cache.k);
-    params.v_cache = addr_mut(gpu, &mut cache.v);
-    params.rot_dim = rope.map_or(0, |r| r.rot_dim as u32);
-    params.theta = rope.map_or(0.0, |r| r.theta);
-    params.freq_scale = rope.map_or(0.0, |r| r.freq_scale);
+    set_store(gpu, &mut params, cache, rope);
     let splits = match split {
         Some((splits, scratch)) => {
             params.partials = addr_mut(gpu, &mut scratch.partials);
@@ -268,20 +258,40 @@ pub fn store_and_attend_paged(
     }
     let row = (cfg.n_heads + 2 * cache.n_kv_heads) * cache.head_dim;
     check_len(OP, "qkv", qkv.len(), elems(OP, &[n_tokens, row])?)?;
-    if let Some(r) = rope {
-        r.check(OP)?;
-        if r.head_dim != cache.head_dim {
-            return Err(CudaError::invalid(OP, format!("RoPE head_dim {} differs from the cache's {}", r.head_dim, cache.head_dim)));
-        }
-    }
+    check_rope(OP, rope, cache)?;
     let max_seq = paging.check(OP, cache, n_tokens)?;
     let Some(mut params) = attention_params(gpu, qkv, cache, positions, n_tokens, cfg, out, emit)? else { return Ok(()) };
+    set_store(gpu, &mut params, cache, rope);
+    set_paging(gpu, &mut params, cfg, paging, max_seq);
+    let group = attention_group(gpu, cfg.n_heads, cache.n_kv_heads, false);
+    let variant = AttentionVariant { paged: true, ..AttentionVariant::storing(cache.head_dim, cache.dtype, rope_style(rope), false, group) };
+    gpu.launch(&variant, "attention", variant.launch_config(cfg.n_heads, n_tokens, 1), &params)
+}
+
+fn check_rope(op: &'static str, rope: Option<&RopeConfig>, cache: &KvCache) -> Result<(), CudaError> {
+    if let Some(r) = rope {
+        r.check(op)?;
+        if r.head_dim != cache.head_dim {
+            return Err(CudaError::invalid(op, format!("RoPE head_dim {} differs from the cache's {}", r.head_dim, cache.head_dim)));
+        }
+    }
+    Ok(())
+}
+
+/// The fused K/V store's parameters: `q | k | v` rows where the query was, the caches written,
+/// the RoPE.
+fn set_store(gpu: &Gpu, params: &mut AttentionParams, cache: &mut KvCache, rope: Option<&RopeConfig>) {
     (params.qkv, params.q) = (params.q, 0);
     params.k_cache = addr_mut(gpu, &mut cache.k);
     params.v_cache = addr_mut(gpu, &mut cache.v);
     params.rot_dim = rope.map_or(0, |r| r.rot_dim as u32);
     params.theta = rope.map_or(0.0, |r| r.theta);
     params.freq_scale = rope.map_or(0.0, |r| r.freq_scale);
+}
+
+/// The paged kernels' parameters: block tables, row sequences, and the positions a sequence can
+/// address (`max_seq`, from [`Paging::check`]) bounding positions and the window.
+fn set_paging(gpu: &Gpu, params: &mut AttentionParams, cfg: &AttentionConfig, paging: &Paging, max_seq: usize) {
     params.max_seq = max_seq as u32;
     if let Some(w) = cfg.window {
         params.window = w.min(max_seq) as u32;
@@ -290,9 +300,6 @@ pub fn store_and_attend_paged(
     params.row_seq = addr(gpu, paging.row_seq);
     params.max_blocks = paging.max_blocks as u32;
     params.block_size = paging.block_size as u32;
-    let group = attention_group(gpu, cfg.n_heads, cache.n_kv_heads, false);
-    let variant = AttentionVariant { paged: true, ..AttentionVariant::storing(cache.head_dim, cache.dtype, rope_style(rope), false, group) };
-    gpu.launch(&variant, "attention", variant.launch_config(cfg.n_heads, n_tokens, 1), &params)
 }
 
 fn rope_style(rope: Option<&RopeConfig>) -> RopeStyle {
@@ -451,14 +458,7 @@ pub fn attention_paged(
 ) -> Result<(), CudaError> {
     let max_seq = paging.check("attention", cache, n_tokens)?;
     let Some(mut params) = attention_params(gpu, q, cache, positions, n_tokens, cfg, out, emit)? else { return Ok(()) };
-    params.max_seq = max_seq as u32;
-    if let Some(w) = cfg.window {
-        params.window = w.min(max_seq) as u32;
-    }
-    params.block_tables = addr(gpu, paging.tables);
-    params.row_seq = addr(gpu, paging.row_seq);
-    params.max_blocks = paging.max_blocks as u32;
-    params.block_size = paging.block_size as u32;
+    set_paging(gpu, &mut params, cfg, paging, max_seq);
     let variant = AttentionVariant::paged(cache.head_dim, cache.dtype, attention_group(gpu, cfg.n_heads, cache.n_kv_heads, false));
     gpu.launch(&variant, "attention", variant.launch_config(cfg.n_heads, n_tokens, 1), &params)
 }
