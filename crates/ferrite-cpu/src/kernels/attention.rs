@@ -207,8 +207,9 @@ pub(crate) fn attention_paged_at(level: SimdLevel, p: &AttentionParams, q: &[f32
         let first = p.window.map_or(0, |w| (pos + 1).saturating_sub(w));
         let query = &q[t * qw + h * hd..][..hd];
         let col = h / group * hd;
-        // Runs of consecutive rows inside one block: (row in the sequence, offset in the cache, length).
-        let mut runs = Vec::new();
+        // Runs of consecutive rows inside one block: (row in the sequence, offset in the cache,
+        // length); allocated once at their final size (growing it cost a sixth of the op).
+        let mut runs = Vec::with_capacity((pos - first) / bs + 2);
         let mut r = first;
         while r <= pos {
             let (b, off) = (r / bs, r % bs);
