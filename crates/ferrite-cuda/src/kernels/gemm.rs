@@ -805,15 +805,6 @@ impl GemmMmaVariant {
         self.wgmma > 0 && self.warpgroups == 2 && self.mt == 1
     }
 
-    /// Output rows of a `rows`-row weight (half of them with the GLU epilogue).
-    pub fn out_rows(&self, rows: usize) -> usize {
-        if self.glu > 0 {
-            rows / 2
-        } else {
-            rows
-        }
-    }
-
     /// K slices (grid z): as many as keep the grid within one wave of `occupancy` blocks per
     /// SM (a second, partial wave would take as long as the first), at most 16, each at least
     /// 2 chunks.
@@ -831,8 +822,9 @@ impl GemmMmaVariant {
 
     pub fn launch_config(&self, rows: usize, n_tokens: usize, slices: usize) -> LaunchConfig {
         LaunchConfig {
-            // With GLU a block's two tiles make one tile of the half-height output.
-            grid_dim: (blocks_for(self.out_rows(rows), self.block_rows() / if self.glu > 0 { 2 } else { 1 }) * blocks_for(n_tokens, 8 * self.nt as usize), 1, slices as u32),
+            // (With GLU a block's two tiles make one 64-row tile of the rows / 2 outputs: the
+            // same count for the even row counts it takes.)
+            grid_dim: (blocks_for(rows, self.block_rows()) * blocks_for(n_tokens, 8 * self.nt as usize), 1, slices as u32),
             block_dim: (32 * self.warps() as u32, 1, 1),
             shared_mem_bytes: self.shared_bytes() as u32,
         }

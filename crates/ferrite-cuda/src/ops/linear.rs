@@ -341,12 +341,10 @@ fn linear_at(
         }
         None => None,
     };
-    let Some(norm) = fusion.norm else {
+    let Some(row_norm) = row_norm(op, gpu, fusion.norm, w.cols)? else {
         run_plan(gpu, w, plan, Input { x, norm: None }, n_tokens, out, residual)?;
         return Ok(plan);
     };
-    check_len(op, "norm weight", norm.weight.len(), w.cols)?;
-    let row_norm = RowNorm { weight: addr(gpu, norm.weight), eps: norm.eps, add_one: norm.add_one };
     if matches!(plan, LinearPlan::Mma { .. } | LinearPlan::Gemm { convert_input: true, .. }) {
         run_plan(gpu, w, plan, Input { x, norm: Some(&row_norm) }, n_tokens, out, residual)?;
     } else {
@@ -356,6 +354,13 @@ fn linear_at(
         run_plan(gpu, w, plan, Input { x: normed, norm: None }, n_tokens, out, residual)?;
     }
     Ok(plan)
+}
+
+/// A linear's folded norm as the kernels take it, its weight checked against `cols`.
+fn row_norm(op: &'static str, gpu: &Gpu, norm: Option<NormPrologue>, cols: usize) -> Result<Option<RowNorm>, CudaError> {
+    let Some(norm) = norm else { return Ok(None) };
+    check_len(op, "norm weight", norm.weight.len(), cols)?;
+    Ok(Some(RowNorm { weight: addr(gpu, norm.weight), eps: norm.eps, add_one: norm.add_one }))
 }
 
 /// [`linear_at`] with the GLU in the GEMM's epilogue (an error where [`glu_fuses`] is false).
@@ -377,13 +382,7 @@ fn linear_glu(
     check_len(op, "x", x.len(), elems(op, &[n_tokens, w.cols])?)?;
     check_len(op, "out", out.len(), elems(op, &[n_tokens, w.rows / 2])?)?;
     let (x, out) = (addr(gpu, x), addr_mut(gpu, out));
-    let row_norm = match fusion.norm {
-        Some(norm) => {
-            check_len(op, "norm weight", norm.weight.len(), w.cols)?;
-            Some(RowNorm { weight: addr(gpu, norm.weight), eps: norm.eps, add_one: norm.add_one })
-        }
-        None => None,
-    };
+    let row_norm = row_norm(op, gpu, fusion.norm, w.cols)?;
     gemm_mma(gpu, w, Input { x, norm: row_norm.as_ref() }, n_tokens, out, None, GemmMmaVariant { glu: glu as u32, ..variant })?;
     Ok(plan)
 }
@@ -1006,8 +1005,8 @@ fn gemm_mma(
             return Err(CudaError::invalid(OP, format!("the wgmma GEMM needs rows of whole {GEMM_CHUNK_COLS}-column chunks and 3 stages, not {} columns and {variant:?}", w.cols)));
         }
     }
-    if variant.glu > 0 && (!variant.can_fuse_glu() || residual.is_some() || variant.k_slices(w.rows, w.cols, n_tokens, gpu.sm_count() as usize) > 1) {
-        return Err(CudaError::invalid(OP, format!("the GLU epilogue needs the two-warpgroup wgmma tiling, one K slice and no residual: {variant:?}")));
+    if variant.glu > 0 && (!variant.can_fuse_glu() || !w.rows.is_multiple_of(2) || residual.is_some() || variant.k_slices(w.rows, w.cols, n_tokens, gpu.sm_count() as usize) > 1) {
+        return Err(CudaError::invalid(OP, format!("the GLU epilogue needs the two-warpgroup wgmma tiling, an even row count, one K slice and no residual: {variant:?}")));
     }
     if variant.weight_stages > 0 && (!variant.can_stage_weights() || variant.weight_stages < 2 || variant.depth != 1) {
         return Err(CudaError::invalid(OP, format!("weights staged in shared memory need the wgmma kernel, a 32-weight block type, 2 or more stages and depth 1: {variant:?}")));
