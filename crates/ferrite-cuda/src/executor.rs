@@ -14,7 +14,7 @@
 //! a scratch of their own, so they replay too.
 
 use crate::ops::{self, AttentionConfig, GatedQuery, GdnState, GdnWeights, KvCache, KvDtype, RopeConfig, SamplingConfig};
-use crate::staging::{Mailbox, StagingRing};
+use crate::staging::{Mailbox, Readback, StagingRing};
 use crate::{CudaError, DeviceWeight, Gpu};
 use anyhow::{anyhow, bail, Context};
 use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
@@ -25,7 +25,7 @@ use ferrite_model::graph::{ExpertGateUp, GatedActivation, NormSpec, Op, Rows, Va
 use ferrite_model::planner::{self, Plan};
 use ferrite_model::profile::OpProfile;
 use ferrite_model::{
-    BatchRows, DeviceSampling, Executor, ExecutorOptions, HardwareCeilings, LayerTrace, LoadProgress, Model, PagedKvConfig,
+    AheadSeq, BatchRows, DeviceSampling, Executor, ExecutorOptions, HardwareCeilings, LayerTrace, LoadProgress, Model, PagedKvConfig,
     PagedOutput, RecurrentCursor, RopeStyle, SeqChunk,
 };
 use std::collections::HashMap;
@@ -124,6 +124,10 @@ struct BatchPaging {
     block_size: usize,
     /// Row of each sequence's last token.
     last_rows: Vec<usize>,
+    /// What `row_seq` and `tables` hold (host copies of the last uploads): a step whose rows and
+    /// tables are unchanged (decode steps within a block) copies neither again.
+    uploaded_row_seq: Vec<u32>,
+    uploaded_tables: Vec<u32>,
 }
 
 /// The paged KV cache and the buffers of batched steps (`init_paged`), swapped in for a step.
@@ -133,7 +137,36 @@ struct PagedState {
     buf: Buffers,
     /// The sequences' tokens drawn on the device (`max_seqs`).
     tokens: CudaSlice<u32>,
+    /// Their host copy, then the device error flag's (`max_seqs + 2` words).
+    readback: Readback,
     graphs: BatchGraphs,
+    /// The decode step enqueued ahead by the last `forward_paged_ahead`, not yet taken.
+    ahead: Option<AheadStep>,
+    /// Steps enqueued ahead that the next batch took (counted since `init_paged`).
+    ahead_taken: u64,
+}
+
+/// A decode step enqueued before the tokens that feed it were read back: what it ran, to
+/// recognise the batch that asks for it.
+struct AheadStep {
+    ids: Vec<u32>,
+    positions: Vec<u32>,
+    tables: Vec<u32>,
+    max_blocks: usize,
+}
+
+/// A step's block tables on the device, `[n_seqs, max_blocks]`. A decode step (one token per
+/// sequence) keeps its width for 2x growth of the longest table, so that its graph serves the
+/// steps until then.
+fn step_tables<'a>(tables: impl Iterator<Item = &'a [u32]> + Clone, decode: bool, n_blocks: usize) -> (Vec<u32>, usize) {
+    let longest = tables.clone().map(<[u32]>::len).max().unwrap_or(0);
+    let max_blocks = if decode { longest.next_power_of_two().min(n_blocks).max(longest) } else { longest };
+    let mut out = Vec::with_capacity(tables.clone().count() * max_blocks);
+    for t in tables {
+        out.extend_from_slice(t);
+        out.resize(out.len() + max_blocks - t.len(), 0);
+    }
+    (out, max_blocks)
 }
 
 impl Buffers {
@@ -426,6 +459,12 @@ impl CudaExecutor {
     /// Batched decode steps launched from a captured CUDA graph since `init_paged`.
     pub fn batch_graph_replays(&self) -> u64 {
         self.paged.as_ref().map_or(0, |p| p.graphs.replays)
+    }
+
+    /// Batched steps enqueued ahead (`forward_paged_ahead`) that the next batch took, since
+    /// `init_paged`.
+    pub fn ahead_steps_taken(&self) -> u64 {
+        self.paged.as_ref().map_or(0, |p| p.ahead_taken)
     }
 
     fn run_chunk(&mut self, ids: &[u32], start_pos: usize) -> anyhow::Result<()> {
@@ -860,28 +899,67 @@ impl CudaExecutor {
         Ok(())
     }
 
-    /// One batched step on the paged cache: the step's rows and block tables go to the device,
-    /// the paged buffers are swapped in for the graph's ops, and the sequences' logits are left
-    /// in the paged logits slot (`[n_seqs, vocab]`).
-    fn run_paged(&mut self, paged: &mut PagedState, batch: &[SeqChunk<'_>]) -> anyhow::Result<()> {
-        let rows = BatchRows::new(batch, &paged.config)?;
-        let n = rows.ids.len();
-        let longest = batch.iter().map(|s| s.block_table.len()).max().unwrap_or(0);
-        // A decode step (one token per sequence) keeps its table width for 2x growth of the
-        // longest table, so that its graph serves the steps until then.
-        let decode = n == batch.len();
-        let max_blocks = if decode { longest.next_power_of_two().min(paged.config.n_blocks).max(longest) } else { longest };
-        let mut tables = vec![0u32; batch.len() * max_blocks];
-        for (i, s) in batch.iter().enumerate() {
-            tables[i * max_blocks..i * max_blocks + s.block_table.len()].copy_from_slice(s.block_table);
+    /// One batched step of `batch` and its outputs, or with `ahead` also the decode step after
+    /// it (`forward_paged_ahead`). A batch that is the step enqueued ahead by the last call only
+    /// samples its results.
+    fn paged_step(&mut self, batch: &[SeqChunk<'_>], sample: &[Option<DeviceSampling>], ahead: Option<&[AheadSeq<'_>]>) -> anyhow::Result<Vec<PagedOutput>> {
+        if sample.len() != batch.len() {
+            bail!("{} sampling requests for a batch of {} sequences", sample.len(), batch.len());
         }
+        if let Some(a) = ahead {
+            if a.len() != batch.len() {
+                bail!("{} sequences ahead for a batch of {}", a.len(), batch.len());
+            }
+            if sample.iter().any(Option::is_none) {
+                bail!("decoding ahead needs every sequence's token drawn on the device");
+            }
+        }
+        let Some(mut paged) = self.paged.take() else { bail!("forward_paged before init_paged") };
+        let pending = paged.ahead.take();
+        let result = BatchRows::new(batch, &paged.config).and_then(|rows| {
+            let decode = rows.ids.len() == batch.len();
+            let (tables, max_blocks) = step_tables(batch.iter().map(|s| s.block_table), decode, paged.config.n_blocks);
+            let ran = pending.is_some_and(|p| p.ids == rows.ids && p.positions == rows.positions && p.max_blocks == max_blocks && p.tables == tables);
+            if ran {
+                paged.ahead_taken += 1;
+            } else {
+                self.run_paged(&mut paged, &rows, &tables, max_blocks, false)?;
+            }
+            self.paged_outputs(&mut paged, sample, ahead)
+        });
+        if result.is_err() {
+            paged.ahead = None;
+        }
+        self.paged = Some(paged);
+        result
+    }
+
+    /// Enqueue one batched step on the paged cache: the step's rows and block tables go to the
+    /// device (the token ids, with `drawn_ids`, from the tokens the last step drew instead: a
+    /// decode step of the same sequences), the paged buffers are swapped in for the graph's ops,
+    /// and the sequences' logits are left in the paged logits slot (`[n_seqs, vocab]`).
+    fn run_paged(&mut self, paged: &mut PagedState, rows: &BatchRows, tables: &[u32], max_blocks: usize, drawn_ids: bool) -> anyhow::Result<()> {
+        let n = rows.ids.len();
+        let n_seqs = rows.seq_start.len() - 1;
+        let decode = n == n_seqs;
         let buf = &mut paged.buf;
         let pg = buf.paging.as_mut().expect("init_paged sets the paging buffers");
-        self.staging.copy(&self.gpu, &rows.ids, &mut buf.ids.slice_mut(0..n))?;
+        if drawn_ids {
+            debug_assert!(decode);
+            self.gpu.stream().memcpy_dtod(&paged.tokens.slice(0..n), &mut buf.ids.slice_mut(0..n)).map_err(CudaError::from)?;
+        } else {
+            self.staging.copy(&self.gpu, &rows.ids, &mut buf.ids.slice_mut(0..n))?;
+        }
         self.staging.copy(&self.gpu, &rows.positions, &mut buf.positions.slice_mut(0..n))?;
-        self.staging.copy(&self.gpu, &rows.row_seq, &mut pg.row_seq.slice_mut(0..n))?;
-        self.staging.copy(&self.gpu, &tables, &mut pg.tables.slice_mut(0..tables.len()))?;
-        (pg.n_seqs, pg.max_blocks, pg.last_rows) = (batch.len(), max_blocks, rows.last_rows().collect());
+        if pg.uploaded_row_seq != rows.row_seq {
+            self.staging.copy(&self.gpu, &rows.row_seq, &mut pg.row_seq.slice_mut(0..n))?;
+            pg.uploaded_row_seq.clone_from(&rows.row_seq);
+        }
+        if pg.uploaded_tables != tables {
+            self.staging.copy(&self.gpu, tables, &mut pg.tables.slice_mut(0..tables.len()))?;
+            pg.uploaded_tables = tables.to_vec();
+        }
+        (pg.n_seqs, pg.max_blocks, pg.last_rows) = (n_seqs, max_blocks, rows.last_rows().collect());
         std::mem::swap(&mut self.buf, &mut paged.buf);
         std::mem::swap(&mut self.plan, &mut paged.plan);
         let result = if decode { self.launch_batch_decode(&mut paged.graphs, (n, max_blocks)) } else { self.run_ops(n) };
@@ -892,11 +970,13 @@ impl CudaExecutor {
 
     /// After [`Self::run_paged`]: tokens drawn on the device for the sequences with a sampling
     /// request (greedy ones by one argmax launch over all rows), logits read back for the rest.
-    fn paged_outputs(&mut self, paged: &mut PagedState, sample: &[Option<DeviceSampling>]) -> anyhow::Result<Vec<PagedOutput>> {
+    /// With `ahead`, the next decode step is enqueued on the drawn tokens before they are read
+    /// back (their copy to the host is enqueued first, so reading them waits for that copy only).
+    fn paged_outputs(&mut self, paged: &mut PagedState, sample: &[Option<DeviceSampling>], ahead: Option<&[AheadSeq<'_>]>) -> anyhow::Result<Vec<PagedOutput>> {
         let g = &self.model.graph;
-        let w = g.value(g.logits).width;
+        let (w, logits_slot) = (g.value(g.logits).width, paged.plan.slot(g.logits));
         let n_seqs = sample.len();
-        let logits = paged.buf.slots[paged.plan.slot(g.logits)].as_ref().expect("logits slot");
+        let logits = paged.buf.slots[logits_slot].as_ref().expect("logits slot");
         if sample.iter().all(Option::is_none) {
             let all = self.gpu.download(&logits.slice(0..n_seqs * w))?;
             self.gpu.check_device()?;
@@ -913,7 +993,27 @@ impl CudaExecutor {
                 ops::sample_delivering(&self.gpu, &row, w, &cfg, p.step, None, &mut paged.tokens.slice_mut(i..i + 1), None, scratch)?;
             }
         }
-        let tokens = self.gpu.download(&paged.tokens.slice(0..n_seqs))?;
+        let flag_at = paged.config.max_seqs;
+        paged.readback.copy(&self.gpu, &paged.tokens.slice(0..n_seqs), 0)?;
+        paged.readback.copy_error_flag(&self.gpu, flag_at)?;
+        paged.readback.post(&self.gpu)?;
+        if let Some(ahead) = ahead {
+            // Placeholder ids: the step takes the drawn tokens.
+            let one = [0u32];
+            let next: Vec<SeqChunk> = ahead.iter().map(|a| SeqChunk { tokens: &one, start_pos: a.start_pos, block_table: a.block_table }).collect();
+            let rows = BatchRows::new(&next, &paged.config)?;
+            let (tables, max_blocks) = step_tables(ahead.iter().map(|a| a.block_table), true, paged.config.n_blocks);
+            self.run_paged(paged, &rows, &tables, max_blocks, true)?;
+            paged.ahead = Some(AheadStep { ids: Vec::new(), positions: rows.positions, tables, max_blocks });
+        }
+        let tokens = paged.readback.read(0..n_seqs)?;
+        if paged.readback.read(flag_at..flag_at + 1)?[0] != 0 {
+            self.gpu.check_device()?;
+        }
+        if let Some(a) = &mut paged.ahead {
+            a.ids.clone_from(&tokens);
+        }
+        let logits = paged.buf.slots[logits_slot].as_ref().expect("logits slot");
         let out = sample
             .iter()
             .enumerate()
@@ -922,7 +1022,6 @@ impl CudaExecutor {
                 None => Ok(PagedOutput::Logits(self.gpu.download(&logits.slice(i * w..(i + 1) * w))?)),
             })
             .collect::<Result<Vec<_>, CudaError>>()?;
-        self.gpu.check_device()?;
         Ok(out)
     }
 
@@ -1033,11 +1132,14 @@ impl Executor for CudaExecutor {
             max_blocks: 0,
             block_size,
             last_rows: Vec::new(),
+            uploaded_row_seq: Vec::new(),
+            uploaded_tables: Vec::new(),
         });
         let tokens = self.gpu.alloc_zeros(max_seqs)?;
+        let readback = Readback::new(&self.gpu, max_seqs + 2)?;
         let mut graphs = BatchGraphs::new();
         graphs.enabled &= buf.profile.is_none();
-        self.paged = Some(PagedState { config, plan, buf, tokens, graphs });
+        self.paged = Some(PagedState { config, plan, buf, tokens, readback, graphs, ahead: None, ahead_taken: 0 });
         Ok(())
     }
 
@@ -1074,13 +1176,11 @@ impl Executor for CudaExecutor {
     }
 
     fn forward_paged_sampled(&mut self, batch: &[SeqChunk<'_>], sample: &[Option<DeviceSampling>]) -> anyhow::Result<Vec<PagedOutput>> {
-        if sample.len() != batch.len() {
-            bail!("{} sampling requests for a batch of {} sequences", sample.len(), batch.len());
-        }
-        let Some(mut paged) = self.paged.take() else { bail!("forward_paged before init_paged") };
-        let result = self.run_paged(&mut paged, batch).and_then(|()| self.paged_outputs(&mut paged, sample));
-        self.paged = Some(paged);
-        result
+        self.paged_step(batch, sample, None)
+    }
+
+    fn forward_paged_ahead(&mut self, batch: &[SeqChunk<'_>], sample: &[Option<DeviceSampling>], ahead: &[AheadSeq<'_>]) -> anyhow::Result<Vec<PagedOutput>> {
+        self.paged_step(batch, sample, Some(ahead))
     }
 
     fn hardware_ceilings(&mut self) -> Option<anyhow::Result<HardwareCeilings>> {

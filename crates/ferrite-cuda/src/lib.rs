@@ -27,5 +27,5 @@ pub use cudarc::driver::{CudaSlice, CudaView, CudaViewMut};
 pub use device::{cuda_available, Gpu, GpuOptions, KernelCacheDir};
 pub use error::CudaError;
 pub use executor::{check_supported, open_executor, CudaExecutor};
-pub use staging::{Mailbox, StagingRing};
+pub use staging::{Mailbox, Readback, StagingRing};
 pub use weight::{supported as weight_supported, DeviceWeight};

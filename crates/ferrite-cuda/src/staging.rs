@@ -7,10 +7,13 @@
 //! - [`Mailbox`]: page-locked host memory mapped into the device, which a kernel writes a few
 //!   words into (the sampled token and the device error flag). The host reads it after an event,
 //!   so no copy sits in the stream between one decode step and the next.
+//! - [`Readback`]: page-locked host memory that device words are copied into in stream order,
+//!   read after an event recorded behind those copies: reading waits for them, not for the
+//!   work enqueued after them (a batched decode step enqueued ahead).
 
 use crate::error::{Context, CudaError};
 use crate::Gpu;
-use cudarc::driver::{sys, CudaEvent, CudaViewMut, DevicePtrMut, PinnedHostSlice};
+use cudarc::driver::{sys, CudaEvent, CudaViewMut, DevicePtr, DevicePtrMut, PinnedHostSlice};
 
 /// Page-locked `u32` slots for host-to-device copies, used round robin.
 pub struct StagingRing {
@@ -105,5 +108,59 @@ impl Mailbox {
         let words = self.host.as_slice().context(|| "reading the mailbox".into())?;
         // Volatile: the device wrote these behind the compiler's back.
         Ok(words.iter().map(|w| unsafe { std::ptr::read_volatile(w) }).collect())
+    }
+}
+
+/// Page-locked `u32` words that device data is copied into, in stream order; the host reads them
+/// once the event [`Readback::post`] recorded behind the copies has fired.
+pub struct Readback {
+    host: PinnedHostSlice<u32>,
+    copied: CudaEvent,
+}
+
+impl Readback {
+    pub fn new(gpu: &Gpu, words: usize) -> Result<Self, CudaError> {
+        let what = || format!("allocating a {words}-word page-locked readback buffer");
+        let ctx = gpu.context();
+        // Cached (not write-combined) memory: the host reads it. SAFETY: the host reads only
+        // words a copy wrote (`read` after `post`).
+        let host = unsafe { ctx.alloc_pinned_with_flags::<u32>(words.max(1), 0) }.context(what)?;
+        let copied = ctx.new_event(None).context(what)?;
+        Ok(Self { host, copied })
+    }
+
+    /// Enqueue a copy of `src` into words `at..at + src.len()`.
+    pub fn copy(&mut self, gpu: &Gpu, src: &impl DevicePtr<u32>, at: usize) -> Result<(), CudaError> {
+        let (ptr, _sync) = src.device_ptr(gpu.stream());
+        self.copy_from(gpu, ptr, src.len(), at)
+    }
+
+    /// Enqueue a copy of the device error flag (2 words) into words `at..at + 2`: a nonzero
+    /// first word means [`Gpu::check_device`] has an error to report.
+    pub fn copy_error_flag(&mut self, gpu: &Gpu, at: usize) -> Result<(), CudaError> {
+        self.copy_from(gpu, gpu.error_flag_ptr(), 2, at)
+    }
+
+    fn copy_from(&mut self, gpu: &Gpu, src: u64, len: usize, at: usize) -> Result<(), CudaError> {
+        if at + len > self.host.len() {
+            return Err(CudaError::invalid("readback", format!("words {at}..{} of a buffer of {}", at + len, self.host.len())));
+        }
+        let host = self.host.as_mut_slice().context(|| "mapping the readback buffer".into())?;
+        // SAFETY: page-locked memory, read by the host only after `post`'s event has fired.
+        unsafe { cudarc::driver::result::memcpy_dtoh_async(&mut host[at..at + len], src, gpu.stream().cu_stream()) }
+            .context(|| format!("copying {len} words to the host"))
+    }
+
+    /// Mark the end of the copies (call right after enqueueing them).
+    pub fn post(&self, gpu: &Gpu) -> Result<(), CudaError> {
+        self.copied.record(gpu.stream()).context(|| "recording the readback event".into())
+    }
+
+    /// Wait for the last [`Self::post`], then read words `range`.
+    pub fn read(&self, range: std::ops::Range<usize>) -> Result<Vec<u32>, CudaError> {
+        self.copied.synchronize().context(|| "waiting for the readback".into())?;
+        let words = self.host.as_slice().context(|| "reading the readback buffer".into())?;
+        // Volatile: written by the device's copy engine behind the compiler's back.
+        Ok(words[range].iter().map(|w| unsafe { std::ptr::read_volatile(w) }).collect())
     }
 }

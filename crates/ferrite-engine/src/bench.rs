@@ -2,7 +2,7 @@
 
 use crate::sampling::{argmax, Sampler, SamplerParams};
 use ferrite_model::graph::{Op, Rows};
-use ferrite_model::{DeviceSampling, Model, PagedKvConfig, PagedOutput, SeqChunk};
+use ferrite_model::{AheadSeq, DeviceSampling, Model, PagedKvConfig, PagedOutput, SeqChunk};
 use crate::session::Session;
 use anyhow::Result;
 use std::time::Instant;
@@ -116,13 +116,15 @@ pub fn bench_tg(session: &mut Session, n: usize, depth: usize, reps: usize, voca
 /// step per sequence), then `n` steps that each decode one token of every sequence in one
 /// [`Executor::forward_paged_sampled`](ferrite_model::Executor::forward_paged_sampled) call with
 /// greedy sampling (on the device where the backend can, else on the host: the server's per-step
-/// work). Samples are aggregate tokens per second over the `n` steps.
+/// work), each step enqueued before the last one's tokens are read back where the backend can
+/// ([`Executor::forward_paged_ahead`]). Samples are aggregate tokens per second over the `n` steps.
 pub fn bench_batched(session: &mut Session, seqs: usize, prompt: usize, n: usize, reps: usize, vocab: usize) -> Result<BenchResult> {
     const BLOCK: usize = 16;
     let blocks_per_seq = (prompt + n).div_ceil(BLOCK);
     let exec = session.executor();
     exec.init_paged(PagedKvConfig { n_blocks: seqs * blocks_per_seq, block_size: BLOCK, max_seqs: seqs, max_tokens: seqs.max(prompt) })?;
     let tables: Vec<Vec<u32>> = (0..seqs).map(|s| (0..blocks_per_seq).map(|b| (s * blocks_per_seq + b) as u32).collect()).collect();
+    let ahead_on = ferrite_core::env::DECODE_AHEAD.flag();
     let mut samples = Vec::new();
     for rep in 0..=reps {
         // Distinct prompts, so no two sequences compute the same rows.
@@ -138,7 +140,14 @@ pub fn bench_batched(session: &mut Session, seqs: usize, prompt: usize, n: usize
             let batch: Vec<SeqChunk> =
                 tables.iter().zip(&ids).map(|(table, tok)| SeqChunk { tokens: std::slice::from_ref(tok), start_pos: prompt + step, block_table: table }).collect();
             let greedy = DeviceSampling { step: step as u64, ..DeviceSampling::GREEDY };
-            let outputs = exec.forward_paged_sampled(&batch, &vec![Some(greedy); seqs])?;
+            // As the server's scheduler runs it: the next step enqueued before the tokens are
+            // read back (where the backend can), but for the last step.
+            let ahead: Vec<AheadSeq> = tables.iter().map(|table| AheadSeq { start_pos: prompt + step + 1, block_table: table }).collect();
+            let outputs = if step + 1 < n && ahead_on {
+                exec.forward_paged_ahead(&batch, &vec![Some(greedy); seqs], &ahead)?
+            } else {
+                exec.forward_paged_sampled(&batch, &vec![Some(greedy); seqs])?
+            };
             next = outputs
                 .iter()
                 .map(|o| match o {

@@ -21,7 +21,7 @@ use crate::kv_pages::{prefix_hashes, BlockHash, BlockPool};
 use crate::metrics::EngineMetrics;
 use crate::sampling::{Sampler, SamplerParams};
 use anyhow::{bail, Context, Result};
-use ferrite_model::{DeviceSampling, Executor, PagedKvConfig, PagedOutput, SeqChunk};
+use ferrite_model::{AheadSeq, DeviceSampling, Executor, PagedKvConfig, PagedOutput, SeqChunk};
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::mpsc;
@@ -296,6 +296,9 @@ struct Scheduler {
     metrics: Arc<EngineMetrics>,
     queued: Arc<AtomicU64>,
     rate_window: (Instant, u64),
+    /// `FERRITE_DECODE_AHEAD`: a step of decodes may enqueue the next one before its tokens are
+    /// read back ([`Scheduler::plan_ahead`]).
+    decode_ahead: bool,
 }
 
 impl Scheduler {
@@ -313,6 +316,7 @@ impl Scheduler {
             metrics,
             queued,
             rate_window: (Instant::now(), 0),
+            decode_ahead: ferrite_core::env::DECODE_AHEAD.flag(),
         }
     }
 
@@ -518,6 +522,7 @@ impl Scheduler {
         }
         debug_assert!(batch.iter().enumerate().all(|(k, &p)| k == p));
         let n_batch = batch.len();
+        let ahead = self.plan_ahead(&counts);
         let result = {
             let chunks: Vec<SeqChunk> = self.running[..n_batch]
                 .iter()
@@ -530,7 +535,13 @@ impl Scheduler {
                 .zip(&counts)
                 .map(|(s, &n)| if s.computed + n == s.tokens.len() { Self::device_sampling(s) } else { None })
                 .collect();
-            self.exec.forward_paged_sampled(&chunks, &sample)
+            if ahead {
+                // Each sequence's drawn token goes in at the position after this step's.
+                let next: Vec<AheadSeq> = self.running[..n_batch].iter().map(|s| AheadSeq { start_pos: s.tokens.len(), block_table: &s.table }).collect();
+                self.exec.forward_paged_ahead(&chunks, &sample, &next)
+            } else {
+                self.exec.forward_paged_sampled(&chunks, &sample)
+            }
         };
         self.metrics.steps.fetch_add(1, Relaxed);
         let outputs = match result {
@@ -577,6 +588,37 @@ impl Scheduler {
             }
         }
         // Cancelled during sampling (send failed): dropped at the next `drop_cancelled`.
+    }
+
+    /// Whether this step (the first `counts.len()` running sequences) may enqueue the next
+    /// decode step before its tokens are read back ([`Executor::forward_paged_ahead`]): when it
+    /// is likely to be the next step exactly. That is, every running sequence draws its next
+    /// token in it (a decode, or its prompt's last chunk) on the device, nobody waiting could
+    /// join, and no sequence is sure to
+    /// finish (by length). A sequence whose next position needs a new block takes a free one now
+    /// (never by preemption; none free: no step ahead). A stop token or a cancellation still
+    /// changes the next batch: then the step ahead is wasted work, nothing more.
+    fn plan_ahead(&mut self, counts: &[usize]) -> bool {
+        if !self.decode_ahead || counts.len() != self.running.len() || (!self.waiting.is_empty() && self.running.len() < self.config.max_seqs) {
+            return false;
+        }
+        let max_context = self.config.max_context;
+        let decodes = self.running.iter().zip(counts).all(|(s, &n)| {
+            s.computed + n == s.tokens.len() && s.generated + 1 < s.req.max_tokens && s.tokens.len() + 1 < max_context && Self::device_sampling(s).is_some()
+        });
+        if !decodes {
+            return false;
+        }
+        let bs = self.config.block_size;
+        for s in &mut self.running {
+            if s.table.len() * bs < s.tokens.len() + 1 {
+                match self.pool.allocate() {
+                    Some(b) => s.table.push(b),
+                    None => return false,
+                }
+            }
+        }
+        true
     }
 
     fn unqueue_admitted(&mut self) {

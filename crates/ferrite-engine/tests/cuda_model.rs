@@ -10,7 +10,7 @@ use ferrite_cpu::{CpuExecutor, CpuPrecision};
 use ferrite_engine::sampling::argmax;
 use ferrite_gguf::GgmlType;
 use ferrite_model::synth::{self, SynthGdn, SynthMoe, SynthShape};
-use ferrite_model::{DeviceSampling, Executor, ExecutorOptions, FusionOptions, Model, PagedKvConfig, PagedOutput, SeqChunk};
+use ferrite_model::{AheadSeq, DeviceSampling, Executor, ExecutorOptions, FusionOptions, Model, PagedKvConfig, PagedOutput, SeqChunk};
 use std::sync::Arc;
 
 fn gpu_or_skip() -> bool {
@@ -326,6 +326,7 @@ fn cuda_fp32_matches_cpu_reference_on_real_shapes() {
     batch_graph_replay_matches_eager();
     recurrent_state_positions();
     decode_ahead_matches_step_by_step();
+    batched_decode_ahead_matches_step_by_step();
 }
 
 /// Batched decode steps replayed from their CUDA graphs against launching every op: the same
@@ -379,6 +380,59 @@ fn batch_graph_replay_matches_eager() {
     assert!(replayed.0 == eager.0, "batched step graph replay changes the logits");
     assert_eq!(replayed.1, eager.1, "batched step graph replay changes the device-drawn tokens");
     println!("batched decode graph replay: bit-identical logits and tokens over {} replayed steps", replayed.2);
+}
+
+/// Batched decode steps, each enqueuing the next one on the drawn tokens before reading them
+/// back (`forward_paged_ahead`, as the server's scheduler runs them), against reading each
+/// step's tokens back first: the same tokens and final logits, bit for bit, greedy and sampled,
+/// when the next batch is the step ahead (taken) and when it is not (a sequence leaves, another
+/// joins with a prefill chunk, a sequence moves to its next block).
+fn batched_decode_ahead_matches_step_by_step() {
+    let model = synthetic(synth::shape("smollm2-135m").unwrap(), GgmlType::Q4_1);
+    let run = |ahead: bool| {
+        let mut gpu = ferrite_cuda::CudaExecutor::new(Arc::clone(&model), opts(64)).unwrap();
+        let block = 4;
+        gpu.init_paged(PagedKvConfig { n_blocks: 48, block_size: block, max_seqs: 4, max_tokens: 64 }).unwrap();
+        let tables: Vec<Vec<u32>> = (0..4u32).map(|s| (0..12).map(|b| s * 12 + b).collect()).collect();
+        let mut seqs: Vec<Vec<u32>> = (0..4).map(|i| (0..3 + 2 * i).map(|t| ((t * 389 + i * 17 + 1) % 49152) as u32).collect()).collect();
+        let mut pos = [0usize; 4];
+        let sampled = DeviceSampling { temperature: 0.8, top_k: 40, top_p: 0.95, min_p: 0.0, seed: 3, step: 0 };
+        // (members, whether the step may run ahead); sequence 1 leaves after step 8, sequence 3
+        // joins at step 12 (its whole prompt as a chunk), sequence 2 samples, the others are greedy.
+        let schedule: Vec<(Vec<usize>, bool)> = (0..20)
+            .map(|step| match step {
+                0..=8 => (vec![0, 1, 2], step != 4),
+                9..=11 => (vec![0, 2], true),
+                _ => (vec![0, 2, 3], step != 12),
+            })
+            .collect();
+        let mut drawn = Vec::new();
+        for (step, (members, may_run_ahead)) in schedule.iter().enumerate() {
+            let batch: Vec<SeqChunk> =
+                members.iter().map(|&i| SeqChunk { tokens: &seqs[i][pos[i]..], start_pos: pos[i], block_table: &tables[i][..seqs[i].len().div_ceil(block)] }).collect();
+            let sample: Vec<Option<DeviceSampling>> =
+                members.iter().map(|&i| Some(if i == 2 { DeviceSampling { step: step as u64, ..sampled } } else { DeviceSampling::GREEDY })).collect();
+            let next: Vec<AheadSeq> = members.iter().map(|&i| AheadSeq { start_pos: seqs[i].len(), block_table: &tables[i][..(seqs[i].len() + 1).div_ceil(block)] }).collect();
+            let out = if ahead && *may_run_ahead { gpu.forward_paged_ahead(&batch, &sample, &next) } else { gpu.forward_paged_sampled(&batch, &sample) }.unwrap();
+            for (&i, o) in members.iter().zip(out) {
+                let PagedOutput::Token(t) = o else { panic!("a token was drawn on the device") };
+                pos[i] = seqs[i].len();
+                seqs[i].push(t);
+                drawn.push((step, i, t));
+            }
+        }
+        let last: Vec<SeqChunk> = [0, 2, 3].iter().map(|&i| SeqChunk { tokens: &seqs[i][pos[i]..], start_pos: pos[i], block_table: &tables[i][..seqs[i].len().div_ceil(block)] }).collect();
+        let logits: Vec<u32> = gpu.forward_paged(&last).unwrap().into_iter().flatten().map(f32::to_bits).collect();
+        (drawn, logits, gpu.ahead_steps_taken())
+    };
+    let (ahead, behind) = (run(true), run(false));
+    assert_eq!(behind.2, 0, "no step ran ahead");
+    // Taken: every step after one run ahead with the same members (1-4, 6-8, 10-11, 14-19),
+    // and the final logits' step (after step 19's).
+    assert_eq!(ahead.2, 16, "steps taken from the one enqueued ahead");
+    assert_eq!(ahead.0, behind.0, "decoding ahead changes the drawn tokens");
+    assert!(ahead.1 == behind.1, "decoding ahead changes the logits");
+    println!("batched decode ahead: the same tokens and logits over 20 steps, {} taken from the step enqueued ahead", ahead.2);
 }
 
 /// `Session::generate` with the next step enqueued before each token is read back (the token

@@ -102,6 +102,14 @@ pub struct SeqChunk<'a> {
     pub block_table: &'a [u32],
 }
 
+/// A sequence's row of a decode step enqueued ahead ([`Executor::forward_paged_ahead`]): its
+/// token is the one drawn for it by the step before, at `start_pos`, through `block_table`.
+#[derive(Clone, Copy, Debug)]
+pub struct AheadSeq<'a> {
+    pub start_pos: usize,
+    pub block_table: &'a [u32],
+}
+
 /// A batched step laid out in token rows, checked against the paged cache's geometry (the
 /// rules every executor's [`Executor::forward_paged`] applies).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -275,6 +283,19 @@ pub trait Executor {
     fn forward_paged_sampled(&mut self, batch: &[SeqChunk<'_>], sample: &[Option<DeviceSampling>]) -> anyhow::Result<Vec<PagedOutput>> {
         debug_assert_eq!(batch.len(), sample.len());
         Ok(self.forward_paged(batch)?.into_iter().map(PagedOutput::Logits).collect())
+    }
+
+    /// [`Executor::forward_paged_sampled`] where every sequence draws its token on the device,
+    /// and then, before the tokens are read back, the next decode step of the same sequences is
+    /// enqueued: sequence `i`'s drawn token at `ahead[i]`, fed from the sampler on the device
+    /// (batched "decode ahead": the device does not wait for the host between steps). The next
+    /// call whose batch is exactly that step (the same sequences in the same order, each with
+    /// its drawn token, position and table) takes its results instead of running it again; any
+    /// other batch runs as usual, and the step ahead has only written cache rows at positions
+    /// past what its sequences had computed. Backends without the path ignore `ahead`.
+    fn forward_paged_ahead(&mut self, batch: &[SeqChunk<'_>], sample: &[Option<DeviceSampling>], ahead: &[AheadSeq<'_>]) -> anyhow::Result<Vec<PagedOutput>> {
+        debug_assert_eq!(batch.len(), ahead.len());
+        self.forward_paged_sampled(batch, sample)
     }
 }
 
