@@ -181,6 +181,9 @@ switches! {
         "1: the int8 GEMV never splits a row's units over slices of a block (by default it does, up to 4 slices, when its grid has at most one block per SM, e.g. the emitting output/down projections).");
     CUDA_ATTENTION_GROUPS = ("FERRITE_CUDA_ATTENTION_GROUPS", "paged", AbTest,
         "off|paged|all (auto: paged): where a CUDA attention block serves up to 8 query heads of one KV group, which score each K row and weigh each V row they load together (same results per head); paged: the batched serving steps (2x faster kernel at 64 sequences); all: also the one-token decode kernel (8B: +12% at 4096 cached positions, -7% at short contexts, so not the default); off: a block per query head everywhere.");
+    /// Cap on the query heads a grouped CUDA attention block serves.
+    CUDA_ATTENTION_MAX_GROUP = ("FERRITE_CUDA_ATTENTION_MAX_GROUP", "8", AbTest,
+        "1-8: the most query heads of one KV group that a grouped CUDA attention block (FERRITE_CUDA_ATTENTION_GROUPS) serves; the group is the largest divisor of the heads per KV head up to it. Fewer heads per block mean more blocks, each with less arithmetic, and each K/V row loaded by more blocks.");
     CUDA_ATTENTION_PATH = ("FERRITE_CUDA_ATTENTION_PATH", "auto", AbTest,
         "auto|simt|tensor: the CUDA attention kernel; auto runs batches of 16+ queries over an f16 cache in the tensor-core flash-attention kernel (prefill) and the rest in the one-query-per-block SIMT kernel; tensor on an f32 cache is an error.");
     /// Force a CUDA MoE expert path.

@@ -88,6 +88,8 @@ pub struct GpuOptions {
     pub attention_path: Option<AttentionPath>,
     /// Which attention kernels run a block per KV group's query heads, sharing its K/V loads.
     pub attention_groups: AttentionGroups,
+    /// The most query heads such a block serves (1 to 8).
+    pub attention_max_group: usize,
     /// The MoE expert path every batch takes (`None`: [`crate::ops::moe_plan`] decides).
     pub moe_path: Option<MoePath>,
 }
@@ -101,6 +103,7 @@ impl GpuOptions {
             gdn_path: GdnPath::forced_by(env::CUDA_GDN_PATH.get().as_deref()),
             attention_path: AttentionPath::forced_by(env::CUDA_ATTENTION_PATH.get().as_deref()),
             attention_groups: AttentionGroups::from_env(),
+            attention_max_group: env::CUDA_ATTENTION_MAX_GROUP.parse(8usize).clamp(1, 8),
             moe_path: MoePath::forced_by(env::CUDA_MOE_PATH.get().as_deref()),
         }
     }
@@ -129,6 +132,7 @@ pub struct Gpu {
     gdn_path: Option<GdnPath>,
     attention_path: Option<AttentionPath>,
     attention_groups: AttentionGroups,
+    attention_max_group: usize,
     moe_path: Option<MoePath>,
     props: DeviceProps,
     stream: Arc<CudaStream>,
@@ -187,6 +191,7 @@ impl Gpu {
             gdn_path: options.gdn_path,
             attention_path: options.attention_path,
             attention_groups: options.attention_groups,
+            attention_max_group: options.attention_max_group,
             moe_path: options.moe_path,
             props: DeviceProps { name, compute_capability: (major as u32, minor as u32), sm_count: sm_count as u32 },
             stream,
@@ -248,6 +253,11 @@ impl Gpu {
     /// Which attention kernels serve a KV group's query heads per block (`FERRITE_CUDA_ATTENTION_GROUPS`).
     pub fn attention_groups(&self) -> AttentionGroups {
         self.attention_groups
+    }
+
+    /// The most query heads a grouped attention block serves (`FERRITE_CUDA_ATTENTION_MAX_GROUP`).
+    pub fn attention_max_group(&self) -> usize {
+        self.attention_max_group
     }
 
     /// The MoE expert path forced on this device (`FERRITE_CUDA_MOE_PATH`), if any.

@@ -718,9 +718,9 @@ impl AttentionVariant {
     }
 
     /// The most query heads of one KV group (`heads_per_kv`) that a block can serve: the largest
-    /// divisor of `heads_per_kv` up to [`Self::MAX_GROUP`].
-    pub fn group_for(heads_per_kv: usize) -> usize {
-        (1..=Self::MAX_GROUP.min(heads_per_kv)).rev().find(|g| heads_per_kv.is_multiple_of(*g)).unwrap_or(1)
+    /// divisor of `heads_per_kv` up to `cap` and [`Self::MAX_GROUP`].
+    pub fn group_for(heads_per_kv: usize, cap: usize) -> usize {
+        (1..=Self::MAX_GROUP.min(cap).min(heads_per_kv)).rev().find(|g| heads_per_kv.is_multiple_of(*g)).unwrap_or(1)
     }
 
     /// The one-token kernel with the K/V store and RoPE fused in (split-KV or not), `group`
@@ -778,7 +778,8 @@ mod tests {
 
     #[test]
     fn groups_divide_the_kv_groups() {
-        assert_eq!([1, 2, 3, 4, 6, 8, 12, 16].map(AttentionVariant::group_for), [1, 2, 3, 4, 6, 8, 6, 8]);
+        assert_eq!([1, 2, 3, 4, 6, 8, 12, 16].map(|h| AttentionVariant::group_for(h, 8)), [1, 2, 3, 4, 6, 8, 6, 8]);
+        assert_eq!([1, 2, 3, 4, 6, 8, 12, 16].map(|h| AttentionVariant::group_for(h, 2)), [1, 2, 1, 2, 2, 2, 2, 2]);
         let v = AttentionVariant::paged(128, KvDtype::F16, 4);
         assert_eq!(v.launch_config(32, 64, 1).grid_dim, (8, 64, 1));
     }

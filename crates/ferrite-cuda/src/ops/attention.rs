@@ -466,7 +466,7 @@ pub fn attention_paged(
 /// Query heads per block of the kernels that can serve a KV group together: the paged kernel
 /// (`decode_step` false) and the fused one-token decode kernel ([`store_and_attend`], `decode_step`
 /// true), as [`AttentionGroups`] allows: [`AttentionVariant::group_for`] of the heads per KV
-/// head, else 1. Their launch grids have `n_heads / group` blocks per token and key share (size
+/// head and the device's cap (`FERRITE_CUDA_ATTENTION_MAX_GROUP`), else 1. Their launch grids have `n_heads / group` blocks per token and key share (size
 /// the shares with [`attention_splits`] on that count).
 pub fn attention_group(gpu: &Gpu, n_heads: usize, n_kv_heads: usize, decode_step: bool) -> usize {
     let allowed = match gpu.attention_groups() {
@@ -475,7 +475,7 @@ pub fn attention_group(gpu: &Gpu, n_heads: usize, n_kv_heads: usize, decode_step
         AttentionGroups::All => true,
     };
     if allowed && n_kv_heads > 0 && n_heads.is_multiple_of(n_kv_heads) {
-        AttentionVariant::group_for(n_heads / n_kv_heads)
+        AttentionVariant::group_for(n_heads / n_kv_heads, gpu.attention_max_group())
     } else {
         1
     }
