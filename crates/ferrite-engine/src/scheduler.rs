@@ -527,7 +527,9 @@ impl Scheduler {
             let chunks: Vec<SeqChunk> = self.running[..n_batch]
                 .iter()
                 .zip(&counts)
-                .map(|(s, &n)| SeqChunk { tokens: &s.tokens[s.computed..s.computed + n], start_pos: s.computed, block_table: &s.table })
+                // Only the blocks the step reaches: a table may hold one taken early for the step
+                // ahead, and the step ahead is recognised by its tables.
+                .map(|(s, &n)| SeqChunk { tokens: &s.tokens[s.computed..s.computed + n], start_pos: s.computed, block_table: &s.table[..(s.computed + n).div_ceil(bs)] })
                 .collect();
             // The sequences that reach their last token this step sample from its logits.
             let sample: Vec<Option<DeviceSampling>> = self.running[..n_batch]
@@ -537,7 +539,7 @@ impl Scheduler {
                 .collect();
             if ahead {
                 // Each sequence's drawn token goes in at the position after this step's.
-                let next: Vec<AheadSeq> = self.running[..n_batch].iter().map(|s| AheadSeq { start_pos: s.tokens.len(), block_table: &s.table }).collect();
+                let next: Vec<AheadSeq> = self.running[..n_batch].iter().map(|s| AheadSeq { start_pos: s.tokens.len(), block_table: &s.table[..(s.tokens.len() + 1).div_ceil(bs)] }).collect();
                 self.exec.forward_paged_ahead(&chunks, &sample, &next)
             } else {
                 self.exec.forward_paged_sampled(&chunks, &sample)

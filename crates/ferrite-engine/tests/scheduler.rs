@@ -232,10 +232,24 @@ fn a_backend_without_batching_is_refused_and_a_dead_engine_is_reported() {
 
 /// The CPU executor with a stand-in for a device sampler: a sequence the engine asks to sample
 /// gets its greedy token instead of its logits (as the CUDA executor returns it), and every
-/// request is counted.
+/// request is counted. Steps asked to run ahead (`forward_paged_ahead`) are checked (the next
+/// position of every sequence, a table that extends the step's and covers it), counted, and
+/// counted again as taken when the next batch is exactly that step.
 struct SamplesOnDevice {
     inner: CpuExecutor,
     requests: Arc<std::sync::atomic::AtomicUsize>,
+    block_size: usize,
+    /// The step asked for ahead: each sequence's (position, table).
+    pending: Option<Vec<(usize, Vec<u32>)>>,
+    /// (steps asked to run ahead, of those taken by the next batch, of those whose next batch
+    /// had the same rows but other tables)
+    ahead: Arc<[std::sync::atomic::AtomicUsize; 3]>,
+}
+
+impl SamplesOnDevice {
+    fn new(inner: CpuExecutor, requests: Arc<std::sync::atomic::AtomicUsize>) -> Self {
+        Self { inner, requests, block_size: 0, pending: None, ahead: Arc::default() }
+    }
 }
 
 impl Executor for SamplesOnDevice {
@@ -261,12 +275,31 @@ impl Executor for SamplesOnDevice {
         self.inner.memory_report()
     }
     fn init_paged(&mut self, config: ferrite_model::PagedKvConfig) -> anyhow::Result<()> {
+        self.block_size = config.block_size;
         self.inner.init_paged(config)
     }
     fn forward_paged(&mut self, batch: &[ferrite_model::SeqChunk<'_>]) -> anyhow::Result<Vec<Vec<f32>>> {
         self.inner.forward_paged(batch)
     }
+    fn forward_paged_ahead(&mut self, batch: &[ferrite_model::SeqChunk<'_>], sample: &[Option<ferrite_model::DeviceSampling>], ahead: &[ferrite_model::AheadSeq<'_>]) -> anyhow::Result<Vec<ferrite_model::PagedOutput>> {
+        assert!(sample.iter().all(Option::is_some), "a step runs ahead only when every sequence samples on the device");
+        for (s, a) in batch.iter().zip(ahead) {
+            assert_eq!(a.start_pos, s.start_pos + s.tokens.len(), "the step ahead is at each sequence's next position");
+            assert!(a.block_table.starts_with(s.block_table) && a.block_table.len() * self.block_size > a.start_pos, "the step ahead's table extends the step's and covers its position");
+        }
+        let out = self.forward_paged_sampled(batch, sample)?;
+        self.ahead[0].fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.pending = Some(ahead.iter().map(|a| (a.start_pos, a.block_table.to_vec())).collect());
+        Ok(out)
+    }
     fn forward_paged_sampled(&mut self, batch: &[ferrite_model::SeqChunk<'_>], sample: &[Option<ferrite_model::DeviceSampling>]) -> anyhow::Result<Vec<ferrite_model::PagedOutput>> {
+        if let Some(p) = self.pending.take() {
+            let same_rows = p.len() == batch.len() && p.iter().zip(batch).all(|((pos, _), s)| s.tokens.len() == 1 && s.start_pos == *pos);
+            if same_rows {
+                let same_tables = p.iter().zip(batch).all(|((_, table), s)| s.block_table == &table[..]);
+                self.ahead[if same_tables { 1 } else { 2 }].fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            }
+        }
         let logits = self.inner.forward_paged(batch)?;
         Ok(logits
             .into_iter()
@@ -292,7 +325,7 @@ fn batched_steps_sample_on_the_device_when_the_request_allows() {
     let requests = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let (m, r) = (Arc::clone(&model), Arc::clone(&requests));
     let make = move || -> anyhow::Result<Box<dyn Executor>> {
-        Ok(Box::new(SamplesOnDevice { inner: CpuExecutor::new(m, CpuPrecision::Quantized, options())?, requests: r }))
+        Ok(Box::new(SamplesOnDevice::new(CpuExecutor::new(m, CpuPrecision::Quantized, options())?, r)))
     };
     let engine = EngineHandle::start(make, config()).unwrap().0;
     // 40- and 50-token prompts take two chunks each at 32 tokens per step.
@@ -304,4 +337,36 @@ fn batched_steps_sample_on_the_device_when_the_request_allows() {
     assert_eq!(collect(with_logprobs).tokens, reference(&model, &prompt(33, 12), 3));
     assert_eq!(requests.load(std::sync::atomic::Ordering::Relaxed), 5 + 4);
     wait_idle(engine.metrics());
+}
+
+/// Batched decode ahead: while the same sequences keep decoding (nobody waiting, nobody at its
+/// length limit) each step asks for the next one ahead, at every sequence's next position with a
+/// table that covers it (blocks taken early, including at a block boundary), the next batch is
+/// that step, and the outputs and the block accounting are unchanged.
+#[test]
+fn steady_decode_steps_run_ahead() {
+    let model = smollm2(FusionOptions::ALL);
+    let requests = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let ahead = Arc::new(Default::default());
+    let (m, r, a) = (Arc::clone(&model), Arc::clone(&requests), Arc::clone(&ahead));
+    let make = move || -> anyhow::Result<Box<dyn Executor>> {
+        let mut exec = SamplesOnDevice::new(CpuExecutor::new(m, CpuPrecision::Quantized, options())?, r);
+        exec.ahead = a;
+        Ok(Box::new(exec))
+    };
+    let engine = EngineHandle::start(make, config()).unwrap().0;
+    // 12-token prompts and 10 tokens each: positions 12..21 cross the first 16-position block.
+    let prompts: Vec<Vec<u32>> = (0..3).map(|i| prompt(40 + i, 12)).collect();
+    let rxs: Vec<_> = prompts.iter().map(|p| engine.submit(greedy(p.clone(), 10)).unwrap()).collect();
+    for (rx, p) in rxs.into_iter().zip(&prompts) {
+        assert_eq!(collect(rx).tokens, reference(&model, p, 10));
+    }
+    wait_idle(engine.metrics());
+    let [asked, taken, other_tables] = [0, 1, 2].map(|i| ahead[i].load(std::sync::atomic::Ordering::Relaxed));
+    // Once all three decode together, every step runs ahead until the first sequence is sure to
+    // finish, and the next step is the one ahead, tables included (a request arriving during the
+    // first step may make that step's ahead useless: timing, not an error).
+    assert_eq!(other_tables, 0, "a next batch with the same rows but other tables than the step ahead");
+    assert!(asked >= 7 && taken + 1 >= asked, "{asked} steps asked to run ahead, {taken} taken");
+    assert_eq!(requests.load(std::sync::atomic::Ordering::Relaxed), 30);
 }
