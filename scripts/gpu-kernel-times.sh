@@ -5,19 +5,28 @@
 # kernel alone (no overlap between launches, no graph replay speed), so these numbers orient
 # work; they are never optimisation targets (measure those with `ferrite bench`).
 #
-#   scripts/gpu-kernel-times.sh SKIP COUNT -- COMMAND...
+#   scripts/gpu-kernel-times.sh [--range] SKIP COUNT -- COMMAND...
 #
 # SKIP kernels are passed over first (the load's weight expansion, the warm-up), then COUNT are
 # profiled. Example, 8 decode steps of the 1B shape after a warm-up:
 #   scripts/gpu-kernel-times.sh 200 100 -- .device/ferrite bench --model /tmp/m1.gguf --backend cuda -p 0 -n 8 -r 1
+# With --range only the kernels inside the command's profiler range count (`ferrite bench
+# --profile-range`: the timed part of each test's last repetition), e.g. 4 batched steps of 64
+# sequences (divide the calls and totals by 4 for one step):
+#   scripts/gpu-kernel-times.sh --range 0 100000 -- .device/ferrite bench --model /tmp/l8b.gguf --backend cuda -p 0 -n 4 -r 1 --seqs 64 --profile-range
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/gpu-env.sh >/dev/null
-[ $# -ge 4 ] && [ "$3" = "--" ] || { echo "usage: $0 SKIP COUNT -- COMMAND..." >&2; exit 2; }
+range=()
+if [ "${1:-}" = "--range" ]; then
+    range=(--profile-from-start off)
+    shift
+fi
+[ $# -ge 4 ] && [ "$3" = "--" ] || { echo "usage: $0 [--range] SKIP COUNT -- COMMAND..." >&2; exit 2; }
 skip=$1 count=$2
 shift 3
 csv=$(mktemp)
-ncu --clock-control none --cache-control none --csv --print-units base --launch-skip "$skip" --launch-count "$count" \
+ncu "${range[@]}" --clock-control none --cache-control none --csv --print-units base --launch-skip "$skip" --launch-count "$count" \
     --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum "$@" > "$csv" 2>/dev/null || true
 python3 - "$csv" <<'PY'
 import csv, sys, collections

@@ -1183,6 +1183,11 @@ impl Executor for CudaExecutor {
         self.paged_step(batch, sample, Some(ahead))
     }
 
+    fn profiler_range(&mut self, on: bool) -> anyhow::Result<()> {
+        let result = if on { cudarc::driver::profiler_start() } else { cudarc::driver::profiler_stop() };
+        result.map_err(CudaError::from).context(if on { "starting the profiler range" } else { "stopping the profiler range" })
+    }
+
     fn hardware_ceilings(&mut self) -> Option<anyhow::Result<HardwareCeilings>> {
         Some(crate::ceilings::measure(&self.gpu).map_err(Into::into))
     }

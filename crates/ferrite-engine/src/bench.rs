@@ -2,7 +2,7 @@
 
 use crate::sampling::{argmax, Sampler, SamplerParams};
 use ferrite_model::graph::{Op, Rows};
-use ferrite_model::{AheadSeq, DeviceSampling, Model, PagedKvConfig, PagedOutput, SeqChunk};
+use ferrite_model::{AheadSeq, DeviceSampling, Executor, Model, PagedKvConfig, PagedOutput, SeqChunk};
 use crate::session::Session;
 use anyhow::Result;
 use std::time::Instant;
@@ -65,17 +65,39 @@ fn prefill_depth(session: &mut Session, tokens: &[u32]) -> Result<()> {
     Ok(())
 }
 
+/// Timed repetitions of a test (after one warm-up run), and whether the last one's timed part
+/// is bracketed for an external profiler ([`Executor::profiler_range`](ferrite_model::Executor::profiler_range):
+/// `ncu --profile-from-start off` then records only those kernels).
+#[derive(Clone, Copy, Debug)]
+pub struct Reps {
+    pub count: usize,
+    pub profile_last: bool,
+}
+
+impl Reps {
+    /// Open (`on`) or close the profiler range around repetition `rep`'s timed part, if it is
+    /// the one to profile.
+    fn bracket(&self, exec: &mut dyn Executor, rep: usize, on: bool) -> Result<()> {
+        if self.profile_last && rep == self.count {
+            exec.profiler_range(on)?;
+        }
+        Ok(())
+    }
+}
+
 /// Prompt processing: `n` tokens after `depth` cached ones (prefilled untimed), one forward pass.
-pub fn bench_pp(session: &mut Session, n: usize, depth: usize, reps: usize, vocab: usize) -> Result<BenchResult> {
+pub fn bench_pp(session: &mut Session, n: usize, depth: usize, reps: Reps, vocab: usize) -> Result<BenchResult> {
     let tokens = bench_tokens(depth + n, vocab);
     let mut samples = Vec::new();
-    for rep in 0..=reps {
+    for rep in 0..=reps.count {
         session.reset();
         prefill_depth(session, &tokens[..depth])?;
+        reps.bracket(session.executor(), rep, true)?;
         let t = Instant::now();
         session.prefill(&tokens)?;
         session.executor().logits()?;
         let tps = n as f64 / t.elapsed().as_secs_f64();
+        reps.bracket(session.executor(), rep, false)?;
         if rep > 0 {
             samples.push(tps);
         }
@@ -87,12 +109,13 @@ pub fn bench_pp(session: &mut Session, n: usize, depth: usize, reps: usize, voca
 /// each followed by greedy sampling (on the device where the backend can), as a generation
 /// loop does (`Session::generate`: without a host round trip between steps where the backend
 /// samples on the device).
-pub fn bench_tg(session: &mut Session, n: usize, depth: usize, reps: usize, vocab: usize) -> Result<BenchResult> {
+pub fn bench_tg(session: &mut Session, n: usize, depth: usize, reps: Reps, vocab: usize) -> Result<BenchResult> {
     let mut samples = Vec::new();
     let mut sampler = Sampler::new(SamplerParams::greedy());
-    for rep in 0..=reps {
+    for rep in 0..=reps.count {
         session.reset();
         prefill_depth(session, &bench_tokens(depth, vocab))?;
+        reps.bracket(session.executor(), rep, true)?;
         let t = Instant::now();
         session.step(bench_tokens(1, vocab)[0])?;
         for i in 0..n {
@@ -104,6 +127,7 @@ pub fn bench_tg(session: &mut Session, n: usize, depth: usize, reps: usize, voca
             }
         }
         let tps = n as f64 / t.elapsed().as_secs_f64();
+        reps.bracket(session.executor(), rep, false)?;
         if rep > 0 {
             samples.push(tps);
         }
@@ -118,7 +142,7 @@ pub fn bench_tg(session: &mut Session, n: usize, depth: usize, reps: usize, voca
 /// greedy sampling (on the device where the backend can, else on the host: the server's per-step
 /// work), each step enqueued before the last one's tokens are read back where the backend can
 /// ([`Executor::forward_paged_ahead`]). Samples are aggregate tokens per second over the `n` steps.
-pub fn bench_batched(session: &mut Session, seqs: usize, prompt: usize, n: usize, reps: usize, vocab: usize) -> Result<BenchResult> {
+pub fn bench_batched(session: &mut Session, seqs: usize, prompt: usize, n: usize, reps: Reps, vocab: usize) -> Result<BenchResult> {
     const BLOCK: usize = 16;
     let blocks_per_seq = (prompt + n).div_ceil(BLOCK);
     let exec = session.executor();
@@ -126,7 +150,7 @@ pub fn bench_batched(session: &mut Session, seqs: usize, prompt: usize, n: usize
     let tables: Vec<Vec<u32>> = (0..seqs).map(|s| (0..blocks_per_seq).map(|b| (s * blocks_per_seq + b) as u32).collect()).collect();
     let ahead_on = ferrite_core::env::DECODE_AHEAD.flag();
     let mut samples = Vec::new();
-    for rep in 0..=reps {
+    for rep in 0..=reps.count {
         // Distinct prompts, so no two sequences compute the same rows.
         let mut next: Vec<u32> = Vec::with_capacity(seqs);
         for (s, table) in tables.iter().enumerate() {
@@ -134,6 +158,7 @@ pub fn bench_batched(session: &mut Session, seqs: usize, prompt: usize, n: usize
             let logits = exec.forward_paged(&[SeqChunk { tokens: &tokens, start_pos: 0, block_table: table }])?;
             next.push(argmax(&logits[0]));
         }
+        reps.bracket(exec, rep, true)?;
         let t = Instant::now();
         for step in 0..n {
             let ids = next.clone();
@@ -157,6 +182,7 @@ pub fn bench_batched(session: &mut Session, seqs: usize, prompt: usize, n: usize
                 .collect();
         }
         let tps = (seqs * n) as f64 / t.elapsed().as_secs_f64();
+        reps.bracket(exec, rep, false)?;
         if rep > 0 {
             samples.push(tps);
         }

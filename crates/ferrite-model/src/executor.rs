@@ -247,6 +247,13 @@ pub trait Executor {
     /// context on top of the weights.
     fn kv_bytes_per_position(&self) -> usize;
 
+    /// Open (`true`) or close the range of work an external profiler records (CUDA:
+    /// `cuProfilerStart` / `cuProfilerStop`, for `ncu --profile-from-start off`). By default
+    /// nothing.
+    fn profiler_range(&mut self, _on: bool) -> anyhow::Result<()> {
+        Ok(())
+    }
+
     /// Measure the device's ceilings (copy bandwidth, matrix rate); `None` where not measured.
     fn hardware_ceilings(&mut self) -> Option<anyhow::Result<HardwareCeilings>> {
         None

@@ -1,7 +1,7 @@
 use super::common::{load_model, ModelArgs};
 use anyhow::Result;
 use clap::Args;
-use ferrite_engine::bench::{bench_batched, bench_pp, bench_tg, BenchResult, TokenWork};
+use ferrite_engine::bench::{bench_batched, bench_pp, bench_tg, BenchResult, Reps, TokenWork};
 
 #[derive(Args)]
 pub struct BenchArgs {
@@ -25,6 +25,11 @@ pub struct BenchArgs {
     /// Prompt tokens of each sequence of a --seqs run (prefilled before the timed steps).
     #[arg(long = "seq-prompt", default_value_t = 32)]
     pub seq_prompt: usize,
+    /// Bracket the timed part of each test's last repetition with a profiler range (CUDA:
+    /// cuProfilerStart/Stop), so that `ncu --profile-from-start off` records only those kernels
+    /// (scripts/gpu-kernel-times.sh --range).
+    #[arg(long = "profile-range")]
+    pub profile_range: bool,
     #[command(flatten)]
     pub model: ModelArgs,
 }
@@ -41,7 +46,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
     margs.ctx_size = margs.ctx_size.max(longest + 1);
     margs.batch_size = margs.batch_size.max(*args.n_prompt.iter().chain([&deepest]).max().unwrap_or(&1) as u64);
     let mut session = loaded.session(&margs, margs.backend, false)?;
-    let reps = args.reps as usize;
+    let reps = Reps { count: args.reps as usize, profile_last: args.profile_range };
     let mut results: Vec<BenchResult> = Vec::new();
     for &depth in &args.depth {
         for &n in args.n_prompt.iter().filter(|&&n| n > 0) {
@@ -71,7 +76,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
             100.0 * r.spread()
         );
     }
-    eprintln!("(median of {reps} repetitions after one warm-up; ± is half the min-max range)");
+    eprintln!("(median of {} repetitions after one warm-up; ± is half the min-max range)", reps.count);
     if let Some(ceilings) = session.executor().hardware_ceilings() {
         let c = ceilings?;
         let work = TokenWork::of(m);
