@@ -116,14 +116,29 @@ __device__ __forceinline__ void store_out(u64 out, i64 i, float v) {
 // (r >> 1) (k-step s pairs lane t's weights (4s, 4s + 2) and (4s + 1, 4s + 3) with these), and
 // tiled: per block of `tile` rows and 128-column chunk, 8-value groups k / 8 outermost, then
 // rows (the staged image of the wgmma kernel's shared memory).
+// (Token and tile fit 32 bits: their division is a 32-bit one, not a 64-bit software division
+// per value.)
 __device__ __forceinline__ i64 mma_index(i64 tok, i64 i, u32 cols, u32 order, u32 tile) {
   if (order == 1) return tok * cols + ((i & ~3ll) | ((i & 1) << 1) | ((i >> 1) & 1));
   if (order == 2) {
+    const u32 t = (u32)tok;
     const i64 k = (((i >> 2) & 7) << 4) | ((i & 1) << 3) | (((i >> 5) & 3) << 1) | ((i >> 1) & 1);
-    return ((((tok / tile) * (cols / 128) + (i >> 7)) * 16 + (k >> 3)) * tile + tok % tile) * 8 + (k & 7);
+    return (((i64)(t / tile) * (cols / 128) + (i >> 7)) * 16 + (k >> 3)) * tile * 8 + (i64)(t % tile) * 8 + (k & 7);
   }
   return tok * cols + i;
 }
+#if OUT_TYPE != 0
+__device__ __forceinline__ u32 pack_out2(float lo, float hi) { return (u32)store_half(lo) | ((u32)store_half(hi) << 16); }
+// The wgmma order (`mma_index` 2) 16 values at a time: v[t] = values 4s .. 4s + 3 of unit t of
+// 128-column chunk `chunk` of row `tok`. Value 4s + r of unit t goes to 8-value group 2s + (r & 1),
+// place 2t + (r >> 1), so the four vectors fill groups 2s and 2s + 1 (two 16-byte stores, `tile`
+// groups apart). `out` 16-byte aligned.
+__device__ __forceinline__ void store_wgmma16(u64 out, u32 tok, u32 chunk, u32 s, u32 chunks, u32 tile, const float4 (&v)[4]) {
+  uint4* dst = reinterpret_cast<uint4*>(out) + (((i64)(tok / tile) * chunks + chunk) * 16 + 2 * s) * tile + tok % tile;
+  dst[0] = make_uint4(pack_out2(v[0].x, v[0].z), pack_out2(v[1].x, v[1].z), pack_out2(v[2].x, v[2].z), pack_out2(v[3].x, v[3].z));
+  dst[tile] = make_uint4(pack_out2(v[0].y, v[0].w), pack_out2(v[1].y, v[1].w), pack_out2(v[2].y, v[2].w), pack_out2(v[3].y, v[3].w));
+}
+#endif
 // Values i .. i + 3 (i % 4 == 0) in one store: 16 bytes of f32 or 8 of f16/bf16.
 __device__ __forceinline__ void store_out4(u64 out, i64 i, float4 v) {
 #if OUT_TYPE == 0
@@ -239,8 +254,24 @@ extern "C" __global__ void convert_f32(const ConvertParams p) {
   KERNEL_ENTRY();
   const float* src = reinterpret_cast<const float*>(p.src);
   const i64 first = (i64)blockIdx.x * blockDim.x + threadIdx.x, stride = (i64)gridDim.x * blockDim.x;
+#if OUT_TYPE != 0
+  // The wgmma order, 16 values per step where the addresses allow it (a thread per step: the
+  // launch sizes the grid so).
+  if (p.order == 2 && ((p.src | p.dst) & 15) == 0 && p.n < (1ull << 31)) {
+    const u32 chunks = p.cols / 128, steps = (u32)(p.n / 16);
+    for (u32 g = (u32)first; g < steps; g += (u32)stride) {
+      const u32 s = g & 7, tc = g >> 3, chunk = tc % chunks, tok = tc / chunks;
+      const float* at = src + (i64)tok * p.cols + chunk * 128 + 4 * s;
+      float4 v[4];
+#pragma unroll
+      for (int t = 0; t < 4; ++t) v[t] = *reinterpret_cast<const float4*>(at + 32 * t);
+      store_wgmma16(p.dst, tok, chunk, s, chunks, p.tile_tokens, v);
+    }
+    return;
+  }
+#endif
   // Four values per step (one 16-byte load, one store) where the addresses allow it; the pair
-  // order swaps the middle two of the four in registers, the wgmma order stores two pairs.
+  // order swaps the middle two of the four in registers.
   const bool vec = p.order != 2 && ((p.src | p.dst) & (OUT_TYPE == 0 ? 15 : 7)) == 0;
   const i64 done = vec ? (i64)(p.n & ~3ull) : 0;
   for (i64 g = first; g < done / 4; g += stride) {
@@ -264,9 +295,11 @@ pub struct ConvertVariant {
 }
 
 impl ConvertVariant {
-    /// A thread per four of the `n` values (the kernel's grid-stride loops cover the rest).
-    pub fn launch_config(&self, n: usize) -> LaunchConfig {
-        LaunchConfig { grid_dim: (blocks_for(n.div_ceil(4), 256).clamp(1, 65535), 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 }
+    /// A thread per four of the `n` values, per sixteen in the wgmma order of a 16-bit output
+    /// (the kernel's grid-stride loops cover the rest).
+    pub fn launch_config(&self, n: usize, order: MmaOrder) -> LaunchConfig {
+        let per_thread = if matches!(order, MmaOrder::Wgmma { .. }) && self.out != OutType::F32 { 16 } else { 4 };
+        LaunchConfig { grid_dim: (blocks_for(n.div_ceil(per_thread), 256).clamp(1, 65535), 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 }
     }
 }
 

@@ -945,7 +945,7 @@ fn convert_activations(
     let count = n_tokens * cols;
     let variant = ConvertVariant { out: precision.out_type() };
     let params = ConvertParams { src: input.x, dst, n: count as u64, order: order.code(), cols: as_u32("convert", "cols", cols)?, tile_tokens: order.tile_tokens(), pad: 0 };
-    gpu.launch(&variant, "convert_f32", variant.launch_config(count), &params)
+    gpu.launch(&variant, "convert_f32", variant.launch_config(count, order), &params)
 }
 
 /// [`linear`] on the small-batch tensor-core GEMM with an explicit tiling (`kernel_bench`
