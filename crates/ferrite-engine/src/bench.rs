@@ -164,14 +164,14 @@ pub fn bench_batched(session: &mut Session, seqs: usize, prompt: usize, n: usize
             let ids = next.clone();
             let batch: Vec<SeqChunk> =
                 tables.iter().zip(&ids).map(|(table, tok)| SeqChunk { tokens: std::slice::from_ref(tok), start_pos: prompt + step, block_table: table }).collect();
-            let greedy = DeviceSampling { step: step as u64, ..DeviceSampling::GREEDY };
+            let sample = vec![Some(DeviceSampling { step: step as u64, ..DeviceSampling::GREEDY }); seqs];
             // As the server's scheduler runs it: the next step enqueued before the tokens are
             // read back (where the backend can), but for the last step.
-            let ahead: Vec<AheadSeq> = tables.iter().map(|table| AheadSeq { start_pos: prompt + step + 1, block_table: table }).collect();
             let outputs = if step + 1 < n && ahead_on {
-                exec.forward_paged_ahead(&batch, &vec![Some(greedy); seqs], &ahead)?
+                let ahead: Vec<AheadSeq> = tables.iter().map(|table| AheadSeq { start_pos: prompt + step + 1, block_table: table }).collect();
+                exec.forward_paged_ahead(&batch, &sample, &ahead)?
             } else {
-                exec.forward_paged_sampled(&batch, &vec![Some(greedy); seqs])?
+                exec.forward_paged_sampled(&batch, &sample)?
             };
             next = outputs
                 .iter()

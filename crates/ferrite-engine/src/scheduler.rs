@@ -596,10 +596,10 @@ impl Scheduler {
     /// decode step before its tokens are read back ([`Executor::forward_paged_ahead`]): when it
     /// is likely to be the next step exactly. That is, every running sequence draws its next
     /// token in it (a decode, or its prompt's last chunk) on the device, nobody waiting could
-    /// join, and no sequence is sure to
-    /// finish (by length). A sequence whose next position needs a new block takes a free one now
-    /// (never by preemption; none free: no step ahead). A stop token or a cancellation still
-    /// changes the next batch: then the step ahead is wasted work, nothing more.
+    /// join, and no sequence is sure to finish (by length). A sequence whose next position needs
+    /// a new block takes a free one now (never by preemption, unlike [`Scheduler::reserve`]; none
+    /// free: no step ahead). A stop token or a cancellation still changes the next batch: then
+    /// the step ahead is wasted work, nothing more.
     fn plan_ahead(&mut self, counts: &[usize]) -> bool {
         if !self.decode_ahead || counts.len() != self.running.len() || (!self.waiting.is_empty() && self.running.len() < self.config.max_seqs) {
             return false;
