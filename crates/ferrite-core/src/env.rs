@@ -184,9 +184,6 @@ switches! {
     /// Cap on the query heads a grouped CUDA attention block serves.
     CUDA_ATTENTION_MAX_GROUP = ("FERRITE_CUDA_ATTENTION_MAX_GROUP", "8", AbTest,
         "1-8: the most query heads of one KV group that a grouped CUDA attention block (FERRITE_CUDA_ATTENTION_GROUPS) serves; the group is the largest divisor of the heads per KV head up to it. Fewer heads per block mean more blocks, each with less arithmetic, and each K/V row loaded by more blocks.");
-    /// Whole-block weight prefetch into L2 in the int8 GEMV, for weights up to a size.
-    CUDA_GEMV_L2_PREFETCH_MIB = ("FERRITE_CUDA_GEMV_L2_PREFETCH_MIB", "0", AbTest,
-        "MiB (0: never): an int8 GEMV whose whole weight is at most this size has each block ask the copy engine of its SM (cp.async.bulk.prefetch.L2) for all of its weight rows into L2 before waiting for the previous kernel, so the rows stream in while that kernel runs (useful after a latency-bound one such as attention) and the block's own loads hit L2. Larger weights (the 8B gate/up and down) only load their first batch early: prefetching all of them evicts itself and delays the running kernel's loads.");
     CUDA_ATTENTION_PATH = ("FERRITE_CUDA_ATTENTION_PATH", "auto", AbTest,
         "auto|simt|tensor: the CUDA attention kernel; auto runs batches of 16+ queries over an f16 cache in the tensor-core flash-attention kernel (prefill) and the rest in the one-query-per-block SIMT kernel; tensor on an f32 cache is an error.");
     /// Force a CUDA MoE expert path.

@@ -126,23 +126,9 @@ fn decode(gpu: &Gpu) -> Result<(), CudaError> {
         ("1b g/u", 16384, 2048, true, false, true),
         ("1b down", 2048, 8192, false, true, true),
     ];
-    // (nwarps, rows, unroll, k_split, L2 prefetch); the first two are the dispatcher's own
-    // tiling without and with the whole-block L2 prefetch ("+L2").
-    let tilings: [(u32, u32, u32, u32, bool); 13] = [
-        (0, 0, 0, 0, false),
-        (0, 0, 0, 0, true),
-        (4, 1, 4, 1, false),
-        (4, 2, 2, 1, false),
-        (4, 4, 2, 1, false),
-        (8, 4, 2, 1, false),
-        (8, 4, 1, 2, false),
-        (8, 4, 1, 4, false),
-        (16, 2, 2, 1, false),
-        (16, 2, 4, 1, false),
-        (16, 2, 2, 2, false),
-        (16, 2, 1, 2, false),
-        (32, 1, 4, 1, false),
-    ];
+    // (nwarps, rows, unroll, k_split); the first entry is the dispatcher's own.
+    let tilings: [(u32, u32, u32, u32); 12] =
+        [(0, 0, 0, 0), (4, 1, 4, 1), (4, 2, 2, 1), (4, 4, 2, 1), (8, 4, 2, 1), (8, 4, 1, 2), (8, 4, 1, 4), (16, 2, 2, 1), (16, 2, 4, 1), (16, 2, 2, 2), (16, 2, 1, 2), (32, 1, 4, 1)];
     for (name, rows, cols, gated, adds, emits) in shapes {
         let values = ramp(rows * cols);
         let packed = quantize(GgmlType::Q4_0, &values).expect("quantize");
@@ -158,10 +144,9 @@ fn decode(gpu: &Gpu) -> Result<(), CudaError> {
         let mut out = gpu.alloc_zeros::<f32>(out_rows)?;
         let epilogue = ops::Epilogue { residual: adds.then_some(&residual), glu: gated.then_some(ops::Glu::SwiGlu), ..Default::default() };
         let mut line = format!("  {name:<8} {rows}x{cols}");
-        for (nwarps, r, unroll, k_split, l2_prefetch) in tilings {
+        for (nwarps, r, unroll, k_split) in tilings {
             let chosen = std::cell::Cell::new(None);
             let retile = |v: GemvQ8Variant| {
-                let v = GemvQ8Variant { l2_prefetch, ..v };
                 let v = if nwarps == 0 { v } else { GemvQ8Variant { nwarps, rows: r, unroll, k_split, ..v } };
                 chosen.set(Some(v));
                 v
@@ -176,7 +161,7 @@ fn decode(gpu: &Gpu) -> Result<(), CudaError> {
             // The launched variant: the tiling plus the epilogue's macros (bias and norm-in off).
             let info = gpu.kernel_info(&GemvQ8Variant { residual: adds, ..v }).ok().and_then(|i| i.into_iter().next()).map_or((0, 0), |i| (i.registers, i.local_bytes));
             match result {
-                Ok(s) => line += &format!(" | {}{}{}{}{}: {:.1} us {:.0} GB/s ({}r {}B)", v.nwarps, v.rows, v.unroll, v.k_split, if v.l2_prefetch { "+L2" } else { "" }, s * 1e6, packed.len() as f64 / s / 1e9, info.0, info.1),
+                Ok(s) => line += &format!(" | {}{}{}{}: {:.1} us {:.0} GB/s ({}r {}B)", v.nwarps, v.rows, v.unroll, v.k_split, s * 1e6, packed.len() as f64 / s / 1e9, info.0, info.1),
                 Err(_) => line += &format!(" | {}{}{}{}: -", v.nwarps, v.rows, v.unroll, v.k_split),
             }
         }

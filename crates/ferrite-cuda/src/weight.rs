@@ -121,22 +121,6 @@ impl DeviceWeight {
         self.plane_offsets.map(|off| base + off as u64)
     }
 
-    /// Bytes of one row in each plane (0 for planes the type lacks; the one plane of a float
-    /// weight): a contiguous row range `[r0, r1)` of plane `i` is `rb[i] * r0 .. rb[i] * r1`.
-    pub(crate) fn plane_row_bytes(&self) -> [u32; 4] {
-        let mut rb = [0u32; 4];
-        match planes(self.dtype) {
-            Some(fields) => {
-                let blocks = (self.cols / self.dtype.block_size()) as u32;
-                for (slot, field) in rb.iter_mut().zip(fields) {
-                    *slot = field.size as u32 * blocks;
-                }
-            }
-            None => rb[0] = self.dtype.row_bytes(self.cols).unwrap_or(0) as u32,
-        }
-        rb
-    }
-
     /// Bytes the weight occupies on the device (with its expanded copy, if any).
     pub fn device_bytes(&self) -> usize {
         self.data.len() + self.expanded.as_ref().map_or(0, |(_, e)| e.len())

@@ -619,47 +619,6 @@ fn linear_q8_gated_epilogue_matches_cpu() {
     }
 }
 
-/// The int8 GEMV's L2 prefetch (`FERRITE_CUDA_GEMV_L2_PREFETCH_MIB`) is only a cache hint: on a
-/// second device handle with it on, every quantized type (all plane layouts, partial last
-/// blocks, a fused `[gate; up]` weight, a separate up weight) gives the same bits.
-#[test]
-fn gemv_l2_prefetch_changes_no_bits() {
-    let Some(gpu) = gpu() else { return };
-    let mut options = GpuOptions::from_env();
-    options.linear.gemv_l2_prefetch_bytes = usize::MAX;
-    let prefetching = Gpu::with_options(0, options).expect("open GPU");
-    let mut rng = Rng(47);
-    for dtype in ALL_TYPES.into_iter().filter(|t| !matches!(t, GgmlType::F32 | GgmlType::F16 | GgmlType::BF16)) {
-        for (rows, cols, n, glu) in [(200, 512, 1, None), (2 * 96, 1024, 3, Some(ops::Glu::SwiGlu)), (4 * 100, 256, 1, Some(ops::Glu::GeGlu))] {
-            let (bytes, _) = random_weight(&mut rng, dtype, rows, cols);
-            let x = rng.vec(n * cols, -2.0, 2.0);
-            let out_rows = if glu.is_some() { rows / 2 } else { rows };
-            let run = |g: &Gpu| -> Vec<f32> {
-                let weight = g.upload_weight(dtype, rows, cols, &bytes).unwrap();
-                let mut q8 = ops::Q8Activations::new(g, n * cols).unwrap();
-                ops::quantize_q8(g, &g.upload(&x, "x").unwrap(), n, cols, None, &mut q8).unwrap();
-                let mut out = g.alloc_zeros::<f32>(n * out_rows).unwrap();
-                let epilogue = ops::Epilogue { glu, ..Default::default() };
-                ops::linear_q8(g, &weight, &q8, n, &mut out, out_rows, 0, &epilogue, None).unwrap();
-                let mut got = g.download(&out).unwrap();
-                if glu.is_some() {
-                    // The same rows as two weights: the gated pair (UP_SPLIT).
-                    let half = rows / 2 * (bytes.len() / rows);
-                    let gate = g.upload_weight(dtype, rows / 2, cols, &bytes[..half]).unwrap();
-                    let up = g.upload_weight(dtype, rows / 2, cols, &bytes[half..]).unwrap();
-                    ops::linear_q8_gated_pair(g, &gate, &up, &q8, n, glu.unwrap(), &mut out).unwrap();
-                    got.extend(g.download(&out).unwrap());
-                }
-                got
-            };
-            let (plain, hinted) = (run(gpu), run(&prefetching));
-            let case = format!("{dtype} {rows}x{cols} n={n} {glu:?}");
-            assert!(plain.iter().all(|v| v.is_finite()), "{case}: non-finite output");
-            assert!(plain.iter().zip(&hinted).all(|(a, b)| a.to_bits() == b.to_bits()), "{case}: the L2 prefetch changed the output");
-        }
-    }
-}
-
 /// What a GEMV reads from int8 activations: their product with a fixed random Q8_0 weight.
 fn q8_product(gpu: &Gpu, q8: &ops::Q8Activations, n: usize, cols: usize) -> Vec<f32> {
     let (bytes, _) = random_weight(&mut Rng(7), GgmlType::Q8_0, 8, cols);
@@ -2911,14 +2870,12 @@ fn every_kernel_variant_compiles_for_sm90() {
             {
                 let v = GemvQ8Variant { residual, bias, ..GemvQ8Variant::for_shape(dtype, rows, cols, n, 132) };
                 check(format!("{v:?}"), compile_variant(&v, "sm_90"));
-                let prefetching = GemvQ8Variant { l2_prefetch: true, ..v };
-                check(format!("{prefetching:?}"), compile_variant(&prefetching, "sm_90"));
                 let gated = GemvQ8Variant::for_gated(dtype, rows, cols, n, 132, 1 + (rows % 2) as u32);
                 check(format!("{gated:?}"), compile_variant(&gated, "sm_90"));
                 // Int8 hand-offs: producing (plain / normed) and finishing a norm.
                 let handoff = GemvQ8Variant { in_norm: n != 3, ..v.emitting(1 + (rows % 2) as u32) };
                 check(format!("{handoff:?}"), compile_variant(&handoff, "sm_90"));
-                let gated = GemvQ8Variant { in_norm: true, l2_prefetch: rows % 2 == 0, ..gated.emitting(1) };
+                let gated = GemvQ8Variant { in_norm: true, ..gated.emitting(1) };
                 check(format!("{gated:?}"), compile_variant(&gated, "sm_90"));
                 // Rows' units split over slices of the block (few blocks, long rows).
                 let split = handoff.split_k(rows / 8, cols, n, 132);
@@ -2944,7 +2901,7 @@ fn every_kernel_variant_compiles_for_sm90() {
                 }
             }
             for n in [1, 3, 8] {
-                let shared = GemvQ8Variant { up_split: true, l2_prefetch: n != 3, ..GemvQ8Variant::for_gated(dtype, 512, 2048, n, 132, 1) };
+                let shared = GemvQ8Variant { up_split: true, ..GemvQ8Variant::for_gated(dtype, 512, 2048, n, 132, 1) };
                 check(format!("{shared:?}"), compile_variant(&shared, "sm_90"));
             }
         }

@@ -98,11 +98,6 @@ device_params! {
         pub u1: u64,
         pub u2: u64,
         pub u3: u64,
-        /// `L2_PREFETCH`: bytes per row of each weight plane (0: no such plane).
-        pub rb0: u32,
-        pub rb1: u32,
-        pub rb2: u32,
-        pub rb3: u32,
         /// `EXPERTS`: as in [`GemvParams`].
         pub experts: u64,
         pub error_flag: u64,
@@ -156,9 +151,6 @@ const SOURCE_Q8: &str = r#"
 #ifndef EXPERTS
 #error "EXPERTS (1: grid y walks (token, slot) pairs, each multiplying the rows of its pair's expert, read from device memory; 2: grid y walks moe_group's tiles of up to NTOK pairs of one expert) must come from the kernel variant"
 #endif
-#ifndef L2_PREFETCH
-#error "L2_PREFETCH (1: the block asks for all of its weight rows into L2 before waiting for the previous kernel) must come from the kernel variant"
-#endif
 #define ROWS_PER_BLOCK (NWARPS * 32 / TPR * ROWS)
 #define SLICE_THREADS (NWARPS * 32)
 #if EMIT && ROWS_PER_BLOCK % 32 != 0
@@ -172,9 +164,6 @@ const SOURCE_Q8: &str = r#"
 #endif
 #if EXPERTS && (IN_NORM || EMIT || RESIDUAL || BIAS)
 #error "EXPERTS runs without hand-offs, bias or residual"
-#endif
-#if EXPERTS && L2_PREFETCH
-#error "EXPERTS rows are known only after the wait: no L2_PREFETCH"
 #endif
 
 // Accumulators per lane group: ROWS output rows, or with GLU their gate rows then their up rows
@@ -228,33 +217,6 @@ __device__ __forceinline__ void prefetch_weights(const GemvQ8Params& p, Prefetch
   }
 #endif
 }
-
-#if L2_PREFETCH
-// The block's whole weight rows (of its first token tile only: the others read the same rows),
-// requested into L2 by the SM's bulk-copy unit: one instruction per plane and row range, the
-// bytes stream in while the previous kernel runs, and the main loop's loads then hit L2 instead
-// of waiting a DRAM round trip per batch. Plane ranges are rounded out to 16 bytes, which stays
-// inside the weight's allocation (planes are 256-byte aligned and padded).
-__device__ __forceinline__ void prefetch_rows_l2(const u8* plane, u32 row_bytes, i64 r0, i64 r1) {
-  if (row_bytes == 0) return;
-  const i64 begin = (r0 * row_bytes) & ~(i64)15, end = (r1 * row_bytes + 15) & ~(i64)15;
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(plane + begin), "r"((u32)(end - begin)) : "memory");
-}
-__device__ __forceinline__ void prefetch_block_l2(const GemvQ8Params& p) {
-  const int lane = threadIdx.x;  // lanes 0..7 of warp 0: (plane, gate or up rows)
-  if (blockIdx.y != 0 || lane >= (GLU ? 8 : 4)) return;
-  const i64 r0 = (i64)blockIdx.x * ROWS_PER_BLOCK, r1 = min(r0 + ROWS_PER_BLOCK, (i64)p.rows);
-  if (r0 >= r1) return;
-  const int plane = lane & 3;
-  const bool up = lane >= 4;
-  const u64 base = plane == 0 ? (UP_SPLIT && up ? p.u0 : p.w0) : plane == 1 ? (UP_SPLIT && up ? p.u1 : p.w1)
-                 : plane == 2 ? (UP_SPLIT && up ? p.u2 : p.w2) : (UP_SPLIT && up ? p.u3 : p.w3);
-  const u32 rb = plane == 0 ? p.rb0 : plane == 1 ? p.rb1 : plane == 2 ? p.rb2 : p.rb3;
-  // A fused [gate; up] weight keeps its up rows p.rows further on.
-  const i64 shift = up && !UP_SPLIT ? (i64)p.rows : 0;
-  prefetch_rows_l2((const u8*)base, rb, r0 + shift, r1 + shift);
-}
-#endif
 
 // After the wait: what earlier kernels wrote (the residual, the norm's sums) and the bias.
 __device__ __forceinline__ void prefetch_inputs(const GemvQ8Params& p, Prefetched& f, i64 row0, int tok0, bool epilogue_lane, bool first_slice) {
@@ -357,9 +319,6 @@ extern "C" __global__ void __launch_bounds__(SLICE_THREADS * KSPLIT) gemv_q8(con
   // are requested too, so they arrive with the activations. With EXPERTS the rows depend on the
   // routing (an earlier kernel's output), so the block waits first.
   Prefetched pre;
-#if L2_PREFETCH
-  prefetch_block_l2(p);
-#endif
   prefetch_weights(p, pre);
   bool waited = false;
   const auto wait_then_prefetch = [&]() {
@@ -681,9 +640,6 @@ pub struct GemvQ8Variant {
     pub up_split: bool,
     /// Whether grid y walks a MoE FFN's (token, slot) pairs on their routed experts' rows.
     pub experts: ExpertGrid,
-    /// Whether each block first asks for all of its weight rows into L2 (bulk prefetch, before
-    /// the wait for the previous kernel; not with `experts`, whose rows come from the routing).
-    pub l2_prefetch: bool,
 }
 
 /// What grid y of the int8 GEMV walks (the `EXPERTS` macro).
@@ -733,7 +689,6 @@ impl GemvQ8Variant {
             k_split: 1,
             up_split: false,
             experts: ExpertGrid::Off,
-            l2_prefetch: false,
         }
     }
 
@@ -853,7 +808,6 @@ impl KernelVariant for GemvQ8Variant {
             ("KSPLIT", self.k_split.to_string()),
             ("UP_SPLIT", u32::from(self.up_split).to_string()),
             ("EXPERTS", (self.experts as u32).to_string()),
-            ("L2_PREFETCH", u32::from(self.l2_prefetch).to_string()),
         ]
     }
 }

@@ -83,9 +83,6 @@ pub struct LinearOptions {
     pub activations: GemvActivations,
     /// Let the int8 GEMV split rows' units over slices of a block ([`GemvQ8Variant::split_k`]).
     pub gemv_split_k: bool,
-    /// Weights of at most this many bytes have each int8 GEMV block prefetch all its rows
-    /// into L2 before its wait (`GemvQ8Variant::l2_prefetch`; 0: none).
-    pub gemv_l2_prefetch_bytes: usize,
     /// Largest token count that takes the small-batch tensor-core GEMM in [`LinearPath::Auto`]
     /// (quantized weights above `gemv_max_tokens`; 0 never).
     pub mma_max_tokens: usize,
@@ -105,7 +102,6 @@ impl Default for LinearOptions {
             gemv_max_tokens: 8,
             activations: GemvActivations::Q8,
             gemv_split_k: true,
-            gemv_l2_prefetch_bytes: 0,
             mma_max_tokens: 64,
             wgmma: true,
             gemm_glu: true,
@@ -145,11 +141,10 @@ impl LinearOptions {
             _ => d.activations,
         };
         let gemv_split_k = !env::DISABLE_GEMV_SPLIT_K.flag();
-        let gemv_l2_prefetch_bytes = env::CUDA_GEMV_L2_PREFETCH_MIB.parse(d.gemv_l2_prefetch_bytes >> 20).saturating_mul(1 << 20);
         let mma_max_tokens = env::CUDA_MMA_MAX_TOKENS.parse(d.mma_max_tokens);
         let wgmma = !env::DISABLE_CUDA_WGMMA.flag();
         let gemm_glu = !env::DISABLE_CUDA_GEMM_GLU.flag();
-        LinearOptions { path, precision, gemv_max_tokens, activations, gemv_split_k, gemv_l2_prefetch_bytes, mma_max_tokens, wgmma, gemm_glu }
+        LinearOptions { path, precision, gemv_max_tokens, activations, gemv_split_k, mma_max_tokens, wgmma, gemm_glu }
     }
 }
 
@@ -876,9 +871,6 @@ pub(super) fn gemv_q8(
         None => tiling,
     };
     let tiling = if gpu.linear_options().gemv_split_k { tiling.split_k(out_rows, w.cols, grid_tokens, gpu.sm_count()) } else { tiling };
-    let weight_bytes = w.plane_row_bytes().iter().map(|&b| b as usize).sum::<usize>() * w.rows;
-    let l2_prefetch = experts.is_none() && weight_bytes <= gpu.linear_options().gemv_l2_prefetch_bytes;
-    let tiling = GemvQ8Variant { l2_prefetch, ..tiling };
     let tiling = retile.map_or(tiling, |f| f(tiling));
     let variant = GemvQ8Variant {
         residual: epilogue.residual.is_some(),
@@ -888,7 +880,6 @@ pub(super) fn gemv_q8(
         ..tiling
     };
     let [w0, w1, w2, w3] = w.plane_ptrs(gpu);
-    let [rb0, rb1, rb2, rb3] = w.plane_row_bytes();
     let [u0, u1, u2, u3] = up.map_or([0; 4], |u| u.plane_ptrs(gpu));
     let (expert_rows, expert_off, n_experts, x_div) = ExpertRows::fields(experts, OP)?;
     let params = GemvQ8Params {
@@ -919,10 +910,6 @@ pub(super) fn gemv_q8(
         u1,
         u2,
         u3,
-        rb0,
-        rb1,
-        rb2,
-        rb3,
         experts: experts.map_or(0, |e| e.ids),
         error_flag: gpu.error_flag_ptr(),
         expert_tiles: groups.map_or(0, |g| g.tiles),
