@@ -96,6 +96,14 @@ struct Buffers {
     /// Per op: the hand-off it consumes / produces, when active for the batch being run.
     handoff_in: Vec<Option<usize>>,
     handoff_out: Vec<Option<usize>>,
+    /// 16-bit activations a GLU GEMM stages for the down projection's warpgroup-MMA GEMM, and
+    /// per op whether it writes them (in the consumer's layout) or reads them, for the batch
+    /// being run (`plan_handoffs`).
+    staged: ops::StagedActivations,
+    staged_out: Vec<Option<ops::StagedLayout>>,
+    staged_in: Vec<bool>,
+    /// Staged hand-offs enqueued by these buffers' forward passes (launched ops, not replays).
+    staged_runs: u64,
     kv: PerLayer<KvCache>,
     gdn: PerLayer<GdnState>,
     /// Working memory of the MoE FFN ops, one per distinct shape.
@@ -209,6 +217,8 @@ impl Buffers {
                 }
             }
         }
+        // The widest GLU output (the staged hand-off's rows).
+        let glu_width = graph.ops.iter().filter(|op| matches!(op, Op::GatedLinear { .. })).map(|op| graph.value(op.writes()).width).max().unwrap_or(0);
         let split_tokens = (1..attention_splits.len()).filter(|&n| attention_splits[n] > 1).max().unwrap_or(0);
         let max_splits = attention_splits.iter().copied().max().unwrap_or(1);
         Ok(Buffers {
@@ -223,6 +233,10 @@ impl Buffers {
             q8_handoff: [ops::Q8Activations::new(gpu, scratch)?, ops::Q8Activations::new(gpu, scratch)?],
             handoff_in: vec![None; graph.ops.len()],
             handoff_out: vec![None; graph.ops.len()],
+            staged: ops::StagedActivations::new(gpu, rows.min(gpu.linear_options().mma_max_tokens), glu_width)?,
+            staged_out: vec![None; graph.ops.len()],
+            staged_in: vec![false; graph.ops.len()],
+            staged_runs: 0,
             ids: gpu.alloc_zeros(rows)?,
             positions: gpu.alloc_zeros(rows)?,
             token: gpu.alloc_zeros(1)?,
@@ -456,6 +470,12 @@ impl CudaExecutor {
         self.buf.slots[self.plan.slot(v)].as_ref().expect("slot is not held by a running op")
     }
 
+    /// Staged 16-bit hand-offs (a GLU GEMM writing the down projection's input) that forward
+    /// passes enqueued, batched steps included (captures count, graph replays do not).
+    pub fn staged_handoffs_run(&self) -> u64 {
+        self.buf.staged_runs + self.paged.as_ref().map_or(0, |p| p.buf.staged_runs)
+    }
+
     /// Batched decode steps launched from a captured CUDA graph since `init_paged`.
     pub fn batch_graph_replays(&self) -> u64 {
         self.paged.as_ref().map_or(0, |p| p.graphs.replays)
@@ -622,6 +642,7 @@ impl CudaExecutor {
         let timing = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
         let mut events = Vec::new();
         self.plan_handoffs(n);
+        self.buf.staged_runs += self.buf.staged_out.iter().flatten().count() as u64;
         for (i, op) in model.graph.ops.iter().enumerate() {
             let out_slot = self.plan.slot(op.writes());
             let mut out = self.buf.slots[out_slot].take().expect("slot in use");
@@ -679,6 +700,35 @@ impl CudaExecutor {
                 self.buf.handoff_in[h.consumer] = Some(i);
             }
         }
+        // 16-bit staged hand-offs: a gated linear whose GLU runs in the warpgroup-MMA GEMM's
+        // epilogue writes its output straight in the layout of its only reader, a plain whole
+        // linear on that GEMM (no norm, no bias), which then converts nothing.
+        self.buf.staged_out.iter_mut().for_each(|s| *s = None);
+        self.buf.staged_in.iter_mut().for_each(|s| *s = false);
+        if self.options.trace || !opts.staged_handoff {
+            return;
+        }
+        let matrix = |w: WeightId| match &self.weights[w.0 as usize] {
+            Some(GpuWeight::Matrix(m)) => Some(m),
+            _ => None,
+        };
+        for h in &graph.handoffs {
+            let (Op::GatedLinear { w: gate_up, x: gx, .. }, Op::Linear { x, w, norm: None, bias: None, out_col: 0, out, .. }) = (&graph.ops[h.producer], &graph.ops[h.consumer]) else {
+                continue;
+            };
+            let (Some(gate_up), Some(w)) = (matrix(*gate_up), matrix(*w)) else { continue };
+            let rows = graph.value(*x).rows_for(n, 1);
+            let only_reader = graph.ops.iter().filter(|op| op.reads().contains(x)).count() == 1;
+            let whole = w.rows == graph.value(*out).width && graph.value(*gx).rows_for(n, 1) == rows;
+            if !only_reader || !whole || !ops::glu_fuses(&self.gpu, gate_up, rows, &opts) {
+                continue;
+            }
+            let layout = ops::StagedActivations::layout_for(&self.gpu, w, rows, &opts);
+            if let Some(layout) = layout.filter(|l| l.cols == gate_up.rows / 2 && l.precision == opts.precision && self.buf.staged.fits(l)) {
+                self.buf.staged_out[h.producer] = Some(layout);
+                self.buf.staged_in[h.consumer] = true;
+            }
+        }
     }
 
     fn run_op(&mut self, index: usize, op: &Op, out: &mut CudaSlice<f32>, n: usize) -> anyhow::Result<()> {
@@ -723,6 +773,10 @@ impl CudaExecutor {
                 let epilogue = ops::Epilogue { bias: bias.map(vector), residual: residual.map(input), glu: None };
                 let emit = emit.map(|dst| ops::Q8Emit { dst, norm: handoff_norm(index).map(norm_prologue) });
                 ops::linear_q8(gpu, matrix(w), q8, r, out, ow, out_col, &epilogue, emit)?;
+            }
+            Op::Linear { x, w, residual, .. } if buf.staged_in[index] => {
+                // Its input was staged by the GLU GEMM before it (`plan_handoffs`).
+                ops::linear_staged(gpu, matrix(w), &buf.staged, rows(x), residual.map(input), out, &gpu.linear_options())?;
             }
             Op::Linear { x, norm, w, bias, residual, out_col, .. } => {
                 let (r, ow) = (rows(x), width(op.writes()));
@@ -823,6 +877,9 @@ impl CudaExecutor {
                     let epilogue = ops::Epilogue { glu: Some(glu), ..Default::default() };
                     let emit = emit.map(|dst| ops::Q8Emit { dst, norm: handoff_norm(index).map(norm_prologue) });
                     ops::linear_q8(gpu, matrix(w), q8, r, out, half, 0, &epilogue, emit)?;
+                } else if let Some(layout) = buf.staged_out[index] {
+                    // The GLU GEMM writes its consumer's staged input (`plan_handoffs`), not `out`.
+                    ops::linear_glu_staged(gpu, matrix(w), input(x), norm.map(norm_prologue), glu, r, &mut buf.staged, layout, &gpu.linear_options())?;
                 } else if ops::glu_fuses(gpu, matrix(w), r, &gpu.linear_options()) {
                     // The warpgroup-MMA GEMM pairs gate and up tiles and applies the activation.
                     let fusion = ops::LinearFusion { norm: norm.map(norm_prologue), residual: None, glu: Some(glu) };

@@ -864,6 +864,58 @@ fn gemm_glu_epilogue_matches_linear_then_activation() {
     }
 }
 
+/// The staged hand-off: the GLU GEMM writes the down projection's 16-bit input in its GEMM's
+/// order (`linear_glu_staged`), and the down GEMM reads it (`linear_staged`) with the residual:
+/// the same bits as the GLU GEMM's f32 rows converted by the down linear itself. A consumer
+/// that reads another layout than the one staged is refused.
+#[test]
+fn staged_glu_handoff_matches_f32_rows() {
+    let Some(gpu) = gpu() else { return };
+    if !gpu.supports_wgmma() {
+        let _ = writeln!(std::io::stderr(), "skipped: the staged hand-off needs the sm_90 warpgroup-MMA GEMM");
+        return;
+    }
+    let mut rng = Rng(53);
+    let opts = LinearOptions::default();
+    // (type, gate/up rows, their cols, down rows): outputs of one and of three 128-column chunks.
+    for (dtype, rows, cols, down_rows) in [(GgmlType::Q4_0, 256, 256, 96), (GgmlType::Q8_0, 768, 256, 160), (GgmlType::Q4_K, 768, 256, 64)] {
+        let half = rows / 2;
+        let (bytes, _) = random_weight(&mut rng, dtype, rows, cols);
+        let gate_up = gpu.upload_weight(dtype, rows, cols, &bytes).unwrap();
+        let (bytes, _) = random_weight(&mut rng, dtype, down_rows, half);
+        let down = gpu.upload_weight(dtype, down_rows, half, &bytes).unwrap();
+        let g = upload(gpu, &rng.vec(cols, 0.5, 1.5));
+        let mut staged = ops::StagedActivations::new(gpu, 64, half).unwrap();
+        for (n, glu, with_norm) in [(64, ops::Glu::SwiGlu, true), (40, ops::Glu::GeGlu, false), (33, ops::Glu::SwiGlu, true)] {
+            let case = format!("{dtype} {rows}x{cols} -> {down_rows}x{half} n={n} {glu:?} norm={with_norm}");
+            let x = upload(gpu, &rng.vec(n * cols, -2.0, 2.0));
+            let residual = upload(gpu, &rng.vec(n * down_rows, -1.0, 1.0));
+            let norm = with_norm.then_some(ops::NormPrologue { weight: &g, eps: 1e-5, add_one: false });
+            let layout = ops::StagedActivations::layout_for(gpu, &down, n, &opts).unwrap_or_else(|| panic!("{case}: the down weight takes the wgmma GEMM"));
+            assert!(ops::glu_fuses(gpu, &gate_up, n, &opts) && staged.fits(&layout), "{case}");
+            // Reference: f32 rows out of the GLU GEMM, then the down linear converting them.
+            let mut act = poisoned(gpu, n * half);
+            let fused = ops::LinearFusion { norm, residual: None, glu: Some(glu) };
+            ops::linear_fused(gpu, &gate_up, &x, &fused, n, &mut act, &mut poisoned(gpu, n * cols), &opts).unwrap();
+            let mut want = poisoned(gpu, n * down_rows);
+            let add = ops::LinearFusion { norm: None, residual: Some(&residual), glu: None };
+            ops::linear_fused(gpu, &down, &act, &add, n, &mut want, &mut poisoned(gpu, n * half), &opts).unwrap();
+            let mut got = poisoned(gpu, n * down_rows);
+            ops::linear_glu_staged(gpu, &gate_up, &x, norm, glu, n, &mut staged, layout, &opts).unwrap();
+            ops::linear_staged(gpu, &down, &staged, n, Some(&residual), &mut got, &opts).unwrap();
+            let (want, got) = (download(gpu, &want), download(gpu, &got));
+            assert!(want.iter().all(|v| v.is_finite()), "{case}: non-finite reference");
+            let differ = got.iter().zip(&want).filter(|(a, b)| a.to_bits() != b.to_bits()).count();
+            assert_eq!(differ, 0, "{case}: {differ} of {} outputs differ", want.len());
+            println!("| {:<10} | {:<44} | {:>9} | {:>9} | {:>6} |", "staged", case, "exact", "exact", 0);
+            // Staged for 64 tokens, read as 40: refused.
+            let other = if n == 40 { 64 } else { 40 };
+            let err = ops::linear_staged(gpu, &down, &staged, other, None, &mut poisoned(gpu, other * down_rows), &opts).unwrap_err().to_string();
+            assert!(err.contains("were staged as"), "{case}: {err}");
+        }
+    }
+}
+
 /// An int8 hand-off quantizes whole rows of 32-value blocks: a column range is refused.
 #[test]
 fn int8_handoff_rejects_column_ranges() {
@@ -2862,6 +2914,9 @@ fn every_kernel_variant_compiles_for_sm90() {
                         let v = GemmMmaVariant { glu, ..v };
                         check(format!("{v:?}"), compile_variant(&v, "sm_90"));
                     }
+                    // The GLU writing the down projection's staged input.
+                    let v = GemmMmaVariant { glu: 1, staged_out: true, ..v };
+                    check(format!("{v:?}"), compile_variant(&v, "sm_90"));
                 }
             }
             // Short rows (warp-level reduction), long rows (block-level), token tiles, epilogues.

@@ -61,6 +61,24 @@ const QWEN35MOE_ALL_EXPERTS: SynthShape = SynthShape {
     ..QWEN35MOE_SMALL
 };
 
+/// A small Llama whose widths are whole 128-column chunks (the warpgroup-MMA GEMM's rows), so
+/// that 33-64-token batches take the GLU epilogue and the staged hand-off.
+const LLAMA_SMALL: SynthShape = SynthShape {
+    name: "llama-small",
+    arch: "llama",
+    n_layers: 2,
+    n_embd: 256,
+    n_heads: 4,
+    n_kv_heads: 2,
+    head_dim: 64,
+    n_ff: 512,
+    rope_theta: 1e4,
+    context_length: 256,
+    tied_embeddings: true,
+    gdn: None,
+    moe: None,
+};
+
 fn synthetic(shape: &SynthShape, dtype: GgmlType) -> Arc<Model> {
     let path = synth::write_temp(shape, dtype, 3).unwrap();
     Arc::new(Model::load(&path, FusionOptions::from_env()).unwrap())
@@ -327,6 +345,38 @@ fn cuda_fp32_matches_cpu_reference_on_real_shapes() {
     recurrent_state_positions();
     decode_ahead_matches_step_by_step();
     batched_decode_ahead_matches_step_by_step();
+    staged_handoff_matches_f32_rows();
+}
+
+/// The GLU GEMM writing the down projection's staged 16-bit input (the default) against writing
+/// f32 rows that the down linear converts (`FERRITE_DISABLE_CUDA_STAGED_HANDOFF=1`): the same
+/// logits bit for bit, on prompts of 40 and 64 tokens, and the staged path really taken (once
+/// per layer and forward).
+fn staged_handoff_matches_f32_rows() {
+    let model = synthetic(&LLAMA_SMALL, GgmlType::Q4_0);
+    let run = |disable: &str| {
+        std::env::set_var("FERRITE_DISABLE_CUDA_STAGED_HANDOFF", disable);
+        // Without traces: a traced run keeps every f32 value, so it stages nothing.
+        let mut gpu = ferrite_cuda::CudaExecutor::new(Arc::clone(&model), ExecutorOptions { trace: false, ..opts(64) }).unwrap();
+        let mut bits = Vec::new();
+        for (start, len) in [(0usize, 40usize), (40, 64)] {
+            let ids: Vec<u32> = (start..start + len).map(|p| (p * 613 + 7) as u32 % 49152).collect();
+            gpu.forward(&ids, start).unwrap();
+            let logits = gpu.logits().unwrap();
+            assert!(logits.iter().all(|v| v.is_finite()), "non-finite logits");
+            bits.extend(logits.into_iter().map(f32::to_bits));
+        }
+        (bits, gpu.staged_handoffs_run())
+    };
+    let (staged, rows) = (run("0"), run("1"));
+    std::env::remove_var("FERRITE_DISABLE_CUDA_STAGED_HANDOFF");
+    if !ferrite_cuda::Gpu::new(0).is_ok_and(|g| g.supports_wgmma()) {
+        println!("staged hand-off: not run (no warpgroup-MMA GEMM on this device)");
+        return;
+    }
+    assert_eq!((staged.1, rows.1), (2 * LLAMA_SMALL.n_layers as u64, 0), "staged hand-offs run (on, off)");
+    assert!(staged.0 == rows.0, "the staged hand-off changes the logits");
+    println!("staged hand-off: bit-identical logits at 40 and 64 tokens, {} hand-offs", staged.1);
 }
 
 /// Batched decode steps replayed from their CUDA graphs against launching every op: the same

@@ -57,7 +57,8 @@ device_params! {
         pub w3: u64,
         /// Activations `[n_tokens, cols]` in the MMA input type.
         pub x: u64,
-        /// f32 `[n_tokens, rows]`, or with grid z > 1 the partials `[z][n_tokens, rows]`.
+        /// f32 `[n_tokens, rows]`, or with grid z > 1 the partials `[z][n_tokens, rows]`; with
+        /// `STAGED_OUT` 16-bit values in the `MmaOrder::Wgmma` order of `out_tile` tokens.
         pub out: u64,
         /// f32 `[n_tokens, rows]` added to the output (0: none; with grid z > 1 the reduce adds it).
         pub residual: u64,
@@ -66,6 +67,9 @@ device_params! {
         pub n_tokens: u32,
         /// 128-column chunks per K slice (grid z).
         pub slice_chunks: u32,
+        /// `STAGED_OUT`: tokens per tile of the stage image written to `out`.
+        pub out_tile: u32,
+        pub pad: u32,
     }
 }
 
@@ -113,8 +117,14 @@ const SOURCE: &str = r#"
 #ifndef GLU
 #error "GLU (0: none; 1: SwiGLU, 2: GeGLU epilogue over the weight's two row halves) must come from the kernel variant"
 #endif
+#ifndef STAGED_OUT
+#error "STAGED_OUT (1: the GLU epilogue writes the next GEMM's staged 16-bit input, 0: f32 rows) must come from the kernel variant"
+#endif
 #if IS_FLOAT
 #error "gemm_mma decodes packed quantized weights; float weights go to cuBLAS"
+#endif
+#if STAGED_OUT && !GLU
+#error "STAGED_OUT is an output of the GLU epilogue"
 #endif
 #if GLU && !(WGMMA && WARPGROUPS == 2 && MT == 1)
 #error "the GLU epilogue pairs warpgroup 0's gate tile with warpgroup 1's up tile (wgmma, 2 warpgroups of one 64-row tile)"
@@ -618,7 +628,17 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32, MIN_BLOCKS) gemm_mma(c
   __syncthreads();
   if (warp >= 4) return;
   const u32 half = p.rows / 2;
+#if STAGED_OUT
+  // The block's 64 outputs x 8 NT tokens as 16-bit MMA inputs, [token][output] in shared
+  // memory past the up tile (rows of 66: the copy-out below reads down a column, and 132-byte
+  // rows put its lanes in different banks), then written out in the order of the next GEMM's
+  // stage image (`MmaOrder::Wgmma`, `p.out_tile` tokens per tile).
+  constexpr int SROW = 66;
+  u16* s_out = reinterpret_cast<u16*>(s_dyn + 4 * 32 * NT * 16);
+  static_assert(4 * 32 * NT * 16 + NT * 8 * SROW * 2 <= STAGES * STAGE_BYTES, "the staged outputs fit the activation stages");
+#else
   float* glu_out = reinterpret_cast<float*>(p.out);
+#endif
 #pragma unroll
   for (int j = 0; j < NT; ++j) {
     const float4 up4 = s_up[j];
@@ -631,9 +651,30 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32, MIN_BLOCKS) gemm_mma(c
 #else
       const float v = gelu_tanh(acc[0][j][i]) * up[i];
 #endif
+#if STAGED_OUT
+      s_out[(tok - tok0) * SROW + (r - block_row0)] = BF16_IN ? f32_to_bf16(v) : f32_to_f16(v);
+#else
       if (r < half && tok < p.n_tokens) glu_out[(i64)tok * half + r] = v;
+#endif
     }
   }
+#if STAGED_OUT
+  // Warpgroup 0 alone (warpgroup 1 has left): a named barrier, not __syncthreads.
+  asm volatile("bar.sync 1, 128;" ::: "memory");
+  // In the stage image, output column i (of a 128-column chunk) of a token lies in 8-value
+  // group G = 2 ((i >> 2) & 7) + (i & 1), place 2 ((i >> 5) & 3) + ((i >> 1) & 1): a 64-column
+  // half h of the chunk fills places 4h .. 4h + 3 of all 16 groups. So each (token, group) of
+  // the block is one 8-byte store of the block's outputs (i & 63) = 32 (q >> 1) + 4 (G >> 1) +
+  // 2 (q & 1) + (G & 1), q < 4. Consecutive threads take consecutive tokens (16-byte rows).
+  const u32 chunk = block_row0 / 128, h = (block_row0 / 64) & 1, out_chunks = half / 128;
+  for (u32 k = threadIdx.x; k < NT * 8 * 16; k += 128) {
+    const u32 tl = k % (NT * 8), G = k / (NT * 8), tok = tok0 + tl;
+    if (tok >= p.n_tokens || block_row0 >= half) continue;
+    const u16* src = s_out + tl * SROW + 4 * (G >> 1) + (G & 1);
+    const uint2 v = make_uint2((u32)src[0] | ((u32)src[2] << 16), (u32)src[32] | ((u32)src[34] << 16));
+    reinterpret_cast<uint2*>(p.out)[((((i64)(tok / p.out_tile) * out_chunks + chunk) * 16 + G) * p.out_tile + tok % p.out_tile) * 2 + h] = v;
+  }
+#endif
   return;
 #endif
   // C fragment: acc[m][j] = rows (g, g + 8) x tokens (2t, 2t + 1) of tile (m, j). The residual
@@ -711,6 +752,10 @@ pub struct GemmMmaVariant {
     /// `out[t, r] = act(gate) * up` with gate rows r and up rows rows / 2 + r. Needs the 64-token
     /// wgmma tiling (2 warpgroups of one tile: the gate tile and the up tile) and one K slice.
     pub glu: u32,
+    /// With `glu`: the epilogue writes its outputs as the next GEMM's staged input (16-bit, the
+    /// `MmaOrder::Wgmma` order; `GemmMmaParams::out_tile` tokens per tile), not as f32 rows.
+    /// Needs rows / 2 a multiple of 128.
+    pub staged_out: bool,
 }
 
 impl GemmMmaVariant {
@@ -731,7 +776,7 @@ impl GemmMmaVariant {
             4 => (1, 4),
             _ => (2, 2),
         };
-        GemmMmaVariant { wtype, nt, bf16, mt, warpgroups: 1, depth: if small_unit { 2 } else { 1 }, stages: 2, occupancy, wgmma: 0, weight_stages: 0, glu: 0 }
+        GemmMmaVariant { wtype, nt, bf16, mt, warpgroups: 1, depth: if small_unit { 2 } else { 1 }, stages: 2, occupancy, wgmma: 0, weight_stages: 0, glu: 0, staged_out: false }
     }
 
     /// The warpgroup-MMA tiling for `n_tokens` (sm_90), from `kernel_bench tilings` on the H200
@@ -849,6 +894,7 @@ impl KernelVariant for GemmMmaVariant {
             ("WARPGROUPS", self.warpgroups.to_string()),
             ("WSTAGES", self.weight_stages.to_string()),
             ("GLU", self.glu.to_string()),
+            ("STAGED_OUT", u32::from(self.staged_out).to_string()),
         ]
     }
 
@@ -872,6 +918,7 @@ mod tests {
         crate::kernels::tests::assert_macros_match(GemmMmaVariant { wgmma: 4, stages: 3, ..GemmMmaVariant::for_shape(GgmlType::Q4_0, 64, true) });
         crate::kernels::tests::assert_macros_match(GemmMmaVariant::for_wgmma(GgmlType::Q4_0, 64, true));
         crate::kernels::tests::assert_macros_match(GemmMmaVariant { glu: 1, ..GemmMmaVariant::for_wgmma(GgmlType::Q4_0, 64, true) });
+        crate::kernels::tests::assert_macros_match(GemmMmaVariant { glu: 1, staged_out: true, ..GemmMmaVariant::for_wgmma(GgmlType::Q4_0, 64, true) });
     }
 
     #[test]

@@ -92,6 +92,9 @@ pub struct LinearOptions {
     /// Let the warpgroup-MMA GEMM apply a fused gate/up weight's GLU in its epilogue
     /// ([`glu_fuses`]).
     pub gemm_glu: bool,
+    /// Let that epilogue write the down projection's staged 16-bit input
+    /// ([`linear_glu_staged`]; the executor plans it).
+    pub staged_handoff: bool,
 }
 
 impl Default for LinearOptions {
@@ -105,6 +108,7 @@ impl Default for LinearOptions {
             mma_max_tokens: 64,
             wgmma: true,
             gemm_glu: true,
+            staged_handoff: true,
         }
     }
 }
@@ -144,7 +148,8 @@ impl LinearOptions {
         let mma_max_tokens = env::CUDA_MMA_MAX_TOKENS.parse(d.mma_max_tokens);
         let wgmma = !env::DISABLE_CUDA_WGMMA.flag();
         let gemm_glu = !env::DISABLE_CUDA_GEMM_GLU.flag();
-        LinearOptions { path, precision, gemv_max_tokens, activations, gemv_split_k, mma_max_tokens, wgmma, gemm_glu }
+        let staged_handoff = !env::DISABLE_CUDA_STAGED_HANDOFF.flag();
+        LinearOptions { path, precision, gemv_max_tokens, activations, gemv_split_k, mma_max_tokens, wgmma, gemm_glu, staged_handoff }
     }
 }
 
@@ -383,8 +388,116 @@ fn linear_glu(
     check_len(op, "out", out.len(), elems(op, &[n_tokens, w.rows / 2])?)?;
     let (x, out) = (addr(gpu, x), addr_mut(gpu, out));
     let row_norm = row_norm(op, gpu, fusion.norm, w.cols)?;
-    gemm_mma(gpu, w, Input { x, norm: row_norm.as_ref() }, n_tokens, out, None, GemmMmaVariant { glu: glu as u32, ..variant })?;
+    gemm_mma(gpu, w, MmaInput::Rows(Input { x, norm: row_norm.as_ref() }), n_tokens, MmaOutput::Rows(out), None, GemmMmaVariant { glu: glu as u32, ..variant })?;
     Ok(plan)
+}
+
+/// A batched linear's input in the 16-bit type and column order its warpgroup-MMA GEMM reads,
+/// written by the GEMM that produces it ([`linear_glu_staged`]), so that the consumer
+/// ([`linear_staged`]) runs no conversion launch and reads half the bytes of f32 rows.
+pub struct StagedActivations {
+    data: CudaSlice<u16>,
+    /// The layout the last producer wrote: what a consumer must expect.
+    written: Option<StagedLayout>,
+}
+
+/// The order, precision and shape of staged activations.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StagedLayout {
+    pub order: MmaOrder,
+    pub precision: Precision,
+    pub n_tokens: usize,
+    pub cols: usize,
+}
+
+impl StagedActivations {
+    /// Room for `max_tokens` rows (rounded up to whole 64-token tiles) of `max_cols` values.
+    pub fn new(gpu: &Gpu, max_tokens: usize, max_cols: usize) -> Result<Self, CudaError> {
+        let len = elems("StagedActivations::new", &[max_tokens.next_multiple_of(64).max(64), max_cols.max(1)])?;
+        Ok(StagedActivations { data: gpu.alloc_zeros(len)?, written: None })
+    }
+
+    /// Whether activations staged in `layout` fit.
+    pub fn fits(&self, layout: &StagedLayout) -> bool {
+        layout.order.padded_rows(layout.n_tokens).checked_mul(layout.cols).is_some_and(|n| n <= self.data.len())
+    }
+
+    /// The layout `w` reads its staged input in at `n_tokens` with `opts`: where its plan is the
+    /// warpgroup-MMA GEMM; `None` where it converts its input some other way.
+    pub fn layout_for(gpu: &Gpu, w: &DeviceWeight, n_tokens: usize, opts: &LinearOptions) -> Option<StagedLayout> {
+        let opts = &LinearOptions { wgmma: opts.wgmma && gpu.supports_wgmma(), ..*opts };
+        match resolved_plan(w, n_tokens, opts, gpu.sm_count() as usize) {
+            LinearPlan::Mma { precision, wgmma: true } if w.cols.is_multiple_of(GEMM_CHUNK_COLS) => {
+                let order = GemmMmaVariant::for_wgmma(w.dtype, n_tokens, precision == Precision::BF16).activation_order();
+                Some(StagedLayout { order, precision, n_tokens, cols: w.cols })
+            }
+            _ => None,
+        }
+    }
+}
+
+/// [`linear_fused`] with a GLU epilogue whose output goes to `dst` in `layout` (the consumer's,
+/// from [`StagedActivations::layout_for`]) instead of f32 rows: an error where [`glu_fuses`] is
+/// false, or where the layout is not the GLU GEMM's 16-bit type over its `w.rows / 2` outputs.
+#[allow(clippy::too_many_arguments)]
+pub fn linear_glu_staged(
+    gpu: &Gpu,
+    w: &DeviceWeight,
+    x: &impl DevicePtr<f32>,
+    norm: Option<NormPrologue>,
+    glu: Glu,
+    n_tokens: usize,
+    dst: &mut StagedActivations,
+    layout: StagedLayout,
+    opts: &LinearOptions,
+) -> Result<(), CudaError> {
+    const OP: &str = "linear_glu_staged";
+    let opts = &LinearOptions { wgmma: opts.wgmma && gpu.supports_wgmma(), ..*opts };
+    let plan = resolved_plan(w, n_tokens, opts, gpu.sm_count() as usize);
+    let variant = glu_variant(w, n_tokens, plan, gpu.sm_count() as usize)
+        .filter(|v| opts.gemm_glu && layout.n_tokens == n_tokens && layout.cols == w.rows / 2 && layout.precision == if v.bf16 { Precision::BF16 } else { Precision::F16 })
+        .ok_or_else(|| CudaError::invalid(OP, format!("no staged GLU epilogue for a {} {}x{} weight at {n_tokens} tokens into {layout:?} ({plan:?})", w.dtype, w.rows, w.cols)))?;
+    let MmaOrder::Wgmma { tile_tokens } = layout.order else {
+        return Err(CudaError::invalid(OP, format!("a staged GLU output is written in the wgmma order, not {layout:?}")));
+    };
+    check_len(OP, "x", x.len(), elems(OP, &[n_tokens, w.cols])?)?;
+    check_len(OP, "staged output", dst.data.len(), elems(OP, &[layout.order.padded_rows(n_tokens), layout.cols])?)?;
+    let row_norm = row_norm(OP, gpu, norm, w.cols)?;
+    let (x, out) = (addr(gpu, x), addr_mut(gpu, &mut dst.data));
+    let variant = GemmMmaVariant { glu: glu as u32, staged_out: true, ..variant };
+    gemm_mma(gpu, w, MmaInput::Rows(Input { x, norm: row_norm.as_ref() }), n_tokens, MmaOutput::Staged { dst: out, tile_tokens }, None, variant)?;
+    dst.written = Some(layout);
+    Ok(())
+}
+
+/// `out = x · Wᵀ (+ residual)` on activations a producer staged for `w` ([`linear_glu_staged`]
+/// with `StagedActivations::layout_for(w, n_tokens)`): an error if they were staged in
+/// another layout.
+pub fn linear_staged(
+    gpu: &Gpu,
+    w: &DeviceWeight,
+    x: &StagedActivations,
+    n_tokens: usize,
+    residual: Option<&CudaSlice<f32>>,
+    out: &mut impl DevicePtrMut<f32>,
+    opts: &LinearOptions,
+) -> Result<(), CudaError> {
+    const OP: &str = "linear_staged";
+    let layout = StagedActivations::layout_for(gpu, w, n_tokens, opts);
+    if layout.is_none() || layout != x.written {
+        return Err(CudaError::invalid(OP, format!("a {} {}x{} weight at {n_tokens} tokens reads {layout:?}, but the activations were staged as {:?}", w.dtype, w.rows, w.cols, x.written)));
+    }
+    check_len(OP, "out", out.len(), elems(OP, &[n_tokens, w.rows])?)?;
+    let residual = match residual {
+        Some(r) => {
+            check_len(OP, "residual", r.len(), elems(OP, &[n_tokens, w.rows])?)?;
+            Some(addr(gpu, r))
+        }
+        None => None,
+    };
+    let bf16 = layout.is_some_and(|l| l.precision == Precision::BF16);
+    let variant = GemmMmaVariant::for_wgmma(w.dtype, n_tokens, bf16);
+    gemm_mma(gpu, w, MmaInput::Staged(addr(gpu, &x.data)), n_tokens, MmaOutput::Rows(addr_mut(gpu, out)), residual, variant)
 }
 
 /// Chunks of work per block slot from which the warpgroup-MMA GEMM beats cuBLAS on a resident
@@ -435,6 +548,20 @@ struct Input<'a> {
     norm: Option<&'a RowNorm>,
 }
 
+/// Where `gemm_mma` finds its activations: f32 rows, converted (and maybe normalised) into
+/// scratch first, or a staged buffer already in its input type and order.
+enum MmaInput<'a> {
+    Rows(Input<'a>),
+    Staged(u64),
+}
+
+/// Where `gemm_mma` writes: f32 rows, or (GLU epilogue) the next GEMM's staged input, tiled by
+/// `tile_tokens` tokens.
+enum MmaOutput {
+    Rows(u64),
+    Staged { dst: u64, tile_tokens: usize },
+}
+
 /// Run `plan`; `out += residual` after it (the tensor-core paths add it in their epilogues).
 fn run_plan(
     gpu: &Gpu,
@@ -460,7 +587,7 @@ fn run_plan(
         LinearPlan::Mma { precision, wgmma } => {
             let bf16 = precision == Precision::BF16;
             let variant = if wgmma { GemmMmaVariant::for_wgmma(w.dtype, n_tokens, bf16) } else { GemmMmaVariant::for_shape(w.dtype, n_tokens, bf16) };
-            return gemm_mma(gpu, w, input, n_tokens, out, residual, variant);
+            return gemm_mma(gpu, w, MmaInput::Rows(input), n_tokens, MmaOutput::Rows(out), residual, variant);
         }
         LinearPlan::Gemv => gemv(gpu, w, x, n_tokens, out, w.rows, None),
         LinearPlan::GemvQ8 => {
@@ -966,7 +1093,7 @@ pub fn linear_mma(
     if n_tokens == 0 || w.rows == 0 {
         return Ok(());
     }
-    gemm_mma(gpu, w, Input { x, norm: None }, n_tokens, out, None, variant)
+    gemm_mma(gpu, w, MmaInput::Rows(Input { x, norm: None }), n_tokens, MmaOutput::Rows(out), None, variant)
 }
 
 /// The device addresses of a linear's `x` (`[n_tokens, w.cols]`) and `out` (`[n_tokens,
@@ -990,9 +1117,9 @@ fn linear_operands(
 fn gemm_mma(
     gpu: &Gpu,
     w: &DeviceWeight,
-    input: Input,
+    input: MmaInput,
     n_tokens: usize,
-    out: u64,
+    out: MmaOutput,
     residual: Option<u64>,
     variant: GemmMmaVariant,
 ) -> Result<(), CudaError> {
@@ -1011,13 +1138,33 @@ fn gemm_mma(
     if variant.weight_stages > 0 && (!variant.can_stage_weights() || variant.weight_stages < 2 || variant.depth != 1) {
         return Err(CudaError::invalid(OP, format!("weights staged in shared memory need the wgmma kernel, a 32-weight block type, 2 or more stages and depth 1: {variant:?}")));
     }
+    let (out, out_tile) = match out {
+        MmaOutput::Rows(out) => (out, 0),
+        MmaOutput::Staged { dst, tile_tokens } => (dst, as_u32(OP, "tile tokens", tile_tokens)?),
+    };
+    if variant.staged_out != (out_tile > 0) || (variant.staged_out && (variant.glu == 0 || !(w.rows / 2).is_multiple_of(GEMM_CHUNK_COLS))) {
+        return Err(CudaError::invalid(OP, format!("a staged output needs the GLU epilogue and outputs of whole {GEMM_CHUNK_COLS}-column chunks: {variant:?}, {} rows", w.rows)));
+    }
     let precision = if variant.bf16 { Precision::BF16 } else { Precision::F16 };
     let slices = variant.k_slices(w.rows, w.cols, n_tokens, gpu.sm_count() as usize);
-    let x_bytes = elems(OP, &[variant.activation_order().padded_rows(n_tokens), w.cols, 2])?.next_multiple_of(SCRATCH_ALIGN);
+    let staged_x = match input {
+        MmaInput::Staged(x) => Some(x),
+        MmaInput::Rows(_) => None,
+    };
+    let x_bytes = match staged_x {
+        Some(_) => 0,
+        None => elems(OP, &[variant.activation_order().padded_rows(n_tokens), w.cols, 2])?.next_multiple_of(SCRATCH_ALIGN),
+    };
     let part_len = elems(OP, &[n_tokens, w.rows])?;
     let part_bytes = if slices > 1 { elems(OP, &[slices, part_len, 4])? } else { 0 };
-    gpu.with_scratch(x_bytes + part_bytes, |scratch| {
-        convert_activations(gpu, precision, input, n_tokens, w.cols, scratch, variant.activation_order())?;
+    gpu.with_scratch((x_bytes + part_bytes).max(1), |scratch| {
+        let x = match input {
+            MmaInput::Staged(x) => x,
+            MmaInput::Rows(input) => {
+                convert_activations(gpu, precision, input, n_tokens, w.cols, scratch, variant.activation_order())?;
+                scratch
+            }
+        };
         let partials = scratch + x_bytes as u64;
         let [w0, w1, w2, w3] = w.plane_ptrs(gpu);
         let params = GemmMmaParams {
@@ -1025,13 +1172,15 @@ fn gemm_mma(
             w1,
             w2,
             w3,
-            x: scratch,
+            x,
             out: if slices > 1 { partials } else { out },
             residual: residual.unwrap_or(0),
             rows: as_u32(OP, "rows", w.rows)?,
             cols: as_u32(OP, "cols", w.cols)?,
             n_tokens: as_u32(OP, "n_tokens", n_tokens)?,
             slice_chunks: as_u32(OP, "chunks", GemmMmaVariant::slice_chunks(w.cols, slices))?,
+            out_tile,
+            pad: 0,
         };
         gpu.launch(&variant, "gemm_mma", variant.launch_config(w.rows, n_tokens, slices), &params)?;
         if slices > 1 {

@@ -24,7 +24,7 @@ pub use attention::{
     AttentionPath, KvCache, Paging, SplitScratch, FLASH_MIN_TOKENS, MAX_SPLITS,
 };
 pub use linear::{
-    expand_weight, expanded_bytes, glu_fuses, linear, linear_mma, linear_plan, linear_fused, linear_q8, linear_q8_gated_pair, linear_q8_retiled, Retile, linear_with, quantize_q8, MMA_OVER_RESIDENT_MAX_TOKENS, Epilogue, GemvActivations, Glu, LinearOptions,
+    expand_weight, expanded_bytes, glu_fuses, linear, linear_mma, linear_plan, linear_fused, linear_q8, linear_q8_gated_pair, linear_q8_retiled, Retile, linear_with, linear_glu_staged, linear_staged, StagedActivations, StagedLayout, quantize_q8, MMA_OVER_RESIDENT_MAX_TOKENS, Epilogue, GemvActivations, Glu, LinearOptions,
     LinearFusion, LinearPath, LinearPlan, NormPrologue, Precision, Q8Activations, Q8Emit,
 };
 pub use moe::{
