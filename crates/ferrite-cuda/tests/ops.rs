@@ -877,8 +877,9 @@ fn staged_glu_handoff_matches_f32_rows() {
     }
     let mut rng = Rng(53);
     let opts = LinearOptions::default();
-    // (type, gate/up rows, their cols, down rows): outputs of one and of three 128-column chunks.
-    for (dtype, rows, cols, down_rows) in [(GgmlType::Q4_0, 256, 256, 96), (GgmlType::Q8_0, 768, 256, 160), (GgmlType::Q4_K, 768, 256, 64)] {
+    // (type, gate/up rows, their cols, down rows): outputs of one, three and four 128-column
+    // chunks (Q4_K rows are whole 256-value blocks).
+    for (dtype, rows, cols, down_rows) in [(GgmlType::Q4_0, 256, 256, 96), (GgmlType::Q8_0, 768, 256, 160), (GgmlType::Q4_K, 1024, 256, 64)] {
         let half = rows / 2;
         let (bytes, _) = random_weight(&mut rng, dtype, rows, cols);
         let gate_up = gpu.upload_weight(dtype, rows, cols, &bytes).unwrap();

@@ -354,6 +354,8 @@ fn cuda_fp32_matches_cpu_reference_on_real_shapes() {
 /// per layer and forward).
 fn staged_handoff_matches_f32_rows() {
     let model = synthetic(&LLAMA_SMALL, GgmlType::Q4_0);
+    // No resident bf16 copies: with them, this model's small weights would take cuBLAS.
+    std::env::set_var("FERRITE_CUDA_EXPAND_WEIGHTS", "off");
     let run = |disable: &str| {
         std::env::set_var("FERRITE_DISABLE_CUDA_STAGED_HANDOFF", disable);
         // Without traces: a traced run keeps every f32 value, so it stages nothing.
@@ -370,6 +372,7 @@ fn staged_handoff_matches_f32_rows() {
     };
     let (staged, rows) = (run("0"), run("1"));
     std::env::remove_var("FERRITE_DISABLE_CUDA_STAGED_HANDOFF");
+    std::env::remove_var("FERRITE_CUDA_EXPAND_WEIGHTS");
     if !ferrite_cuda::Gpu::new(0).is_ok_and(|g| g.supports_wgmma()) {
         println!("staged hand-off: not run (no warpgroup-MMA GEMM on this device)");
         return;
