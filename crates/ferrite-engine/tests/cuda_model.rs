@@ -354,7 +354,10 @@ fn cuda_fp32_matches_cpu_reference_on_real_shapes() {
 /// per layer and forward).
 fn staged_handoff_matches_f32_rows() {
     let model = synthetic(&LLAMA_SMALL, GgmlType::Q4_0);
-    // No resident bf16 copies: with them, this model's small weights would take cuBLAS.
+    // The bf16 GEMMs (the checks before this one leave f32 set), without resident bf16 copies:
+    // with them, this model's small weights would take cuBLAS.
+    let precision = std::env::var("FERRITE_CUDA_GEMM_PRECISION").ok();
+    std::env::set_var("FERRITE_CUDA_GEMM_PRECISION", "bf16");
     std::env::set_var("FERRITE_CUDA_EXPAND_WEIGHTS", "off");
     let run = |disable: &str| {
         std::env::set_var("FERRITE_DISABLE_CUDA_STAGED_HANDOFF", disable);
@@ -373,6 +376,10 @@ fn staged_handoff_matches_f32_rows() {
     let (staged, rows) = (run("0"), run("1"));
     std::env::remove_var("FERRITE_DISABLE_CUDA_STAGED_HANDOFF");
     std::env::remove_var("FERRITE_CUDA_EXPAND_WEIGHTS");
+    match precision {
+        Some(p) => std::env::set_var("FERRITE_CUDA_GEMM_PRECISION", p),
+        None => std::env::remove_var("FERRITE_CUDA_GEMM_PRECISION"),
+    }
     if !ferrite_cuda::Gpu::new(0).is_ok_and(|g| g.supports_wgmma()) {
         println!("staged hand-off: not run (no warpgroup-MMA GEMM on this device)");
         return;
