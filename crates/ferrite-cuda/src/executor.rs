@@ -13,6 +13,7 @@
 //! MoE FFN layers route on the device (`ops::moe_ffn`: the expert ids live in device memory) in
 //! a scratch of their own, so they replay too.
 
+use crate::kernels::dequant::MmaOrder;
 use crate::ops::{self, AttentionConfig, GatedQuery, GdnState, GdnWeights, KvCache, KvDtype, RopeConfig, SamplingConfig};
 use crate::staging::{Mailbox, Readback, StagingRing};
 use crate::{CudaError, DeviceWeight, Gpu};
@@ -712,19 +713,29 @@ impl CudaExecutor {
             Some(GpuWeight::Matrix(m)) => Some(m),
             _ => None,
         };
+        // Likewise attention (its kernels copy their output rows as 16-bit) for an output
+        // projection on cuBLAS.
         for h in &graph.handoffs {
-            let (Op::GatedLinear { w: gate_up, x: gx, .. }, Op::Linear { x, w, norm: None, bias: None, out_col: 0, out, .. }) = (&graph.ops[h.producer], &graph.ops[h.consumer]) else {
-                continue;
-            };
-            let (Some(gate_up), Some(w)) = (matrix(*gate_up), matrix(*w)) else { continue };
+            let Op::Linear { x, w, norm: None, bias: None, out_col: 0, out, .. } = &graph.ops[h.consumer] else { continue };
+            let Some(w) = matrix(*w) else { continue };
             let rows = graph.value(*x).rows_for(n, 1);
             let only_reader = graph.ops.iter().filter(|op| op.reads().contains(x)).count() == 1;
-            let whole = w.rows == graph.value(*out).width && graph.value(*gx).rows_for(n, 1) == rows;
-            if !only_reader || !whole || !ops::glu_fuses(&self.gpu, gate_up, rows, &opts) {
+            if !only_reader || w.rows != graph.value(*out).width || self.buf.handoff_in[h.consumer].is_some() {
                 continue;
             }
-            let layout = ops::StagedActivations::layout_for(&self.gpu, w, rows, &opts);
-            if let Some(layout) = layout.filter(|l| l.cols == gate_up.rows / 2 && l.precision == opts.precision && self.buf.staged.fits(l)) {
+            let layout = ops::StagedActivations::layout_for(&self.gpu, w, rows, &opts).filter(|l| l.precision == opts.precision && self.buf.staged.fits(l));
+            let Some(layout) = layout else { continue };
+            let producer_writes_it = match &graph.ops[h.producer] {
+                Op::GatedLinear { w: gate_up, x: gx, .. } => matrix(*gate_up).is_some_and(|gu| {
+                    matches!(layout.order, MmaOrder::Wgmma { .. })
+                        && layout.cols == gu.rows / 2
+                        && graph.value(*gx).rows_for(n, 1) == rows
+                        && ops::glu_fuses(&self.gpu, gu, rows, &opts)
+                }),
+                Op::Attention { .. } => layout.order == MmaOrder::Natural,
+                _ => false,
+            };
+            if producer_writes_it {
                 self.buf.staged_out[h.producer] = Some(layout);
                 self.buf.staged_in[h.consumer] = true;
             }
@@ -823,8 +834,13 @@ impl CudaExecutor {
                 let cfg = AttentionConfig { n_heads: a.n_heads, scale: a.scale, window, softcap: None };
                 let rope = rope.as_ref().map(|r| rope_config(r, a.n_heads, a.head_dim));
                 let cache = &mut buf.kv[layer];
-                // The output projection takes no norm: the hand-off is the plain quantization.
-                let emit = buf.handoff_out[index].map(|h| &mut buf.q8_handoff[h % 2]);
+                // The output projection takes no norm: the int8 hand-off is the plain
+                // quantization; a staged one is the 16-bit copy of the rows.
+                let emit = match (buf.handoff_out[index], buf.staged_out[index]) {
+                    (Some(h), _) => Some(ops::AttentionEmit::Q8(&mut buf.q8_handoff[h % 2])),
+                    (None, Some(layout)) => Some(ops::AttentionEmit::Staged(&mut buf.staged, layout)),
+                    (None, None) => None,
+                };
                 if let Some(pg) = &buf.paging {
                     // A batched step: every row finds its cache rows through its sequence's blocks.
                     let paging =

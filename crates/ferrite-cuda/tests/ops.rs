@@ -1007,7 +1007,7 @@ fn attention_matches_cpu_prefill_and_decode() {
             let mut out = poisoned(gpu, chunk * qw);
             // Every other chunk also leaves its output quantized (an int8 hand-off).
             let mut emitted = (start % 2 == 0).then(|| ops::Q8Activations::new(gpu, chunk * qw).unwrap());
-            ops::attention(gpu, &q_dev, &cache, &pos_dev, chunk, &cfg, &mut out, emitted.as_mut()).unwrap();
+            ops::attention(gpu, &q_dev, &cache, &pos_dev, chunk, &cfg, &mut out, emitted.as_mut().map(ops::AttentionEmit::Q8)).unwrap();
             let name = format!("h{n_heads}/{n_kv} d{hd} {kv_dtype:?} w{window:?} cap{softcap:?} pos{start}+{chunk}");
             // Soft-capping multiplies the CPU tanh's absolute error (~2^-23) by the cap.
             let atol = 2e-6 + softcap.map_or(0.0, |cap| cap as f64 * 2.4e-7 * 2.0);
@@ -1063,7 +1063,7 @@ fn split_attention_matches_cpu_on_long_caches() {
             let mut out = poisoned(gpu, chunk * qw);
             // The merging block also quantizes its output (an int8 hand-off) on odd starts.
             let mut emitted = (start % 2 == 1).then(|| ops::Q8Activations::new(gpu, chunk * qw).unwrap());
-            ops::attention_split(gpu, &q_dev, &cache, &pos_dev, chunk, &cfg, splits, &mut scratch, &mut out, emitted.as_mut())
+            ops::attention_split(gpu, &q_dev, &cache, &pos_dev, chunk, &cfg, splits, &mut scratch, &mut out, emitted.as_mut().map(ops::AttentionEmit::Q8))
                 .unwrap();
             let name = format!("h{n_heads}/{n_kv} d{hd} {kv_dtype:?} w{window:?} s{splits} pos{start}+{chunk}");
             close("attn_split", &name, &download(gpu, &out), &want, 1e-5, 2e-6);
@@ -1114,7 +1114,7 @@ fn tensor_core_attention_matches_cpu_on_prefill() {
             attention::attention(&cpu, &q, &k_host, &v_host, start, chunk, &mut want);
             let mut out = poisoned(gpu, chunk * qw);
             let mut emitted = (start > 0).then(|| ops::Q8Activations::new(gpu, chunk * qw).unwrap());
-            ops::attention(gpu, &q_dev, &cache, &pos_dev, chunk, &cfg, &mut out, emitted.as_mut()).unwrap();
+            ops::attention(gpu, &q_dev, &cache, &pos_dev, chunk, &cfg, &mut out, emitted.as_mut().map(ops::AttentionEmit::Q8)).unwrap();
             let name = format!("h{n_heads}/{n_kv} d{hd} w{window:?} cap{softcap:?} pos{start}+{chunk}");
             // f16 Q and weights: ~2^-11 relative per product, against outputs of size ~|v| = 2.
             close("attn_tc", &name, &download(gpu, &out), &want, 4e-3, 4e-3);
@@ -1251,7 +1251,7 @@ fn store_and_attend_matches_store_then_attention_on(gpu: &Gpu) {
             let pos = upload(gpu, &[p]);
             let (mut out, mut want) = (poisoned(gpu, qw), poisoned(gpu, qw));
             let mut emitted = ops::Q8Activations::new(gpu, qw).unwrap();
-            ops::store_and_attend(gpu, &mut fused, &qkv, &pos, &cfg, rope.as_ref(), None, &mut out, Some(&mut emitted)).unwrap();
+            ops::store_and_attend(gpu, &mut fused, &qkv, &pos, &cfg, rope.as_ref(), None, &mut out, Some(ops::AttentionEmit::Q8(&mut emitted))).unwrap();
             let mut q = poisoned(gpu, qw);
             ops::store_qkv(gpu, &mut twin, &qkv, row, 1, n_heads, &pos, rope.as_ref(), &mut q).unwrap();
             ops::attention(gpu, &q, &twin, &pos, 1, &cfg, &mut want, None).unwrap();
@@ -1300,7 +1300,7 @@ fn split_store_and_attend_matches_one_block_on(gpu: &Gpu) {
             let pos = upload(gpu, &[p]);
             let (mut got, mut want) = (poisoned(gpu, n_heads * hd), poisoned(gpu, n_heads * hd));
             let mut emitted = ops::Q8Activations::new(gpu, n_heads * hd).unwrap();
-            ops::store_and_attend(gpu, &mut split, &qkv, &pos, &cfg, Some(&rope), Some((splits, &mut scratch)), &mut got, Some(&mut emitted)).unwrap();
+            ops::store_and_attend(gpu, &mut split, &qkv, &pos, &cfg, Some(&rope), Some((splits, &mut scratch)), &mut got, Some(ops::AttentionEmit::Q8(&mut emitted))).unwrap();
             ops::store_and_attend(gpu, &mut one, &qkv, &pos, &cfg, Some(&rope), None, &mut want, None).unwrap();
             close("store+attn split", &name, &download(gpu, &got), &download(gpu, &want), 1e-5, 2e-6);
             assert_handoff_is_quantize(gpu, &emitted, &got, 1, n_heads * hd, &name);

@@ -348,17 +348,17 @@ fn cuda_fp32_matches_cpu_reference_on_real_shapes() {
     staged_handoff_matches_f32_rows();
 }
 
-/// The GLU GEMM writing the down projection's staged 16-bit input (the default) against writing
-/// f32 rows that the down linear converts (`FERRITE_DISABLE_CUDA_STAGED_HANDOFF=1`): the same
-/// logits bit for bit, on prompts of 40 and 64 tokens, and the staged path really taken (once
-/// per layer and forward).
+/// Staged 16-bit hand-offs (the default) against f32 rows converted by their consumer
+/// (`FERRITE_DISABLE_CUDA_STAGED_HANDOFF=1`): the same logits bit for bit, with the staged paths
+/// really taken. Without resident bf16 copies the GLU GEMM writes the down projection's input
+/// (the warpgroup-MMA GEMMs); with them attention writes the output projection's (cuBLAS). On
+/// prompts of 40 and 64 tokens (once per layer and forward), then two batched steps of 40
+/// one-token sequences (the paged attention kernel).
 fn staged_handoff_matches_f32_rows() {
     let model = synthetic(&LLAMA_SMALL, GgmlType::Q4_0);
-    // The bf16 GEMMs (the checks before this one leave f32 set), without resident bf16 copies:
-    // with them, this model's small weights would take cuBLAS.
+    // The bf16 GEMMs: the checks before this one leave f32 set.
     let precision = std::env::var("FERRITE_CUDA_GEMM_PRECISION").ok();
     std::env::set_var("FERRITE_CUDA_GEMM_PRECISION", "bf16");
-    std::env::set_var("FERRITE_CUDA_EXPAND_WEIGHTS", "off");
     let run = |disable: &str| {
         std::env::set_var("FERRITE_DISABLE_CUDA_STAGED_HANDOFF", disable);
         // Without traces: a traced run keeps every f32 value, so it stages nothing.
@@ -371,22 +371,37 @@ fn staged_handoff_matches_f32_rows() {
             assert!(logits.iter().all(|v| v.is_finite()), "non-finite logits");
             bits.extend(logits.into_iter().map(f32::to_bits));
         }
-        (bits, gpu.staged_handoffs_run())
+        let prompts = gpu.staged_handoffs_run();
+        gpu.init_paged(PagedKvConfig { n_blocks: 48, block_size: 16, max_seqs: 40, max_tokens: 64 }).unwrap();
+        let tables: Vec<[u32; 1]> = (0..40u32).map(|s| [s]).collect();
+        for pos in 0..2usize {
+            let tokens: Vec<[u32; 1]> = (0..40usize).map(|s| [((s * 389 + pos * 17 + 1) % 49152) as u32]).collect();
+            let batch: Vec<SeqChunk> = tokens.iter().zip(&tables).map(|(t, b)| SeqChunk { tokens: t, start_pos: pos, block_table: b }).collect();
+            for logits in gpu.forward_paged(&batch).unwrap() {
+                bits.extend(logits.into_iter().map(f32::to_bits));
+            }
+        }
+        (bits, prompts, gpu.staged_handoffs_run() - prompts)
     };
-    let (staged, rows) = (run("0"), run("1"));
+    let wgmma = ferrite_cuda::Gpu::new(0).is_ok_and(|g| g.supports_wgmma());
+    for expand in ["off", "on"] {
+        std::env::set_var("FERRITE_CUDA_EXPAND_WEIGHTS", expand);
+        let (staged, rows) = (run("0"), run("1"));
+        assert!(staged.0 == rows.0, "resident copies {expand}: the staged hand-off changes the logits");
+        assert_eq!((rows.1, rows.2), (0, 0), "resident copies {expand}: staged hand-offs run with the switch off");
+        // The GLU hand-off needs the warpgroup-MMA GEMM; attention's serves cuBLAS anywhere.
+        if wgmma || expand == "on" {
+            assert_eq!(staged.1, 2 * LLAMA_SMALL.n_layers as u64, "resident copies {expand}: staged hand-offs of the prompts");
+            assert!(staged.2 >= LLAMA_SMALL.n_layers as u64, "resident copies {expand}: {} staged hand-offs in the batched steps", staged.2);
+        }
+        println!("staged hand-off, resident copies {expand}: bit-identical logits, {} + {} hand-offs", staged.1, staged.2);
+    }
     std::env::remove_var("FERRITE_DISABLE_CUDA_STAGED_HANDOFF");
     std::env::remove_var("FERRITE_CUDA_EXPAND_WEIGHTS");
     match precision {
         Some(p) => std::env::set_var("FERRITE_CUDA_GEMM_PRECISION", p),
         None => std::env::remove_var("FERRITE_CUDA_GEMM_PRECISION"),
     }
-    if !ferrite_cuda::Gpu::new(0).is_ok_and(|g| g.supports_wgmma()) {
-        println!("staged hand-off: not run (no warpgroup-MMA GEMM on this device)");
-        return;
-    }
-    assert_eq!((staged.1, rows.1), (2 * LLAMA_SMALL.n_layers as u64, 0), "staged hand-offs run (on, off)");
-    assert!(staged.0 == rows.0, "the staged hand-off changes the logits");
-    println!("staged hand-off: bit-identical logits at 40 and 64 tokens, {} hand-offs", staged.1);
 }
 
 /// Batched decode steps replayed from their CUDA graphs against launching every op: the same

@@ -267,6 +267,11 @@ device_params! {
         /// 0, or int8 codes and block scales of the output (an int8 hand-off; `quantize` layout).
         pub emit_q: u64,
         pub emit_s: u64,
+        /// 0, or a 16-bit copy of the output rows (a staged hand-off to a cuBLAS linear): bf16
+        /// when `emit_bf16` is 1, else f16.
+        pub emit_half: u64,
+        pub emit_bf16: u32,
+        pub emit_pad: u32,
         /// STORE only: the token's `q | k | v` row (read instead of `q`) and its RoPE.
         pub qkv: u64,
         pub rot_dim: u32,
@@ -282,14 +287,17 @@ device_params! {
     }
 }
 
-/// Stores output element `d` of the query row starting at `qrow` (after the params' C struct);
-/// with an int8 hand-off the warp also quantizes its 32 values (`d - lane` is a multiple of 32:
-/// warps hold whole blocks of a head). Shared by both attention kernels.
+/// Stores output element `d` of the query row starting at `qrow` (after the params' C struct),
+/// also as 16-bit for a staged hand-off; with an int8 hand-off the warp also quantizes its 32
+/// values (`d - lane` is a multiple of 32: warps hold whole blocks of a head). Shared by both
+/// attention kernels.
 pub(crate) const ATTENTION_OUTPUT: &str = r#"
-// Stores output element d of the query row starting at qrow; with an int8 hand-off the warp also
-// quantizes its 32 values (d - lane is a multiple of 32: warps hold whole blocks of the head).
+// Stores output element d of the query row starting at qrow (also as 16-bit for a staged
+// hand-off); with an int8 hand-off the warp also quantizes its 32 values (d - lane is a multiple
+// of 32: warps hold whole blocks of the head).
 __device__ __forceinline__ void store_output(const AttentionParams& p, i64 qrow, int d, float v) {
   reinterpret_cast<float*>(p.out)[qrow + d] = v;
+  if (p.emit_half) reinterpret_cast<u16*>(p.emit_half)[qrow + d] = p.emit_bf16 ? f32_to_bf16(v) : f32_to_f16(v);
   if (p.emit_q) {
     const int lane = threadIdx.x & 31;
     const i64 first = qrow + d - lane;

@@ -1,7 +1,8 @@
 //! KV cache and attention ops.
 
 use super::{addr, addr_mut, as_u32, check_len, elems};
-use super::Q8Activations;
+use super::{Precision, Q8Activations, StagedActivations, StagedLayout};
+use crate::kernels::dequant::MmaOrder;
 use crate::error::CudaError;
 use super::RopeConfig;
 use crate::kernels::attention::{AttentionParams, AttentionVariant, KvDtype, RopeStyle, StoreQkvParams, StoreQkvVariant};
@@ -205,7 +206,7 @@ pub fn store_and_attend(
     rope: Option<&RopeConfig>,
     split: Option<(usize, &mut SplitScratch)>,
     out: &mut impl DevicePtrMut<f32>,
-    emit: Option<&mut Q8Activations>,
+    emit: Option<AttentionEmit>,
 ) -> Result<(), CudaError> {
     const OP: &str = "store_and_attend";
     let row = (cfg.n_heads + 2 * cache.n_kv_heads) * cache.head_dim;
@@ -226,6 +227,15 @@ pub fn store_and_attend(
     };
     let variant = AttentionVariant::storing(cache.head_dim, cache.dtype, rope_style(rope), splits > 1, attention_group(gpu, cfg.n_heads, cache.n_kv_heads, true));
     gpu.launch(&variant, "attention", variant.launch_config(cfg.n_heads, 1, splits), &params)
+}
+
+/// What an attention kernel hands to the linear after it, besides its f32 output rows.
+pub enum AttentionEmit<'a> {
+    /// int8 blocks for an int8 GEMV (an int8 hand-off).
+    Q8(&'a mut Q8Activations),
+    /// 16-bit rows in the natural order, for a linear that reads its input that way
+    /// (`StagedActivations::layout_for`: cuBLAS on bf16/f16; a staged hand-off).
+    Staged(&'a mut StagedActivations, StagedLayout),
 }
 
 /// Most sequences of a batched decode step that [`store_and_attend_paged`] serves: on the H200
@@ -250,7 +260,7 @@ pub fn store_and_attend_paged(
     rope: Option<&RopeConfig>,
     paging: &Paging,
     out: &mut impl DevicePtrMut<f32>,
-    emit: Option<&mut Q8Activations>,
+    emit: Option<AttentionEmit>,
 ) -> Result<(), CudaError> {
     const OP: &str = "store_and_attend_paged";
     if n_tokens != paging.n_seqs {
@@ -337,7 +347,7 @@ pub fn attention(
     n_tokens: usize,
     cfg: &AttentionConfig,
     out: &mut impl DevicePtrMut<f32>,
-    emit: Option<&mut Q8Activations>,
+    emit: Option<AttentionEmit>,
 ) -> Result<(), CudaError> {
     let path = attention_path(gpu, cache, n_tokens)?;
     attention_on(gpu, path, q, cache, positions, n_tokens, cfg, out, emit)
@@ -355,7 +365,7 @@ pub fn attention_on(
     n_tokens: usize,
     cfg: &AttentionConfig,
     out: &mut impl DevicePtrMut<f32>,
-    emit: Option<&mut Q8Activations>,
+    emit: Option<AttentionEmit>,
 ) -> Result<(), CudaError> {
     if path == AttentionPath::Tensor {
         tensor_supports(gpu, cache)?;
@@ -454,7 +464,7 @@ pub fn attention_paged(
     cfg: &AttentionConfig,
     paging: &Paging,
     out: &mut impl DevicePtrMut<f32>,
-    emit: Option<&mut Q8Activations>,
+    emit: Option<AttentionEmit>,
 ) -> Result<(), CudaError> {
     let max_seq = paging.check("attention", cache, n_tokens)?;
     let Some(mut params) = attention_params(gpu, q, cache, positions, n_tokens, cfg, out, emit)? else { return Ok(()) };
@@ -552,7 +562,7 @@ pub fn attention_split(
     splits: usize,
     scratch: &mut SplitScratch,
     out: &mut impl DevicePtrMut<f32>,
-    emit: Option<&mut Q8Activations>,
+    emit: Option<AttentionEmit>,
 ) -> Result<(), CudaError> {
     const OP: &str = "attention_split";
     scratch.check(OP, splits, n_tokens * cfg.n_heads, cache.head_dim)?;
@@ -574,7 +584,7 @@ fn attention_params(
     n_tokens: usize,
     cfg: &AttentionConfig,
     out: &mut impl DevicePtrMut<f32>,
-    emit: Option<&mut Q8Activations>,
+    emit: Option<AttentionEmit>,
 ) -> Result<Option<AttentionParams>, CudaError> {
     const OP: &str = "attention";
     if n_tokens == 0 {
@@ -608,17 +618,28 @@ fn attention_params(
     check_len(OP, "q", q.len(), n)?;
     check_len(OP, "out", out.len(), n)?;
     check_len(OP, "positions", positions.len(), n_tokens)?;
-    let (emit_q, emit_s) = match emit {
-        Some(dst) => {
+    let (mut emit_q, mut emit_s, mut emit_half, mut emit_bf16) = (0, 0, 0, 0);
+    match emit {
+        Some(AttentionEmit::Q8(dst)) => {
             dst.fill(OP, n_tokens, cfg.n_heads * cache.head_dim, None)?;
-            let (q, s, _) = dst.ptrs(gpu);
-            (q, s)
+            (emit_q, emit_s, _) = dst.ptrs(gpu);
         }
-        None => (0, 0),
-    };
+        Some(AttentionEmit::Staged(dst, layout)) => {
+            let rows = StagedLayout { order: MmaOrder::Natural, n_tokens, cols: cfg.n_heads * cache.head_dim, precision: layout.precision };
+            if layout != rows || layout.precision == Precision::F32 {
+                return Err(CudaError::invalid(OP, format!("attention stages 16-bit rows of its output ({rows:?}), not {layout:?}")));
+            }
+            emit_half = dst.stage(OP, gpu, layout)?;
+            emit_bf16 = u32::from(layout.precision == Precision::BF16);
+        }
+        None => {}
+    }
     Ok(Some(AttentionParams {
         emit_q,
         emit_s,
+        emit_half,
+        emit_bf16,
+        emit_pad: 0,
         qkv: 0,
         rot_dim: 0,
         theta: 0.0,

@@ -422,17 +422,29 @@ impl StagedActivations {
         layout.order.padded_rows(layout.n_tokens).checked_mul(layout.cols).is_some_and(|n| n <= self.data.len())
     }
 
-    /// The layout `w` reads its staged input in at `n_tokens` with `opts`: where its plan is the
-    /// warpgroup-MMA GEMM; `None` where it converts its input some other way.
+    /// The device address a producer writes `layout` at, recording that layout for the
+    /// consumer; an error where it does not fit.
+    pub(super) fn stage(&mut self, op: &'static str, gpu: &Gpu, layout: StagedLayout) -> Result<u64, CudaError> {
+        if !self.fits(&layout) {
+            return Err(CudaError::invalid(op, format!("{layout:?} does not fit the staged buffer of {} values", self.data.len())));
+        }
+        self.written = Some(layout);
+        Ok(addr_mut(gpu, &mut self.data))
+    }
+
+    /// The layout `w` reads its staged input in at `n_tokens` with `opts`: the stage image of
+    /// the warpgroup-MMA GEMM, or 16-bit rows for cuBLAS; `None` on the other paths (the
+    /// GEMVs, `mma.sync`, f32 GEMMs).
     pub fn layout_for(gpu: &Gpu, w: &DeviceWeight, n_tokens: usize, opts: &LinearOptions) -> Option<StagedLayout> {
         let opts = &LinearOptions { wgmma: opts.wgmma && gpu.supports_wgmma(), ..*opts };
-        match resolved_plan(w, n_tokens, opts, gpu.sm_count() as usize) {
+        let (order, precision) = match resolved_plan(w, n_tokens, opts, gpu.sm_count() as usize) {
             LinearPlan::Mma { precision, wgmma: true } if w.cols.is_multiple_of(GEMM_CHUNK_COLS) => {
-                let order = GemmMmaVariant::for_wgmma(w.dtype, n_tokens, precision == Precision::BF16).activation_order();
-                Some(StagedLayout { order, precision, n_tokens, cols: w.cols })
+                (GemmMmaVariant::for_wgmma(w.dtype, n_tokens, precision == Precision::BF16).activation_order(), precision)
             }
-            _ => None,
-        }
+            LinearPlan::Gemm { precision, convert_input: true, .. } if precision != Precision::F32 => (MmaOrder::Natural, precision),
+            _ => return None,
+        };
+        Some(StagedLayout { order, precision, n_tokens, cols: w.cols })
     }
 }
 
@@ -461,18 +473,15 @@ pub fn linear_glu_staged(
         return Err(CudaError::invalid(OP, format!("a staged GLU output is written in the wgmma order, not {layout:?}")));
     };
     check_len(OP, "x", x.len(), elems(OP, &[n_tokens, w.cols])?)?;
-    check_len(OP, "staged output", dst.data.len(), elems(OP, &[layout.order.padded_rows(n_tokens), layout.cols])?)?;
     let row_norm = row_norm(OP, gpu, norm, w.cols)?;
-    let (x, out) = (addr(gpu, x), addr_mut(gpu, &mut dst.data));
+    let out = dst.stage(OP, gpu, layout)?;
     let variant = GemmMmaVariant { glu: glu as u32, staged_out: true, ..variant };
-    gemm_mma(gpu, w, MmaInput::Rows(Input { x, norm: row_norm.as_ref() }), n_tokens, MmaOutput::Staged { dst: out, tile_tokens }, None, variant)?;
-    dst.written = Some(layout);
-    Ok(())
+    gemm_mma(gpu, w, MmaInput::Rows(Input { x: addr(gpu, x), norm: row_norm.as_ref() }), n_tokens, MmaOutput::Staged { dst: out, tile_tokens }, None, variant)
 }
 
-/// `out = x · Wᵀ (+ residual)` on activations a producer staged for `w` ([`linear_glu_staged`]
-/// with `StagedActivations::layout_for(w, n_tokens)`): an error if they were staged in
-/// another layout.
+/// `out = x · Wᵀ (+ residual)` on activations a producer staged for `w` in
+/// `StagedActivations::layout_for(w, n_tokens)` ([`linear_glu_staged`], or an attention kernel
+/// through `AttentionEmit::Staged`): an error if they were staged in another layout.
 pub fn linear_staged(
     gpu: &Gpu,
     w: &DeviceWeight,
@@ -495,9 +504,16 @@ pub fn linear_staged(
         }
         None => None,
     };
-    let bf16 = layout.is_some_and(|l| l.precision == Precision::BF16);
-    let variant = GemmMmaVariant::for_wgmma(w.dtype, n_tokens, bf16);
-    gemm_mma(gpu, w, MmaInput::Staged(addr(gpu, &x.data)), n_tokens, MmaOutput::Rows(addr_mut(gpu, out)), residual, variant)
+    let (x, out) = (addr(gpu, &x.data), addr_mut(gpu, out));
+    let opts = &LinearOptions { wgmma: opts.wgmma && gpu.supports_wgmma(), ..*opts };
+    match resolved_plan(w, n_tokens, opts, gpu.sm_count() as usize) {
+        LinearPlan::Gemm { precision, dequantize_weight, .. } => gemm(gpu, w, Input { x, norm: None }, n_tokens, out, residual, precision, dequantize_weight, false),
+        LinearPlan::Mma { precision, .. } => {
+            let variant = GemmMmaVariant::for_wgmma(w.dtype, n_tokens, precision == Precision::BF16);
+            gemm_mma(gpu, w, MmaInput::Staged(x), n_tokens, MmaOutput::Rows(out), residual, variant)
+        }
+        plan => unreachable!("layout_for stages no input for {plan:?}"),
+    }
 }
 
 /// Chunks of work per block slot from which the warpgroup-MMA GEMM beats cuBLAS on a resident
