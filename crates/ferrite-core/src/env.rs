@@ -124,7 +124,7 @@ switches! {
     DISABLE_CUDA_GEMM_GLU = ("FERRITE_DISABLE_CUDA_GEMM_GLU", "0", AbTest,
         "1 runs a fused gate/up projection of a 33-64-row batch as the warpgroup-MMA GEMM writing both halves, then the SwiGLU/GeGLU kernel, instead of the GEMM applying the activation in its epilogue.");
     DISABLE_CUDA_STAGED_HANDOFF = ("FERRITE_DISABLE_CUDA_STAGED_HANDOFF", "0", AbTest,
-        "1: a gated linear whose GLU runs in the warpgroup-MMA GEMM's epilogue writes f32 rows, and the down projection converts them to its 16-bit input order in a launch of its own; by default the epilogue writes that staged 16-bit input directly (batched steps of 33-64 tokens).");
+        "1: the producers of 16-bit GEMM inputs write f32 rows only and their consumers convert them in a launch of their own; by default a gated linear whose GLU runs in the warpgroup-MMA GEMM's epilogue writes the down projection's staged input directly, and attention writes the output projection's bf16 rows when that runs on cuBLAS (batched steps of 33-64 tokens).");
     DISABLE_CUDA_BATCH_GRAPHS = ("FERRITE_DISABLE_CUDA_BATCH_GRAPHS", "0", AbTest,
         "1 launches every op of a batched decode step (one token per sequence, serving) separately instead of replaying the step captured as a CUDA graph per (sequences, block-table width); FERRITE_DISABLE_CUDA_GRAPH=1 turns these off too.");
     CUDA_KV_DTYPE = ("FERRITE_CUDA_KV_DTYPE", "f16", Stable,
