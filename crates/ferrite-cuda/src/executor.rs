@@ -97,9 +97,10 @@ struct Buffers {
     /// Per op: the hand-off it consumes / produces, when active for the batch being run.
     handoff_in: Vec<Option<usize>>,
     handoff_out: Vec<Option<usize>>,
-    /// 16-bit activations a GLU GEMM stages for the down projection's warpgroup-MMA GEMM, and
-    /// per op whether it writes them (in the consumer's layout) or reads them, for the batch
-    /// being run (`plan_handoffs`).
+    /// 16-bit GEMM inputs staged by their producer (a GLU GEMM for the down projection, attention
+    /// for the output projection), and per op whether it writes them (in the consumer's layout)
+    /// or reads them, for the batch being run (`plan_handoffs`). One buffer serves both: each
+    /// consumer runs before the next producer.
     staged: ops::StagedActivations,
     staged_out: Vec<Option<ops::StagedLayout>>,
     staged_in: Vec<bool>,
@@ -218,7 +219,8 @@ impl Buffers {
                 }
             }
         }
-        // The widest GLU output (the staged hand-off's rows).
+        // Staged rows as wide as the widest GLU output (attention's narrower ones fit too, or
+        // are not staged) for the batches the small-batch GEMMs serve.
         let glu_width = graph.ops.iter().filter(|op| matches!(op, Op::GatedLinear { .. })).map(|op| graph.value(op.writes()).width).max().unwrap_or(0);
         let split_tokens = (1..attention_splits.len()).filter(|&n| attention_splits[n] > 1).max().unwrap_or(0);
         let max_splits = attention_splits.iter().copied().max().unwrap_or(1);
@@ -471,8 +473,9 @@ impl CudaExecutor {
         self.buf.slots[self.plan.slot(v)].as_ref().expect("slot is not held by a running op")
     }
 
-    /// Staged 16-bit hand-offs (a GLU GEMM writing the down projection's input) that forward
-    /// passes enqueued, batched steps included (captures count, graph replays do not).
+    /// Staged 16-bit hand-offs (a GLU GEMM or attention writing the next projection's input)
+    /// that forward passes enqueued, batched steps included (captures count, graph replays do
+    /// not).
     pub fn staged_handoffs_run(&self) -> u64 {
         self.buf.staged_runs + self.paged.as_ref().map_or(0, |p| p.buf.staged_runs)
     }
@@ -786,7 +789,7 @@ impl CudaExecutor {
                 ops::linear_q8(gpu, matrix(w), q8, r, out, ow, out_col, &epilogue, emit)?;
             }
             Op::Linear { x, w, residual, .. } if buf.staged_in[index] => {
-                // Its input was staged by the GLU GEMM before it (`plan_handoffs`).
+                // Its input was staged by its producer (`plan_handoffs`).
                 ops::linear_staged(gpu, matrix(w), &buf.staged, rows(x), residual.map(input), out, &gpu.linear_options())?;
             }
             Op::Linear { x, norm, w, bias, residual, out_col, .. } => {
