@@ -1,14 +1,16 @@
 //! Hand-run matmul benchmark for the SmolLM2-135M shapes (not part of the test suite).
 //!
-//!     cargo run --release -p ferrite-cpu --example matmul_bench [-- THREADS]
+//!     cargo run --release -p ferrite-cpu --example matmul_bench [-- THREADS [groups]]
 //!
 //! Part 1 times each shape alone (its weights stay in L2/L3 between runs) at every available SIMD
-//! level; part 2 times the matmuls of one decode step / one 128-token prefill over 30 distinct
-//! layers plus the output head (~98 MB, as large as the real model), so weights stream from L3 or
-//! memory exactly as in inference. THREADS defaults to 2.
+//! level; part 2 times the 8-row-group kernels (`RowGroups`, what the executors run on AVX2
+//! CPUs) on the same shapes at the token counts of batched decode steps; part 3 times the matmuls
+//! of one decode step / one 128-token prefill over 30 distinct layers plus the output head (~98
+//! MB, as large as the real model), so weights stream from L3 or memory exactly as in inference.
+//! THREADS defaults to 2; `groups` runs part 2 only.
 
 use ferrite_cpu::kernels::simd::SimdLevel;
-use ferrite_cpu::kernels::{matmul_with, WeightView};
+use ferrite_cpu::kernels::{matmul_with, RowGroups, WeightView};
 use ferrite_gguf::GgmlType;
 use std::time::{Duration, Instant};
 
@@ -91,10 +93,11 @@ fn main() {
         .expect("first pool");
     // Run on a pool thread, as an executor should: parallel calls made from outside the pool pay
     // a cross-thread wake-up (~10 us) each time.
-    rayon::scope(|_| bench(threads));
+    let groups_only = std::env::args().nth(2).as_deref() == Some("groups");
+    rayon::scope(|_| bench(threads, groups_only));
 }
 
-fn bench(threads: usize) {
+fn bench(threads: usize, groups_only: bool) {
     let levels = SimdLevel::available();
     let x: Vec<f32> = (0..128 * FF)
         .map(|i| (i * 7919 % 1000) as f32 / 500.0 - 1.0)
@@ -117,7 +120,7 @@ fn bench(threads: usize) {
         ("head 49152x576 Q8_0", GgmlType::Q8_0, VOCAB, D),
         ("1536x768 Q4_K", GgmlType::Q4_K, FF, 768),
     ];
-    for (name, dtype, rows, cols) in shapes {
+    for (name, dtype, rows, cols) in shapes.into_iter().filter(|_| !groups_only) {
         let w = Weight::random(dtype, rows, cols, rows as u64);
         for n_tokens in [1, 128] {
             for &level in &levels {
@@ -135,6 +138,24 @@ fn bench(threads: usize) {
                 );
             }
         }
+    }
+
+    println!("\n== 8-row groups (AVX2), weights warm ==");
+    println!("{:<24} {:>7} {:>11} {:>10}", "shape", "tokens", "time", "GMAC/s");
+    for (name, dtype, rows, cols) in shapes.into_iter().filter(|s| matches!(s.1, GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q8_0)) {
+        let Some(groups) = RowGroups::repack(&Weight::random(dtype, rows, cols, rows as u64).view()) else {
+            println!("(no AVX2: no row groups)");
+            break;
+        };
+        for n_tokens in [1, 4, 8] {
+            out.resize(n_tokens * rows, 0.0);
+            let t = time(|| groups.matmul(0..rows, &x[..n_tokens * cols], n_tokens, &mut out).expect("valid shapes"));
+            let secs = t.as_secs_f64();
+            println!("{name:<24} {n_tokens:>7} {:>9.1}us {:>10.1}", secs * 1e6, (rows * cols * n_tokens) as f64 / secs / 1e9);
+        }
+    }
+    if groups_only {
+        return;
     }
 
     println!(
