@@ -41,6 +41,20 @@ impl BenchResult {
     }
 }
 
+/// Each batched decode result (`tg N xS`) beside the batch-1 decode of the same length from an
+/// empty context (`tg N`), if that ran: (batched test, batch-1 test, aggregate / batch-1 rate).
+/// Issue #6's serving target compares these two.
+pub fn batch_speedups(results: &[BenchResult]) -> Vec<(&str, &str, f64)> {
+    results
+        .iter()
+        .filter(|r| r.seqs > 1)
+        .filter_map(|r| {
+            let base = results.iter().find(|b| b.seqs == 1 && b.start == 0 && b.test == format!("tg{}", r.tokens))?;
+            Some((r.test.as_str(), base.test.as_str(), r.median() / base.median().max(1e-12)))
+        })
+        .collect()
+}
+
 /// Deterministic token ids for benchmarking (content does not change the work done).
 fn bench_tokens(n: usize, vocab: usize) -> Vec<u32> {
     (0..n).map(|i| ((i * 7919 + 13) % vocab) as u32).collect()
@@ -237,5 +251,35 @@ impl TokenWork {
     pub fn prompt_flops(&self, n: usize, start: usize) -> f64 {
         let per_token = self.linear_flops - self.last_row_flops;
         per_token + self.last_row_flops / n.max(1) as f64 + self.attention_flops_per_position * (start as f64 + (n as f64 + 1.0) / 2.0)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn result(test: &str, tokens: usize, seqs: usize, start: usize, tps: f64) -> BenchResult {
+        BenchResult { test: test.to_string(), tokens, seqs, start, samples: vec![tps] }
+    }
+
+    /// Each batched run pairs with the batch-1 decode of its length from an empty context, not
+    /// with prefill, other lengths or deeper decodes; without one it is left out.
+    #[test]
+    fn batched_runs_pair_with_batch_one_decode_of_their_length() {
+        let results = [
+            result("pp512", 512, 1, 0, 9000.0),
+            result("tg32 @ d4096", 32, 1, 4096, 400.0),
+            result("tg32", 32, 1, 0, 700.0),
+            result("tg64", 64, 1, 0, 650.0),
+            result("tg32 x64", 32, 64, 32, 15_400.0),
+            result("tg64 x8", 64, 8, 32, 3_250.0),
+            result("tg16 x8", 16, 8, 32, 3_000.0),
+        ];
+        let got = batch_speedups(&results);
+        assert_eq!(got.len(), 2, "{got:?}");
+        assert_eq!((got[0].0, got[0].1), ("tg32 x64", "tg32"));
+        assert!((got[0].2 - 22.0).abs() < 1e-9, "{got:?}");
+        assert_eq!((got[1].0, got[1].1), ("tg64 x8", "tg64"));
+        assert!((got[1].2 - 5.0).abs() < 1e-9, "{got:?}");
     }
 }

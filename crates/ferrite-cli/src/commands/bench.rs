@@ -1,7 +1,7 @@
 use super::common::{load_model, ModelArgs};
 use anyhow::Result;
 use clap::Args;
-use ferrite_engine::bench::{bench_batched, bench_pp, bench_tg, BenchResult, Reps, TokenWork};
+use ferrite_engine::bench::{batch_speedups, bench_batched, bench_pp, bench_tg, BenchResult, Reps, TokenWork};
 
 #[derive(Args)]
 pub struct BenchArgs {
@@ -77,6 +77,14 @@ pub fn run(args: BenchArgs) -> Result<()> {
         );
     }
     eprintln!("(median of {} repetitions after one warm-up; ± is half the min-max range)", reps.count);
+    let speedups = batch_speedups(&results);
+    if !speedups.is_empty() {
+        println!("\n| batched test | against | aggregate / batch-1 rate |");
+        println!("|---|---|---|");
+        for (batched, base, ratio) in speedups {
+            println!("| {batched} | {base} | {ratio:.2}x |");
+        }
+    }
     if let Some(ceilings) = session.executor().hardware_ceilings() {
         let c = ceilings?;
         let work = TokenWork::of(m);
