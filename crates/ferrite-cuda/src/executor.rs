@@ -38,6 +38,14 @@ enum GpuWeight {
     Vector(CudaSlice<f32>),
 }
 
+/// The matrix in a weight slot, if it holds one.
+fn as_matrix(w: &Option<GpuWeight>) -> Option<&DeviceWeight> {
+    match w {
+        Some(GpuWeight::Matrix(m)) => Some(m),
+        _ => None,
+    }
+}
+
 /// Per-layer state that only some layers have (a KV cache: attention layers; recurrent state:
 /// Gated DeltaNet layers), indexed by layer.
 struct PerLayer<T>(Vec<Option<T>>);
@@ -684,10 +692,8 @@ impl CudaExecutor {
     fn plan_handoffs(&mut self, n: usize) {
         let graph = &self.model.graph;
         let opts = self.gpu.linear_options();
-        let int8_gemv = |w: WeightId, x: ValueId| match &self.weights[w.0 as usize] {
-            Some(GpuWeight::Matrix(m)) => ops::linear_plan(m.dtype, graph.value(x).width, n, &opts) == ops::LinearPlan::GemvQ8,
-            _ => false,
-        };
+        let matrix = |w: WeightId| as_matrix(&self.weights[w.0 as usize]);
+        let int8_gemv = |w: WeightId, x: ValueId| matrix(w).is_some_and(|m| ops::linear_plan(m.dtype, graph.value(x).width, n, &opts) == ops::LinearPlan::GemvQ8);
         let runs_int8 = |op: &Op| match *op {
             Op::Linear { w, x, .. } | Op::GatedLinear { w, x, .. } => int8_gemv(w, x),
             _ => false,
@@ -712,10 +718,6 @@ impl CudaExecutor {
         if self.options.trace || !opts.staged_handoff {
             return;
         }
-        let matrix = |w: WeightId| match &self.weights[w.0 as usize] {
-            Some(GpuWeight::Matrix(m)) => Some(m),
-            _ => None,
-        };
         // Likewise attention (its kernels copy their output rows as 16-bit) for an output
         // projection on cuBLAS.
         for h in &graph.handoffs {
@@ -752,10 +754,7 @@ impl CudaExecutor {
         let rows = |v: ValueId| graph.value(v).rows_for(n, n_seqs);
         let Self { gpu, weights, plan, buf, .. } = self;
         let gpu = &*gpu;
-        let matrix = |id: WeightId| match &weights[id.0 as usize] {
-            Some(GpuWeight::Matrix(w)) => w,
-            _ => unreachable!("matrix weights are uploaded as matrices"),
-        };
+        let matrix = |id: WeightId| as_matrix(&weights[id.0 as usize]).expect("matrix weights are uploaded as matrices");
         let vector = |id: WeightId| match &weights[id.0 as usize] {
             Some(GpuWeight::Vector(v)) => v,
             _ => unreachable!("vector weights are uploaded as f32"),
@@ -1357,19 +1356,13 @@ fn expand_batched_weights(gpu: &Gpu, graph: &ferrite_model::Graph, weights: &mut
         .collect();
     batched.sort_by_key(|w| w.0);
     batched.dedup();
-    fn matrix(w: &Option<GpuWeight>) -> Option<&DeviceWeight> {
-        match w {
-            Some(GpuWeight::Matrix(m)) => Some(m),
-            _ => None,
-        }
-    }
     let gemm_precision = |m: &DeviceWeight| match ops::linear_plan(m.dtype, m.cols, max_batch, &opts) {
         ops::LinearPlan::Gemm { precision, dequantize_weight: true, .. } => Some(precision),
         _ => None,
     };
     let total: usize = batched
         .iter()
-        .filter_map(|w| matrix(&weights[w.0 as usize]))
+        .filter_map(|w| as_matrix(&weights[w.0 as usize]))
         .filter_map(|m| gemm_precision(m).map(|p| ops::expanded_bytes(m.dtype, m.rows, m.cols, p)))
         .sum();
     let expand = match env::CUDA_EXPAND_WEIGHTS.get().as_deref() {

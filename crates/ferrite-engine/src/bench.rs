@@ -49,7 +49,8 @@ pub fn batch_speedups(results: &[BenchResult]) -> Vec<(&str, &str, f64)> {
         .iter()
         .filter(|r| r.seqs > 1)
         .filter_map(|r| {
-            let base = results.iter().find(|b| b.seqs == 1 && b.start == 0 && b.test == format!("tg{}", r.tokens))?;
+            let base_test = format!("tg{}", r.tokens);
+            let base = results.iter().find(|b| b.seqs == 1 && b.start == 0 && b.test == base_test)?;
             Some((r.test.as_str(), base.test.as_str(), r.median() / base.median().max(1e-12)))
         })
         .collect()

@@ -666,10 +666,11 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32, MIN_BLOCKS) gemm_mma(c
   // half h of the chunk fills places 4h .. 4h + 3 of all 16 groups. So each (token, group) of
   // the block is one 8-byte store of the block's outputs (i & 63) = 32 (q >> 1) + 4 (G >> 1) +
   // 2 (q & 1) + (G & 1), q < 4. Consecutive threads take consecutive tokens (16-byte rows).
+  // (The host checks that half is whole chunks, so every block's outputs lie below it.)
   const u32 chunk = block_row0 / 128, h = (block_row0 / 64) & 1, out_chunks = half / 128;
   for (u32 k = threadIdx.x; k < NT * 8 * 16; k += 128) {
     const u32 tl = k % (NT * 8), G = k / (NT * 8), tok = tok0 + tl;
-    if (tok >= p.n_tokens || block_row0 >= half) continue;
+    if (tok >= p.n_tokens) continue;
     const u16* src = s_out + tl * SROW + 4 * (G >> 1) + (G & 1);
     const uint2 v = make_uint2((u32)src[0] | ((u32)src[2] << 16), (u32)src[32] | ((u32)src[34] << 16));
     reinterpret_cast<uint2*>(p.out)[((((i64)(tok / p.out_tile) * out_chunks + chunk) * 16 + G) * p.out_tile + tok % p.out_tile) * 2 + h] = v;

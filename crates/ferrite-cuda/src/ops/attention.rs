@@ -476,8 +476,9 @@ pub fn attention_paged(
 /// Query heads per block of the kernels that can serve a KV group together: the paged kernel
 /// (`decode_step` false) and the fused one-token decode kernel ([`store_and_attend`], `decode_step`
 /// true), as [`AttentionGroups`] allows: [`AttentionVariant::group_for`] of the heads per KV
-/// head and the device's cap (`FERRITE_CUDA_ATTENTION_MAX_GROUP`), else 1. Their launch grids have `n_heads / group` blocks per token and key share (size
-/// the shares with [`attention_splits`] on that count).
+/// head and the device's cap (`FERRITE_CUDA_ATTENTION_MAX_GROUP`), else 1. Their launch grids
+/// have `n_heads / group` blocks per token and key share (size the shares with
+/// [`attention_splits`] on that count).
 pub fn attention_group(gpu: &Gpu, n_heads: usize, n_kv_heads: usize, decode_step: bool) -> usize {
     let allowed = match gpu.attention_groups() {
         AttentionGroups::Off => false,

@@ -284,8 +284,7 @@ pub fn glu_fuses(gpu: &Gpu, w: &DeviceWeight, n_tokens: usize, opts: &LinearOpti
     if !opts.gemm_glu {
         return false;
     }
-    let opts = &LinearOptions { wgmma: opts.wgmma && gpu.supports_wgmma(), ..*opts };
-    glu_variant(w, n_tokens, resolved_plan(w, n_tokens, opts, gpu.sm_count() as usize), gpu.sm_count() as usize).is_some()
+    glu_variant(w, n_tokens, device_plan(gpu, w, n_tokens, opts), gpu.sm_count() as usize).is_some()
 }
 
 /// The GEMM tiling that applies the GLU in its epilogue for `plan`, if it can.
@@ -329,9 +328,7 @@ fn linear_at(
     norm_scratch: Option<(u64, usize)>,
     opts: &LinearOptions,
 ) -> Result<LinearPlan, CudaError> {
-    // Warpgroup MMAs only where the device has them.
-    let opts = &LinearOptions { wgmma: opts.wgmma && gpu.supports_wgmma(), ..*opts };
-    let plan = resolved_plan(w, n_tokens, opts, gpu.sm_count() as usize);
+    let plan = device_plan(gpu, w, n_tokens, opts);
     if n_tokens == 0 {
         return Ok(plan);
     }
@@ -339,13 +336,7 @@ fn linear_at(
         return linear_glu(op, gpu, w, x, fusion, glu, plan, n_tokens, out);
     }
     let (x, out) = linear_operands(op, gpu, w, x, n_tokens, out)?;
-    let residual = match fusion.residual {
-        Some(r) => {
-            check_len(op, "residual", r.len(), elems(op, &[n_tokens, w.rows])?)?;
-            Some(addr(gpu, r))
-        }
-        None => None,
-    };
+    let residual = residual_addr(op, gpu, fusion.residual, n_tokens, w.rows)?;
     let Some(row_norm) = row_norm(op, gpu, fusion.norm, w.cols)? else {
         run_plan(gpu, w, plan, Input { x, norm: None }, n_tokens, out, residual)?;
         return Ok(plan);
@@ -392,8 +383,9 @@ fn linear_glu(
     Ok(plan)
 }
 
-/// A batched linear's input in the 16-bit type and column order its warpgroup-MMA GEMM reads,
-/// written by the GEMM that produces it ([`linear_glu_staged`]), so that the consumer
+/// A batched linear's input in the 16-bit type and column order its GEMM reads (the
+/// warpgroup-MMA stage image, or rows for cuBLAS), written by the op that produces it
+/// ([`linear_glu_staged`], or attention through `AttentionEmit::Staged`), so that the consumer
 /// ([`linear_staged`]) runs no conversion launch and reads half the bytes of f32 rows.
 pub struct StagedActivations {
     data: CudaSlice<u16>,
@@ -436,16 +428,20 @@ impl StagedActivations {
     /// the warpgroup-MMA GEMM, or 16-bit rows for cuBLAS; `None` on the other paths (the
     /// GEMVs, `mma.sync`, f32 GEMMs).
     pub fn layout_for(gpu: &Gpu, w: &DeviceWeight, n_tokens: usize, opts: &LinearOptions) -> Option<StagedLayout> {
-        let opts = &LinearOptions { wgmma: opts.wgmma && gpu.supports_wgmma(), ..*opts };
-        let (order, precision) = match resolved_plan(w, n_tokens, opts, gpu.sm_count() as usize) {
-            LinearPlan::Mma { precision, wgmma: true } if w.cols.is_multiple_of(GEMM_CHUNK_COLS) => {
-                (GemmMmaVariant::for_wgmma(w.dtype, n_tokens, precision == Precision::BF16).activation_order(), precision)
-            }
-            LinearPlan::Gemm { precision, convert_input: true, .. } if precision != Precision::F32 => (MmaOrder::Natural, precision),
-            _ => return None,
-        };
-        Some(StagedLayout { order, precision, n_tokens, cols: w.cols })
+        staged_layout(device_plan(gpu, w, n_tokens, opts), w, n_tokens)
     }
+}
+
+/// The staged input layout of `w` at `n_tokens` under `plan` (see [`StagedActivations::layout_for`]).
+fn staged_layout(plan: LinearPlan, w: &DeviceWeight, n_tokens: usize) -> Option<StagedLayout> {
+    let (order, precision) = match plan {
+        LinearPlan::Mma { precision, wgmma: true } if w.cols.is_multiple_of(GEMM_CHUNK_COLS) => {
+            (GemmMmaVariant::for_wgmma(w.dtype, n_tokens, precision == Precision::BF16).activation_order(), precision)
+        }
+        LinearPlan::Gemm { precision, convert_input: true, .. } if precision != Precision::F32 => (MmaOrder::Natural, precision),
+        _ => return None,
+    };
+    Some(StagedLayout { order, precision, n_tokens, cols: w.cols })
 }
 
 /// [`linear_fused`] with a GLU epilogue whose output goes to `dst` in `layout` (the consumer's,
@@ -464,8 +460,7 @@ pub fn linear_glu_staged(
     opts: &LinearOptions,
 ) -> Result<(), CudaError> {
     const OP: &str = "linear_glu_staged";
-    let opts = &LinearOptions { wgmma: opts.wgmma && gpu.supports_wgmma(), ..*opts };
-    let plan = resolved_plan(w, n_tokens, opts, gpu.sm_count() as usize);
+    let plan = device_plan(gpu, w, n_tokens, opts);
     let variant = glu_variant(w, n_tokens, plan, gpu.sm_count() as usize)
         .filter(|v| opts.gemm_glu && layout.n_tokens == n_tokens && layout.cols == w.rows / 2 && layout.precision == if v.bf16 { Precision::BF16 } else { Precision::F16 })
         .ok_or_else(|| CudaError::invalid(OP, format!("no staged GLU epilogue for a {} {}x{} weight at {n_tokens} tokens into {layout:?} ({plan:?})", w.dtype, w.rows, w.cols)))?;
@@ -492,21 +487,15 @@ pub fn linear_staged(
     opts: &LinearOptions,
 ) -> Result<(), CudaError> {
     const OP: &str = "linear_staged";
-    let layout = StagedActivations::layout_for(gpu, w, n_tokens, opts);
+    let plan = device_plan(gpu, w, n_tokens, opts);
+    let layout = staged_layout(plan, w, n_tokens);
     if layout.is_none() || layout != x.written {
         return Err(CudaError::invalid(OP, format!("a {} {}x{} weight at {n_tokens} tokens reads {layout:?}, but the activations were staged as {:?}", w.dtype, w.rows, w.cols, x.written)));
     }
     check_len(OP, "out", out.len(), elems(OP, &[n_tokens, w.rows])?)?;
-    let residual = match residual {
-        Some(r) => {
-            check_len(OP, "residual", r.len(), elems(OP, &[n_tokens, w.rows])?)?;
-            Some(addr(gpu, r))
-        }
-        None => None,
-    };
+    let residual = residual_addr(OP, gpu, residual, n_tokens, w.rows)?;
     let (x, out) = (addr(gpu, &x.data), addr_mut(gpu, out));
-    let opts = &LinearOptions { wgmma: opts.wgmma && gpu.supports_wgmma(), ..*opts };
-    match resolved_plan(w, n_tokens, opts, gpu.sm_count() as usize) {
+    match plan {
         LinearPlan::Gemm { precision, dequantize_weight, .. } => gemm(gpu, w, Input { x, norm: None }, n_tokens, out, residual, precision, dequantize_weight, false),
         LinearPlan::Mma { precision, .. } => {
             let variant = GemmMmaVariant::for_wgmma(w.dtype, n_tokens, precision == Precision::BF16);
@@ -521,6 +510,19 @@ pub fn linear_staged(
 /// gate/up (27 chunks per slot) and down (14) shapes gain 16–19 and 7–8 µs, the QKV (6) and
 /// output (4) shapes lose, where each block's short K walk and the split-K reduce weigh more.
 pub const WGMMA_MIN_CHUNKS_PER_SLOT: usize = 8;
+
+/// [`resolved_plan`] on `gpu`: warpgroup MMAs only where the device has them.
+fn device_plan(gpu: &Gpu, w: &DeviceWeight, n_tokens: usize, opts: &LinearOptions) -> LinearPlan {
+    let opts = LinearOptions { wgmma: opts.wgmma && gpu.supports_wgmma(), ..*opts };
+    resolved_plan(w, n_tokens, &opts, gpu.sm_count() as usize)
+}
+
+/// The device address of a linear's residual (`[n_tokens, rows]`), its length checked.
+fn residual_addr(op: &'static str, gpu: &Gpu, residual: Option<&CudaSlice<f32>>, n_tokens: usize, rows: usize) -> Result<Option<u64>, CudaError> {
+    let Some(r) = residual else { return Ok(None) };
+    check_len(op, "residual", r.len(), elems(op, &[n_tokens, rows])?)?;
+    Ok(Some(addr(gpu, r)))
+}
 
 /// [`linear_plan`] with the weight's resident copy taken into account (`sm_count` sizes the
 /// warpgroup-MMA GEMM's grid).
@@ -1163,13 +1165,9 @@ fn gemm_mma(
     }
     let precision = if variant.bf16 { Precision::BF16 } else { Precision::F16 };
     let slices = variant.k_slices(w.rows, w.cols, n_tokens, gpu.sm_count() as usize);
-    let staged_x = match input {
-        MmaInput::Staged(x) => Some(x),
-        MmaInput::Rows(_) => None,
-    };
-    let x_bytes = match staged_x {
-        Some(_) => 0,
-        None => elems(OP, &[variant.activation_order().padded_rows(n_tokens), w.cols, 2])?.next_multiple_of(SCRATCH_ALIGN),
+    let x_bytes = match input {
+        MmaInput::Staged(_) => 0,
+        MmaInput::Rows(_) => elems(OP, &[variant.activation_order().padded_rows(n_tokens), w.cols, 2])?.next_multiple_of(SCRATCH_ALIGN),
     };
     let part_len = elems(OP, &[n_tokens, w.rows])?;
     let part_bytes = if slices > 1 { elems(OP, &[slices, part_len, 4])? } else { 0 };
