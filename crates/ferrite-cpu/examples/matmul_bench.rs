@@ -4,9 +4,10 @@
 //!
 //! Part 1 times each shape alone (its weights stay in L2/L3 between runs) at every available SIMD
 //! level; part 2 times the 8-row-group kernels (`RowGroups`, what the executors run on AVX2
-//! CPUs) on the same shapes at the token counts of batched decode steps; part 3 times the matmuls
-//! of one decode step / one 128-token prefill over 30 distinct layers plus the output head (~98
-//! MB, as large as the real model), so weights stream from L3 or memory exactly as in inference.
+//! and AVX-512 VNNI CPUs) of every level on the same shapes at the token counts of batched decode
+//! steps; part 3 times the matmuls of one decode step / one 128-token prefill over 30 distinct
+//! layers plus the output head (~98 MB, as large as the real model), so weights stream from L3 or
+//! memory exactly as in inference.
 //! THREADS defaults to 2; `groups` runs part 2 only.
 
 use ferrite_cpu::kernels::simd::SimdLevel;
@@ -140,18 +141,20 @@ fn bench(threads: usize, groups_only: bool) {
         }
     }
 
-    println!("\n== 8-row groups (AVX2), weights warm ==");
-    println!("{:<24} {:>7} {:>11} {:>10}", "shape", "tokens", "time", "GMAC/s");
+    println!("\n== 8-row groups, weights warm ==");
+    println!("{:<24} {:>7} {:>12} {:>11} {:>10}", "shape", "tokens", "kernel", "time", "GMAC/s");
     for (name, dtype, rows, cols) in shapes.into_iter().filter(|s| matches!(s.1, GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q8_0)) {
-        let Some(groups) = RowGroups::repack(&Weight::random(dtype, rows, cols, rows as u64).view()) else {
-            println!("(no AVX2: no row groups)");
-            break;
-        };
-        for n_tokens in [1, 4, 8] {
-            out.resize(n_tokens * rows, 0.0);
-            let t = time(|| groups.matmul(0..rows, &x[..n_tokens * cols], n_tokens, &mut out).expect("valid shapes"));
-            let secs = t.as_secs_f64();
-            println!("{name:<24} {n_tokens:>7} {:>9.1}us {:>10.1}", secs * 1e6, (rows * cols * n_tokens) as f64 / secs / 1e9);
+        for level in [SimdLevel::Avx2, SimdLevel::Avx512Vnni] {
+            let Some(groups) = RowGroups::repack_for(&Weight::random(dtype, rows, cols, rows as u64).view(), level) else {
+                println!("(no {level:?} row groups on this CPU)");
+                continue;
+            };
+            for n_tokens in [1, 4, 8] {
+                out.resize(n_tokens * rows, 0.0);
+                let t = time(|| groups.matmul(0..rows, &x[..n_tokens * cols], n_tokens, &mut out).expect("valid shapes"));
+                let secs = t.as_secs_f64();
+                println!("{name:<24} {n_tokens:>7} {:>12} {:>9.1}us {:>10.1}", format!("{level:?}"), secs * 1e6, (rows * cols * n_tokens) as f64 / secs / 1e9);
+            }
         }
     }
     if groups_only {
@@ -194,6 +197,23 @@ fn bench(threads: usize, groups_only: bool) {
                 bytes as f64 / secs / 1e9,
                 n_tokens as f64 / secs
             );
+        }
+    }
+    // The same sweep on row groups: one decode step, and a batched step of 8 sequences (the head
+    // runs for every sequence there).
+    for level in [SimdLevel::Avx2, SimdLevel::Avx512Vnni] {
+        let repack = |w: &Weight| RowGroups::repack_for(&w.view(), level);
+        let Some(head_g) = repack(&head) else { continue };
+        let layers_g: Vec<Vec<RowGroups>> = layers.iter().map(|l| l.iter().filter_map(repack).collect()).collect();
+        for n_tokens in [1, 8] {
+            let t = time(|| {
+                for g in layers_g.iter().flatten().chain([&head_g]) {
+                    out.resize(n_tokens * g.rows(), 0.0);
+                    g.matmul(0..g.rows(), &x[..n_tokens * g.cols()], n_tokens, &mut out).expect("valid shapes");
+                }
+            });
+            let secs = t.as_secs_f64();
+            println!("row groups {level:?} n_tokens={n_tokens}: {:.2} ms per step, {:.1} GB/s of weights", secs * 1e3, bytes as f64 / secs / 1e9);
         }
     }
 }

@@ -1,4 +1,5 @@
-//! Q4_0 / Q4_1 / Q8_0 weights repacked at load into groups of 8 rows, for the AVX2 matmul.
+//! Q4_0 / Q4_1 / Q8_0 weights repacked at load into groups of 8 rows, for the AVX2 and AVX-512
+//! VNNI matmuls.
 //!
 //! The GGUF layout keeps each row's blocks together, so a dot-product kernel converts and
 //! scales every (row, block, token) on its own: about 9 instructions per 32 multiply-adds. Here,
@@ -9,10 +10,16 @@
 //! Q8_0, whose signed codes take `vpsignb` and whose pair sums need 32-bit adds). The integer
 //! sums are those of the row kernels; only the order of the float additions differs.
 //!
+//! On AVX-512 VNNI CPUs one 256-bit `vpdpbusd` replaces each `vpmaddubsw` and the adds after it
+//! (it accumulates the four products of each row straight into 32 bits): about 13 instructions
+//! per 256 multiply-adds for every type. Its unsigned side takes the weight codes, so the Q8_0
+//! codes are stored biased by 128 (`c + 128` as a byte) and the bias comes back out through the
+//! activations' block sums, as Q4_0's offset of 8 does.
+//!
 //! Group layout per block: `d` of the 8 rows (f16), `m` of the 8 rows (f16, Q4_1 only), then
 //! the codes. 4-bit: 4 x 32 bytes, register q holds bytes 4q .. 4q + 3 of each row's 16 `qs`
 //! bytes (low nibbles: elements 4q ..; high nibbles: elements 16 + 4q ..). Q8_0: 8 x 32 bytes,
-//! register j holds elements 4j .. 4j + 3 of each row.
+//! register j holds elements 4j .. 4j + 3 of each row (biased by 128 for the VNNI kernel).
 
 use super::matmul::for_each_row_chunk;
 use super::quant::ActQ8;
@@ -22,11 +29,15 @@ use ferrite_gguf::GgmlType;
 
 /// Rows per group.
 pub const GROUP_ROWS: usize = 8;
+/// Bytes ahead of the block being read that the kernels prefetch.
+const PREFETCH_AHEAD: usize = 4096;
 /// Tokens per kernel call when several share a group (the group's codes are unpacked once).
 const TOKEN_TILE: usize = 4;
 
 /// A Q4_0, Q4_1 or Q8_0 weight in 8-row groups (see the module docs).
 pub struct RowGroups {
+    /// The kernel the copy is laid out for: [`SimdLevel::Avx2`] or [`SimdLevel::Avx512Vnni`].
+    level: SimdLevel,
     dtype: GgmlType,
     rows: usize,
     cols: usize,
@@ -34,17 +45,25 @@ pub struct RowGroups {
 }
 
 impl RowGroups {
-    /// Whether the executors should repack: on CPUs whose best kernels are AVX2 (on AVX-512 VNNI
-    /// ones the row kernels' `vpdpbusd` has not been compared with this layout yet), unless
-    /// `FERRITE_CPU_ROW_GROUPS=0` (or `FERRITE_CPU_SCALAR=1`).
+    /// Whether the executors should repack: on CPUs whose best kernels are AVX2 or AVX-512 VNNI,
+    /// unless `FERRITE_CPU_ROW_GROUPS=0` (or `FERRITE_CPU_SCALAR=1`).
     pub fn preferred() -> bool {
-        simd_level() == SimdLevel::Avx2 && ferrite_core::env::CPU_ROW_GROUPS.flag()
+        matches!(simd_level(), SimdLevel::Avx2 | SimdLevel::Avx512Vnni) && ferrite_core::env::CPU_ROW_GROUPS.flag()
     }
 
-    /// The repacked copy of `w`, or `None` where this layout cannot serve: other types than
-    /// Q4_0/Q4_1/Q8_0, rows not a multiple of 8, or a CPU without AVX2.
+    /// The repacked copy of `w` for the best kernel this CPU runs, or `None` where this layout
+    /// cannot serve: other types than Q4_0/Q4_1/Q8_0, rows not a multiple of 8, or a CPU
+    /// without AVX2.
     pub fn repack(w: &WeightView) -> Option<Self> {
-        if !SimdLevel::Avx2.is_available() || !matches!(w.dtype, GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q8_0) {
+        let level = if simd_level() == SimdLevel::Avx512Vnni { SimdLevel::Avx512Vnni } else { SimdLevel::Avx2 };
+        Self::repack_for(w, level)
+    }
+
+    /// The repacked copy of `w` for the kernel of `level` (`Avx2` or `Avx512Vnni`), or `None`
+    /// where that kernel cannot serve (as [`Self::repack`], or the CPU lacks `level`).
+    pub fn repack_for(w: &WeightView, level: SimdLevel) -> Option<Self> {
+        let kernel_level = matches!(level, SimdLevel::Avx2 | SimdLevel::Avx512Vnni);
+        if !kernel_level || !level.is_available() || !matches!(w.dtype, GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q8_0) {
             return None;
         }
         let row_bytes = w.row_bytes("row_groups").ok()?;
@@ -56,6 +75,7 @@ impl RowGroups {
         let qs_at = if min { 4 } else { 2 };
         // Registers of 4 code bytes per row: the 16 nibble bytes or the 32 int8 codes.
         let registers = if bytes8 { 8 } else { 4 };
+        let bias = if bytes8 && level == SimdLevel::Avx512Vnni { 0x80 } else { 0 };
         let mut data = vec![0u8; w.rows / GROUP_ROWS * nb * group];
         for (g, dst) in data.chunks_exact_mut(nb * group).enumerate() {
             for (b, dst) in dst.chunks_exact_mut(group).enumerate() {
@@ -67,16 +87,22 @@ impl RowGroups {
                     }
                     let codes = &mut dst[if min { 32 } else { 16 }..];
                     for q in 0..registers {
-                        codes[(q * GROUP_ROWS + r) * 4..][..4].copy_from_slice(&src[qs_at + 4 * q..qs_at + 4 * q + 4]);
+                        for (dst, &src) in codes[(q * GROUP_ROWS + r) * 4..][..4].iter_mut().zip(&src[qs_at + 4 * q..qs_at + 4 * q + 4]) {
+                            *dst = src ^ bias;
+                        }
                     }
                 }
             }
         }
-        Some(RowGroups { dtype: w.dtype, rows: w.rows, cols: w.cols, data })
+        Some(RowGroups { level, dtype: w.dtype, rows: w.rows, cols: w.cols, data })
     }
 
     pub fn rows(&self) -> usize {
         self.rows
+    }
+
+    pub fn cols(&self) -> usize {
+        self.cols
     }
 
     /// Bytes of the repacked copy.
@@ -101,10 +127,18 @@ impl RowGroups {
         let acts = ActQ8::quantize(x, cols, n_tokens);
         let per_group = cols / 32 * group_bytes(self.dtype);
         let weights = &self.data[rows.start / GROUP_ROWS * per_group..rows.end / GROUP_ROWS * per_group];
-        let kernel: [GroupDot; 3] = match self.dtype {
-            GgmlType::Q4_0 => [group_dot::<Q4_0, 1>, group_dot::<Q4_0, 2>, group_dot::<Q4_0, TOKEN_TILE>],
-            GgmlType::Q4_1 => [group_dot::<Q4_1, 1>, group_dot::<Q4_1, 2>, group_dot::<Q4_1, TOKEN_TILE>],
-            _ => [group_dot::<Q8_0, 1>, group_dot::<Q8_0, 2>, group_dot::<Q8_0, TOKEN_TILE>],
+        macro_rules! tiles {
+            ($dot:ident, $kind:expr) => {
+                [$dot::<{ $kind }, 1>, $dot::<{ $kind }, 2>, $dot::<{ $kind }, TOKEN_TILE>]
+            };
+        }
+        let kernel: [GroupDot; 3] = match (self.level, self.dtype) {
+            (SimdLevel::Avx512Vnni, GgmlType::Q4_0) => tiles!(group_dot_vnni, Q4_0),
+            (SimdLevel::Avx512Vnni, GgmlType::Q4_1) => tiles!(group_dot_vnni, Q4_1),
+            (SimdLevel::Avx512Vnni, _) => tiles!(group_dot_vnni, Q8_0),
+            (_, GgmlType::Q4_0) => tiles!(group_dot_avx2, Q4_0),
+            (_, GgmlType::Q4_1) => tiles!(group_dot_avx2, Q4_1),
+            _ => tiles!(group_dot_avx2, Q8_0),
         };
         let tasks = rayon::current_num_threads() * 4;
         let chunk = m.div_ceil(tasks).next_multiple_of(GROUP_ROWS).max(GROUP_ROWS);
@@ -116,7 +150,7 @@ impl RowGroups {
                 for (nt, dot) in [(TOKEN_TILE, kernel[2]), (2, kernel[1]), (1, kernel[0])] {
                     while t + nt <= n_tokens {
                         let mut sums = [[0f32; GROUP_ROWS]; TOKEN_TILE];
-                        // SAFETY: `repack` makes a copy only on CPUs with AVX2.
+                        // SAFETY: `repack_for` makes a copy only for a level the CPU has.
                         unsafe { dot(w, &acts, t, &mut sums) };
                         for (i, s) in sums[..nt].iter().enumerate() {
                             outs[t + i][g * GROUP_ROWS..(g + 1) * GROUP_ROWS].copy_from_slice(s);
@@ -156,67 +190,104 @@ fn group_bytes(dtype: GgmlType) -> usize {
 type GroupDot = unsafe fn(group: &[u8], acts: &ActQ8, t0: usize, sums: &mut [[f32; GROUP_ROWS]; TOKEN_TILE]);
 
 /// `sum_b (d_r * da) * (codes_r · y) + c_r * sa * F`, with c = m and F = 1 for Q4_1, c = d and
-/// F = -8 for Q4_0 (its codes are offset by 8), no such term for Q8_0.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn group_dot<const KIND: u8, const NT: usize>(group: &[u8], acts: &ActQ8, t0: usize, sums: &mut [[f32; GROUP_ROWS]; TOKEN_TILE]) {
-    use std::arch::x86_64::*;
-    let nb = acts.blocks();
-    let block = block_bytes(KIND);
-    assert!(group.len() == nb * block && t0 + NT <= acts.n_tokens() && NT <= TOKEN_TILE, "row_groups: kernel arguments");
-    let (ones, low) = (_mm256_set1_epi16(1), _mm256_set1_epi8(0x0F));
-    let min_factor = _mm256_set1_ps(if KIND == Q4_1 { 1.0 } else { -8.0 });
-    let tokens: [(&[i8], &[[f32; 2]]); NT] = std::array::from_fn(|t| acts.token(t0 + t));
-    let mut acc = [_mm256_setzero_ps(); NT];
-    for b in 0..nb {
-        let p = group.as_ptr().add(b * block);
-        let d = _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i));
-        let c = if KIND == Q4_1 { _mm256_cvtph_ps(_mm_loadu_si128(p.add(16) as *const __m128i)) } else { d };
-        let c = _mm256_mul_ps(c, min_factor);
-        let q = p.add(if KIND == Q4_1 { 32 } else { 16 });
-        // Register j: codes of elements 4j .. 4j + 3 of the 8 rows (4-bit: j < 4 low nibbles,
-        // else high ones; Q8_0: signed, their magnitudes for vpmaddubsw's unsigned side).
-        let mut codes = [_mm256_setzero_si256(); 8];
-        let mut ucodes = [_mm256_setzero_si256(); 8];
-        if KIND == Q8_0 {
-            for j in 0..8 {
-                codes[j] = _mm256_loadu_si256(q.add(32 * j) as *const __m256i);
-                ucodes[j] = _mm256_abs_epi8(codes[j]);
+/// F = -8 for Q4_0 (its codes are offset by 8), for Q8_0 F = -128 where its codes are stored
+/// biased (VNNI) and no such term otherwise. The two kernels differ only in the integer dot of a
+/// block (`$isum`, from the unsigned codes, the signed ones and the broadcast activations).
+macro_rules! group_dot_kernel {
+    ($name:ident, $features:literal, q8_biased: $biased:literal, |$ucodes:ident, $codes:ident, $y4:ident| $isum:expr) => {
+        #[cfg(target_arch = "x86_64")]
+        #[target_feature(enable = $features)]
+        unsafe fn $name<const KIND: u8, const NT: usize>(group: &[u8], acts: &ActQ8, t0: usize, sums: &mut [[f32; GROUP_ROWS]; TOKEN_TILE]) {
+            use std::arch::x86_64::*;
+            let nb = acts.blocks();
+            let block = block_bytes(KIND);
+            assert!(group.len() == nb * block && t0 + NT <= acts.n_tokens() && NT <= TOKEN_TILE, "row_groups: kernel arguments");
+            let low = _mm256_set1_epi8(0x0F);
+            let min_factor = _mm256_set1_ps(match KIND {
+                Q4_1 => 1.0,
+                Q4_0 => -8.0,
+                _ => -128.0,
+            });
+            let min_term = KIND != Q8_0 || $biased;
+            let tokens: [(&[i8], &[[f32; 2]]); NT] = std::array::from_fn(|t| acts.token(t0 + t));
+            let mut acc = [_mm256_setzero_ps(); NT];
+            for b in 0..nb {
+                let p = group.as_ptr().add(b * block);
+                // Streaming from memory, the hardware prefetcher alone leaves this one sequential
+                // read latency-bound; ask for the bytes a few blocks ahead (a prefetch never faults).
+                for l in (0..block).step_by(64) {
+                    _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(PREFETCH_AHEAD + l) as *const i8);
+                }
+                let d = _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i));
+                let c = if KIND == Q4_1 { _mm256_cvtph_ps(_mm_loadu_si128(p.add(16) as *const __m128i)) } else { d };
+                let c = _mm256_mul_ps(c, min_factor);
+                let q = p.add(if KIND == Q4_1 { 32 } else { 16 });
+                // Register j: codes of elements 4j .. 4j + 3 of the 8 rows (4-bit: j < 4 low
+                // nibbles, else high ones; Q8_0: as stored, and unbiased their magnitudes).
+                let mut $codes = [_mm256_setzero_si256(); 8];
+                let mut $ucodes = [_mm256_setzero_si256(); 8];
+                if KIND == Q8_0 {
+                    for j in 0..8 {
+                        $codes[j] = _mm256_loadu_si256(q.add(32 * j) as *const __m256i);
+                        $ucodes[j] = if $biased { $codes[j] } else { _mm256_abs_epi8($codes[j]) };
+                    }
+                } else {
+                    for i in 0..4 {
+                        let v = _mm256_loadu_si256(q.add(32 * i) as *const __m256i);
+                        $ucodes[i] = _mm256_and_si256(v, low);
+                        $ucodes[i + 4] = _mm256_and_si256(_mm256_srli_epi16::<4>(v), low);
+                    }
+                }
+                for (t, (qs, ds)) in tokens.iter().enumerate() {
+                    let y = qs.as_ptr().add(b * 32) as *const i32;
+                    let $y4 = |j: usize| _mm256_set1_epi32(y.add(j).read_unaligned());
+                    let isum: __m256i = $isum;
+                    let [da, sa] = ds[b];
+                    acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(d, _mm256_set1_ps(da)), acc[t]);
+                    if min_term {
+                        acc[t] = _mm256_fmadd_ps(c, _mm256_set1_ps(sa), acc[t]);
+                    }
+                }
             }
-        } else {
-            for i in 0..4 {
-                let v = _mm256_loadu_si256(q.add(32 * i) as *const __m256i);
-                ucodes[i] = _mm256_and_si256(v, low);
-                ucodes[i + 4] = _mm256_and_si256(_mm256_srli_epi16::<4>(v), low);
+            for t in 0..NT {
+                _mm256_storeu_ps(sums[t].as_mut_ptr(), acc[t]);
             }
         }
-        for (t, (qs, ds)) in tokens.iter().enumerate() {
-            let y = qs.as_ptr().add(b * 32) as *const i32;
-            let y4 = |j: usize| _mm256_set1_epi32(y.add(j).read_unaligned());
-            let isum = if KIND == Q8_0 {
-                // A pair sum reaches 2 * 128 * 127: each goes to 32 bits before adding.
-                let dot = |j: usize| _mm256_madd_epi16(_mm256_maddubs_epi16(ucodes[j], _mm256_sign_epi8(y4(j), codes[j])), ones);
-                (1..8).fold(dot(0), |s, j| _mm256_add_epi32(s, dot(j)))
-            } else {
-                // |sum of 8 pairs| <= 8 * 2 * 15 * 127 fits vpmaddubsw's 16-bit lanes.
-                let s = (1..8).fold(_mm256_maddubs_epi16(ucodes[0], y4(0)), |s, j| _mm256_add_epi16(s, _mm256_maddubs_epi16(ucodes[j], y4(j))));
-                _mm256_madd_epi16(s, ones)
-            };
-            let [da, sa] = ds[b];
-            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(d, _mm256_set1_ps(da)), acc[t]);
-            if KIND != Q8_0 {
-                acc[t] = _mm256_fmadd_ps(c, _mm256_set1_ps(sa), acc[t]);
-            }
-        }
+    };
+}
+
+group_dot_kernel!(group_dot_avx2, "avx2,fma,f16c", q8_biased: false, |ucodes, codes, y4| {
+    let ones = _mm256_set1_epi16(1);
+    if KIND == Q8_0 {
+        // A pair sum reaches 2 * 128 * 127: each goes to 32 bits before adding.
+        let dot = |j: usize| _mm256_madd_epi16(_mm256_maddubs_epi16(ucodes[j], _mm256_sign_epi8(y4(j), codes[j])), ones);
+        (1..8).fold(dot(0), |s, j| _mm256_add_epi32(s, dot(j)))
+    } else {
+        // |sum of 8 pairs| <= 8 * 2 * 15 * 127 fits vpmaddubsw's 16-bit lanes.
+        let s = (1..8).fold(_mm256_maddubs_epi16(ucodes[0], y4(0)), |s, j| _mm256_add_epi16(s, _mm256_maddubs_epi16(ucodes[j], y4(j))));
+        _mm256_madd_epi16(s, ones)
     }
-    for t in 0..NT {
-        _mm256_storeu_ps(sums[t].as_mut_ptr(), acc[t]);
+});
+
+// Two accumulation chains, so that each `vpdpbusd` waits for the one two before it.
+group_dot_kernel!(group_dot_vnni, "avx2,fma,f16c,avx512f,avx512vl,avx512vnni", q8_biased: true, |ucodes, codes, y4| {
+    let _ = &codes;
+    let (mut s0, mut s1) = (_mm256_setzero_si256(), _mm256_setzero_si256());
+    for j in (0..8).step_by(2) {
+        s0 = _mm256_dpbusd_epi32(s0, ucodes[j], y4(j));
+        s1 = _mm256_dpbusd_epi32(s1, ucodes[j + 1], y4(j + 1));
     }
+    _mm256_add_epi32(s0, s1)
+});
+
+#[cfg(not(target_arch = "x86_64"))]
+unsafe fn group_dot_avx2<const KIND: u8, const NT: usize>(_: &[u8], _: &ActQ8, _: usize, _: &mut [[f32; GROUP_ROWS]; TOKEN_TILE]) {
+    unreachable!("row groups are made only where the AVX2 kernel runs")
 }
 
 #[cfg(not(target_arch = "x86_64"))]
-unsafe fn group_dot<const KIND: u8, const NT: usize>(_: &[u8], _: &ActQ8, _: usize, _: &mut [[f32; GROUP_ROWS]; TOKEN_TILE]) {
-    unreachable!("row groups are made only where the AVX2 kernel runs")
+unsafe fn group_dot_vnni<const KIND: u8, const NT: usize>(_: &[u8], _: &ActQ8, _: usize, _: &mut [[f32; GROUP_ROWS]; TOKEN_TILE]) {
+    unreachable!("row groups are made only where the AVX-512 VNNI kernel runs")
 }
 
 #[cfg(test)]
@@ -225,10 +296,20 @@ mod tests {
     use crate::kernels::matmul;
 
     /// The repacked matmul gives the row kernels' results (same integer sums, float order aside)
-    /// on Q4_0, Q4_1 and Q8_0 (codes of both signs, -128 too), every token tiling, whole and
-    /// partial row ranges.
+    /// with both kernels, on Q4_0, Q4_1 and Q8_0 (codes of both signs, -128 too), every token
+    /// tiling, whole and partial row ranges.
     #[test]
     fn row_groups_match_the_row_kernels() {
+        for level in [SimdLevel::Avx2, SimdLevel::Avx512Vnni] {
+            if level.is_available() {
+                check_level(level);
+            } else {
+                eprintln!("skipped: no {level:?} row-group kernel on this CPU");
+            }
+        }
+    }
+
+    fn check_level(level: SimdLevel) {
         let mut seed = 0x9E37_79B9_7F4A_7C15u64;
         let mut rnd = move || {
             seed ^= seed << 13;
@@ -250,10 +331,7 @@ mod tests {
                 }
             }
             let view = WeightView { dtype, rows, cols, data: &data };
-            let Some(groups) = RowGroups::repack(&view) else {
-                eprintln!("skipped: no AVX2 row-group kernel on this CPU");
-                return;
-            };
+            let groups = RowGroups::repack_for(&view, level).expect("a level the CPU has");
             for n in [1usize, 2, 3, 4, 7, 9] {
                 let x: Vec<f32> = (0..n * cols).map(|_| (rnd() % 2001) as f32 / 1000.0 - 1.0).collect();
                 for range in [0..rows, 8..32] {
@@ -263,7 +341,7 @@ mod tests {
                     matmul::matmul(&sub, &x, n, &mut want).unwrap();
                     groups.matmul(range.clone(), &x, n, &mut got).unwrap();
                     for (i, (a, b)) in got.iter().zip(&want).enumerate() {
-                        assert!((a - b).abs() <= 1e-4 * (1.0 + b.abs()), "{dtype} n={n} {range:?} [{i}]: {a} vs {b}");
+                        assert!((a - b).abs() <= 1e-4 * (1.0 + b.abs()), "{level:?} {dtype} n={n} {range:?} [{i}]: {a} vs {b}");
                     }
                 }
             }
