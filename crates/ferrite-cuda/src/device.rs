@@ -90,8 +90,6 @@ pub struct GpuOptions {
     pub attention_groups: AttentionGroups,
     /// The most query heads such a block serves (1 to 8).
     pub attention_max_group: usize,
-    /// Keys from which the adaptive decode kernel serves a KV group per block.
-    pub attention_group_keys: u32,
     /// The MoE expert path every batch takes (`None`: [`crate::ops::moe_plan`] decides).
     pub moe_path: Option<MoePath>,
 }
@@ -106,7 +104,6 @@ impl GpuOptions {
             attention_path: AttentionPath::forced_by(env::CUDA_ATTENTION_PATH.get().as_deref()),
             attention_groups: AttentionGroups::from_env(),
             attention_max_group: env::CUDA_ATTENTION_MAX_GROUP.parse(8usize).clamp(1, 8),
-            attention_group_keys: env::CUDA_ATTENTION_GROUP_KEYS.parse(1024u32),
             moe_path: MoePath::forced_by(env::CUDA_MOE_PATH.get().as_deref()),
         }
     }
@@ -136,7 +133,6 @@ pub struct Gpu {
     attention_path: Option<AttentionPath>,
     attention_groups: AttentionGroups,
     attention_max_group: usize,
-    attention_group_keys: u32,
     moe_path: Option<MoePath>,
     props: DeviceProps,
     stream: Arc<CudaStream>,
@@ -196,7 +192,6 @@ impl Gpu {
             attention_path: options.attention_path,
             attention_groups: options.attention_groups,
             attention_max_group: options.attention_max_group,
-            attention_group_keys: options.attention_group_keys,
             moe_path: options.moe_path,
             props: DeviceProps { name, compute_capability: (major as u32, minor as u32), sm_count: sm_count as u32 },
             stream,
@@ -263,12 +258,6 @@ impl Gpu {
     /// The most query heads a grouped attention block serves (`FERRITE_CUDA_ATTENTION_MAX_GROUP`).
     pub fn attention_max_group(&self) -> usize {
         self.attention_max_group
-    }
-
-    /// Keys of a query from which the adaptive one-token decode kernel serves a KV group per
-    /// block (`FERRITE_CUDA_ATTENTION_GROUP_KEYS`).
-    pub fn attention_group_keys(&self) -> u32 {
-        self.attention_group_keys
     }
 
     /// The MoE expert path forced on this device (`FERRITE_CUDA_MOE_PATH`), if any.

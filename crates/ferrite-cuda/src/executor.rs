@@ -231,9 +231,7 @@ impl Buffers {
         // are not staged) for the batches the small-batch GEMMs serve.
         let glu_width = graph.ops.iter().filter(|op| matches!(op, Op::GatedLinear { .. })).map(|op| graph.value(op.writes()).width).max().unwrap_or(0);
         let split_tokens = (1..attention_splits.len()).filter(|&n| attention_splits[n] > 1).max().unwrap_or(0);
-        // Share slots per query: a regrouping one-token launch uses more than its grid's shares.
-        let decode_shares = attention_splits.get(1).map_or(1, |&s| s * ops::DecodeGrouping::new(gpu, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, s > 1).shares_per_split());
-        let max_splits = attention_splits.iter().copied().max().unwrap_or(1).max(decode_shares);
+        let max_splits = attention_splits.iter().copied().max().unwrap_or(1);
         Ok(Buffers {
             slots: plan.slot_elems.iter().map(|&n| gpu.alloc_zeros::<f32>(n.max(1)).map(Some)).collect::<Result<_, _>>()?,
             split_scratch: ops::SplitScratch::new(gpu, split_tokens * cfg.n_heads, max_splits, cfg.head_dim)?,
@@ -438,13 +436,12 @@ impl CudaExecutor {
             .collect::<Result<_, _>>()?;
         let gdn = gdn_shapes.into_iter().map(|(l, shape)| GdnState::new(&gpu, shape).map(|st| (l, st))).collect::<Result<_, _>>()?;
         let split_attention = env::SPLIT_ATTENTION.flag();
-        // One-token steps run the fused store + attention kernel: its grid sizes the shares, and
-        // a regrouping launch cuts each query into more of them (the scratch's slots).
-        let decode = ops::DecodeGrouping::new(&gpu, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, true);
+        // One-token steps run the fused store + attention kernel, a block per group of query heads.
+        let group = ops::attention_group(&gpu, cfg.n_heads, cfg.n_kv_heads, true);
         let attention_splits: Vec<usize> = (0..=max_batch)
             .map(|n| {
-                let (blocks, shares) = if n == 1 { (decode.blocks_per_share(cfg.n_heads), decode.shares_per_split()) } else { (cfg.n_heads, 1) };
-                let splits = ops::attention_splits(gpu.sm_count() as usize, blocks, n, options.context_len).min(ops::MAX_SPLITS / shares);
+                let blocks = if n == 1 { cfg.n_heads / group } else { cfg.n_heads };
+                let splits = ops::attention_splits(gpu.sm_count() as usize, blocks, n, options.context_len);
                 if split_attention { splits } else { 1 }
             })
             .collect();

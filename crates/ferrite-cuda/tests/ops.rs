@@ -1269,13 +1269,8 @@ fn store_and_attend_matches_store_then_attention_on(gpu: &Gpu) {
 #[test]
 fn split_store_and_attend_matches_one_block() {
     let Some(gpu) = gpu() else { return };
-    // A block per query head (the default grouping below 1024 keys), per KV group's heads
-    // (FERRITE_CUDA_ATTENTION_GROUPS=all), and regrouped at run time from 2 keys on (adaptive).
-    let adaptive = {
-        static GPU: OnceLock<Gpu> = OnceLock::new();
-        GPU.get_or_init(|| Gpu::with_options(0, GpuOptions { attention_groups: ops::AttentionGroups::Adaptive, attention_group_keys: 2, ..GpuOptions::from_env() }).expect("open GPU"))
-    };
-    for gpu in [gpu, grouped_gpu(), adaptive] {
+    // A block per query head, and (FERRITE_CUDA_ATTENTION_GROUPS=all) per KV group's heads.
+    for gpu in [gpu, grouped_gpu()] {
         split_store_and_attend_matches_one_block_on(gpu);
     }
 }
@@ -1298,17 +1293,9 @@ fn split_store_and_attend_matches_one_block_on(gpu: &Gpu) {
                 ops::store_qkv(gpu, cache, &rows, row, prefill, n_heads, &pos, Some(&rope), &mut q).unwrap();
             }
         }
-        let grouping = ops::DecodeGrouping::new(gpu, n_heads, n_kv, hd, true);
-        let mut scratch = ops::SplitScratch::new(gpu, n_heads, splits * grouping.shares_per_split(), hd).unwrap();
-        // Too small a scratch for a regrouping launch is refused.
-        if grouping.adaptive {
-            let mut small = ops::SplitScratch::new(gpu, n_heads, splits, hd).unwrap();
-            let (qkv, pos, mut out) = (upload(gpu, &vec![0.0; row]), upload(gpu, &[0u32]), poisoned(gpu, n_heads * hd));
-            let err = ops::store_and_attend(gpu, &mut split, &qkv, &pos, &cfg, Some(&rope), Some((splits, &mut small)), &mut out, None).unwrap_err().to_string();
-            assert!(err.contains("cannot hold"), "{err}");
-        }
+        let mut scratch = ops::SplitScratch::new(gpu, n_heads, splits, hd).unwrap();
         for p in prefill as u32..prefill as u32 + 4 {
-            let name = format!("h{n_heads}/{n_kv} d{hd} {kv_dtype:?} w{window:?} pos{p} in {splits} shares, {grouping:?}");
+            let name = format!("h{n_heads}/{n_kv} d{hd} {kv_dtype:?} w{window:?} pos{p} in {splits} shares");
             let qkv = upload(gpu, &rng.vec(row, -1.0, 1.0));
             let pos = upload(gpu, &[p]);
             let (mut got, mut want) = (poisoned(gpu, n_heads * hd), poisoned(gpu, n_heads * hd));
@@ -3009,9 +2996,6 @@ fn every_kernel_variant_compiles_for_sm90() {
                     check(format!("{v:?}"), compile_variant(&v, "sm_90"));
                 }
             }
-            // The regrouping split kernel, at the largest group `DecodeGrouping` gives it.
-            let v = AttentionVariant::adaptive(hd, kv, rope, (1024 / hd).min(8));
-            check(format!("{v:?}"), compile_variant(&v, "sm_90"));
             for group in [1, 3, 4, 8] {
                 let v = AttentionVariant::paged(hd, kv, group);
                 check(format!("{v:?}"), compile_variant(&v, "sm_90"));

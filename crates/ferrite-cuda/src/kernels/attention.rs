@@ -271,8 +271,7 @@ device_params! {
         /// when `emit_bf16` is 1, else f16.
         pub emit_half: u64,
         pub emit_bf16: u32,
-        /// ADAPTIVE only: queries of this many keys or more run a KV group per block.
-        pub group_keys: u32,
+        pub emit_pad: u32,
         /// STORE only: the token's `q | k | v` row (read instead of `q`) and its RoPE.
         pub qkv: u64,
         pub rot_dim: u32,
@@ -333,12 +332,6 @@ const ATTENTION: &str = r#"
 #ifndef GROUP
 #error "GROUP (query heads per block: the heads of one KV group score each K row and weigh each V row they load together; 1: a block per query head) must come from the kernel variant"
 #endif
-#ifndef ADAPTIVE
-#error "ADAPTIVE (1: a block per query head and share, regrouped by KV group from p.group_keys keys on) must come from the kernel variant"
-#endif
-#if ADAPTIVE && !(SPLIT && STORE && GROUP > 1)
-#error "ADAPTIVE regroups the shares of the one-token split decode kernel"
-#endif
 // A cache row as 16-byte vectors of KV_VEC values. A lane scores one key: the first K_PRE
 // vectors of its K row are requested with the batch's V rows (see load_batch), the rest (long
 // rows only) as it multiplies.
@@ -346,16 +339,16 @@ const ATTENTION: &str = r#"
 #define K_PRE (K_VECS < 16 ? K_VECS : 16)
 // The value accumulation's lane layout: a V row's HEAD_DIM values over V_LANES lanes of V_DIMS
 // consecutive dims (V_VECS vectors) each, so one load instruction of the warp reads V_RPI rows.
-// A group of V_GROUP(G) rows is requested at once: at most 256 bytes per lane (all 32 rows of a
+// A group of V_GROUP rows is requested at once: at most 256 bytes per lane (all 32 rows of a
 // batch up to 128 f16 dims), 128 with several query heads (their accumulators need the room).
 #define V_LANES (K_VECS < 32 ? K_VECS : 32)
 #define V_DIMS (HEAD_DIM / V_LANES)
 #define V_VECS (V_DIMS / KV_VEC)
 #define V_RPI (32 / V_LANES)
-#define V_LANE_BYTES(G) ((G) > 1 ? 128 : 256)
-#define V_GROUP_FIT(G) (32 * V_LANE_BYTES(G) / (HEAD_DIM * (int)sizeof(kv_t)))
-#define V_GROUP(G) (V_GROUP_FIT(G) < 32 ? V_GROUP_FIT(G) : 32)
-#define V_STEPS(G) (V_GROUP(G) / V_RPI)
+#define V_LANE_BYTES (GROUP > 1 ? 128 : 256)
+#define V_GROUP_FIT (32 * V_LANE_BYTES / (HEAD_DIM * (int)sizeof(kv_t)))
+#define V_GROUP (V_GROUP_FIT < 32 ? V_GROUP_FIT : 32)
+#define V_STEPS (V_GROUP / V_RPI)
 
 // The values of one 16-byte vector of cache entries.
 __device__ __forceinline__ void kv_unpack(const uint4& u, float* out) {
@@ -369,20 +362,18 @@ __device__ __forceinline__ void kv_unpack(const uint4& u, float* out) {
 }
 
 // A warp's batch of 32 keys in registers: the lane's K row (its first K_PRE vectors) and its
-// share of one group of V rows (G: the query heads of the block).
-template <int G>
+// share of one group of V rows.
 struct KvBatch {
   uint4 k[K_PRE];
-  uint4 v[V_STEPS(G) * V_VECS];
+  uint4 v[V_STEPS * V_VECS];
 };
 
-// Requests the lane's share of V rows g .. g + V_GROUP(G) of the batch at `base` (count keys;
-// rows past them re-read the last one, whose weight is 0).
-template <int G>
+// Requests the lane's share of V rows g .. g + V_GROUP of the batch at `base` (count keys; rows
+// past them re-read the last one, whose weight is 0).
 __device__ __forceinline__ void load_v_group(const AttentionParams& p, const kv_t* vc, i64 row, u32 tok, u32 base, u32 count, u32 g, int lane, uint4* v) {
   const int rg = lane / V_LANES, dc = lane % V_LANES;
 #pragma unroll
-  for (int st = 0; st < V_STEPS(G); ++st) {
+  for (int st = 0; st < V_STEPS; ++st) {
     const u32 r = min(g + st * V_RPI + rg, count - 1);
     const uint4* src = reinterpret_cast<const uint4*>(vc + cache_row(p.block_tables, p.row_seq, p.max_blocks, p.block_size, tok, base + r) * row + dc * V_DIMS);
 #pragma unroll
@@ -392,14 +383,13 @@ __device__ __forceinline__ void load_v_group(const AttentionParams& p, const kv_
 
 // Requests the batch of keys base .. min(base + 32, end): every load is issued before any is
 // used, so a batch costs one memory round trip (two or more for heads past 128 f16 dims).
-template <int G>
-__device__ __forceinline__ void load_batch(const AttentionParams& p, const kv_t* kc, const kv_t* vc, i64 row, u32 tok, u32 base, u32 end, int lane, KvBatch<G>& b) {
+__device__ __forceinline__ void load_batch(const AttentionParams& p, const kv_t* kc, const kv_t* vc, i64 row, u32 tok, u32 base, u32 end, int lane, KvBatch& b) {
   if (base + lane < end) {
     const uint4* k = reinterpret_cast<const uint4*>(kc + cache_row(p.block_tables, p.row_seq, p.max_blocks, p.block_size, tok, base + lane) * row);
 #pragma unroll
     for (int i = 0; i < K_PRE; ++i) b.k[i] = k[i];
   }
-  load_v_group<G>(p, vc, row, tok, base, min(32u, end - base), 0, lane, b.v);
+  load_v_group(p, vc, row, tok, base, min(32u, end - base), 0, lane, b.v);
 }
 
 // Fewest keys per share: one batch of 32 keys for every warp of the block.
@@ -424,28 +414,22 @@ __device__ __forceinline__ void prefetch_kv(const AttentionParams& p, const kv_t
   }
 }
 
-// The first key a query at `pos` attends to (a sliding window skips the older ones).
-__device__ __forceinline__ u32 first_key(const AttentionParams& p, u32 pos) {
-  return (p.window > 0 && pos + 1 > p.window) ? pos + 1 - p.window : 0;
-}
-
-// One block per (G query heads of one KV group, query token, key share zi of zn). Warps take turns
+// One block per (GROUP query heads of one KV group, query token, key share). Warps take turns
 // on batches of 32 keys of the block's share: each lane scores one key (a whole K row in 16-byte
 // loads against each head's q in shared memory), the warp updates each head's online softmax
 // (running max m, sum l) once per batch, then accumulates the batch's V rows (see V_LANES) into
-// each head's sums. A head's arithmetic is the same at every G (bit-identical outputs); the
+// each head's sums. A head's arithmetic is the same at every GROUP (bit-identical outputs); the
 // group only shares the K/V loads. The batch's K and V loads are all issued
 // before any is used (load_batch), so a warp waits for memory once per batch, not once per key;
 // with the fused K/V store the first batch is requested before the kernel waits for the QKV
 // projection. The warps' states are merged through shared memory at the end.
 // With SPLIT, each block stores its merged state; the last block of a query to arrive (an
 // atomic counter) merges the shares and writes the output, so no second kernel is needed.
-template <int G>
-__device__ __forceinline__ void attend(const AttentionParams& p, const u32 head, const u32 zi, const u32 zn) {
-  __shared__ __align__(16) float s_q[G][HEAD_DIM];
-  __shared__ float s_m[NWARPS][G], s_l[NWARPS][G], s_acc[NWARPS][G][HEAD_DIM];
+extern "C" __global__ void __launch_bounds__(NWARPS * 32) attention(const AttentionParams p) {
+  __shared__ __align__(16) float s_q[GROUP][HEAD_DIM];
+  __shared__ float s_m[NWARPS][GROUP], s_l[NWARPS][GROUP], s_acc[NWARPS][GROUP][HEAD_DIM];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const u32 tok = blockIdx.y;  // head: the block's first query head
+  const u32 head = blockIdx.x * GROUP, tok = blockIdx.y;  // the block's first query head
   const i64 qrow = ((i64)tok * p.n_heads + head) * HEAD_DIM;  // head g's row: qrow + g * HEAD_DIM
   // Positions (and block tables) are copied in by the host before the step's first kernel, so
   // they may be read before waiting for the previous kernel; so may the cached rows (below).
@@ -453,33 +437,33 @@ __device__ __forceinline__ void attend(const AttentionParams& p, const u32 head,
   const bool bad_pos = pos_in >= p.max_seq;
   const u32 pos = bad_pos ? 0 : pos_in;
   const u32 kv_head = head / (p.n_heads / p.n_kv_heads);
-  const u32 first = first_key(p, pos);
+  const u32 first = (p.window > 0 && pos + 1 > p.window) ? pos + 1 - p.window : 0;
   const u32 len = pos + 1 - first;  // keys of the query, the new one included
-  const u32 share = max((len + zn - 1) / zn, SPLIT ? MIN_SHARE : 1u);
+  const u32 share = max((len + gridDim.z - 1) / gridDim.z, SPLIT ? MIN_SHARE : 1u);
   // The shares that hold keys (the grid is sized for the longest context): blocks past them
   // leave at once, and a lone share writes the output itself, without the merge.
   const u32 active = (len + share - 1) / share;
-  if (zi >= active) return;  // block-uniform, before any barrier
+  if (blockIdx.z >= active) return;  // block-uniform, before any barrier
   // With STORE the cached keys end before pos; the new key comes after the loop.
-  const u32 begin = first + zi * share, end = min(pos + 1 - STORE, begin + share);
+  const u32 begin = first + blockIdx.z * share, end = min(pos + 1 - STORE, begin + share);
   const i64 row = (i64)p.n_kv_heads * HEAD_DIM;
   const kv_t* kc = reinterpret_cast<const kv_t*>(p.k_cache) + (i64)kv_head * HEAD_DIM;
   const kv_t* vc = reinterpret_cast<const kv_t*>(p.v_cache) + (i64)kv_head * HEAD_DIM;
   u32 base = begin + 32 * warp;  // the warp's first batch
-  KvBatch<G> batch;
+  KvBatch batch;
 #if STORE
   // The cached rows (before pos) were written by earlier steps, and the angles depend on the
   // position only: both may be had before the wait, while the QKV projection still runs.
-  if (!bad_pos && base < end) load_batch<G>(p, kc, vc, row, tok, base, end, lane, batch);
+  if (!bad_pos && base < end) load_batch(p, kc, vc, row, tok, base, end, lane, batch);
   float rope_c, rope_s;
   qkv_pair_angle(threadIdx.x, pos, p.rot_dim, p.theta, p.freq_scale, &rope_c, &rope_s);
 #endif
   if (!bad_pos) prefetch_kv(p, kc, vc, row, tok, begin, end);
   KERNEL_ENTRY();
   if (bad_pos) {  // block-uniform, before any barrier; every share of the query returns
-    if (threadIdx.x == 0 && zi == 0) report_error(p.error_flag, ERR_POSITION, pos_in);
-    if (zi == 0)
-      for (int g = 0; g < G; ++g)
+    if (threadIdx.x == 0 && blockIdx.z == 0) report_error(p.error_flag, ERR_POSITION, pos_in);
+    if (blockIdx.z == 0)
+      for (int g = 0; g < GROUP; ++g)
         for (int d = threadIdx.x; d < HEAD_DIM; d += NWARPS * 32) store_output(p, qrow + g * HEAD_DIM, d, QNAN);
     return;
   }
@@ -492,7 +476,7 @@ __device__ __forceinline__ void attend(const AttentionParams& p, const u32 head,
   {
     // (PAGED: a batched decode step, one token of each sequence, q | k | v rows back to back.)
     const float* src = reinterpret_cast<const float*>(p.qkv) + (i64)tok * (p.n_heads + 2 * p.n_kv_heads) * HEAD_DIM;
-    const bool writer = head % (p.n_heads / p.n_kv_heads) == 0 && zi == 0;
+    const bool writer = head % (p.n_heads / p.n_kv_heads) == 0 && blockIdx.z == 0;
     const i64 new_row = ((i64)cache_row(p.block_tables, p.row_seq, p.max_blocks, p.block_size, tok, pos) * p.n_kv_heads + kv_head) * HEAD_DIM;
     const u32 pair = threadIdx.x;
     if (pair < HEAD_DIM / 2) {
@@ -500,7 +484,7 @@ __device__ __forceinline__ void attend(const AttentionParams& p, const u32 head,
       u32 a, b;
       float x0, x1;
 #pragma unroll
-      for (int g = 0; g < G; ++g) {
+      for (int g = 0; g < GROUP; ++g) {
         qkv_pair_turned(src, head + g, pair, rotated, p.rot_dim, rope_c, rope_s, &a, &b, &x0, &x1);
         s_q[g][a] = x0 * p.scale;
         s_q[g][b] = x1 * p.scale;
@@ -517,19 +501,19 @@ __device__ __forceinline__ void attend(const AttentionParams& p, const u32 head,
   }
 #else
   const float* q = reinterpret_cast<const float*>(p.q) + qrow;
-  for (int d = threadIdx.x; d < G * HEAD_DIM; d += NWARPS * 32) s_q[d / HEAD_DIM][d % HEAD_DIM] = q[d] * p.scale;
+  for (int d = threadIdx.x; d < GROUP * HEAD_DIM; d += NWARPS * 32) s_q[d / HEAD_DIM][d % HEAD_DIM] = q[d] * p.scale;
   // Rows of this launch's tokens may have been written by the previous kernel: read after the wait.
-  if (base < end) load_batch<G>(p, kc, vc, row, tok, base, end, lane, batch);
+  if (base < end) load_batch(p, kc, vc, row, tok, base, end, lane, batch);
 #endif
   __syncthreads();
 
   // Per lane: V_DIMS dims of the rows rg, rg + V_RPI, ... of each batch (summed over the lanes
   // of a dim chunk at the end).
   const int rg = lane / V_LANES, dc = lane % V_LANES;
-  float acc[G][V_DIMS];
-  float m[G], l[G];
+  float acc[GROUP][V_DIMS];
+  float m[GROUP], l[GROUP];
 #pragma unroll
-  for (int g = 0; g < G; ++g) {
+  for (int g = 0; g < GROUP; ++g) {
     m[g] = NEG_INF;
     l[g] = 0.f;
 #pragma unroll
@@ -537,33 +521,33 @@ __device__ __forceinline__ void attend(const AttentionParams& p, const u32 head,
   }
   for (; base < end; base += 32 * NWARPS) {
     const u32 j = base + lane;
-    float s[G];
+    float s[GROUP];
 #pragma unroll
-    for (int g = 0; g < G; ++g) s[g] = NEG_INF;
+    for (int g = 0; g < GROUP; ++g) s[g] = NEG_INF;
     if (j < end) {
       // The vectors past K_PRE (rows over 128 f16 dims) are read here, from the key's row.
       const uint4* krow = K_VECS > K_PRE ? reinterpret_cast<const uint4*>(kc + cache_row(p.block_tables, p.row_seq, p.max_blocks, p.block_size, tok, j) * row) : nullptr;
-      float part[G][KV_VEC] = {};  // KV_VEC independent chains per head: shorter sums, more ILP
+      float part[GROUP][KV_VEC] = {};  // KV_VEC independent chains per head: shorter sums, more ILP
 #pragma unroll
       for (int c = 0; c < K_VECS; ++c) {
         float k[KV_VEC];
         kv_unpack(c < K_PRE ? batch.k[c] : krow[c], k);
 #pragma unroll
-        for (int g = 0; g < G; ++g)
+        for (int g = 0; g < GROUP; ++g)
 #pragma unroll
           for (int e = 0; e < KV_VEC; ++e) part[g][e] += s_q[g][c * KV_VEC + e] * k[e];
       }
 #pragma unroll
-      for (int g = 0; g < G; ++g) {
+      for (int g = 0; g < GROUP; ++g) {
         float dot = 0.f;
 #pragma unroll
         for (int e = 0; e < KV_VEC; ++e) dot += part[g][e];
         s[g] = p.softcap > 0.f ? p.softcap * tanhf(dot / p.softcap) : dot;
       }
     }
-    float pj[G];
+    float pj[GROUP];
 #pragma unroll
-    for (int g = 0; g < G; ++g) {
+    for (int g = 0; g < GROUP; ++g) {
       const float m_new = fmaxf(m[g], warp_max(s[g]));  // finite: key `base` (lane 0) is in the share
       const float corr = expf(m[g] - m_new);
       pj[g] = j < end ? expf(s[g] - m_new) : 0.f;
@@ -575,38 +559,38 @@ __device__ __forceinline__ void attend(const AttentionParams& p, const u32 head,
     // The batch's V rows, a group (the first came with the keys) at a time: row r's weight is
     // lane r's pj (0 past the share).
     const u32 count = min(32u, end - base);
-    for (u32 g = 0; g < count; g += V_GROUP(G)) {
-      if (g > 0) load_v_group<G>(p, vc, row, tok, base, count, g, lane, batch.v);
+    for (u32 g = 0; g < count; g += V_GROUP) {
+      if (g > 0) load_v_group(p, vc, row, tok, base, count, g, lane, batch.v);
 #pragma unroll
-      for (int st = 0; st < V_STEPS(G); ++st) {
-        float w[G];
+      for (int st = 0; st < V_STEPS; ++st) {
+        float w[GROUP];
 #pragma unroll
-        for (int h = 0; h < G; ++h) w[h] = __shfl_sync(FULL_MASK, pj[h], g + st * V_RPI + rg);
+        for (int h = 0; h < GROUP; ++h) w[h] = __shfl_sync(FULL_MASK, pj[h], g + st * V_RPI + rg);
 #pragma unroll
         for (int e = 0; e < V_VECS; ++e) {
           float v[KV_VEC];
           kv_unpack(batch.v[st * V_VECS + e], v);
 #pragma unroll
-          for (int h = 0; h < G; ++h)
+          for (int h = 0; h < GROUP; ++h)
 #pragma unroll
             for (int i = 0; i < KV_VEC; ++i) acc[h][e * KV_VEC + i] += w[h] * v[i];
         }
       }
     }
-    if (base + 32 * NWARPS < end) load_batch<G>(p, kc, vc, row, tok, base + 32 * NWARPS, end, lane, batch);
+    if (base + 32 * NWARPS < end) load_batch(p, kc, vc, row, tok, base + 32 * NWARPS, end, lane, batch);
   }
   // Sum each dim chunk over its lanes (lanes dc, dc + V_LANES, ...): every lane then holds the
   // warp's sums of its chunk.
 #pragma unroll
   for (int o = V_LANES; o < 32; o <<= 1)
 #pragma unroll
-    for (int g = 0; g < G; ++g)
+    for (int g = 0; g < GROUP; ++g)
 #pragma unroll
       for (int i = 0; i < V_DIMS; ++i) acc[g][i] += __shfl_xor_sync(FULL_MASK, acc[g][i], o);
 #if STORE
-  if (warp == 0 && zi == active - 1) {  // the new key (in the last share), from shared memory
+  if (warp == 0 && blockIdx.z == active - 1) {  // the new key (in the last share), from shared memory
 #pragma unroll
-    for (int g = 0; g < G; ++g) {
+    for (int g = 0; g < GROUP; ++g) {
       float part = 0.f;
       for (int d = lane; d < HEAD_DIM; d += 32) part += s_q[g][d] * s_k[d];
       const float dot = warp_sum(part);
@@ -621,7 +605,7 @@ __device__ __forceinline__ void attend(const AttentionParams& p, const u32 head,
   }
 #endif
 #pragma unroll
-  for (int g = 0; g < G; ++g) {
+  for (int g = 0; g < GROUP; ++g) {
     if (lane == 0) { s_m[warp][g] = m[g]; s_l[warp][g] = l[g]; }
     if (rg == 0)
 #pragma unroll
@@ -629,9 +613,9 @@ __device__ __forceinline__ void attend(const AttentionParams& p, const u32 head,
   }
   __syncthreads();
   // Per head: the warps' states merged (max, rescaled sums).
-  float m_all[G], l_all[G], f[G][NWARPS];
+  float m_all[GROUP], l_all[GROUP], f[GROUP][NWARPS];
 #pragma unroll
-  for (int g = 0; g < G; ++g) {
+  for (int g = 0; g < GROUP; ++g) {
     m_all[g] = NEG_INF;
 #pragma unroll
     for (int w = 0; w < NWARPS; ++w) m_all[g] = fmaxf(m_all[g], s_m[w][g]);
@@ -654,11 +638,11 @@ __device__ __forceinline__ void attend(const AttentionParams& p, const u32 head,
     // Store this share's state of each head, publish them, count in (one counter per block
     // group: the first head's).
     const i64 query = (i64)tok * p.n_heads + head;
-    const i64 part_len = (i64)zn * (2 + HEAD_DIM);  // one query head's shares
+    const i64 part_len = (i64)gridDim.z * (2 + HEAD_DIM);  // one query head's shares
     float* parts = reinterpret_cast<float*>(p.partials) + query * part_len;
 #pragma unroll
-    for (int g = 0; g < G; ++g) {
-      float* mine = parts + g * part_len + zi * (2 + HEAD_DIM);
+    for (int g = 0; g < GROUP; ++g) {
+      float* mine = parts + g * part_len + blockIdx.z * (2 + HEAD_DIM);
       if (threadIdx.x == 0) { mine[0] = m_all[g]; mine[1] = l_all[g]; }
       for (int d = threadIdx.x; d < HEAD_DIM; d += NWARPS * 32) mine[2 + d] = block_acc(g, d);
     }
@@ -677,7 +661,7 @@ __device__ __forceinline__ void attend(const AttentionParams& p, const u32 head,
     // per thread): each share's weight exp(m_z - max) and rescaled sum, then the weighted sum
     // per dim.
     __shared__ float s_w[MAX_SPLITS], s_ls[MAX_SPLITS];
-    for (int g = 0; g < G; ++g) {
+    for (int g = 0; g < GROUP; ++g) {
       const float* head_parts = parts + g * part_len;
       for (u32 z = threadIdx.x; z < active; z += NWARPS * 32) s_w[z] = __ldcg(head_parts + z * (2 + HEAD_DIM));
       __syncthreads();
@@ -706,25 +690,8 @@ __device__ __forceinline__ void attend(const AttentionParams& p, const u32 head,
   }
 #endif
 #pragma unroll
-  for (int g = 0; g < G; ++g)
+  for (int g = 0; g < GROUP; ++g)
     for (int d = threadIdx.x; d < HEAD_DIM; d += NWARPS * 32) store_output(p, qrow + g * HEAD_DIM, d, block_acc(g, d) / l_all[g]);
-}
-
-// ADAPTIVE (one-token split decode): the grid has a block per query head and key share; a
-// query of p.group_keys keys or more is served a KV group per block instead (its heads share
-// each K/V row load: the long contexts' win), the group's GROUP blocks of each share then
-// taking GROUP times as many, smaller shares. Short contexts keep a block per head (more
-// blocks, less arithmetic each, on the step's critical path).
-extern "C" __global__ void __launch_bounds__(NWARPS * 32) attention(const AttentionParams p) {
-#if ADAPTIVE
-  const u32 pos = min(reinterpret_cast<const u32*>(p.positions)[blockIdx.y], p.max_seq - 1);
-  if (pos + 1 - first_key(p, pos) >= p.group_keys)
-    attend<GROUP>(p, blockIdx.x / GROUP * GROUP, blockIdx.z * GROUP + blockIdx.x % GROUP, gridDim.z * GROUP);
-  else
-    attend<1>(p, blockIdx.x, blockIdx.z, gridDim.z);
-#else
-  attend<GROUP>(p, blockIdx.x * GROUP, blockIdx.z, gridDim.z);
-#endif
 }
 "#;
 
@@ -742,9 +709,6 @@ pub struct AttentionVariant {
     pub paged: bool,
     /// Query heads per block (`GROUP`): heads of one KV group that share each K/V row load.
     pub group: u32,
-    /// `ADAPTIVE`: the grid has a block per query head; queries of `group_keys` keys or more
-    /// regroup them by `group` heads (one-token split decode only).
-    pub adaptive: bool,
 }
 
 impl AttentionVariant {
@@ -752,7 +716,7 @@ impl AttentionVariant {
     pub const MAX_GROUP: usize = 8;
 
     pub fn new(head_dim: usize, kv: KvDtype, split: bool) -> Self {
-        AttentionVariant { head_dim: head_dim as u32, kv, nwarps: 4, split, store: None, paged: false, group: 1, adaptive: false }
+        AttentionVariant { head_dim: head_dim as u32, kv, nwarps: 4, split, store: None, paged: false, group: 1 }
     }
 
     /// The one-block kernel reading a paged cache, `group` query heads per block (1, or a
@@ -773,20 +737,9 @@ impl AttentionVariant {
         AttentionVariant { store: Some(rope), group: group as u32, ..Self::new(head_dim, kv, split) }
     }
 
-    /// The one-token split kernel with a block per query head that regroups by `group` heads
-    /// from a number of keys on (`ADAPTIVE`).
-    pub fn adaptive(head_dim: usize, kv: KvDtype, rope: RopeStyle, group: usize) -> Self {
-        AttentionVariant { adaptive: true, ..Self::storing(head_dim, kv, rope, true, group) }
-    }
-
-    /// Blocks per query token and key share: one per query head, or per `group` of them.
-    pub fn blocks_per_share(&self, n_heads: usize) -> usize {
-        if self.adaptive { n_heads } else { n_heads / self.group as usize }
-    }
-
     pub fn launch_config(&self, n_heads: usize, n_tokens: usize, splits: usize) -> LaunchConfig {
         LaunchConfig {
-            grid_dim: (self.blocks_per_share(n_heads) as u32, n_tokens as u32, splits as u32),
+            grid_dim: ((n_heads / self.group as usize) as u32, n_tokens as u32, splits as u32),
             block_dim: (self.nwarps * 32, 1, 1),
             shared_mem_bytes: 0,
         }
@@ -808,7 +761,6 @@ impl KernelVariant for AttentionVariant {
             ("ROPE_STYLE", self.store.map_or(0, RopeStyle::macro_value).to_string()),
             ("PAGED", u32::from(self.paged).to_string()),
             ("GROUP", self.group.to_string()),
-            ("ADAPTIVE", u32::from(self.adaptive).to_string()),
         ]
     }
 }
@@ -829,7 +781,6 @@ mod tests {
         crate::kernels::tests::assert_macros_match(AttentionVariant::new(64, KvDtype::F16, true));
         crate::kernels::tests::assert_macros_match(AttentionVariant::storing(128, KvDtype::F16, RopeStyle::Neox, true, 4));
         crate::kernels::tests::assert_macros_match(AttentionVariant::paged(128, KvDtype::F16, 4));
-        crate::kernels::tests::assert_macros_match(AttentionVariant::adaptive(128, KvDtype::F16, RopeStyle::Neox, 4));
         crate::kernels::tests::assert_macros_match(AttentionVariant { paged: true, ..AttentionVariant::storing(128, KvDtype::F16, RopeStyle::Neox, false, 4) });
     }
 
@@ -839,7 +790,5 @@ mod tests {
         assert_eq!([1, 2, 3, 4, 6, 8, 12, 16].map(|h| AttentionVariant::group_for(h, 2)), [1, 2, 1, 2, 2, 2, 2, 2]);
         let v = AttentionVariant::paged(128, KvDtype::F16, 4);
         assert_eq!(v.launch_config(32, 64, 1).grid_dim, (8, 64, 1));
-        let v = AttentionVariant::adaptive(128, KvDtype::F16, RopeStyle::Neox, 4);
-        assert_eq!(v.launch_config(32, 1, 9).grid_dim, (32, 1, 9), "a block per head: regrouped at run time");
     }
 }

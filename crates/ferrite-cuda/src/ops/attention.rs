@@ -212,61 +212,21 @@ pub fn store_and_attend(
     let row = (cfg.n_heads + 2 * cache.n_kv_heads) * cache.head_dim;
     check_len(OP, "qkv", qkv.len(), row)?;
     check_rope(OP, rope, cache)?;
-    let splits = split.as_ref().map_or(1, |(splits, _)| *splits);
-    let grouping = DecodeGrouping::new(gpu, cfg.n_heads, cache.n_kv_heads, cache.head_dim, splits > 1);
     if let Some((splits, scratch)) = &split {
-        scratch.check(OP, splits * grouping.shares_per_split(), cfg.n_heads, cache.head_dim)?;
+        scratch.check(OP, *splits, cfg.n_heads, cache.head_dim)?;
     }
     let Some(mut params) = attention_params(gpu, qkv, cache, positions, 1, cfg, out, emit)? else { return Ok(()) };
     set_store(gpu, &mut params, cache, rope);
-    if let Some((_, scratch)) = split {
-        params.partials = addr_mut(gpu, &mut scratch.partials);
-        params.counters = addr_mut(gpu, &mut scratch.counters);
-    }
-    params.group_keys = gpu.attention_group_keys();
-    let variant = match grouping.adaptive {
-        true => AttentionVariant::adaptive(cache.head_dim, cache.dtype, rope_style(rope), grouping.group),
-        false => AttentionVariant::storing(cache.head_dim, cache.dtype, rope_style(rope), splits > 1, grouping.group),
-    };
-    gpu.launch(&variant, "attention", variant.launch_config(cfg.n_heads, 1, splits), &params)
-}
-
-/// How the fused one-token decode kernel ([`store_and_attend`]) spreads a query's heads over
-/// blocks, as [`AttentionGroups`] allows: a block per query head (`paged`, `off`), per group of
-/// a KV group's heads ([`attention_group`]; `all`), or (`adaptive`, split launches) a block per
-/// head that regroups at run time for queries of `FERRITE_CUDA_ATTENTION_GROUP_KEYS` keys or
-/// more.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct DecodeGrouping {
-    /// Query heads per block (when regrouped, with `adaptive`).
-    pub group: usize,
-    pub adaptive: bool,
-}
-
-impl DecodeGrouping {
-    /// The grouping of a launch over one key share (`split` false) or several.
-    pub fn new(gpu: &Gpu, n_heads: usize, n_kv_heads: usize, head_dim: usize, split: bool) -> Self {
-        let group = kv_group(gpu, n_heads, n_kv_heads);
-        // The regrouping kernel holds both bodies' shared arrays: at most 1 024 values of
-        // grouped heads keep them within the 48 KB of static shared memory.
-        let adaptive_group = (1..=group).rev().find(|g| group.is_multiple_of(*g) && g * head_dim <= 1024).unwrap_or(1);
-        match gpu.attention_groups() {
-            AttentionGroups::All => DecodeGrouping { group, adaptive: false },
-            AttentionGroups::Adaptive if split && adaptive_group > 1 => DecodeGrouping { group: adaptive_group, adaptive: true },
-            _ => DecodeGrouping { group: 1, adaptive: false },
+    let splits = match split {
+        Some((splits, scratch)) => {
+            params.partials = addr_mut(gpu, &mut scratch.partials);
+            params.counters = addr_mut(gpu, &mut scratch.counters);
+            splits
         }
-    }
-
-    /// Blocks per key share of the launch grid (size the shares with [`attention_splits`] on it).
-    pub fn blocks_per_share(&self, n_heads: usize) -> usize {
-        if self.adaptive { n_heads } else { n_heads / self.group }
-    }
-
-    /// Key-share slots per query head in the split scratch for each share of the grid: a
-    /// regrouped launch cuts each query into `group` times as many.
-    pub fn shares_per_split(&self) -> usize {
-        if self.adaptive { self.group } else { 1 }
-    }
+        None => 1,
+    };
+    let variant = AttentionVariant::storing(cache.head_dim, cache.dtype, rope_style(rope), splits > 1, attention_group(gpu, cfg.n_heads, cache.n_kv_heads, true));
+    gpu.launch(&variant, "attention", variant.launch_config(cfg.n_heads, 1, splits), &params)
 }
 
 /// What an attention kernel hands to the linear after it, besides its f32 output rows.
@@ -428,22 +388,19 @@ pub fn attention_on(
 pub enum AttentionGroups {
     /// A block per query head everywhere.
     Off,
-    /// The paged kernel of batched steps.
+    /// The paged kernel of batched steps (the default).
     Paged,
-    /// The paged kernel, and the split one-token decode kernel from a number of keys on (its
-    /// launch decides per query: see [`decode_attention_variant`]). The default.
-    Adaptive,
-    /// Also the fused one-token decode kernel ([`store_and_attend`]) at every length: faster deep
-    /// in a context, slower at short ones (fewer, busier blocks on the step's critical path).
+    /// Also the fused one-token decode kernel ([`store_and_attend`]): faster deep in a context,
+    /// slower at short ones (fewer, busier blocks on the step's critical path).
     All,
 }
 
 impl AttentionGroups {
     /// `FERRITE_CUDA_ATTENTION_GROUPS`; unset, `auto` or an unknown value (reported on stderr)
-    /// is the default, `adaptive`.
+    /// is the default, `paged`.
     pub fn from_env() -> Self {
-        let choices = [("off", AttentionGroups::Off), ("paged", AttentionGroups::Paged), ("adaptive", AttentionGroups::Adaptive), ("all", AttentionGroups::All)];
-        super::forced_path(&env::CUDA_ATTENTION_GROUPS, env::CUDA_ATTENTION_GROUPS.get().as_deref(), &choices).unwrap_or(AttentionGroups::Adaptive)
+        let choices = [("off", AttentionGroups::Off), ("paged", AttentionGroups::Paged), ("all", AttentionGroups::All)];
+        super::forced_path(&env::CUDA_ATTENTION_GROUPS, env::CUDA_ATTENTION_GROUPS.get().as_deref(), &choices).unwrap_or(AttentionGroups::Paged)
     }
 }
 
@@ -525,15 +482,10 @@ pub fn attention_paged(
 pub fn attention_group(gpu: &Gpu, n_heads: usize, n_kv_heads: usize, decode_step: bool) -> usize {
     let allowed = match gpu.attention_groups() {
         AttentionGroups::Off => false,
-        AttentionGroups::Paged | AttentionGroups::Adaptive => !decode_step,
+        AttentionGroups::Paged => !decode_step,
         AttentionGroups::All => true,
     };
-    if allowed { kv_group(gpu, n_heads, n_kv_heads) } else { 1 }
-}
-
-/// [`AttentionVariant::group_for`] of the heads per KV head, capped by the device, or 1.
-fn kv_group(gpu: &Gpu, n_heads: usize, n_kv_heads: usize) -> usize {
-    if n_kv_heads > 0 && n_heads.is_multiple_of(n_kv_heads) {
+    if allowed && n_kv_heads > 0 && n_heads.is_multiple_of(n_kv_heads) {
         AttentionVariant::group_for(n_heads / n_kv_heads, gpu.attention_max_group())
     } else {
         1
@@ -688,7 +640,7 @@ fn attention_params(
         emit_s,
         emit_half,
         emit_bf16,
-        group_keys: 0,
+        emit_pad: 0,
         qkv: 0,
         rot_dim: 0,
         theta: 0.0,
