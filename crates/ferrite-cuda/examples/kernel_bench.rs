@@ -395,23 +395,24 @@ fn attention(gpu: &Gpu) -> Result<(), CudaError> {
     // The decode step's kernel: K/V store, RoPE and attention in one launch, at the positions
     // of a short generation (SmolLM2 / 1B heads of 64, 8B heads of 128).
     for (n_heads, n_kv, head_dim) in [(9usize, 3usize, 64usize), (32, 8, 128)] {
-        println!("\nfused decode attention (store + RoPE + attend), {n_heads} heads / {n_kv} KV heads of {head_dim}, f16 cache, {} query heads per block", ops::attention_group(gpu, n_heads, n_kv, true));
+        let layouts = ops::DecodeLayouts::new(gpu, n_heads, n_kv, 4096, true);
+        println!("\nfused decode attention (store + RoPE + attend), {n_heads} heads / {n_kv} KV heads of {head_dim}, f16 cache, {layouts:?}");
         let mut cache = KvCache::new(gpu, KvDtype::F16, 4096, n_kv, head_dim)?;
         let row = (n_heads + 2 * n_kv) * head_dim;
         let qkv = gpu.upload(&vec![0.1f32; row], "qkv")?;
         let mut out = gpu.alloc_zeros::<f32>(n_heads * head_dim)?;
         let cfg = AttentionConfig { n_heads, scale: 1.0 / (head_dim as f32).sqrt(), window: None, softcap: None };
         let rope = ops::RopeConfig { n_heads, head_dim, rot_dim: head_dim, theta: 500_000.0, freq_scale: 1.0, neox: true };
-        let group = ops::attention_group(gpu, n_heads, n_kv, true);
-        let splits = ops::attention_splits(gpu.sm_count() as usize, n_heads / group, 1, 4096);
-        let mut scratch = ops::SplitScratch::new(gpu, n_heads, splits, head_dim)?;
-        for pos in [0u32, 31, 127, 511, 2047, 4095] {
+        let mut scratch = ops::SplitScratch::new(gpu, n_heads, layouts.short.splits.max(layouts.long.splits), head_dim)?;
+        for pos in [0u32, 31, 127, 511, 1023, 2047, 4095] {
             let p = gpu.upload(&[pos], "pos")?;
-            let s = time(gpu, 200, || ops::store_and_attend(gpu, &mut cache, &qkv, &p, &cfg, Some(&rope), None, &mut out, None))?;
-            let split = time(gpu, 200, || ops::store_and_attend(gpu, &mut cache, &qkv, &p, &cfg, Some(&rope), Some((splits, &mut scratch)), &mut out, None))?;
+            // The layout the executor would take at this position.
+            let ops::DecodeLayout { group, splits } = layouts.layout(layouts.is_long(pos as usize + 1));
+            let s = time(gpu, 200, || ops::store_and_attend(gpu, &mut cache, &qkv, &p, &cfg, Some(&rope), None, group, &mut out, None))?;
+            let split = time(gpu, 200, || ops::store_and_attend(gpu, &mut cache, &qkv, &p, &cfg, Some(&rope), Some((splits, &mut scratch)), group, &mut out, None))?;
             // K and V rows read per launch (each query head's block reads its group's rows).
             let gbs = (n_heads * (pos as usize + 1) * head_dim * 2 * 2) as f64 / split / 1e9;
-            println!("  kv_len={:<5} {:>9.2} us, split in {splits}: {:>9.2} us ({gbs:.0} GB/s of K/V rows per query head)", pos + 1, s * 1e6, split * 1e6);
+            println!("  kv_len={:<5} {group} heads per block {:>9.2} us, split in {splits}: {:>9.2} us ({gbs:.0} GB/s of K/V rows per query head)", pos + 1, s * 1e6, split * 1e6);
         }
     }
     // A batched decode step on the paged cache (serve, `bench --seqs`): one query per sequence,

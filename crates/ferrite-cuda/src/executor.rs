@@ -121,6 +121,9 @@ struct Buffers {
     /// Key shares of decode attention per batch size (`attention_splits`; 1: no split) and the
     /// scratch of split attention.
     attention_splits: Vec<usize>,
+    /// The fused one-token decode kernel's layouts, and the one this step takes.
+    decode: ops::DecodeLayouts,
+    decode_long: bool,
     /// One-token steps store K/V inside the (unsplit) attention kernel.
     fused_kv_store: bool,
     split_scratch: ops::SplitScratch,
@@ -189,7 +192,8 @@ fn step_tables<'a>(tables: impl Iterator<Item = &'a [u32]> + Clone, decode: bool
 
 impl Buffers {
     /// Buffers for up to `rows` token rows under `plan`, around the given caches and states.
-    fn new(gpu: &Gpu, model: &Model, plan: &Plan, rows: usize, kv: PerLayer<KvCache>, gdn: PerLayer<GdnState>, attention_splits: Vec<usize>) -> anyhow::Result<Self> {
+    #[allow(clippy::too_many_arguments)]
+    fn new(gpu: &Gpu, model: &Model, plan: &Plan, rows: usize, kv: PerLayer<KvCache>, gdn: PerLayer<GdnState>, attention_splits: Vec<usize>, decode: ops::DecodeLayouts) -> anyhow::Result<Self> {
         let (graph, cfg) = (&model.graph, &model.config);
         let widest = model
             .weights
@@ -230,12 +234,15 @@ impl Buffers {
         // Staged rows as wide as the widest GLU output (attention's narrower ones fit too, or
         // are not staged) for the batches the small-batch GEMMs serve.
         let glu_width = graph.ops.iter().filter(|op| matches!(op, Op::GatedLinear { .. })).map(|op| graph.value(op.writes()).width).max().unwrap_or(0);
-        let split_tokens = (1..attention_splits.len()).filter(|&n| attention_splits[n] > 1).max().unwrap_or(0);
-        let max_splits = attention_splits.iter().copied().max().unwrap_or(1);
+        let decode_splits = decode.short.splits.max(decode.long.splits) > 1;
+        let split_tokens = (1..attention_splits.len()).filter(|&n| attention_splits[n] > 1).max().unwrap_or(usize::from(decode_splits)).max(usize::from(decode_splits));
+        let max_splits = attention_splits.iter().copied().chain([decode.short.splits, decode.long.splits]).max().unwrap_or(1);
         Ok(Buffers {
             slots: plan.slot_elems.iter().map(|&n| gpu.alloc_zeros::<f32>(n.max(1)).map(Some)).collect::<Result<_, _>>()?,
             split_scratch: ops::SplitScratch::new(gpu, split_tokens * cfg.n_heads, max_splits, cfg.head_dim)?,
             attention_splits,
+            decode,
+            decode_long: false,
             fused_kv_store: !env::DISABLE_KV_STORE_FUSION.flag(),
             scratch_a: gpu.alloc_zeros(scratch.max(gdn_scratch))?,
             scratch_b: gpu.alloc_zeros(scratch)?,
@@ -272,10 +279,11 @@ pub struct CudaExecutor {
     expanded: usize,
     /// Tokens the recurrent state has consumed. Unused without recurrent layers.
     state_pos: RecurrentCursor,
-    /// Decode-step replay: the whole one-token op sequence captured once as a CUDA graph. Every
-    /// per-token input (token id, position, hence KV length) is read from device buffers at fixed
-    /// addresses, so the same graph serves every position without re-capture.
-    decode_graph: DecodeGraph,
+    /// Decode-step replay: the whole one-token op sequence captured once as a CUDA graph per
+    /// attention layout (`DecodeLayouts`: short and long contexts). Every per-token input (token
+    /// id, position, hence KV length) is read from device buffers at fixed addresses, so the same
+    /// graph serves every position of its layout without re-capture.
+    decode_graphs: [DecodeGraph; 2],
     /// Batched serving (`init_paged`): the paged cache and its buffers.
     paged: Option<PagedState>,
     /// Token ids, positions and block tables go to the device through this ring.
@@ -436,21 +444,19 @@ impl CudaExecutor {
             .collect::<Result<_, _>>()?;
         let gdn = gdn_shapes.into_iter().map(|(l, shape)| GdnState::new(&gpu, shape).map(|st| (l, st))).collect::<Result<_, _>>()?;
         let split_attention = env::SPLIT_ATTENTION.flag();
-        // One-token steps run the fused store + attention kernel, a block per group of query heads.
-        let group = ops::attention_group(&gpu, cfg.n_heads, cfg.n_kv_heads, true);
         let attention_splits: Vec<usize> = (0..=max_batch)
-            .map(|n| {
-                let blocks = if n == 1 { cfg.n_heads / group } else { cfg.n_heads };
-                let splits = ops::attention_splits(gpu.sm_count() as usize, blocks, n, options.context_len);
-                if split_attention { splits } else { 1 }
-            })
+            .map(|n| if split_attention { ops::attention_splits(gpu.sm_count() as usize, cfg.n_heads, n, options.context_len) } else { 1 })
             .collect();
-        let buf = Buffers::new(&gpu, &model, &plan, max_batch, kv, gdn, attention_splits)?;
-        let decode_graph = if env::DISABLE_CUDA_GRAPH.flag() || buf.profile.is_some() {
-            DecodeGraph::Disabled
-        } else {
-            DecodeGraph::NotYet { warmed_up: false }
-        };
+        // One-token steps run the fused store + attention kernel in one of two layouts.
+        let decode = ops::DecodeLayouts::new(&gpu, cfg.n_heads, cfg.n_kv_heads, options.context_len, split_attention);
+        let buf = Buffers::new(&gpu, &model, &plan, max_batch, kv, gdn, attention_splits, decode)?;
+        let decode_graphs = std::array::from_fn(|_| {
+            if env::DISABLE_CUDA_GRAPH.flag() || buf.profile.is_some() {
+                DecodeGraph::Disabled
+            } else {
+                DecodeGraph::NotYet { warmed_up: false }
+            }
+        });
         let options = ExecutorOptions { max_batch, ..options };
         let expanded = expand_batched_weights(&gpu, graph, &mut weights, max_batch)?;
         // Each chunk stages two copies (ids, positions), a batched step four: 8 slots never wait.
@@ -468,7 +474,7 @@ impl CudaExecutor {
             options,
             last_rows: 0,
             state_pos: RecurrentCursor::default(),
-            decode_graph,
+            decode_graphs,
             paged: None,
             staging,
             mailbox,
@@ -504,34 +510,37 @@ impl CudaExecutor {
         let positions: Vec<u32> = (start_pos..start_pos + n).map(|p| p as u32).collect();
         self.staging.copy(&self.gpu, ids, &mut self.buf.ids.slice_mut(0..n))?;
         self.staging.copy(&self.gpu, &positions, &mut self.buf.positions.slice_mut(0..n))?;
-        self.launch_step(n)
+        self.launch_step(n, start_pos)
     }
 
-    /// Enqueue a forward pass of the `n` tokens whose ids and positions are in the device
-    /// buffers: one-token steps replay the decode graph (captured at the second one).
-    fn launch_step(&mut self, n: usize) -> anyhow::Result<()> {
+    /// Enqueue a forward pass of the `n` tokens from `start_pos` whose ids and positions are in
+    /// the device buffers: one-token steps replay the decode graph of their attention layout
+    /// (captured at the second step of that layout).
+    fn launch_step(&mut self, n: usize, start_pos: usize) -> anyhow::Result<()> {
         self.last_rows = n;
         if n == 1 {
+            self.buf.decode_long = self.buf.decode.is_long(start_pos + 1);
+            let layout = usize::from(self.buf.decode_long);
             let generation = self.gpu.scratch_generation();
-            match &self.decode_graph {
+            match &self.decode_graphs[layout] {
                 DecodeGraph::Ready(step) if step.scratch_generation == generation => {
                     return Ok(step.graph.launch().map_err(CudaError::from)?);
                 }
                 DecodeGraph::Ready(_) | DecodeGraph::NotYet { warmed_up: true } => match self.capture_ops(1) {
                     Ok(Some(step)) => {
                         step.graph.launch().map_err(CudaError::from)?;
-                        self.decode_graph = DecodeGraph::Ready(step);
+                        self.decode_graphs[layout] = DecodeGraph::Ready(step);
                         return Ok(());
                     }
                     // The scratch moved while capturing: run eagerly, capture next time.
-                    Ok(None) => self.decode_graph = DecodeGraph::NotYet { warmed_up: true },
+                    Ok(None) => self.decode_graphs[layout] = DecodeGraph::NotYet { warmed_up: true },
                     Err(e) => {
                         // Explicit fallback: say why, then launch ops one by one from now on.
                         eprintln!("warning: decode graph capture failed, launching ops individually: {e:#}");
-                        self.decode_graph = DecodeGraph::Disabled;
+                        self.decode_graphs = std::array::from_fn(|_| DecodeGraph::Disabled);
                     }
                 },
-                DecodeGraph::NotYet { warmed_up: false } => self.decode_graph = DecodeGraph::NotYet { warmed_up: true },
+                DecodeGraph::NotYet { warmed_up: false } => self.decode_graphs[layout] = DecodeGraph::NotYet { warmed_up: true },
                 DecodeGraph::Disabled => {}
             }
         }
@@ -571,7 +580,7 @@ impl CudaExecutor {
         ops::sample_delivering(&self.gpu, &logits.slice(0..width), width, &cfg, p.step, None, &mut self.buf.token, Some(delivery), scratch)?;
         self.mailbox.post(&self.gpu)?;
         if let Some(pos) = next_pos {
-            let stepped = self.launch_step(1);
+            let stepped = self.launch_step(1, pos);
             self.state_pos.finish(pos + 1);
             stepped?;
         }
@@ -861,11 +870,12 @@ impl CudaExecutor {
                 }
                 if n == 1 && buf.fused_kv_store {
                     // Decode: one kernel stores the token's K/V and attends.
-                    let split = match buf.attention_splits[1] {
+                    let layout = buf.decode.layout(buf.decode_long);
+                    let split = match layout.splits {
                         1 => None,
                         splits => Some((splits, &mut buf.split_scratch)),
                     };
-                    ops::store_and_attend(gpu, cache, input(qkv), &buf.positions, &cfg, rope.as_ref(), split, out, emit)?;
+                    ops::store_and_attend(gpu, cache, input(qkv), &buf.positions, &cfg, rope.as_ref(), split, layout.group, out, emit)?;
                     return Ok(());
                 }
                 // One kernel splits the rows: rotated Q to scratch, rotated K and V into the cache.
@@ -1199,7 +1209,8 @@ impl Executor for CudaExecutor {
             .collect::<Result<_, _>>()?;
         // Batched steps attend without splitting the keys; decode steps (a token per sequence)
         // store K/V inside the attention kernel, steps with a prefill chunk with store_qkv.
-        let mut buf = Buffers::new(&self.gpu, &self.model, &plan, max_tokens, kv, PerLayer(Vec::new()), vec![1; max_tokens + 1])?;
+        let unsplit = ops::DecodeLayouts::new(&self.gpu, cfg.n_heads, cfg.n_kv_heads, cache_rows, false);
+        let mut buf = Buffers::new(&self.gpu, &self.model, &plan, max_tokens, kv, PerLayer(Vec::new()), vec![1; max_tokens + 1], unsplit)?;
         buf.paging = Some(BatchPaging {
             tables: self.gpu.alloc_zeros(max_seqs * n_blocks)?,
             row_seq: self.gpu.alloc_zeros(max_tokens)?,

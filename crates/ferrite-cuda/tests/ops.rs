@@ -1251,7 +1251,8 @@ fn store_and_attend_matches_store_then_attention_on(gpu: &Gpu) {
             let pos = upload(gpu, &[p]);
             let (mut out, mut want) = (poisoned(gpu, qw), poisoned(gpu, qw));
             let mut emitted = ops::Q8Activations::new(gpu, qw).unwrap();
-            ops::store_and_attend(gpu, &mut fused, &qkv, &pos, &cfg, rope.as_ref(), None, &mut out, Some(ops::AttentionEmit::Q8(&mut emitted))).unwrap();
+            let group = ops::attention_group(gpu, n_heads, n_kv, true);
+            ops::store_and_attend(gpu, &mut fused, &qkv, &pos, &cfg, rope.as_ref(), None, group, &mut out, Some(ops::AttentionEmit::Q8(&mut emitted))).unwrap();
             let mut q = poisoned(gpu, qw);
             ops::store_qkv(gpu, &mut twin, &qkv, row, 1, n_heads, &pos, rope.as_ref(), &mut q).unwrap();
             ops::attention(gpu, &q, &twin, &pos, 1, &cfg, &mut want, None).unwrap();
@@ -1300,12 +1301,17 @@ fn split_store_and_attend_matches_one_block_on(gpu: &Gpu) {
             let pos = upload(gpu, &[p]);
             let (mut got, mut want) = (poisoned(gpu, n_heads * hd), poisoned(gpu, n_heads * hd));
             let mut emitted = ops::Q8Activations::new(gpu, n_heads * hd).unwrap();
-            ops::store_and_attend(gpu, &mut split, &qkv, &pos, &cfg, Some(&rope), Some((splits, &mut scratch)), &mut got, Some(ops::AttentionEmit::Q8(&mut emitted))).unwrap();
-            ops::store_and_attend(gpu, &mut one, &qkv, &pos, &cfg, Some(&rope), None, &mut want, None).unwrap();
+            let group = ops::attention_group(gpu, n_heads, n_kv, true);
+            ops::store_and_attend(gpu, &mut split, &qkv, &pos, &cfg, Some(&rope), Some((splits, &mut scratch)), group, &mut got, Some(ops::AttentionEmit::Q8(&mut emitted))).unwrap();
+            ops::store_and_attend(gpu, &mut one, &qkv, &pos, &cfg, Some(&rope), None, group, &mut want, None).unwrap();
             close("store+attn split", &name, &download(gpu, &got), &download(gpu, &want), 1e-5, 2e-6);
             assert_handoff_is_quantize(gpu, &emitted, &got, 1, n_heads * hd, &name);
         }
         assert_eq!(split.download(gpu).unwrap(), one.download(gpu).unwrap(), "cache rows written by the split kernel");
+        let (qkv, pos, mut out) = (upload(gpu, &vec![0.0; row]), upload(gpu, &[0u32]), poisoned(gpu, n_heads * hd));
+        let bad = n_heads / n_kv + 1;
+        let err = ops::store_and_attend(gpu, &mut split, &qkv, &pos, &cfg, Some(&rope), None, bad, &mut out, None).unwrap_err().to_string();
+        assert!(err.contains("query heads per block"), "{err}");
     }
 }
 

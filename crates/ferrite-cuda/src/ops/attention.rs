@@ -195,7 +195,8 @@ fn store_qkv_with(
 /// With `split = Some((splits, scratch))` the keys are cut into up to `splits` shares of
 /// separate blocks, as in [`attention_split`]: as many shares run as the position needs (one up
 /// to 128 keys, which then skips the merge), so one launch (and one captured graph) serves every
-/// context length.
+/// context length. Each block serves `group` query heads of one KV group (1, or a divisor of the
+/// heads per KV head up to [`AttentionVariant::MAX_GROUP`]; see [`DecodeLayouts`]).
 #[allow(clippy::too_many_arguments)]
 pub fn store_and_attend(
     gpu: &Gpu,
@@ -205,6 +206,7 @@ pub fn store_and_attend(
     cfg: &AttentionConfig,
     rope: Option<&RopeConfig>,
     split: Option<(usize, &mut SplitScratch)>,
+    group: usize,
     out: &mut impl DevicePtrMut<f32>,
     emit: Option<AttentionEmit>,
 ) -> Result<(), CudaError> {
@@ -212,6 +214,10 @@ pub fn store_and_attend(
     let row = (cfg.n_heads + 2 * cache.n_kv_heads) * cache.head_dim;
     check_len(OP, "qkv", qkv.len(), row)?;
     check_rope(OP, rope, cache)?;
+    let heads_per_kv = cfg.n_heads / cache.n_kv_heads.max(1);
+    if !(1..=AttentionVariant::MAX_GROUP).contains(&group) || !heads_per_kv.is_multiple_of(group) {
+        return Err(CudaError::invalid(OP, format!("{group} query heads per block: not a divisor of the {heads_per_kv} heads per KV head up to {}", AttentionVariant::MAX_GROUP)));
+    }
     if let Some((splits, scratch)) = &split {
         scratch.check(OP, *splits, cfg.n_heads, cache.head_dim)?;
     }
@@ -225,8 +231,60 @@ pub fn store_and_attend(
         }
         None => 1,
     };
-    let variant = AttentionVariant::storing(cache.head_dim, cache.dtype, rope_style(rope), splits > 1, attention_group(gpu, cfg.n_heads, cache.n_kv_heads, true));
+    let variant = AttentionVariant::storing(cache.head_dim, cache.dtype, rope_style(rope), splits > 1, group);
     gpu.launch(&variant, "attention", variant.launch_config(cfg.n_heads, 1, splits), &params)
+}
+
+/// A launch of the fused one-token decode kernel: query heads per block and key shares.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DecodeLayout {
+    pub group: usize,
+    pub splits: usize,
+}
+
+/// The one-token decode launches a model's steps take ([`store_and_attend`]), as
+/// [`AttentionGroups`] allows: a block per query head (`off`, `paged`), per KV group's heads
+/// (`all`), or (`adaptive`, the default) per head for short contexts and per KV group from
+/// `group_from_keys` keys on. Grouped blocks load each K/V row once for their heads, which wins
+/// only where per-head blocks would each walk many keys (8B shape in the model: from ~3 000 keys
+/// on, with 9 shares; never for SmolLM2's 9 heads up to 4 096), so the switch point is keys per
+/// share of the per-head launch (`FERRITE_CUDA_ATTENTION_GROUP_SHARE_KEYS`, 320). The host knows
+/// each step's position, so each layout is a captured graph of its own (no branch in the kernel:
+/// a kernel holding both bodies was 12% slower at short contexts, docs/perf.md stop 24).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DecodeLayouts {
+    pub short: DecodeLayout,
+    pub long: DecodeLayout,
+    /// Keys of the query from which `long` serves (`usize::MAX`: never).
+    pub group_from_keys: usize,
+}
+
+impl DecodeLayouts {
+    /// For a cache of `max_seq` positions on `gpu`, split-KV or not (`split`).
+    pub fn new(gpu: &Gpu, n_heads: usize, n_kv_heads: usize, max_seq: usize, split: bool) -> Self {
+        let share_keys = env::CUDA_ATTENTION_GROUP_SHARE_KEYS.parse(320usize);
+        Self::plan(gpu.attention_groups(), kv_group(gpu, n_heads, n_kv_heads), gpu.sm_count() as usize, n_heads, max_seq, split, share_keys)
+    }
+
+    fn plan(mode: AttentionGroups, kv_group: usize, sm_count: usize, n_heads: usize, max_seq: usize, split: bool, share_keys: usize) -> Self {
+        let layout = |group: usize| DecodeLayout { group, splits: if split { attention_splits(sm_count, n_heads / group, 1, max_seq) } else { 1 } };
+        let (short, long) = match mode {
+            AttentionGroups::Off | AttentionGroups::Paged => (layout(1), layout(1)),
+            AttentionGroups::All => (layout(kv_group), layout(kv_group)),
+            AttentionGroups::Adaptive => (layout(1), layout(kv_group)),
+        };
+        let group_from_keys = if long == short { usize::MAX } else { share_keys.saturating_mul(short.splits) };
+        DecodeLayouts { short, long, group_from_keys }
+    }
+
+    /// Whether a query of `keys` keys takes the `long` layout.
+    pub fn is_long(&self, keys: usize) -> bool {
+        keys >= self.group_from_keys
+    }
+
+    pub fn layout(&self, long: bool) -> DecodeLayout {
+        if long { self.long } else { self.short }
+    }
 }
 
 /// What an attention kernel hands to the linear after it, besides its f32 output rows.
@@ -388,19 +446,22 @@ pub fn attention_on(
 pub enum AttentionGroups {
     /// A block per query head everywhere.
     Off,
-    /// The paged kernel of batched steps (the default).
+    /// The paged kernel of batched steps.
     Paged,
-    /// Also the fused one-token decode kernel ([`store_and_attend`]): faster deep in a context,
-    /// slower at short ones (fewer, busier blocks on the step's critical path).
+    /// The paged kernel, and the one-token decode kernel deep in a context ([`DecodeLayouts`]).
+    /// The default.
+    Adaptive,
+    /// Also the fused one-token decode kernel ([`store_and_attend`]) at every length: faster deep
+    /// in a context, slower at short ones (fewer, busier blocks on the step's critical path).
     All,
 }
 
 impl AttentionGroups {
     /// `FERRITE_CUDA_ATTENTION_GROUPS`; unset, `auto` or an unknown value (reported on stderr)
-    /// is the default, `paged`.
+    /// is the default, `adaptive`.
     pub fn from_env() -> Self {
-        let choices = [("off", AttentionGroups::Off), ("paged", AttentionGroups::Paged), ("all", AttentionGroups::All)];
-        super::forced_path(&env::CUDA_ATTENTION_GROUPS, env::CUDA_ATTENTION_GROUPS.get().as_deref(), &choices).unwrap_or(AttentionGroups::Paged)
+        let choices = [("off", AttentionGroups::Off), ("paged", AttentionGroups::Paged), ("adaptive", AttentionGroups::Adaptive), ("all", AttentionGroups::All)];
+        super::forced_path(&env::CUDA_ATTENTION_GROUPS, env::CUDA_ATTENTION_GROUPS.get().as_deref(), &choices).unwrap_or(AttentionGroups::Adaptive)
     }
 }
 
@@ -482,10 +543,15 @@ pub fn attention_paged(
 pub fn attention_group(gpu: &Gpu, n_heads: usize, n_kv_heads: usize, decode_step: bool) -> usize {
     let allowed = match gpu.attention_groups() {
         AttentionGroups::Off => false,
-        AttentionGroups::Paged => !decode_step,
+        AttentionGroups::Paged | AttentionGroups::Adaptive => !decode_step,
         AttentionGroups::All => true,
     };
-    if allowed && n_kv_heads > 0 && n_heads.is_multiple_of(n_kv_heads) {
+    if allowed { kv_group(gpu, n_heads, n_kv_heads) } else { 1 }
+}
+
+/// [`AttentionVariant::group_for`] of the heads per KV head, capped by the device, or 1.
+fn kv_group(gpu: &Gpu, n_heads: usize, n_kv_heads: usize) -> usize {
+    if n_kv_heads > 0 && n_heads.is_multiple_of(n_kv_heads) {
         AttentionVariant::group_for(n_heads / n_kv_heads, gpu.attention_max_group())
     } else {
         1
@@ -665,4 +731,29 @@ fn attention_params(
         scale: cfg.scale,
         softcap,
     }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The decode layouts of the 8B and SmolLM2 shapes on 132 SMs and a 4 096-position cache.
+    #[test]
+    fn decode_layouts_group_deep_in_a_context() {
+        let plan = |mode, kv_group, n_heads, split| DecodeLayouts::plan(mode, kv_group, 132, n_heads, 4096, split, 320);
+        let l = plan(AttentionGroups::Adaptive, 4, 32, true);
+        assert_eq!((l.short, l.long), (DecodeLayout { group: 1, splits: 9 }, DecodeLayout { group: 4, splits: 32 }));
+        assert_eq!(l.group_from_keys, 320 * 9);
+        assert!(!l.is_long(2560) && l.is_long(3072));
+        assert_eq!((l.layout(false).group, l.layout(true).group), (1, 4));
+        // SmolLM2: 30 shares per head, so grouping starts past the 4 096-position cache.
+        let l = plan(AttentionGroups::Adaptive, 3, 9, true);
+        assert_eq!((l.short.splits, l.long.group, l.group_from_keys), (30, 3, 320 * 30));
+        for mode in [AttentionGroups::Off, AttentionGroups::Paged, AttentionGroups::All] {
+            let l = plan(mode, 4, 32, true);
+            assert_eq!((l.short, l.group_from_keys), (l.long, usize::MAX), "{mode:?}: one layout");
+        }
+        assert_eq!(plan(AttentionGroups::All, 4, 32, false).short, DecodeLayout { group: 4, splits: 1 });
+        assert_eq!(plan(AttentionGroups::Adaptive, 1, 32, true).group_from_keys, usize::MAX, "no KV groups to share");
+    }
 }
