@@ -182,10 +182,11 @@ switches! {
     DISABLE_GEMV_SPLIT_K = ("FERRITE_DISABLE_GEMV_SPLIT_K", "0", AbTest,
         "1: the int8 GEMV never splits a row's units over slices of a block (by default it does, up to 4 slices, when its grid has at most one block per SM, e.g. the emitting output/down projections).");
     CUDA_ATTENTION_GROUPS = ("FERRITE_CUDA_ATTENTION_GROUPS", "adaptive", AbTest,
-        "off|paged|adaptive|all (auto: adaptive): where a CUDA attention block serves up to 8 query heads of one KV group, which score each K row and weigh each V row they load together (same results per head); paged: the batched serving steps (2x faster kernel at 64 sequences); adaptive: also one-token decode steps deep in a context (FERRITE_CUDA_ATTENTION_GROUP_SHARE_KEYS), each layout a captured graph of its own; all: one-token decode at every length (8B: +12% at 4096 cached positions, -7% at short contexts); off: a block per query head everywhere.");
-    /// Keys per share from which adaptive decode attention groups heads.
-    CUDA_ATTENTION_GROUP_SHARE_KEYS = ("FERRITE_CUDA_ATTENTION_GROUP_SHARE_KEYS", "320", AbTest,
-        "With FERRITE_CUDA_ATTENTION_GROUPS=adaptive: a one-token decode step whose per-head launch would give each key share this many keys or more runs a block per KV group instead (8B shape on an H200: 9 shares, so from 2 880 keys on; SmolLM2's 9 heads: 30 shares, from 9 600).");
+        "off|paged|adaptive|all (auto: adaptive): where a CUDA attention block serves up to 8 query heads of one KV group, which score each K row and weigh each V row they load together (same results per head); paged: the batched serving steps (2x faster kernel at 64 sequences); adaptive: also one-token decode steps deep in a context (FERRITE_CUDA_ATTENTION_GROUP_SHARE_VALUES), each layout a captured graph of its own; all: one-token decode at every length (8B: +12% at 4096 cached positions, -7% at short contexts); off: a block per query head everywhere.");
+    /// K/V values per share from which adaptive decode attention groups heads.
+    CUDA_ATTENTION_GROUP_SHARE_VALUES = ("FERRITE_CUDA_ATTENTION_GROUP_SHARE_VALUES", "16384", AbTest,
+        "With FERRITE_CUDA_ATTENTION_GROUPS=adaptive: a one-token decode step whose per-head launch would give each key share this many K/V values or more (keys times head size) runs a block per KV group instead (H200: the 8B shape, 9 shares of 128-value rows, from 1 152 keys on; the 1B shape, 64-value rows, from 2 304; SmolLM2's 30 shares from 7 680).");
+
     /// Cap on the query heads a grouped CUDA attention block serves.
     CUDA_ATTENTION_MAX_GROUP = ("FERRITE_CUDA_ATTENTION_MAX_GROUP", "8", AbTest,
         "1-8: the most query heads of one KV group that a grouped CUDA attention block (FERRITE_CUDA_ATTENTION_GROUPS) serves; the group is the largest divisor of the heads per KV head up to it. Fewer heads per block mean more blocks, each with less arithmetic, and each K/V row loaded by more blocks.");

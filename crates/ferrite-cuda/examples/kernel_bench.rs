@@ -395,7 +395,7 @@ fn attention(gpu: &Gpu) -> Result<(), CudaError> {
     // The decode step's kernel: K/V store, RoPE and attention in one launch, at the positions
     // of a short generation (SmolLM2 / 1B heads of 64, 8B heads of 128).
     for (n_heads, n_kv, head_dim) in [(9usize, 3usize, 64usize), (32, 8, 128)] {
-        let layouts = ops::DecodeLayouts::new(gpu, n_heads, n_kv, 4096, true);
+        let layouts = ops::DecodeLayouts::new(gpu, n_heads, n_kv, head_dim, 4096, true);
         println!("\nfused decode attention (store + RoPE + attend), {n_heads} heads / {n_kv} KV heads of {head_dim}, f16 cache, {layouts:?}");
         let mut cache = KvCache::new(gpu, KvDtype::F16, 4096, n_kv, head_dim)?;
         let row = (n_heads + 2 * n_kv) * head_dim;

@@ -448,7 +448,7 @@ impl CudaExecutor {
             .map(|n| if split_attention { ops::attention_splits(gpu.sm_count() as usize, cfg.n_heads, n, options.context_len) } else { 1 })
             .collect();
         // One-token steps run the fused store + attention kernel in one of two layouts.
-        let decode = ops::DecodeLayouts::new(&gpu, cfg.n_heads, cfg.n_kv_heads, options.context_len, split_attention);
+        let decode = ops::DecodeLayouts::new(&gpu, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, options.context_len, split_attention);
         let buf = Buffers::new(&gpu, &model, &plan, max_batch, kv, gdn, attention_splits, decode)?;
         let decode_graphs = std::array::from_fn(|_| {
             if env::DISABLE_CUDA_GRAPH.flag() || buf.profile.is_some() {
@@ -1209,7 +1209,7 @@ impl Executor for CudaExecutor {
             .collect::<Result<_, _>>()?;
         // Batched steps attend without splitting the keys; decode steps (a token per sequence)
         // store K/V inside the attention kernel, steps with a prefill chunk with store_qkv.
-        let unsplit = ops::DecodeLayouts::new(&self.gpu, cfg.n_heads, cfg.n_kv_heads, cache_rows, false);
+        let unsplit = ops::DecodeLayouts::new(&self.gpu, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cache_rows, false);
         let mut buf = Buffers::new(&self.gpu, &self.model, &plan, max_tokens, kv, PerLayer(Vec::new()), vec![1; max_tokens + 1], unsplit)?;
         buf.paging = Some(BatchPaging {
             tables: self.gpu.alloc_zeros(max_seqs * n_blocks)?,

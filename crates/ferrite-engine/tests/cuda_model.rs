@@ -222,22 +222,23 @@ fn cuda_fp32_matches_cpu_reference_on_real_shapes() {
     // Decode attention on caches over 256 positions, split-KV (the default: the fused K/V store
     // in shares of separate blocks) and one block per query: a 530-token prompt, then decode,
     // against the CPU oracle. The third run takes the grouped decode layout from 512 keys on
-    // (8 shares of 64 keys: FERRITE_CUDA_ATTENTION_GROUP_SHARE_KEYS), so every decode step does.
-    for (split, share_keys) in [("1", None), ("0", None), ("1", Some("64"))] {
+    // (8 shares of 64 keys of 64 values: FERRITE_CUDA_ATTENTION_GROUP_SHARE_VALUES), so every
+    // decode step does.
+    for (split, share_values) in [("1", None), ("0", None), ("1", Some("4096"))] {
         std::env::set_var("FERRITE_SPLIT_ATTENTION", split);
-        if let Some(keys) = share_keys {
-            std::env::set_var("FERRITE_CUDA_ATTENTION_GROUP_SHARE_KEYS", keys);
+        if let Some(values) = share_values {
+            std::env::set_var("FERRITE_CUDA_ATTENTION_GROUP_SHARE_VALUES", values);
         }
         let model = synthetic(synth::shape("smollm2-135m").unwrap(), GgmlType::Q8_0);
         let long = ExecutorOptions { context_len: 1024, ..opts(64) };
         let cpu = CpuExecutor::new(Arc::clone(&model), CpuPrecision::Reference, long.clone()).unwrap();
         let gpu = ferrite_cuda::CudaExecutor::new(Arc::clone(&model), long).unwrap();
         let (worst, agreed) = compare_executors(&model, cpu, gpu, 530, 24);
-        println!("FERRITE_SPLIT_ATTENTION={split}, group share keys {share_keys:?}, 530-token prompt: worst relative error {worst:.2e}, {agreed}/25 greedy steps agree");
-        assert!(worst < 1e-4 && agreed == 25, "split attention {split}, group share keys {share_keys:?}: relative error {worst}, {agreed}/25 agree");
+        println!("FERRITE_SPLIT_ATTENTION={split}, group share values {share_values:?}, 530-token prompt: worst relative error {worst:.2e}, {agreed}/25 greedy steps agree");
+        assert!(worst < 1e-4 && agreed == 25, "split attention {split}, group share values {share_values:?}: relative error {worst}, {agreed}/25 agree");
     }
     std::env::remove_var("FERRITE_SPLIT_ATTENTION");
-    std::env::remove_var("FERRITE_CUDA_ATTENTION_GROUP_SHARE_KEYS");
+    std::env::remove_var("FERRITE_CUDA_ATTENTION_GROUP_SHARE_VALUES");
     // Batched serving on the paged cache: three sequences prefilling and decoding together.
     for (name, model) in [("smollm2-135m Q8_0", synthetic(synth::shape("smollm2-135m").unwrap(), GgmlType::Q8_0)), ("tiny qwen3", Arc::new(Model::load(common::workspace_root().join("fixtures/tiny/qwen3.gguf"), FusionOptions::from_env()).unwrap()))] {
         let (worst, agreed, total) = compare_paged(&model);

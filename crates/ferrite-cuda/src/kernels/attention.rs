@@ -657,34 +657,46 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32) attention(const Attent
     __syncthreads();
     if (!s_last) return;
     __threadfence();
-    // The merge, head by head, with the shares' loads spread over the threads (not one chain
-    // per thread): each share's weight exp(m_z - max) and rescaled sum, then the weighted sum
-    // per dim.
-    __shared__ float s_w[MAX_SPLITS], s_ls[MAX_SPLITS];
-    for (int g = 0; g < GROUP; ++g) {
+    // The merge: warp w takes heads w, w + NWARPS, ... (no block barrier, so a group's heads
+    // merge side by side). Lane l weighs shares l, l + 32, ... (exp(m_z - max), and the rescaled
+    // sums, in registers), then sums dims l, l + 32, ... over the shares in order, each weight
+    // broadcast from its lane, all of a share's loads in flight together.
+    constexpr int ZL = MAX_SPLITS / 32;  // shares per lane, at most
+    for (int g = warp; g < GROUP; g += NWARPS) {
       const float* head_parts = parts + g * part_len;
-      for (u32 z = threadIdx.x; z < active; z += NWARPS * 32) s_w[z] = __ldcg(head_parts + z * (2 + HEAD_DIM));
-      __syncthreads();
+      float mz[ZL], fz[ZL], lz[ZL];
       float m_max = NEG_INF;
-      for (u32 z = 0; z < active; ++z) m_max = fmaxf(m_max, s_w[z]);
-      __syncthreads();
-      for (u32 z = threadIdx.x; z < active; z += NWARPS * 32) {
-        const float* part = head_parts + z * (2 + HEAD_DIM);
-        const float mz = __ldcg(part);
-        const float fz = mz == NEG_INF ? 0.f : expf(mz - m_max);
-        s_w[z] = fz;
-        s_ls[z] = __ldcg(part + 1) * fz;
+#pragma unroll
+      for (int i = 0; i < ZL; ++i) {
+        const u32 z = lane + 32 * i;
+        mz[i] = z < active ? __ldcg(head_parts + z * (2 + HEAD_DIM)) : NEG_INF;
+        lz[i] = z < active ? __ldcg(head_parts + z * (2 + HEAD_DIM) + 1) : 0.f;
+        m_max = fmaxf(m_max, mz[i]);
       }
-      __syncthreads();
-      float l_sum = 0.f;
-      for (u32 z = 0; z < active; ++z) l_sum += s_ls[z];
-      for (int d = threadIdx.x; d < HEAD_DIM; d += NWARPS * 32) {
-        float o = 0.f;
-#pragma unroll 8
-        for (u32 z = 0; z < active; ++z) o += s_w[z] * __ldcg(head_parts + z * (2 + HEAD_DIM) + 2 + d);
-        store_output(p, qrow + g * HEAD_DIM, d, o / l_sum);
+      m_max = warp_max(m_max);
+#pragma unroll
+      for (int i = 0; i < ZL; ++i) {
+        fz[i] = mz[i] == NEG_INF ? 0.f : expf(mz[i] - m_max);
+        lz[i] *= fz[i];
       }
-      __syncthreads();  // s_w and s_ls are the next head's
+      float l_sum = 0.f, o[HEAD_DIM / 32];
+#pragma unroll
+      for (int c = 0; c < HEAD_DIM / 32; ++c) o[c] = 0.f;
+#pragma unroll
+      for (int i = 0; i < ZL; ++i) {
+        if (32u * i >= active) break;  // warp-uniform
+        const int n = (int)min(32u, active - 32u * i);
+#pragma unroll 4
+        for (int j = 0; j < n; ++j) {
+          l_sum += __shfl_sync(FULL_MASK, lz[i], j);
+          const float f = __shfl_sync(FULL_MASK, fz[i], j);
+          const float* row = head_parts + (32 * i + j) * (2 + HEAD_DIM) + 2 + lane;
+#pragma unroll
+          for (int c = 0; c < HEAD_DIM / 32; ++c) o[c] += f * __ldcg(row + 32 * c);
+        }
+      }
+#pragma unroll
+      for (int c = 0; c < HEAD_DIM / 32; ++c) store_output(p, qrow + g * HEAD_DIM, 32 * c + lane, o[c] / l_sum);
     }
     return;
   }

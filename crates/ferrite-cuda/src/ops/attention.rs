@@ -246,11 +246,12 @@ pub struct DecodeLayout {
 /// [`AttentionGroups`] allows: a block per query head (`off`, `paged`), per KV group's heads
 /// (`all`), or (`adaptive`, the default) per head for short contexts and per KV group from
 /// `group_from_keys` keys on. Grouped blocks load each K/V row once for their heads, which wins
-/// only where per-head blocks would each walk many keys (8B shape in the model: from ~3 000 keys
-/// on, with 9 shares; never for SmolLM2's 9 heads up to 4 096), so the switch point is keys per
-/// share of the per-head launch (`FERRITE_CUDA_ATTENTION_GROUP_SHARE_KEYS`, 320). The host knows
-/// each step's position, so each layout is a captured graph of its own (no branch in the kernel:
-/// a kernel holding both bodies was 12% slower at short contexts, docs/perf.md stop 24).
+/// only where per-head blocks would each read many K/V values (H200: the 8B shape from ~1 200
+/// keys on, 9 shares of 128-value rows; the 1B shape from ~2 000, 64-value rows), so the switch
+/// point is K/V values per share of the per-head launch, keys times head size
+/// (`FERRITE_CUDA_ATTENTION_GROUP_SHARE_VALUES`, 16 384). The host knows each step's position, so
+/// each layout is a captured graph of its own (no branch in the kernel: a kernel holding both
+/// bodies was 12% slower at short contexts, docs/perf.md stop 24).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct DecodeLayouts {
     pub short: DecodeLayout,
@@ -260,12 +261,14 @@ pub struct DecodeLayouts {
 }
 
 impl DecodeLayouts {
-    /// For a cache of `max_seq` positions on `gpu`, split-KV or not (`split`).
-    pub fn new(gpu: &Gpu, n_heads: usize, n_kv_heads: usize, max_seq: usize, split: bool) -> Self {
-        let share_keys = env::CUDA_ATTENTION_GROUP_SHARE_KEYS.parse(320usize);
+    /// For a cache of `max_seq` positions of `head_dim`-value rows on `gpu`, split-KV or not
+    /// (`split`).
+    pub fn new(gpu: &Gpu, n_heads: usize, n_kv_heads: usize, head_dim: usize, max_seq: usize, split: bool) -> Self {
+        let share_keys = env::CUDA_ATTENTION_GROUP_SHARE_VALUES.parse(16_384usize) / head_dim.max(1);
         Self::plan(gpu.attention_groups(), kv_group(gpu, n_heads, n_kv_heads), gpu.sm_count() as usize, n_heads, max_seq, split, share_keys)
     }
 
+    /// `share_keys`: keys per share of the per-head launch from which the grouped one serves.
     fn plan(mode: AttentionGroups, kv_group: usize, sm_count: usize, n_heads: usize, max_seq: usize, split: bool, share_keys: usize) -> Self {
         let layout = |group: usize| DecodeLayout { group, splits: if split { attention_splits(sm_count, n_heads / group, 1, max_seq) } else { 1 } };
         let (short, long) = match mode {
@@ -740,15 +743,16 @@ mod tests {
     /// The decode layouts of the 8B and SmolLM2 shapes on 132 SMs and a 4 096-position cache.
     #[test]
     fn decode_layouts_group_deep_in_a_context() {
-        let plan = |mode, kv_group, n_heads, split| DecodeLayouts::plan(mode, kv_group, 132, n_heads, 4096, split, 320);
+        let plan = |mode, kv_group, n_heads, split| DecodeLayouts::plan(mode, kv_group, 132, n_heads, 4096, split, 128);
         let l = plan(AttentionGroups::Adaptive, 4, 32, true);
         assert_eq!((l.short, l.long), (DecodeLayout { group: 1, splits: 9 }, DecodeLayout { group: 4, splits: 32 }));
-        assert_eq!(l.group_from_keys, 320 * 9);
-        assert!(!l.is_long(2560) && l.is_long(3072));
+        assert_eq!(l.group_from_keys, 128 * 9);
+        assert!(!l.is_long(1151) && l.is_long(1152));
         assert_eq!((l.layout(false).group, l.layout(true).group), (1, 4));
-        // SmolLM2: 30 shares per head, so grouping starts past the 4 096-position cache.
-        let l = plan(AttentionGroups::Adaptive, 3, 9, true);
-        assert_eq!((l.short.splits, l.long.group, l.group_from_keys), (30, 3, 320 * 30));
+        // SmolLM2: 30 shares per head (and rows of 64 values: 256 keys per share), so grouping
+        // starts past a 4 096-position cache.
+        let l = DecodeLayouts::plan(AttentionGroups::Adaptive, 3, 132, 9, 4096, true, 256);
+        assert_eq!((l.short.splits, l.long.group, l.group_from_keys), (30, 3, 256 * 30));
         for mode in [AttentionGroups::Off, AttentionGroups::Paged, AttentionGroups::All] {
             let l = plan(mode, 4, 32, true);
             assert_eq!((l.short, l.group_from_keys), (l.long, usize::MAX), "{mode:?}: one layout");
