@@ -234,8 +234,9 @@ impl Buffers {
         // Staged rows as wide as the widest GLU output (attention's narrower ones fit too, or
         // are not staged) for the batches the small-batch GEMMs serve.
         let glu_width = graph.ops.iter().filter(|op| matches!(op, Op::GatedLinear { .. })).map(|op| graph.value(op.writes()).width).max().unwrap_or(0);
+        // Queries of split attention: batches of up to this many tokens, one-token steps included.
         let decode_splits = decode.short.splits.max(decode.long.splits) > 1;
-        let split_tokens = (1..attention_splits.len()).filter(|&n| attention_splits[n] > 1).max().unwrap_or(usize::from(decode_splits)).max(usize::from(decode_splits));
+        let split_tokens = (1..attention_splits.len()).filter(|&n| attention_splits[n] > 1).max().unwrap_or(0).max(usize::from(decode_splits));
         let max_splits = attention_splits.iter().copied().chain([decode.short.splits, decode.long.splits]).max().unwrap_or(1);
         Ok(Buffers {
             slots: plan.slot_elems.iter().map(|&n| gpu.alloc_zeros::<f32>(n.max(1)).map(Some)).collect::<Result<_, _>>()?,
