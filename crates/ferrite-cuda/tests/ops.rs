@@ -1251,7 +1251,7 @@ fn store_and_attend_matches_store_then_attention_on(gpu: &Gpu) {
             let pos = upload(gpu, &[p]);
             let (mut out, mut want) = (poisoned(gpu, qw), poisoned(gpu, qw));
             let mut emitted = ops::Q8Activations::new(gpu, qw).unwrap();
-            let group = ops::attention_group(gpu, n_heads, n_kv, true);
+            let group = ops::DecodeLayouts::new(gpu, n_heads, n_kv, hd, max_seq, false).short.group;
             ops::store_and_attend(gpu, &mut fused, &qkv, &pos, &cfg, rope.as_ref(), None, group, &mut out, Some(ops::AttentionEmit::Q8(&mut emitted))).unwrap();
             let mut q = poisoned(gpu, qw);
             ops::store_qkv(gpu, &mut twin, &qkv, row, 1, n_heads, &pos, rope.as_ref(), &mut q).unwrap();
@@ -1301,7 +1301,7 @@ fn split_store_and_attend_matches_one_block_on(gpu: &Gpu) {
             let pos = upload(gpu, &[p]);
             let (mut got, mut want) = (poisoned(gpu, n_heads * hd), poisoned(gpu, n_heads * hd));
             let mut emitted = ops::Q8Activations::new(gpu, n_heads * hd).unwrap();
-            let group = ops::attention_group(gpu, n_heads, n_kv, true);
+            let group = ops::DecodeLayouts::new(gpu, n_heads, n_kv, hd, max_seq, true).short.group;
             ops::store_and_attend(gpu, &mut split, &qkv, &pos, &cfg, Some(&rope), Some((splits, &mut scratch)), group, &mut got, Some(ops::AttentionEmit::Q8(&mut emitted))).unwrap();
             ops::store_and_attend(gpu, &mut one, &qkv, &pos, &cfg, Some(&rope), None, group, &mut want, None).unwrap();
             close("store+attn split", &name, &download(gpu, &got), &download(gpu, &want), 1e-5, 2e-6);

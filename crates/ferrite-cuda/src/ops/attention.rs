@@ -334,7 +334,7 @@ pub fn store_and_attend_paged(
     let Some(mut params) = attention_params(gpu, qkv, cache, positions, n_tokens, cfg, out, emit)? else { return Ok(()) };
     set_store(gpu, &mut params, cache, rope);
     set_paging(gpu, &mut params, cfg, paging, max_seq);
-    let group = attention_group(gpu, cfg.n_heads, cache.n_kv_heads, false);
+    let group = attention_group(gpu, cfg.n_heads, cache.n_kv_heads);
     let variant = AttentionVariant { paged: true, ..AttentionVariant::storing(cache.head_dim, cache.dtype, rope_style(rope), false, group) };
     gpu.launch(&variant, "attention", variant.launch_config(cfg.n_heads, n_tokens, 1), &params)
 }
@@ -533,23 +533,16 @@ pub fn attention_paged(
     let max_seq = paging.check("attention", cache, n_tokens)?;
     let Some(mut params) = attention_params(gpu, q, cache, positions, n_tokens, cfg, out, emit)? else { return Ok(()) };
     set_paging(gpu, &mut params, cfg, paging, max_seq);
-    let variant = AttentionVariant::paged(cache.head_dim, cache.dtype, attention_group(gpu, cfg.n_heads, cache.n_kv_heads, false));
+    let variant = AttentionVariant::paged(cache.head_dim, cache.dtype, attention_group(gpu, cfg.n_heads, cache.n_kv_heads));
     gpu.launch(&variant, "attention", variant.launch_config(cfg.n_heads, n_tokens, 1), &params)
 }
 
-/// Query heads per block of the kernels that can serve a KV group together: the paged kernel
-/// (`decode_step` false) and the fused one-token decode kernel ([`store_and_attend`], `decode_step`
-/// true), as [`AttentionGroups`] allows: [`AttentionVariant::group_for`] of the heads per KV
-/// head and the device's cap (`FERRITE_CUDA_ATTENTION_MAX_GROUP`), else 1. Their launch grids
-/// have `n_heads / group` blocks per token and key share (size the shares with
-/// [`attention_splits`] on that count).
-pub fn attention_group(gpu: &Gpu, n_heads: usize, n_kv_heads: usize, decode_step: bool) -> usize {
-    let allowed = match gpu.attention_groups() {
-        AttentionGroups::Off => false,
-        AttentionGroups::Paged | AttentionGroups::Adaptive => !decode_step,
-        AttentionGroups::All => true,
-    };
-    if allowed { kv_group(gpu, n_heads, n_kv_heads) } else { 1 }
+/// Query heads per block of the paged kernels (batched steps), as [`AttentionGroups`] allows:
+/// a KV group's heads (capped by `FERRITE_CUDA_ATTENTION_MAX_GROUP`) unless grouping is `off`.
+/// Their launch grids have `n_heads / group` blocks per token. (The one-token decode kernel's
+/// grouping is [`DecodeLayouts`].)
+pub fn attention_group(gpu: &Gpu, n_heads: usize, n_kv_heads: usize) -> usize {
+    if gpu.attention_groups() == AttentionGroups::Off { 1 } else { kv_group(gpu, n_heads, n_kv_heads) }
 }
 
 /// [`AttentionVariant::group_for`] of the heads per KV head, capped by the device, or 1.
