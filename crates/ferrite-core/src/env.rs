@@ -187,10 +187,6 @@ switches! {
     CUDA_ATTENTION_GROUP_SHARE_VALUES = ("FERRITE_CUDA_ATTENTION_GROUP_SHARE_VALUES", "16384", AbTest,
         "With FERRITE_CUDA_ATTENTION_GROUPS=adaptive: a one-token decode step whose per-head launch would give each key share this many K/V values or more (keys times head size) runs a block per KV group instead (H200: the 8B shape, 9 shares of 128-value rows, from 1 152 keys on; the 1B shape, 64-value rows, from 2 304; SmolLM2's 30 shares from 7 680).");
 
-    /// L2 prefetch of the next weights during short-context decode attention.
-    CUDA_ATTENTION_L2_PREFETCH_MIB = ("FERRITE_CUDA_ATTENTION_L2_PREFETCH_MIB", "16", AbTest,
-        "MiB (0: off) of the layer's next linear weights (the output projection's, then gate/up's) that the one-token CUDA decode attention kernel asks L2 for (cp.async.bulk.prefetch.L2, split over its blocks) at short contexts, where it reads few bytes and DRAM would idle; those projections then read part of their weights from L2. Deep in a context (the grouped layout of FERRITE_CUDA_ATTENTION_GROUPS=adaptive) it prefetches nothing.");
-
     /// Cap on the query heads a grouped CUDA attention block serves.
     CUDA_ATTENTION_MAX_GROUP = ("FERRITE_CUDA_ATTENTION_MAX_GROUP", "8", AbTest,
         "1-8: the most query heads of one KV group that a grouped CUDA attention block (FERRITE_CUDA_ATTENTION_GROUPS) serves; the group is the largest divisor of the heads per KV head up to it. Fewer heads per block mean more blocks, each with less arithmetic, and each K/V row loaded by more blocks.");

@@ -126,8 +126,6 @@ struct Buffers {
     decode_long: bool,
     /// One-token steps store K/V inside the (unsplit) attention kernel.
     fused_kv_store: bool,
-    /// Bytes of the next linears' weights that a short-context decode attention asks L2 for.
-    attention_l2_prefetch: usize,
     split_scratch: ops::SplitScratch,
     ids: CudaSlice<u32>,
     positions: CudaSlice<u32>,
@@ -247,7 +245,6 @@ impl Buffers {
             decode,
             decode_long: false,
             fused_kv_store: !env::DISABLE_KV_STORE_FUSION.flag(),
-            attention_l2_prefetch: env::CUDA_ATTENTION_L2_PREFETCH_MIB.parse(16usize).min(1024) << 20,
             scratch_a: gpu.alloc_zeros(scratch.max(gdn_scratch))?,
             scratch_b: gpu.alloc_zeros(scratch)?,
             scratch_c: gpu.alloc_zeros(scratch)?,
@@ -879,20 +876,7 @@ impl CudaExecutor {
                         1 => None,
                         splits => Some((splits, &mut buf.split_scratch)),
                     };
-                    // Deep in a context the kernel streams K/V itself; short ones leave DRAM
-                    // idle, so the layer's next weights stream into L2 meanwhile.
-                    let prefetch = match buf.decode_long {
-                        true => ops::L2Prefetch::default(),
-                        false => {
-                            let later = graph.ops[index + 1..].iter().take_while(|op| !matches!(op, Op::Attention { .. }));
-                            let weights = later.filter_map(|op| match *op {
-                                Op::Linear { w, .. } | Op::GatedLinear { w, .. } => Some(matrix(w)),
-                                _ => None,
-                            });
-                            ops::L2Prefetch::of(gpu, weights, buf.attention_l2_prefetch)
-                        }
-                    };
-                    ops::store_and_attend(gpu, cache, input(qkv), &buf.positions, &cfg, rope.as_ref(), split, layout.group, out, emit, &prefetch)?;
+                    ops::store_and_attend(gpu, cache, input(qkv), &buf.positions, &cfg, rope.as_ref(), split, layout.group, out, emit)?;
                     return Ok(());
                 }
                 // One kernel splits the rows: rotated Q to scratch, rotated K and V into the cache.

@@ -121,11 +121,6 @@ impl DeviceWeight {
         self.plane_offsets.map(|off| base + off as u64)
     }
 
-    /// Device address and length of the packed image (all planes; 256-byte aligned).
-    pub(crate) fn image(&self, gpu: &Gpu) -> (u64, usize) {
-        (self.data.device_ptr(gpu.stream()).0, self.data.len())
-    }
-
     /// Bytes the weight occupies on the device (with its expanded copy, if any).
     pub fn device_bytes(&self) -> usize {
         self.data.len() + self.expanded.as_ref().map_or(0, |(_, e)| e.len())

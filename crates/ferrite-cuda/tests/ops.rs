@@ -1252,7 +1252,7 @@ fn store_and_attend_matches_store_then_attention_on(gpu: &Gpu) {
             let (mut out, mut want) = (poisoned(gpu, qw), poisoned(gpu, qw));
             let mut emitted = ops::Q8Activations::new(gpu, qw).unwrap();
             let group = ops::DecodeLayouts::new(gpu, n_heads, n_kv, hd, max_seq, false).short.group;
-            ops::store_and_attend(gpu, &mut fused, &qkv, &pos, &cfg, rope.as_ref(), None, group, &mut out, Some(ops::AttentionEmit::Q8(&mut emitted)), &ops::L2Prefetch::default()).unwrap();
+            ops::store_and_attend(gpu, &mut fused, &qkv, &pos, &cfg, rope.as_ref(), None, group, &mut out, Some(ops::AttentionEmit::Q8(&mut emitted))).unwrap();
             let mut q = poisoned(gpu, qw);
             ops::store_qkv(gpu, &mut twin, &qkv, row, 1, n_heads, &pos, rope.as_ref(), &mut q).unwrap();
             ops::attention(gpu, &q, &twin, &pos, 1, &cfg, &mut want, None).unwrap();
@@ -1295,11 +1295,6 @@ fn split_store_and_attend_matches_one_block_on(gpu: &Gpu) {
             }
         }
         let mut scratch = ops::SplitScratch::new(gpu, n_heads, splits, hd).unwrap();
-        // Weights for the kernel's L2 prefetch (a hint: the same bits with and without it),
-        // the budget ending inside the second, ragged one.
-        let weight = |dtype, rows, cols, bytes| gpu.upload_weight(dtype, rows, cols, &vec![0x11u8; bytes]).unwrap();
-        let (wa, wb) = (weight(GgmlType::Q8_0, 256, 1024, 256 * 32 * 34), weight(GgmlType::F32, 100, 65, 100 * 65 * 4));
-        let prefetch = ops::L2Prefetch::of(gpu, [&wa, &wb], 256 * 32 * 34 + 20_000);
         for p in prefill as u32..prefill as u32 + 4 {
             let name = format!("h{n_heads}/{n_kv} d{hd} {kv_dtype:?} w{window:?} pos{p} in {splits} shares");
             let qkv = upload(gpu, &rng.vec(row, -1.0, 1.0));
@@ -1307,20 +1302,15 @@ fn split_store_and_attend_matches_one_block_on(gpu: &Gpu) {
             let (mut got, mut want) = (poisoned(gpu, n_heads * hd), poisoned(gpu, n_heads * hd));
             let mut emitted = ops::Q8Activations::new(gpu, n_heads * hd).unwrap();
             let group = ops::DecodeLayouts::new(gpu, n_heads, n_kv, hd, max_seq, true).short.group;
-            let mut plain = poisoned(gpu, n_heads * hd);
-            // Storing the same row twice leaves the cache as once.
-            ops::store_and_attend(gpu, &mut split, &qkv, &pos, &cfg, Some(&rope), Some((splits, &mut scratch)), group, &mut plain, None, &ops::L2Prefetch::default()).unwrap();
-            ops::store_and_attend(gpu, &mut split, &qkv, &pos, &cfg, Some(&rope), Some((splits, &mut scratch)), group, &mut got, Some(ops::AttentionEmit::Q8(&mut emitted)), &prefetch).unwrap();
-            ops::store_and_attend(gpu, &mut one, &qkv, &pos, &cfg, Some(&rope), None, group, &mut want, None, &prefetch).unwrap();
-            let bits = |v: &CudaSlice<f32>| download(gpu, v).iter().map(|x| x.to_bits()).collect::<Vec<u32>>();
-            assert_eq!(bits(&got), bits(&plain), "{name}: the L2 prefetch changed the output");
+            ops::store_and_attend(gpu, &mut split, &qkv, &pos, &cfg, Some(&rope), Some((splits, &mut scratch)), group, &mut got, Some(ops::AttentionEmit::Q8(&mut emitted))).unwrap();
+            ops::store_and_attend(gpu, &mut one, &qkv, &pos, &cfg, Some(&rope), None, group, &mut want, None).unwrap();
             close("store+attn split", &name, &download(gpu, &got), &download(gpu, &want), 1e-5, 2e-6);
             assert_handoff_is_quantize(gpu, &emitted, &got, 1, n_heads * hd, &name);
         }
         assert_eq!(split.download(gpu).unwrap(), one.download(gpu).unwrap(), "cache rows written by the split kernel");
         let (qkv, pos, mut out) = (upload(gpu, &vec![0.0; row]), upload(gpu, &[0u32]), poisoned(gpu, n_heads * hd));
         let bad = n_heads / n_kv + 1;
-        let err = ops::store_and_attend(gpu, &mut split, &qkv, &pos, &cfg, Some(&rope), None, bad, &mut out, None, &prefetch).unwrap_err().to_string();
+        let err = ops::store_and_attend(gpu, &mut split, &qkv, &pos, &cfg, Some(&rope), None, bad, &mut out, None).unwrap_err().to_string();
         assert!(err.contains("query heads per block"), "{err}");
     }
 }

@@ -284,12 +284,6 @@ device_params! {
         pub row_seq: u64,
         pub max_blocks: u32,
         pub block_size: u32,
-        /// 0, or up to two byte ranges (a later kernel's weights) the blocks ask L2 for after
-        /// their wait (`ops::L2Prefetch`).
-        pub l2_a: u64,
-        pub l2_a_bytes: u64,
-        pub l2_b: u64,
-        pub l2_b_bytes: u64,
     }
 }
 
@@ -449,13 +443,7 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32) attention(const Attent
   // The shares that hold keys (the grid is sized for the longest context): blocks past them
   // leave at once, and a lone share writes the output itself, without the merge.
   const u32 active = (len + share - 1) / share;
-  if (blockIdx.z >= active) {  // block-uniform, before any barrier
-    if (p.l2_a_bytes + p.l2_b_bytes) {  // an idle block still takes its share of the prefetch
-      KERNEL_ENTRY();
-      l2_prefetch_share(p.l2_a, p.l2_a_bytes, p.l2_b, p.l2_b_bytes);
-    }
-    return;
-  }
+  if (blockIdx.z >= active) return;  // block-uniform, before any barrier
   // With STORE the cached keys end before pos; the new key comes after the loop.
   const u32 begin = first + blockIdx.z * share, end = min(pos + 1 - STORE, begin + share);
   const i64 row = (i64)p.n_kv_heads * HEAD_DIM;
@@ -472,8 +460,6 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32) attention(const Attent
 #endif
   if (!bad_pos) prefetch_kv(p, kc, vc, row, tok, begin, end);
   KERNEL_ENTRY();
-  // After the wait: the projection before has stopped loading, and this kernel reads few bytes.
-  l2_prefetch_share(p.l2_a, p.l2_a_bytes, p.l2_b, p.l2_b_bytes);
   if (bad_pos) {  // block-uniform, before any barrier; every share of the query returns
     if (threadIdx.x == 0 && blockIdx.z == 0) report_error(p.error_flag, ERR_POSITION, pos_in);
     if (blockIdx.z == 0)

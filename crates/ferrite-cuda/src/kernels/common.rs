@@ -91,27 +91,6 @@ __device__ __forceinline__ void pdl_release() {
   asm volatile("griddepcontrol.launch_dependents;" :::);
 #endif
 }
-// Asks L2 for this block's share of two byte ranges taken as one (a later kernel's weights),
-// cut evenly over the grid's blocks in 256-byte pieces: the bulk-copy unit streams them in while
-// this kernel, which moves few bytes, runs. Only a cache hint (results never change); ranges
-// are 256-byte aligned with lengths in whole 256 bytes (`ops::L2Prefetch`).
-__device__ __forceinline__ void l2_prefetch_share(u64 a, u64 a_bytes, u64 b, u64 b_bytes) {
-#if __CUDA_ARCH__ >= 900
-  const u64 total = a_bytes + b_bytes;
-  if (total == 0 || threadIdx.x != 0) return;
-  const u64 blocks = (u64)gridDim.x * gridDim.y * gridDim.z;
-  const u64 id = blockIdx.x + (u64)gridDim.x * (blockIdx.y + (u64)gridDim.y * blockIdx.z);
-  const u64 share = ((total + blocks - 1) / blocks + 255) & ~(u64)255;
-  const u64 begin = min(total, id * share), end = min(total, begin + share);
-  // The part in a: [begin, min(end, a_bytes)); the part in b: [max(begin, a_bytes), end) - a_bytes.
-  if (begin < a_bytes)
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(a + begin), "r"((u32)(min(end, a_bytes) - begin)) : "memory");
-  if (end > a_bytes) {
-    const u64 from = max(begin, a_bytes) - a_bytes;
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(b + from), "r"((u32)(end - a_bytes - from)) : "memory");
-  }
-#endif
-}
 // The first statement of every kernel that has nothing to load before waiting.
 #define KERNEL_ENTRY() \
   do {                 \

@@ -1,7 +1,7 @@
 //! KV cache and attention ops.
 
 use super::{addr, addr_mut, as_u32, check_len, elems};
-use super::{L2Prefetch, Precision, Q8Activations, StagedActivations, StagedLayout};
+use super::{Precision, Q8Activations, StagedActivations, StagedLayout};
 use crate::kernels::dequant::MmaOrder;
 use crate::error::CudaError;
 use super::RopeConfig;
@@ -196,8 +196,7 @@ fn store_qkv_with(
 /// separate blocks, as in [`attention_split`]: as many shares run as the position needs (one up
 /// to 128 keys, which then skips the merge), so one launch (and one captured graph) serves every
 /// context length. Each block serves `group` query heads of one KV group (1, or a divisor of the
-/// heads per KV head up to [`AttentionVariant::MAX_GROUP`]; see [`DecodeLayouts`]). The blocks
-/// also ask L2 for `prefetch` (the next kernels' weights) once the projection before is done.
+/// heads per KV head up to [`AttentionVariant::MAX_GROUP`]; see [`DecodeLayouts`]).
 #[allow(clippy::too_many_arguments)]
 pub fn store_and_attend(
     gpu: &Gpu,
@@ -210,7 +209,6 @@ pub fn store_and_attend(
     group: usize,
     out: &mut impl DevicePtrMut<f32>,
     emit: Option<AttentionEmit>,
-    prefetch: &L2Prefetch,
 ) -> Result<(), CudaError> {
     const OP: &str = "store_and_attend";
     let row = (cfg.n_heads + 2 * cache.n_kv_heads) * cache.head_dim;
@@ -225,7 +223,6 @@ pub fn store_and_attend(
     }
     let Some(mut params) = attention_params(gpu, qkv, cache, positions, 1, cfg, out, emit)? else { return Ok(()) };
     set_store(gpu, &mut params, cache, rope);
-    [(params.l2_a, params.l2_a_bytes), (params.l2_b, params.l2_b_bytes)] = prefetch.ranges;
     let splits = match split {
         Some((splits, scratch)) => {
             params.partials = addr_mut(gpu, &mut scratch.partials);
@@ -715,10 +712,6 @@ fn attention_params(
         row_seq: 0,
         max_blocks: 0,
         block_size: 0,
-        l2_a: 0,
-        l2_a_bytes: 0,
-        l2_b: 0,
-        l2_b_bytes: 0,
         q: addr(gpu, q),
         k_cache: addr(gpu, &cache.k),
         v_cache: addr(gpu, &cache.v),

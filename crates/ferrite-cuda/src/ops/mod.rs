@@ -75,35 +75,6 @@ pub(crate) fn addr_mut<T>(gpu: &Gpu, buf: &mut impl DevicePtrMut<T>) -> u64 {
     buf.device_ptr_mut(gpu.stream()).0
 }
 
-/// Weights a later kernel reads, which a kernel that moves few bytes itself asks L2 for, so
-/// that DRAM, otherwise idle during that kernel, fills the cache (`l2_prefetch_share` in the
-/// kernels' header). A hint only: no result depends on it. At most two weights' packed images,
-/// cut to whole 256-byte pieces.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct L2Prefetch {
-    pub(crate) ranges: [(u64, u64); 2],
-}
-
-impl L2Prefetch {
-    /// The packed images of the first two `weights`, in order, up to `budget` bytes in all.
-    pub fn of<'a>(gpu: &Gpu, weights: impl IntoIterator<Item = &'a DeviceWeight>, budget: usize) -> Self {
-        let mut left = budget as u64 & !255;
-        let mut ranges = [(0, 0); 2];
-        for (range, w) in ranges.iter_mut().zip(weights) {
-            let (base, len) = w.image(gpu);
-            let take = (len as u64 & !255).min(left);
-            *range = (base, take);
-            left -= take;
-        }
-        L2Prefetch { ranges }
-    }
-
-    /// Bytes asked for.
-    pub fn bytes(&self) -> u64 {
-        self.ranges.iter().map(|r| r.1).sum()
-    }
-}
-
 /// Product of sizes, or an error naming the op if it overflows.
 pub(crate) fn elems(op: &'static str, sizes: &[usize]) -> Result<usize, CudaError> {
     sizes
