@@ -1,10 +1,12 @@
 //! Hand-run timing of one batched decode step (`forward_paged`) on the CPU for 1..N sequences
 //! (not part of the test suite):
 //!
-//!     cargo run --release -p ferrite-engine --example batch_step -- MODEL.gguf [CONTEXT]
+//!     cargo run --release -p ferrite-engine --example batch_step -- MODEL.gguf [CONTEXT] [SIZES] [STEPS]
 //!
 //! Every sequence holds CONTEXT cached positions (default 64) and decodes one token per step;
-//! prints the median step time and the implied aggregate tokens/s per batch size.
+//! prints the median step time over STEPS steps (default 20) and the implied aggregate tokens/s
+//! per batch size (SIZES, comma-separated, default 1,2,4,8,16; at most 16). One size and many
+//! steps make a profile of that step (`perf record`).
 
 use ferrite_cpu::{CpuExecutor, CpuPrecision};
 use ferrite_model::{Executor, ExecutorOptions, FusionOptions, Model, PagedKvConfig, SeqChunk};
@@ -27,11 +29,17 @@ fn main() -> anyhow::Result<()> {
     for t in &tables {
         exec.forward_paged(&[SeqChunk { tokens: &prompt, start_pos: 0, block_table: t }])?;
     }
-    println!("| sequences | step ms (median of 20) | tokens/s |");
+    let sizes: Vec<usize> = match args.get(3) {
+        Some(list) => list.split(',').map(|n| n.parse().map_err(|_| anyhow::anyhow!("bad batch size {n:?}"))).collect::<Result<_, _>>()?,
+        None => vec![1, 2, 4, 8, 16],
+    };
+    anyhow::ensure!(sizes.iter().all(|&n| (1..=max_seqs).contains(&n)), "batch sizes are 1..={max_seqs}");
+    let steps: usize = args.get(4).and_then(|s| s.parse().ok()).unwrap_or(20).max(1);
+    println!("| sequences | step ms (median of {steps}) | tokens/s |");
     println!("|---|---|---|");
-    for n in [1usize, 2, 4, 8, 16] {
+    for n in sizes {
         let mut times = Vec::new();
-        for step in 0..21 {
+        for step in 0..=steps {
             let tok = [7u32];
             let batch: Vec<SeqChunk> = tables[..n].iter().map(|t| SeqChunk { tokens: &tok, start_pos: ctx + step.min(40), block_table: t }).collect();
             let t0 = Instant::now();
