@@ -1,25 +1,28 @@
-//! Q4_0 / Q4_1 / Q8_0 weights repacked at load into groups of 8 rows, for the AVX2 and AVX-512
-//! VNNI matmuls.
+//! Q4_0 / Q4_1 / Q8_0 weights repacked at load into groups of rows, for the AVX2 (8 rows) and
+//! AVX-512 VNNI (16 rows) matmuls.
 //!
 //! The GGUF layout keeps each row's blocks together, so a dot-product kernel converts and
 //! scales every (row, block, token) on its own: about 9 instructions per 32 multiply-adds. Here,
-//! per block, the 8 rows' scales sit side by side and their codes interleave by 4 bytes: one
-//! 256-bit register holds 4 codes of each of the 8 rows, so one `vpmaddubsw` with a broadcast
-//! of 4 activation codes serves 8 rows, and each (8 rows, block, token) needs one conversion and
-//! two multiply-adds (about 30 instructions per 256 multiply-adds for the 4-bit types, 43 for
-//! Q8_0, whose signed codes take `vpsignb` and whose pair sums need 32-bit adds). The integer
-//! sums are those of the row kernels; only the order of the float additions differs.
+//! per block, the group's scales sit side by side and their codes interleave by 4 bytes: one
+//! register holds 4 codes of each row of the group, so one `vpmaddubsw` with a broadcast of 4
+//! activation codes serves every row, and each (group, block, token) needs one conversion and
+//! two multiply-adds. AVX2, 8 rows in a 256-bit register: about 30 instructions per 256
+//! multiply-adds for the 4-bit types, 43 for Q8_0, whose signed codes take `vpsignb` and whose
+//! pair sums need 32-bit adds. The integer sums are those of the row kernels; only the order of
+//! the float additions differs.
 //!
-//! On AVX-512 VNNI CPUs one 256-bit `vpdpbusd` replaces each `vpmaddubsw` and the adds after it
-//! (it accumulates the four products of each row straight into 32 bits): about 13 instructions
-//! per 256 multiply-adds for every type. Its unsigned side takes the weight codes, so the Q8_0
-//! codes are stored biased by 128 (`c + 128` as a byte) and the bias comes back out through the
-//! activations' block sums, as Q4_0's offset of 8 does.
+//! On AVX-512 VNNI CPUs a group is 16 rows in a 512-bit register, and one `vpdpbusd` replaces
+//! each `vpmaddubsw` and the adds after it (it accumulates the four products of each row straight
+//! into 32 bits): about 13 instructions per 512 multiply-adds for every type (the 512-bit
+//! `vpdpbusd` issues nearly twice a cycle on Sapphire Rapids, as the 256-bit one does, so the
+//! wider groups double the arithmetic rate of the batched steps). Its unsigned side takes the
+//! weight codes, so the Q8_0 codes are stored biased by 128 (`c + 128` as a byte) and the bias
+//! comes back out through the activations' block sums, as Q4_0's offset of 8 does.
 //!
-//! Group layout per block: `d` of the 8 rows (f16), `m` of the 8 rows (f16, Q4_1 only), then
-//! the codes. 4-bit: 4 x 32 bytes, register q holds bytes 4q .. 4q + 3 of each row's 16 `qs`
-//! bytes (low nibbles: elements 4q ..; high nibbles: elements 16 + 4q ..). Q8_0: 8 x 32 bytes,
-//! register j holds elements 4j .. 4j + 3 of each row (biased by 128 for the VNNI kernel).
+//! Group layout per block, for `R` rows: `d` of the rows (f16), `m` of the rows (f16, Q4_1
+//! only), then the codes. 4-bit: 4 x 4R bytes, register q holds bytes 4q .. 4q + 3 of each row's
+//! 16 `qs` bytes (low nibbles: elements 4q ..; high nibbles: elements 16 + 4q ..). Q8_0: 8 x 4R
+//! bytes, register j holds elements 4j .. 4j + 3 of each row (biased by 128 for the VNNI kernel).
 
 use super::matmul::for_each_row_chunk;
 use super::quant::ActQ8;
@@ -27,14 +30,22 @@ use super::simd::{simd_level, SimdLevel};
 use super::{KernelError, WeightView};
 use ferrite_gguf::GgmlType;
 
-/// Rows per group.
-pub const GROUP_ROWS: usize = 8;
+/// Rows per group of the widest layout (the VNNI kernel's; AVX2 groups are 8 rows).
+pub const MAX_GROUP_ROWS: usize = 16;
 /// Bytes ahead of the block being read that the kernels prefetch.
 const PREFETCH_AHEAD: usize = 4096;
 /// Tokens per kernel call when several share a group (the group's codes are unpacked once).
 const TOKEN_TILE: usize = 4;
 
-/// A Q4_0, Q4_1 or Q8_0 weight in 8-row groups (see the module docs).
+/// Rows per group of the layout for `level`'s kernel.
+const fn group_rows(level: SimdLevel) -> usize {
+    match level {
+        SimdLevel::Avx512Vnni => 16,
+        _ => 8,
+    }
+}
+
+/// A Q4_0, Q4_1 or Q8_0 weight in row groups (see the module docs).
 pub struct RowGroups {
     /// The kernel the copy is laid out for: [`SimdLevel::Avx2`] or [`SimdLevel::Avx512Vnni`].
     level: SimdLevel,
@@ -51,43 +62,45 @@ impl RowGroups {
         matches!(simd_level(), SimdLevel::Avx2 | SimdLevel::Avx512Vnni) && ferrite_core::env::CPU_ROW_GROUPS.flag()
     }
 
-    /// The repacked copy of `w` for the best kernel this CPU runs, or `None` where this layout
-    /// cannot serve: other types than Q4_0/Q4_1/Q8_0, rows not a multiple of 8, or a CPU
-    /// without AVX2.
+    /// The repacked copy of `w` for the best kernel this CPU runs (the AVX2 one where the rows
+    /// are not whole 16-row VNNI groups), or `None` where no layout serves: other types than
+    /// Q4_0/Q4_1/Q8_0, rows not a multiple of 8, or a CPU without AVX2.
     pub fn repack(w: &WeightView) -> Option<Self> {
-        let level = if simd_level() == SimdLevel::Avx512Vnni { SimdLevel::Avx512Vnni } else { SimdLevel::Avx2 };
-        Self::repack_for(w, level)
+        let vnni = (simd_level() == SimdLevel::Avx512Vnni).then(|| Self::repack_for(w, SimdLevel::Avx512Vnni));
+        vnni.flatten().or_else(|| Self::repack_for(w, SimdLevel::Avx2))
     }
 
-    /// The repacked copy of `w` for the kernel of `level` (`Avx2` or `Avx512Vnni`), or `None`
-    /// where that kernel cannot serve (as [`Self::repack`], or the CPU lacks `level`).
+    /// The repacked copy of `w` for the kernel of `level` (`Avx2`: 8-row groups, or
+    /// `Avx512Vnni`: 16-row groups), or `None` where that kernel cannot serve (other types,
+    /// rows not whole groups, or the CPU lacks `level`).
     pub fn repack_for(w: &WeightView, level: SimdLevel) -> Option<Self> {
         let kernel_level = matches!(level, SimdLevel::Avx2 | SimdLevel::Avx512Vnni);
         if !kernel_level || !level.is_available() || !matches!(w.dtype, GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q8_0) {
             return None;
         }
         let row_bytes = w.row_bytes("row_groups").ok()?;
-        if !w.rows.is_multiple_of(GROUP_ROWS) || w.cols == 0 {
+        let rows = group_rows(level);
+        if !w.rows.is_multiple_of(rows) || w.cols == 0 {
             return None;
         }
         let (nb, block, min, bytes8) = (w.cols / 32, w.dtype.type_size(), w.dtype == GgmlType::Q4_1, w.dtype == GgmlType::Q8_0);
-        let group = group_bytes(w.dtype);
+        let group = group_bytes(w.dtype, rows);
         let qs_at = if min { 4 } else { 2 };
         // Registers of 4 code bytes per row: the 16 nibble bytes or the 32 int8 codes.
         let registers = if bytes8 { 8 } else { 4 };
         let bias = if bytes8 && level == SimdLevel::Avx512Vnni { 0x80 } else { 0 };
-        let mut data = vec![0u8; w.rows / GROUP_ROWS * nb * group];
+        let mut data = vec![0u8; w.rows / rows * nb * group];
         for (g, dst) in data.chunks_exact_mut(nb * group).enumerate() {
             for (b, dst) in dst.chunks_exact_mut(group).enumerate() {
-                for r in 0..GROUP_ROWS {
-                    let src = &w.data[(g * GROUP_ROWS + r) * row_bytes + b * block..][..block];
+                for r in 0..rows {
+                    let src = &w.data[(g * rows + r) * row_bytes + b * block..][..block];
                     dst[2 * r..2 * r + 2].copy_from_slice(&src[..2]);
                     if min {
-                        dst[16 + 2 * r..18 + 2 * r].copy_from_slice(&src[2..4]);
+                        dst[2 * rows + 2 * r..2 * rows + 2 * r + 2].copy_from_slice(&src[2..4]);
                     }
-                    let codes = &mut dst[if min { 32 } else { 16 }..];
+                    let codes = &mut dst[if min { 4 * rows } else { 2 * rows }..];
                     for q in 0..registers {
-                        for (dst, &src) in codes[(q * GROUP_ROWS + r) * 4..][..4].iter_mut().zip(&src[qs_at + 4 * q..qs_at + 4 * q + 4]) {
+                        for (dst, &src) in codes[(q * rows + r) * 4..][..4].iter_mut().zip(&src[qs_at + 4 * q..qs_at + 4 * q + 4]) {
                             *dst = src ^ bias;
                         }
                     }
@@ -95,6 +108,11 @@ impl RowGroups {
             }
         }
         Some(RowGroups { level, dtype: w.dtype, rows: w.rows, cols: w.cols, data })
+    }
+
+    /// Rows per group of this copy's layout.
+    pub fn group_rows(&self) -> usize {
+        group_rows(self.level)
     }
 
     pub fn rows(&self) -> usize {
@@ -113,10 +131,10 @@ impl RowGroups {
     /// `out[t * m + i] = x[t] · W[rows.start + i]` (`m = rows.len()`) for `n_tokens` tokens; the
     /// range must be whole groups.
     pub fn matmul(&self, rows: std::ops::Range<usize>, x: &[f32], n_tokens: usize, out: &mut [f32]) -> Result<(), KernelError> {
-        let (m, cols) = (rows.len(), self.cols);
+        let (m, cols, group) = (rows.len(), self.cols, self.group_rows());
         let shape = |detail: String| KernelError::Shape { op: "row_groups", detail };
-        if !rows.start.is_multiple_of(GROUP_ROWS) || !m.is_multiple_of(GROUP_ROWS) || rows.end > self.rows {
-            return Err(shape(format!("rows {rows:?} are not whole {GROUP_ROWS}-row groups of 0..{}", self.rows)));
+        if !rows.start.is_multiple_of(group) || !m.is_multiple_of(group) || rows.end > self.rows {
+            return Err(shape(format!("rows {rows:?} are not whole {group}-row groups of 0..{}", self.rows)));
         }
         if x.len() != n_tokens * cols || out.len() != n_tokens * m {
             return Err(shape(format!("{n_tokens} tokens: input {} and output {} values for {m} x {cols}", x.len(), out.len())));
@@ -125,8 +143,8 @@ impl RowGroups {
             return Ok(());
         }
         let acts = ActQ8::quantize(x, cols, n_tokens);
-        let per_group = cols / 32 * group_bytes(self.dtype);
-        let weights = &self.data[rows.start / GROUP_ROWS * per_group..rows.end / GROUP_ROWS * per_group];
+        let per_group = cols / 32 * group_bytes(self.dtype, group);
+        let weights = &self.data[rows.start / group * per_group..rows.end / group * per_group];
         macro_rules! tiles {
             ($dot:ident, $kind:expr) => {
                 [$dot::<{ $kind }, 1>, $dot::<{ $kind }, 2>, $dot::<{ $kind }, TOKEN_TILE>]
@@ -140,20 +158,19 @@ impl RowGroups {
             (_, GgmlType::Q4_1) => tiles!(group_dot_avx2, Q4_1),
             _ => tiles!(group_dot_avx2, Q8_0),
         };
-        let tasks = rayon::current_num_threads() * 4;
-        let chunk = m.div_ceil(tasks).next_multiple_of(GROUP_ROWS).max(GROUP_ROWS);
+        let chunk = balanced_chunk(m / group, rayon::current_num_threads()) * group;
         for_each_row_chunk(out, m, n_tokens, chunk, |c, outs| {
             let n_rows = outs[0].len();
-            for g in 0..n_rows / GROUP_ROWS {
-                let w = &weights[(c * chunk / GROUP_ROWS + g) * per_group..][..per_group];
+            for g in 0..n_rows / group {
+                let w = &weights[(c * chunk / group + g) * per_group..][..per_group];
                 let mut t = 0;
                 for (nt, dot) in [(TOKEN_TILE, kernel[2]), (2, kernel[1]), (1, kernel[0])] {
                     while t + nt <= n_tokens {
-                        let mut sums = [[0f32; GROUP_ROWS]; TOKEN_TILE];
+                        let mut sums = [[0f32; MAX_GROUP_ROWS]; TOKEN_TILE];
                         // SAFETY: `repack_for` makes a copy only for a level the CPU has.
                         unsafe { dot(w, &acts, t, &mut sums) };
                         for (i, s) in sums[..nt].iter().enumerate() {
-                            outs[t + i][g * GROUP_ROWS..(g + 1) * GROUP_ROWS].copy_from_slice(s);
+                            outs[t + i][g * group..(g + 1) * group].copy_from_slice(&s[..group]);
                         }
                         t += nt;
                     }
@@ -164,53 +181,95 @@ impl RowGroups {
     }
 }
 
+/// Groups per task when `n_groups` are shared by `threads`: 4 to 8 tasks per thread (some
+/// slack for the stealing), sized so that the busiest thread's share is as small as whole
+/// chunks allow (a 576-row matrix in 16-row groups: 12 tasks of 3, not 8 of 5 where one
+/// thread gets 20 groups and the other 16).
+fn balanced_chunk(n_groups: usize, threads: usize) -> usize {
+    let threads = threads.max(1);
+    let busiest = |c: usize| n_groups.div_ceil(c).div_ceil(threads) * c;
+    let (lo, hi) = (n_groups.div_ceil(8 * threads).max(1), n_groups.div_ceil(4 * threads).max(1));
+    (lo..=hi).min_by_key(|&c| busiest(c)).unwrap_or(1)
+}
+
 // The kernels' weight formats.
 const Q4_0: u8 = 0;
 const Q4_1: u8 = 1;
 const Q8_0: u8 = 2;
 
-/// Bytes of one block of a group: the scales, then the code registers.
-const fn block_bytes(kind: u8) -> usize {
-    match kind {
-        Q4_0 => 16 + 128,
-        Q4_1 => 32 + 128,
-        _ => 16 + 256,
+/// Bytes of one block of a group of `rows` rows: the scales, then the code registers.
+const fn block_bytes(kind: u8, rows: usize) -> usize {
+    rows * match kind {
+        Q4_0 => 2 + 16,
+        Q4_1 => 4 + 16,
+        _ => 2 + 32,
     }
 }
 
-fn group_bytes(dtype: GgmlType) -> usize {
-    block_bytes(match dtype {
+fn group_bytes(dtype: GgmlType, rows: usize) -> usize {
+    let kind = match dtype {
         GgmlType::Q4_0 => Q4_0,
         GgmlType::Q4_1 => Q4_1,
         _ => Q8_0,
-    })
+    };
+    block_bytes(kind, rows)
 }
 
-/// One group's dot products with tokens `t0 ..` (as many as the kernel's tile), into `sums`.
-type GroupDot = unsafe fn(group: &[u8], acts: &ActQ8, t0: usize, sums: &mut [[f32; GROUP_ROWS]; TOKEN_TILE]);
+/// One group's dot products with tokens `t0 ..` (as many as the kernel's tile), into `sums`
+/// (the group's rows of each row of it).
+type GroupDot = unsafe fn(group: &[u8], acts: &ActQ8, t0: usize, sums: &mut [[f32; MAX_GROUP_ROWS]; TOKEN_TILE]);
+
+/// The vector width of a kernel: its intrinsics under one set of names (plain re-exports, so
+/// they inline into the kernels' `target_feature` functions), and its rows per group.
+#[cfg(target_arch = "x86_64")]
+mod ymm {
+    pub use std::arch::x86_64::{
+        __m128i as Half, __m256i as Ints, _mm256_abs_epi8 as abs_epi8, _mm256_add_epi32 as add_epi32, _mm256_and_si256 as and_si,
+        _mm256_cvtepi32_ps as cvtepi32_ps, _mm256_cvtph_ps as cvtph_ps, _mm256_fmadd_ps as fmadd_ps,
+        _mm256_loadu_si256 as loadu_si, _mm256_mul_ps as mul_ps, _mm256_set1_epi32 as set1_epi32, _mm256_set1_epi8 as set1_epi8,
+        _mm256_set1_ps as set1_ps, _mm256_setzero_ps as setzero_ps, _mm256_setzero_si256 as setzero_si, _mm256_srli_epi16 as srli_epi16,
+        _mm256_storeu_ps as storeu_ps, _mm_loadu_si128 as loadu_half,
+    };
+    pub const ROWS: usize = 8;
+}
+
+#[cfg(target_arch = "x86_64")]
+mod zmm {
+    pub use std::arch::x86_64::{
+        __m256i as Half, __m512i as Ints, _mm256_loadu_si256 as loadu_half, _mm512_abs_epi8 as abs_epi8, _mm512_add_epi32 as add_epi32,
+        _mm512_and_si512 as and_si, _mm512_cvtepi32_ps as cvtepi32_ps, _mm512_cvtph_ps as cvtph_ps, _mm512_dpbusd_epi32 as dpbusd_epi32,
+        _mm512_fmadd_ps as fmadd_ps, _mm512_loadu_si512 as loadu_si, _mm512_mul_ps as mul_ps, _mm512_set1_epi32 as set1_epi32,
+        _mm512_set1_epi8 as set1_epi8, _mm512_set1_ps as set1_ps, _mm512_setzero_ps as setzero_ps, _mm512_setzero_si512 as setzero_si,
+        _mm512_srli_epi16 as srli_epi16, _mm512_storeu_ps as storeu_ps,
+    };
+    pub const ROWS: usize = 16;
+}
 
 /// `sum_b (d_r * da) * (codes_r · y) + c_r * sa * F`, with c = m and F = 1 for Q4_1, c = d and
 /// F = -8 for Q4_0 (its codes are offset by 8), for Q8_0 F = -128 where its codes are stored
-/// biased (VNNI) and no such term otherwise. The two kernels differ only in the integer dot of a
-/// block (`$isum`, from the unsigned codes, the signed ones and the broadcast activations).
+/// biased (VNNI) and no such term otherwise. The kernels differ in their vector width (`$width`:
+/// a module above) and in the integer dot of a block (`$isum`, from the unsigned codes, the
+/// signed ones and the broadcast activations).
 macro_rules! group_dot_kernel {
-    ($name:ident, $features:literal, q8_biased: $biased:literal, |$ucodes:ident, $codes:ident, $y4:ident| $isum:expr) => {
+    ($name:ident, $features:literal, $width:ident, q8_biased: $biased:literal, |$ucodes:ident, $codes:ident, $y4:ident| $isum:expr) => {
         #[cfg(target_arch = "x86_64")]
         #[target_feature(enable = $features)]
-        unsafe fn $name<const KIND: u8, const NT: usize>(group: &[u8], acts: &ActQ8, t0: usize, sums: &mut [[f32; GROUP_ROWS]; TOKEN_TILE]) {
+        unsafe fn $name<const KIND: u8, const NT: usize>(group: &[u8], acts: &ActQ8, t0: usize, sums: &mut [[f32; MAX_GROUP_ROWS]; TOKEN_TILE]) {
+            #[allow(unused_imports)]
             use std::arch::x86_64::*;
+            use $width::*;
             let nb = acts.blocks();
-            let block = block_bytes(KIND);
+            let block = block_bytes(KIND, ROWS);
             assert!(group.len() == nb * block && t0 + NT <= acts.n_tokens() && NT <= TOKEN_TILE, "row_groups: kernel arguments");
-            let low = _mm256_set1_epi8(0x0F);
-            let min_factor = _mm256_set1_ps(match KIND {
+            let low = set1_epi8(0x0F);
+            let min_factor = set1_ps(match KIND {
                 Q4_1 => 1.0,
                 Q4_0 => -8.0,
                 _ => -128.0,
             });
             let min_term = KIND != Q8_0 || $biased;
             let tokens: [(&[i8], &[[f32; 2]]); NT] = std::array::from_fn(|t| acts.token(t0 + t));
-            let mut acc = [_mm256_setzero_ps(); NT];
+            let mut acc = [setzero_ps(); NT];
             for b in 0..nb {
                 let p = group.as_ptr().add(b * block);
                 // Streaming from memory, the hardware prefetcher alone leaves this one sequential
@@ -218,50 +277,50 @@ macro_rules! group_dot_kernel {
                 for l in (0..block).step_by(64) {
                     _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(PREFETCH_AHEAD + l) as *const i8);
                 }
-                let d = _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i));
-                let c = if KIND == Q4_1 { _mm256_cvtph_ps(_mm_loadu_si128(p.add(16) as *const __m128i)) } else { d };
-                let c = _mm256_mul_ps(c, min_factor);
-                let q = p.add(if KIND == Q4_1 { 32 } else { 16 });
-                // Register j: codes of elements 4j .. 4j + 3 of the 8 rows (4-bit: j < 4 low
+                let d = cvtph_ps(loadu_half(p as *const Half));
+                let c = if KIND == Q4_1 { cvtph_ps(loadu_half(p.add(2 * ROWS) as *const Half)) } else { d };
+                let c = mul_ps(c, min_factor);
+                let q = p.add(if KIND == Q4_1 { 4 * ROWS } else { 2 * ROWS });
+                // Register j: codes of elements 4j .. 4j + 3 of the rows (4-bit: j < 4 low
                 // nibbles, else high ones; Q8_0: as stored, and unbiased their magnitudes).
-                let mut $codes = [_mm256_setzero_si256(); 8];
-                let mut $ucodes = [_mm256_setzero_si256(); 8];
+                let mut $codes = [setzero_si(); 8];
+                let mut $ucodes = [setzero_si(); 8];
                 if KIND == Q8_0 {
                     for j in 0..8 {
-                        $codes[j] = _mm256_loadu_si256(q.add(32 * j) as *const __m256i);
-                        $ucodes[j] = if $biased { $codes[j] } else { _mm256_abs_epi8($codes[j]) };
+                        $codes[j] = loadu_si(q.add(4 * ROWS * j) as *const Ints);
+                        $ucodes[j] = if $biased { $codes[j] } else { abs_epi8($codes[j]) };
                     }
                 } else {
                     for i in 0..4 {
-                        let v = _mm256_loadu_si256(q.add(32 * i) as *const __m256i);
-                        $ucodes[i] = _mm256_and_si256(v, low);
-                        $ucodes[i + 4] = _mm256_and_si256(_mm256_srli_epi16::<4>(v), low);
+                        let v = loadu_si(q.add(4 * ROWS * i) as *const Ints);
+                        $ucodes[i] = and_si(v, low);
+                        $ucodes[i + 4] = and_si(srli_epi16::<4>(v), low);
                     }
                 }
                 for (t, (qs, ds)) in tokens.iter().enumerate() {
                     let y = qs.as_ptr().add(b * 32) as *const i32;
-                    let $y4 = |j: usize| _mm256_set1_epi32(y.add(j).read_unaligned());
-                    let isum: __m256i = $isum;
+                    let $y4 = |j: usize| set1_epi32(y.add(j).read_unaligned());
+                    let isum: Ints = $isum;
                     let [da, sa] = ds[b];
-                    acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(d, _mm256_set1_ps(da)), acc[t]);
+                    acc[t] = fmadd_ps(cvtepi32_ps(isum), mul_ps(d, set1_ps(da)), acc[t]);
                     if min_term {
-                        acc[t] = _mm256_fmadd_ps(c, _mm256_set1_ps(sa), acc[t]);
+                        acc[t] = fmadd_ps(c, set1_ps(sa), acc[t]);
                     }
                 }
             }
             for t in 0..NT {
-                _mm256_storeu_ps(sums[t].as_mut_ptr(), acc[t]);
+                storeu_ps(sums[t].as_mut_ptr(), acc[t]);
             }
         }
     };
 }
 
-group_dot_kernel!(group_dot_avx2, "avx2,fma,f16c", q8_biased: false, |ucodes, codes, y4| {
+group_dot_kernel!(group_dot_avx2, "avx2,fma,f16c", ymm, q8_biased: false, |ucodes, codes, y4| {
     let ones = _mm256_set1_epi16(1);
     if KIND == Q8_0 {
         // A pair sum reaches 2 * 128 * 127: each goes to 32 bits before adding.
         let dot = |j: usize| _mm256_madd_epi16(_mm256_maddubs_epi16(ucodes[j], _mm256_sign_epi8(y4(j), codes[j])), ones);
-        (1..8).fold(dot(0), |s, j| _mm256_add_epi32(s, dot(j)))
+        (1..8).fold(dot(0), |s, j| add_epi32(s, dot(j)))
     } else {
         // |sum of 8 pairs| <= 8 * 2 * 15 * 127 fits vpmaddubsw's 16-bit lanes.
         let s = (1..8).fold(_mm256_maddubs_epi16(ucodes[0], y4(0)), |s, j| _mm256_add_epi16(s, _mm256_maddubs_epi16(ucodes[j], y4(j))));
@@ -270,23 +329,23 @@ group_dot_kernel!(group_dot_avx2, "avx2,fma,f16c", q8_biased: false, |ucodes, co
 });
 
 // Two accumulation chains, so that each `vpdpbusd` waits for the one two before it.
-group_dot_kernel!(group_dot_vnni, "avx2,fma,f16c,avx512f,avx512vl,avx512vnni", q8_biased: true, |ucodes, codes, y4| {
+group_dot_kernel!(group_dot_vnni, "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni", zmm, q8_biased: true, |ucodes, codes, y4| {
     let _ = &codes;
-    let (mut s0, mut s1) = (_mm256_setzero_si256(), _mm256_setzero_si256());
+    let (mut s0, mut s1) = (setzero_si(), setzero_si());
     for j in (0..8).step_by(2) {
-        s0 = _mm256_dpbusd_epi32(s0, ucodes[j], y4(j));
-        s1 = _mm256_dpbusd_epi32(s1, ucodes[j + 1], y4(j + 1));
+        s0 = dpbusd_epi32(s0, ucodes[j], y4(j));
+        s1 = dpbusd_epi32(s1, ucodes[j + 1], y4(j + 1));
     }
-    _mm256_add_epi32(s0, s1)
+    add_epi32(s0, s1)
 });
 
 #[cfg(not(target_arch = "x86_64"))]
-unsafe fn group_dot_avx2<const KIND: u8, const NT: usize>(_: &[u8], _: &ActQ8, _: usize, _: &mut [[f32; GROUP_ROWS]; TOKEN_TILE]) {
+unsafe fn group_dot_avx2<const KIND: u8, const NT: usize>(_: &[u8], _: &ActQ8, _: usize, _: &mut [[f32; MAX_GROUP_ROWS]; TOKEN_TILE]) {
     unreachable!("row groups are made only where the AVX2 kernel runs")
 }
 
 #[cfg(not(target_arch = "x86_64"))]
-unsafe fn group_dot_vnni<const KIND: u8, const NT: usize>(_: &[u8], _: &ActQ8, _: usize, _: &mut [[f32; GROUP_ROWS]; TOKEN_TILE]) {
+unsafe fn group_dot_vnni<const KIND: u8, const NT: usize>(_: &[u8], _: &ActQ8, _: usize, _: &mut [[f32; MAX_GROUP_ROWS]; TOKEN_TILE]) {
     unreachable!("row groups are made only where the AVX-512 VNNI kernel runs")
 }
 
@@ -294,6 +353,16 @@ unsafe fn group_dot_vnni<const KIND: u8, const NT: usize>(_: &[u8], _: &ActQ8, _
 mod tests {
     use super::*;
     use crate::kernels::matmul;
+
+    #[test]
+    fn chunks_balance_the_threads() {
+        assert_eq!(balanced_chunk(36, 2), 3);
+        assert_eq!(balanced_chunk(60, 2), 5);
+        assert_eq!(balanced_chunk(72, 2), 6);
+        assert_eq!(balanced_chunk(1, 2), 1);
+        assert_eq!(balanced_chunk(0, 4), 1);
+        assert_eq!(balanced_chunk(3072, 2), 192);
+    }
 
     /// The repacked matmul gives the row kernels' results (same integer sums, float order aside)
     /// with both kernels, on Q4_0, Q4_1 and Q8_0 (codes of both signs, -128 too), every token
@@ -318,7 +387,7 @@ mod tests {
             seed
         };
         for dtype in [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q8_0] {
-            let (rows, cols) = (40, 96);
+            let (rows, cols) = (48, 96);
             let block = dtype.type_size();
             let mut data = vec![0u8; rows * cols / 32 * block];
             for b in data.chunks_exact_mut(block) {
@@ -332,9 +401,10 @@ mod tests {
             }
             let view = WeightView { dtype, rows, cols, data: &data };
             let groups = RowGroups::repack_for(&view, level).expect("a level the CPU has");
+            let g = groups.group_rows();
             for n in [1usize, 2, 3, 4, 7, 9] {
                 let x: Vec<f32> = (0..n * cols).map(|_| (rnd() % 2001) as f32 / 1000.0 - 1.0).collect();
-                for range in [0..rows, 8..32] {
+                for range in [0..rows, g..2 * g] {
                     let m = range.len();
                     let sub = WeightView { rows: m, data: &data[range.start * cols / 32 * block..range.end * cols / 32 * block], ..view };
                     let (mut want, mut got) = (vec![0f32; n * m], vec![f32::NAN; n * m]);
@@ -345,8 +415,11 @@ mod tests {
                     }
                 }
             }
-            let err = groups.matmul(4..12, &[0.0; 96], 1, &mut [0.0; 8]).unwrap_err().to_string();
-            assert!(err.contains("not whole 8-row groups"), "{err}");
+            let err = groups.matmul(4..4 + g, &[0.0; 96], 1, &mut vec![0.0; g]).unwrap_err().to_string();
+            assert!(err.contains(&format!("not whole {g}-row groups")), "{err}");
+            // 40 rows: whole 8-row groups only.
+            let ragged = WeightView { rows: 40, data: &data[..40 * cols / 32 * block], ..view };
+            assert_eq!(RowGroups::repack_for(&ragged, level).is_some(), g == 8, "{level:?}: 40 rows");
         }
     }
 }
