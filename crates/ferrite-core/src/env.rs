@@ -99,9 +99,9 @@ switches! {
     /// Disable SIMD kernels on the CPU (forces the scalar fallback).
     CPU_SCALAR = ("FERRITE_CPU_SCALAR", "0", AbTest,
         "1 forces the scalar CPU dot-product kernels instead of AVX2/AVX-512/NEON.");
-    /// Q4_0/Q4_1/Q8_0 matrices repacked into 8-row groups at load (AVX2 and AVX-512 VNNI CPUs).
+    /// Q4_0/Q4_1/Q8_0 matrices repacked into row groups at load (AVX2 and AVX-512 VNNI CPUs).
     CPU_ROW_GROUPS = ("FERRITE_CPU_ROW_GROUPS", "1", AbTest,
-        "0 keeps Q4_0/Q4_1/Q8_0 matrices in the GGUF layout (row kernels) instead of repacking them into 8-row groups for the AVX2 or AVX-512 VNNI group matmul (one copy in RAM).");
+        "0 keeps Q4_0/Q4_1/Q8_0 matrices in the GGUF layout (row kernels) instead of repacking them into row groups (8 rows for the AVX2, 16 for the AVX-512 VNNI group matmul) (one copy in RAM).");
     /// Kernel cache folder for NVRTC output.
     KERNEL_CACHE = ("FERRITE_KERNEL_CACHE", "$XDG_CACHE_HOME/ferrite/kernels", Stable,
         "Directory of the on-disk CUDA kernel (cubin) cache.");

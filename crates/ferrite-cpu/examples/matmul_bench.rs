@@ -3,7 +3,7 @@
 //!     cargo run --release -p ferrite-cpu --example matmul_bench [-- THREADS [groups]]
 //!
 //! Part 1 times each shape alone (its weights stay in L2/L3 between runs) at every available SIMD
-//! level; part 2 times the 8-row-group kernels (`RowGroups`, what the executors run on AVX2
+//! level; part 2 times the row-group kernels (`RowGroups`, what the executors run on AVX2
 //! and AVX-512 VNNI CPUs) of every level on the same shapes at the token counts of batched decode
 //! steps; part 3 times the matmuls of one decode step / one 128-token prefill over 30 distinct
 //! layers plus the output head (~98 MB, as large as the real model), so weights stream from L3 or
@@ -141,7 +141,7 @@ fn bench(threads: usize, groups_only: bool) {
         }
     }
 
-    println!("\n== 8-row groups, weights warm ==");
+    println!("\n== row groups, weights warm ==");
     println!("{:<24} {:>7} {:>12} {:>11} {:>10}", "shape", "tokens", "kernel", "time", "GMAC/s");
     for (name, dtype, rows, cols) in shapes.into_iter().filter(|s| matches!(s.1, GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q8_0)) {
         for level in [SimdLevel::Avx2, SimdLevel::Avx512Vnni] {

@@ -32,7 +32,7 @@ enum CpuWeight {
     Packed(Vec<u8>),
     /// Packed weight bytes used in place from the memory-mapped file.
     InFile(TensorInfo),
-    /// Q4_0/Q4_1/Q8_0 matrices repacked into 8-row groups for the AVX2 / AVX-512 VNNI matmul (`RowGroups`).
+    /// Q4_0/Q4_1/Q8_0 matrices repacked into row groups for the AVX2 / AVX-512 VNNI matmul (`RowGroups`).
     RowGroups(kernels::RowGroups),
 }
 
