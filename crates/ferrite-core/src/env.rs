@@ -102,6 +102,9 @@ switches! {
     /// Q4_0/Q4_1/Q8_0 matrices repacked into row groups at load (AVX2 and AVX-512 VNNI CPUs).
     CPU_ROW_GROUPS = ("FERRITE_CPU_ROW_GROUPS", "1", AbTest,
         "0 keeps Q4_0/Q4_1/Q8_0 matrices in the GGUF layout (row kernels) instead of repacking them into row groups (8 rows for the AVX2, 16 for the AVX-512 VNNI group matmul) (one copy in RAM).");
+    /// The CPU KV cache's element type.
+    CPU_KV_DTYPE = ("FERRITE_CPU_KV_DTYPE", "f16", AbTest,
+        "f16|f32: the element type of the quantized CPU path's KV cache (the reference precision, cpu-ref, always keeps f32). f16 halves the bytes a decode step's attention reads from memory, where a batched step's caches come from.");
     /// Kernel cache folder for NVRTC output.
     KERNEL_CACHE = ("FERRITE_KERNEL_CACHE", "$XDG_CACHE_HOME/ferrite/kernels", Stable,
         "Directory of the on-disk CUDA kernel (cubin) cache.");

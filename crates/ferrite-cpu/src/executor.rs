@@ -4,7 +4,7 @@
 //! the correctness oracle for every other path —, `Quantized` multiplies directly on the packed
 //! GGUF weights with SIMD integer dot products.
 
-use crate::kernels::{self, activation, attention::AttentionParams, gdn, moe, norm, rope::Rope, WeightView};
+use crate::kernels::{self, activation, attention::{AttentionParams, KvElem, PagedKv, PagedSeq}, gdn, moe, norm, rope::Rope, WeightView};
 use anyhow::{anyhow, bail, Context};
 use ferrite_gguf::TensorInfo;
 use ferrite_model::graph::{ExpertGateUp, GatedActivation, MoeShape, NormSpec, Op, SharedExpert, ValueId, WeightId};
@@ -22,6 +22,46 @@ pub enum CpuPrecision {
     Reference,
     /// Packed quantized weights, activations quantized to 8 bits for integer dot products.
     Quantized,
+}
+
+/// One layer's K or V cache rows (see `Buffers::k_cache`): f32 at the reference precision;
+/// f16 at the quantized one unless `FERRITE_CPU_KV_DTYPE=f32` (a batched decode step reads every
+/// sequence's cache from memory, so half the bytes matter).
+enum KvRows {
+    F32(Vec<f32>),
+    F16(Vec<half::f16>),
+}
+
+impl Default for KvRows {
+    fn default() -> Self {
+        KvRows::F32(Vec::new())
+    }
+}
+
+impl KvRows {
+    fn zeros(half: bool, n: usize) -> Self {
+        if half { KvRows::F16(vec![half::f16::ZERO; n]) } else { KvRows::F32(vec![0.0; n]) }
+    }
+
+    fn len(&self) -> usize {
+        match self {
+            KvRows::F32(v) => v.len(),
+            KvRows::F16(v) => v.len(),
+        }
+    }
+
+    /// Writes `row` at element `at`, rounded to the cache's type.
+    fn store(&mut self, at: usize, row: &[f32]) {
+        match self {
+            KvRows::F32(v) => v[at..at + row.len()].copy_from_slice(row),
+            KvRows::F16(v) => v[at..at + row.len()].iter_mut().zip(row).for_each(|(d, &x)| *d = half::f16::from_f32(x)),
+        }
+    }
+}
+
+/// Whether a cache for `precision` holds f16 (`KvRows`).
+fn kv_half(precision: CpuPrecision) -> bool {
+    precision == CpuPrecision::Quantized && !matches!(ferrite_core::env::CPU_KV_DTYPE.get().as_deref(), Some("f32"))
 }
 
 /// A weight as the CPU kernels want it.
@@ -43,8 +83,8 @@ struct Buffers {
     /// Per layer: the contiguous cache (`context_len` rows, allocated on the first `forward`;
     /// empty for layers without attention), or the block arena of the paged cache
     /// (`n_blocks * block_size` rows).
-    k_cache: Vec<Vec<f32>>,
-    v_cache: Vec<Vec<f32>>,
+    k_cache: Vec<KvRows>,
+    v_cache: Vec<KvRows>,
     /// Recurrent state per layer (empty for layers without a Gated DeltaNet): the conv window and
     /// the delta-rule matrices.
     conv_state: Vec<Vec<f32>>,
@@ -382,7 +422,8 @@ impl CpuExecutor {
             // Attention layers only: Gated DeltaNet layers keep recurrent state instead.
             let kv = self.options.context_len * self.kv_width();
             let attention_layers = self.model.graph.attention_layers();
-            let cache = |l: usize| if attention_layers.contains(&l) { vec![0f32; kv] } else { Vec::new() };
+            let half = kv_half(self.precision);
+            let cache = |l: usize| KvRows::zeros(half, if attention_layers.contains(&l) { kv } else { 0 });
             buf.k_cache = (0..self.model.graph.n_layers).map(cache).collect();
             buf.v_cache = (0..self.model.graph.n_layers).map(cache).collect();
         }
@@ -545,6 +586,8 @@ impl CpuExecutor {
                     let n_rows = n;
                     let q = &mut buf.scratch;
                     q.resize(n_rows * qw, 0.0);
+                    // A row's K, rotated in f32 before the cache rounds it.
+                    let mut k_row = vec![0f32; kvw];
                     for seq in step.seqs {
                         let (start_pos, n) = (seq.start_pos, seq.n);
                         let rows = seq.first_row..seq.first_row + n;
@@ -566,44 +609,25 @@ impl CpuExecutor {
                         for t in rows.clone() {
                             let row = &src[t * w..(t + 1) * w];
                             let p = cache_row(start_pos + t - rows.start) * kvw;
-                            let (q_t, k_t) = (&mut q[t * qw..(t + 1) * qw], &mut buf.k_cache[layer][p..p + kvw]);
+                            let q_t = &mut q[t * qw..(t + 1) * qw];
                             q_t.copy_from_slice(&row[..qw]);
-                            k_t.copy_from_slice(&row[qw..qw + kvw]);
+                            k_row.copy_from_slice(&row[qw..qw + kvw]);
                             if let Some(rope) = &rope {
                                 // The same rotation as a separate Rope op, on the copies.
                                 let pos = &positions[t..t + 1];
                                 rope.apply(q_t, a.n_heads, pos);
-                                rope.apply(k_t, a.n_kv_heads, pos);
+                                rope.apply(&mut k_row, a.n_kv_heads, pos);
                             }
-                            buf.v_cache[layer][p..p + kvw].copy_from_slice(&row[qw + kvw..qw + 2 * kvw]);
+                            buf.k_cache[layer].store(p, &k_row);
+                            buf.v_cache[layer].store(p, &row[qw + kvw..qw + 2 * kvw]);
                         }
                     }
                     let q = &buf.scratch[..n_rows * qw];
-                    match step.block_size {
-                        None => {
-                            for seq in step.seqs {
-                                let (start_pos, n, r0) = (seq.start_pos, seq.n, seq.first_row);
-                                let kv_len = start_pos + n;
-                                kernels::attention::attention(
-                                    &params,
-                                    &q[r0 * qw..(r0 + n) * qw],
-                                    &buf.k_cache[layer][..kv_len * kvw],
-                                    &buf.v_cache[layer][..kv_len * kvw],
-                                    start_pos,
-                                    n,
-                                    &mut out[r0 * qw..(r0 + n) * qw],
-                                )
-                            }
-                        }
-                        Some(block_size) => {
-                            let kv = kernels::attention::PagedKv { k: &buf.k_cache[layer], v: &buf.v_cache[layer], block_size };
-                            let seqs: Vec<_> = step
-                                .seqs
-                                .iter()
-                                .map(|s| kernels::attention::PagedSeq { blocks: s.blocks, start_pos: s.start_pos, n_tokens: s.n })
-                                .collect();
-                            kernels::attention::attention_paged(&params, q, &kv, &seqs, &mut out[..n_rows * qw]);
-                        }
+                    let out = &mut out[..n_rows * qw];
+                    match (&buf.k_cache[layer], &buf.v_cache[layer]) {
+                        (KvRows::F32(k), KvRows::F32(v)) => attend_step(&params, step, q, k, v, kvw, out),
+                        (KvRows::F16(k), KvRows::F16(v)) => attend_step(&params, step, q, k, v, kvw, out),
+                        _ => unreachable!("a layer's K and V caches have one type"),
                     }
                 }
                 Op::SwiGlu { x, .. } | Op::GeGlu { x, .. } => {
@@ -780,7 +804,8 @@ impl Executor for CpuExecutor {
     }
 
     fn kv_bytes_per_position(&self) -> usize {
-        self.model.graph.attention_layers().len() * 2 * self.kv_width() * 4
+        let elem = if kv_half(self.precision) { 2 } else { 4 };
+        self.model.graph.attention_layers().len() * 2 * self.kv_width() * elem
     }
 
     fn memory_report(&self) -> String {
@@ -834,10 +859,11 @@ impl Executor for CpuExecutor {
         let rows = n_blocks.checked_mul(block_size).and_then(|r| r.checked_mul(self.kv_width()));
         let Some(elems) = rows else { bail!("paged kv cache of {n_blocks} blocks x {block_size} is too large") };
         self.paged = None; // free the old cache first
+        let half = kv_half(self.precision);
         let buf = Buffers {
             slots: plan.slot_elems.iter().map(|&n| vec![0f32; n]).collect(),
-            k_cache: (0..graph.n_layers).map(|_| vec![0f32; elems]).collect(),
-            v_cache: (0..graph.n_layers).map(|_| vec![0f32; elems]).collect(),
+            k_cache: (0..graph.n_layers).map(|_| KvRows::zeros(half, elems)).collect(),
+            v_cache: (0..graph.n_layers).map(|_| KvRows::zeros(half, elems)).collect(),
             profile: OpProfile::from_env(),
             ..Buffers::default()
         };
@@ -860,6 +886,27 @@ impl Drop for CpuExecutor {
         }
         if let Some(p) = self.paged.as_ref().and_then(|p| p.buf.profile.as_ref()) {
             eprint!("{}", p.report(&format!("{}, batched steps", self.describe())));
+        }
+    }
+}
+
+/// A step's attention over a layer's cache, contiguous or paged (`step.block_size`): `q` and
+/// `out` hold the step's rows.
+fn attend_step<T: KvElem>(params: &AttentionParams, step: &Step<'_>, q: &[f32], k: &[T], v: &[T], kvw: usize, out: &mut [f32]) {
+    let qw = params.n_heads * params.head_dim;
+    match step.block_size {
+        None => {
+            for seq in step.seqs {
+                let (start_pos, n, r0) = (seq.start_pos, seq.n, seq.first_row);
+                let kv_len = start_pos + n;
+                let (q, out) = (&q[r0 * qw..(r0 + n) * qw], &mut out[r0 * qw..(r0 + n) * qw]);
+                kernels::attention::attention(params, q, &k[..kv_len * kvw], &v[..kv_len * kvw], start_pos, n, out)
+            }
+        }
+        Some(block_size) => {
+            let kv = PagedKv { k, v, block_size };
+            let seqs: Vec<_> = step.seqs.iter().map(|s| PagedSeq { blocks: s.blocks, start_pos: s.start_pos, n_tokens: s.n }).collect();
+            kernels::attention::attention_paged(params, q, &kv, &seqs, out);
         }
     }
 }

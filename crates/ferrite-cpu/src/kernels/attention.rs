@@ -1,8 +1,37 @@
-//! Causal grouped-query attention over an f32 KV cache.
+//! Causal grouped-query attention over an f32 or f16 KV cache ([`KvElem`]).
 
 use super::fvec;
 use super::simd::{simd_level, SimdLevel};
 use rayon::prelude::*;
+
+/// A KV cache element: f32 (the reference precision), or f16 (the quantized path's default, as
+/// llama.cpp's: half the bytes of a decode step's cache reads, which come from memory).
+pub trait KvElem: Copy + Default + Send + Sync + 'static {
+    /// Whether it is f16 (the SIMD kernels convert 8 at a time with `vcvtph2ps`).
+    const HALF: bool;
+    fn to_f32(self) -> f32;
+    fn from_f32(v: f32) -> Self;
+}
+
+impl KvElem for f32 {
+    const HALF: bool = false;
+    fn to_f32(self) -> f32 {
+        self
+    }
+    fn from_f32(v: f32) -> Self {
+        v
+    }
+}
+
+impl KvElem for half::f16 {
+    const HALF: bool = true;
+    fn to_f32(self) -> f32 {
+        half::f16::to_f32(self)
+    }
+    fn from_f32(v: f32) -> Self {
+        half::f16::from_f32(v)
+    }
+}
 
 #[derive(Clone, Copy, Debug)]
 pub struct AttentionParams {
@@ -38,11 +67,11 @@ impl AttentionParams {
 /// `q`, `out`: `n_tokens x (n_heads * head_dim)`; `k_cache`, `v_cache`: `kv_len x (n_kv_heads * head_dim)`.
 /// Softmax in f32 with the maximum subtracted. Parallel over (token, head).
 /// Panics on inconsistent sizes.
-pub fn attention(
+pub fn attention<T: KvElem>(
     p: &AttentionParams,
     q: &[f32],
-    k_cache: &[f32],
-    v_cache: &[f32],
+    k_cache: &[T],
+    v_cache: &[T],
     start_pos: usize,
     n_tokens: usize,
     out: &mut [f32],
@@ -60,12 +89,12 @@ pub fn attention(
 }
 
 #[allow(clippy::too_many_arguments)]
-pub(crate) fn attention_at(
+pub(crate) fn attention_at<T: KvElem>(
     level: SimdLevel,
     p: &AttentionParams,
     q: &[f32],
-    k_cache: &[f32],
-    v_cache: &[f32],
+    k_cache: &[T],
+    v_cache: &[T],
     start_pos: usize,
     n_tokens: usize,
     out: &mut [f32],
@@ -118,18 +147,18 @@ pub(crate) fn attention_at(
 /// then the weighted sum of the values, accumulated run by run in `out` and normalised with the
 /// last run (multiplying the others by 1.0 is exact, so one run or many give the same result).
 #[allow(clippy::too_many_arguments)]
-fn attend(
+fn attend<T: KvElem>(
     level: SimdLevel,
     p: &AttentionParams,
     query: &[f32],
-    k: &[f32],
-    v: &[f32],
+    k: &[T],
+    v: &[T],
     stride: usize,
     runs: &[(usize, usize, usize)],
     out: &mut [f32],
 ) {
     let hd = p.head_dim;
-    let kernels = Kernels::for_level(level, hd);
+    let kernels = Kernels::<T>::for_level(level, hd);
     let n_rows = runs.iter().map(|r| r.2).sum();
     let mut scores = vec![0f32; n_rows];
     for &(at, offset, len) in runs {
@@ -152,9 +181,9 @@ fn attend(
 /// A paged KV cache: row `p` of a sequence is row `p % block_size` of physical block
 /// `blocks[p / block_size]` of its [`PagedSeq`]; a block holds `block_size` rows of the cache width.
 #[derive(Clone, Copy, Debug)]
-pub struct PagedKv<'a> {
-    pub k: &'a [f32],
-    pub v: &'a [f32],
+pub struct PagedKv<'a, T: KvElem = f32> {
+    pub k: &'a [T],
+    pub v: &'a [T],
     pub block_size: usize,
 }
 
@@ -173,11 +202,11 @@ pub struct PagedSeq<'a> {
 /// the same order as the contiguous kernel, so a sequence gets bit-identical outputs whichever
 /// layout holds its cache and whichever batch it is in.
 /// Panics on inconsistent sizes (a block table too short for its rows, a block outside the cache).
-pub fn attention_paged(p: &AttentionParams, q: &[f32], kv: &PagedKv<'_>, seqs: &[PagedSeq<'_>], out: &mut [f32]) {
+pub fn attention_paged<T: KvElem>(p: &AttentionParams, q: &[f32], kv: &PagedKv<'_, T>, seqs: &[PagedSeq<'_>], out: &mut [f32]) {
     attention_paged_at(simd_level(), p, q, kv, seqs, out)
 }
 
-pub(crate) fn attention_paged_at(level: SimdLevel, p: &AttentionParams, q: &[f32], kv: &PagedKv<'_>, seqs: &[PagedSeq<'_>], out: &mut [f32]) {
+pub(crate) fn attention_paged_at<T: KvElem>(level: SimdLevel, p: &AttentionParams, q: &[f32], kv: &PagedKv<'_, T>, seqs: &[PagedSeq<'_>], out: &mut [f32]) {
     let (nh, nkv, hd) = (p.n_heads, p.n_kv_heads, p.head_dim);
     assert!(nkv > 0 && nh % nkv == 0 && hd > 0, "attention: {nh} heads cannot share {nkv} KV heads of {hd}");
     assert!(p.window != Some(0), "attention: a window of 0 sees no key");
@@ -222,45 +251,47 @@ pub(crate) fn attention_paged_at(level: SimdLevel, p: &AttentionParams, q: &[f32
 }
 
 /// The two inner loops of one head: scores `q · k_j * scale` and `out = Σ_j w_j v_j * norm`.
-/// `keys`/`values` start at the head's first row and step `stride` floats per row. With its last
-/// argument set, `weighted_sum` adds to the sum already in `out` instead of starting from zero.
-/// Safety: the functions may use the CPU features of the level they were selected for.
-struct Kernels {
-    scores: unsafe fn(&[f32], &[f32], usize, f32, &mut [f32]),
-    weighted_sum: WeightedSum,
+/// `keys`/`values` start at the head's first row and step `stride` elements per row. With its
+/// last argument set, `weighted_sum` adds to the sum already in `out` instead of starting from
+/// zero. Safety: the functions may use the CPU features of the level they were selected for.
+struct Kernels<T> {
+    scores: unsafe fn(&[f32], &[T], usize, f32, &mut [f32]),
+    weighted_sum: WeightedSum<T>,
 }
 
 /// `(weights, values, stride, norm, out, accumulate)`.
-type WeightedSum = unsafe fn(&[f32], &[f32], usize, f32, &mut [f32], bool);
+type WeightedSum<T> = unsafe fn(&[f32], &[T], usize, f32, &mut [f32], bool);
 
-impl Kernels {
-    fn for_level(level: SimdLevel, head_dim: usize) -> Kernels {
+impl<T: KvElem> Kernels<T> {
+    fn for_level(level: SimdLevel, head_dim: usize) -> Kernels<T> {
         #[cfg(target_arch = "x86_64")]
         if matches!(level, SimdLevel::Avx2 | SimdLevel::Avx512Vnni)
             && head_dim.is_multiple_of(x86::CHUNK)
         {
             return Kernels {
-                scores: x86::scores,
-                weighted_sum: x86::weighted_sum,
+                scores: x86::scores::<T>,
+                weighted_sum: x86::weighted_sum::<T>,
             };
         }
         let _ = (level, head_dim);
         Kernels {
-            scores: scores_portable,
-            weighted_sum: weighted_sum_portable,
+            scores: scores_portable::<T>,
+            weighted_sum: weighted_sum_portable::<T>,
         }
     }
 }
 
-fn scores_portable(q: &[f32], keys: &[f32], stride: usize, scale: f32, scores: &mut [f32]) {
+fn scores_portable<T: KvElem>(q: &[f32], keys: &[T], stride: usize, scale: f32, scores: &mut [f32]) {
+    let mut key = vec![0f32; q.len()];
     for (j, s) in scores.iter_mut().enumerate() {
-        *s = fvec::dot(q, &keys[j * stride..][..q.len()]) * scale;
+        key.iter_mut().zip(&keys[j * stride..][..q.len()]).for_each(|(d, k)| *d = k.to_f32());
+        *s = fvec::dot(q, &key) * scale;
     }
 }
 
-fn weighted_sum_portable(
+fn weighted_sum_portable<T: KvElem>(
     weights: &[f32],
-    values: &[f32],
+    values: &[T],
     stride: usize,
     norm: f32,
     out: &mut [f32],
@@ -271,8 +302,8 @@ fn weighted_sum_portable(
         out.fill(0.0);
     }
     for (j, &w) in weights.iter().enumerate() {
-        for (o, &v) in out.iter_mut().zip(&values[j * stride..][..hd]) {
-            *o += w * v;
+        for (o, v) in out.iter_mut().zip(&values[j * stride..][..hd]) {
+            *o += w * v.to_f32();
         }
     }
     out.iter_mut().for_each(|o| *o *= norm);
@@ -286,10 +317,23 @@ mod x86 {
     /// Dimensions per register-resident chunk.
     pub(super) const CHUNK: usize = 64;
 
-    /// Safety: AVX2 and FMA must be available. Sizes are checked.
-    pub(super) unsafe fn scores(
+    use super::KvElem;
+
+    /// Eight cache values from `p` as f32 (`vcvtph2ps` for f16).
+    macro_rules! load8 {
+        ($p:expr) => {
+            if T::HALF {
+                _mm256_cvtph_ps(_mm_loadu_si128($p as *const __m128i))
+            } else {
+                _mm256_loadu_ps($p as *const f32)
+            }
+        };
+    }
+
+    /// Safety: AVX2, FMA and F16C must be available. Sizes are checked.
+    pub(super) unsafe fn scores<T: KvElem>(
         q: &[f32],
-        keys: &[f32],
+        keys: &[T],
         stride: usize,
         scale: f32,
         scores: &mut [f32],
@@ -304,9 +348,9 @@ mod x86 {
     }
 
     /// Safety: as [`scores`].
-    pub(super) unsafe fn weighted_sum(
+    pub(super) unsafe fn weighted_sum<T: KvElem>(
         weights: &[f32],
-        values: &[f32],
+        values: &[T],
         stride: usize,
         norm: f32,
         out: &mut [f32],
@@ -322,8 +366,8 @@ mod x86 {
         weighted_sum_avx2(weights, values, stride, norm, out, accumulate)
     }
 
-    #[target_feature(enable = "avx2,fma")]
-    unsafe fn scores_avx2(q: &[f32], keys: &[f32], stride: usize, scale: f32, scores: &mut [f32]) {
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn scores_avx2<T: KvElem>(q: &[f32], keys: &[T], stride: usize, scale: f32, scores: &mut [f32]) {
         scores.fill(0.0);
         for c in (0..q.len()).step_by(CHUNK) {
             let mut qv = [_mm256_setzero_ps(); 8];
@@ -332,13 +376,10 @@ mod x86 {
             }
             for (j, s) in scores.iter_mut().enumerate() {
                 let k = keys.as_ptr().add(j * stride + c);
-                let (mut a0, mut a1) = (
-                    _mm256_mul_ps(qv[0], _mm256_loadu_ps(k)),
-                    _mm256_mul_ps(qv[1], _mm256_loadu_ps(k.add(8))),
-                );
+                let (mut a0, mut a1) = (_mm256_mul_ps(qv[0], load8!(k)), _mm256_mul_ps(qv[1], load8!(k.add(8))));
                 for i in (2..8).step_by(2) {
-                    a0 = _mm256_fmadd_ps(qv[i], _mm256_loadu_ps(k.add(8 * i)), a0);
-                    a1 = _mm256_fmadd_ps(qv[i + 1], _mm256_loadu_ps(k.add(8 * i + 8)), a1);
+                    a0 = _mm256_fmadd_ps(qv[i], load8!(k.add(8 * i)), a0);
+                    a1 = _mm256_fmadd_ps(qv[i + 1], load8!(k.add(8 * i + 8)), a1);
                 }
                 let v = _mm256_add_ps(a0, a1);
                 let v = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
@@ -349,10 +390,10 @@ mod x86 {
         scores.iter_mut().for_each(|s| *s *= scale);
     }
 
-    #[target_feature(enable = "avx2,fma")]
-    unsafe fn weighted_sum_avx2(
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn weighted_sum_avx2<T: KvElem>(
         weights: &[f32],
-        values: &[f32],
+        values: &[T],
         stride: usize,
         norm: f32,
         out: &mut [f32],
@@ -368,7 +409,7 @@ mod x86 {
             for (j, &w) in weights.iter().enumerate() {
                 let (w, v) = (_mm256_set1_ps(w), values.as_ptr().add(j * stride + c));
                 for (i, a) in acc.iter_mut().enumerate() {
-                    *a = _mm256_fmadd_ps(w, _mm256_loadu_ps(v.add(8 * i)), *a);
+                    *a = _mm256_fmadd_ps(w, load8!(v.add(8 * i)), *a);
                 }
             }
             let norm = _mm256_set1_ps(norm);
@@ -469,16 +510,20 @@ mod tests {
             let q = values(n * nh * hd, 1);
             let k = values(kv_len * nkv * hd, 2);
             let v = values(kv_len * nkv * hd, 3);
-            let want = reference(&p, &q, &k, &v, start, n);
+            // An f16 cache: the same attention over the rounded keys and values.
+            let (k16, v16): (Vec<half::f16>, Vec<half::f16>) = (k.iter().map(|&x| KvElem::from_f32(x)).collect(), v.iter().map(|&x| KvElem::from_f32(x)).collect());
+            let (kr, vr): (Vec<f32>, Vec<f32>) = (k16.iter().map(|x| x.to_f32()).collect(), v16.iter().map(|x| x.to_f32()).collect());
+            let (want, want16) = (reference(&p, &q, &k, &v, start, n), reference(&p, &q, &kr, &vr, start, n));
             for level in SimdLevel::available() {
-                let mut out = vec![0f32; q.len()];
+                let (mut out, mut out16) = (vec![0f32; q.len()], vec![0f32; q.len()]);
                 attention_at(level, &p, &q, &k, &v, start, n, &mut out);
-                for (i, (got, want)) in out.iter().zip(&want).enumerate() {
+                attention_at(level, &p, &q, &k16, &v16, start, n, &mut out16);
+                for (i, ((got, want), (got16, want16))) in out.iter().zip(&want).zip(out16.iter().zip(&want16)).enumerate() {
                     // Outputs are convex combinations of values within ±1.5; f32 scores with
                     // |q·k| <= 64 * 2.25 carry ~1e-5 of rounding.
                     assert!(
-                        (*got as f64 - want).abs() < 2e-5,
-                        "{level:?} case {nh}/{nkv}/{hd} start {start} at {i}: {got} vs {want}"
+                        (*got as f64 - want).abs() < 2e-5 && (*got16 as f64 - want16).abs() < 2e-5,
+                        "{level:?} case {nh}/{nkv}/{hd} start {start} at {i}: {got} vs {want}, f16 cache {got16} vs {want16}"
                     );
                 }
             }
