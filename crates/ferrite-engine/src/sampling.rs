@@ -93,7 +93,7 @@ pub fn argmax(logits: &[f32]) -> u32 {
         lanes.iter_mut().zip(chunk).for_each(|(m, &v)| *m = m.max(v));
     }
     let max = lanes.iter().chain(tail).fold(f32::NEG_INFINITY, |a, &b| a.max(b));
-    let first = logits.chunks(LANES).enumerate().find_map(|(c, vs)| vs.iter().any(|&v| v == max).then(|| c * LANES + vs.iter().position(|&v| v == max).unwrap_or(0)));
+    let first = logits.chunks(LANES).enumerate().find_map(|(c, vs)| vs.iter().position(|&v| v == max).map(|i| c * LANES + i));
     first.unwrap_or(logits.len().saturating_sub(1)) as u32
 }
 
