@@ -6,6 +6,7 @@
 
 use crate::kernels::{self, activation, attention::{AttentionParams, KvElem, PagedKv, PagedSeq}, gdn, moe, norm, rope::Rope, WeightView};
 use anyhow::{anyhow, bail, Context};
+use half::slice::HalfFloatSliceExt;
 use ferrite_gguf::TensorInfo;
 use ferrite_model::graph::{ExpertGateUp, GatedActivation, MoeShape, NormSpec, Op, SharedExpert, ValueId, WeightId};
 use ferrite_model::planner::{self, Plan};
@@ -54,7 +55,7 @@ impl KvRows {
     fn store(&mut self, at: usize, row: &[f32]) {
         match self {
             KvRows::F32(v) => v[at..at + row.len()].copy_from_slice(row),
-            KvRows::F16(v) => v[at..at + row.len()].iter_mut().zip(row).for_each(|(d, &x)| *d = half::f16::from_f32(x)),
+            KvRows::F16(v) => v[at..at + row.len()].convert_from_f32_slice(row),
         }
     }
 }
@@ -586,8 +587,8 @@ impl CpuExecutor {
                     let n_rows = n;
                     let q = &mut buf.scratch;
                     q.resize(n_rows * qw, 0.0);
-                    // A row's K, rotated in f32 before the cache rounds it.
-                    let mut k_row = vec![0f32; kvw];
+                    // A row's Q and K, rotated in f32 (before the cache rounds K).
+                    let mut qk_row = vec![0f32; qw + kvw];
                     for seq in step.seqs {
                         let (start_pos, n) = (seq.start_pos, seq.n);
                         let rows = seq.first_row..seq.first_row + n;
@@ -609,16 +610,14 @@ impl CpuExecutor {
                         for t in rows.clone() {
                             let row = &src[t * w..(t + 1) * w];
                             let p = cache_row(start_pos + t - rows.start) * kvw;
-                            let q_t = &mut q[t * qw..(t + 1) * qw];
-                            q_t.copy_from_slice(&row[..qw]);
-                            k_row.copy_from_slice(&row[qw..qw + kvw]);
+                            // q | k as one row of heads: one computation of the angles.
+                            qk_row.copy_from_slice(&row[..qw + kvw]);
                             if let Some(rope) = &rope {
                                 // The same rotation as a separate Rope op, on the copies.
-                                let pos = &positions[t..t + 1];
-                                rope.apply(q_t, a.n_heads, pos);
-                                rope.apply(&mut k_row, a.n_kv_heads, pos);
+                                rope.apply(&mut qk_row, a.n_heads + a.n_kv_heads, &positions[t..t + 1]);
                             }
-                            buf.k_cache[layer].store(p, &k_row);
+                            q[t * qw..(t + 1) * qw].copy_from_slice(&qk_row[..qw]);
+                            buf.k_cache[layer].store(p, &qk_row[qw..]);
                             buf.v_cache[layer].store(p, &row[qw + kvw..qw + 2 * kvw]);
                         }
                     }
