@@ -60,9 +60,19 @@ impl KvRows {
     }
 }
 
-/// Whether a cache for `precision` holds f16 (`KvRows`).
+/// Whether a cache for `precision` holds f16 (`KvRows`), read once per executor.
 fn kv_half(precision: CpuPrecision) -> bool {
-    precision == CpuPrecision::Quantized && !matches!(ferrite_core::env::CPU_KV_DTYPE.get().as_deref(), Some("f32"))
+    if precision == CpuPrecision::Reference {
+        return false;
+    }
+    match ferrite_core::env::CPU_KV_DTYPE.get().as_deref() {
+        Some("f32") => false,
+        Some("f16") | None => true,
+        Some(other) => {
+            eprintln!("warning: FERRITE_CPU_KV_DTYPE={other:?} is not f16 or f32; using f16");
+            true
+        }
+    }
 }
 
 /// A weight as the CPU kernels want it.
@@ -152,6 +162,8 @@ pub struct CpuExecutor {
     model: Arc<Model>,
     rank: Option<Rank>,
     precision: CpuPrecision,
+    /// The KV cache holds f16 (`kv_half`).
+    kv_f16: bool,
     weights: Vec<Option<CpuWeight>>,
     plan: Plan,
     buf: Buffers,
@@ -247,7 +259,8 @@ impl CpuExecutor {
         }
         let buf = Buffers { slots, conv_state, ssm_state, profile: OpProfile::from_env(), ..Buffers::default() };
         let options = ExecutorOptions { max_batch, ..options };
-        Ok(Self { model, rank, precision, weights, plan, buf, paged: None, options, last_rows: 0, state_pos: RecurrentCursor::default() })
+        let kv_f16 = kv_half(precision);
+        Ok(Self { model, rank, precision, kv_f16, weights, plan, buf, paged: None, options, last_rows: 0, state_pos: RecurrentCursor::default() })
     }
 
     /// Token ids must be inside the vocabulary (the embedding op checks). A tensor-parallel rank
@@ -423,8 +436,7 @@ impl CpuExecutor {
             // Attention layers only: Gated DeltaNet layers keep recurrent state instead.
             let kv = self.options.context_len * self.kv_width();
             let attention_layers = self.model.graph.attention_layers();
-            let half = kv_half(self.precision);
-            let cache = |l: usize| KvRows::zeros(half, if attention_layers.contains(&l) { kv } else { 0 });
+            let cache = |l: usize| KvRows::zeros(self.kv_f16, if attention_layers.contains(&l) { kv } else { 0 });
             buf.k_cache = (0..self.model.graph.n_layers).map(cache).collect();
             buf.v_cache = (0..self.model.graph.n_layers).map(cache).collect();
         }
@@ -803,7 +815,7 @@ impl Executor for CpuExecutor {
     }
 
     fn kv_bytes_per_position(&self) -> usize {
-        let elem = if kv_half(self.precision) { 2 } else { 4 };
+        let elem = if self.kv_f16 { 2 } else { 4 };
         self.model.graph.attention_layers().len() * 2 * self.kv_width() * elem
     }
 
@@ -858,11 +870,10 @@ impl Executor for CpuExecutor {
         let rows = n_blocks.checked_mul(block_size).and_then(|r| r.checked_mul(self.kv_width()));
         let Some(elems) = rows else { bail!("paged kv cache of {n_blocks} blocks x {block_size} is too large") };
         self.paged = None; // free the old cache first
-        let half = kv_half(self.precision);
         let buf = Buffers {
             slots: plan.slot_elems.iter().map(|&n| vec![0f32; n]).collect(),
-            k_cache: (0..graph.n_layers).map(|_| KvRows::zeros(half, elems)).collect(),
-            v_cache: (0..graph.n_layers).map(|_| KvRows::zeros(half, elems)).collect(),
+            k_cache: (0..graph.n_layers).map(|_| KvRows::zeros(self.kv_f16, elems)).collect(),
+            v_cache: (0..graph.n_layers).map(|_| KvRows::zeros(self.kv_f16, elems)).collect(),
             profile: OpProfile::from_env(),
             ..Buffers::default()
         };

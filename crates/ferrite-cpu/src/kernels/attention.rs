@@ -6,11 +6,10 @@ use rayon::prelude::*;
 
 /// A KV cache element: f32 (the reference precision), or f16 (the quantized path's default, as
 /// llama.cpp's: half the bytes of a decode step's cache reads, which come from memory).
-pub trait KvElem: Copy + Default + Send + Sync + 'static {
+pub trait KvElem: Copy + Send + Sync + 'static {
     /// Whether it is f16 (the SIMD kernels convert 8 at a time with `vcvtph2ps`).
     const HALF: bool;
     fn to_f32(self) -> f32;
-    fn from_f32(v: f32) -> Self;
 }
 
 impl KvElem for f32 {
@@ -18,18 +17,12 @@ impl KvElem for f32 {
     fn to_f32(self) -> f32 {
         self
     }
-    fn from_f32(v: f32) -> Self {
-        v
-    }
 }
 
 impl KvElem for half::f16 {
     const HALF: bool = true;
     fn to_f32(self) -> f32 {
         half::f16::to_f32(self)
-    }
-    fn from_f32(v: f32) -> Self {
-        half::f16::from_f32(v)
     }
 }
 
@@ -511,7 +504,7 @@ mod tests {
             let k = values(kv_len * nkv * hd, 2);
             let v = values(kv_len * nkv * hd, 3);
             // An f16 cache: the same attention over the rounded keys and values.
-            let (k16, v16): (Vec<half::f16>, Vec<half::f16>) = (k.iter().map(|&x| KvElem::from_f32(x)).collect(), v.iter().map(|&x| KvElem::from_f32(x)).collect());
+            let (k16, v16): (Vec<half::f16>, Vec<half::f16>) = (k.iter().map(|&x| half::f16::from_f32(x)).collect(), v.iter().map(|&x| half::f16::from_f32(x)).collect());
             let (kr, vr): (Vec<f32>, Vec<f32>) = (k16.iter().map(|x| x.to_f32()).collect(), v16.iter().map(|x| x.to_f32()).collect());
             let (want, want16) = (reference(&p, &q, &k, &v, start, n), reference(&p, &q, &kr, &vr, start, n));
             for level in SimdLevel::available() {
