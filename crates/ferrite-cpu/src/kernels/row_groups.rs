@@ -30,8 +30,6 @@ use super::simd::{simd_level, SimdLevel};
 use super::{KernelError, WeightView};
 use ferrite_gguf::GgmlType;
 
-/// Rows per group of the widest layout (the VNNI kernel's; AVX2 groups are 8 rows).
-pub const MAX_GROUP_ROWS: usize = 16;
 /// Bytes ahead of the block being read that the kernels prefetch.
 const PREFETCH_AHEAD: usize = 4096;
 /// Tokens per kernel call when several share a group (the group's codes are unpacked once).
@@ -166,12 +164,8 @@ impl RowGroups {
                 let mut t = 0;
                 for (nt, dot) in [(TOKEN_TILE, kernel[2]), (2, kernel[1]), (1, kernel[0])] {
                     while t + nt <= n_tokens {
-                        let mut sums = [[0f32; MAX_GROUP_ROWS]; TOKEN_TILE];
                         // SAFETY: `repack_for` makes a copy only for a level the CPU has.
-                        unsafe { dot(w, &acts, t, &mut sums) };
-                        for (i, s) in sums[..nt].iter().enumerate() {
-                            outs[t + i][g * group..(g + 1) * group].copy_from_slice(&s[..group]);
-                        }
+                        unsafe { dot(w, &acts, t, &mut outs[t..t + nt], g * group) };
                         t += nt;
                     }
                 }
@@ -215,9 +209,9 @@ fn group_bytes(dtype: GgmlType, rows: usize) -> usize {
     block_bytes(kind, rows)
 }
 
-/// One group's dot products with tokens `t0 ..` (as many as the kernel's tile), into `sums`
-/// (the group's rows of each row of it).
-type GroupDot = unsafe fn(group: &[u8], acts: &ActQ8, t0: usize, sums: &mut [[f32; MAX_GROUP_ROWS]; TOKEN_TILE]);
+/// One group's dot products with tokens `t0 ..` (as many as the kernel's tile): token `t0 + t`'s
+/// into `outs[t][at ..]` (the group's rows).
+type GroupDot = unsafe fn(group: &[u8], acts: &ActQ8, t0: usize, outs: &mut [&mut [f32]], at: usize);
 
 /// The vector width of a kernel: its intrinsics under one set of names (plain re-exports, so
 /// they inline into the kernels' `target_feature` functions), and its rows per group.
@@ -254,13 +248,16 @@ macro_rules! group_dot_kernel {
     ($name:ident, $features:literal, $width:ident, q8_biased: $biased:literal, |$ucodes:ident, $codes:ident, $y4:ident| $isum:expr) => {
         #[cfg(target_arch = "x86_64")]
         #[target_feature(enable = $features)]
-        unsafe fn $name<const KIND: u8, const NT: usize>(group: &[u8], acts: &ActQ8, t0: usize, sums: &mut [[f32; MAX_GROUP_ROWS]; TOKEN_TILE]) {
+        unsafe fn $name<const KIND: u8, const NT: usize>(group: &[u8], acts: &ActQ8, t0: usize, outs: &mut [&mut [f32]], at: usize) {
             #[allow(unused_imports)]
             use std::arch::x86_64::*;
             use $width::*;
             let nb = acts.blocks();
             let block = block_bytes(KIND, ROWS);
-            assert!(group.len() == nb * block && t0 + NT <= acts.n_tokens() && NT <= TOKEN_TILE, "row_groups: kernel arguments");
+            assert!(
+                group.len() == nb * block && t0 + NT <= acts.n_tokens() && outs.len() == NT && outs.iter().all(|o| at + ROWS <= o.len()),
+                "row_groups: kernel arguments"
+            );
             let low = set1_epi8(0x0F);
             let min_factor = set1_ps(match KIND {
                 Q4_1 => 1.0,
@@ -308,8 +305,8 @@ macro_rules! group_dot_kernel {
                     }
                 }
             }
-            for t in 0..NT {
-                storeu_ps(sums[t].as_mut_ptr(), acc[t]);
+            for (o, a) in outs.iter_mut().zip(acc) {
+                storeu_ps(o.as_mut_ptr().add(at), a);
             }
         }
     };
@@ -340,12 +337,12 @@ group_dot_kernel!(group_dot_vnni, "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx51
 });
 
 #[cfg(not(target_arch = "x86_64"))]
-unsafe fn group_dot_avx2<const KIND: u8, const NT: usize>(_: &[u8], _: &ActQ8, _: usize, _: &mut [[f32; MAX_GROUP_ROWS]; TOKEN_TILE]) {
+unsafe fn group_dot_avx2<const KIND: u8, const NT: usize>(_: &[u8], _: &ActQ8, _: usize, _: &mut [&mut [f32]], _: usize) {
     unreachable!("row groups are made only where the AVX2 kernel runs")
 }
 
 #[cfg(not(target_arch = "x86_64"))]
-unsafe fn group_dot_vnni<const KIND: u8, const NT: usize>(_: &[u8], _: &ActQ8, _: usize, _: &mut [[f32; MAX_GROUP_ROWS]; TOKEN_TILE]) {
+unsafe fn group_dot_vnni<const KIND: u8, const NT: usize>(_: &[u8], _: &ActQ8, _: usize, _: &mut [&mut [f32]], _: usize) {
     unreachable!("row groups are made only where the AVX-512 VNNI kernel runs")
 }
 
