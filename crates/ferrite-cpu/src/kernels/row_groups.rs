@@ -31,7 +31,7 @@ use super::{KernelError, WeightView};
 use ferrite_gguf::GgmlType;
 
 /// Bytes ahead of the block being read that the kernels prefetch.
-const PREFETCH_AHEAD: usize = 4096;
+const PREFETCH_AHEAD: usize = 8192;
 /// Tokens per kernel call when several share a group (the group's codes are unpacked once).
 const TOKEN_TILE: usize = 4;
 
@@ -270,9 +270,11 @@ macro_rules! group_dot_kernel {
             for b in 0..nb {
                 let p = group.as_ptr().add(b * block);
                 // Streaming from memory, the hardware prefetcher alone leaves this one sequential
-                // read latency-bound; ask for the bytes a few blocks ahead (a prefetch never faults).
+                // read latency-bound; ask for the bytes a few blocks ahead (a prefetch never faults),
+                // with the T2 hint: on Sapphire Rapids 8 KiB ahead into L2 streamed ~15% faster than
+                // 4 KiB into L1 (perf.md, stop 26).
                 for l in (0..block).step_by(64) {
-                    _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(PREFETCH_AHEAD + l) as *const i8);
+                    _mm_prefetch::<_MM_HINT_T2>(p.wrapping_add(PREFETCH_AHEAD + l) as *const i8);
                 }
                 let d = cvtph_ps(loadu_half(p as *const Half));
                 let c = if KIND == Q4_1 { cvtph_ps(loadu_half(p.add(2 * ROWS) as *const Half)) } else { d };
