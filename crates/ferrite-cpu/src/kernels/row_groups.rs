@@ -32,8 +32,6 @@ use ferrite_gguf::GgmlType;
 
 /// Bytes ahead of the block being read that the kernels prefetch.
 const PREFETCH_AHEAD: usize = 8192;
-/// Tokens per kernel call when several share a group (the group's codes are unpacked once).
-const TOKEN_TILE: usize = 4;
 
 /// Rows per group of the layout for `level`'s kernel.
 const fn group_rows(level: SimdLevel) -> usize {
@@ -143,18 +141,20 @@ impl RowGroups {
         let acts = ActQ8::quantize(x, cols, n_tokens);
         let per_group = cols / 32 * group_bytes(self.dtype, group);
         let weights = &self.data[rows.start / group * per_group..rows.end / group * per_group];
+        // Widest token tiles first: the AVX2 kernel's 16 registers hold 4 tokens' sums beside
+        // the 8 code registers, the AVX-512 kernel's 32 hold 8.
         macro_rules! tiles {
-            ($dot:ident, $kind:expr) => {
-                [$dot::<{ $kind }, 1>, $dot::<{ $kind }, 2>, $dot::<{ $kind }, TOKEN_TILE>]
+            ($dot:ident, $kind:expr, [$($nt:literal),*]) => {
+                &[$(($nt, $dot::<{ $kind }, $nt> as GroupDot)),*]
             };
         }
-        let kernel: [GroupDot; 3] = match (self.level, self.dtype) {
-            (SimdLevel::Avx512Vnni, GgmlType::Q4_0) => tiles!(group_dot_vnni, Q4_0),
-            (SimdLevel::Avx512Vnni, GgmlType::Q4_1) => tiles!(group_dot_vnni, Q4_1),
-            (SimdLevel::Avx512Vnni, _) => tiles!(group_dot_vnni, Q8_0),
-            (_, GgmlType::Q4_0) => tiles!(group_dot_avx2, Q4_0),
-            (_, GgmlType::Q4_1) => tiles!(group_dot_avx2, Q4_1),
-            _ => tiles!(group_dot_avx2, Q8_0),
+        let tiles: &[(usize, GroupDot)] = match (self.level, self.dtype) {
+            (SimdLevel::Avx512Vnni, GgmlType::Q4_0) => tiles!(group_dot_vnni, Q4_0, [8, 4, 2, 1]),
+            (SimdLevel::Avx512Vnni, GgmlType::Q4_1) => tiles!(group_dot_vnni, Q4_1, [8, 4, 2, 1]),
+            (SimdLevel::Avx512Vnni, _) => tiles!(group_dot_vnni, Q8_0, [8, 4, 2, 1]),
+            (_, GgmlType::Q4_0) => tiles!(group_dot_avx2, Q4_0, [4, 2, 1]),
+            (_, GgmlType::Q4_1) => tiles!(group_dot_avx2, Q4_1, [4, 2, 1]),
+            _ => tiles!(group_dot_avx2, Q8_0, [4, 2, 1]),
         };
         let chunk = balanced_chunk(m / group, rayon::current_num_threads()) * group;
         for_each_row_chunk(out, m, n_tokens, chunk, |c, outs| {
@@ -162,7 +162,7 @@ impl RowGroups {
             for g in 0..n_rows / group {
                 let w = &weights[(c * chunk / group + g) * per_group..][..per_group];
                 let mut t = 0;
-                for (nt, dot) in [(TOKEN_TILE, kernel[2]), (2, kernel[1]), (1, kernel[0])] {
+                for &(nt, dot) in tiles {
                     while t + nt <= n_tokens {
                         // SAFETY: `repack_for` makes a copy only for a level the CPU has.
                         unsafe { dot(w, &acts, t, &mut outs[t..t + nt], g * group) };
@@ -327,7 +327,8 @@ group_dot_kernel!(group_dot_avx2, "avx2,fma,f16c", ymm, q8_biased: false, |ucode
     }
 });
 
-// Two accumulation chains, so that each `vpdpbusd` waits for the one two before it.
+// Two accumulation chains, so that each `vpdpbusd` waits for the one two before it (one chain
+// per token was slower, even with 8 tokens' chains to overlap: perf.md, stop 27).
 group_dot_kernel!(group_dot_vnni, "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni", zmm, q8_biased: true, |ucodes, codes, y4| {
     let _ = &codes;
     let (mut s0, mut s1) = (setzero_si(), setzero_si());
