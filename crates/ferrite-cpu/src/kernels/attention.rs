@@ -416,7 +416,7 @@ mod x86 {
 fvec::multiversion! {
     /// `x -> exp(x - max)` in place; returns the sum.
     pub(crate) fn softmax_unnormalized(x: &mut [f32]) -> f32 {
-        let max = x.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+        let max = fvec::max(x);
         // Separate loops: the exponentials vectorize, the lane-wise sum too.
         x.iter_mut().for_each(|v| *v = fvec::exp(*v - max));
         fvec::sum(x)

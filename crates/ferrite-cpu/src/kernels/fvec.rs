@@ -107,6 +107,21 @@ pub(crate) fn sum(x: &[f32]) -> f32 {
     lanes.iter().sum::<f32>() + tail
 }
 
+/// `max x[i]` (NaNs ignored, `-inf` when empty) with lane-wise partial maxima: a serial fold of
+/// `f32::max` does not vectorize.
+#[inline(always)]
+pub(crate) fn max(x: &[f32]) -> f32 {
+    let chunks = x.chunks_exact(LANES);
+    let tail = chunks.remainder().iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+    let mut lanes = [f32::NEG_INFINITY; LANES];
+    for c in chunks {
+        for i in 0..LANES {
+            lanes[i] = lanes[i].max(c[i]);
+        }
+    }
+    lanes.iter().fold(tail, |m, &v| m.max(v))
+}
+
 /// Round to nearest, ties to even, for |v| < 2^22. The magic-number form vectorizes on every
 /// x86-64, unlike `f32::round` (which needs SSE4.1).
 #[inline(always)]
