@@ -136,7 +136,8 @@ impl Sampler {
                 *m = m.max(*l);
             }
         }
-        if !lanes.iter().fold(f32::NEG_INFINITY, |m, &l| m.max(l)).is_finite() {
+        let max = lanes.iter().fold(f32::NEG_INFINITY, |m, &l| m.max(l));
+        if !max.is_finite() {
             return argmax(logits);
         }
         let n = logits.len();
@@ -145,9 +146,8 @@ impl Sampler {
         let t = p.temperature;
         if top_k == n && !cuts {
             // The whole distribution, in token order: no candidate list, no sort.
-            logits.iter_mut().for_each(|l| *l /= t);
-            activation::softmax_inplace(logits);
-            return self.draw_dense(logits);
+            let sum = activation::exp_shifted(logits, max, 1.0 / t);
+            return self.draw_dense(logits, sum);
         }
         let cand = kept_candidates(p, logits);
         let mut weights: Vec<f32> = cand.iter().map(|c| c.1 / t).collect();
@@ -172,28 +172,29 @@ impl Sampler {
         last
     }
 
-    /// [`Sampler::draw`] over every token, `probs[token]`: the running sum first skips whole
-    /// chunks by their sums, which vectorize (a sequential scan of a vocabulary is ~50 µs).
-    fn draw_dense(&mut self, probs: &[f32]) -> u32 {
+    /// [`Sampler::draw`] over every token, with weights `weights[token]` that sum to `sum`: the
+    /// running sum first skips whole chunks by their sums, which vectorize (a sequential scan
+    /// of a vocabulary is ~50 µs).
+    fn draw_dense(&mut self, weights: &[f32], sum: f32) -> u32 {
         const CHUNK: usize = 256;
-        let r: f32 = self.rng.random();
+        let r = self.rng.random::<f32>() * sum;
         let mut acc = 0.0;
-        for (c, chunk) in probs.chunks(CHUNK).enumerate() {
+        for (c, chunk) in weights.chunks(CHUNK).enumerate() {
             let mut lanes = [0f32; 8];
-            chunk.chunks(8).for_each(|v| lanes.iter_mut().zip(v).for_each(|(l, &p)| *l += p));
-            let sum: f32 = lanes.iter().sum();
-            if r < acc + sum {
-                for (i, &pr) in chunk.iter().enumerate() {
-                    acc += pr;
+            chunk.chunks(8).for_each(|v| lanes.iter_mut().zip(v).for_each(|(l, &w)| *l += w));
+            let chunk_sum: f32 = lanes.iter().sum();
+            if r < acc + chunk_sum {
+                for (i, &w) in chunk.iter().enumerate() {
+                    acc += w;
                     if r < acc {
                         return (c * CHUNK + i) as u32;
                     }
                 }
             } else {
-                acc += sum;
+                acc += chunk_sum;
             }
         }
-        probs.iter().rposition(|&pr| pr > 0.0).unwrap_or(0) as u32
+        weights.iter().rposition(|&w| w > 0.0).unwrap_or(0) as u32
     }
 }
 

@@ -1,6 +1,6 @@
 //! Elementwise activations, softmax and residual adds.
 
-use super::attention::{softmax_unnormalized, tanh};
+use super::attention::tanh;
 use super::fvec;
 
 fn check_lengths(op: &str, a: usize, b: usize, out: usize) {
@@ -31,6 +31,21 @@ fvec::multiversion! {
             *o = 0.5 * g * (1.0 + tanh(inner)) * u;
         }
     }
+}
+
+fvec::multiversion! {
+    /// `x -> exp((x - shift) * scale)` in place; returns the sum: softmax numerators, at a
+    /// temperature of `1 / scale` (the sampler's), with `shift` the maximum.
+    pub fn exp_shifted(x: &mut [f32], shift: f32, scale: f32) -> f32 {
+        // Separate loops: the exponentials vectorize, the lane-wise sum too.
+        x.iter_mut().for_each(|v| *v = fvec::exp((*v - shift) * scale));
+        fvec::sum(x)
+    }
+}
+
+/// `x -> exp(x - max)` in place; returns the sum.
+pub(crate) fn softmax_unnormalized(x: &mut [f32]) -> f32 {
+    exp_shifted(x, fvec::max(x), 1.0)
 }
 
 /// Softmax in place, with the maximum subtracted first.

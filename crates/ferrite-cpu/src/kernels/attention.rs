@@ -1,5 +1,6 @@
 //! Causal grouped-query attention over an f32 or f16 KV cache ([`KvElem`]).
 
+use super::activation::softmax_unnormalized;
 use super::fvec;
 use super::simd::{simd_level, SimdLevel};
 use rayon::prelude::*;
@@ -410,16 +411,6 @@ mod x86 {
                 _mm256_storeu_ps(out.as_mut_ptr().add(c + 8 * i), _mm256_mul_ps(*a, norm));
             }
         }
-    }
-}
-
-fvec::multiversion! {
-    /// `x -> exp(x - max)` in place; returns the sum.
-    pub(crate) fn softmax_unnormalized(x: &mut [f32]) -> f32 {
-        let max = fvec::max(x);
-        // Separate loops: the exponentials vectorize, the lane-wise sum too.
-        x.iter_mut().for_each(|v| *v = fvec::exp(*v - max));
-        fvec::sum(x)
     }
 }
 

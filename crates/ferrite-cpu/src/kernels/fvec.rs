@@ -1,7 +1,9 @@
 //! f32 vector helpers shared by the kernels: a SIMD dot product and a vectorizable `exp`.
 
-/// Defines `fn $name` whose body is compiled twice, portable and for AVX2 + FMA, the latter
-/// taken when the SIMD level has AVX2. For elementwise loops the compiler vectorizes.
+/// Defines `fn $name` whose body is compiled three times, portable, for AVX2 + FMA and for
+/// AVX-512, the widest one the SIMD level has taken. For elementwise loops the compiler
+/// vectorizes; each element's arithmetic is the same in every build (no implicit FMA
+/// contraction), and the lane-wise sums keep their order, so the results are too.
 macro_rules! multiversion {
     ($(#[$m:meta])* $vis:vis fn $name:ident($($arg:ident: $ty:ty),* $(,)?) $(-> $ret:ty)? $body:block) => {
         $(#[$m])*
@@ -14,10 +16,16 @@ macro_rules! multiversion {
                 unsafe fn avx2($($arg: $ty),*) $(-> $ret)? {
                     body($($arg),*)
                 }
+                #[target_feature(enable = "avx2,fma,avx512f,avx512bw,avx512vl")]
+                unsafe fn avx512($($arg: $ty),*) $(-> $ret)? {
+                    body($($arg),*)
+                }
                 use $crate::kernels::simd::{simd_level, SimdLevel};
-                if matches!(simd_level(), SimdLevel::Avx2 | SimdLevel::Avx512Vnni) {
-                    // SAFETY: these levels are only reported when AVX2 and FMA are available.
-                    return unsafe { avx2($($arg),*) };
+                match simd_level() {
+                    // SAFETY: these levels are only reported when their features are available.
+                    SimdLevel::Avx512Vnni => return unsafe { avx512($($arg),*) },
+                    SimdLevel::Avx2 => return unsafe { avx2($($arg),*) },
+                    _ => {}
                 }
             }
             body($($arg),*)
