@@ -68,7 +68,10 @@ fn truncated_and_corrupt_files_give_clear_errors() {
     let bytes = std::fs::read(model()).unwrap();
     let cut = temp("truncated.gguf");
     std::fs::write(&cut, &bytes[..bytes.len() / 2]).unwrap();
-    assert_clean_error(&ferrite(&["run", "x", "--model", cut.to_str().unwrap()]), "truncated.gguf");
+    let o = ferrite(&["run", "x", "--model", cut.to_str().unwrap()]);
+    assert_clean_error(&o, "truncated.gguf");
+    // Said once: the file's error is not repeated by the error chain.
+    assert_eq!(text(&o).1.matches("runs past the end").count(), 1, "{}", text(&o).1);
     let garbage = temp("garbage.gguf");
     std::fs::write(&garbage, b"this is not a gguf file at all").unwrap();
     assert_clean_error(&ferrite(&["info", "--model", garbage.to_str().unwrap()]), "garbage.gguf");

@@ -7,9 +7,10 @@ use std::path::PathBuf;
 /// and where (byte offset, metadata key or tensor name).
 #[derive(thiserror::Error, Debug)]
 pub enum GgufError {
-    /// An error while handling a named file (wraps the actual error).
-    #[error("{}: {source}", path.display())]
-    InFile { path: PathBuf, source: Box<GgufError> },
+    /// An error while handling a named file (wraps the actual error). The message carries the
+    /// wrapped one, which is therefore not also its `source` (a chain would print it twice).
+    #[error("{}: {error}", path.display())]
+    InFile { path: PathBuf, error: Box<GgufError> },
 
     #[error("I/O error: {0}")]
     Io(#[from] std::io::Error),
@@ -87,12 +88,12 @@ impl GgufError {
     /// The error without any [`GgufError::InFile`] wrapping, for matching on the kind.
     pub fn root(&self) -> &GgufError {
         match self {
-            GgufError::InFile { source, .. } => source.root(),
+            GgufError::InFile { error, .. } => error.root(),
             other => other,
         }
     }
 
     pub(crate) fn in_file(self, path: &std::path::Path) -> GgufError {
-        GgufError::InFile { path: path.to_path_buf(), source: Box::new(self) }
+        GgufError::InFile { path: path.to_path_buf(), error: Box::new(self) }
     }
 }

@@ -90,7 +90,7 @@ pub struct Loaded {
 pub fn load_model(args: &ModelArgs) -> Result<Loaded> {
     init_threads(args.threads);
     let path = model_path::resolve(args.model.as_deref())?;
-    let model = Model::load(&path, FusionOptions::from_env()).with_context(|| format!("loading {}", path.display()))?;
+    let model = Model::load(&path, FusionOptions::from_env()).context("loading the model")?;
     // HF folders carry their tokenizer in tokenizer.json (+ tokenizer_config.json), GGUF files in metadata.
     let tokenizer = if ferrite_model::hf::is_hf_dir(&path) { Tokenizer::from_hf_dir(&path) } else { Tokenizer::from_gguf(&model.file.metadata) }
         .map_err(|e| format!("this model has no usable tokenizer: {e}"));
