@@ -82,6 +82,7 @@ fn truncated_and_corrupt_files_give_clear_errors() {
     let o = ferrite(&["bench", "-p", "8", "-n", "4", "-r", "1", "--seqs", "3", "--model", hf.to_str().unwrap()]);
     assert!(o.status.success() && text(&o).0.contains("tg4") && text(&o).0.contains("tg4 x3"), "{:?}", text(&o));
     assert_clean_error(&ferrite(&["bench", "--seqs", "0", "--model", hf.to_str().unwrap()]), "--seqs");
+    assert_clean_error(&ferrite(&["bench", "-p", "0", "-n", "0", "--model", hf.to_str().unwrap()]), "nothing to measure");
     // At a depth (llama-bench's --n-depth): the tests say so and the context grows to fit.
     let o = ferrite(&["bench", "-p", "8", "-n", "4", "-d", "0,40", "-r", "1", "--model", hf.to_str().unwrap()]);
     let out = text(&o).0;

@@ -39,11 +39,16 @@ pub fn run(args: BenchArgs) -> Result<()> {
     let vocab = loaded.model.config.vocab_size;
     let deepest = args.depth.iter().copied().max().unwrap_or(0);
     let longest = deepest + args.n_prompt.iter().chain(&args.n_gen).copied().max().unwrap_or(0);
+    if args.n_prompt.iter().chain(&args.n_gen).all(|&n| n == 0) {
+        anyhow::bail!("nothing to measure: every -p and -n value is 0");
+    }
     if args.seqs.contains(&0) {
         anyhow::bail!("--seqs counts sequences: each value must be at least 1");
     }
     let mut margs = args.model.clone();
-    margs.ctx_size = margs.ctx_size.max(longest + 1);
+    if margs.ctx_size != 0 {
+        margs.ctx_size = margs.ctx_size.max(longest + 1);
+    }
     margs.batch_size = margs.batch_size.max(*args.n_prompt.iter().chain([&deepest]).max().unwrap_or(&1) as u64);
     let mut session = loaded.session(&margs, margs.backend, false)?;
     let reps = Reps { count: args.reps as usize, profile_last: args.profile_range };

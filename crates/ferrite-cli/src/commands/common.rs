@@ -21,7 +21,7 @@ pub struct ModelArgs {
     /// CPU threads [default: all cores, or FERRITE_THREADS].
     #[arg(short, long)]
     pub threads: Option<usize>,
-    /// Context size in tokens (capped at the model's trained context).
+    /// Context size in tokens, capped at the model's trained context; 0 takes that context.
     #[arg(short = 'c', long = "ctx-size", default_value_t = 4096)]
     pub ctx_size: usize,
     /// Tokens per forward pass when processing a prompt.
@@ -108,7 +108,11 @@ impl Loaded {
     pub fn executor_options(&self, args: &ModelArgs, trace: bool) -> ExecutorOptions {
         ExecutorOptions {
             max_batch: args.batch_size as usize,
-            context_len: args.ctx_size.min(self.model.config.context_length).max(1),
+            context_len: match args.ctx_size {
+                0 => self.model.config.context_length,
+                n => n.min(self.model.config.context_length),
+            }
+            .max(1),
             trace,
             progress: None,
         }
