@@ -304,26 +304,14 @@ fn weighted_sum_portable<T: KvElem>(
 
 /// AVX2 loops over 64-dimension chunks held in eight registers, and AVX-512 ones holding them in
 /// four (half the conversions, multiply-adds and loop overhead per key: ~3% of an 8-sequence
-/// step at 64–104 positions, none measurable at 256+, where the cache reads bound it).
+/// step at 64–104 positions, none measurable at 256+, where the cache reads bound it). One macro
+/// writes both over a vector-width module, as the row-group kernels are written.
 #[cfg(target_arch = "x86_64")]
 mod x86 {
-    use std::arch::x86_64::*;
+    use super::KvElem;
 
     /// Dimensions per register-resident chunk.
     pub(super) const CHUNK: usize = 64;
-
-    use super::KvElem;
-
-    /// Eight cache values from `p` as f32 (`vcvtph2ps` for f16).
-    macro_rules! load8 {
-        ($p:expr) => {
-            if T::HALF {
-                _mm256_cvtph_ps(_mm_loadu_si128($p as *const __m128i))
-            } else {
-                _mm256_loadu_ps($p as *const f32)
-            }
-        };
-    }
 
     /// Safety: AVX2, FMA and F16C must be available, and AVX-512 F for the `WIDE` (512-bit)
     /// loops. Sizes are checked.
@@ -339,7 +327,8 @@ mod x86 {
             q.len().is_multiple_of(CHUNK) && (n == 0 || keys.len() >= (n - 1) * stride + q.len()),
             "attention scores: sizes"
         );
-        // SAFETY: AVX2/FMA per the caller; the reads stay within `q` and `keys` (checked above).
+        // SAFETY: the features per the caller; the reads stay within `q` and `keys` (checked
+        // above).
         if WIDE {
             scores_avx512(q, keys, stride, scale, scores)
         } else {
@@ -370,106 +359,106 @@ mod x86 {
         }
     }
 
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn scores_avx2<T: KvElem>(q: &[f32], keys: &[T], stride: usize, scale: f32, scores: &mut [f32]) {
-        scores.fill(0.0);
-        for c in (0..q.len()).step_by(CHUNK) {
-            let mut qv = [_mm256_setzero_ps(); 8];
-            for (i, v) in qv.iter_mut().enumerate() {
-                *v = _mm256_loadu_ps(q.as_ptr().add(c + 8 * i));
-            }
-            for (j, s) in scores.iter_mut().enumerate() {
-                let k = keys.as_ptr().add(j * stride + c);
-                let (mut a0, mut a1) = (_mm256_mul_ps(qv[0], load8!(k)), _mm256_mul_ps(qv[1], load8!(k.add(8))));
-                for i in (2..8).step_by(2) {
-                    a0 = _mm256_fmadd_ps(qv[i], load8!(k.add(8 * i)), a0);
-                    a1 = _mm256_fmadd_ps(qv[i + 1], load8!(k.add(8 * i + 8)), a1);
-                }
-                let v = _mm256_add_ps(a0, a1);
-                let v = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
-                let v = _mm_add_ps(v, _mm_movehl_ps(v, v));
-                *s += _mm_cvtss_f32(_mm_add_ss(v, _mm_movehdup_ps(v)));
+    /// The vector width of a pair of loops: f32 intrinsics under one set of names (re-exports,
+    /// which inline into the `target_feature` loops), the cache loads and the horizontal sum.
+    mod ymm {
+        use super::KvElem;
+        use std::arch::x86_64::*;
+        pub use std::arch::x86_64::{
+            __m256 as F32s, _mm256_add_ps as add, _mm256_fmadd_ps as fmadd, _mm256_loadu_ps as load, _mm256_mul_ps as mul,
+            _mm256_set1_ps as set1, _mm256_setzero_ps as setzero, _mm256_storeu_ps as store,
+        };
+        pub const LANES: usize = 8;
+
+        /// Eight cache values from `p` as f32 (`vcvtph2ps` for f16).
+        #[inline(always)]
+        pub unsafe fn load_kv<T: KvElem>(p: *const T) -> F32s {
+            if T::HALF {
+                _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i))
+            } else {
+                _mm256_loadu_ps(p as *const f32)
             }
         }
-        scores.iter_mut().for_each(|s| *s *= scale);
+
+        #[inline(always)]
+        pub unsafe fn hsum(v: F32s) -> f32 {
+            let v = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
+            let v = _mm_add_ps(v, _mm_movehl_ps(v, v));
+            _mm_cvtss_f32(_mm_add_ss(v, _mm_movehdup_ps(v)))
+        }
     }
 
-    /// Sixteen cache values from `p` as f32.
-    macro_rules! load16 {
-        ($p:expr) => {
+    mod zmm {
+        use super::KvElem;
+        use std::arch::x86_64::*;
+        pub use std::arch::x86_64::{
+            __m512 as F32s, _mm512_add_ps as add, _mm512_fmadd_ps as fmadd, _mm512_loadu_ps as load, _mm512_mul_ps as mul,
+            _mm512_reduce_add_ps as hsum, _mm512_set1_ps as set1, _mm512_setzero_ps as setzero, _mm512_storeu_ps as store,
+        };
+        pub const LANES: usize = 16;
+
+        /// Sixteen cache values from `p` as f32.
+        #[inline(always)]
+        pub unsafe fn load_kv<T: KvElem>(p: *const T) -> F32s {
             if T::HALF {
-                _mm512_cvtph_ps(_mm256_loadu_si256($p as *const __m256i))
+                _mm512_cvtph_ps(_mm256_loadu_si256(p as *const __m256i))
             } else {
-                _mm512_loadu_ps($p as *const f32)
+                _mm512_loadu_ps(p as *const f32)
+            }
+        }
+    }
+
+    /// The scores and weighted-sum loops at one vector width: a chunk of the query, or of the
+    /// output, in `CHUNK / LANES` registers.
+    macro_rules! attention_loops {
+        ($scores:ident, $weighted_sum:ident, $features:literal, $width:ident) => {
+            #[target_feature(enable = $features)]
+            unsafe fn $scores<T: KvElem>(q: &[f32], keys: &[T], stride: usize, scale: f32, scores: &mut [f32]) {
+                use $width::*;
+                scores.fill(0.0);
+                for c in (0..q.len()).step_by(CHUNK) {
+                    let qv: [F32s; CHUNK / LANES] = std::array::from_fn(|i| load(q.as_ptr().add(c + LANES * i)));
+                    for (j, s) in scores.iter_mut().enumerate() {
+                        let k = keys.as_ptr().add(j * stride + c);
+                        // Two accumulation chains.
+                        let (mut a0, mut a1) = (mul(qv[0], load_kv(k)), mul(qv[1], load_kv(k.add(LANES))));
+                        for i in (2..CHUNK / LANES).step_by(2) {
+                            a0 = fmadd(qv[i], load_kv(k.add(LANES * i)), a0);
+                            a1 = fmadd(qv[i + 1], load_kv(k.add(LANES * i + LANES)), a1);
+                        }
+                        *s += hsum(add(a0, a1));
+                    }
+                }
+                scores.iter_mut().for_each(|s| *s *= scale);
+            }
+
+            #[target_feature(enable = $features)]
+            unsafe fn $weighted_sum<T: KvElem>(weights: &[f32], values: &[T], stride: usize, norm: f32, out: &mut [f32], accumulate: bool) {
+                use $width::*;
+                for c in (0..out.len()).step_by(CHUNK) {
+                    let mut acc = [setzero(); CHUNK / LANES];
+                    if accumulate {
+                        for (i, a) in acc.iter_mut().enumerate() {
+                            *a = load(out.as_ptr().add(c + LANES * i));
+                        }
+                    }
+                    for (j, &w) in weights.iter().enumerate() {
+                        let (w, v) = (set1(w), values.as_ptr().add(j * stride + c));
+                        for (i, a) in acc.iter_mut().enumerate() {
+                            *a = fmadd(w, load_kv(v.add(LANES * i)), *a);
+                        }
+                    }
+                    let norm = set1(norm);
+                    for (i, a) in acc.iter().enumerate() {
+                        store(out.as_mut_ptr().add(c + LANES * i), mul(*a, norm));
+                    }
+                }
             }
         };
     }
 
-    #[target_feature(enable = "avx2,fma,f16c,avx512f")]
-    unsafe fn scores_avx512<T: KvElem>(q: &[f32], keys: &[T], stride: usize, scale: f32, scores: &mut [f32]) {
-        scores.fill(0.0);
-        for c in (0..q.len()).step_by(CHUNK) {
-            let qv: [__m512; 4] = std::array::from_fn(|i| _mm512_loadu_ps(q.as_ptr().add(c + 16 * i)));
-            for (j, s) in scores.iter_mut().enumerate() {
-                let k = keys.as_ptr().add(j * stride + c);
-                let a0 = _mm512_fmadd_ps(qv[2], load16!(k.add(32)), _mm512_mul_ps(qv[0], load16!(k)));
-                let a1 = _mm512_fmadd_ps(qv[3], load16!(k.add(48)), _mm512_mul_ps(qv[1], load16!(k.add(16))));
-                *s += _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
-            }
-        }
-        scores.iter_mut().for_each(|s| *s *= scale);
-    }
-
-    #[target_feature(enable = "avx2,fma,f16c,avx512f")]
-    unsafe fn weighted_sum_avx512<T: KvElem>(weights: &[f32], values: &[T], stride: usize, norm: f32, out: &mut [f32], accumulate: bool) {
-        for c in (0..out.len()).step_by(CHUNK) {
-            let mut acc = [_mm512_setzero_ps(); 4];
-            if accumulate {
-                for (i, a) in acc.iter_mut().enumerate() {
-                    *a = _mm512_loadu_ps(out.as_ptr().add(c + 16 * i));
-                }
-            }
-            for (j, &w) in weights.iter().enumerate() {
-                let (w, v) = (_mm512_set1_ps(w), values.as_ptr().add(j * stride + c));
-                for (i, a) in acc.iter_mut().enumerate() {
-                    *a = _mm512_fmadd_ps(w, load16!(v.add(16 * i)), *a);
-                }
-            }
-            let norm = _mm512_set1_ps(norm);
-            for (i, a) in acc.iter().enumerate() {
-                _mm512_storeu_ps(out.as_mut_ptr().add(c + 16 * i), _mm512_mul_ps(*a, norm));
-            }
-        }
-    }
-
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn weighted_sum_avx2<T: KvElem>(
-        weights: &[f32],
-        values: &[T],
-        stride: usize,
-        norm: f32,
-        out: &mut [f32],
-        accumulate: bool,
-    ) {
-        for c in (0..out.len()).step_by(CHUNK) {
-            let mut acc = [_mm256_setzero_ps(); 8];
-            if accumulate {
-                for (i, a) in acc.iter_mut().enumerate() {
-                    *a = _mm256_loadu_ps(out.as_ptr().add(c + 8 * i));
-                }
-            }
-            for (j, &w) in weights.iter().enumerate() {
-                let (w, v) = (_mm256_set1_ps(w), values.as_ptr().add(j * stride + c));
-                for (i, a) in acc.iter_mut().enumerate() {
-                    *a = _mm256_fmadd_ps(w, load8!(v.add(8 * i)), *a);
-                }
-            }
-            let norm = _mm256_set1_ps(norm);
-            for (i, a) in acc.iter().enumerate() {
-                _mm256_storeu_ps(out.as_mut_ptr().add(c + 8 * i), _mm256_mul_ps(*a, norm));
-            }
-        }
-    }
+    attention_loops!(scores_avx2, weighted_sum_avx2, "avx2,fma,f16c", ymm);
+    attention_loops!(scores_avx512, weighted_sum_avx512, "avx2,fma,f16c,avx512f", zmm);
 }
 
 /// `tanh(x) = 1 - 2 / (e^(2x) + 1)`, saturating to ±1.
