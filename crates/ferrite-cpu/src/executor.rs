@@ -40,8 +40,10 @@ impl Default for KvRows {
 }
 
 impl KvRows {
+    /// Zeroed by the allocator: pages the cache never reaches are never touched (`vec![f16::ZERO;
+    /// n]` wrote all of them, ~100 ms and 94 MB of a 4096-token context before the first token).
     fn zeros(half: bool, n: usize) -> Self {
-        if half { KvRows::F16(vec![half::f16::ZERO; n]) } else { KvRows::F32(vec![0.0; n]) }
+        if half { KvRows::F16(bytemuck::zeroed_vec(n)) } else { KvRows::F32(vec![0.0; n]) }
     }
 
     fn len(&self) -> usize {
