@@ -63,6 +63,30 @@ fn chat_reads_stdin_and_answers() {
     assert!(out.contains('4'), "answer: {out}");
 }
 
+/// A conversation outgrowing the context drops its oldest exchanges and goes on; a message that
+/// cannot fit on its own is refused with a clear line, and the chat continues.
+#[test]
+fn chat_drops_old_exchanges_to_fit_the_context() {
+    let m = model();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_ferrite"))
+        .args(["chat", "--temp", "0", "-n", "40", "-c", "128", "--model", m.to_str().unwrap()])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let long = "word ".repeat(200);
+    let input = format!("Hello there, how are you today?\nTell me a long story about dragons please.\n{long}\nWhat is 2+2?\n");
+    child.stdin.take().unwrap().write_all(input.as_bytes()).unwrap();
+    let o = child.wait_with_output().unwrap();
+    let (out, err) = text(&o);
+    assert!(o.status.success(), "{err}");
+    assert!(err.contains("oldest exchange(s) were dropped"), "{err}");
+    assert!(err.contains("does not fit the context"), "{err}");
+    // Three replies' statistics: the refused message produced none.
+    assert_eq!(err.matches(" tok/s]").count(), 3, "{err}\n{out}");
+}
+
 #[test]
 fn truncated_and_corrupt_files_give_clear_errors() {
     let bytes = std::fs::read(model()).unwrap();

@@ -46,13 +46,32 @@ pub fn run(args: ChatArgs) -> Result<()> {
             _ => {}
         }
         messages.push(Message { role: "user".into(), content: line.to_string() });
-        let prompt = match &template {
-            Some(t) => t.apply(&messages, true)?,
-            None => messages.iter().map(|m| format!("{}: {}\n", m.role, m.content)).collect::<String>() + "assistant:",
+        let render = |messages: &[Message]| -> Result<Vec<u32>> {
+            let prompt = match &template {
+                Some(t) => t.apply(messages, true)?,
+                None => messages.iter().map(|m| format!("{}: {}\n", m.role, m.content)).collect::<String>() + "assistant:",
+            };
+            Ok(if template.is_some() { tok.encode_chat(&prompt)? } else { tok.encode(&prompt, true)? })
         };
-        let ids = if template.is_some() { tok.encode_chat(&prompt)? } else { tok.encode(&prompt, true)? };
-        if ids.len() + 1 >= session.context_len() {
-            eprintln!("the conversation ({} tokens) no longer fits the context; use /reset", ids.len());
+        // Room for a reply of up to a quarter of the context: past that, the oldest exchanges
+        // (after the system prompt) are dropped, as llama.cpp's context shift drops old tokens.
+        let ctx = session.context_len();
+        let reserve = args.n_predict.min(ctx / 4).max(1);
+        let first = args.system.is_some() as usize;
+        let mut ids = render(&messages)?;
+        let mut dropped = 0;
+        // Whole exchanges (a user message and its reply), so that the turns still alternate
+        // from a user's (some templates insist).
+        while ids.len() + reserve > ctx && messages.len() - first > 2 {
+            messages.drain(first..first + 2);
+            dropped += 1;
+            ids = render(&messages)?;
+        }
+        if dropped > 0 {
+            eprintln!("(the {dropped} oldest exchange(s) were dropped to fit the context of {ctx} tokens)");
+        }
+        if ids.len() + 1 >= ctx {
+            eprintln!("this message ({} tokens with the template) does not fit the context of {ctx} tokens; raise --ctx-size", ids.len());
             messages.pop();
             continue;
         }
