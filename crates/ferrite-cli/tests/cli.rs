@@ -105,6 +105,12 @@ fn truncated_and_corrupt_files_give_clear_errors() {
     assert_clean_error(&ferrite(&["run", "x", "--model", hf.to_str().unwrap()]), "no usable tokenizer");
     let o = ferrite(&["bench", "-p", "8", "-n", "4", "-r", "1", "--seqs", "3", "--model", hf.to_str().unwrap()]);
     assert!(o.status.success() && text(&o).0.contains("tg4") && text(&o).0.contains("tg4 x3"), "{:?}", text(&o));
+    // With an x86 SIMD level, the CPU's ceilings are measured and each test set against one.
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") {
+        let out = text(&o).0;
+        assert!(out.contains("ceilings measured in this run: read of") && out.contains("% of the matrix rate") && out.contains("% of the bandwidth"), "{out}");
+    }
     assert_clean_error(&ferrite(&["bench", "--seqs", "0", "--model", hf.to_str().unwrap()]), "--seqs");
     assert_clean_error(&ferrite(&["bench", "-p", "0", "-n", "0", "--model", hf.to_str().unwrap()]), "nothing to measure");
     // At a depth (llama-bench's --n-depth): the tests say so and the context grows to fit.

@@ -13,7 +13,7 @@ use ferrite_model::planner::{self, Plan};
 use ferrite_model::profile::OpProfile;
 use ferrite_model::{
     BatchRows,
-    Collective, Executor, ExecutorOptions, LayerTrace, LoadProgress, Model, PagedKvConfig, RecurrentCursor, RopeConfig, RopeStyle, SeqChunk,
+    Collective, Executor, ExecutorOptions, HardwareCeilings, LayerTrace, LoadProgress, Model, PagedKvConfig, RecurrentCursor, RopeConfig, RopeStyle, SeqChunk,
 };
 use std::sync::Arc;
 
@@ -816,6 +816,12 @@ impl Executor for CpuExecutor {
         self.options.context_len
     }
 
+    fn hardware_ceilings(&mut self) -> Option<anyhow::Result<HardwareCeilings>> {
+        // A decode step streams the weights: read about as many bytes as the model file holds.
+        let bytes = self.model.file.file_size() as usize;
+        on_pool(self.rank.as_ref().map(|r| &*r.pool), || crate::ceilings::measure(bytes)).map(Ok)
+    }
+
     fn kv_bytes_per_position(&self) -> usize {
         let elem = if self.kv_f16 { 2 } else { 4 };
         self.model.graph.attention_layers().len() * 2 * self.kv_width() * elem
@@ -836,8 +842,9 @@ impl Executor for CpuExecutor {
         let kv = self.options.context_len * self.kv_bytes_per_position();
         let state: usize = self.buf.conv_state.iter().chain(&self.buf.ssm_state).map(|c| c.len() * 4).sum();
         let mut report = format!(
-            "weights copied to RAM: {:.1} MiB (the rest is used in place from the mapped file)\nkv cache (f32): {:.1} MiB\nrecurrent state (f32): {:.2} MiB\nactivations: {:.1} MiB in {} buffers",
+            "weights copied to RAM: {:.1} MiB (the rest is used in place from the mapped file)\nkv cache ({}): {:.1} MiB\nrecurrent state (f32): {:.2} MiB\nactivations: {:.1} MiB in {} buffers",
             mib(weights),
+            if self.kv_f16 { "f16" } else { "f32" },
             mib(kv),
             mib(state),
             mib(self.plan.total_elems() * 4),
@@ -846,7 +853,8 @@ impl Executor for CpuExecutor {
         if let Some(p) = &self.paged {
             let c = p.config;
             report += &format!(
-                "\npaged kv cache (f32): {:.1} MiB in {} blocks of {} positions\nbatch activations: {:.1} MiB for {} tokens / {} sequences",
+                "\npaged kv cache ({}): {:.1} MiB in {} blocks of {} positions\nbatch activations: {:.1} MiB for {} tokens / {} sequences",
+                if self.kv_f16 { "f16" } else { "f32" },
                 mib(c.n_blocks * c.block_size * self.kv_bytes_per_position()),
                 c.n_blocks,
                 c.block_size,

@@ -1,5 +1,6 @@
 //! The CPU backend: compute kernels (SIMD, multithreaded) and the graph executor.
 
+pub mod ceilings;
 pub mod executor;
 pub mod kernels;
 

@@ -80,5 +80,5 @@ pub fn measure(gpu: &Gpu) -> Result<HardwareCeilings, CudaError> {
         .context(|| "cublasGemmEx bf16 8192^3".into())
     };
     let t = time_per_run(gpu, 3, 10, gemm)?;
-    Ok(HardwareCeilings { copy_bytes_per_s, matmul_flops: 2.0 * (d as f64).powi(3) / t, matmul: "cuBLAS bf16 GEMM 8192³".into() })
+    Ok(HardwareCeilings { bytes_per_s: copy_bytes_per_s, bandwidth: "device-to-device copy (read + write)".into(), matmul_flops: 2.0 * (d as f64).powi(3) / t, matmul: "cuBLAS bf16 GEMM 8192³".into() })
 }

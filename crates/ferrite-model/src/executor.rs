@@ -70,8 +70,12 @@ impl DeviceSampling {
 /// The device limits a benchmark is measured against.
 #[derive(Clone, Debug)]
 pub struct HardwareCeilings {
-    /// Device-to-device copy, bytes read plus bytes written per second.
-    pub copy_bytes_per_s: f64,
+    /// Memory bandwidth, bytes per second: a device-to-device copy's bytes read plus written
+    /// (CUDA), or a read of a buffer as large as the weights (CPU, whose decode only reads:
+    /// writes cost it an extra read).
+    pub bytes_per_s: f64,
+    /// What the bandwidth was measured with.
+    pub bandwidth: String,
     /// Measured dense matrix-product rate, FLOP/s.
     pub matmul_flops: f64,
     /// What the matrix rate was measured with.

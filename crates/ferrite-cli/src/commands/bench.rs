@@ -94,12 +94,9 @@ pub fn run(args: BenchArgs) -> Result<()> {
         let c = ceilings?;
         let work = TokenWork::of(m);
         let kv = session.executor().kv_bytes_per_position();
-        println!(
-            "\nceilings measured in this run: copy {:.2} TB/s (read + write), {} {:.1} TFLOP/s",
-            c.copy_bytes_per_s / 1e12,
-            c.matmul,
-            c.matmul_flops / 1e12
-        );
+        // TB/s and TFLOP/s on a GPU, GB/s and GOP/s on a CPU's few cores.
+        let rate = |per_s: f64, unit: &str| if per_s >= 1e12 { format!("{:.2} T{unit}", per_s / 1e12) } else { format!("{:.1} G{unit}", per_s / 1e9) };
+        println!("\nceilings measured in this run: {} {}, {} {}", c.bandwidth, rate(c.bytes_per_s, "B/s"), c.matmul, rate(c.matmul_flops, "FLOP/s"));
         println!("| test | work | achieved | fraction of the limit |");
         println!("|---|---|---|---|");
         for r in &results {
@@ -109,15 +106,15 @@ pub fn run(args: BenchArgs) -> Result<()> {
                 let bytes = work.decode_bytes(r.start, r.tokens, r.seqs, kv);
                 let steps = tps / r.seqs as f64;
                 println!(
-                    "| {} | {:.1} MB per step | {:.2} TB/s | {:.1}% of copy bandwidth |",
+                    "| {} | {:.1} MB per step | {} | {:.1}% of the bandwidth |",
                     r.test,
                     bytes / 1e6,
-                    bytes * steps / 1e12,
-                    100.0 * bytes * steps / c.copy_bytes_per_s
+                    rate(bytes * steps, "B/s"),
+                    100.0 * bytes * steps / c.bytes_per_s
                 );
             } else {
                 let flops = work.prompt_flops(r.tokens, r.start);
-                println!("| {} | {:.2} GFLOP | {:.1} TFLOP/s | {:.1}% of the matrix rate |", r.test, flops / 1e9, flops * tps / 1e12, 100.0 * flops * tps / c.matmul_flops);
+                println!("| {} | {:.2} GFLOP | {} | {:.1}% of the matrix rate |", r.test, flops / 1e9, rate(flops * tps, "FLOP/s"), 100.0 * flops * tps / c.matmul_flops);
             }
         }
     }

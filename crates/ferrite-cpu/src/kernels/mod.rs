@@ -16,7 +16,7 @@ pub mod rope;
 pub mod row_groups;
 pub mod simd;
 
-mod fvec;
+pub(crate) mod fvec;
 mod quant;
 
 pub use matmul::{matmul, matmul_f32, matmul_with};

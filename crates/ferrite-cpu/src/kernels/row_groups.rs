@@ -31,7 +31,7 @@ use super::{KernelError, WeightView};
 use ferrite_gguf::GgmlType;
 
 /// Bytes ahead of the block being read that the kernels prefetch.
-const PREFETCH_AHEAD: usize = 8192;
+pub(crate) const PREFETCH_AHEAD: usize = 8192;
 
 /// Rows per group of the layout for `level`'s kernel.
 const fn group_rows(level: SimdLevel) -> usize {
