@@ -35,7 +35,7 @@ pub fn measure(bytes: usize) -> Option<HardwareCeilings> {
     let words = bytes.max(32 << 20) / 8;
     let buf: Vec<u64> = (0..words as u64).map(|i| i.wrapping_mul(0x9E37_79B9_7F4A_7C15)).collect();
     let chunk = words.div_ceil(4 * rayon::current_num_threads());
-    let read = best_secs(10, || {
+    let read = best_secs(30, || {
         let sum = buf.par_chunks(chunk).map(sum_streamed).reduce(|| 0, u64::wrapping_add);
         std::hint::black_box(sum);
     });
