@@ -84,6 +84,7 @@ def throughput(args, streams):
                 "prompt": prompt,
                 "max_tokens": args.max_tokens,
                 "temperature": args.temperature,
+                **({"logprobs": args.logprobs} if args.logprobs is not None else {}),
                 "ignore_eos": True,
                 "stream": True,
                 "stream_options": {"include_usage": True},
@@ -155,6 +156,7 @@ def main():
     ap.add_argument("--requests", type=int, default=16, help="requests per level")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--temperature", type=float, default=0.0, help="sampling temperature of the throughput requests (0: greedy; above 0 the server's sampling chain runs, top-k 40 by default)")
+    ap.add_argument("--logprobs", type=int, help="ask for this many top log-probabilities per token")
     ap.add_argument("--prompt", default="Write a short story about a lighthouse keeper and a storm.")
     ap.add_argument("--long-every", type=int, default=0, help="every K-th request gets a long prompt (0: none)")
     ap.add_argument("--long-words", type=int, default=600, help="length of the long prompts in words")

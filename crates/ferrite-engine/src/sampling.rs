@@ -198,6 +198,43 @@ impl Sampler {
     }
 }
 
+/// Log-probabilities of one distribution (a NaN logit counts as -inf), for `logprobs`
+/// requests: a token's, and the most likely ones. The log-sum-exp comes from the vectorized
+/// exponentials and the top from [`top_sorted`]: no 49 152-entry vector of logs, no sort.
+pub struct LogProbs {
+    logits: Vec<f32>,
+    log_sum_exp: f32,
+}
+
+impl LogProbs {
+    pub fn new(logits: &[f32]) -> Self {
+        let logits: Vec<f32> = logits.iter().map(|&l| if l.is_nan() { f32::NEG_INFINITY } else { l }).collect();
+        let max = logits.iter().fold(f32::NEG_INFINITY, |m, &l| m.max(l));
+        let log_sum_exp = if max.is_finite() {
+            let mut e = logits.clone();
+            activation::exp_shifted(&mut e, max, 1.0);
+            // Summed in f64 lanes (vectorized): an f32 sum of a vocabulary's terms is off by ~1e-5.
+            let mut lanes = [0f64; 8];
+            e.chunks(8).for_each(|c| lanes.iter_mut().zip(c).for_each(|(l, &v)| *l += v as f64));
+            max + lanes.iter().sum::<f64>().ln() as f32
+        } else {
+            max
+        };
+        LogProbs { logits, log_sum_exp }
+    }
+
+    /// `log p(token)`; -inf for a token outside the vocabulary or without probability.
+    pub fn of(&self, token: u32) -> f32 {
+        let lp = self.logits.get(token as usize).map_or(f32::NEG_INFINITY, |l| l - self.log_sum_exp);
+        if lp.is_nan() { f32::NEG_INFINITY } else { lp }
+    }
+
+    /// The `k` most likely tokens with their log-probabilities, most likely first.
+    pub fn top(&self, k: usize) -> Vec<(u32, f32)> {
+        top_sorted(&self.logits, k.min(self.logits.len())).into_iter().map(|(t, _)| (t, self.of(t))).collect()
+    }
+}
+
 /// The tokens that survive top-k, top-p and min-p, as `(token, logit)`, most likely first.
 /// Their probabilities at temperature 1 decide the top-p/min-p cut, as in llama.cpp: over the
 /// top k after top-k, else over the whole vocabulary, of which only a sorted prefix long enough
@@ -399,6 +436,26 @@ mod tests {
         }
         let mut s = Sampler::new(SamplerParams { temperature: 1.0, ..SamplerParams::default() });
         assert_eq!(s.sample(&mut [f32::NAN, f32::NEG_INFINITY, f32::INFINITY], &[]), 2);
+    }
+
+    #[test]
+    fn log_probs_normalise_and_rank() {
+        let lp = LogProbs::new(&[1.0, 2.0, 3.0, f32::NAN]);
+        let total: f32 = (0..4).map(|t| lp.of(t).exp()).sum();
+        assert!((total - 1.0).abs() < 1e-6, "{total}");
+        assert_eq!(lp.of(3), f32::NEG_INFINITY);
+        assert_eq!(lp.of(9), f32::NEG_INFINITY);
+        assert_eq!(lp.top(2).iter().map(|t| t.0).collect::<Vec<_>>(), vec![2, 1]);
+        assert_eq!(lp.top(2)[0].1, lp.of(2));
+        // Against an f64 reference on a vocabulary-sized row.
+        let logits = random_logits(49_152, 5, true);
+        let m = logits.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b)) as f64;
+        let lse = m + logits.iter().map(|&l| (l as f64 - m).exp()).sum::<f64>().ln();
+        let lp = LogProbs::new(&logits);
+        for t in [0u32, 3, 1000, 49_151] {
+            assert!((lp.of(t) as f64 - (logits[t as usize] as f64 - lse)).abs() < 1e-5, "token {t}");
+        }
+        assert!(LogProbs::new(&[f32::NAN; 3]).top(2).iter().all(|t| t.1 == f32::NEG_INFINITY));
     }
 
     /// Pseudo-random logits: `n` values, a few far above the rest when `peaked`, many ties.

@@ -19,7 +19,7 @@
 
 use crate::kv_pages::{prefix_hashes, BlockHash, BlockPool};
 use crate::metrics::EngineMetrics;
-use crate::sampling::{Sampler, SamplerParams};
+use crate::sampling::{LogProbs, Sampler, SamplerParams};
 use anyhow::{bail, Context, Result};
 use ferrite_model::{AheadSeq, DeviceSampling, Executor, PagedKvConfig, PagedOutput, SeqChunk};
 use std::collections::{HashMap, VecDeque};
@@ -645,7 +645,7 @@ impl Scheduler {
         let (tok, logprob) = match output {
             PagedOutput::Token(tok) => (tok, None),
             PagedOutput::Logits(mut logits) => {
-                let logprob_of = s.req.logprobs.map(|k| (log_softmax(&logits), k));
+                let logprob_of = s.req.logprobs.map(|k| (LogProbs::new(&logits), k));
                 for &(t, b) in &s.req.logit_bias {
                     if let Some(l) = logits.get_mut(t as usize) {
                         *l += b;
@@ -659,7 +659,7 @@ impl Scheduler {
                     }
                 }
                 let tok = s.sampler.sample(&mut logits, &s.tokens);
-                (tok, logprob_of.map(|(lp, k)| TokenLogprob { logprob: lp[tok as usize], top: top_k(&lp, k) }))
+                (tok, logprob_of.map(|(lp, k)| TokenLogprob { logprob: lp.of(tok), top: lp.top(k) }))
             }
         };
         // TTFT counts the first sampled token even when it ends generation at once.
@@ -710,39 +710,9 @@ impl Scheduler {
     }
 }
 
-/// `log(softmax(x))`, NaN logits counted as impossible.
-pub fn log_softmax(x: &[f32]) -> Vec<f32> {
-    let max = x.iter().copied().filter(|v| !v.is_nan()).fold(f32::NEG_INFINITY, f32::max);
-    let sum: f64 = x.iter().filter(|v| !v.is_nan()).map(|&v| ((v - max) as f64).exp()).sum();
-    let lse = max + sum.ln() as f32;
-    x.iter().map(|&v| if v.is_nan() { f32::NEG_INFINITY } else { v - lse }).collect()
-}
-
-/// The `k` largest values with their indices, largest first.
-fn top_k(x: &[f32], k: usize) -> Vec<(u32, f32)> {
-    let mut idx: Vec<(u32, f32)> = x.iter().enumerate().map(|(i, &v)| (i as u32, v)).collect();
-    let k = k.min(idx.len());
-    if k == 0 {
-        return Vec::new();
-    }
-    idx.select_nth_unstable_by(k - 1, |a, b| b.1.total_cmp(&a.1));
-    idx.truncate(k);
-    idx.sort_by(|a, b| b.1.total_cmp(&a.1));
-    idx
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn log_softmax_normalises() {
-        let lp = log_softmax(&[1.0, 2.0, 3.0, f32::NAN]);
-        let total: f32 = lp.iter().map(|v| v.exp()).sum();
-        assert!((total - 1.0).abs() < 1e-6);
-        assert_eq!(lp[3], f32::NEG_INFINITY);
-        assert_eq!(top_k(&lp, 2).iter().map(|t| t.0).collect::<Vec<_>>(), vec![2, 1]);
-    }
 
     #[test]
     fn config_must_hold_one_full_sequence() {
