@@ -128,15 +128,8 @@ impl Sampler {
             return argmax(logits);
         }
         // NaN logits never win; with no finite maximum (all -inf, or +inf ones) the draw is the
-        // argmax. (One pass over 16 lanes, which vectorizes: a serial max is ~50 µs.)
-        let mut lanes = [f32::NEG_INFINITY; 16];
-        for chunk in logits.chunks_mut(16) {
-            for (m, l) in lanes.iter_mut().zip(chunk) {
-                *l = if l.is_nan() { f32::NEG_INFINITY } else { *l };
-                *m = m.max(*l);
-            }
-        }
-        let max = lanes.iter().fold(f32::NEG_INFINITY, |m, &l| m.max(l));
+        // argmax.
+        let max = nan_to_neg_inf_max(logits);
         if !max.is_finite() {
             return argmax(logits);
         }
@@ -198,6 +191,19 @@ impl Sampler {
     }
 }
 
+/// Turns NaN logits into -inf and returns the maximum, in one pass over 16 lanes, which
+/// vectorizes (a serial max over a vocabulary is ~50 µs).
+fn nan_to_neg_inf_max(logits: &mut [f32]) -> f32 {
+    let mut lanes = [f32::NEG_INFINITY; 16];
+    for chunk in logits.chunks_mut(16) {
+        for (m, l) in lanes.iter_mut().zip(chunk) {
+            *l = if l.is_nan() { f32::NEG_INFINITY } else { *l };
+            *m = m.max(*l);
+        }
+    }
+    lanes.iter().fold(f32::NEG_INFINITY, |m, &l| m.max(l))
+}
+
 /// Log-probabilities of one distribution (a NaN logit counts as -inf), for `logprobs`
 /// requests: a token's, and the most likely ones. The log-sum-exp comes from the vectorized
 /// exponentials and the top from [`top_sorted`]: no 49 152-entry vector of logs, no sort.
@@ -208,8 +214,8 @@ pub struct LogProbs {
 
 impl LogProbs {
     pub fn new(logits: &[f32]) -> Self {
-        let logits: Vec<f32> = logits.iter().map(|&l| if l.is_nan() { f32::NEG_INFINITY } else { l }).collect();
-        let max = logits.iter().fold(f32::NEG_INFINITY, |m, &l| m.max(l));
+        let mut logits = logits.to_vec();
+        let max = nan_to_neg_inf_max(&mut logits);
         let log_sum_exp = if max.is_finite() {
             let mut e = logits.clone();
             activation::exp_shifted(&mut e, max, 1.0);
