@@ -1,34 +1,35 @@
 //! f32 vector helpers shared by the kernels: a SIMD dot product and a vectorizable `exp`.
 
-/// Defines `fn $name` whose body is compiled three times, portable, for AVX2 + FMA and for
-/// AVX-512, the widest one the SIMD level has taken. For elementwise loops the compiler
-/// vectorizes; each element's arithmetic is the same in every build (no implicit FMA
-/// contraction), and the lane-wise sums keep their order, so the results are too.
+/// Defines `fn $name` (optionally with one const generic) whose body is compiled three times,
+/// portable, for AVX2 + FMA and for AVX-512, the widest one the SIMD level has taken. For
+/// elementwise loops the compiler vectorizes; each element's arithmetic is the same in every
+/// build (no implicit FMA contraction), and the lane-wise sums keep their order, so the results
+/// are too.
 macro_rules! multiversion {
-    ($(#[$m:meta])* $vis:vis fn $name:ident($($arg:ident: $ty:ty),* $(,)?) $(-> $ret:ty)? $body:block) => {
+    ($(#[$m:meta])* $vis:vis fn $name:ident $(<const $c:ident: $cty:ty>)? ($($arg:ident: $ty:ty),* $(,)?) $(-> $ret:ty)? $body:block) => {
         $(#[$m])*
-        $vis fn $name($($arg: $ty),*) $(-> $ret)? {
+        $vis fn $name $(<const $c: $cty>)? ($($arg: $ty),*) $(-> $ret)? {
             #[inline(always)]
-            fn body($($arg: $ty),*) $(-> $ret)? $body
+            fn body $(<const $c: $cty>)? ($($arg: $ty),*) $(-> $ret)? $body
             #[cfg(target_arch = "x86_64")]
             {
                 #[target_feature(enable = "avx2,fma")]
-                unsafe fn avx2($($arg: $ty),*) $(-> $ret)? {
-                    body($($arg),*)
+                unsafe fn avx2 $(<const $c: $cty>)? ($($arg: $ty),*) $(-> $ret)? {
+                    body $(::<$c>)? ($($arg),*)
                 }
                 #[target_feature(enable = "avx2,fma,avx512f,avx512bw,avx512vl")]
-                unsafe fn avx512($($arg: $ty),*) $(-> $ret)? {
-                    body($($arg),*)
+                unsafe fn avx512 $(<const $c: $cty>)? ($($arg: $ty),*) $(-> $ret)? {
+                    body $(::<$c>)? ($($arg),*)
                 }
                 use $crate::kernels::simd::{simd_level, SimdLevel};
                 match simd_level() {
                     // SAFETY: these levels are only reported when their features are available.
-                    SimdLevel::Avx512Vnni => return unsafe { avx512($($arg),*) },
-                    SimdLevel::Avx2 => return unsafe { avx2($($arg),*) },
+                    SimdLevel::Avx512Vnni => return unsafe { avx512 $(::<$c>)? ($($arg),*) },
+                    SimdLevel::Avx2 => return unsafe { avx2 $(::<$c>)? ($($arg),*) },
                     _ => {}
                 }
             }
-            body($($arg),*)
+            body $(::<$c>)? ($($arg),*)
         }
     };
 }

@@ -69,36 +69,18 @@ fn quantize_block<const N: usize>(x: &[f32; N], q: &mut [i8; N]) -> (f32, i32) {
     (amax / 127.0, sum)
 }
 
-/// [`quantize_block`] over the `N`-element blocks of one row, handing each block's index, `d` and code sum
-/// to `store`. Compiled for the CPU's widest vectors (the baseline x86-64 build has only SSE2):
-/// the activations of every matmul pass through here.
-fn quantize_blocks<const N: usize>(x: &[f32], qs: &mut [i8], store: impl FnMut(usize, f32, i32)) {
-    #[inline(always)]
-    fn each<const N: usize>(x: &[f32], qs: &mut [i8], mut store: impl FnMut(usize, f32, i32)) {
+fvec::multiversion! {
+    /// [`quantize_block`] over the `N`-element blocks of one row, handing each block's index,
+    /// `d` and code sum to `store`. Compiled for the CPU's widest vectors (the baseline x86-64
+    /// build has only SSE2): the activations of every matmul pass through here.
+    fn quantize_blocks<const N: usize>(x: &[f32], qs: &mut [i8], store: impl FnMut(usize, f32, i32)) {
+        let mut store = store;
         let (x, qs) = (x.as_chunks::<N>().0, qs.as_chunks_mut::<N>().0);
         for (b, (x, q)) in x.iter().zip(qs).enumerate() {
             let (d, sum) = quantize_block(x, q);
             store(b, d, sum);
         }
     }
-    #[cfg(target_arch = "x86_64")]
-    {
-        #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
-        unsafe fn avx512<const N: usize>(x: &[f32], qs: &mut [i8], store: impl FnMut(usize, f32, i32)) {
-            each::<N>(x, qs, store)
-        }
-        #[target_feature(enable = "avx2")]
-        unsafe fn avx2<const N: usize>(x: &[f32], qs: &mut [i8], store: impl FnMut(usize, f32, i32)) {
-            each::<N>(x, qs, store)
-        }
-        // SAFETY: `simd_level` reports only levels whose features the CPU has.
-        match super::simd::simd_level() {
-            SimdLevel::Avx512Vnni => return unsafe { avx512::<N>(x, qs, store) },
-            SimdLevel::Avx2 => return unsafe { avx2::<N>(x, qs, store) },
-            _ => {}
-        }
-    }
-    each::<N>(x, qs, store)
 }
 
 /// Activations in 32-element blocks with Q8_0/Q8_1 numerics, stored struct-of-arrays so that
