@@ -164,6 +164,9 @@ switches! {
     /// Producers leave int8 activations for the next int8 GEMV (CUDA).
     DISABLE_INT8_HANDOFF = ("FERRITE_DISABLE_INT8_HANDOFF", "0", AbTest,
         "1 drops the int8 hand-offs declared at load: each int8 GEMV quantizes its input (and applies its RMSNorm) in a launch of its own, instead of the attention or the previous GEMV leaving it quantized (CUDA: up to four kernels fewer per layer).");
+    /// Linear chains declared at load (CUDA: one persistent launch per chain).
+    DISABLE_CHAIN_FUSION = ("FERRITE_DISABLE_CHAIN_FUSION", "0", AbTest,
+        "1 declares no linear chains at load: a CUDA one-token step then runs a layer's output projection, gate/up, down and the next QKV as four int8 GEMV launches, instead of the phases of one persistent launch (kernels/chain.rs) that streams every phase's weights through shared memory ahead of the grid barriers.");
     /// Decode attention stores the token's K/V itself (CUDA).
     DISABLE_KV_STORE_FUSION = ("FERRITE_DISABLE_KV_STORE_FUSION", "0", AbTest,
         "1 runs the CUDA decode steps' K/V store (and RoPE) as its own store_qkv launch before attention, instead of inside the attention kernel (one-token steps, and batched serving steps of one token per sequence).");

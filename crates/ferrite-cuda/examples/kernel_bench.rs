@@ -5,13 +5,13 @@
 //!   cargo run -p ferrite-cuda --release --example kernel_bench [SECTION ...]
 //!   (or the binary from scripts/gpu-build.sh, on the GPU machine: .device/kernel_bench)
 //!
-//! Sections: gemv, decode, chain, prefill, batched, tilings, mma64, attention, gdn, moe, sampling (default: all).
+//! Sections: gemv, decode, chain, layer, prefill, batched, tilings, mma64, attention, gdn, moe, sampling (default: all).
 
 use ferrite_cuda::kernels::gdn::{GdnChunkVariant, GdnDeltaVariant};
 use ferrite_cuda::kernels::gemm::GemmMmaVariant;
 use ferrite_cuda::kernels::gemv::{GemvQ8Variant, GemvVariant};
 use ferrite_cuda::ops::{self, AttentionConfig, GdnPath, GdnState, GdnWeights, KvCache, KvDtype, LinearOptions, LinearPath, MoePath, SamplingConfig};
-use ferrite_cuda::{CudaError, Gpu, GpuOptions};
+use ferrite_cuda::{CudaError, CudaSlice, Gpu, GpuOptions};
 use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
 use ferrite_gguf::quant::quantize;
 use ferrite_gguf::GgmlType;
@@ -50,10 +50,11 @@ fn main() -> Result<(), CudaError> {
     );
     // `kernel_bench [SECTION ...]` runs only the named sections.
     let wanted: Vec<String> = std::env::args().skip(1).collect();
-    let sections: [(&str, Section); 12] = [
+    let sections: [(&str, Section); 13] = [
         ("gemv", gemv),
         ("decode", decode),
         ("chain", chain),
+        ("layer", layer),
         ("prefill", prefill),
         ("batched", batched),
         ("tilings", tilings),
@@ -219,6 +220,70 @@ dependent launch chains (150 launches, graph replay): us per launch");
             line += &format!(" | gemv {dtype} {rows}x{cols}: {:.2}", s * 1e6);
         }
         println!("{line}");
+    }
+    Ok(())
+}
+
+fn layer(gpu: &Gpu) -> Result<(), CudaError> {
+    // A decode layer's four linears (output projection with the residual, gate/up with SwiGLU
+    // after the MLP norm, down with the residual, the next QKV after its norm) over several
+    // layers' distinct weights, replayed from a graph: as separate int8 GEMVs with hand-offs (the
+    // model's path) and as one persistent `linear_chain` launch per layer.
+    println!("\ndecode layer linears, one token, graph replay: us per layer (GB/s of weights)");
+    for (name, dtype, d, ff, qkv, layers) in
+        [("SmolLM2", GgmlType::Q4_1, 576usize, 1536usize, 960usize, 30usize), ("1B", GgmlType::Q4_0, 2048, 8192, 3072, 8), ("8B", GgmlType::Q4_0, 4096, 14336, 6144, 4)]
+    {
+        let weight = |rows: usize, cols: usize| gpu.upload_weight(dtype, rows, cols, &quantize(dtype, &ramp(rows * cols)).expect("quantize"));
+        let mut ws = Vec::new();
+        for _ in 0..layers {
+            ws.push([weight(d, d)?, weight(2 * ff, d)?, weight(d, ff)?, weight(qkv, d)?]);
+        }
+        let bytes: usize = [d * d, 2 * ff * d, d * ff, qkv * d].iter().sum::<usize>() * dtype.type_size() / dtype.block_size();
+        let x: Vec<f32> = (0..d).map(|i| ((i * 31) % 97) as f32 / 97.0 - 0.5).collect();
+        let (x, res, g) = (gpu.upload(&x, "x")?, gpu.upload(&vec![0.25f32; d], "residual")?, gpu.upload(&vec![1.0f32; d], "norm")?);
+        let (mut h1, mut m, mut h2, mut y) = (gpu.alloc_zeros::<f32>(d)?, gpu.alloc_zeros::<f32>(ff)?, gpu.alloc_zeros::<f32>(d)?, gpu.alloc_zeros::<f32>(qkv)?);
+        let mut q_x = ops::Q8Activations::new(gpu, ff)?;
+        ops::quantize_q8(gpu, &x, 1, d, None, &mut q_x)?;
+        let (mut q_a, mut q_b) = (ops::Q8Activations::new(gpu, ff)?, ops::Q8Activations::new(gpu, ff)?);
+        let norm = || Some(ops::NormPrologue { weight: &g, eps: 1e-5, add_one: false });
+        let separate = time_graph(gpu, layers, &mut || {
+            for w in &ws {
+                ops::linear_q8(gpu, &w[0], &q_x, 1, &mut h1, d, 0, &ops::Epilogue { residual: Some(&res), ..Default::default() }, Some(ops::Q8Emit { dst: &mut q_a, norm: norm() }))?;
+                ops::linear_q8(gpu, &w[1], &q_a, 1, &mut m, ff, 0, &ops::Epilogue { glu: Some(ops::Glu::SwiGlu), ..Default::default() }, Some(ops::Q8Emit { dst: &mut q_b, norm: None }))?;
+                ops::linear_q8(gpu, &w[2], &q_b, 1, &mut h2, d, 0, &ops::Epilogue { residual: Some(&h1), ..Default::default() }, Some(ops::Q8Emit { dst: &mut q_a, norm: norm() }))?;
+                ops::linear_q8(gpu, &w[3], &q_a, 1, &mut y, qkv, 0, &ops::Epilogue::default(), None)?;
+            }
+            Ok(())
+        })?;
+        if let Ok(v) = ops::chain_variant(gpu, &[ops::ChainShape { dtype, weight_rows: d, cols: d, gated: false }; 2]) {
+            for info in gpu.kernel_info(&v)? {
+                println!("  {name} chain kernel: {info:?}");
+            }
+        }
+        let mut barrier = ops::ChainBarrier::new(gpu)?;
+        let view = |b: &CudaSlice<f32>| ops::DeviceView::of(gpu, b);
+        let chained = time_graph(gpu, layers, &mut || {
+            for w in &ws {
+                let links = [
+                    ops::ChainLink { w: &w[0], x: view(&x), norm: None, bias: None, residual: Some(view(&res)), glu: None, out: view(&h1) },
+                    ops::ChainLink { w: &w[1], x: view(&h1), norm: norm(), bias: None, residual: None, glu: Some(ops::Glu::SwiGlu), out: view(&m) },
+                    ops::ChainLink { w: &w[2], x: view(&m), norm: None, bias: None, residual: Some(view(&h1)), glu: None, out: view(&h2) },
+                    ops::ChainLink { w: &w[3], x: view(&h2), norm: norm(), bias: None, residual: None, glu: None, out: view(&y) },
+                ];
+                ops::linear_chain(gpu, &links, &mut barrier)?;
+            }
+            Ok(())
+        })?;
+        let gbs = |s: f64| bytes as f64 / s / 1e9;
+        println!(
+            "  {name:<8} {dtype} {:.1} MB/layer: separate {:.2} us ({:.0} GB/s) | chain {:.2} us ({:.0} GB/s) | {:.2}x",
+            bytes as f64 / 1e6,
+            separate * 1e6,
+            gbs(separate),
+            chained * 1e6,
+            gbs(chained),
+            separate / chained
+        );
     }
     Ok(())
 }

@@ -22,7 +22,7 @@ use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
 use cudarc::driver::{CudaGraph, CudaSlice};
 use ferrite_core::env;
 use ferrite_gguf::GgmlType;
-use ferrite_model::graph::{ExpertGateUp, GatedActivation, NormSpec, Op, Rows, ValueId, WeightId};
+use ferrite_model::graph::{ExpertGateUp, GatedActivation, LinearChain, NormSpec, Op, Rows, ValueId, WeightId};
 use ferrite_model::planner::{self, Plan};
 use ferrite_model::profile::OpProfile;
 use ferrite_model::{
@@ -114,6 +114,11 @@ struct Buffers {
     staged_in: Vec<bool>,
     /// Staged hand-offs enqueued by these buffers' forward passes (launched ops, not replays).
     staged_runs: u64,
+    /// Per op: the linear chain starting there that runs as one launch for the batch being run
+    /// (`plan_chains`), and whether the op belongs to such a chain.
+    chain_at: Vec<Option<LinearChain>>,
+    in_chain: Vec<bool>,
+    chain_barrier: ops::ChainBarrier,
     kv: PerLayer<KvCache>,
     gdn: PerLayer<GdnState>,
     /// Working memory of the MoE FFN ops, one per distinct shape.
@@ -256,6 +261,9 @@ impl Buffers {
             staged_out: vec![None; graph.ops.len()],
             staged_in: vec![false; graph.ops.len()],
             staged_runs: 0,
+            chain_at: vec![None; graph.ops.len()],
+            in_chain: vec![false; graph.ops.len()],
+            chain_barrier: ops::ChainBarrier::new(gpu)?,
             ids: gpu.alloc_zeros(rows)?,
             positions: gpu.alloc_zeros(rows)?,
             token: gpu.alloc_zeros(1)?,
@@ -465,7 +473,7 @@ impl CudaExecutor {
         let mailbox = Mailbox::new(&gpu, 4)?;
         let vocab = graph.value(graph.logits).width;
         let sample_scratch = if env::DISABLE_SAMPLE_CANDIDATES.flag() { None } else { Some(ops::SampleScratch::new(&gpu, vocab)?) };
-        Ok(Self {
+        let executor = Self {
             expanded,
             buf,
             plan,
@@ -481,7 +489,17 @@ impl CudaExecutor {
             mailbox,
             mail_tag: 0,
             sample_scratch,
-        })
+        };
+        let refusals = executor.chain_refusals();
+        if !refusals.is_empty() {
+            eprintln!("note: decode layers run their linears as separate launches, not one chain: {}", refusals.join("; "));
+        }
+        Ok(executor)
+    }
+
+    /// Linear chains that one-token steps run as one launch (of those the graph declares).
+    pub fn chains_run(&self) -> usize {
+        self.model.graph.chains.iter().filter(|&&c| self.chain_refusal(c).is_none()).count()
     }
 
     fn slot(&self, v: ValueId) -> &CudaSlice<f32> {
@@ -663,15 +681,28 @@ impl CudaExecutor {
         let model = Arc::clone(&self.model);
         let timing = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
         let mut events = Vec::new();
+        self.plan_chains(n);
         self.plan_handoffs(n);
         self.buf.staged_runs += self.buf.staged_out.iter().flatten().count() as u64;
+        let mut chained_until = 0;
         for (i, op) in model.graph.ops.iter().enumerate() {
-            let out_slot = self.plan.slot(op.writes());
-            let mut out = self.buf.slots[out_slot].take().expect("slot in use");
+            if i < chained_until {
+                continue;
+            }
             let start = match self.buf.profile {
                 Some(_) => Some(stream.record_event(timing).map_err(CudaError::from)?),
                 None => None,
             };
+            if let Some(chain) = self.buf.chain_at[i] {
+                self.run_chain(chain).with_context(|| format!("linear chain of ops {:?}", chain.ops()))?;
+                chained_until = chain.first + chain.len;
+                if let Some(start) = start {
+                    events.push(("linear_chain".to_string(), start, stream.record_event(timing).map_err(CudaError::from)?));
+                }
+                continue;
+            }
+            let out_slot = self.plan.slot(op.writes());
+            let mut out = self.buf.slots[out_slot].take().expect("slot in use");
             let result = self.run_op(i, op, &mut out, n);
             self.buf.slots[out_slot] = Some(out);
             result.with_context(|| format!("op {} writing `{}`", op.kind(), model.graph.value(op.writes()).name))?;
@@ -695,6 +726,92 @@ impl CudaExecutor {
         Ok(())
     }
 
+    /// Which of the graph's linear chains run as one launch for a batch of `n`: one-token steps
+    /// outside batched serving, where every link takes the int8 GEMV and `chain_variant` accepts
+    /// the shapes (see [`Self::chain_refusals`] for why a chain would not).
+    fn plan_chains(&mut self, n: usize) {
+        self.buf.chain_at.iter_mut().for_each(|c| *c = None);
+        self.buf.in_chain.iter_mut().for_each(|c| *c = false);
+        if n != 1 || self.buf.paging.is_some() {
+            return;
+        }
+        for chain in self.model.graph.chains.clone() {
+            if self.chain_refusal(chain).is_none() {
+                self.buf.chain_at[chain.first] = Some(chain);
+                chain.ops().for_each(|i| self.buf.in_chain[i] = true);
+            }
+        }
+    }
+
+    /// Why `chain` cannot run as one launch for a one-token step, or `None` if it can.
+    fn chain_refusal(&self, chain: LinearChain) -> Option<String> {
+        let graph = &self.model.graph;
+        let opts = self.gpu.linear_options();
+        let mut shapes = Vec::new();
+        for i in chain.ops() {
+            let (Op::Linear { x, w, .. } | Op::GatedLinear { x, w, .. }) = graph.ops[i] else { return Some("not a linear".into()) };
+            let Some(m) = as_matrix(&self.weights[w.0 as usize]) else { return Some("a weight is not a matrix".into()) };
+            if ops::linear_plan(m.dtype, graph.value(x).width, 1, &opts) != ops::LinearPlan::GemvQ8 {
+                return Some(format!("a {} weight does not take the int8 GEMV", m.dtype));
+            }
+            shapes.push(ops::ChainShape { dtype: m.dtype, weight_rows: m.rows, cols: m.cols, gated: matches!(graph.ops[i], Op::GatedLinear { .. }) });
+        }
+        ops::chain_variant(&self.gpu, &shapes).err()
+    }
+
+    /// The reasons the graph's declared chains would run as separate launches (for a note at
+    /// load: a fallback is never silent).
+    fn chain_refusals(&self) -> Vec<String> {
+        let mut reasons: Vec<String> = self.model.graph.chains.iter().filter_map(|&c| self.chain_refusal(c)).collect();
+        reasons.dedup();
+        reasons
+    }
+
+    /// Enqueue `chain` (planned by `plan_chains`) as one launch: each link reads and writes its
+    /// op's values in place of the separate ops.
+    fn run_chain(&mut self, chain: LinearChain) -> anyhow::Result<()> {
+        let graph = &self.model.graph;
+        let Self { gpu, weights, plan, buf, .. } = self;
+        let gpu = &*gpu;
+        let matrix = |id: WeightId| as_matrix(&weights[id.0 as usize]).expect("matrix weights are uploaded as matrices");
+        let vector = |id: WeightId| match &weights[id.0 as usize] {
+            Some(GpuWeight::Vector(v)) => v,
+            _ => unreachable!("vector weights are uploaded as f32"),
+        };
+        let slots = &buf.slots;
+        let view = |v: ValueId| ops::DeviceView::of(gpu, slots[plan.slot(v)].as_ref().expect("slot in use"));
+        let norm_prologue = |nm: NormSpec| ops::NormPrologue { weight: vector(nm.weight), eps: nm.eps, add_one: false };
+        let links: Vec<ops::ChainLink> = chain
+            .ops()
+            .map(|i| match graph.ops[i] {
+                Op::Linear { x, norm, w, bias, residual, out, out_col } => ops::ChainLink {
+                    w: matrix(w),
+                    x: view(x),
+                    norm: norm.map(norm_prologue),
+                    bias: bias.map(vector),
+                    residual: residual.map(|r| view(r).skip(out_col)),
+                    glu: None,
+                    out: view(out).skip(out_col),
+                },
+                Op::GatedLinear { x, norm, w, act, out } => ops::ChainLink {
+                    w: matrix(w),
+                    x: view(x),
+                    norm: norm.map(norm_prologue),
+                    bias: None,
+                    residual: None,
+                    glu: Some(match act {
+                        GatedActivation::Silu => ops::Glu::SwiGlu,
+                        GatedActivation::GeluTanh => ops::Glu::GeGlu,
+                    }),
+                    out: view(out),
+                },
+                _ => unreachable!("chains hold linears only (Graph::validate)"),
+            })
+            .collect();
+        ops::linear_chain(gpu, &links, &mut buf.chain_barrier)?;
+        Ok(())
+    }
+
     /// Which of the graph's int8 hand-offs run for a batch of `n`: those whose consumer takes
     /// the int8 GEMV and whose producer can quantize its output there (attention always; a
     /// linear when it is an int8 GEMV too and its output is whole 32-value blocks). The others
@@ -715,7 +832,9 @@ impl CudaExecutor {
                 Op::Attention { .. } => graph.attention.head_dim.is_multiple_of(32),
                 _ => runs_int8(producer) && graph.value(producer.writes()).width.is_multiple_of(32),
             };
-            if emits && runs_int8(&graph.ops[h.consumer]) {
+            // A chain quantizes its links' inputs itself and leaves no int8 outputs.
+            let chained = self.buf.in_chain[h.producer] || self.buf.in_chain[h.consumer];
+            if emits && !chained && runs_int8(&graph.ops[h.consumer]) {
                 self.buf.handoff_out[h.producer] = Some(i);
                 self.buf.handoff_in[h.consumer] = Some(i);
             }
@@ -732,6 +851,9 @@ impl CudaExecutor {
         // projection on cuBLAS.
         for h in &graph.handoffs {
             let Op::Linear { x, w, norm: None, bias: None, out_col: 0, out, .. } = &graph.ops[h.consumer] else { continue };
+            if self.buf.in_chain[h.producer] || self.buf.in_chain[h.consumer] {
+                continue;
+            }
             let Some(w) = matrix(*w) else { continue };
             let rows = graph.value(*x).rows_for(n, 1);
             let only_reader = graph.ops.iter().filter(|op| op.reads().contains(x)).count() == 1;

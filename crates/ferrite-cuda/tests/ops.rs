@@ -724,6 +724,79 @@ fn int8_handoffs_chain_gemvs_like_separate_quantize_launches() {
     }
 }
 
+/// The persistent GEMV chain (`linear_chain`) runs a decoder layer's output projection
+/// (residual) -> gate/up with SwiGLU (folded norm) -> down (residual) -> QKV (folded norm, bias)
+/// in one launch: each phase's output must be as close to the exact product of its (chain-made)
+/// input as one int8 GEMV is, and a second launch must give the same bits. Shapes cover whole-row
+/// and split chunks, 32- and 256-weight blocks.
+#[test]
+fn gemv_chain_matches_exact_products() {
+    let Some(gpu) = gpu() else { return };
+    let mut rng = Rng(53);
+    let mut barrier = ops::ChainBarrier::new(gpu).unwrap();
+    for (dtype, d, ff) in [(GgmlType::Q4_1, 576, 1536), (GgmlType::Q4_0, 2048, 8192), (GgmlType::Q8_0, 1024, 2048), (GgmlType::Q4_K, 512, 1024)] {
+        let case = format!("{dtype} d{d} ff{ff}");
+        let weight = |rng: &mut Rng, rows, cols| {
+            let (bytes, w) = random_weight(rng, dtype, rows, cols);
+            (gpu.upload_weight(dtype, rows, cols, &bytes).unwrap(), w)
+        };
+        let qkv_rows = 96;
+        let ((wo, wo_f), (wgu, wgu_f), (wd, wd_f), (wq, wq_f)) =
+            (weight(&mut rng, d, d), weight(&mut rng, 2 * ff, d), weight(&mut rng, d, ff), weight(&mut rng, qkv_rows, d));
+        let (g1, g2, bias) = (rng.vec(d, 0.5, 1.5), rng.vec(d, 0.5, 1.5), rng.vec(qkv_rows, -1.0, 1.0));
+        let (g1_d, g2_d, bias_d) = (upload(gpu, &g1), upload(gpu, &g2), upload(gpu, &bias));
+        let x_f = rng.vec(d, -2.0, 2.0);
+        let res_f = rng.vec(d, -2.0, 2.0);
+        let (x, res) = (upload(gpu, &x_f), upload(gpu, &res_f));
+        let (h1, m, h2) = (poisoned(gpu, d), poisoned(gpu, ff), poisoned(gpu, d));
+        let mut runs = Vec::new();
+        for _ in 0..2 {
+            let y = poisoned(gpu, qkv_rows);
+            let view = |b: &CudaSlice<f32>| ops::DeviceView::of(gpu, b);
+            let norm_of = |w| Some(ops::NormPrologue { weight: w, eps: 1e-5, add_one: false });
+            let links = [
+                ops::ChainLink { w: &wo, x: view(&x), norm: None, bias: None, residual: Some(view(&res)), glu: None, out: view(&h1) },
+                ops::ChainLink { w: &wgu, x: view(&h1), norm: norm_of(&g1_d), bias: None, residual: None, glu: Some(ops::Glu::SwiGlu), out: view(&m) },
+                ops::ChainLink { w: &wd, x: view(&m), norm: None, bias: None, residual: Some(view(&h1)), glu: None, out: view(&h2) },
+                ops::ChainLink { w: &wq, x: view(&h2), norm: norm_of(&g2_d), bias: Some(&bias_d), residual: None, glu: None, out: view(&y) },
+            ];
+            ops::linear_chain(gpu, &links, &mut barrier).unwrap();
+            runs.push(download(gpu, &y));
+        }
+        assert!(runs[0].iter().zip(&runs[1]).all(|(a, b)| a.to_bits() == b.to_bits()), "{case}: two launches differ");
+        let (h1_f, m_f, h2_f) = (download(gpu, &h1), download(gpu, &m), download(gpu, &h2));
+
+        // out = W q8(x) + add, against the exact product, for a plain phase.
+        let plain = |name: &str, w: &[f32], rows: usize, cols: usize, input: &[f32], add: &[f32], got: &[f32]| {
+            let step = q8_steps(input, cols);
+            let mut want = vec![0f32; rows];
+            matmul_f32(w, rows, cols, input, 1, &mut want);
+            want.iter_mut().zip(add).for_each(|(v, a)| *v += a);
+            check("chain", &format!("{case} {name}"), got, &want, |r| {
+                let mag: f64 = (0..cols).map(|c| (w[r * cols + c] * input[c]).abs() as f64).sum();
+                q8_bound(&w[r * cols..(r + 1) * cols], &step) + 2e-5 * (mag + add[r].abs() as f64) + 1e-6
+            });
+        };
+        plain("output projection", &wo_f, d, d, &x_f, &res_f, &h1_f);
+        plain("down projection", &wd_f, d, ff, &m_f, &h1_f, &h2_f);
+        plain("norm -> qkv", &wq_f, qkv_rows, d, &normed(&h2_f, &g2), &bias, &runs[0]);
+
+        let n1 = normed(&h1_f, &g1);
+        let step = q8_steps(&n1, d);
+        let silu = |v: f64| v / (1.0 + (-v).exp());
+        let dot = |r: usize| -> f64 { (0..d).map(|c| wgu_f[r * d + c] as f64 * n1[c] as f64).sum() };
+        let (mut want, mut bound) = (Vec::new(), Vec::new());
+        for r in 0..ff {
+            let (g, u) = (dot(r), dot(ff + r));
+            want.push((silu(g) * u) as f32);
+            let eg = q8_bound(&wgu_f[r * d..(r + 1) * d], &step);
+            let eu = q8_bound(&wgu_f[(ff + r) * d..(ff + r + 1) * d], &step);
+            bound.push(1.1 * eg * (u.abs() + eu) + silu(g).abs() * eu + 1e-5 * (silu(g) * u).abs() + 1e-6);
+        }
+        check("chain", &format!("{case} norm -> gate/up"), &m_f, &want, |i| bound[i]);
+    }
+}
+
 /// A resident expanded copy (`expand_weight`) gives the GEMM the bits it would have dequantized
 /// itself: the same output, without the dequantization (the plan says so); a GEMM of another
 /// input type still dequantizes. A batch of more than `MMA_OVER_RESIDENT_MAX_TOKENS` that would
@@ -2966,6 +3039,9 @@ fn every_kernel_variant_compiles_for_sm90() {
                 let shared = GemvQ8Variant { up_split: true, ..GemvQ8Variant::for_gated(dtype, 512, 2048, n, 132, 1) };
                 check(format!("{shared:?}"), compile_variant(&shared, "sm_90"));
             }
+            // The persistent GEMV chain (one-token decode layers).
+            let chain = ferrite_cuda::kernels::chain::ChainVariant::new(dtype);
+            check(format!("{chain:?}"), compile_variant(&chain, "sm_90"));
         }
         for out in [OutType::F32, OutType::F16, OutType::BF16] {
             check(format!("dequant {dtype} {out:?}"), compile_variant(&DequantVariant { wtype: dtype, out }, "sm_90"));

@@ -298,6 +298,11 @@ fn cuda_fp32_matches_cpu_reference_on_real_shapes() {
         [(named("smollm2-135m"), GgmlType::Q4_1), (named("llama-3.2-1b"), GgmlType::Q4_0), (named("smollm2-135m"), GgmlType::Q8_0), (&QWEN35_SMALL, GgmlType::Q8_0), (&QWEN35MOE_ALL_EXPERTS, GgmlType::Q4_K)]
     {
         let (model, shape) = (synthetic(shape, dtype), shape.name);
+        if shape != QWEN35_SMALL.name && shape != QWEN35MOE_ALL_EXPERTS.name {
+            // Llama layers of one weight type: every declared linear chain runs as one launch.
+            let chains = ferrite_cuda::CudaExecutor::new(Arc::clone(&model), opts(16)).unwrap().chains_run();
+            assert!(chains > 0 && chains == model.graph.chains.len(), "{shape} {dtype}: {chains} of {} chains run", model.graph.chains.len());
+        }
         let reference = || CpuExecutor::new(Arc::clone(&model), CpuPrecision::Reference, opts(16)).unwrap();
         let cpu_q8 = CpuExecutor::new(Arc::clone(&model), CpuPrecision::Quantized, opts(16)).unwrap();
         let (cpu_worst, cpu_agreed) = compare_executors(&model, reference(), cpu_q8, PROMPT, 64);

@@ -1,6 +1,6 @@
 //! Which fusions the graph builder declares. Defaults come from the env-switch registry.
 
-use crate::graph::{Graph, Handoff, Op, WeightId};
+use crate::graph::{Graph, Handoff, LinearChain, Op, WeightId};
 use ferrite_core::env;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -23,6 +23,10 @@ pub struct FusionOptions {
     /// Declare int8 hand-offs ([`crate::graph::Handoff`]): the op feeding a linear may leave
     /// that linear's quantized input (a backend hint; the CPU executor ignores it).
     pub int8_handoff: bool,
+    /// Declare linear chains ([`crate::graph::LinearChain`]): runs of linears each reading the
+    /// previous one's output, which a backend may run as one launch per token (a backend hint;
+    /// the CPU executor ignores it).
+    pub linear_chain: bool,
 }
 
 impl FusionOptions {
@@ -34,6 +38,7 @@ impl FusionOptions {
         glu_into_linear: true,
         rope_into_attention: true,
         int8_handoff: true,
+        linear_chain: true,
     };
     pub const NONE: Self = Self {
         qkv: false,
@@ -43,6 +48,7 @@ impl FusionOptions {
         glu_into_linear: false,
         rope_into_attention: false,
         int8_handoff: false,
+        linear_chain: false,
     };
 
     /// All fusions on, except those disabled by `FERRITE_DISABLE_*_FUSION=1`.
@@ -55,6 +61,7 @@ impl FusionOptions {
             glu_into_linear: !env::DISABLE_GLU_FUSION.flag(),
             rope_into_attention: !env::DISABLE_ROPE_FUSION.flag(),
             int8_handoff: !env::DISABLE_INT8_HANDOFF.flag(),
+            linear_chain: !env::DISABLE_CHAIN_FUSION.flag(),
         }
     }
 }
@@ -88,4 +95,37 @@ pub fn int8_handoffs(graph: &Graph, weight_rows: impl Fn(WeightId) -> usize) -> 
         }
     }
     found
+}
+
+/// The linear chains of a graph: maximal runs of up to [`LinearChain::MAX_LEN`] consecutive
+/// linear (or gated linear) ops in which each op after the first reads the previous op's output,
+/// of two ops or more. A decoder layer's output projection, gate/up, down and the next layer's
+/// QKV form one when the norms and residual adds are folded into the linears.
+pub fn linear_chains(graph: &Graph) -> Vec<LinearChain> {
+    let mut chains = Vec::new();
+    let mut start: Option<usize> = None;
+    for (i, op) in graph.ops.iter().enumerate() {
+        let x = match *op {
+            Op::Linear { x, .. } | Op::GatedLinear { x, .. } => Some(x),
+            _ => None,
+        };
+        let extends = match (start, x) {
+            (Some(s), Some(x)) => i - s < LinearChain::MAX_LEN && graph.ops[i - 1].writes() == x,
+            _ => false,
+        };
+        if !extends {
+            if let Some(s) = start.take() {
+                if i - s >= 2 {
+                    chains.push(LinearChain { first: s, len: i - s });
+                }
+            }
+            start = x.map(|_| i);
+        }
+    }
+    if let Some(s) = start {
+        if graph.ops.len() - s >= 2 {
+            chains.push(LinearChain { first: s, len: graph.ops.len() - s });
+        }
+    }
+    chains
 }

@@ -333,6 +333,25 @@ pub struct Handoff {
     pub consumer: usize,
 }
 
+/// A linear chain, declared at load by the `linear_chain` fusion: ops `first .. first + len`
+/// are linears (or gated linears), each after the first reading the previous one's output. A
+/// backend may run them as one launch for a one-token step (the CUDA persistent GEMV chain);
+/// every op still writes its own output value.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LinearChain {
+    pub first: usize,
+    pub len: usize,
+}
+
+impl LinearChain {
+    /// Most links in a chain (a decoder layer's four linears).
+    pub const MAX_LEN: usize = 4;
+
+    pub fn ops(&self) -> std::ops::Range<usize> {
+        self.first..self.first + self.len
+    }
+}
+
 /// The share of one rank of a tensor-parallel model (see [`crate::shard`]): its graph computes
 /// its heads and MLP columns, and some of its ops leave a partial sum that all ranks must add up.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -350,6 +369,7 @@ pub struct Graph {
     pub values: Vec<ValueInfo>,
     pub ops: Vec<Op>,
     pub handoffs: Vec<Handoff>,
+    pub chains: Vec<LinearChain>,
     /// The value holding the logits of the last token.
     pub logits: ValueId,
     pub n_layers: usize,
@@ -426,6 +446,18 @@ impl Graph {
             if s.all_reduce.windows(2).any(|w| w[0] >= w[1]) || s.all_reduce.last().is_some_and(|&i| i >= self.ops.len()) {
                 return Err("all-reduces out of order or past the last op".into());
             }
+        }
+        let mut chain_end = 0;
+        for c in &self.chains {
+            let links_ok = (2..=LinearChain::MAX_LEN).contains(&c.len)
+                && c.first >= chain_end
+                && c.first + c.len <= self.ops.len()
+                && c.ops().all(|i| matches!(self.ops[i], Op::Linear { .. } | Op::GatedLinear { .. }))
+                && c.ops().skip(1).all(|i| self.ops[i].reads().first() == Some(&self.ops[i - 1].writes()));
+            if !links_ok {
+                return Err(format!("linear chain {c:?}: not consecutive linears each reading the previous output, or overlapping"));
+            }
+            chain_end = c.first + c.len;
         }
         let mut previous_consumer = 0;
         for h in &self.handoffs {
@@ -506,7 +538,7 @@ impl GraphBuilder {
     }
 
     pub fn finish(self, logits: ValueId, n_layers: usize, attention: AttentionShape) -> Graph {
-        Graph { values: self.values, ops: self.ops, handoffs: Vec::new(), logits, n_layers, attention, shard: None }
+        Graph { values: self.values, ops: self.ops, handoffs: Vec::new(), chains: Vec::new(), logits, n_layers, attention, shard: None }
     }
 }
 

@@ -15,6 +15,7 @@
 
 pub mod activation;
 pub mod attention;
+pub mod chain;
 pub mod common;
 pub mod dequant;
 pub mod embedding;
@@ -129,7 +130,8 @@ pub(crate) mod tests {
     /// may issue early).
     #[test]
     fn every_kernel_waits_for_the_previous_one() {
-        let families: [(&str, &[&str]); 20] = [
+        let families: [(&str, &[&str]); 21] = [
+            (chain::ChainVariant::FAMILY, chain::ChainVariant::SOURCES),
             (activation::ActivationVariant::FAMILY, activation::ActivationVariant::SOURCES),
             (attention::AttentionVariant::FAMILY, attention::AttentionVariant::SOURCES),
             (attention::StoreQkvVariant::FAMILY, attention::StoreQkvVariant::SOURCES),

@@ -21,6 +21,9 @@ pub fn build(cfg: &ModelConfig, file: &GgufFile, fusion: FusionOptions) -> Resul
     if fusion.int8_handoff {
         graph.handoffs = crate::fusion::int8_handoffs(&graph, |w| weights.spec(w).rows);
     }
+    if fusion.linear_chain {
+        graph.chains = crate::fusion::linear_chains(&graph);
+    }
     graph
         .validate(|w| weights.spec(w).rows)
         .map_err(|e| ModelError::Config(format!("internal graph error: {e}")))?;
