@@ -3040,8 +3040,10 @@ fn every_kernel_variant_compiles_for_sm90() {
                 check(format!("{shared:?}"), compile_variant(&shared, "sm_90"));
             }
             // The persistent GEMV chain (one-token decode layers).
-            let chain = ferrite_cuda::kernels::chain::ChainVariant::new(dtype);
-            check(format!("{chain:?}"), compile_variant(&chain, "sm_90"));
+            for max_cols in [4096, 14336] {
+                let chain = ferrite_cuda::kernels::chain::ChainVariant::new(dtype, max_cols).unwrap();
+                check(format!("{chain:?}"), compile_variant(&chain, "sm_90"));
+            }
         }
         for out in [OutType::F32, OutType::F16, OutType::BF16] {
             check(format!("dequant {dtype} {out:?}"), compile_variant(&DequantVariant { wtype: dtype, out }, "sm_90"));

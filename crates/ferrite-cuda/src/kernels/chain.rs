@@ -85,7 +85,7 @@ super::device_params! {
 #[derive(Clone, Copy, Debug, Default)]
 pub struct ChainParams {
     pub phases: [ChainPhase; MAX_PHASES],
-    /// `u32 [2]`: arrivals, generation (see `grid_barrier`), zero before the first launch.
+    /// `u64`: the grid barrier's arrivals over all launches (see `grid_barrier`), zero at first.
     pub barrier: u64,
     pub n_phases: u32,
     /// Widest phase input: sizes the activation area of shared memory.
@@ -146,24 +146,21 @@ __device__ __forceinline__ float consumers_sum(float v, float* scratch) {
   return warp_sum(lane < NWARPS ? scratch[lane] : 0.f);
 }
 
-// Every block's consumers arrive; the last arrival resets the count and bumps the generation
-// the others spin on. Writes before the barrier are visible to reads after it (fences around
-// the arrival, as cooperative groups' grid sync does).
-__device__ void grid_barrier(u32* bar) {
+// Grid barrier k of a launch (k = 1, 2, ...): every block adds one to a 64-bit counter that
+// only grows, and waits until it reaches `base + k * gridDim.x`, `base` being its value when the
+// launch began (see the kernel). One release-add and acquire polls: no reset, no read before
+// arriving, so a barrier costs about one L2 round trip after the last arrival.
+__device__ __forceinline__ u64 ld_acquire(const u64* p) {
+  u64 v;
+  asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ void grid_barrier(u64* counter, u64 target) {
   consumers_sync();
   if (threadIdx.x == 0) {
-    volatile u32* gen = bar + 1;
-    const u32 seen = *gen;
-    __threadfence();
-    if (atomicAdd(bar, 1u) == gridDim.x - 1) {
-      atomicExch(bar, 0u);
-      __threadfence();
-      atomicAdd(bar + 1, 1u);
-    } else {
-      while (*gen == seen) {
-      }
+    asm volatile("red.release.gpu.global.add.u64 [%0], 1;" ::"l"(counter) : "memory");
+    while (ld_acquire(counter) < target) {
     }
-    __threadfence();
   }
   consumers_sync();
 }
@@ -217,37 +214,60 @@ __device__ __forceinline__ void produce_phase(const ChainPhase& f, u32& i, u8* s
     }
 }
 
-// The phase's input, RMS-normalised if it folds a norm, quantized into shared memory.
-__device__ void quantize_input(const ChainPhase& f, i8* act_q, uint2* act_s, float* scratch) {
+// The phase's input, RMS-normalised if it folds a norm, quantized into shared memory. Written
+// by another SM in this launch, so it is read from L2 (`ld.global.cg`), and every load is
+// issued before any is used: one L2 round trip, not one per 32-value block. The f32 values
+// (times the norm weight) wait in `staged`; `1 / rms` is applied as they are quantized.
+#define STAGE_BATCH 8
+__device__ void quantize_input(const ChainPhase& f, float* staged, i8* act_q, uint2* act_s, float* scratch) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const float* x = reinterpret_cast<const float*>(f.x);
-  const float* g = reinterpret_cast<const float*>(f.norm);
-  float inv = 1.f;
-  if (g) {
-    float ss = 0.f;
-    for (u32 i = threadIdx.x; i < f.cols; i += CONSUMERS) {
-      const float v = __ldcg(x + i);
-      ss += v * v;
+  const float4* x = reinterpret_cast<const float4*>(f.x);
+  const float4* g = reinterpret_cast<const float4*>(f.norm);
+  float4* dst = reinterpret_cast<float4*>(staged);
+  const u32 n4 = f.cols / 4;
+  float ss = 0.f;
+  for (u32 i0 = threadIdx.x; i0 < n4; i0 += STAGE_BATCH * CONSUMERS) {
+    float4 v[STAGE_BATCH], w[STAGE_BATCH];
+#pragma unroll
+    for (int j = 0; j < STAGE_BATCH; ++j) {
+      const u32 i = i0 + j * CONSUMERS;
+      v[j] = i < n4 ? __ldcg(x + i) : make_float4(0.f, 0.f, 0.f, 0.f);
+      w[j] = g && i < n4 ? __ldg(g + i) : make_float4(1.f, 1.f, 1.f, 1.f);
     }
-    inv = 1.f / sqrtf(consumers_sum(ss, scratch) / (float)f.cols + f.eps);
+#pragma unroll
+    for (int j = 0; j < STAGE_BATCH; ++j) {
+      const u32 i = i0 + j * CONSUMERS;
+      ss += v[j].x * v[j].x + v[j].y * v[j].y + v[j].z * v[j].z + v[j].w * v[j].w;
+      if (f.norm_add_one) w[j] = make_float4(1.f + w[j].x, 1.f + w[j].y, 1.f + w[j].z, 1.f + w[j].w);
+      if (i < n4) dst[i] = make_float4(v[j].x * w[j].x, v[j].y * w[j].y, v[j].z * w[j].z, v[j].w * w[j].w);
+    }
   }
-  for (u32 b = warp; b < f.cols / 32; b += NWARPS) {
-    const u32 i = 32 * b + lane;
-    float v = __ldcg(x + i);
-    if (g) v = v * inv * (f.norm_add_one ? 1.f + g[i] : g[i]);
-    quantize_block_warp(v, lane, act_q + 32 * b, act_s + b);
-  }
+  float inv = 1.f;
+  if (g) inv = 1.f / sqrtf(consumers_sum(ss, scratch) / (float)f.cols + f.eps);
+  else consumers_sync();
+  for (u32 b = warp; b < f.cols / 32; b += NWARPS) quantize_block_warp(staged[32 * b + lane] * inv, lane, act_q + 32 * b, act_s + b);
   consumers_sync();
 }
 
 // The consumers' share of one phase (after the barrier or wait that makes its input ready).
-__device__ __forceinline__ void consume_phase(const ChainPhase& f, u32& i, const u8* stages, u64* full, u64* empty, i8* act_q, uint2* act_s, float* scratch) {
+// The epilogue's inputs of output row `row`, (bias, residual), 0 where none: requested early.
+__device__ __forceinline__ float2 epilogue_inputs(const ChainPhase& f, u32 row) {
+  return make_float2(f.bias ? __ldg(reinterpret_cast<const float*>(f.bias) + row) : 0.f,
+                     f.residual ? __ldcg(reinterpret_cast<const float*>(f.residual) + row) : 0.f);
+}
+
+__device__ __forceinline__ void consume_phase(const ChainPhase& f, u32& i, const u8* stages, u64* full, u64* empty, float* staged, i8* act_q, uint2* act_s, float* scratch) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  quantize_input(f, act_q, act_s, scratch);
-  const int4* xq = reinterpret_cast<const int4*>(act_q);
   u32 g0, g1;
   group_range(f, g0, g1);
+  // The first group's bias and residual travel with the input's loads; each later group's
+  // with the previous group's math.
+  float2 add_next = g0 < g1 ? epilogue_inputs(f, g0 * NWARPS + warp) : make_float2(0.f, 0.f);
+  quantize_input(f, staged, act_q, act_s, scratch);
+  const int4* xq = reinterpret_cast<const int4*>(act_q);
   for (u32 g = g0; g < g1; ++g) {
+    const float2 add = add_next;
+    if (g + 1 < g1) add_next = epilogue_inputs(f, (g + 1) * NWARPS + warp);
     float acc = 0.f, acc_up = 0.f;
     for (u32 kc = 0; kc < f.k_chunks; ++kc, ++i) {
       const u32 s = i % STAGES;
@@ -275,10 +295,9 @@ __device__ __forceinline__ void consume_phase(const ChainPhase& f, u32& i, const
     acc_up = warp_sum(acc_up);
     if (lane == 0) {
       const u32 row = g * NWARPS + warp;
-      float v = f.glu == 1 ? silu(acc) * acc_up : f.glu == 2 ? gelu_tanh(acc) * acc_up : acc;
-      if (f.bias) v += reinterpret_cast<const float*>(f.bias)[row];
-      if (f.residual) v += __ldcg(reinterpret_cast<const float*>(f.residual) + row);
-      reinterpret_cast<float*>(f.out)[row] = v;
+      const float v = f.glu == 1 ? silu(acc) * acc_up : f.glu == 2 ? gelu_tanh(acc) * acc_up : acc;
+      // Bias, then residual, as the separate GEMV adds them (adding 0 where none is exact).
+      reinterpret_cast<float*>(f.out)[row] = (v + add.x) + add.y;
     }
   }
 }
@@ -288,11 +307,12 @@ __device__ __forceinline__ void consume_phase(const ChainPhase& f, u32& i, const
 extern "C" __global__ void __launch_bounds__(CONSUMERS + 32, 1) gemv_chain(const ChainParams p) {
   extern __shared__ __align__(128) u8 smem[];
   u8* stages = smem;
-  u64* full = reinterpret_cast<u64*>(smem + (u64)STAGES * STAGE_BYTES);
+  float* staged = reinterpret_cast<float*>(smem + (u64)STAGES * STAGE_BYTES);
+  uint2* act_s = reinterpret_cast<uint2*>(staged + p.max_cols);
+  i8* act_q = reinterpret_cast<i8*>(act_s + p.max_cols / 32);
+  u64* full = reinterpret_cast<u64*>(act_q + p.max_cols);
   u64* empty = full + STAGES;
   float* scratch = reinterpret_cast<float*>(empty + STAGES);
-  uint2* act_s = reinterpret_cast<uint2*>(scratch + 32);
-  i8* act_q = reinterpret_cast<i8*>(act_s + p.max_cols / 32);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   if (threadIdx.x == 0) {
     for (int s = 0; s < STAGES; ++s) {
@@ -312,16 +332,21 @@ extern "C" __global__ void __launch_bounds__(CONSUMERS + 32, 1) gemv_chain(const
     }
     return;
   }
+  u64* counter = reinterpret_cast<u64*>(p.barrier);
+  u64 base = 0;
 #pragma unroll
   for (int ph = 0; ph < MAX_PHASES; ++ph) {
     if (ph >= (int)p.n_phases) break;
     if (ph == 0) {
       pdl_wait();
       pdl_release();
+      // After the wait every earlier launch's arrivals are in, so the counter is a multiple of
+      // the grid; blocks of this launch that already arrived at barrier 1 are fewer than the grid.
+      if (threadIdx.x == 0) base = ld_acquire(counter) / gridDim.x * gridDim.x;
     } else {
-      grid_barrier(reinterpret_cast<u32*>(p.barrier));
+      grid_barrier(counter, base + (u64)ph * gridDim.x);
     }
-    consume_phase(p.phases[ph], i, stages, full, empty, act_q, act_s, scratch);
+    consume_phase(p.phases[ph], i, stages, full, empty, staged, act_q, act_s, scratch);
   }
 }
 "#;
@@ -337,16 +362,24 @@ pub struct ChainVariant {
 impl ChainVariant {
     /// Consumer warps (output rows per group); one more warp produces.
     pub const NWARPS: u32 = GROUP_ROWS as u32;
-    /// The default ring: 5 stages of 32 KiB leave room beside it for the activations (up to
-    /// ~40 K columns) and for a co-resident attention block.
-    pub fn new(wtype: GgmlType) -> Self {
-        ChainVariant { wtype, stages: 5, stage_bytes: 32 * 1024 }
+    /// Most dynamic shared memory a block may opt into on sm_90 (227 KiB).
+    pub const MAX_SHARED_BYTES: usize = 227 * 1024;
+    const STAGE_BYTES: u32 = 32 * 1024;
+    const MAX_STAGES: u32 = 5;
+
+    /// The ring for inputs of up to `max_cols` columns: up to 5 stages of 32 KiB, as many as
+    /// fit beside the input's f32 and int8 copies; `None` below 2 stages.
+    pub fn new(wtype: GgmlType, max_cols: usize) -> Option<Self> {
+        let v = ChainVariant { wtype, stages: 0, stage_bytes: Self::STAGE_BYTES };
+        let free = Self::MAX_SHARED_BYTES.checked_sub(v.shared_bytes(max_cols))?;
+        let stages = (free / Self::STAGE_BYTES as usize).min(Self::MAX_STAGES as usize) as u32;
+        (stages >= 2).then_some(ChainVariant { stages, ..v })
     }
 
-    /// Dynamic shared memory: the stages, their barriers, the reduction scratch, and the
-    /// quantized activations of the widest input.
+    /// Dynamic shared memory: the stages, the widest input as f32 and quantized, the stages'
+    /// barriers and the reduction scratch.
     pub fn shared_bytes(&self, max_cols: usize) -> usize {
-        self.stages as usize * self.stage_bytes as usize + 16 * self.stages as usize + 128 + max_cols / 32 * 8 + max_cols
+        self.stages as usize * self.stage_bytes as usize + max_cols * 4 + max_cols / 32 * 8 + max_cols + 16 * self.stages as usize + 128
     }
 
     pub fn launch_config(&self, sm_count: u32, max_cols: usize) -> LaunchConfig {
@@ -437,7 +470,16 @@ mod tests {
 
     #[test]
     fn macros_match_source() {
-        crate::kernels::tests::assert_macros_match(ChainVariant::new(GgmlType::Q4_0));
+        crate::kernels::tests::assert_macros_match(ChainVariant::new(GgmlType::Q4_0, 4096).unwrap());
+    }
+
+    #[test]
+    fn the_ring_shrinks_for_wide_inputs() {
+        assert_eq!(ChainVariant::new(GgmlType::Q4_0, 4096).unwrap().stages, 5);
+        let wide = ChainVariant::new(GgmlType::Q4_0, 14336).unwrap();
+        assert_eq!(wide.stages, 4);
+        assert!(wide.shared_bytes(14336) <= ChainVariant::MAX_SHARED_BYTES);
+        assert!(ChainVariant::new(GgmlType::Q4_0, 40960).is_none());
     }
 
     #[test]

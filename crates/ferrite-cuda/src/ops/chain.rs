@@ -11,9 +11,6 @@ use crate::Gpu;
 use cudarc::driver::{CudaSlice, DevicePtr};
 use ferrite_gguf::GgmlType;
 
-/// Most dynamic shared memory a block may opt into on sm_90 (227 KiB).
-const MAX_SHARED_BYTES: usize = 227 * 1024;
-
 /// A device buffer of f32 values by address, so that one link's output can be a later link's
 /// input (the buffers are the caller's; the launch only reads the addresses).
 #[derive(Clone, Copy, Debug)]
@@ -55,13 +52,13 @@ pub struct ChainShape {
     pub gated: bool,
 }
 
-/// The barrier words of the chain kernel: zeroed once, left zeroed by every completed launch.
-/// Launches that share one must be ordered on the stream (they are: one stream).
-pub struct ChainBarrier(CudaSlice<u32>);
+/// The chain kernel's grid-barrier counter (a `u64` that only grows): zeroed once. Launches that
+/// share one must be ordered on the stream (they are: one stream).
+pub struct ChainBarrier(CudaSlice<u64>);
 
 impl ChainBarrier {
     pub fn new(gpu: &Gpu) -> Result<Self, CudaError> {
-        Ok(ChainBarrier(gpu.alloc_zeros(2)?))
+        Ok(ChainBarrier(gpu.alloc_zeros(1)?))
     }
 }
 
@@ -78,16 +75,15 @@ pub fn chain_variant(gpu: &Gpu, shapes: &[ChainShape]) -> Result<ChainVariant, S
     if weight::planes(dtype).is_none() || shapes.iter().any(|s| s.dtype != dtype) {
         return Err(format!("weights of one quantized type needed, found {:?}", shapes.iter().map(|s| s.dtype).collect::<Vec<_>>()));
     }
-    let variant = ChainVariant::new(dtype);
+    let max_cols = max_cols(shapes);
+    let Some(variant) = ChainVariant::new(dtype, max_cols) else {
+        return Err(format!("inputs of {max_cols} columns leave no room for the weight stages in shared memory"));
+    };
     for s in shapes {
         let out_rows = if s.gated { s.weight_rows / 2 } else { s.weight_rows };
         if phase_tiling(dtype, out_rows, s.cols, s.gated, variant.stage_bytes as usize).is_none() {
             return Err(format!("a {dtype} {}x{} weight does not stream in {}-byte stages", s.weight_rows, s.cols, variant.stage_bytes));
         }
-    }
-    let max_cols = max_cols(shapes);
-    if variant.shared_bytes(max_cols) > MAX_SHARED_BYTES {
-        return Err(format!("inputs of {max_cols} columns do not fit shared memory beside the stages"));
     }
     Ok(variant)
 }
@@ -123,6 +119,9 @@ pub fn linear_chain(gpu: &Gpu, links: &[ChainLink], barrier: &mut ChainBarrier) 
     for (phase, link) in params.phases.iter_mut().zip(links) {
         let (rows, cols) = (link.out_rows(), link.w.cols);
         check_len(OP, "x", link.x.len, cols)?;
+        if link.x.ptr % 16 != 0 {
+            return Err(CudaError::invalid(OP, "inputs are read as float4: x must be 16-byte aligned"));
+        }
         check_len(OP, "out", link.out.len, rows)?;
         if let Some(r) = link.residual {
             check_len(OP, "residual", r.len, rows)?;
