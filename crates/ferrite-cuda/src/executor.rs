@@ -756,6 +756,11 @@ impl CudaExecutor {
             }
             shapes.push(ops::ChainShape { dtype: m.dtype, weight_rows: m.rows, cols: m.cols, gated: matches!(graph.ops[i], Op::GatedLinear { .. }) });
         }
+        let bytes: usize = shapes.iter().map(|s| s.weight_rows * s.cols / s.dtype.block_size() * s.dtype.type_size()).sum();
+        let min_mb = env::CUDA_CHAIN_MIN_MB.parse(16usize);
+        if bytes < min_mb * 1_000_000 {
+            return Some(format!("a layer's {:.1} MB of weights are below FERRITE_CUDA_CHAIN_MIN_MB={min_mb}", bytes as f64 / 1e6));
+        }
         ops::chain_variant(&self.gpu, &shapes).err()
     }
 
