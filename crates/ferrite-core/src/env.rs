@@ -167,9 +167,9 @@ switches! {
     /// Linear chains declared at load (CUDA: one persistent launch per chain).
     DISABLE_CHAIN_FUSION = ("FERRITE_DISABLE_CHAIN_FUSION", "0", AbTest,
         "1 declares no linear chains at load: a CUDA one-token step then runs a layer's output projection, gate/up, down and the next QKV as four int8 GEMV launches, instead of the phases of one persistent launch (kernels/chain.rs) that streams every phase's weights through shared memory ahead of the grid barriers.");
-    /// Smallest chain that runs as one launch (CUDA).
-    CUDA_CHAIN_MIN_MB = ("FERRITE_CUDA_CHAIN_MIN_MB", "16", AbTest,
-        "Smallest weight volume, in MB, of a declared linear chain that a one-token CUDA step runs as one persistent launch; smaller chains (a small model's layer, whose phases are latency-bound) run as separate int8 GEMVs, whose programmatic dependent launches overlap better. 0 runs every chain as one launch.");
+    /// Declared linear chains run as one persistent launch (CUDA, experimental).
+    CUDA_LINEAR_CHAIN = ("FERRITE_CUDA_LINEAR_CHAIN", "0", AbTest,
+        "1 runs each linear chain declared at load (a layer's output projection, gate/up, down and the next QKV) as one persistent launch in one-token CUDA steps (kernels/chain.rs), instead of four int8 GEMV launches. Off by default: it is still 2-2.5x slower per layer (docs/perf.md, stop 28); a note at load names chains it cannot run.");
     /// Decode attention stores the token's K/V itself (CUDA).
     DISABLE_KV_STORE_FUSION = ("FERRITE_DISABLE_KV_STORE_FUSION", "0", AbTest,
         "1 runs the CUDA decode steps' K/V store (and RoPE) as its own store_qkv launch before attention, instead of inside the attention kernel (one-token steps, and batched serving steps of one token per sequence).");

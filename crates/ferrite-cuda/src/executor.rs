@@ -119,6 +119,8 @@ struct Buffers {
     chain_at: Vec<Option<LinearChain>>,
     in_chain: Vec<bool>,
     chain_barrier: ops::ChainBarrier,
+    /// `FERRITE_CUDA_LINEAR_CHAIN`: declared chains may run as one launch.
+    chains_on: bool,
     kv: PerLayer<KvCache>,
     gdn: PerLayer<GdnState>,
     /// Working memory of the MoE FFN ops, one per distinct shape.
@@ -264,6 +266,7 @@ impl Buffers {
             chain_at: vec![None; graph.ops.len()],
             in_chain: vec![false; graph.ops.len()],
             chain_barrier: ops::ChainBarrier::new(gpu)?,
+            chains_on: env::CUDA_LINEAR_CHAIN.flag(),
             ids: gpu.alloc_zeros(rows)?,
             positions: gpu.alloc_zeros(rows)?,
             token: gpu.alloc_zeros(1)?,
@@ -490,16 +493,18 @@ impl CudaExecutor {
             mail_tag: 0,
             sample_scratch,
         };
-        let refusals = executor.chain_refusals();
+        let refusals = if executor.buf.chains_on { executor.chain_refusals() } else { Vec::new() };
         if !refusals.is_empty() {
             eprintln!("note: decode layers run their linears as separate launches, not one chain: {}", refusals.join("; "));
         }
         Ok(executor)
     }
 
-    /// Linear chains that one-token steps run as one launch (of those the graph declares).
+    /// Linear chains that one-token steps run as one launch (of those the graph declares; none
+    /// unless `FERRITE_CUDA_LINEAR_CHAIN=1`).
     pub fn chains_run(&self) -> usize {
-        self.model.graph.chains.iter().filter(|&&c| self.chain_refusal(c).is_none()).count()
+        let runs = |c: &&LinearChain| self.buf.chains_on && self.chain_refusal(**c).is_none();
+        self.model.graph.chains.iter().filter(runs).count()
     }
 
     fn slot(&self, v: ValueId) -> &CudaSlice<f32> {
@@ -726,13 +731,13 @@ impl CudaExecutor {
         Ok(())
     }
 
-    /// Which of the graph's linear chains run as one launch for a batch of `n`: one-token steps
-    /// outside batched serving, where every link takes the int8 GEMV and `chain_variant` accepts
+    /// Which of the graph's linear chains run as one launch for a batch of `n`: with
+    /// `FERRITE_CUDA_LINEAR_CHAIN=1`, in one-token steps outside batched serving, where every link takes the int8 GEMV and `chain_variant` accepts
     /// the shapes (see [`Self::chain_refusals`] for why a chain would not).
     fn plan_chains(&mut self, n: usize) {
         self.buf.chain_at.iter_mut().for_each(|c| *c = None);
         self.buf.in_chain.iter_mut().for_each(|c| *c = false);
-        if n != 1 || self.buf.paging.is_some() {
+        if n != 1 || self.buf.paging.is_some() || !self.buf.chains_on {
             return;
         }
         for chain in self.model.graph.chains.clone() {
@@ -755,11 +760,6 @@ impl CudaExecutor {
                 return Some(format!("a {} weight does not take the int8 GEMV", m.dtype));
             }
             shapes.push(ops::ChainShape { dtype: m.dtype, weight_rows: m.rows, cols: m.cols, gated: matches!(graph.ops[i], Op::GatedLinear { .. }) });
-        }
-        let bytes: usize = shapes.iter().map(|s| s.weight_rows * s.cols / s.dtype.block_size() * s.dtype.type_size()).sum();
-        let min_mb = env::CUDA_CHAIN_MIN_MB.parse(16usize);
-        if bytes < min_mb * 1_000_000 {
-            return Some(format!("a layer's {:.1} MB of weights are below FERRITE_CUDA_CHAIN_MIN_MB={min_mb}", bytes as f64 / 1e6));
         }
         ops::chain_variant(&self.gpu, &shapes).err()
     }

@@ -293,9 +293,9 @@ fn cuda_fp32_matches_cpu_reference_on_real_shapes() {
     // blocks, d = max/127, round half to even): against the fp32 reference it may drift no more
     // than that CPU path does, and the greedy tokens must agree.
     std::env::set_var("FERRITE_CUDA_GEMV_ACTIVATIONS", "q8");
-    // Linear chains as one launch on small layers too (from here on): the greedy checks and the
-    // graph-replay checks below cover the chain kernel on every shape.
-    std::env::set_var("FERRITE_CUDA_CHAIN_MIN_MB", "0");
+    // Linear chains as one launch (from here on): the greedy checks and the graph-replay checks
+    // below cover the (experimental, off by default) chain kernel on every shape.
+    std::env::set_var("FERRITE_CUDA_LINEAR_CHAIN", "1");
     let named = |name| synth::shape(name).unwrap();
     for (shape, dtype) in
         [(named("smollm2-135m"), GgmlType::Q4_1), (named("llama-3.2-1b"), GgmlType::Q4_0), (named("smollm2-135m"), GgmlType::Q8_0), (&QWEN35_SMALL, GgmlType::Q8_0), (&QWEN35MOE_ALL_EXPERTS, GgmlType::Q4_K)]
