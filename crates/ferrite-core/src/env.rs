@@ -164,6 +164,9 @@ switches! {
     /// Producers leave int8 activations for the next int8 GEMV (CUDA).
     DISABLE_INT8_HANDOFF = ("FERRITE_DISABLE_INT8_HANDOFF", "0", AbTest,
         "1 drops the int8 hand-offs declared at load: each int8 GEMV quantizes its input (and applies its RMSNorm) in a launch of its own, instead of the attention or the previous GEMV leaving it quantized (CUDA: up to four kernels fewer per layer).");
+    /// Threads of one-token CPU steps.
+    DECODE_THREADS = ("FERRITE_DECODE_THREADS", "auto", Stable,
+        "Threads that run a one-token CPU step (decode): auto = one per 16 MB of linear weights a token reads, at least 4 and at most the pool's (--threads / FERRITE_THREADS), so a small model's decode does not fork and join over every core of a large machine (SmolLM2 on 16 cores: 2-8 threads decode at the same rate, 16 a third slower); a number sets it. Prefill and batched steps use the whole pool.");
     /// Linear chains declared at load (CUDA: one persistent launch per chain).
     DISABLE_CHAIN_FUSION = ("FERRITE_DISABLE_CHAIN_FUSION", "0", AbTest,
         "1 declares no linear chains at load: a CUDA one-token step then runs a layer's output projection, gate/up, down and the next QKV as four int8 GEMV launches, instead of the phases of one persistent launch (kernels/chain.rs) that streams every phase's weights through shared memory ahead of the grid barriers.");

@@ -175,6 +175,25 @@ pub struct CpuExecutor {
     last_rows: usize,
     /// Tokens the recurrent state has consumed. Unused without recurrent layers.
     state_pos: RecurrentCursor,
+    /// A smaller team of threads for one-token steps (`decode_threads`), where it is smaller
+    /// than the global pool.
+    decode_pool: Option<Arc<rayon::ThreadPool>>,
+}
+
+/// Threads for a one-token step: `FERRITE_DECODE_THREADS`, else one per `DECODE_BYTES_PER_THREAD`
+/// of linear weights a token reads, at least `MIN_DECODE_THREADS`, at most `all`. A decode step
+/// forks and joins ~5 times per layer; over more threads than its weights keep busy, the joins
+/// cost more than the threads stream (docs/perf.md, stop 27: SmolLM2 on a 16-core machine).
+fn decode_threads(model: &Model, all: usize) -> usize {
+    let setting = ferrite_core::env::DECODE_THREADS.get().and_then(|v| v.parse().ok());
+    decode_team(model.linear_weight_bytes(), setting, all)
+}
+
+fn decode_team(weight_bytes: usize, setting: Option<usize>, all: usize) -> usize {
+    const DECODE_BYTES_PER_THREAD: usize = 16_000_000;
+    const MIN_DECODE_THREADS: usize = 4;
+    let auto = (weight_bytes / DECODE_BYTES_PER_THREAD).max(MIN_DECODE_THREADS);
+    setting.unwrap_or(auto).clamp(1, all.max(1))
 }
 
 impl CpuExecutor {
@@ -262,7 +281,15 @@ impl CpuExecutor {
         let buf = Buffers { slots, conv_state, ssm_state, profile: OpProfile::from_env(), ..Buffers::default() };
         let options = ExecutorOptions { max_batch, ..options };
         let kv_f16 = kv_half(precision);
-        Ok(Self { model, rank, precision, kv_f16, weights, plan, buf, paged: None, options, last_rows: 0, state_pos: RecurrentCursor::default() })
+        // Tensor-parallel ranks keep their own pools.
+        let all = rayon::current_num_threads();
+        let team = decode_threads(&model, all);
+        let decode_pool = if rank.is_none() && team < all {
+            Some(Arc::new(rayon::ThreadPoolBuilder::new().num_threads(team).thread_name(|i| format!("decode-cpu-{i}")).build()?))
+        } else {
+            None
+        };
+        Ok(Self { model, rank, precision, kv_f16, weights, plan, buf, paged: None, options, last_rows: 0, state_pos: RecurrentCursor::default(), decode_pool })
     }
 
     /// Token ids must be inside the vocabulary (the embedding op checks). A tensor-parallel rank
@@ -752,7 +779,8 @@ impl Executor for CpuExecutor {
         };
         let threads = self.rank.as_ref().map_or_else(rayon::current_num_threads, |r| r.pool.current_num_threads());
         let rank = self.rank.as_ref().map(|r| format!(", rank {} of {}", r.collective.rank(), r.collective.n_ranks())).unwrap_or_default();
-        format!("cpu ({p}, {:?}, {threads} threads{rank})", kernels::simd::simd_level())
+        let decode = self.decode_pool.as_ref().map(|d| format!(" ({} for decode)", d.current_num_threads())).unwrap_or_default();
+        format!("cpu ({p}, {:?}, {threads} threads{decode}{rank})", kernels::simd::simd_level())
     }
 
     fn forward(&mut self, tokens: &[u32], start_pos: usize) -> anyhow::Result<()> {
@@ -773,7 +801,8 @@ impl Executor for CpuExecutor {
             self.buf.conv_state.iter_mut().chain(self.buf.ssm_state.iter_mut()).for_each(|s| s.fill(0.0));
         }
         let step = self.options.max_batch;
-        let pool = self.rank.as_ref().map(|r| Arc::clone(&r.pool));
+        let decode = if tokens.len() == 1 { self.decode_pool.clone() } else { None };
+        let pool = self.rank.as_ref().map(|r| Arc::clone(&r.pool)).or(decode);
         on_pool(pool.as_deref(), || {
             for (i, chunk) in tokens.chunks(step).enumerate() {
                 self.run_chunk(chunk, start_pos + i * step)
@@ -989,6 +1018,20 @@ mod tests {
 
     /// The awake workers take the pass's parallel work, the value comes back, and a panic in
     /// the pass ends their jobs (the scope waits for them) and reaches the caller: no hang.
+    #[test]
+    fn decode_team_follows_the_weights_a_token_reads() {
+        // SmolLM2-135M (~84 MB of linear weights) on 16 cores: 5 threads; on 2 cores: both.
+        assert_eq!(decode_team(84_000_000, None, 16), 5);
+        assert_eq!(decode_team(84_000_000, None, 2), 2);
+        // Small models keep at least 4; large ones take the whole pool.
+        assert_eq!(decode_team(10_000_000, None, 16), 4);
+        assert_eq!(decode_team(4_000_000_000, None, 16), 16);
+        // FERRITE_DECODE_THREADS, within the pool.
+        assert_eq!(decode_team(84_000_000, Some(12), 16), 12);
+        assert_eq!(decode_team(84_000_000, Some(64), 16), 16);
+        assert_eq!(decode_team(84_000_000, Some(0), 16), 1);
+    }
+
     #[test]
     fn workers_awake_serve_the_pass_and_end_with_it() {
         use rayon::prelude::*;

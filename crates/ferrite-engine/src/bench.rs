@@ -221,12 +221,11 @@ pub struct TokenWork {
 
 impl TokenWork {
     pub fn of(model: &Model) -> Self {
-        let mut weight_bytes = 0;
+        let weight_bytes = model.linear_weight_bytes();
         let (mut linear_flops, mut last_row_flops) = (0.0, 0.0);
         for op in &model.graph.ops {
             if let Op::Linear { w, out, .. } | Op::GatedLinear { w, out, .. } = op {
                 let spec = model.weights.spec(*w);
-                weight_bytes += spec.rows * spec.dtype.row_bytes(spec.cols).unwrap_or(0);
                 let flops = 2.0 * (spec.rows * spec.cols) as f64;
                 linear_flops += flops;
                 if model.graph.value(*out).rows == Rows::Last {

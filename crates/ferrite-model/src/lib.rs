@@ -36,6 +36,19 @@ pub struct Model {
 }
 
 impl Model {
+    /// Bytes of the linears' weights (GGUF sizes): what a one-token step must read once.
+    pub fn linear_weight_bytes(&self) -> usize {
+        self.graph
+            .ops
+            .iter()
+            .filter_map(|op| match op {
+                Op::Linear { w, .. } | Op::GatedLinear { w, .. } => Some(self.weights.spec(*w)),
+                _ => None,
+            })
+            .map(|spec| spec.rows * spec.dtype.row_bytes(spec.cols).unwrap_or(0))
+            .sum()
+    }
+
     /// Open a model — a GGUF file, or a Hugging Face folder (`config.json` + safetensors) — read
     /// its config and build its graph with the given fusion choices.
     pub fn load(path: impl AsRef<std::path::Path>, fusion: FusionOptions) -> Result<Self, ModelError> {
