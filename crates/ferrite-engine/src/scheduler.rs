@@ -17,6 +17,7 @@
 //! Requests are cancelled by dropping their event receiver; the scheduler notices it before the
 //! next step (or when a send fails).
 
+use rayon::prelude::*;
 use crate::kv_pages::{prefix_hashes, BlockHash, BlockPool};
 use crate::metrics::EngineMetrics;
 use crate::sampling::{LogProbs, Sampler, SamplerParams};
@@ -558,12 +559,11 @@ impl Scheduler {
                 return;
             }
         };
-        // Sample, stream, and retire finished sequences (walking backwards keeps indices valid).
-        let mut finished: Vec<(usize, Option<FinishReason>)> = Vec::new();
-        for (k, output) in outputs.into_iter().enumerate().rev() {
+        // Register the blocks that became full; sequences still in their prompt sample nothing.
+        let mut outputs: Vec<Option<PagedOutput>> = outputs.into_iter().map(Some).collect();
+        for (k, output) in outputs.iter_mut().enumerate() {
             let s = &mut self.running[k];
             s.computed += counts[k];
-            // Register the blocks that became full.
             while s.hashes.len() < s.computed / bs {
                 let j = s.hashes.len();
                 let h = crate::kv_pages::block_hash(s.hashes.last(), &s.tokens[j * bs..(j + 1) * bs]);
@@ -571,9 +571,19 @@ impl Scheduler {
                 s.hashes.push(h);
             }
             if s.computed < s.tokens.len() {
-                continue; // prefill continues next step
+                *output = None; // prefill continues next step
             }
-            finished.push((k, Self::sample_one(s, output, &self.metrics, self.config.max_context)));
+        }
+        // Draw the tokens, the sequences side by side: a host draw over the vocabulary (with
+        // penalties or log-probabilities) takes tens of microseconds per sequence.
+        let drawn: Vec<Option<(u32, Option<TokenLogprob>)>> =
+            self.running[..n_batch].par_iter_mut().zip(outputs).map(|(s, output)| output.map(|o| Self::draw(s, o))).collect();
+        // Stream, and retire finished sequences (walking backwards keeps indices valid).
+        let mut finished: Vec<(usize, Option<FinishReason>)> = Vec::new();
+        for (k, drawn) in drawn.into_iter().enumerate().rev() {
+            if let Some((tok, logprob)) = drawn {
+                finished.push((k, Self::deliver(&mut self.running[k], tok, logprob, &self.metrics, self.config.max_context)));
+            }
         }
         for (k, outcome) in finished {
             match outcome {
@@ -639,10 +649,10 @@ impl Scheduler {
         s.sampler.params().on_device(s.generated as u64)
     }
 
-    /// Take the next token of `s` (drawn on the device, or sampled here from its logits) and send
-    /// it. `Some(reason)` when it is done.
-    fn sample_one(s: &mut Seq, output: PagedOutput, metrics: &EngineMetrics, max_context: usize) -> Option<FinishReason> {
-        let (tok, logprob) = match output {
+    /// The next token of `s`: drawn on the device, or sampled here from its logits (with the
+    /// request's bias, penalties and log-probabilities).
+    fn draw(s: &mut Seq, output: PagedOutput) -> (u32, Option<TokenLogprob>) {
+        match output {
             PagedOutput::Token(tok) => (tok, None),
             PagedOutput::Logits(mut logits) => {
                 let logprob_of = s.req.logprobs.map(|k| (LogProbs::new(&logits), k));
@@ -661,7 +671,11 @@ impl Scheduler {
                 let tok = s.sampler.sample(&mut logits, &s.tokens);
                 (tok, logprob_of.map(|(lp, k)| TokenLogprob { logprob: lp.of(tok), top: lp.top(k) }))
             }
-        };
+        }
+    }
+
+    /// Send `s`'s next token and account for it. `Some(reason)` when it is done.
+    fn deliver(s: &mut Seq, tok: u32, logprob: Option<TokenLogprob>, metrics: &EngineMetrics, max_context: usize) -> Option<FinishReason> {
         // TTFT counts the first sampled token even when it ends generation at once.
         let now = Instant::now();
         match s.last_token {
