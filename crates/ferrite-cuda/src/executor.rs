@@ -46,6 +46,18 @@ fn as_matrix(w: &Option<GpuWeight>) -> Option<&DeviceWeight> {
     }
 }
 
+/// Weight `id` as the graph uses it: a matrix of a linear, or a vector (norm weight, bias).
+fn matrix_of(weights: &[Option<GpuWeight>], id: WeightId) -> &DeviceWeight {
+    as_matrix(&weights[id.0 as usize]).expect("matrix weights are uploaded as matrices")
+}
+
+fn vector_of(weights: &[Option<GpuWeight>], id: WeightId) -> &CudaSlice<f32> {
+    match &weights[id.0 as usize] {
+        Some(GpuWeight::Vector(v)) => v,
+        _ => unreachable!("vector weights are uploaded as f32"),
+    }
+}
+
 /// Per-layer state that only some layers have (a KV cache: attention layers; recurrent state:
 /// Gated DeltaNet layers), indexed by layer.
 struct PerLayer<T>(Vec<Option<T>>);
@@ -778,11 +790,8 @@ impl CudaExecutor {
         let graph = &self.model.graph;
         let Self { gpu, weights, plan, buf, .. } = self;
         let gpu = &*gpu;
-        let matrix = |id: WeightId| as_matrix(&weights[id.0 as usize]).expect("matrix weights are uploaded as matrices");
-        let vector = |id: WeightId| match &weights[id.0 as usize] {
-            Some(GpuWeight::Vector(v)) => v,
-            _ => unreachable!("vector weights are uploaded as f32"),
-        };
+        let matrix = |id: WeightId| matrix_of(weights, id);
+        let vector = |id: WeightId| vector_of(weights, id);
         let slots = &buf.slots;
         let view = |v: ValueId| ops::DeviceView::of(gpu, slots[plan.slot(v)].as_ref().expect("slot in use"));
         let norm_prologue = |nm: NormSpec| ops::NormPrologue { weight: vector(nm.weight), eps: nm.eps, add_one: false };
@@ -891,11 +900,8 @@ impl CudaExecutor {
         let rows = |v: ValueId| graph.value(v).rows_for(n, n_seqs);
         let Self { gpu, weights, plan, buf, .. } = self;
         let gpu = &*gpu;
-        let matrix = |id: WeightId| as_matrix(&weights[id.0 as usize]).expect("matrix weights are uploaded as matrices");
-        let vector = |id: WeightId| match &weights[id.0 as usize] {
-            Some(GpuWeight::Vector(v)) => v,
-            _ => unreachable!("vector weights are uploaded as f32"),
-        };
+        let matrix = |id: WeightId| matrix_of(weights, id);
+        let vector = |id: WeightId| vector_of(weights, id);
         let slots = &buf.slots;
         let input = |v: ValueId| slots[plan.slot(v)].as_ref().expect("an op's input never shares its output's slot");
         let norm_prologue = |nm: NormSpec| ops::NormPrologue { weight: vector(nm.weight), eps: nm.eps, add_one: false };
