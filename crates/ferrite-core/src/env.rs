@@ -169,7 +169,7 @@ switches! {
         "Threads that run a one-token CPU step (decode): auto = one per 16 MB of linear weights a token reads, at least 4 and at most the pool's (--threads / FERRITE_THREADS), so a small model's decode does not fork and join over every core of a large machine (SmolLM2 on 16 cores: 2-8 threads decode at the same rate, 16 a third slower); a number sets it. Prefill and batched steps use the whole pool.");
     /// Linear chains declared at load (CUDA: one persistent launch per chain).
     DISABLE_CHAIN_FUSION = ("FERRITE_DISABLE_CHAIN_FUSION", "0", AbTest,
-        "1 declares no linear chains at load: a CUDA one-token step then runs a layer's output projection, gate/up, down and the next QKV as four int8 GEMV launches, instead of the phases of one persistent launch (kernels/chain.rs) that streams every phase's weights through shared memory ahead of the grid barriers.");
+        "1 declares no linear chains at load (runs of linears each reading the previous one's output: a layer's output projection, gate/up, down and the next QKV). Declared chains change nothing unless FERRITE_CUDA_LINEAR_CHAIN=1 runs them as one CUDA launch each.");
     /// Declared linear chains run as one persistent launch (CUDA, experimental).
     CUDA_LINEAR_CHAIN = ("FERRITE_CUDA_LINEAR_CHAIN", "0", AbTest,
         "1 runs each linear chain declared at load (a layer's output projection, gate/up, down and the next QKV) as one persistent launch in one-token CUDA steps (kernels/chain.rs), instead of four int8 GEMV launches. Off by default: it is still 2-2.5x slower per layer (docs/perf.md, stop 28); a note at load names chains it cannot run.");
