@@ -1016,8 +1016,8 @@ fn gated_activation(act: GatedActivation) -> fn(&[f32], &[f32], &mut [f32]) {
 mod tests {
     use super::*;
 
-    /// The awake workers take the pass's parallel work, the value comes back, and a panic in
-    /// the pass ends their jobs (the scope waits for them) and reaches the caller: no hang.
+    /// The decode team's size: from the weights a token reads, or FERRITE_DECODE_THREADS,
+    /// always within the pool.
     #[test]
     fn decode_team_follows_the_weights_a_token_reads() {
         // SmolLM2-135M (~84 MB of linear weights) on 16 cores: 5 threads; on 2 cores: both.
@@ -1032,6 +1032,8 @@ mod tests {
         assert_eq!(decode_team(84_000_000, Some(0), 16), 1);
     }
 
+    /// The awake workers take the pass's parallel work, the value comes back, and a panic in
+    /// the pass ends their jobs (the scope waits for them) and reaches the caller: no hang.
     #[test]
     fn workers_awake_serve_the_pass_and_end_with_it() {
         use rayon::prelude::*;
