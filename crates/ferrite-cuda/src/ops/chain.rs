@@ -5,7 +5,7 @@
 
 use super::{addr, as_u32, check_len, Glu, NormPrologue};
 use crate::error::CudaError;
-use crate::kernels::chain::{phase_tiling, plane_fields, ChainParams, ChainPhase, ChainVariant, MAX_PHASES};
+use crate::kernels::chain::{phase_tiling, plane_fields, ChainParams, ChainPhase, ChainVariant, PhaseTiling, MAX_PHASES};
 use crate::weight::{self, DeviceWeight};
 use crate::Gpu;
 use cudarc::driver::{CudaSlice, DevicePtr};
@@ -65,6 +65,11 @@ impl ChainBarrier {
 /// The kernel variant that runs these links as one launch on `gpu`, or why it cannot: the
 /// reason is for the caller's fallback message (the links then run one launch each).
 pub fn chain_variant(gpu: &Gpu, shapes: &[ChainShape]) -> Result<ChainVariant, String> {
+    chain_plan(gpu, shapes).map(|(variant, _)| variant)
+}
+
+/// [`chain_variant`] with each link's tiling.
+fn chain_plan(gpu: &Gpu, shapes: &[ChainShape]) -> Result<(ChainVariant, Vec<PhaseTiling>), String> {
     if !(2..=MAX_PHASES).contains(&shapes.len()) {
         return Err(format!("{} linears (a chain runs 2 to {MAX_PHASES})", shapes.len()));
     }
@@ -79,13 +84,15 @@ pub fn chain_variant(gpu: &Gpu, shapes: &[ChainShape]) -> Result<ChainVariant, S
     let Some(variant) = ChainVariant::new(dtype, max_cols) else {
         return Err(format!("inputs of {max_cols} columns leave no room for the weight stages in shared memory"));
     };
-    for s in shapes {
-        let out_rows = if s.gated { s.weight_rows / 2 } else { s.weight_rows };
-        if phase_tiling(dtype, out_rows, s.cols, s.gated, variant.stage_bytes as usize).is_none() {
-            return Err(format!("a {dtype} {}x{} weight does not stream in {}-byte stages", s.weight_rows, s.cols, variant.stage_bytes));
-        }
-    }
-    Ok(variant)
+    let tilings = shapes
+        .iter()
+        .map(|s| {
+            let out_rows = if s.gated { s.weight_rows / 2 } else { s.weight_rows };
+            phase_tiling(dtype, out_rows, s.cols, s.gated, variant.stage_bytes as usize)
+                .ok_or_else(|| format!("a {dtype} {}x{} weight does not stream in {}-byte stages", s.weight_rows, s.cols, variant.stage_bytes))
+        })
+        .collect::<Result<_, _>>()?;
+    Ok((variant, tilings))
 }
 
 /// The widest input, rounded so that the activation codes after the scales stay 16-byte aligned.
@@ -108,7 +115,7 @@ impl ChainLink<'_> {
 pub fn linear_chain(gpu: &Gpu, links: &[ChainLink], barrier: &mut ChainBarrier) -> Result<(), CudaError> {
     const OP: &str = "linear_chain";
     let shapes: Vec<ChainShape> = links.iter().map(ChainLink::shape).collect();
-    let variant = chain_variant(gpu, &shapes).map_err(|why| CudaError::invalid(OP, why))?;
+    let (variant, tilings) = chain_plan(gpu, &shapes).map_err(|why| CudaError::invalid(OP, why))?;
     let max_cols = max_cols(&shapes);
     let mut params = ChainParams {
         barrier: addr(gpu, &barrier.0),
@@ -116,7 +123,7 @@ pub fn linear_chain(gpu: &Gpu, links: &[ChainLink], barrier: &mut ChainBarrier) 
         max_cols: as_u32(OP, "columns", max_cols)?,
         ..Default::default()
     };
-    for (phase, link) in params.phases.iter_mut().zip(links) {
+    for ((phase, link), t) in params.phases.iter_mut().zip(links).zip(tilings) {
         let (rows, cols) = (link.out_rows(), link.w.cols);
         check_len(OP, "x", link.x.len, cols)?;
         if link.x.ptr % 16 != 0 {
@@ -135,7 +142,6 @@ pub fn linear_chain(gpu: &Gpu, links: &[ChainLink], barrier: &mut ChainBarrier) 
         if link.glu.is_some() && (link.bias.is_some() || link.residual.is_some()) {
             return Err(CudaError::invalid(OP, "a gated link takes no bias or residual"));
         }
-        let t = phase_tiling(link.w.dtype, rows, cols, link.glu.is_some(), variant.stage_bytes as usize).expect("checked by chain_variant");
         let [w0, w1, w2, w3] = link.w.plane_ptrs(gpu);
         let [field0, field1, field2, field3] = plane_fields(link.w.dtype);
         let [stage_off0, stage_off1, stage_off2, stage_off3] = t.stage_off;
