@@ -144,6 +144,9 @@ switches! {
     /// Per-op profiling.
     PROFILE = ("FERRITE_PROFILE", "0", Diagnostic,
         "1 prints a per-op time table when a backend closes (CPU: wall clock; CUDA: events around every op, which serialises them). Profiled numbers are NOT optimisation targets.");
+    /// In-kernel timeline of the CUDA stream.
+    CUDA_TIMELINE = ("FERRITE_CUDA_TIMELINE", "0", Diagnostic,
+        "1 compiles every CUDA kernel to note the GPU timer as it starts (after waiting for its predecessor) and prints, when the device is closed, the time each kernel adds to the stream with graph replay and dependent launch left on (FERRITE_PROFILE's events serialise the ops). Profiled numbers are NOT optimisation targets.");
     /// Force a CUDA linear-layer path.
     CUDA_LINEAR = ("FERRITE_CUDA_LINEAR", "auto", AbTest,
         "auto|gemv|gemm: gemv takes the quantized GEMV at every token count (float weights with cols % 32 != 0 still use GEMM), gemm takes dequantize + cuBLAS.");

@@ -8,6 +8,7 @@
 use crate::compile::{compile_cubin, require_nvrtc};
 use crate::error::{Context, CudaError};
 use crate::kernels::KernelVariant;
+use crate::timeline::{ModuleLabel, Timeline};
 use cudarc::driver::{CudaContext, CudaFunction, CudaModule};
 use cudarc::nvrtc::Ptx;
 use std::any::{Any, TypeId};
@@ -240,11 +241,23 @@ pub(crate) struct ModuleCache {
     /// TypeId of a variant type -> HashMap<Variant, Arc<LoadedModule>>.
     loaded: Mutex<HashMap<TypeId, Box<dyn Any + Send>>>,
     counters: Counters,
+    /// `FERRITE_CUDA_TIMELINE`: every module is compiled with `TIMELINE=1` and attached to it.
+    timeline: Option<Arc<Timeline>>,
 }
 
 impl ModuleCache {
-    pub(crate) fn new(ctx: Arc<CudaContext>, arch: String, nvrtc_version: (i32, i32), disk: Option<DiskCache>) -> Self {
-        ModuleCache { ctx, arch, nvrtc_version, disk, loaded: Mutex::default(), counters: Counters::default() }
+    pub(crate) fn new(
+        ctx: Arc<CudaContext>,
+        arch: String,
+        nvrtc_version: (i32, i32),
+        disk: Option<DiskCache>,
+        timeline: Option<Arc<Timeline>>,
+    ) -> Self {
+        ModuleCache { ctx, arch, nvrtc_version, disk, loaded: Mutex::default(), counters: Counters::default(), timeline }
+    }
+
+    pub(crate) fn timeline(&self) -> Option<&Timeline> {
+        self.timeline.as_deref()
     }
 
     pub(crate) fn stats(&self) -> CacheStats {
@@ -261,8 +274,14 @@ impl ModuleCache {
         self.disk.as_ref()
     }
 
+    /// The variant's NVRTC flags, plus the device-wide `TIMELINE=1` (common header) when the
+    /// timeline records: part of the cache key like every other flag.
     pub(crate) fn options<V: KernelVariant>(&self, variant: &V) -> Vec<String> {
-        nvrtc_options(variant, &self.arch)
+        let mut options = nvrtc_options(variant, &self.arch);
+        if self.timeline.is_some() {
+            options.push("-DTIMELINE=1".to_string());
+        }
+        options
     }
 
     pub(crate) fn key<V: KernelVariant>(&self, variant: &V) -> CacheKey {
@@ -297,7 +316,7 @@ impl ModuleCache {
         let key = CacheKey::new(V::FAMILY, &source, &options, self.nvrtc_version);
         if let Some(disk) = &self.disk {
             match disk.load(V::FAMILY, &key) {
-                DiskLookup::Hit(cubin) => match self.load::<V>(cubin) {
+                DiskLookup::Hit(cubin) => match self.load(variant, cubin) {
                     Ok(module) => {
                         self.counters.disk_hits.fetch_add(1, Ordering::Relaxed);
                         return Ok(module);
@@ -319,7 +338,7 @@ impl ModuleCache {
                 eprintln!("warning: {e}");
             }
         }
-        self.load::<V>(cubin)
+        self.load(variant, cubin)
     }
 
     fn corrupt(&self, reason: &str) {
@@ -327,11 +346,16 @@ impl ModuleCache {
         eprintln!("warning: corrupt kernel cache entry {reason}; rebuilding it");
     }
 
-    fn load<V: KernelVariant>(&self, cubin: Vec<u8>) -> Result<LoadedModule, CudaError> {
+    fn load<V: KernelVariant>(&self, variant: &V, cubin: Vec<u8>) -> Result<LoadedModule, CudaError> {
         let module = self
             .ctx
             .load_module(Ptx::from_binary(cubin))
             .context(|| format!("loading the CUBIN of kernel family {}", V::FAMILY))?;
+        if let Some(timeline) = &self.timeline {
+            let mut macros: Vec<(String, String)> = variant.macros().into_iter().map(|(k, v)| (k.to_string(), v)).collect();
+            macros.sort();
+            timeline.attach(&module, ModuleLabel { family: V::FAMILY, macros })?;
+        }
         let functions = V::ENTRY_POINTS
             .iter()
             .map(|&name| {

@@ -5,6 +5,7 @@ use crate::compile::{nvrtc_version, require_nvrtc, supported_archs};
 use crate::error::{Context, CudaError};
 use crate::kernels::common::{ERR_EXPERT_ID, ERR_POSITION, ERR_TOKEN_ID};
 use crate::kernels::KernelVariant;
+use crate::timeline::Timeline;
 use crate::ops::{AttentionGroups, AttentionPath, GdnPath, LinearOptions, MoePath};
 use crate::blas_lt::BlasLt;
 use cudarc::cublas::CudaBlas;
@@ -92,6 +93,9 @@ pub struct GpuOptions {
     pub attention_max_group: usize,
     /// The MoE expert path every batch takes (`None`: [`crate::ops::moe_plan`] decides).
     pub moe_path: Option<MoePath>,
+    /// Record every kernel's start on the GPU's timer and print the table when the `Gpu` is
+    /// dropped (`FERRITE_CUDA_TIMELINE`, see `timeline.rs`).
+    pub timeline: bool,
 }
 
 impl GpuOptions {
@@ -105,6 +109,7 @@ impl GpuOptions {
             attention_groups: AttentionGroups::from_env(),
             attention_max_group: env::CUDA_ATTENTION_MAX_GROUP.parse(8usize).clamp(1, 8),
             moe_path: MoePath::forced_by(env::CUDA_MOE_PATH.get().as_deref()),
+            timeline: env::CUDA_TIMELINE.flag(),
         }
     }
 }
@@ -137,6 +142,17 @@ pub struct Gpu {
     props: DeviceProps,
     stream: Arc<CudaStream>,
     ctx: Arc<CudaContext>,
+}
+
+impl Drop for Gpu {
+    /// With `FERRITE_CUDA_TIMELINE=1`, the timeline table of the process's kernels goes to stderr.
+    fn drop(&mut self) {
+        match self.timeline_report() {
+            Some(Ok(table)) => eprint!("{table}"),
+            Some(Err(e)) => eprintln!("warning: no kernel timeline: {e}"),
+            None => {}
+        }
+    }
 }
 
 impl Gpu {
@@ -175,7 +191,8 @@ impl Gpu {
             KernelCacheDir::Disk(dir) => Some(DiskCache::new(dir)),
             KernelCacheDir::Off => None,
         };
-        let modules = ModuleCache::new(ctx.clone(), format!("sm_{arch}"), nvrtc, disk);
+        let timeline = if options.timeline { Some(Arc::new(Timeline::new(stream.clone())?)) } else { None };
+        let modules = ModuleCache::new(ctx.clone(), format!("sm_{arch}"), nvrtc, disk, timeline);
         let error_flag = stream.alloc_zeros::<u32>(2).context(|| "allocating the device error flag".into())?;
         let (error_flag_ptr, _) = error_flag.device_ptr(&stream);
         Ok(Gpu {
@@ -201,6 +218,17 @@ impl Gpu {
 
     pub fn name(&self) -> String {
         self.props.name.clone()
+    }
+
+    /// With `FERRITE_CUDA_TIMELINE=1`: the table of the kernels launched so far, each with the
+    /// time it adds to the stream's critical path (waits for the stream).
+    pub fn timeline_report(&self) -> Option<Result<String, CudaError>> {
+        self.modules.timeline().map(|t| t.report())
+    }
+
+    /// With `FERRITE_CUDA_TIMELINE=1`: forget the launches recorded so far (stream-ordered).
+    pub fn timeline_reset(&self) -> Option<Result<(), CudaError>> {
+        self.modules.timeline().map(|t| t.reset())
     }
 
     pub fn sm_count(&self) -> u32 {

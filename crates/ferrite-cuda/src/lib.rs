@@ -20,6 +20,7 @@ mod executor;
 pub mod kernels;
 pub mod ops;
 mod staging;
+mod timeline;
 mod weight;
 
 pub use cache::{compile_variant, CacheKey, CacheStats, DiskCache, DiskLookup, KernelInfo};

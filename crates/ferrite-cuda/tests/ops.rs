@@ -3112,3 +3112,46 @@ fn every_kernel_variant_compiles_for_sm90() {
     }
     println!("compiled {compiled} kernel variants for sm_90");
 }
+
+/// `FERRITE_CUDA_TIMELINE`: each launch of a kernel compiled with the timeline notes its start,
+/// in stream order, under its module's label; the same op still computes the same result.
+#[test]
+fn timeline_notes_every_launch_in_order() {
+    if let Err(e) = cuda_available() {
+        let _ = writeln!(std::io::stderr(), "skipped: {e}");
+        return;
+    }
+    let gpu = Gpu::with_options(0, GpuOptions { timeline: true, ..GpuOptions::from_env() }).expect("open GPU");
+    let (rows, dim) = (4, 256);
+    let x: Vec<f32> = (0..rows * dim).map(|i| (i % 7) as f32 - 3.0).collect();
+    let w = vec![1.0f32; dim];
+    let (dx, dw) = (upload(&gpu, &x), upload(&gpu, &w));
+    let mut normed = poisoned(&gpu, rows * dim);
+    let mut acc = upload(&gpu, &vec![1.0f32; rows * dim]);
+    let mut step = |acc: &mut CudaSlice<f32>| {
+        ops::rms_norm(&gpu, &dx, &dw, 1e-5, rows, dim, false, &mut normed).unwrap();
+        ops::add(&gpu, acc, &normed, rows * dim).unwrap();
+    };
+    // Once to compile both modules (a compile is a host gap), then three times recorded.
+    step(&mut acc);
+    gpu.timeline_reset().expect("timeline on").unwrap();
+    for _ in 0..3 {
+        step(&mut acc);
+    }
+    let table = gpu.timeline_report().expect("timeline on").unwrap();
+    println!("{table}");
+    assert!(table.contains("(6 launches recorded)"), "{table}");
+    // Five gaps between six launches, each attributed to the kernel before it: norm after add
+    // twice, add after norm three times (minus the last, which has no successor: 2 + 2).
+    let launches = |family: &str, after: &str| {
+        table.lines().find(|l| l.starts_with(family) && l.split_whitespace().nth(1) == Some(after)).and_then(|l| l.split_whitespace().nth(2)).map(|n| n.parse::<u32>().unwrap())
+    };
+    assert_eq!(launches("norm", "(first)"), Some(1), "{table}");
+    assert_eq!(launches("norm", "activation"), Some(2), "{table}");
+    assert_eq!(launches("activation", "norm"), Some(2), "{table}");
+    let mut want = vec![0f32; rows * dim];
+    norm::rms_norm(&x, &w, 1e-5, &mut want);
+    let got = download(&gpu, &acc);
+    let expect: Vec<f32> = want.iter().map(|v| 1.0 + 4.0 * v).collect();
+    close("timeline", "norm + add x4", &got, &expect, 1e-5, 1e-6);
+}

@@ -81,9 +81,35 @@ __device__ __forceinline__ float gelu_tanh(float x) {
 // finished and its writes are visible, so every kernel calls it before it reads an activation
 // or writes anything (weights, which nothing writes, may be loaded before). `pdl_release` then
 // lets the next kernel be scheduled early. Both are no-ops for an ordinary launch.
+// FERRITE_CUDA_TIMELINE (see timeline.rs; the module cache defines TIMELINE=1 then): block
+// (0, 0, 0) of every kernel appends (%globaltimer, the module's tag) to the process's timeline
+// buffer as it passes the wait. `ferrite_timeline` holds the buffer's address and the tag; the
+// host writes both when it loads the module. Costs thread 0 one L2 atomic per launch.
+#ifndef TIMELINE
+#define TIMELINE 0
+#endif
+#if TIMELINE
+__device__ u64 ferrite_timeline[2];
+__device__ __forceinline__ void timeline_mark() {
+  if ((threadIdx.x | threadIdx.y | threadIdx.z | blockIdx.x | blockIdx.y | blockIdx.z) != 0) return;
+  u64* buf = reinterpret_cast<u64*>(ferrite_timeline[0]);
+  if (buf == nullptr) return;
+  u64 now;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+  const u32 i = atomicAdd(reinterpret_cast<u32*>(buf), 1u);
+  const u32 slots = reinterpret_cast<const u32*>(buf)[1];
+  if (i < slots) {
+    buf[2 + 2 * (u64)i] = now;
+    buf[3 + 2 * (u64)i] = ferrite_timeline[1];
+  }
+}
+#endif
 __device__ __forceinline__ void pdl_wait() {
 #if __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+#if TIMELINE
+  timeline_mark();
 #endif
 }
 __device__ __forceinline__ void pdl_release() {
