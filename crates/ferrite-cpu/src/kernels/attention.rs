@@ -124,27 +124,38 @@ pub(crate) fn attention_at<T: KvElem>(
             cache.len()
         );
     }
-    let group = nh / nkv;
-    out.par_chunks_mut(hd).enumerate().for_each(|(i, out)| {
-        let (t, h) = (i / nh, i % nh);
+    let (group, heads) = (nh / nkv, heads_per_task(nh / nkv));
+    out.par_chunks_mut(heads * hd).enumerate().for_each(|(i, out)| {
+        let (t, h) = (i / (nh / heads), i % (nh / heads) * heads);
         let pos = start_pos + t;
         let first = p.window.map_or(0, |w| (pos + 1).saturating_sub(w));
-        let query = &q[t * qw + h * hd..][..hd];
-        // This head's columns of the cache rows `first..=pos`: one run of rows.
+        let queries = &q[t * qw + h * hd..][..heads * hd];
+        // The KV head's columns of the cache rows `first..=pos`: one run of rows.
         let run = [(0, first * kvw + h / group * hd, pos + 1 - first)];
-        attend(level, p, query, k_cache, v_cache, kvw, &run, out);
+        attend(level, p, queries, k_cache, v_cache, kvw, &run, out);
     });
 }
 
-/// One query head over its cache rows, given as runs `(index among the rows, offset of the run's
-/// first row in the cache, rows)` that step `stride` floats per row: scores, soft-cap, softmax,
-/// then the weighted sum of the values, accumulated run by run in `out` and normalised with the
-/// last run (multiplying the others by 1.0 is exact, so one run or many give the same result).
+/// Query heads one task takes together: the largest divisor of the KV group up to
+/// [`MAX_HEADS`], so that each K and V row it loads serves them all.
+fn heads_per_task(group: usize) -> usize {
+    (1..=MAX_HEADS.min(group)).rev().find(|d| group.is_multiple_of(*d)).unwrap_or(1)
+}
+
+/// Most query heads of one KV group the loops run together (their accumulators stay in registers).
+const MAX_HEADS: usize = 4;
+
+/// Query heads of one KV group (`queries` and `out`: their rows of `head_dim` back to back) over
+/// their cache rows, given as runs `(index among the rows, offset of the run's first row in the
+/// cache, rows)` that step `stride` floats per row: scores, soft-cap, softmax, then the weighted
+/// sum of the values, accumulated run by run in `out` and normalised with the last run
+/// (multiplying the others by 1.0 is exact, so one run or many give the same result). A head's
+/// arithmetic does not depend on which heads share its call.
 #[allow(clippy::too_many_arguments)]
 fn attend<T: KvElem>(
     level: SimdLevel,
     p: &AttentionParams,
-    query: &[f32],
+    queries: &[f32],
     k: &[T],
     v: &[T],
     stride: usize,
@@ -152,24 +163,43 @@ fn attend<T: KvElem>(
     out: &mut [f32],
 ) {
     let hd = p.head_dim;
-    let kernels = Kernels::<T>::for_level(level, hd);
-    let n_rows = runs.iter().map(|r| r.2).sum();
-    let mut scores = vec![0f32; n_rows];
-    for &(at, offset, len) in runs {
+    let heads = queries.len() / hd;
+    let kernels = Kernels::<T>::for_level(level, hd, heads);
+    let n_rows: usize = runs.iter().map(|r| r.2).sum();
+    // Row g of `scores` holds head g's weights.
+    let mut scores = vec![0f32; heads * n_rows];
+    prefetch_run(k, runs.first(), stride, hd);
+    for (i, &(at, offset, len)) in runs.iter().enumerate() {
+        prefetch_run(k, runs.get(i + 1), stride, hd);
         let keys = &k[offset..offset + (len - 1) * stride + hd];
         // SAFETY: the callers checked that `level` is available.
-        unsafe { (kernels.scores)(query, keys, stride, p.scale, &mut scores[at..at + len]) };
+        unsafe { (kernels.scores)(queries, keys, stride, p.scale, &mut scores[at..], n_rows, len) };
     }
     if let Some(cap) = p.softcap {
         scores.iter_mut().for_each(|s| *s = cap * tanh(*s / cap));
     }
-    let sum = softmax_unnormalized(&mut scores);
+    let norms: Vec<f32> = scores.chunks_mut(n_rows).map(|row| 1.0 / softmax_unnormalized(row)).collect();
+    let ones = vec![1.0; heads];
+    prefetch_run(v, runs.first(), stride, hd);
     for (i, &(at, offset, len)) in runs.iter().enumerate() {
+        prefetch_run(v, runs.get(i + 1), stride, hd);
         let values = &v[offset..offset + (len - 1) * stride + hd];
-        let norm = if i + 1 == runs.len() { 1.0 / sum } else { 1.0 };
+        let norms = if i + 1 == runs.len() { &norms } else { &ones };
         // SAFETY: as above.
-        unsafe { (kernels.weighted_sum)(&scores[at..at + len], values, stride, norm, out, i > 0) };
+        unsafe { (kernels.weighted_sum)(&scores[at..], n_rows, len, values, stride, norms, out, i > 0) };
     }
+}
+
+/// Asks for the first rows of a run (the rows the loops' own prefetches do not reach), a head of
+/// `hd` elements each: the next block of a paged cache is anywhere in it.
+fn prefetch_run<T>(cache: &[T], run: Option<&(usize, usize, usize)>, stride: usize, hd: usize) {
+    #[cfg(target_arch = "x86_64")]
+    if let Some(&(_, offset, len)) = run {
+        for r in 0..len.min(x86::PREFETCH_ROWS) {
+            x86::prefetch_row(cache[offset + r * stride..].as_ptr(), hd);
+        }
+    }
+    let _ = (cache, run, stride, hd);
 }
 
 /// A paged KV cache: row `p` of a sequence is row `p % block_size` of physical block
@@ -222,13 +252,13 @@ pub(crate) fn attention_paged_at<T: KvElem>(level: SimdLevel, p: &AttentionParam
         }
         rows.extend((s.start_pos..kv_len).map(|pos| (i, pos)));
     }
-    let group = nh / nkv;
-    out.par_chunks_mut(hd).enumerate().for_each(|(i, out)| {
-        let (t, h) = (i / nh, i % nh);
+    let (group, heads) = (nh / nkv, heads_per_task(nh / nkv));
+    out.par_chunks_mut(heads * hd).enumerate().for_each(|(i, out)| {
+        let (t, h) = (i / (nh / heads), i % (nh / heads) * heads);
         let (seq, pos) = rows[t];
         let blocks = seqs[seq].blocks;
         let first = p.window.map_or(0, |w| (pos + 1).saturating_sub(w));
-        let query = &q[t * qw + h * hd..][..hd];
+        let queries = &q[t * qw + h * hd..][..heads * hd];
         let col = h / group * hd;
         // Runs of consecutive rows inside one block: (row in the sequence, offset in the cache,
         // length); allocated once at their final size (growing it cost a sixth of the op).
@@ -240,33 +270,51 @@ pub(crate) fn attention_paged_at<T: KvElem>(level: SimdLevel, p: &AttentionParam
             runs.push((r - first, (blocks[b] as usize * bs + off) * kvw + col, len));
             r += len;
         }
-        attend(level, p, query, kv.k, kv.v, kvw, &runs, out);
+        attend(level, p, queries, kv.k, kv.v, kvw, &runs, out);
     });
 }
 
-/// The two inner loops of one head: scores `q · k_j * scale` and `out = Σ_j w_j v_j * norm`.
-/// `keys`/`values` start at the head's first row and step `stride` elements per row. With its
-/// last argument set, `weighted_sum` adds to the sum already in `out` instead of starting from
-/// zero. Safety: the functions may use the CPU features of the level they were selected for.
+/// The two inner loops over the rows of a run, for the query heads of one call (their rows
+/// back to back in `queries`/`out`; row g of the weights at `g * ld`):
+/// `scores(queries, keys, stride, scale, scores, ld, len)` writes `q_g · k_j * scale` for the
+/// run's `len` rows, and `weighted_sum(weights, ld, len, values, stride, norms, out, accumulate)`
+/// sets (or, with its last argument, adds to) `out_g = Σ_j w_gj v_j`, then multiplies it by
+/// `norms[g]`. `keys`/`values` start at the run's first row and step `stride` elements per row.
+/// Safety: the functions may use the CPU features of the level they were selected for.
 struct Kernels<T> {
-    scores: unsafe fn(&[f32], &[T], usize, f32, &mut [f32]),
+    scores: Scores<T>,
     weighted_sum: WeightedSum<T>,
 }
 
-/// `(weights, values, stride, norm, out, accumulate)`.
-type WeightedSum<T> = unsafe fn(&[f32], &[T], usize, f32, &mut [f32], bool);
+type Scores<T> = unsafe fn(&[f32], &[T], usize, f32, &mut [f32], usize, usize);
+type WeightedSum<T> = unsafe fn(&[f32], usize, usize, &[T], usize, &[f32], &mut [f32], bool);
 
 impl<T: KvElem> Kernels<T> {
-    fn for_level(level: SimdLevel, head_dim: usize) -> Kernels<T> {
+    fn for_level(level: SimdLevel, head_dim: usize, heads: usize) -> Kernels<T> {
         #[cfg(target_arch = "x86_64")]
         if head_dim.is_multiple_of(x86::CHUNK) {
-            match level {
-                SimdLevel::Avx512Vnni => return Kernels { scores: x86::scores::<T, true>, weighted_sum: x86::weighted_sum::<T, true> },
-                SimdLevel::Avx2 => return Kernels { scores: x86::scores::<T, false>, weighted_sum: x86::weighted_sum::<T, false> },
-                _ => {}
+            // One monomorphic loop per head count, so that each head's accumulators are registers.
+            macro_rules! by_heads {
+                ($wide:literal) => {
+                    match heads {
+                        1 => Some(Kernels { scores: x86::scores::<T, $wide, 1>, weighted_sum: x86::weighted_sum::<T, $wide, 1> }),
+                        2 => Some(Kernels { scores: x86::scores::<T, $wide, 2>, weighted_sum: x86::weighted_sum::<T, $wide, 2> }),
+                        3 => Some(Kernels { scores: x86::scores::<T, $wide, 3>, weighted_sum: x86::weighted_sum::<T, $wide, 3> }),
+                        4 => Some(Kernels { scores: x86::scores::<T, $wide, 4>, weighted_sum: x86::weighted_sum::<T, $wide, 4> }),
+                        _ => None,
+                    }
+                };
+            }
+            let simd = match level {
+                SimdLevel::Avx512Vnni => by_heads!(true),
+                SimdLevel::Avx2 => by_heads!(false),
+                _ => None,
+            };
+            if let Some(k) = simd {
+                return k;
             }
         }
-        let _ = (level, head_dim);
+        let _ = (level, head_dim, heads);
         Kernels {
             scores: scores_portable::<T>,
             weighted_sum: weighted_sum_portable::<T>,
@@ -274,99 +322,122 @@ impl<T: KvElem> Kernels<T> {
     }
 }
 
-fn scores_portable<T: KvElem>(q: &[f32], keys: &[T], stride: usize, scale: f32, scores: &mut [f32]) {
-    let mut key = vec![0f32; q.len()];
-    for (j, s) in scores.iter_mut().enumerate() {
-        key.iter_mut().zip(&keys[j * stride..][..q.len()]).for_each(|(d, k)| *d = k.to_f32());
-        *s = fvec::dot(q, &key) * scale;
+fn scores_portable<T: KvElem>(queries: &[f32], keys: &[T], stride: usize, scale: f32, scores: &mut [f32], ld: usize, len: usize) {
+    if len == 0 {
+        return;
+    }
+    // `keys` ends with the last row's head.
+    let hd = keys.len() - (len - 1) * stride;
+    let mut key = vec![0f32; hd];
+    for j in 0..len {
+        key.iter_mut().zip(&keys[j * stride..][..hd]).for_each(|(d, k)| *d = k.to_f32());
+        for (g, q) in queries.chunks(hd).enumerate() {
+            scores[g * ld + j] = fvec::dot(q, &key) * scale;
+        }
     }
 }
 
+#[allow(clippy::too_many_arguments)]
 fn weighted_sum_portable<T: KvElem>(
     weights: &[f32],
+    ld: usize,
+    len: usize,
     values: &[T],
     stride: usize,
-    norm: f32,
+    norms: &[f32],
     out: &mut [f32],
     accumulate: bool,
 ) {
-    let hd = out.len();
+    let hd = out.len() / norms.len();
     if !accumulate {
         out.fill(0.0);
     }
-    for (j, &w) in weights.iter().enumerate() {
-        for (o, v) in out.iter_mut().zip(&values[j * stride..][..hd]) {
-            *o += w * v.to_f32();
+    for (g, out) in out.chunks_mut(hd).enumerate() {
+        for j in 0..len {
+            let w = weights[g * ld + j];
+            for (o, v) in out.iter_mut().zip(&values[j * stride..][..hd]) {
+                *o += w * v.to_f32();
+            }
         }
+        out.iter_mut().for_each(|o| *o *= norms[g]);
     }
-    out.iter_mut().for_each(|o| *o *= norm);
 }
 
-/// AVX2 loops over 64-dimension chunks held in eight registers, and AVX-512 ones holding them in
-/// four (half the conversions, multiply-adds and loop overhead per key: ~3% of an 8-sequence
-/// step at 64–104 positions, none measurable at 256+, where the cache reads bound it). One macro
-/// writes both over a vector-width module, as the row-group kernels are written.
+/// AVX2 and AVX-512 loops, written once by a macro over a vector-width module (as the row-group
+/// kernels are). Scores: a lane-wide vector of partial products per (head, row), `LANES` rows at
+/// a time, then one transposing reduction turns the `LANES` vectors into the `LANES` scores
+/// (about 3 instructions per score instead of a horizontal sum's 8-9). Weighted sums: each value
+/// row is loaded and converted once for all the heads of the call, whose sums stay in registers.
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use super::KvElem;
 
-    /// Dimensions per register-resident chunk.
+    /// The head size the loops need a multiple of (the weighted sum's pass over the dimensions).
     pub(super) const CHUNK: usize = 64;
 
     /// Safety: AVX2, FMA and F16C must be available, and AVX-512 F for the `WIDE` (512-bit)
     /// loops. Sizes are checked.
-    pub(super) unsafe fn scores<T: KvElem, const WIDE: bool>(
-        q: &[f32],
+    pub(super) unsafe fn scores<T: KvElem, const WIDE: bool, const G: usize>(
+        queries: &[f32],
         keys: &[T],
         stride: usize,
         scale: f32,
         scores: &mut [f32],
+        ld: usize,
+        len: usize,
     ) {
-        let n = scores.len();
+        let hd = queries.len() / G;
         assert!(
-            q.len().is_multiple_of(CHUNK) && (n == 0 || keys.len() >= (n - 1) * stride + q.len()),
+            queries.len() == G * hd
+                && hd.is_multiple_of(CHUNK)
+                && (len == 0 || (keys.len() >= (len - 1) * stride + hd && scores.len() >= (G - 1) * ld + len)),
             "attention scores: sizes"
         );
-        // SAFETY: the features per the caller; the reads stay within `q` and `keys` (checked
-        // above).
+        // SAFETY: the features per the caller; the reads and writes stay within the slices
+        // (checked above).
         if WIDE {
-            scores_avx512(q, keys, stride, scale, scores)
+            scores_avx512::<T, G>(queries, keys, stride, scale, scores, ld, len)
         } else {
-            scores_avx2(q, keys, stride, scale, scores)
+            scores_avx2::<T, G>(queries, keys, stride, scale, scores, ld, len)
         }
     }
 
     /// Safety: as [`scores`].
-    pub(super) unsafe fn weighted_sum<T: KvElem, const WIDE: bool>(
+    #[allow(clippy::too_many_arguments)]
+    pub(super) unsafe fn weighted_sum<T: KvElem, const WIDE: bool, const G: usize>(
         weights: &[f32],
+        ld: usize,
+        len: usize,
         values: &[T],
         stride: usize,
-        norm: f32,
+        norms: &[f32],
         out: &mut [f32],
         accumulate: bool,
     ) {
-        let n = weights.len();
+        let hd = out.len() / G;
         assert!(
-            out.len().is_multiple_of(CHUNK)
-                && (n == 0 || values.len() >= (n - 1) * stride + out.len()),
+            out.len() == G * hd
+                && norms.len() == G
+                && hd.is_multiple_of(CHUNK)
+                && (len == 0 || (values.len() >= (len - 1) * stride + hd && weights.len() >= (G - 1) * ld + len)),
             "attention sum: sizes"
         );
         // SAFETY: as in `scores`.
         if WIDE {
-            weighted_sum_avx512(weights, values, stride, norm, out, accumulate)
+            weighted_sum_avx512::<T, G>(weights, ld, len, values, stride, norms, out, accumulate)
         } else {
-            weighted_sum_avx2(weights, values, stride, norm, out, accumulate)
+            weighted_sum_avx2::<T, G>(weights, ld, len, values, stride, norms, out, accumulate)
         }
     }
 
     /// The vector width of a pair of loops: f32 intrinsics under one set of names (re-exports,
-    /// which inline into the `target_feature` loops), the cache loads and the horizontal sum.
+    /// which inline into the `target_feature` loops), the cache loads and the transposing sum.
     mod ymm {
         use super::KvElem;
         use std::arch::x86_64::*;
         pub use std::arch::x86_64::{
-            __m256 as F32s, _mm256_add_ps as add, _mm256_fmadd_ps as fmadd, _mm256_loadu_ps as load, _mm256_mul_ps as mul,
-            _mm256_set1_ps as set1, _mm256_setzero_ps as setzero, _mm256_storeu_ps as store,
+            __m256 as F32s, _mm256_fmadd_ps as fmadd, _mm256_loadu_ps as load, _mm256_mul_ps as mul, _mm256_set1_ps as set1,
+            _mm256_setzero_ps as setzero, _mm256_storeu_ps as store,
         };
         pub const LANES: usize = 8;
 
@@ -380,11 +451,18 @@ mod x86 {
             }
         }
 
+        /// Lane j of the result: the sum of the lanes of `v[j]`. Within each 128-bit half the
+        /// pairs are folded twice (rows 4i..4i+3 of a half side by side), then the halves added.
         #[inline(always)]
-        pub unsafe fn hsum(v: F32s) -> f32 {
-            let v = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
-            let v = _mm_add_ps(v, _mm_movehl_ps(v, v));
-            _mm_cvtss_f32(_mm_add_ss(v, _mm_movehdup_ps(v)))
+        pub unsafe fn sum_each(v: &[F32s; LANES]) -> F32s {
+            let fold = |a: F32s, b: F32s| _mm256_add_ps(_mm256_unpacklo_ps(a, b), _mm256_unpackhi_ps(a, b));
+            let r: [F32s; 4] = std::array::from_fn(|i| fold(v[2 * i], v[2 * i + 1]));
+            let pair = |x: F32s, y: F32s| {
+                let (x, y) = (_mm256_castps_pd(x), _mm256_castps_pd(y));
+                _mm256_add_ps(_mm256_castpd_ps(_mm256_unpacklo_pd(x, y)), _mm256_castpd_ps(_mm256_unpackhi_pd(x, y)))
+            };
+            let (s0, s1) = (pair(r[0], r[1]), pair(r[2], r[3]));
+            _mm256_add_ps(_mm256_permute2f128_ps::<0x20>(s0, s1), _mm256_permute2f128_ps::<0x31>(s0, s1))
         }
     }
 
@@ -392,8 +470,8 @@ mod x86 {
         use super::KvElem;
         use std::arch::x86_64::*;
         pub use std::arch::x86_64::{
-            __m512 as F32s, _mm512_add_ps as add, _mm512_fmadd_ps as fmadd, _mm512_loadu_ps as load, _mm512_mul_ps as mul,
-            _mm512_reduce_add_ps as hsum, _mm512_set1_ps as set1, _mm512_setzero_ps as setzero, _mm512_storeu_ps as store,
+            __m512 as F32s, _mm512_fmadd_ps as fmadd, _mm512_loadu_ps as load, _mm512_mul_ps as mul, _mm512_set1_ps as set1,
+            _mm512_setzero_ps as setzero, _mm512_storeu_ps as store,
         };
         pub const LANES: usize = 16;
 
@@ -406,51 +484,128 @@ mod x86 {
                 _mm512_loadu_ps(p as *const f32)
             }
         }
+
+        /// Lane j of the result: the sum of the lanes of `v[j]`. Pairs folded twice inside each
+        /// 128-bit lane (rows 4i..4i+3 side by side), then the four 128-bit lanes of each group
+        /// of four rows added across, in row order.
+        #[inline(always)]
+        pub unsafe fn sum_each(v: &[F32s; LANES]) -> F32s {
+            let fold = |a: F32s, b: F32s| _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+            let r: [F32s; 8] = std::array::from_fn(|i| fold(v[2 * i], v[2 * i + 1]));
+            let pair = |x: F32s, y: F32s| {
+                let (x, y) = (_mm512_castps_pd(x), _mm512_castps_pd(y));
+                _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)))
+            };
+            let s: [F32s; 4] = std::array::from_fn(|i| pair(r[2 * i], r[2 * i + 1]));
+            // 128-bit lanes (0, 2) and (1, 3) of two vectors, added: halves of each row group's sum.
+            let across = |a: F32s, b: F32s| _mm512_add_ps(_mm512_shuffle_f32x4::<0x88>(a, b), _mm512_shuffle_f32x4::<0xDD>(a, b));
+            across(across(s[0], s[1]), across(s[2], s[3]))
+        }
     }
 
-    /// The scores and weighted-sum loops at one vector width: a chunk of the query, or of the
-    /// output, in `CHUNK / LANES` registers.
+    /// Rows ahead whose cache lines the loops request (within their run; `attend` asks for the
+    /// next run's first rows): the rows of one head are a stride apart (the other KV heads'
+    /// columns between them), which the hardware prefetchers do not follow, and a batched
+    /// step's cache outgrows L2, so without this every row waits on L3.
+    pub(super) const PREFETCH_ROWS: usize = 4;
+
+    /// Asks for the cache lines of the `n` elements from `p`.
+    #[inline(always)]
+    pub(super) fn prefetch_row<T>(p: *const T, n: usize) {
+        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+        let bytes = n * std::mem::size_of::<T>();
+        for off in (0..bytes).step_by(64) {
+            // SAFETY: a prefetch is a hint: it never faults and reads nothing into the program.
+            unsafe { _mm_prefetch::<_MM_HINT_T0>((p as *const i8).wrapping_add(off)) };
+        }
+    }
+
+    /// The scores and weighted-sum loops at one vector width.
     macro_rules! attention_loops {
         ($scores:ident, $weighted_sum:ident, $features:literal, $width:ident) => {
             #[target_feature(enable = $features)]
-            unsafe fn $scores<T: KvElem>(q: &[f32], keys: &[T], stride: usize, scale: f32, scores: &mut [f32]) {
+            unsafe fn $scores<T: KvElem, const G: usize>(q: &[f32], keys: &[T], stride: usize, scale: f32, scores: &mut [f32], ld: usize, len: usize) {
                 use $width::*;
-                scores.fill(0.0);
-                for c in (0..q.len()).step_by(CHUNK) {
-                    let qv: [F32s; CHUNK / LANES] = std::array::from_fn(|i| load(q.as_ptr().add(c + LANES * i)));
-                    for (j, s) in scores.iter_mut().enumerate() {
-                        let k = keys.as_ptr().add(j * stride + c);
-                        // Two accumulation chains.
-                        let (mut a0, mut a1) = (mul(qv[0], load_kv(k)), mul(qv[1], load_kv(k.add(LANES))));
-                        for i in (2..CHUNK / LANES).step_by(2) {
-                            a0 = fmadd(qv[i], load_kv(k.add(LANES * i)), a0);
-                            a1 = fmadd(qv[i + 1], load_kv(k.add(LANES * i + LANES)), a1);
+                let hd = q.len() / G;
+                let scale = set1(scale);
+                // Per head, the partial-product vectors of the current LANES rows.
+                let mut part = [[setzero(); LANES]; G];
+                for j0 in (0..len).step_by(LANES) {
+                    let rows = LANES.min(len - j0);
+                    for (jj, r) in (j0..j0 + rows).enumerate() {
+                        let k = keys.as_ptr().add(r * stride);
+                        if r + PREFETCH_ROWS < len {
+                            prefetch_row(k.add(PREFETCH_ROWS * stride), hd);
                         }
-                        *s += hsum(add(a0, a1));
+                        let mut acc = [setzero(); G];
+                        for c in (0..hd).step_by(LANES) {
+                            let kv = load_kv(k.add(c));
+                            for (g, a) in acc.iter_mut().enumerate() {
+                                *a = fmadd(load(q.as_ptr().add(g * hd + c)), kv, *a);
+                            }
+                        }
+                        for g in 0..G {
+                            part[g][jj] = acc[g];
+                        }
+                    }
+                    for g in 0..G {
+                        part[g][rows..].fill(setzero());
+                        let sums = mul(sum_each(&part[g]), scale);
+                        let dst = scores.as_mut_ptr().add(g * ld + j0);
+                        if rows == LANES {
+                            store(dst, sums);
+                        } else {
+                            let mut tail = [0f32; LANES];
+                            store(tail.as_mut_ptr(), sums);
+                            std::ptr::copy_nonoverlapping(tail.as_ptr(), dst, rows);
+                        }
                     }
                 }
-                scores.iter_mut().for_each(|s| *s *= scale);
             }
 
             #[target_feature(enable = $features)]
-            unsafe fn $weighted_sum<T: KvElem>(weights: &[f32], values: &[T], stride: usize, norm: f32, out: &mut [f32], accumulate: bool) {
+            #[allow(clippy::too_many_arguments)]
+            unsafe fn $weighted_sum<T: KvElem, const G: usize>(
+                weights: &[f32],
+                ld: usize,
+                len: usize,
+                values: &[T],
+                stride: usize,
+                norms: &[f32],
+                out: &mut [f32],
+                accumulate: bool,
+            ) {
                 use $width::*;
-                for c in (0..out.len()).step_by(CHUNK) {
-                    let mut acc = [setzero(); CHUNK / LANES];
+                // Four vectors of each head's sum per pass: 4 x G accumulators in registers.
+                const VECS: usize = 4;
+                let hd = out.len() / G;
+                for c in (0..hd).step_by(VECS * LANES) {
+                    let mut acc = [[setzero(); VECS]; G];
                     if accumulate {
-                        for (i, a) in acc.iter_mut().enumerate() {
-                            *a = load(out.as_ptr().add(c + LANES * i));
+                        for (g, a) in acc.iter_mut().enumerate() {
+                            for (i, a) in a.iter_mut().enumerate() {
+                                *a = load(out.as_ptr().add(g * hd + c + LANES * i));
+                            }
                         }
                     }
-                    for (j, &w) in weights.iter().enumerate() {
-                        let (w, v) = (set1(w), values.as_ptr().add(j * stride + c));
-                        for (i, a) in acc.iter_mut().enumerate() {
-                            *a = fmadd(w, load_kv(v.add(LANES * i)), *a);
+                    for j in 0..len {
+                        let v = values.as_ptr().add(j * stride + c);
+                        if j + PREFETCH_ROWS < len {
+                            prefetch_row(v.add(PREFETCH_ROWS * stride), VECS * LANES);
+                        }
+                        let vv: [F32s; VECS] = std::array::from_fn(|i| load_kv(v.add(LANES * i)));
+                        for (g, a) in acc.iter_mut().enumerate() {
+                            let w = set1(*weights.get_unchecked(g * ld + j));
+                            for (a, v) in a.iter_mut().zip(&vv) {
+                                *a = fmadd(w, *v, *a);
+                            }
                         }
                     }
-                    let norm = set1(norm);
-                    for (i, a) in acc.iter().enumerate() {
-                        store(out.as_mut_ptr().add(c + LANES * i), mul(*a, norm));
+                    for (g, a) in acc.iter().enumerate() {
+                        let norm = set1(norms[g]);
+                        for (i, a) in a.iter().enumerate() {
+                            store(out.as_mut_ptr().add(g * hd + c + LANES * i), mul(*a, norm));
+                        }
                     }
                 }
             }
@@ -530,6 +685,11 @@ mod tests {
             (9, 3, 64, 13, 4, Some(6), None),
             (4, 1, 16, 0, 9, Some(3), Some(5.0f32)),
             (2, 2, 8, 30, 2, Some(1), None),
+            // Four heads per KV head (one call), one, and eight (two calls of four), over several
+            // batches of 16 rows and a partial one.
+            (8, 2, 64, 37, 5, None, None),
+            (4, 4, 64, 16, 17, None, None),
+            (8, 1, 128, 40, 3, Some(33), Some(20.0)),
         ];
         for (nh, nkv, hd, start, n, window, softcap) in cases {
             let p = AttentionParams {
@@ -573,7 +733,7 @@ mod tests {
 
     #[test]
     fn paged_attention_is_bit_identical_to_contiguous() {
-        let cases = [(9, 3, 64, 0, 1, None, 4), (9, 3, 64, 5, 7, None, 4), (4, 2, 128, 17, 3, None, 16), (9, 3, 64, 13, 4, Some(6), 3), (2, 1, 80, 2, 30, None, 5), (4, 1, 16, 6, 9, Some(3), 1)];
+        let cases = [(9, 3, 64, 0, 1, None, 4), (9, 3, 64, 5, 7, None, 4), (4, 2, 128, 17, 3, None, 16), (9, 3, 64, 13, 4, Some(6), 3), (2, 1, 80, 2, 30, None, 5), (4, 1, 16, 6, 9, Some(3), 1), (8, 2, 64, 37, 5, None, 16), (8, 1, 128, 40, 3, None, 7)];
         for (nh, nkv, hd, start, n, window, bs) in cases {
             let p = AttentionParams { window, ..AttentionParams::new(nh, nkv, hd) };
             let (kvw, kv_len) = (nkv * hd, start + n);
