@@ -124,7 +124,7 @@ pub(crate) fn attention_at<T: KvElem>(
             cache.len()
         );
     }
-    let (group, heads) = (nh / nkv, heads_per_task(nh / nkv));
+    let (group, heads) = (nh / nkv, heads_per_task(n_tokens, nh, nh / nkv));
     out.par_chunks_mut(heads * hd).enumerate().for_each(|(i, out)| {
         let (t, h) = (i / (nh / heads), i % (nh / heads) * heads);
         let pos = start_pos + t;
@@ -137,9 +137,17 @@ pub(crate) fn attention_at<T: KvElem>(
 }
 
 /// Query heads one task takes together: the largest divisor of the KV group up to
-/// [`MAX_HEADS`], so that each K and V row it loads serves them all.
-fn heads_per_task(group: usize) -> usize {
-    (1..=MAX_HEADS.min(group)).rev().find(|d| group.is_multiple_of(*d)).unwrap_or(1)
+/// [`MAX_HEADS`], so that each K and V row it loads serves them all, unless that leaves fewer
+/// than 4 tasks per thread of the pool for `rows` query rows: then one head per task, so that
+/// the threads share the work evenly (one sequence's decode step over a long context: 3 tasks on
+/// 2 threads took a third longer than 9).
+fn heads_per_task(rows: usize, n_heads: usize, group: usize) -> usize {
+    let heads = (1..=MAX_HEADS.min(group)).rev().find(|d| group.is_multiple_of(*d)).unwrap_or(1);
+    if rows * n_heads / heads >= 4 * rayon::current_num_threads() {
+        heads
+    } else {
+        1
+    }
 }
 
 /// Most query heads of one KV group the loops run together (their accumulators stay in registers).
@@ -252,7 +260,7 @@ pub(crate) fn attention_paged_at<T: KvElem>(level: SimdLevel, p: &AttentionParam
         }
         rows.extend((s.start_pos..kv_len).map(|pos| (i, pos)));
     }
-    let (group, heads) = (nh / nkv, heads_per_task(nh / nkv));
+    let (group, heads) = (nh / nkv, heads_per_task(n_rows, nh, nh / nkv));
     out.par_chunks_mut(heads * hd).enumerate().for_each(|(i, out)| {
         let (t, h) = (i / (nh / heads), i % (nh / heads) * heads);
         let (seq, pos) = rows[t];
@@ -669,6 +677,25 @@ mod tests {
         out
     }
 
+    fn pool(threads: usize) -> rayon::ThreadPool {
+        rayon::ThreadPoolBuilder::new().num_threads(threads).build().expect("thread pool")
+    }
+
+    #[test]
+    fn heads_share_a_call_when_there_are_tasks_enough() {
+        // SmolLM2 (3 heads per KV head) on 2 threads: one decode row gives 3 grouped tasks,
+        // too few; 8 rows give 24.
+        pool(2).install(|| {
+            assert_eq!(heads_per_task(1, 9, 3), 1);
+            assert_eq!(heads_per_task(8, 9, 3), 3);
+        });
+        // Groups of 8 heads run 4 to a call; groups of 5 one (no divisor up to 4 but 1).
+        pool(1).install(|| {
+            assert_eq!(heads_per_task(8, 32, 8), 4);
+            assert_eq!(heads_per_task(8, 10, 5), 1);
+        });
+    }
+
     fn values(n: usize, seed: usize) -> Vec<f32> {
         (0..n)
             .map(|i| (((i * 7919 + seed * 104729) % 1000) as f32 / 500.0 - 1.0) * 1.5)
@@ -709,6 +736,13 @@ mod tests {
                 let (mut out, mut out16) = (vec![0f32; q.len()], vec![0f32; q.len()]);
                 attention_at(level, &p, &q, &k, &v, start, n, &mut out);
                 attention_at(level, &p, &q, &k16, &v16, start, n, &mut out16);
+                // On one thread most cases run a KV group's heads in one call, on 64 threads one
+                // head per call: the same bits either way.
+                for threads in [1, 64] {
+                    let mut again = vec![0f32; q.len()];
+                    pool(threads).install(|| attention_at(level, &p, &q, &k16, &v16, start, n, &mut again));
+                    assert_eq!(again, out16, "{level:?} case {nh}/{nkv}/{hd} start {start}: {threads} threads");
+                }
                 for (i, ((got, want), (got16, want16))) in out.iter().zip(&want).zip(out16.iter().zip(&want16)).enumerate() {
                     // Outputs are convex combinations of values within ±1.5; f32 scores with
                     // |q·k| <= 64 * 2.25 carry ~1e-5 of rounding.
