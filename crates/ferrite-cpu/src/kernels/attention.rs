@@ -1,6 +1,6 @@
 //! Causal grouped-query attention over an f32 or f16 KV cache ([`KvElem`]).
 
-use super::activation::softmax_unnormalized;
+use super::activation::{exp_shifted, softmax_unnormalized};
 use super::fvec;
 use super::simd::{simd_level, SimdLevel};
 use rayon::prelude::*;
@@ -124,26 +124,118 @@ pub(crate) fn attention_at<T: KvElem>(
             cache.len()
         );
     }
-    let (group, heads) = (nh / nkv, heads_per_task(n_tokens, nh, nh / nkv));
-    out.par_chunks_mut(heads * hd).enumerate().for_each(|(i, out)| {
-        let (t, h) = (i / (nh / heads), i % (nh / heads) * heads);
-        let pos = start_pos + t;
-        let first = p.window.map_or(0, |w| (pos + 1).saturating_sub(w));
-        let queries = &q[t * qw + h * hd..][..heads * hd];
-        // The KV head's columns of the cache rows `first..=pos`: one run of rows.
-        let run = [(0, first * kvw + h / group * hd, pos + 1 - first)];
-        attend(level, p, queries, k_cache, v_cache, kvw, &run, out);
+    let keys: Vec<(usize, usize)> = (start_pos..kv_len).map(|pos| (p.window.map_or(0, |w| (pos + 1).saturating_sub(w)), pos + 1)).collect();
+    // A KV head's columns of the cache rows `begin..end`: one run of rows.
+    let runs = |_: usize, col: usize, begin: usize, end: usize| [(0, begin * kvw + col, end - begin)];
+    attend_rows(level, p, q, k_cache, v_cache, &keys, &runs, out);
+}
+
+/// Keys per part of a query row's keys: rows with more are split into parts of at most this many,
+/// run as tasks of their own and merged (flash-decoding), so that one sequence's decode step
+/// deep in a context has work for every thread. The split depends on the key count only, so the
+/// results do not depend on the thread count.
+const SPLIT_KEYS: usize = 512;
+
+/// Attention of the query rows of `q` whose keys are `keys[t] = (first, end)`, in parallel over
+/// (row, query heads of a call, part of the keys). `runs_of(t, col, begin, end)` gives the
+/// cache runs of row t's keys `begin..end` in one KV head's columns `col`: `(index among those
+/// keys, offset of the run's first row in the cache, rows)`.
+#[allow(clippy::too_many_arguments)]
+fn attend_rows<T: KvElem, R: AsRef<[(usize, usize, usize)]>>(
+    level: SimdLevel,
+    p: &AttentionParams,
+    q: &[f32],
+    k: &[T],
+    v: &[T],
+    keys: &[(usize, usize)],
+    runs_of: &(impl Fn(usize, usize, usize, usize) -> R + Sync),
+    out: &mut [f32],
+) {
+    let (nh, hd, kvw) = (p.n_heads, p.head_dim, p.n_kv_heads * p.head_dim);
+    let (qw, group) = (nh * hd, nh / p.n_kv_heads);
+    let parts: Vec<usize> = keys.iter().map(|&(first, end)| (end - first).div_ceil(SPLIT_KEYS)).collect();
+    let total_parts: usize = parts.iter().sum();
+    let heads = heads_per_task(total_parts, nh, group);
+    let calls = nh / heads; // calls per row (and per part)
+    // The query heads h.. of row t over its keys begin..end.
+    let call = |t: usize, h: usize, begin: usize, end: usize, out: &mut [f32], state: Option<&mut [(f32, f32)]>| {
+        let runs = runs_of(t, h / group * hd, begin, end);
+        attend(level, p, &q[t * qw + h * hd..][..heads * hd], k, v, kvw, runs.as_ref(), out, state);
+    };
+    if total_parts == keys.len() {
+        out.par_chunks_mut(heads * hd).enumerate().for_each(|(i, out)| {
+            let t = i / calls;
+            call(t, i % calls * heads, keys[t].0, keys[t].1, out, None);
+        });
+        return;
+    }
+    // Part `part` of row t's keys, for the call's heads from h: its unnormalised sums and states.
+    let part_of = |t: usize, h: usize, part: usize, sums: &mut [f32], state: &mut [(f32, f32)]| {
+        let ((first, end), n) = (keys[t], parts[t]);
+        let len = end - first;
+        call(t, h, first + part * len / n, first + (part + 1) * len / n, sums, Some(state));
+    };
+    let merge = |sums: &[f32], states: &[(f32, f32)], out: &mut [f32]| merge_parts(sums, states, heads, out);
+    if keys.len() * calls >= 2 * rayon::current_num_threads() {
+        // Tasks enough without splitting them: each call runs its parts in turn, then merges.
+        out.par_chunks_mut(heads * hd).enumerate().for_each(|(i, out)| {
+            let (t, h) = (i / calls, i % calls * heads);
+            let mut sums = vec![0f32; parts[t] * heads * hd];
+            let mut states = vec![(0f32, 0f32); parts[t] * heads];
+            for (part, (sums, state)) in sums.chunks_mut(heads * hd).zip(states.chunks_mut(heads)).enumerate() {
+                part_of(t, h, part, sums, state);
+            }
+            merge(&sums, &states, out);
+        });
+        return;
+    }
+    // Each part a task of its own, in (row, call, part) order (row t's first at `first_task[t]`),
+    // then the merges.
+    let first_task: Vec<usize> = parts.iter().scan(0, |n, &pt| { let at = *n; *n += pt * calls; Some(at) }).collect();
+    let n_tasks = total_parts * calls;
+    let mut sums = vec![0f32; n_tasks * heads * hd];
+    let mut states = vec![(0f32, 0f32); n_tasks * heads];
+    sums.par_chunks_mut(heads * hd).zip(states.par_chunks_mut(heads)).enumerate().for_each(|(i, (sums, state))| {
+        let t = first_task.partition_point(|&f| f <= i) - 1;
+        let (c, part) = ((i - first_task[t]) / parts[t], (i - first_task[t]) % parts[t]);
+        part_of(t, c * heads, part, sums, state);
     });
+    out.par_chunks_mut(heads * hd).enumerate().for_each(|(i, out)| {
+        let (t, c) = (i / calls, i % calls);
+        let at = first_task[t] + c * parts[t];
+        merge(&sums[at * heads * hd..(at + parts[t]) * heads * hd], &states[at * heads..(at + parts[t]) * heads], out);
+    });
+}
+
+/// The softmax over all of a call's parts: each head's parts rescaled to their largest maximum
+/// (`sums`: the parts' unnormalised sums, `heads` rows of `out`'s head size each; `states`: their
+/// (maximum, sum of exponentials) per head). With one part this is the unsplit arithmetic: a
+/// weight of exactly 1, then the same `1 / sum`.
+fn merge_parts(sums: &[f32], states: &[(f32, f32)], heads: usize, out: &mut [f32]) {
+    let hd = out.len() / heads;
+    for (g, out) in out.chunks_mut(hd).enumerate() {
+        let parts = || states.iter().skip(g).step_by(heads).zip(sums.chunks(heads * hd).map(|s| &s[g * hd..][..hd]));
+        let max = parts().map(|(st, _)| st.0).fold(f32::NEG_INFINITY, f32::max);
+        out.fill(0.0);
+        let mut sum = 0.0;
+        for (&(m, l), part) in parts() {
+            let w = if m == max { 1.0 } else { fvec::exp(m - max) };
+            sum += w * l;
+            out.iter_mut().zip(part).for_each(|(o, &x)| *o += w * x);
+        }
+        let inv = 1.0 / sum;
+        out.iter_mut().for_each(|o| *o *= inv);
+    }
 }
 
 /// Query heads one task takes together: the largest divisor of the KV group up to
 /// [`MAX_HEADS`], so that each K and V row it loads serves them all, unless that leaves fewer
-/// than 4 tasks per thread of the pool for `rows` query rows: then one head per task, so that
-/// the threads share the work evenly (one sequence's decode step over a long context: 3 tasks on
-/// 2 threads took a third longer than 9).
+/// than 2 tasks per thread of the pool for `rows` query rows (or parts of rows): then one head
+/// per task, so that the threads share the work evenly (one sequence's decode step over 1 000
+/// positions: 3 tasks on 2 threads took a third longer than 9).
 fn heads_per_task(rows: usize, n_heads: usize, group: usize) -> usize {
     let heads = (1..=MAX_HEADS.min(group)).rev().find(|d| group.is_multiple_of(*d)).unwrap_or(1);
-    if rows * n_heads / heads >= 4 * rayon::current_num_threads() {
+    if rows * n_heads / heads >= 2 * rayon::current_num_threads() {
         heads
     } else {
         1
@@ -157,8 +249,10 @@ const MAX_HEADS: usize = 4;
 /// their cache rows, given as runs `(index among the rows, offset of the run's first row in the
 /// cache, rows)` that step `stride` floats per row: scores, soft-cap, softmax, then the weighted
 /// sum of the values, accumulated run by run in `out` and normalised with the last run
-/// (multiplying the others by 1.0 is exact, so one run or many give the same result). A head's
-/// arithmetic does not depend on which heads share its call.
+/// (multiplying the others by 1.0 is exact, so one run or many give the same result). With a
+/// `state` (one part of split keys) the sums stay unnormalised and each head's (maximum score,
+/// sum of exponentials) goes there. A head's arithmetic does not depend on which heads share
+/// its call.
 #[allow(clippy::too_many_arguments)]
 fn attend<T: KvElem>(
     level: SimdLevel,
@@ -169,6 +263,7 @@ fn attend<T: KvElem>(
     stride: usize,
     runs: &[(usize, usize, usize)],
     out: &mut [f32],
+    state: Option<&mut [(f32, f32)]>,
 ) {
     let hd = p.head_dim;
     let heads = queries.len() / hd;
@@ -186,13 +281,24 @@ fn attend<T: KvElem>(
     if let Some(cap) = p.softcap {
         scores.iter_mut().for_each(|s| *s = cap * tanh(*s / cap));
     }
-    let norms: Vec<f32> = scores.chunks_mut(n_rows).map(|row| 1.0 / softmax_unnormalized(row)).collect();
-    let ones = vec![1.0; heads];
+    // (Heads of one call: at most MAX_HEADS, so these live on the stack.)
+    let ones = [1.0; MAX_HEADS];
+    let mut norms = ones;
+    match state {
+        None => scores.chunks_mut(n_rows).zip(&mut norms).for_each(|(row, n)| *n = 1.0 / softmax_unnormalized(row)),
+        Some(state) => {
+            for (row, st) in scores.chunks_mut(n_rows).zip(state.iter_mut()) {
+                let max = fvec::max(row);
+                *st = (max, exp_shifted(row, max, 1.0));
+            }
+        }
+    }
+    let (ones, norms) = (&ones[..heads], &norms[..heads]);
     prefetch_run(v, runs.first(), stride, hd);
     for (i, &(at, offset, len)) in runs.iter().enumerate() {
         prefetch_run(v, runs.get(i + 1), stride, hd);
         let values = &v[offset..offset + (len - 1) * stride + hd];
-        let norms = if i + 1 == runs.len() { &norms } else { &ones };
+        let norms = if i + 1 == runs.len() { norms } else { ones };
         // SAFETY: as above.
         unsafe { (kernels.weighted_sum)(&scores[at..], n_rows, len, values, stride, norms, out, i > 0) };
     }
@@ -260,26 +366,22 @@ pub(crate) fn attention_paged_at<T: KvElem>(level: SimdLevel, p: &AttentionParam
         }
         rows.extend((s.start_pos..kv_len).map(|pos| (i, pos)));
     }
-    let (group, heads) = (nh / nkv, heads_per_task(n_rows, nh, nh / nkv));
-    out.par_chunks_mut(heads * hd).enumerate().for_each(|(i, out)| {
-        let (t, h) = (i / (nh / heads), i % (nh / heads) * heads);
-        let (seq, pos) = rows[t];
-        let blocks = seqs[seq].blocks;
-        let first = p.window.map_or(0, |w| (pos + 1).saturating_sub(w));
-        let queries = &q[t * qw + h * hd..][..heads * hd];
-        let col = h / group * hd;
-        // Runs of consecutive rows inside one block: (row in the sequence, offset in the cache,
-        // length); allocated once at their final size (growing it cost a sixth of the op).
-        let mut runs = Vec::with_capacity((pos - first) / bs + 2);
-        let mut r = first;
-        while r <= pos {
+    let keys: Vec<(usize, usize)> = rows.iter().map(|&(_, pos)| (p.window.map_or(0, |w| (pos + 1).saturating_sub(w)), pos + 1)).collect();
+    // Runs of consecutive rows inside one block: (key index, offset in the cache, length);
+    // allocated once at their final size (growing it cost a sixth of the op).
+    let runs = |t: usize, col: usize, begin: usize, end: usize| {
+        let blocks = seqs[rows[t].0].blocks;
+        let mut runs = Vec::with_capacity((end - begin) / bs + 2);
+        let mut r = begin;
+        while r < end {
             let (b, off) = (r / bs, r % bs);
-            let len = (bs - off).min(pos + 1 - r);
-            runs.push((r - first, (blocks[b] as usize * bs + off) * kvw + col, len));
+            let len = (bs - off).min(end - r);
+            runs.push((r - begin, (blocks[b] as usize * bs + off) * kvw + col, len));
             r += len;
         }
-        attend(level, p, queries, kv.k, kv.v, kvw, &runs, out);
-    });
+        runs
+    };
+    attend_rows(level, p, q, kv.k, kv.v, &keys, &runs, out);
 }
 
 /// The two inner loops over the rows of a run, for the query heads of one call (their rows
@@ -684,14 +786,14 @@ mod tests {
     #[test]
     fn heads_share_a_call_when_there_are_tasks_enough() {
         // SmolLM2 (3 heads per KV head) on 2 threads: one decode row gives 3 grouped tasks,
-        // too few; 8 rows give 24.
+        // too few; 2 rows (or parts of a row's keys) give 6.
         pool(2).install(|| {
             assert_eq!(heads_per_task(1, 9, 3), 1);
-            assert_eq!(heads_per_task(8, 9, 3), 3);
+            assert_eq!(heads_per_task(2, 9, 3), 3);
         });
         // Groups of 8 heads run 4 to a call; groups of 5 one (no divisor up to 4 but 1).
         pool(1).install(|| {
-            assert_eq!(heads_per_task(8, 32, 8), 4);
+            assert_eq!(heads_per_task(1, 32, 8), 4);
             assert_eq!(heads_per_task(8, 10, 5), 1);
         });
     }
@@ -717,6 +819,11 @@ mod tests {
             (8, 2, 64, 37, 5, None, None),
             (4, 4, 64, 16, 17, None, None),
             (8, 1, 128, 40, 3, Some(33), Some(20.0)),
+            // Keys split into parts (over SPLIT_KEYS) and merged: 3 parts, a windowed 2 with a
+            // soft cap, rows of 2 and 3 parts side by side.
+            (9, 3, 64, 600, 2, None, None),
+            (8, 2, 128, 300, 1, Some(290), Some(30.0)),
+            (4, 2, 64, 500, 30, None, None),
         ];
         for (nh, nkv, hd, start, n, window, softcap) in cases {
             let p = AttentionParams {
@@ -767,7 +874,7 @@ mod tests {
 
     #[test]
     fn paged_attention_is_bit_identical_to_contiguous() {
-        let cases = [(9, 3, 64, 0, 1, None, 4), (9, 3, 64, 5, 7, None, 4), (4, 2, 128, 17, 3, None, 16), (9, 3, 64, 13, 4, Some(6), 3), (2, 1, 80, 2, 30, None, 5), (4, 1, 16, 6, 9, Some(3), 1), (8, 2, 64, 37, 5, None, 16), (8, 1, 128, 40, 3, None, 7)];
+        let cases = [(9, 3, 64, 0, 1, None, 4), (9, 3, 64, 5, 7, None, 4), (4, 2, 128, 17, 3, None, 16), (9, 3, 64, 13, 4, Some(6), 3), (2, 1, 80, 2, 30, None, 5), (4, 1, 16, 6, 9, Some(3), 1), (8, 2, 64, 37, 5, None, 16), (8, 1, 128, 40, 3, None, 7), (9, 3, 64, 520, 3, None, 16), (4, 2, 64, 700, 2, Some(300), 5)];
         for (nh, nkv, hd, start, n, window, bs) in cases {
             let p = AttentionParams { window, ..AttentionParams::new(nh, nkv, hd) };
             let (kvw, kv_len) = (nkv * hd, start + n);
