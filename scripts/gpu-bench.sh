@@ -6,6 +6,9 @@
 #
 #   scripts/gpu-bench.sh [SHAPE:DTYPE ...]
 #   BENCH_ARGS="-p 0 -n 64 -r 3 --seqs 8,64" scripts/gpu-bench.sh llama-3.1-8b:Q4_0   # other tests
+#   TIMELINE=1 BENCH_ARGS="-p 0 -n 128 -r 3" scripts/gpu-bench.sh   # then each again with
+#       FERRITE_CUDA_TIMELINE=1: what each kernel adds to a replayed step (docs/kernels.md;
+#       orientation only, the recording costs an atomic per launch)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source scripts/gpu-env.sh >/dev/null
@@ -22,5 +25,9 @@ for m in "${models[@]}"; do
     [ -f "$f" ] || .device/ferrite synth --shape "$shape" --dtype "$dtype" -o "$f" >/dev/null || { status=1; continue; }
     echo "== $shape $dtype: ferrite bench --backend cuda ${bench_args[*]}"
     .device/ferrite bench --model "$f" --backend cuda "${bench_args[@]}" 2>&1 | grep -E '^\| (synthetic|pp|tg)|ceilings|error' || status=1
+    if [ "${TIMELINE:-0}" = 1 ]; then
+        FERRITE_CUDA_TIMELINE=1 .device/ferrite bench --model "$f" --backend cuda "${bench_args[@]}" 2>&1 \
+            | sed -n -e '/^error/p' -e '/^kernel timeline/,$p' || status=1
+    fi
 done
 exit $status
