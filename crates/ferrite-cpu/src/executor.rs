@@ -5,6 +5,7 @@
 //! GGUF weights with SIMD integer dot products.
 
 use crate::kernels::{self, activation, attention::{AttentionParams, KvElem, PagedKv, PagedSeq}, gdn, moe, norm, rope::Rope, WeightView};
+use rayon::prelude::*;
 use anyhow::{anyhow, bail, Context};
 use half::slice::HalfFloatSliceExt;
 use ferrite_gguf::TensorInfo;
@@ -584,18 +585,18 @@ impl CpuExecutor {
                     let tmp = &mut buf.scratch2;
                     tmp.resize(r * spec.rows, 0.0);
                     self.matmul(w, xin, r, tmp)?;
-                    for (t, row) in tmp.chunks(spec.rows).enumerate() {
-                        gated_activation(act)(&row[..half], &row[half..], &mut out[t * half..(t + 1) * half]);
-                    }
+                    let act = gated_activation(act);
+                    kernels::for_each_row(&mut out[..r * half], half, |t, out| {
+                        let row = &tmp[t * spec.rows..(t + 1) * spec.rows];
+                        act(&row[..half], &row[half..], out);
+                    });
                 }
                 Op::Rope { x, col, n_heads, ref rope } => {
                     // In place: `out` *is* x's buffer.
                     let w = width(x);
                     let rope = self.rope(rope);
                     let span = n_heads * rope.head_dim;
-                    for (t, row) in out[..n * w].chunks_mut(w).enumerate() {
-                        rope.apply(&mut row[col..col + span], n_heads, &positions[t..t + 1]);
-                    }
+                    kernels::for_each_row(&mut out[..n * w], w, |t, row| rope.apply(&mut row[col..col + span], n_heads, &positions[t..t + 1]));
                 }
                 Op::HeadNorm { x, col, n_heads, norm } => {
                     // In place: `out` *is* x's buffer; each head is normalised from a copy.
@@ -623,13 +624,27 @@ impl CpuExecutor {
                         window,
                         softcap: None,
                     };
-                    // Each row's Q (rotated) to scratch and K/V (rotated) into its cache row,
-                    // sequence by sequence; then attention over every row at once.
+                    // Each row's q | k rotated in f32 (before the cache rounds K) in scratch2, Q
+                    // also copied to scratch, the rows side by side; then K and V into each row's
+                    // cache row, sequence by sequence; then attention over every row at once.
                     let n_rows = n;
-                    let q = &mut buf.scratch;
+                    let (q, qk) = (&mut buf.scratch, &mut buf.scratch2);
                     q.resize(n_rows * qw, 0.0);
-                    // A row's Q and K, rotated in f32 (before the cache rounds K).
-                    let mut qk_row = vec![0f32; qw + kvw];
+                    qk.resize(n_rows * (qw + kvw), 0.0);
+                    let rotate = |t: usize, q: &mut [f32], qk: &mut [f32]| {
+                        qk.copy_from_slice(&src[t * w..t * w + qw + kvw]);
+                        if let Some(rope) = &rope {
+                            // The same rotation as a separate Rope op; q | k as one row of heads,
+                            // so the angles are computed once.
+                            rope.apply(qk, a.n_heads + a.n_kv_heads, &positions[t..t + 1]);
+                        }
+                        q.copy_from_slice(&qk[..qw]);
+                    };
+                    if n_rows >= kernels::PAR_MIN_ROWS {
+                        q.par_chunks_mut(qw).zip(qk.par_chunks_mut(qw + kvw)).enumerate().for_each(|(t, (q, qk))| rotate(t, q, qk));
+                    } else {
+                        q.chunks_mut(qw).zip(qk.chunks_mut(qw + kvw)).enumerate().for_each(|(t, (q, qk))| rotate(t, q, qk));
+                    }
                     for seq in step.seqs {
                         let (start_pos, n) = (seq.start_pos, seq.n);
                         let rows = seq.first_row..seq.first_row + n;
@@ -649,17 +664,9 @@ impl CpuExecutor {
                             _ => {}
                         }
                         for t in rows.clone() {
-                            let row = &src[t * w..(t + 1) * w];
                             let p = cache_row(start_pos + t - rows.start) * kvw;
-                            // q | k as one row of heads: one computation of the angles.
-                            qk_row.copy_from_slice(&row[..qw + kvw]);
-                            if let Some(rope) = &rope {
-                                // The same rotation as a separate Rope op, on the copies.
-                                rope.apply(&mut qk_row, a.n_heads + a.n_kv_heads, &positions[t..t + 1]);
-                            }
-                            q[t * qw..(t + 1) * qw].copy_from_slice(&qk_row[..qw]);
-                            buf.k_cache[layer].store(p, &qk_row[qw..]);
-                            buf.v_cache[layer].store(p, &row[qw + kvw..qw + 2 * kvw]);
+                            buf.k_cache[layer].store(p, &buf.scratch2[t * (qw + kvw) + qw..(t + 1) * (qw + kvw)]);
+                            buf.v_cache[layer].store(p, &src[t * w + qw + kvw..t * w + qw + 2 * kvw]);
                         }
                     }
                     let q = &buf.scratch[..n_rows * qw];
@@ -677,10 +684,10 @@ impl CpuExecutor {
                     });
                     let (w2, src) = (width(x), input(x));
                     let w = w2 / 2;
-                    for t in 0..rows(x) {
+                    kernels::for_each_row(&mut out[..rows(x) * w], w, |t, out| {
                         let row = &src[t * w2..(t + 1) * w2];
-                        act(&row[..w], &row[w..], &mut out[t * w..(t + 1) * w]);
-                    }
+                        act(&row[..w], &row[w..], out);
+                    });
                 }
                 Op::Add { a, b, .. } => {
                     let len = rows(a) * width(a);

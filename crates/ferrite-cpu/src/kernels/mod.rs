@@ -23,6 +23,24 @@ pub use matmul::{matmul, matmul_f32, matmul_with};
 pub use row_groups::RowGroups;
 
 use ferrite_gguf::GgmlType;
+use rayon::prelude::*;
+
+/// Rows from which the element-wise row loops (norms, gated activations, RoPE, the activation
+/// quantizer) run on the pool: a prompt's rows spent ~12% of a 128-token prefill on one thread
+/// while the others waited. Decode steps (one row per sequence) stay on the calling thread: with
+/// 8 rows on the pool a batched step was ~5% slower, the fork and join costing more than the
+/// rows take (docs/perf.md, stop 29).
+pub(crate) const PAR_MIN_ROWS: usize = 16;
+
+/// `f(row index, row)` over the `width`-value rows of `out`, in parallel from [`PAR_MIN_ROWS`]
+/// rows on. Each row is computed the same way either way.
+pub(crate) fn for_each_row<T: Send>(out: &mut [T], width: usize, f: impl Fn(usize, &mut [T]) + Sync + Send) {
+    if out.len() >= PAR_MIN_ROWS * width {
+        out.par_chunks_mut(width).enumerate().for_each(|(t, row)| f(t, row));
+    } else {
+        out.chunks_mut(width).enumerate().for_each(|(t, row)| f(t, row));
+    }
+}
 
 /// A weight matrix as stored in GGUF: `rows` rows of `cols` elements; row `r` is
 /// `data[r * row_bytes .. (r + 1) * row_bytes]` with `row_bytes = dtype.row_bytes(cols)`.

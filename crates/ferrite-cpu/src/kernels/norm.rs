@@ -24,7 +24,8 @@ fn rms_norm_offset(x: &[f32], weight: &[f32], offset: f32, eps: f32, out: &mut [
         x.len(),
         "rms_norm: output length differs from the input's"
     );
-    for (x, out) in x.chunks_exact(n).zip(out.chunks_exact_mut(n)) {
+    super::for_each_row(out, n, |t, out| {
+        let x = &x[t * n..(t + 1) * n];
         let mut lanes = [0f64; 4];
         let chunks = x.chunks_exact(4);
         let tail: f64 = chunks
@@ -42,7 +43,7 @@ fn rms_norm_offset(x: &[f32], weight: &[f32], offset: f32, eps: f32, out: &mut [
         for ((o, &v), &w) in out.iter_mut().zip(x).zip(weight) {
             *o = v * scale * (w + offset);
         }
-    }
+    });
 }
 
 #[cfg(test)]

@@ -105,9 +105,17 @@ impl ActQ8 {
         let nb = cols / Self::BLOCK;
         let mut qs = vec![0i8; x.len()];
         let mut ds = vec![[0f32; 2]; nb * n_tokens];
-        // One thread: at ~1 ns per 32 values, waking another costs more than it saves.
-        for ((x, qs), ds) in x.chunks_exact(cols).zip(qs.chunks_exact_mut(cols)).zip(ds.chunks_exact_mut(nb)) {
-            quantize_blocks::<{ Self::BLOCK }>(x, qs, |b, d, sum| ds[b] = [d, d * sum as f32]);
+        // A token's codes and scales; on the calling thread for the few tokens of a decode step
+        // (at ~1 ns per 32 values, waking another thread costs more than it saves), on the pool
+        // for a prompt's.
+        let row = |t: usize, qs: &mut [i8], ds: &mut [[f32; 2]]| {
+            quantize_blocks::<{ Self::BLOCK }>(&x[t * cols..(t + 1) * cols], qs, |b, d, sum| ds[b] = [d, d * sum as f32]);
+        };
+        if n_tokens >= super::PAR_MIN_ROWS {
+            use rayon::prelude::*;
+            qs.par_chunks_mut(cols).zip(ds.par_chunks_mut(nb)).enumerate().for_each(|(t, (qs, ds))| row(t, qs, ds));
+        } else {
+            qs.chunks_mut(cols).zip(ds.chunks_mut(nb)).enumerate().for_each(|(t, (qs, ds))| row(t, qs, ds));
         }
         ActQ8 {
             cols,
