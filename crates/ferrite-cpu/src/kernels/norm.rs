@@ -87,6 +87,21 @@ mod tests {
         }
     }
 
+    /// A prompt's rows (normalised on the pool) get the bits each row gets alone.
+    #[test]
+    fn many_rows_normalise_as_each_alone() {
+        let (n, rows) = (64, 3 * crate::kernels::PAR_MIN_ROWS);
+        let x: Vec<f32> = (0..n * rows).map(|i| ((i * 37 % 101) as f32 - 50.0) * 0.013).collect();
+        let w: Vec<f32> = (0..n).map(|i| 0.5 + i as f32 / n as f32).collect();
+        let mut all = vec![0.0; n * rows];
+        rms_norm(&x, &w, 1e-6, &mut all);
+        for (row, got) in x.chunks(n).zip(all.chunks(n)) {
+            let mut one = vec![0.0; n];
+            rms_norm(row, &w, 1e-6, &mut one);
+            assert_eq!(got, &one[..]);
+        }
+    }
+
     #[test]
     fn zero_row_stays_zero() {
         let mut out = vec![1.0; 8];

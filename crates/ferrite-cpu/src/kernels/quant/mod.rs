@@ -239,6 +239,19 @@ mod tests {
         }
     }
 
+    /// A prompt's tokens (quantized on the pool) get the codes and scales each token gets alone.
+    #[test]
+    fn many_tokens_quantize_as_each_alone() {
+        let n = 3 * crate::kernels::PAR_MIN_ROWS;
+        let x: Vec<f32> = (0..64 * n).map(|i| ((i * 7919 % 1013) as f32 - 506.0) * 3.1e-3).collect();
+        let all = ActQ8::quantize(&x, 64, n);
+        for t in 0..n {
+            let one = ActQ8::quantize(&x[t * 64..(t + 1) * 64], 64, 1);
+            assert_eq!(all.token(t).0, one.token(0).0, "token {t}");
+            assert_eq!(all.token(t).1, one.token(0).1, "token {t}");
+        }
+    }
+
     #[test]
     fn q8_blocks_bound_the_error_by_half_a_step() {
         let x: Vec<f32> = (0..64 * 3)
