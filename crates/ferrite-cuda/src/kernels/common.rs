@@ -89,7 +89,7 @@ __device__ __forceinline__ float gelu_tanh(float x) {
 #define TIMELINE 0
 #endif
 #if TIMELINE
-__device__ u64 ferrite_timeline[2];
+extern "C" __device__ u64 ferrite_timeline[2];
 __device__ __forceinline__ void timeline_mark() {
   if ((threadIdx.x | threadIdx.y | threadIdx.z | blockIdx.x | blockIdx.y | blockIdx.z) != 0) return;
   u64* buf = reinterpret_cast<u64*>(ferrite_timeline[0]);
