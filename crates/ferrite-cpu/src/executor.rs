@@ -854,7 +854,7 @@ impl Executor for CpuExecutor {
 
     fn hardware_ceilings(&mut self) -> Option<anyhow::Result<HardwareCeilings>> {
         // A decode step streams the weights: read about as many bytes as the model file holds.
-        let bytes = self.model.file.file_size() as usize;
+        let bytes = self.model.file.file_size();
         on_pool(self.rank.as_ref().map(|r| &*r.pool), || crate::ceilings::measure(bytes)).map(Ok)
     }
 

@@ -142,7 +142,7 @@ pub(crate) fn render(s: &Summary, labels: &[ModuleLabel]) -> String {
         if varying.is_empty() { label.family.to_string() } else { format!("{} {}", label.family, varying.join(" ")) }
     };
     let mut rows: Vec<_> = s.by_kernel.iter().collect();
-    rows.sort_by(|a, b| b.1 .0.cmp(&a.1 .0));
+    rows.sort_by_key(|r| std::cmp::Reverse(r.1 .0));
     let mut out = format!("{:<70} {:<22} {:>8} {:>9} {:>7}\n", "kernel", "after", "launches", "us/launch", "share");
     for ((tag, previous), (ns, n)) in rows {
         let after = previous.map_or("(first)".to_string(), |p| labels.get(p).map_or(format!("tag {p}"), |l| l.family.to_string()));
