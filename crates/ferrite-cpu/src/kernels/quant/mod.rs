@@ -108,8 +108,16 @@ impl ActQ8 {
         // A token's codes and scales; on the calling thread for the few tokens of a decode step
         // (at ~1 ns per 32 values, waking another thread costs more than it saves), on the pool
         // for a prompt's.
+        #[cfg(target_arch = "x86_64")]
+        let avx512 = super::simd::simd_level() == SimdLevel::Avx512Vnni;
         let row = |t: usize, qs: &mut [i8], ds: &mut [[f32; 2]]| {
-            quantize_blocks::<{ Self::BLOCK }>(&x[t * cols..(t + 1) * cols], qs, |b, d, sum| ds[b] = [d, d * sum as f32]);
+            let (x, store) = (&x[t * cols..(t + 1) * cols], |b: usize, d: f32, sum: i32| ds[b] = [d, d * sum as f32]);
+            #[cfg(target_arch = "x86_64")]
+            if avx512 {
+                // SAFETY: the level is reported only where AVX-512 F and BW are available.
+                return unsafe { x86::quantize_blocks32_avx512(x, qs, store) };
+            }
+            quantize_blocks::<{ Self::BLOCK }>(x, qs, store);
         };
         if n_tokens >= super::PAR_MIN_ROWS {
             use rayon::prelude::*;
@@ -236,6 +244,31 @@ mod tests {
             assert_eq!(q, &want[..], "block {b}");
             assert_eq!(d.to_bits(), (amax / 127.0).to_bits(), "block {b}");
             assert_eq!(s, d * want.iter().map(|&c| c as i32).sum::<i32>() as f32, "block {b}");
+        }
+    }
+
+    /// Rows of many blocks (the AVX-512 quantizer's groups of 16 blocks, a group with a NaN, one
+    /// with an infinity, zero and negative-zero blocks, a partial group at the end) give the
+    /// codes, scales and sums of the block-by-block formula, bit for bit.
+    #[test]
+    fn long_rows_match_the_block_formula() {
+        let cols = 32 * 53;
+        let mut x: Vec<f32> = (0..cols * 3).map(|i| ((i * 7919 % 2027) as f32 - 1013.0) * 1.7e-3 * (1 + i % 5) as f32).collect();
+        x[40 * 32 + 7] = f32::NAN; // group 2 of row 0
+        x[cols + 20 * 32 + 3] = f32::INFINITY; // group 1 of row 1
+        x[2 * cols..2 * cols + 64].fill(0.0);
+        x[2 * cols + 64..2 * cols + 96].fill(-0.0);
+        x[2 * cols + 100] = 126.999; // a large value beside small ones
+        let a = ActQ8::quantize(&x, cols, 3);
+        for (t, row) in x.chunks(cols).enumerate() {
+            let (qs, ds) = a.token(t);
+            for (b, block) in row.chunks_exact(32).enumerate() {
+                let mut want = [0i8; 32];
+                let (d, sum) = quantize_block::<32>(block.try_into().unwrap(), &mut want);
+                assert_eq!(&qs[b * 32..][..32], &want[..], "row {t} block {b}");
+                assert_eq!(ds[b][0].to_bits(), d.to_bits(), "row {t} block {b}");
+                assert_eq!(ds[b][1].to_bits(), (d * sum as f32).to_bits(), "row {t} block {b}");
+            }
         }
     }
 
