@@ -5,7 +5,6 @@
 //! GGUF weights with SIMD integer dot products.
 
 use crate::kernels::{self, activation, attention::{AttentionParams, KvElem, PagedKv, PagedSeq}, gdn, moe, norm, rope::Rope, WeightView};
-use rayon::prelude::*;
 use anyhow::{anyhow, bail, Context};
 use half::slice::HalfFloatSliceExt;
 use ferrite_gguf::TensorInfo;
@@ -640,11 +639,7 @@ impl CpuExecutor {
                         }
                         q.copy_from_slice(&qk[..qw]);
                     };
-                    if n_rows >= kernels::PAR_MIN_ROWS {
-                        q.par_chunks_mut(qw).zip(qk.par_chunks_mut(qw + kvw)).enumerate().for_each(|(t, (q, qk))| rotate(t, q, qk));
-                    } else {
-                        q.chunks_mut(qw).zip(qk.chunks_mut(qw + kvw)).enumerate().for_each(|(t, (q, qk))| rotate(t, q, qk));
-                    }
+                    kernels::for_each_row_pair(q, qw, qk, qw + kvw, rotate);
                     for seq in step.seqs {
                         let (start_pos, n) = (seq.start_pos, seq.n);
                         let rows = seq.first_row..seq.first_row + n;

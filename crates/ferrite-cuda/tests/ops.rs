@@ -3141,8 +3141,9 @@ fn timeline_notes_every_launch_in_order() {
     let table = gpu.timeline_report().expect("timeline on").unwrap();
     println!("{table}");
     assert!(table.contains("(6 launches recorded)"), "{table}");
-    // Five gaps between six launches, each attributed to the kernel before it: norm after add
-    // twice, add after norm three times (minus the last, which has no successor: 2 + 2).
+    // Five gaps between six launches (norm, add, norm, add, norm, add), each attributed to the
+    // kernel before it: the first norm, norm after add twice, add after norm twice (the last add
+    // has no successor).
     let launches = |family: &str, after: &str| {
         table.lines().find(|l| l.starts_with(family) && l.split_whitespace().nth(1) == Some(after)).and_then(|l| l.split_whitespace().nth(2)).map(|n| n.parse::<u32>().unwrap())
     };

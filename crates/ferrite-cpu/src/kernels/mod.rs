@@ -42,6 +42,16 @@ pub(crate) fn for_each_row<T: Send>(out: &mut [T], width: usize, f: impl Fn(usiz
     }
 }
 
+/// [`for_each_row`] over two arrays of as many rows: `f(row index, row of a, row of b)`, `a` in
+/// rows of `wa` values, `b` of `wb`.
+pub(crate) fn for_each_row_pair<A: Send, B: Send>(a: &mut [A], wa: usize, b: &mut [B], wb: usize, f: impl Fn(usize, &mut [A], &mut [B]) + Sync + Send) {
+    if a.len() >= PAR_MIN_ROWS * wa {
+        a.par_chunks_mut(wa).zip(b.par_chunks_mut(wb)).enumerate().for_each(|(t, (a, b))| f(t, a, b));
+    } else {
+        a.chunks_mut(wa).zip(b.chunks_mut(wb)).enumerate().for_each(|(t, (a, b))| f(t, a, b));
+    }
+}
+
 /// A weight matrix as stored in GGUF: `rows` rows of `cols` elements; row `r` is
 /// `data[r * row_bytes .. (r + 1) * row_bytes]` with `row_bytes = dtype.row_bytes(cols)`.
 #[derive(Clone, Copy, Debug)]

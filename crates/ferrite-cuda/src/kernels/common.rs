@@ -76,11 +76,6 @@ __device__ __forceinline__ float gelu_tanh(float x) {
   return x / (1.f + expf(-z2));
 }
 
-// Programmatic dependent launch (Hopper, see `Gpu::launch`): a kernel may be scheduled while the
-// previous kernel of the stream is still running. `pdl_wait` blocks until that kernel has
-// finished and its writes are visible, so every kernel calls it before it reads an activation
-// or writes anything (weights, which nothing writes, may be loaded before). `pdl_release` then
-// lets the next kernel be scheduled early. Both are no-ops for an ordinary launch.
 // FERRITE_CUDA_TIMELINE (see timeline.rs; the module cache defines TIMELINE=1 then): block
 // (0, 0, 0) of every kernel appends (%globaltimer, the module's tag) to the process's timeline
 // buffer as it passes the wait. `ferrite_timeline` holds the buffer's address and the tag; the
@@ -104,6 +99,11 @@ __device__ __forceinline__ void timeline_mark() {
   }
 }
 #endif
+// Programmatic dependent launch (Hopper, see `Gpu::launch`): a kernel may be scheduled while the
+// previous kernel of the stream is still running. `pdl_wait` blocks until that kernel has
+// finished and its writes are visible, so every kernel calls it before it reads an activation
+// or writes anything (weights, which nothing writes, may be loaded before). `pdl_release` then
+// lets the next kernel be scheduled early. Both are no-ops for an ordinary launch.
 __device__ __forceinline__ void pdl_wait() {
 #if __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;" ::: "memory");

@@ -119,12 +119,7 @@ impl ActQ8 {
             }
             quantize_blocks::<{ Self::BLOCK }>(x, qs, store);
         };
-        if n_tokens >= super::PAR_MIN_ROWS {
-            use rayon::prelude::*;
-            qs.par_chunks_mut(cols).zip(ds.par_chunks_mut(nb)).enumerate().for_each(|(t, (qs, ds))| row(t, qs, ds));
-        } else {
-            qs.chunks_mut(cols).zip(ds.chunks_mut(nb)).enumerate().for_each(|(t, (qs, ds))| row(t, qs, ds));
-        }
+        super::for_each_row_pair(&mut qs, cols, &mut ds, nb, row);
         ActQ8 {
             cols,
             n_tokens,
