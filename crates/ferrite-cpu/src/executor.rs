@@ -612,7 +612,7 @@ impl CpuExecutor {
                 Op::Attention { layer, qkv, window, ref rope, .. } => {
                     let a = graph.attention;
                     let rope = rope.as_ref().map(|r| self.rope(r));
-                    let (qw, kvw) = (a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim);
+                    let (qw, kvw, hd) = (a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim, a.head_dim);
                     let src = input(qkv);
                     let w = width(qkv);
                     let params = AttentionParams {
@@ -643,10 +643,11 @@ impl CpuExecutor {
                     for seq in step.seqs {
                         let (start_pos, n) = (seq.start_pos, seq.n);
                         let rows = seq.first_row..seq.first_row + n;
-                        // Cache row of each position: contiguous, or through the block table.
-                        let cache_row = |p: usize| match step.block_size {
-                            None => p,
-                            Some(bs) => seq.blocks[p / bs] as usize * bs + p % bs,
+                        // Where KV head h of position p goes: a contiguous row, or a block's
+                        // head-major slot through the block table.
+                        let cache_at = |p: usize, h: usize| match step.block_size {
+                            None => p * kvw + h * hd,
+                            Some(bs) => kernels::attention::paged_offset(&params, bs, seq.blocks[p / bs] as usize, p % bs, h),
                         };
                         let capacity = buf.k_cache[layer].len() / kvw;
                         match step.block_size {
@@ -659,9 +660,12 @@ impl CpuExecutor {
                             _ => {}
                         }
                         for t in rows.clone() {
-                            let p = cache_row(start_pos + t - rows.start) * kvw;
-                            buf.k_cache[layer].store(p, &buf.scratch2[t * (qw + kvw) + qw..(t + 1) * (qw + kvw)]);
-                            buf.v_cache[layer].store(p, &src[t * w + qw + kvw..t * w + qw + 2 * kvw]);
+                            let (k_row, v_row) = (&buf.scratch2[t * (qw + kvw) + qw..][..kvw], &src[t * w + qw + kvw..][..kvw]);
+                            for h in 0..a.n_kv_heads {
+                                let at = cache_at(start_pos + t - rows.start, h);
+                                buf.k_cache[layer].store(at, &k_row[h * hd..][..hd]);
+                                buf.v_cache[layer].store(at, &v_row[h * hd..][..hd]);
+                            }
                         }
                     }
                     let q = &buf.scratch[..n_rows * qw];

@@ -125,9 +125,9 @@ pub(crate) fn attention_at<T: KvElem>(
         );
     }
     let keys: Vec<(usize, usize)> = (start_pos..kv_len).map(|pos| (p.window.map_or(0, |w| (pos + 1).saturating_sub(w)), pos + 1)).collect();
-    // A KV head's columns of the cache rows `begin..end`: one run of rows.
-    let runs = |_: usize, col: usize, begin: usize, end: usize| [(0, begin * kvw + col, end - begin)];
-    attend_rows(level, p, q, k_cache, v_cache, &keys, &runs, out);
+    // KV head h's columns of the cache rows `begin..end`: one run of rows, `kvw` apart.
+    let runs = |_: usize, h: usize, begin: usize, end: usize| [(0, begin * kvw + h * hd, end - begin)];
+    attend_rows(level, p, q, k_cache, v_cache, kvw, &keys, &runs, out);
 }
 
 /// Keys per part of a query row's keys: rows with more are split into parts of at most this many,
@@ -137,9 +137,9 @@ pub(crate) fn attention_at<T: KvElem>(
 const SPLIT_KEYS: usize = 512;
 
 /// Attention of the query rows of `q` whose keys are `keys[t] = (first, end)`, in parallel over
-/// (row, query heads of a call, part of the keys). `runs_of(t, col, begin, end)` gives the
-/// cache runs of row t's keys `begin..end` in one KV head's columns `col`: `(index among those
-/// keys, offset of the run's first row in the cache, rows)`.
+/// (row, query heads of a call, part of the keys). `runs_of(t, h, begin, end)` gives the cache
+/// runs of row t's keys `begin..end` for KV head `h`: `(index among those keys, offset of the
+/// run's first row in the cache, rows)`, each run's rows `stride` elements apart.
 #[allow(clippy::too_many_arguments)]
 fn attend_rows<T: KvElem, R: AsRef<[(usize, usize, usize)]>>(
     level: SimdLevel,
@@ -147,11 +147,12 @@ fn attend_rows<T: KvElem, R: AsRef<[(usize, usize, usize)]>>(
     q: &[f32],
     k: &[T],
     v: &[T],
+    stride: usize,
     keys: &[(usize, usize)],
     runs_of: &(impl Fn(usize, usize, usize, usize) -> R + Sync),
     out: &mut [f32],
 ) {
-    let (nh, hd, kvw) = (p.n_heads, p.head_dim, p.n_kv_heads * p.head_dim);
+    let (nh, hd) = (p.n_heads, p.head_dim);
     let (qw, group) = (nh * hd, nh / p.n_kv_heads);
     let parts: Vec<usize> = keys.iter().map(|&(first, end)| (end - first).div_ceil(SPLIT_KEYS)).collect();
     let total_parts: usize = parts.iter().sum();
@@ -159,8 +160,8 @@ fn attend_rows<T: KvElem, R: AsRef<[(usize, usize, usize)]>>(
     let calls = nh / heads; // calls per row (and per part)
     // The query heads h.. of row t over its keys begin..end.
     let call = |t: usize, h: usize, begin: usize, end: usize, out: &mut [f32], state: Option<&mut [(f32, f32)]>| {
-        let runs = runs_of(t, h / group * hd, begin, end);
-        attend(level, p, &q[t * qw + h * hd..][..heads * hd], k, v, kvw, runs.as_ref(), out, state);
+        let runs = runs_of(t, h / group, begin, end);
+        attend(level, p, &q[t * qw + h * hd..][..heads * hd], k, v, stride, runs.as_ref(), out, state);
     };
     if total_parts == keys.len() {
         out.par_chunks_mut(heads * hd).enumerate().for_each(|(i, out)| {
@@ -317,12 +318,22 @@ fn prefetch_run<T>(cache: &[T], run: Option<&(usize, usize, usize)>, stride: usi
 }
 
 /// A paged KV cache: row `p` of a sequence is row `p % block_size` of physical block
-/// `blocks[p / block_size]` of its [`PagedSeq`]; a block holds `block_size` rows of the cache width.
+/// `blocks[p / block_size]` of its [`PagedSeq`]. A block holds `block_size` rows of the cache
+/// width, head-major (see [`paged_offset`]).
 #[derive(Clone, Copy, Debug)]
 pub struct PagedKv<'a, T: KvElem = f32> {
     pub k: &'a [T],
     pub v: &'a [T],
     pub block_size: usize,
+}
+
+/// Where KV head `head`'s `head_dim` values of row `row` (< `block_size`) of block `block` start
+/// in a paged cache: each block holds its rows KV head by KV head, so that the rows one task
+/// reads (one head's, in order) follow each other in memory. Row-major blocks put the other
+/// heads' columns between them, a stride the hardware prefetchers follow poorly: a batched
+/// decode step over 8 sequences at 256 positions took ~5% longer (docs/perf.md, stop 30).
+pub fn paged_offset(p: &AttentionParams, block_size: usize, block: usize, row: usize, head: usize) -> usize {
+    ((block * p.n_kv_heads + head) * block_size + row) * p.head_dim
 }
 
 /// One sequence's query rows in a batched [`attention_paged`] call: `n_tokens` new rows at
@@ -369,19 +380,19 @@ pub(crate) fn attention_paged_at<T: KvElem>(level: SimdLevel, p: &AttentionParam
     let keys: Vec<(usize, usize)> = rows.iter().map(|&(_, pos)| (p.window.map_or(0, |w| (pos + 1).saturating_sub(w)), pos + 1)).collect();
     // Runs of consecutive rows inside one block: (key index, offset in the cache, length);
     // allocated once at their final size (growing it cost a sixth of the op).
-    let runs = |t: usize, col: usize, begin: usize, end: usize| {
+    let runs = |t: usize, h: usize, begin: usize, end: usize| {
         let blocks = seqs[rows[t].0].blocks;
         let mut runs = Vec::with_capacity((end - begin) / bs + 2);
         let mut r = begin;
         while r < end {
             let (b, off) = (r / bs, r % bs);
             let len = (bs - off).min(end - r);
-            runs.push((r - begin, (blocks[b] as usize * bs + off) * kvw + col, len));
+            runs.push((r - begin, paged_offset(p, bs, blocks[b] as usize, off, h), len));
             r += len;
         }
         runs
     };
-    attend_rows(level, p, q, kv.k, kv.v, &keys, &runs, out);
+    attend_rows(level, p, q, kv.k, kv.v, hd, &keys, &runs, out);
 }
 
 /// The two inner loops over the rows of a run, for the query heads of one call (their rows
@@ -863,13 +874,37 @@ mod tests {
     }
 
     /// Scatter a contiguous cache into blocks (in a shuffled order, with unused blocks between).
-    fn to_pages(cache: &[f32], kvw: usize, bs: usize, blocks: &[u32], n_blocks: usize) -> Vec<f32> {
+    fn to_pages(p: &AttentionParams, cache: &[f32], bs: usize, blocks: &[u32], n_blocks: usize) -> Vec<f32> {
+        let (kvw, hd) = (p.n_kv_heads * p.head_dim, p.head_dim);
         let mut arena = vec![f32::NAN; n_blocks * bs * kvw];
         for (r, row) in cache.chunks(kvw).enumerate() {
-            let at = (blocks[r / bs] as usize * bs + r % bs) * kvw;
-            arena[at..at + kvw].copy_from_slice(row);
+            for (h, head) in row.chunks(hd).enumerate() {
+                let at = paged_offset(p, bs, blocks[r / bs] as usize, r % bs, h);
+                arena[at..at + hd].copy_from_slice(head);
+            }
         }
         arena
+    }
+
+    #[test]
+    fn paged_offsets_cover_every_block_once() {
+        let p = AttentionParams::new(6, 3, 4);
+        let bs = 5;
+        let mut seen = vec![false; 2 * bs * 3 * 4];
+        for block in 0..2 {
+            for row in 0..bs {
+                for head in 0..3 {
+                    let at = paged_offset(&p, bs, block, row, head);
+                    for s in &mut seen[at..at + 4] {
+                        assert!(!*s, "block {block} row {row} head {head} overlaps");
+                        *s = true;
+                    }
+                }
+            }
+        }
+        assert!(seen.iter().all(|&s| s));
+        // One head's rows of a block are consecutive.
+        assert_eq!(paged_offset(&p, bs, 1, 3, 2) + 4, paged_offset(&p, bs, 1, 4, 2));
     }
 
     #[test]
@@ -884,7 +919,7 @@ mod tests {
             let n_used = kv_len.div_ceil(bs);
             let n_blocks = 2 * n_used + 1;
             let blocks: Vec<u32> = (0..n_used as u32).map(|b| (n_blocks as u32 - 1) - 2 * b).collect();
-            let (ka, va) = (to_pages(&k, kvw, bs, &blocks, n_blocks), to_pages(&v, kvw, bs, &blocks, n_blocks));
+            let (ka, va) = (to_pages(&p, &k, bs, &blocks, n_blocks), to_pages(&p, &v, bs, &blocks, n_blocks));
             for level in SimdLevel::available() {
                 let mut want = vec![0f32; q.len()];
                 attention_at(level, &p, &q, &k, &v, start, n, &mut want);
