@@ -4,7 +4,7 @@
 //! the correctness oracle for every other path —, `Quantized` multiplies directly on the packed
 //! GGUF weights with SIMD integer dot products.
 
-use crate::kernels::{self, activation, attention::{AttentionParams, KvElem, PagedKv, PagedSeq}, gdn, moe, norm, rope::Rope, WeightView};
+use crate::kernels::{self, activation, attention::{AttentionParams, KvElem, PagedKv, PagedSeq}, gdn, moe, norm, rope::{Rope, RopeTable}, WeightView};
 use anyhow::{anyhow, bail, Context};
 use half::slice::HalfFloatSliceExt;
 use ferrite_gguf::TensorInfo;
@@ -108,6 +108,21 @@ struct Buffers {
     scratch2: Vec<f32>,
     moe: MoeScratch,
     profile: Option<OpProfile>,
+    /// This step's RoPE angles, one table per RoPE of the model (computed by the first op
+    /// that rotates, reused by the other layers).
+    rope_tables: Vec<(Rope, RopeTable)>,
+}
+
+/// Index in `tables` (a step's [`Buffers::rope_tables`]) of `rope`'s angles at `positions`,
+/// computed if the step has not yet.
+fn rope_table(tables: &mut Vec<(Rope, RopeTable)>, rope: Rope, positions: &[u32]) -> usize {
+    match tables.iter().position(|(r, _)| *r == rope) {
+        Some(i) => i,
+        None => {
+            tables.push((rope, rope.table(positions)));
+            tables.len() - 1
+        }
+    }
 }
 
 /// Working memory of the MoE FFN op.
@@ -484,6 +499,7 @@ impl CpuExecutor {
     fn run_ops(&self, buf: &mut Buffers, plan: &Plan, step: &Step<'_>) -> anyhow::Result<()> {
         let model = &*self.model;
         let graph = &model.graph;
+        buf.rope_tables.clear();
         for (i, op) in graph.ops.iter().enumerate() {
             let out_id = op.writes();
             let out_slot = plan.slot(out_id);
@@ -595,7 +611,9 @@ impl CpuExecutor {
                     let w = width(x);
                     let rope = self.rope(rope);
                     let span = n_heads * rope.head_dim;
-                    kernels::for_each_row(&mut out[..n * w], w, |t, row| rope.apply(&mut row[col..col + span], n_heads, &positions[t..t + 1]));
+                    let at = rope_table(&mut buf.rope_tables, rope, positions);
+                    let table = &buf.rope_tables[at].1;
+                    kernels::for_each_row(&mut out[..n * w], w, |t, row| rope.apply_table(&mut row[col..col + span], n_heads, table, t));
                 }
                 Op::HeadNorm { x, col, n_heads, norm } => {
                     // In place: `out` *is* x's buffer; each head is normalised from a copy.
@@ -627,15 +645,15 @@ impl CpuExecutor {
                     // also copied to scratch, the rows side by side; then K and V into each row's
                     // cache row, sequence by sequence; then attention over every row at once.
                     let n_rows = n;
-                    let (q, qk) = (&mut buf.scratch, &mut buf.scratch2);
+                    let rope = rope.map(|r| (r, rope_table(&mut buf.rope_tables, r, positions)));
+                    let (q, qk, tables) = (&mut buf.scratch, &mut buf.scratch2, &buf.rope_tables);
                     q.resize(n_rows * qw, 0.0);
                     qk.resize(n_rows * (qw + kvw), 0.0);
                     let rotate = |t: usize, q: &mut [f32], qk: &mut [f32]| {
                         qk.copy_from_slice(&src[t * w..t * w + qw + kvw]);
-                        if let Some(rope) = &rope {
-                            // The same rotation as a separate Rope op; q | k as one row of heads,
-                            // so the angles are computed once.
-                            rope.apply(qk, a.n_heads + a.n_kv_heads, &positions[t..t + 1]);
+                        if let Some((rope, table)) = &rope {
+                            // The same rotation as a separate Rope op; q | k as one row of heads.
+                            rope.apply_table(qk, a.n_heads + a.n_kv_heads, &tables[*table].1, t);
                         }
                         q.copy_from_slice(&qk[..qw]);
                     };
