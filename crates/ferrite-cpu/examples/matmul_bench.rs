@@ -1,6 +1,6 @@
 //! Hand-run matmul benchmark for the SmolLM2-135M shapes (not part of the test suite).
 //!
-//!     cargo run --release -p ferrite-cpu --example matmul_bench [-- THREADS [groups]]
+//!     cargo run --release -p ferrite-cpu --example matmul_bench [-- THREADS [groups|sweep]]
 //!
 //! Part 1 times each shape alone (its weights stay in L2/L3 between runs) at every available SIMD
 //! level; part 2 times the row-group kernels (`RowGroups`, what the executors run on AVX2
@@ -8,7 +8,7 @@
 //! steps; part 3 times the matmuls of one decode step / one 128-token prefill over 30 distinct
 //! layers plus the output head (~98 MB, as large as the real model), so weights stream from L3 or
 //! memory exactly as in inference.
-//! THREADS defaults to 2; `groups` runs part 2 only.
+//! THREADS defaults to 2; `groups` runs part 2 only, `sweep` part 3's row groups only.
 
 use ferrite_cpu::kernels::simd::SimdLevel;
 use ferrite_cpu::kernels::{matmul_with, RowGroups, WeightView};
@@ -94,11 +94,12 @@ fn main() {
         .expect("first pool");
     // Run on a pool thread, as an executor should: parallel calls made from outside the pool pay
     // a cross-thread wake-up (~10 us) each time.
-    let groups_only = std::env::args().nth(2).as_deref() == Some("groups");
-    rayon::scope(|_| bench(threads, groups_only));
+    let part = std::env::args().nth(2);
+    rayon::scope(|_| bench(threads, part.as_deref()));
 }
 
-fn bench(threads: usize, groups_only: bool) {
+fn bench(threads: usize, part: Option<&str>) {
+    let (groups_only, sweep_only) = (part == Some("groups"), part == Some("sweep"));
     let levels = SimdLevel::available();
     let x: Vec<f32> = (0..128 * FF)
         .map(|i| (i * 7919 % 1000) as f32 / 500.0 - 1.0)
@@ -121,7 +122,7 @@ fn bench(threads: usize, groups_only: bool) {
         ("head 49152x576 Q8_0", GgmlType::Q8_0, VOCAB, D),
         ("1536x768 Q4_K", GgmlType::Q4_K, FF, 768),
     ];
-    for (name, dtype, rows, cols) in shapes.into_iter().filter(|_| !groups_only) {
+    for (name, dtype, rows, cols) in shapes.into_iter().filter(|_| part.is_none()) {
         let w = Weight::random(dtype, rows, cols, rows as u64);
         for n_tokens in [1, 128] {
             for &level in &levels {
@@ -143,7 +144,8 @@ fn bench(threads: usize, groups_only: bool) {
 
     println!("\n== row groups, weights warm ==");
     println!("{:<24} {:>7} {:>12} {:>11} {:>10}", "shape", "tokens", "kernel", "time", "GMAC/s");
-    for (name, dtype, rows, cols) in shapes.into_iter().filter(|s| matches!(s.1, GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q8_0)) {
+    let grouped = |s: &(&str, GgmlType, usize, usize)| !sweep_only && matches!(s.1, GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q8_0);
+    for (name, dtype, rows, cols) in shapes.into_iter().filter(grouped) {
         for level in [SimdLevel::Avx2, SimdLevel::Avx512Vnni] {
             let Some(groups) = RowGroups::repack_for(&Weight::random(dtype, rows, cols, rows as u64).view(), level) else {
                 println!("(no {level:?} row groups on this CPU)");
@@ -179,7 +181,7 @@ fn bench(threads: usize, groups_only: bool) {
     let bytes: usize =
         layers.iter().flatten().map(|w| w.data.len()).sum::<usize>() + head.data.len();
     println!("{:.1} MB of weights", bytes as f64 / 1e6);
-    for &level in levels.iter().filter(|&&l| l != SimdLevel::Scalar) {
+    for &level in levels.iter().filter(|&&l| l != SimdLevel::Scalar && !sweep_only) {
         for n_tokens in [1, 128] {
             let t = time(|| {
                 for layer in &layers {
