@@ -43,7 +43,12 @@ impl KvRows {
     /// Zeroed by the allocator: pages the cache never reaches are never touched (`vec![f16::ZERO;
     /// n]` wrote all of them, ~100 ms and 94 MB of a 4096-token context before the first token).
     fn zeros(half: bool, n: usize) -> Self {
-        if half { KvRows::F16(bytemuck::zeroed_vec(n)) } else { KvRows::F32(vec![0.0; n]) }
+        let rows = if half { KvRows::F16(bytemuck::zeroed_vec(n)) } else { KvRows::F32(vec![0.0; n]) };
+        match &rows {
+            KvRows::F16(v) => crate::memory::advise_huge_pages(v),
+            KvRows::F32(v) => crate::memory::advise_huge_pages(v),
+        }
+        rows
     }
 
     fn len(&self) -> usize {
@@ -282,6 +287,11 @@ impl CpuExecutor {
             };
             weights[id.0 as usize] = Some(w);
         }
+        let mut groups: Vec<&mut kernels::RowGroups> = weights.iter_mut().filter_map(|w| match w {
+            Some(CpuWeight::RowGroups(g)) => Some(g),
+            _ => None,
+        }).collect();
+        kernels::RowGroups::share_one_buffer(&mut groups);
         let max_batch = options.max_batch.max(1);
         let plan = planner::plan(graph, max_batch, !options.trace);
         plan.check(graph).map_err(|e| anyhow!("memory plan violates the aliasing rule: {e}"))?;

@@ -3,5 +3,6 @@
 pub mod ceilings;
 pub mod executor;
 pub mod kernels;
+mod memory;
 
 pub use executor::{CpuExecutor, CpuPrecision};
