@@ -43,12 +43,7 @@ impl KvRows {
     /// Zeroed by the allocator: pages the cache never reaches are never touched (`vec![f16::ZERO;
     /// n]` wrote all of them, ~100 ms and 94 MB of a 4096-token context before the first token).
     fn zeros(half: bool, n: usize) -> Self {
-        let rows = if half { KvRows::F16(bytemuck::zeroed_vec(n)) } else { KvRows::F32(vec![0.0; n]) };
-        match &rows {
-            KvRows::F16(v) => crate::memory::advise_huge_pages(v),
-            KvRows::F32(v) => crate::memory::advise_huge_pages(v),
-        }
-        rows
+        if half { KvRows::F16(bytemuck::zeroed_vec(n)) } else { KvRows::F32(vec![0.0; n]) }
     }
 
     fn len(&self) -> usize {
@@ -265,10 +260,17 @@ impl CpuExecutor {
                 _ => None,
             })
             .collect();
+        let mut repacked = Vec::new();
         for (i, &id) in used.iter().enumerate() {
             LoadProgress::report(&options.progress, i, used.len());
             let spec = model.weights.spec(id);
-            let w = if spec.is_vector() || precision == CpuPrecision::Reference || host_f32.contains(&id) {
+            let as_f32 = spec.is_vector() || precision == CpuPrecision::Reference || host_f32.contains(&id);
+            let layout = (!as_f32 && row_groups && dense.contains(&id)).then(|| kernels::row_groups::Layout::best(spec.dtype, spec.rows, spec.cols));
+            if let Some(layout) = layout.flatten() {
+                repacked.push((id, layout));
+                continue;
+            }
+            let w = if as_f32 {
                 CpuWeight::F32(model.weights.to_f32(&model.file, id)?)
             } else if let Some(name) = spec.whole_tensor() {
                 let t = model.file.tensor(name).ok_or_else(|| anyhow!("tensor `{}` vanished", spec.name))?;
@@ -277,21 +279,15 @@ impl CpuExecutor {
                 // Fused weights and row selections are gathered once at load.
                 CpuWeight::Packed(model.weights.bytes(&model.file, id)?.into_owned())
             };
-            let w = match w {
-                CpuWeight::InFile(_) | CpuWeight::Packed(_) if row_groups && dense.contains(&id) => {
-                    let bytes = model.weights.bytes(&model.file, id)?;
-                    let view = WeightView { dtype: spec.dtype, rows: spec.rows, cols: spec.cols, data: &bytes };
-                    kernels::RowGroups::repack(&view).map_or(w, CpuWeight::RowGroups)
-                }
-                w => w,
-            };
             weights[id.0 as usize] = Some(w);
         }
-        let mut groups: Vec<&mut kernels::RowGroups> = weights.iter_mut().filter_map(|w| match w {
-            Some(CpuWeight::RowGroups(g)) => Some(g),
-            _ => None,
-        }).collect();
-        kernels::RowGroups::share_one_buffer(&mut groups);
+        // All row groups in one buffer, repacked in place from the file (fused weights from a
+        // copy gathered for the moment).
+        let layouts: Vec<_> = repacked.iter().map(|&(_, l)| l).collect();
+        let groups = kernels::RowGroups::repack_into_one_buffer(&layouts, |i| model.weights.bytes(&model.file, repacked[i].0))?;
+        for ((id, _), g) in repacked.iter().zip(groups) {
+            weights[id.0 as usize] = Some(CpuWeight::RowGroups(g));
+        }
         let max_batch = options.max_batch.max(1);
         let plan = planner::plan(graph, max_batch, !options.trace);
         plan.check(graph).map_err(|e| anyhow!("memory plan violates the aliasing rule: {e}"))?;

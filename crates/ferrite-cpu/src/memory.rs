@@ -1,4 +1,5 @@
-//! Huge pages for the large buffers a step streams through: the repacked weights and the KV cache.
+//! Huge pages for the large buffers a step streams through whole: the repacked weights. (Not the
+//! KV caches: a short context would commit 2 MiB per layer where it touches 4 KiB.)
 
 /// Asks the kernel to back the whole 2 MiB pages inside `buf` with transparent huge pages (Linux
 /// THP in its common `madvise` mode; elsewhere, or where THP is off, nothing happens). Call it
@@ -22,3 +23,4 @@ pub(crate) fn advise_huge_pages<T>(buf: &[T]) {
     #[cfg(not(target_os = "linux"))]
     let _ = buf;
 }
+

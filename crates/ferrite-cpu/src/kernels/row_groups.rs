@@ -54,47 +54,56 @@ pub struct RowGroups {
 }
 
 /// Where a [`RowGroups`] keeps its bytes: a buffer of its own, or a range of one shared by all
-/// of a model's copies ([`RowGroups::share_one_buffer`]).
+/// of a model's copies ([`RowGroups::repack_into_one_buffer`]).
 enum Bytes {
     Own(Vec<u8>),
     Shared(Arc<Vec<u8>>, Range<usize>),
 }
 
-impl RowGroups {
-    /// Whether the executors should repack: on CPUs whose best kernels are AVX2 or AVX-512 VNNI,
-    /// unless `FERRITE_CPU_ROW_GROUPS=0` (or `FERRITE_CPU_SCALAR=1`).
-    pub fn preferred() -> bool {
-        matches!(simd_level(), SimdLevel::Avx2 | SimdLevel::Avx512Vnni) && ferrite_core::env::CPU_ROW_GROUPS.flag()
+/// What a repack makes of a `dtype` matrix of `rows x cols`: the kernel level its groups are
+/// laid out for, and so its size.
+#[derive(Clone, Copy, Debug)]
+pub struct Layout {
+    level: SimdLevel,
+    dtype: GgmlType,
+    rows: usize,
+    cols: usize,
+}
+
+impl Layout {
+    /// The layout of the best kernel this CPU runs for such a matrix (see [`RowGroups::repack`]).
+    pub fn best(dtype: GgmlType, rows: usize, cols: usize) -> Option<Self> {
+        let vnni = (simd_level() == SimdLevel::Avx512Vnni).then(|| Self::for_level(dtype, rows, cols, SimdLevel::Avx512Vnni));
+        vnni.flatten().or_else(|| Self::for_level(dtype, rows, cols, SimdLevel::Avx2))
     }
 
-    /// The repacked copy of `w` for the best kernel this CPU runs (the AVX2 one where the rows
-    /// are not whole 16-row VNNI groups), or `None` where no layout serves: other types than
-    /// Q4_0/Q4_1/Q8_0, rows not a multiple of 8, or a CPU without AVX2.
-    pub fn repack(w: &WeightView) -> Option<Self> {
-        let vnni = (simd_level() == SimdLevel::Avx512Vnni).then(|| Self::repack_for(w, SimdLevel::Avx512Vnni));
-        vnni.flatten().or_else(|| Self::repack_for(w, SimdLevel::Avx2))
-    }
-
-    /// The repacked copy of `w` for the kernel of `level` (`Avx2`: 8-row groups, or
-    /// `Avx512Vnni`: 16-row groups), or `None` where that kernel cannot serve (other types,
-    /// rows not whole groups, or the CPU lacks `level`).
-    pub fn repack_for(w: &WeightView, level: SimdLevel) -> Option<Self> {
+    /// The layout of `level`'s kernel (see [`RowGroups::repack_for`]).
+    pub fn for_level(dtype: GgmlType, rows: usize, cols: usize, level: SimdLevel) -> Option<Self> {
         let kernel_level = matches!(level, SimdLevel::Avx2 | SimdLevel::Avx512Vnni);
-        if !kernel_level || !level.is_available() || !matches!(w.dtype, GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q8_0) {
-            return None;
-        }
-        let row_bytes = w.row_bytes("row_groups").ok()?;
-        let rows = group_rows(level);
-        if !w.rows.is_multiple_of(rows) || w.cols == 0 {
-            return None;
-        }
+        let whole = rows.is_multiple_of(group_rows(level)) && cols > 0 && cols.is_multiple_of(32);
+        (kernel_level && level.is_available() && matches!(dtype, GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q8_0) && whole).then_some(Layout { level, dtype, rows, cols })
+    }
+
+    /// Bytes of the repacked matrix.
+    pub fn bytes(&self) -> usize {
+        self.rows / group_rows(self.level) * self.cols / 32 * group_bytes(self.dtype, group_rows(self.level))
+    }
+
+    fn with(self, data: Bytes) -> RowGroups {
+        RowGroups { level: self.level, dtype: self.dtype, rows: self.rows, cols: self.cols, data }
+    }
+
+    /// Writes `w` (of this layout's type and shape) repacked into `data` (`self.bytes()` long).
+    fn fill(&self, w: &WeightView, data: &mut [u8]) {
+        let (level, rows) = (self.level, group_rows(self.level));
+        assert!(w.dtype == self.dtype && w.rows == self.rows && w.cols == self.cols && data.len() == self.bytes(), "row_groups: a weight repacked for another layout");
+        let row_bytes = self.dtype.row_bytes(self.cols).expect("whole blocks (Layout::for_level)");
         let (nb, block, min, bytes8) = (w.cols / 32, w.dtype.type_size(), w.dtype == GgmlType::Q4_1, w.dtype == GgmlType::Q8_0);
         let group = group_bytes(w.dtype, rows);
         let qs_at = if min { 4 } else { 2 };
         // Registers of 4 code bytes per row: the 16 nibble bytes or the 32 int8 codes.
         let registers = if bytes8 { 8 } else { 4 };
         let bias = if bytes8 && level == SimdLevel::Avx512Vnni { 0x80 } else { 0 };
-        let mut data = vec![0u8; w.rows / rows * nb * group];
         for (g, dst) in data.chunks_exact_mut(nb * group).enumerate() {
             for (b, dst) in dst.chunks_exact_mut(group).enumerate() {
                 for r in 0..rows {
@@ -112,7 +121,58 @@ impl RowGroups {
                 }
             }
         }
-        Some(RowGroups { level, dtype: w.dtype, rows: w.rows, cols: w.cols, data: Bytes::Own(data) })
+    }
+}
+
+impl RowGroups {
+    /// Whether the executors should repack: on CPUs whose best kernels are AVX2 or AVX-512 VNNI,
+    /// unless `FERRITE_CPU_ROW_GROUPS=0` (or `FERRITE_CPU_SCALAR=1`).
+    pub fn preferred() -> bool {
+        matches!(simd_level(), SimdLevel::Avx2 | SimdLevel::Avx512Vnni) && ferrite_core::env::CPU_ROW_GROUPS.flag()
+    }
+
+    /// The repacked copy of `w` for the best kernel this CPU runs (the AVX2 one where the rows
+    /// are not whole 16-row VNNI groups), or `None` where no layout serves: other types than
+    /// Q4_0/Q4_1/Q8_0, rows not a multiple of 8, or a CPU without AVX2.
+    pub fn repack(w: &WeightView) -> Option<Self> {
+        w.row_bytes("row_groups").ok()?;
+        Layout::best(w.dtype, w.rows, w.cols).map(|l| Self::repack_own(l, w))
+    }
+
+    /// The repacked copy of `w` for the kernel of `level` (`Avx2`: 8-row groups, or
+    /// `Avx512Vnni`: 16-row groups), or `None` where that kernel cannot serve (other types,
+    /// rows not whole groups, or the CPU lacks `level`).
+    pub fn repack_for(w: &WeightView, level: SimdLevel) -> Option<Self> {
+        w.row_bytes("row_groups").ok()?;
+        Layout::for_level(w.dtype, w.rows, w.cols, level).map(|l| Self::repack_own(l, w))
+    }
+
+    fn repack_own(layout: Layout, w: &WeightView) -> Self {
+        let mut data = vec![0u8; layout.bytes()];
+        layout.fill(w, &mut data);
+        layout.with(Bytes::Own(data))
+    }
+
+    /// Repacks matrices of the given layouts (`source(i)`: matrix i's GGUF bytes) into one
+    /// buffer, in their order, backed by huge pages where the OS offers them: a decode step
+    /// streams every weight, and in 4 KiB pages (each copy its own allocation, too small for a
+    /// 2 MiB page) the TLB misses cost ~5% of a SmolLM2 step on 2 cores (docs/perf.md, stop 30).
+    /// Written in place, so the weights are in memory once.
+    pub fn repack_into_one_buffer<B: AsRef<[u8]>, E>(layouts: &[Layout], mut source: impl FnMut(usize) -> Result<B, E>) -> Result<Vec<Self>, E> {
+        let total = layouts.iter().map(Layout::bytes).sum();
+        let mut buf = vec![0u8; total];
+        crate::memory::advise_huge_pages(&buf);
+        let mut ranges = Vec::with_capacity(layouts.len());
+        let mut at = 0;
+        for (i, l) in layouts.iter().enumerate() {
+            let bytes = source(i)?;
+            let w = WeightView { dtype: l.dtype, rows: l.rows, cols: l.cols, data: bytes.as_ref() };
+            l.fill(&w, &mut buf[at..at + l.bytes()]);
+            ranges.push(at..at + l.bytes());
+            at += l.bytes();
+        }
+        let buf = Arc::new(buf);
+        Ok(layouts.iter().zip(ranges).map(|(l, r)| l.with(Bytes::Shared(Arc::clone(&buf), r))).collect())
     }
 
     /// Rows per group of this copy's layout.
@@ -137,30 +197,6 @@ impl RowGroups {
         match &self.data {
             Bytes::Own(v) => v,
             Bytes::Shared(buf, range) => &buf[range.clone()],
-        }
-    }
-
-    /// Moves the copies' bytes into one buffer, in their order, backed by huge pages where the
-    /// OS offers them: a decode step streams every weight, and in 4 KiB pages (each copy a
-    /// separate allocation, too small for a 2 MiB page) the TLB misses cost ~5% of a SmolLM2 step
-    /// on 2 cores (docs/perf.md, stop 30).
-    pub fn share_one_buffer(copies: &mut [&mut RowGroups]) {
-        let total = copies.iter().map(|g| g.bytes()).sum();
-        let mut buf = vec![0u8; total];
-        crate::memory::advise_huge_pages(&buf);
-        let mut at = 0;
-        let ranges: Vec<Range<usize>> = copies
-            .iter()
-            .map(|g| {
-                let n = g.bytes();
-                buf[at..at + n].copy_from_slice(g.data());
-                at += n;
-                at - n..at
-            })
-            .collect();
-        let buf = Arc::new(buf);
-        for (g, range) in copies.iter_mut().zip(ranges) {
-            g.data = Bytes::Shared(Arc::clone(&buf), range);
         }
     }
 
