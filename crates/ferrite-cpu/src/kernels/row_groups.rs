@@ -496,6 +496,20 @@ mod tests {
             // 40 rows: whole 8-row groups only.
             let ragged = WeightView { rows: 40, data: &data[..40 * cols / 32 * block], ..view };
             assert_eq!(RowGroups::repack_for(&ragged, level).is_some(), g == 8, "{level:?}: 40 rows");
+            // Several weights in one buffer: each the same bits as its copy alone.
+            let parts = [0..rows, g..2 * g, 0..g];
+            let views: Vec<WeightView> = parts.iter().map(|r| WeightView { rows: r.len(), data: &data[r.start * cols / 32 * block..r.end * cols / 32 * block], ..view }).collect();
+            let layouts: Vec<Layout> = views.iter().map(|v| Layout::for_level(dtype, v.rows, cols, level).expect("whole groups")).collect();
+            let shared = RowGroups::repack_into_one_buffer(&layouts, |i| Ok::<_, ()>(views[i].data)).unwrap();
+            let x: Vec<f32> = (0..3 * cols).map(|_| (rnd() % 2001) as f32 / 1000.0 - 1.0).collect();
+            for (v, one) in views.iter().zip(&shared) {
+                let alone = RowGroups::repack_for(v, level).unwrap();
+                assert_eq!(one.bytes(), alone.bytes());
+                let (mut a, mut b) = (vec![0f32; 3 * v.rows], vec![1f32; 3 * v.rows]);
+                one.matmul(0..v.rows, &x, 3, &mut a).unwrap();
+                alone.matmul(0..v.rows, &x, 3, &mut b).unwrap();
+                assert_eq!(a, b, "{level:?} {dtype}: {} rows in the shared buffer", v.rows);
+            }
         }
     }
 }
