@@ -102,9 +102,9 @@ struct Buffers {
     /// the delta-rule matrices.
     conv_state: Vec<Vec<f32>>,
     ssm_state: Vec<Vec<f32>>,
-    /// Normalized input of a norm-folded linear; gathered Q of attention.
+    /// Normalized input of a norm-folded linear; rotated Q of attention.
     scratch: Vec<f32>,
-    /// Output of a linear that fills a column range.
+    /// Output of a linear that fills a column range; rotated K of attention.
     scratch2: Vec<f32>,
     moe: MoeScratch,
     profile: Option<OpProfile>,
@@ -647,23 +647,29 @@ impl CpuExecutor {
                         window,
                         softcap: None,
                     };
-                    // Each row's q | k rotated in f32 (before the cache rounds K) in scratch2, Q
-                    // also copied to scratch, the rows side by side; then K and V into each row's
-                    // cache row, sequence by sequence; then attention over every row at once.
+                    // Each row's Q rotated into scratch and its K into scratch2, in f32 (before
+                    // the cache rounds K); then K and V into each row's cache row, sequence by
+                    // sequence; then attention over every row at once.
                     let n_rows = n;
                     let rope = rope.map(|r| (r, rope_table(&mut buf.rope_tables, r, positions)));
-                    let (q, qk, tables) = (&mut buf.scratch, &mut buf.scratch2, &buf.rope_tables);
+                    let (q, k, tables) = (&mut buf.scratch, &mut buf.scratch2, &buf.rope_tables);
                     q.resize(n_rows * qw, 0.0);
-                    qk.resize(n_rows * (qw + kvw), 0.0);
-                    let rotate = |t: usize, q: &mut [f32], qk: &mut [f32]| {
-                        qk.copy_from_slice(&src[t * w..t * w + qw + kvw]);
-                        if let Some((rope, table)) = &rope {
-                            // The same rotation as a separate Rope op; q | k as one row of heads.
-                            rope.apply_table(qk, a.n_heads + a.n_kv_heads, &tables[*table].1, t);
+                    k.resize(n_rows * kvw, 0.0);
+                    let rotate = |t: usize, q: &mut [f32], k: &mut [f32]| {
+                        let (q_in, k_in) = (&src[t * w..][..qw], &src[t * w + qw..][..kvw]);
+                        match &rope {
+                            // The same rotation as a separate Rope op, read from the qkv row.
+                            Some((rope, table)) => {
+                                rope.apply_table_to(q_in, q, a.n_heads, &tables[*table].1, t);
+                                rope.apply_table_to(k_in, k, a.n_kv_heads, &tables[*table].1, t);
+                            }
+                            None => {
+                                q.copy_from_slice(q_in);
+                                k.copy_from_slice(k_in);
+                            }
                         }
-                        q.copy_from_slice(&qk[..qw]);
                     };
-                    kernels::for_each_row_pair(q, qw, qk, qw + kvw, rotate);
+                    kernels::for_each_row_pair(q, qw, k, kvw, rotate);
                     for seq in step.seqs {
                         let (start_pos, n) = (seq.start_pos, seq.n);
                         let rows = seq.first_row..seq.first_row + n;
@@ -684,7 +690,7 @@ impl CpuExecutor {
                             _ => {}
                         }
                         for t in rows.clone() {
-                            let (k_row, v_row) = (&buf.scratch2[t * (qw + kvw) + qw..][..kvw], &src[t * w + qw + kvw..][..kvw]);
+                            let (k_row, v_row) = (&buf.scratch2[t * kvw..][..kvw], &src[t * w + qw + kvw..][..kvw]);
                             for h in 0..a.n_kv_heads {
                                 let at = cache_at(start_pos + t - rows.start, h);
                                 buf.k_cache[layer].store(at, &k_row[h * hd..][..hd]);

@@ -62,32 +62,53 @@ impl Rope {
     /// Rotates `x` (rows of `n_heads` heads) by the angles of `table`'s positions `first ..`, one
     /// per row: the same arithmetic as [`Rope::apply`] at those positions.
     pub fn apply_table(&self, x: &mut [f32], n_heads: usize, table: &RopeTable, first: usize) {
+        let hd = self.head_dim;
+        let mut head = vec![0f32; hd];
+        self.for_each_head(x.len(), n_heads, table, first, |at, cos_sin| {
+            head.copy_from_slice(&x[at..at + hd]);
+            self.rotate(&head, &mut x[at..at + hd], cos_sin);
+        });
+    }
+
+    /// [`Rope::apply_table`] of `src` into `dst` (as long), `src` left as it was: what the
+    /// attention op needs of its `q | k | v` rows, without copying them first.
+    pub fn apply_table_to(&self, src: &[f32], dst: &mut [f32], n_heads: usize, table: &RopeTable, first: usize) {
+        assert_eq!(src.len(), dst.len(), "rope: source and destination lengths differ");
+        let hd = self.head_dim;
+        self.for_each_head(src.len(), n_heads, table, first, |at, cos_sin| self.rotate(&src[at..at + hd], &mut dst[at..at + hd], cos_sin));
+    }
+
+    /// `f(offset of a head, its row's angles)` for every head of `len` values in rows of `n_heads`.
+    fn for_each_head(&self, len: usize, n_heads: usize, table: &RopeTable, first: usize, mut f: impl FnMut(usize, &[(f32, f32)])) {
         self.check();
         let (hd, half) = (self.head_dim, self.rot_dim / 2);
         let width = n_heads * hd;
-        let rows = if width == 0 { 0 } else { x.len() / width };
+        let rows = if width == 0 { 0 } else { len / width };
         assert!(
-            rows * width == x.len() && (first + rows) * half <= table.cos_sin.len(),
-            "rope: {} values for rows of {n_heads} heads x {hd} from table row {first} of {}",
-            x.len(),
+            rows * width == len && (first + rows) * half <= table.cos_sin.len(),
+            "rope: {len} values for rows of {n_heads} heads x {hd} from table row {first} of {}",
             table.cos_sin.len() / half.max(1)
         );
-        if width == 0 || half == 0 {
-            return;
-        }
-        for (t, row) in x.chunks_exact_mut(width).enumerate() {
+        for t in 0..rows {
             let cos_sin = &table.cos_sin[(first + t) * half..][..half];
-            for head in row.chunks_exact_mut(hd) {
-                for (i, &(c, s)) in cos_sin.iter().enumerate() {
-                    let (a, b) = match self.style {
-                        RopeStyle::Normal => (2 * i, 2 * i + 1),
-                        RopeStyle::Neox => (i, i + half),
-                    };
-                    let (x0, x1) = (head[a], head[b]);
-                    head[a] = x0 * c - x1 * s;
-                    head[b] = x0 * s + x1 * c;
-                }
+            for h in 0..n_heads {
+                f(t * width + h * hd, cos_sin);
             }
+        }
+    }
+
+    /// One head: `dst` = `src` with its first `rot_dim` values rotated in pairs, the rest copied.
+    fn rotate(&self, src: &[f32], dst: &mut [f32], cos_sin: &[(f32, f32)]) {
+        let half = cos_sin.len();
+        dst[2 * half..].copy_from_slice(&src[2 * half..]);
+        for (i, &(c, s)) in cos_sin.iter().enumerate() {
+            let (a, b) = match self.style {
+                RopeStyle::Normal => (2 * i, 2 * i + 1),
+                RopeStyle::Neox => (i, i + half),
+            };
+            let (x0, x1) = (src[a], src[b]);
+            dst[a] = x0 * c - x1 * s;
+            dst[b] = x0 * s + x1 * c;
         }
     }
 }
