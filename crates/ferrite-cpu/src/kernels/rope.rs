@@ -188,6 +188,27 @@ mod tests {
     }
 
     #[test]
+    fn out_of_place_rotation_is_the_in_place_one() {
+        for style in [RopeStyle::Normal, RopeStyle::Neox] {
+            for (head_dim, rot_dim) in [(64, 64), (80, 20), (8, 0)] {
+                let r = Rope { style, head_dim, rot_dim, theta: 10000.0, freq_scale: 1.0 };
+                let positions = [3u32, 0, 900];
+                let table = r.table(&positions);
+                let src: Vec<f32> = (0..positions.len() * 2 * head_dim).map(|i| ((i * 7 % 23) as f32 - 11.0) * 0.1).collect();
+                let mut want = src.clone();
+                r.apply(&mut want, 2, &positions);
+                let mut got = vec![f32::NAN; src.len()];
+                r.apply_table_to(&src, &mut got, 2, &table, 0);
+                assert_eq!(got, want, "{style:?} {head_dim}/{rot_dim}");
+                // From a later row of the table: the positions after the first.
+                let mut tail = vec![f32::NAN; 4 * head_dim];
+                r.apply_table_to(&src[2 * head_dim..], &mut tail, 2, &table, 1);
+                assert_eq!(tail, want[2 * head_dim..], "{style:?} {head_dim}/{rot_dim} from row 1");
+            }
+        }
+    }
+
+    #[test]
     fn rotation_preserves_pair_norms() {
         let r = Rope {
             style: RopeStyle::Normal,
