@@ -11,9 +11,10 @@ use ferrite_gguf::TensorInfo;
 use ferrite_model::graph::{ExpertGateUp, GatedActivation, MoeShape, NormSpec, Op, SharedExpert, ValueId, WeightId};
 use ferrite_model::planner::{self, Plan};
 use ferrite_model::profile::OpProfile;
+use rayon::prelude::*;
 use ferrite_model::{
     BatchRows,
-    Collective, Executor, ExecutorOptions, HardwareCeilings, LayerTrace, LoadProgress, Model, PagedKvConfig, RecurrentCursor, RopeConfig, RopeStyle, SeqChunk,
+    Collective, DeviceSampling, Executor, ExecutorOptions, HardwareCeilings, LayerTrace, LoadProgress, Model, PagedKvConfig, PagedOutput, RecurrentCursor, RopeConfig, RopeStyle, SeqChunk,
 };
 use std::sync::Arc;
 
@@ -781,7 +782,9 @@ impl CpuExecutor {
 }
 
 impl CpuExecutor {
-    fn run_paged(&self, paged: &mut Paged, batch: &[SeqChunk<'_>]) -> anyhow::Result<Vec<Vec<f32>>> {
+    /// One batched step; then `output(i, logits of sequence i)` for each sequence, side by side
+    /// on the pool.
+    fn run_paged<T: Send>(&self, paged: &mut Paged, batch: &[SeqChunk<'_>], output: impl Fn(usize, &[f32]) -> T + Sync) -> anyhow::Result<Vec<T>> {
         let c = paged.config;
         let rows = BatchRows::new(batch, &c)?;
         if self.rank.is_some() {
@@ -794,16 +797,18 @@ impl CpuExecutor {
             .collect();
         let step = Step { ids: &rows.ids, positions: &rows.positions, seqs: &seqs, block_size: Some(c.block_size) };
         let Paged { plan, buf, .. } = paged;
+        let g = &self.model.graph;
+        let w = g.value(g.logits).width;
         // On a pool worker, like `forward`.
-        let result = on_pool(self.rank.as_ref().map(|r| &*r.pool), || self.run_ops(buf, plan, &step));
+        let result = on_pool(self.rank.as_ref().map(|r| &*r.pool), || {
+            self.run_ops(buf, plan, &step)?;
+            let logits = &buf.slots[plan.slot(g.logits)];
+            Ok::<_, anyhow::Error>((0..batch.len()).into_par_iter().map(|i| output(i, &logits[i * w..(i + 1) * w])).collect())
+        });
         if let Some(p) = buf.profile.as_mut() {
             p.end_forward();
         }
-        result.context("batched forward pass")?;
-        let g = &self.model.graph;
-        let w = g.value(g.logits).width;
-        let logits = &buf.slots[plan.slot(g.logits)];
-        Ok((0..batch.len()).map(|i| logits[i * w..(i + 1) * w].to_vec()).collect())
+        result.context("batched forward pass")
     }
 }
 
@@ -958,7 +963,21 @@ impl Executor for CpuExecutor {
 
     fn forward_paged(&mut self, batch: &[SeqChunk<'_>]) -> anyhow::Result<Vec<Vec<f32>>> {
         let Some(mut paged) = self.paged.take() else { bail!("forward_paged before init_paged") };
-        let result = self.run_paged(&mut paged, batch);
+        let result = self.run_paged(&mut paged, batch, |_, logits| logits.to_vec());
+        self.paged = Some(paged);
+        result
+    }
+
+    /// Greedy draws here, from the logits in place: a batched step's logits copied out for the
+    /// host to take their argmax were ~1.5 MB of copies and fresh pages per 8-sequence step.
+    /// Other draws need the host's sampler (its RNG stream), so their logits go back.
+    fn forward_paged_sampled(&mut self, batch: &[SeqChunk<'_>], sample: &[Option<DeviceSampling>]) -> anyhow::Result<Vec<PagedOutput>> {
+        anyhow::ensure!(batch.len() == sample.len(), "{} sequences but {} sampling settings", batch.len(), sample.len());
+        let Some(mut paged) = self.paged.take() else { bail!("forward_paged before init_paged") };
+        let result = self.run_paged(&mut paged, batch, |i, logits| match sample[i] {
+            Some(s) if s.is_greedy() => PagedOutput::Token(ferrite_model::argmax(logits)),
+            _ => PagedOutput::Logits(logits.to_vec()),
+        });
         self.paged = Some(paged);
         result
     }
@@ -1072,7 +1091,6 @@ mod tests {
     /// the pass ends their jobs (the scope waits for them) and reaches the caller: no hang.
     #[test]
     fn workers_awake_serve_the_pass_and_end_with_it() {
-        use rayon::prelude::*;
         let sum: u64 = on_pool(None, || (0..100_000u64).into_par_iter().sum());
         assert_eq!(sum, 100_000 * 99_999 / 2);
         let pool = rayon::ThreadPoolBuilder::new().num_threads(3).build().unwrap();

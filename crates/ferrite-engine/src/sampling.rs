@@ -81,24 +81,7 @@ pub struct Sampler {
     rng: StdRng,
 }
 
-/// Index of the largest value (the first one on ties); NaNs never win (all NaN: the last index).
-///
-/// Two passes that vectorize, the maximum over lanes and then its first place: a loop carrying
-/// the best index took ~150 µs on a 49 152-token vocabulary, serially per sequence of a batched
-/// step; this takes ~10 µs.
-pub fn argmax(logits: &[f32]) -> u32 {
-    const LANES: usize = 16;
-    let chunks = logits.chunks_exact(LANES);
-    let tail = chunks.remainder();
-    // `f32::max` ignores NaN operands.
-    let mut lanes = [f32::NEG_INFINITY; LANES];
-    for chunk in chunks {
-        lanes.iter_mut().zip(chunk).for_each(|(m, &v)| *m = m.max(v));
-    }
-    let max = lanes.iter().chain(tail).fold(f32::NEG_INFINITY, |a, &b| a.max(b));
-    let first = logits.chunks(LANES).enumerate().find_map(|(c, vs)| vs.iter().position(|&v| v == max).map(|i| c * LANES + i));
-    first.unwrap_or(logits.len().saturating_sub(1)) as u32
-}
+pub use ferrite_model::argmax;
 
 impl Sampler {
     pub fn new(params: SamplerParams) -> Self {

@@ -7,7 +7,7 @@ use common::smollm2;
 use ferrite_cpu::{CpuExecutor, CpuPrecision};
 use ferrite_gguf::GgmlType;
 use ferrite_model::synth::{self, SynthShape};
-use ferrite_model::{Executor, ExecutorOptions, FusionOptions, Model, PagedKvConfig, SeqChunk};
+use ferrite_model::{argmax, DeviceSampling, Executor, ExecutorOptions, FusionOptions, Model, PagedKvConfig, PagedOutput, SeqChunk};
 use std::sync::Arc;
 
 const BLOCK: usize = 16;
@@ -109,6 +109,27 @@ fn batched_sequences_equal_their_single_runs() {
             step_of[i] += 1;
         }
     }
+}
+
+/// Greedy draws come back as the argmax of the logits, other draws as the logits themselves:
+/// the same step through `forward_paged` and `forward_paged_sampled` on two executors.
+#[test]
+fn sampled_steps_draw_greedy_tokens_and_return_other_logits() {
+    let model = smollm2(FusionOptions::ALL);
+    let prompts = [prompt(3, 9), prompt(4, 17)];
+    let tables: [&[u32]; 2] = [&[2], &[5, 9]];
+    let (mut plain, mut sampled) = (paged(&model, CpuPrecision::Quantized, 16), paged(&model, CpuPrecision::Quantized, 16));
+    let batch: Vec<SeqChunk> = prompts.iter().zip(tables).map(|(p, t)| SeqChunk { tokens: p, start_pos: 0, block_table: t }).collect();
+    let want = plain.forward_paged(&batch).unwrap();
+    let hot = DeviceSampling { temperature: 0.8, top_k: 40, ..DeviceSampling::GREEDY };
+    let got = sampled.forward_paged_sampled(&batch, &[Some(DeviceSampling::GREEDY), Some(hot)]).unwrap();
+    assert_eq!(got[0], PagedOutput::Token(argmax(&want[0])));
+    assert_eq!(got[1], PagedOutput::Logits(want[1].clone()));
+    // Without sampling settings (a prompt chunk that does not end its prompt): logits.
+    let next: Vec<SeqChunk> = prompts.iter().zip(tables).map(|(p, t)| SeqChunk { tokens: &p[..1], start_pos: p.len(), block_table: t }).collect();
+    let (want, got) = (plain.forward_paged(&next).unwrap(), sampled.forward_paged_sampled(&next, &[None, None]).unwrap());
+    assert_eq!(got, want.into_iter().map(PagedOutput::Logits).collect::<Vec<_>>());
+    assert!(sampled.forward_paged_sampled(&next, &[None]).is_err(), "one sampling setting per sequence");
 }
 
 #[test]

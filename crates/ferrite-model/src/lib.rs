@@ -21,7 +21,7 @@ pub mod weights;
 pub use collective::{Collective, RankThreads};
 pub use config::{Arch, ModelConfig, MoeConfig, RopeConfig, RopeStyle};
 pub use error::ModelError;
-pub use executor::{AheadSeq, BatchRows, DeviceSampling, Executor, ExecutorOptions, HardwareCeilings, LayerTrace, LoadProgress, PagedKvConfig, PagedOutput, RecurrentCursor, SeqChunk};
+pub use executor::{argmax, AheadSeq, BatchRows, DeviceSampling, Executor, ExecutorOptions, HardwareCeilings, LayerTrace, LoadProgress, PagedKvConfig, PagedOutput, RecurrentCursor, SeqChunk};
 pub use fusion::FusionOptions;
 pub use graph::{Graph, Op, ValueId, WeightId};
 pub use weights::{WeightPart, WeightSet, WeightSpec};
