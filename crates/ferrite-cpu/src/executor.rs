@@ -578,6 +578,11 @@ impl CpuExecutor {
                     let xin = self.linear_input(norm, input(x), &mut buf.scratch);
                     let direct = out_col == 0 && spec.rows == ow;
                     let tmp = &mut buf.scratch2;
+                    if let (true, None, Some(CpuWeight::RowGroups(g))) = (direct, bias, &self.weights[w.0 as usize]) {
+                        // The residual added by the matmul's own tasks.
+                        g.matmul_add(0..spec.rows, xin, r, &mut out[..r * ow], residual.map(|res| &input(res)[..r * ow]))?;
+                        return Ok(());
+                    }
                     if direct {
                         self.matmul(w, xin, r, &mut out[..r * ow])?;
                     } else {
