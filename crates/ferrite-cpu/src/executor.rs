@@ -285,7 +285,7 @@ impl CpuExecutor {
         // All row groups in one buffer, repacked in place from the file (fused weights from a
         // copy gathered for the moment).
         let layouts: Vec<_> = repacked.iter().map(|&(_, l)| l).collect();
-        let groups = kernels::RowGroups::repack_into_one_buffer(&layouts, |i| model.weights.bytes(&model.file, repacked[i].0))?;
+        let groups = kernels::RowGroups::repack_into_one_buffer(&layouts, |i| Ok(model.weights.bytes(&model.file, repacked[i].0)?))?;
         for ((id, _), g) in repacked.iter().zip(groups) {
             weights[id.0 as usize] = Some(CpuWeight::RowGroups(g));
         }

@@ -158,7 +158,7 @@ impl RowGroups {
     /// streams every weight, and in 4 KiB pages (each copy its own allocation, too small for a
     /// 2 MiB page) the TLB misses cost ~5% of a SmolLM2 step on 2 cores (docs/perf.md, stop 30).
     /// Written in place, so the weights are in memory once.
-    pub fn repack_into_one_buffer<B: AsRef<[u8]>, E>(layouts: &[Layout], mut source: impl FnMut(usize) -> Result<B, E>) -> Result<Vec<Self>, E> {
+    pub fn repack_into_one_buffer<B: AsRef<[u8]>>(layouts: &[Layout], mut source: impl FnMut(usize) -> anyhow::Result<B>) -> anyhow::Result<Vec<Self>> {
         let total = layouts.iter().map(Layout::bytes).sum();
         let mut buf = vec![0u8; total];
         crate::memory::advise_huge_pages(&buf);
@@ -167,6 +167,7 @@ impl RowGroups {
         for (i, l) in layouts.iter().enumerate() {
             let bytes = source(i)?;
             let w = WeightView { dtype: l.dtype, rows: l.rows, cols: l.cols, data: bytes.as_ref() };
+            w.row_bytes("row_groups")?;
             l.fill(&w, &mut buf[at..at + l.bytes()]);
             ranges.push(at..at + l.bytes());
             at += l.bytes();
@@ -513,7 +514,9 @@ mod tests {
             let parts = [0..rows, g..2 * g, 0..g];
             let views: Vec<WeightView> = parts.iter().map(|r| WeightView { rows: r.len(), data: &data[r.start * cols / 32 * block..r.end * cols / 32 * block], ..view }).collect();
             let layouts: Vec<Layout> = views.iter().map(|v| Layout::for_level(dtype, v.rows, cols, level).expect("whole groups")).collect();
-            let shared = RowGroups::repack_into_one_buffer(&layouts, |i| Ok::<_, ()>(views[i].data)).unwrap();
+            let shared = RowGroups::repack_into_one_buffer(&layouts, |i| Ok(views[i].data)).unwrap();
+            let short = RowGroups::repack_into_one_buffer(&layouts[..1], |_| Ok(&data[1..])).err().expect("a weight's bytes cut short");
+            assert!(short.to_string().contains("row_groups"), "{short}");
             let x: Vec<f32> = (0..3 * cols).map(|_| (rnd() % 2001) as f32 / 1000.0 - 1.0).collect();
             for (v, one) in views.iter().zip(&shared) {
                 let alone = RowGroups::repack_for(v, level).unwrap();
