@@ -35,7 +35,8 @@ impl Rope {
         assert!(rot % 2 == 0 && rot <= hd, "rope: rot_dim {rot} must be even and at most head_dim {hd}");
     }
 
-    /// The angles of `positions`, in their order.
+    /// The angles of `positions`, in their order, computed in f32 exactly as GGML does
+    /// (`pos * s^i` by repeated multiplication with `s = theta^(-2 / rot_dim)`).
     pub fn table(&self, positions: &[u32]) -> RopeTable {
         self.check();
         let half = self.rot_dim / 2;
@@ -63,19 +64,15 @@ impl Rope {
     /// per row: the same arithmetic as [`Rope::apply`] at those positions.
     pub fn apply_table(&self, x: &mut [f32], n_heads: usize, table: &RopeTable, first: usize) {
         let hd = self.head_dim;
-        let mut head = vec![0f32; hd];
-        self.for_each_head(x.len(), n_heads, table, first, |at, cos_sin| {
-            head.copy_from_slice(&x[at..at + hd]);
-            self.rotate(&head, &mut x[at..at + hd], cos_sin);
-        });
+        self.for_each_head(x.len(), n_heads, table, first, |at, cos_sin| self.rotate(&mut x[at..at + hd], cos_sin));
     }
 
     /// [`Rope::apply_table`] of `src` into `dst` (as long), `src` left as it was: what the
-    /// attention op needs of its `q | k | v` rows, without copying them first.
+    /// attention op needs of its `q | k | v` rows, written straight into its Q and K buffers.
     pub fn apply_table_to(&self, src: &[f32], dst: &mut [f32], n_heads: usize, table: &RopeTable, first: usize) {
         assert_eq!(src.len(), dst.len(), "rope: source and destination lengths differ");
-        let hd = self.head_dim;
-        self.for_each_head(src.len(), n_heads, table, first, |at, cos_sin| self.rotate(&src[at..at + hd], &mut dst[at..at + hd], cos_sin));
+        dst.copy_from_slice(src);
+        self.apply_table(dst, n_heads, table, first);
     }
 
     /// `f(offset of a head, its row's angles)` for every head of `len` values in rows of `n_heads`.
@@ -97,18 +94,17 @@ impl Rope {
         }
     }
 
-    /// One head: `dst` = `src` with its first `rot_dim` values rotated in pairs, the rest copied.
-    fn rotate(&self, src: &[f32], dst: &mut [f32], cos_sin: &[(f32, f32)]) {
+    /// One head in place: its first `rot_dim` values rotated in pairs, the rest as they are.
+    fn rotate(&self, head: &mut [f32], cos_sin: &[(f32, f32)]) {
         let half = cos_sin.len();
-        dst[2 * half..].copy_from_slice(&src[2 * half..]);
         for (i, &(c, s)) in cos_sin.iter().enumerate() {
             let (a, b) = match self.style {
                 RopeStyle::Normal => (2 * i, 2 * i + 1),
                 RopeStyle::Neox => (i, i + half),
             };
-            let (x0, x1) = (src[a], src[b]);
-            dst[a] = x0 * c - x1 * s;
-            dst[b] = x0 * s + x1 * c;
+            let (x0, x1) = (head[a], head[b]);
+            head[a] = x0 * c - x1 * s;
+            head[b] = x0 * s + x1 * c;
         }
     }
 }
