@@ -5,7 +5,7 @@
 //!   cargo run -p ferrite-cuda --release --example kernel_bench [SECTION ...]
 //!   (or the binary from scripts/gpu-build.sh, on the GPU machine: .device/kernel_bench)
 //!
-//! Sections: gemv, decode, chain, layer, prefill, batched, tilings, mma64, attention, gdn, moe, sampling (default: all).
+//! Sections: gemv, decode, chain, cluster, layer, prefill, batched, tilings, mma64, attention, gdn, moe, sampling (default: all).
 
 use ferrite_cuda::kernels::gdn::{GdnChunkVariant, GdnDeltaVariant};
 use ferrite_cuda::kernels::gemm::GemmMmaVariant;
@@ -50,10 +50,11 @@ fn main() -> Result<(), CudaError> {
     );
     // `kernel_bench [SECTION ...]` runs only the named sections.
     let wanted: Vec<String> = std::env::args().skip(1).collect();
-    let sections: [(&str, Section); 13] = [
+    let sections: [(&str, Section); 14] = [
         ("gemv", gemv),
         ("decode", decode),
         ("chain", chain),
+        ("cluster", cluster),
         ("layer", layer),
         ("prefill", prefill),
         ("batched", batched),
@@ -219,6 +220,37 @@ dependent launch chains (150 launches, graph replay): us per launch");
             })?;
             line += &format!(" | gemv {dtype} {rows}x{cols}: {:.2}", s * 1e6);
         }
+        println!("{line}");
+    }
+    Ok(())
+}
+
+fn cluster(gpu: &Gpu) -> Result<(), CudaError> {
+    // What a decode step resident in one thread-block cluster would pay per dependent phase:
+    // the cluster barrier plus a hand-off of `values` floats from every block to every block
+    // through distributed shared memory (compare `chain`: a dependent kernel boundary), and the
+    // weight bytes a cluster streams per phase while it meets that often.
+    println!("\nthread-block clusters (one launch, us per phase over 1 000 / 200 phases)");
+    let data = gpu.alloc_zeros::<u8>(256 << 20)?;
+    let mut out = gpu.alloc_zeros::<f32>(ops::MAX_CLUSTER * gpu.sm_count() as usize)?;
+    let per_phase = |bytes: usize, phases: usize, values: usize, size: usize, clusters: usize, out: &mut CudaSlice<f32>| -> Result<f64, CudaError> {
+        let base = time(gpu, 20, || ops::cluster_phases(gpu, &data, bytes, 0, values, size, clusters, out))?;
+        let t = time(gpu, 20, || ops::cluster_phases(gpu, &data, bytes, phases, values, size, clusters, out))?;
+        Ok((t - base) / phases as f64)
+    };
+    for size in [2usize, 4, 8, 16] {
+        let mut line = format!("  {size:>2} blocks:");
+        for values in [64usize, 256] {
+            line += &format!(" | barrier + {values} values: {:.3}", per_phase(0, 1000, values, size, 1, &mut out)? * 1e6);
+        }
+        for kib in [16usize, 64] {
+            let s = per_phase(kib << 10, 200, 64, size, 1, &mut out)?;
+            line += &format!(" | {kib} KiB/block: {:.2} us, {:.0} GB/s", s * 1e6, (size * (kib << 10)) as f64 / s / 1e9);
+        }
+        // Every SM busy: as many clusters of this size as fit.
+        let clusters = gpu.sm_count() as usize / size;
+        let s = per_phase(64 << 10, 200, 64, size, clusters, &mut out)?;
+        line += &format!(" | {clusters} clusters, 64 KiB/block: {:.0} GB/s", (clusters * size * (64 << 10)) as f64 / s / 1e9);
         println!("{line}");
     }
     Ok(())

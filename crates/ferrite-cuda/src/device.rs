@@ -383,7 +383,11 @@ impl Gpu {
                 .set_attribute(sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, cfg.shared_mem_bytes as i32)
                 .context(what)?;
         }
-        if !self.dependent_launch {
+        let cluster = variant.cluster_size();
+        if cluster > 8 {
+            function.set_attribute(sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1).context(what)?;
+        }
+        if !self.dependent_launch && cluster == 1 {
             let mut builder = self.stream.launch_builder(function);
             builder.arg(params);
             unsafe { builder.launch(cfg) }.context(what)?;
@@ -392,11 +396,19 @@ impl Gpu {
         // Programmatic dependent launch: the kernel may be scheduled before the previous kernel
         // in the stream has finished; every kernel waits for it (`pdl_wait` in the common
         // header) before touching activations, so only its start-up and weight loads overlap.
-        let mut attribute = sys::CUlaunchAttribute {
-            id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
-            pad: [0; 4],
-            value: sys::CUlaunchAttributeValue { programmaticStreamSerializationAllowed: 1 },
-        };
+        // A clustered kernel (sm_90) takes its cluster shape as a second attribute.
+        let mut attributes = [
+            sys::CUlaunchAttribute {
+                id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
+                pad: [0; 4],
+                value: sys::CUlaunchAttributeValue { programmaticStreamSerializationAllowed: self.dependent_launch as i32 },
+            },
+            sys::CUlaunchAttribute {
+                id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION,
+                pad: [0; 4],
+                value: sys::CUlaunchAttributeValue { clusterDim: sys::CUlaunchAttributeValue_union__bindgen_ty_1 { x: cluster, y: 1, z: 1 } },
+            },
+        ];
         let config = sys::CUlaunchConfig {
             gridDimX: cfg.grid_dim.0,
             gridDimY: cfg.grid_dim.1,
@@ -406,8 +418,8 @@ impl Gpu {
             blockDimZ: cfg.block_dim.2,
             sharedMemBytes: cfg.shared_mem_bytes,
             hStream: self.stream.cu_stream(),
-            attrs: &mut attribute,
-            numAttrs: 1,
+            attrs: attributes.as_mut_ptr(),
+            numAttrs: if cluster > 1 { 2 } else { 1 },
         };
         // One kernel argument: the parameter struct, passed by value.
         let mut args = [params as *const P as *mut std::ffi::c_void];

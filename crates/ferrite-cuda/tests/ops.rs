@@ -2965,6 +2965,10 @@ fn every_kernel_variant_compiles_for_sm90() {
         assert!(cubin.len() > 100, "{name}: empty CUBIN");
         compiled += 1;
     };
+    for cluster in [1, 8, 16] {
+        let v = ferrite_cuda::kernels::cluster::ClusterPhasesVariant { cluster };
+        check(format!("{v:?}"), compile_variant(&v, "sm_90"));
+    }
     for dtype in ALL_TYPES {
         for n in [1, 2, 3, 8] {
             let v = GemvVariant::for_shape(dtype, n);
@@ -3111,6 +3115,25 @@ fn every_kernel_variant_compiles_for_sm90() {
         check(format!("{v:?}"), compile_variant(&v, "sm_90"));
     }
     println!("compiled {compiled} kernel variants for sm_90");
+}
+
+/// Thread-block clusters: every block's value reaches every block of its cluster through
+/// distributed shared memory at each phase (thread 0 of block `rank` starts at `rank`; a phase
+/// halves the cluster's mean), and clusters stay apart; the streamed bytes (zeros) add nothing.
+#[test]
+fn cluster_phases_hand_values_to_every_block() {
+    let Some(gpu) = gpu() else { return };
+    let data = gpu.alloc_zeros::<u8>(1 << 20).unwrap();
+    for (size, clusters, phases, bytes) in [(4usize, 3usize, 3usize, 0usize), (16, 2, 5, 4096), (1, 4, 2, 16)] {
+        let mut out = poisoned(gpu, size * clusters);
+        ops::cluster_phases(gpu, &data, bytes, phases, 64, size, clusters, &mut out).unwrap();
+        let want = (size - 1) as f32 / 2.0 * 0.5f32.powi(phases as i32);
+        let got = download(gpu, &out);
+        assert!(got.iter().all(|&v| v == want), "{clusters} clusters of {size}, {phases} phases: {got:?}, want {want}");
+    }
+    let mut out = poisoned(gpu, 64);
+    let err = ops::cluster_phases(gpu, &data, 0, 1, 64, 17, 1, &mut out).unwrap_err().to_string();
+    assert!(err.contains("1-16 blocks"), "{err}");
 }
 
 /// `FERRITE_CUDA_TIMELINE`: each launch of a kernel compiled with the timeline notes its start,

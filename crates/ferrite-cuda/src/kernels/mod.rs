@@ -16,6 +16,7 @@
 pub mod activation;
 pub mod attention;
 pub mod chain;
+pub mod cluster;
 pub mod common;
 pub mod dequant;
 pub mod embedding;
@@ -46,6 +47,11 @@ pub trait KernelVariant: Copy + Eq + Hash + Debug + Send + Sync + 'static {
     /// `wgmma`), so it compiles for that target and runs on that arch only.
     fn arch_specific(&self) -> bool {
         false
+    }
+    /// Blocks per thread-block cluster (sm_90; 1: no cluster). Over 8, the launch allows the
+    /// non-portable sizes (up to 16 on the H100/H200).
+    fn cluster_size(&self) -> u32 {
+        1
     }
 }
 
@@ -130,8 +136,9 @@ pub(crate) mod tests {
     /// may issue early).
     #[test]
     fn every_kernel_waits_for_the_previous_one() {
-        let families: [(&str, &[&str]); 21] = [
+        let families: [(&str, &[&str]); 22] = [
             (chain::ChainVariant::FAMILY, chain::ChainVariant::SOURCES),
+            (cluster::ClusterPhasesVariant::FAMILY, cluster::ClusterPhasesVariant::SOURCES),
             (activation::ActivationVariant::FAMILY, activation::ActivationVariant::SOURCES),
             (attention::AttentionVariant::FAMILY, attention::AttentionVariant::SOURCES),
             (attention::StoreQkvVariant::FAMILY, attention::StoreQkvVariant::SOURCES),
