@@ -253,6 +253,40 @@ fn cluster(gpu: &Gpu) -> Result<(), CudaError> {
         line += &format!(" | {clusters} clusters, 64 KiB/block: {:.0} GB/s", (clusters * size * (64 << 10)) as f64 / s / 1e9);
         println!("{line}");
     }
+    // A whole decoder layer (norms, QKV, RoPE, K/V store, attention, output projection, SwiGLU
+    // MLP, residuals) as one `cluster_layer` launch, over 30 layers' distinct weights at
+    // position 128, replayed from a graph (compare `layer`: its four linears alone as int8 GEMVs).
+    let (dtype, d, heads, kv_heads, hd, ff, layers) = (GgmlType::Q4_1, 576usize, 9usize, 3usize, 64usize, 1536usize, 30usize);
+    let weight = |rows: usize, cols: usize| gpu.upload_weight(dtype, rows, cols, &quantize(dtype, &ramp(rows * cols)).expect("quantize"));
+    let qkv_rows = (heads + 2 * kv_heads) * hd;
+    let mut ws = Vec::new();
+    for _ in 0..layers {
+        ws.push([weight(qkv_rows, d)?, weight(d, heads * hd)?, weight(2 * ff, d)?, weight(d, ff)?]);
+    }
+    let g = gpu.upload(&vec![1.0f32; d], "norm")?;
+    let mut caches = (0..layers).map(|_| KvCache::new(gpu, KvDtype::F16, 256, kv_heads, hd)).collect::<Result<Vec<_>, _>>()?;
+    let positions = gpu.upload(&[128u32], "position")?;
+    let mut x = gpu.upload(&ramp(d), "x")?;
+    let cfg = ops::ClusterLayerConfig {
+        dims: ops::LayerDims { dim: d, n_heads: heads, n_kv_heads: kv_heads, ff },
+        head_dim: hd,
+        rope: Some(ops::RopeConfig { n_heads: heads, head_dim: hd, rot_dim: hd, theta: 10_000.0, freq_scale: 1.0, neox: false }),
+        eps: 1e-5,
+        scale: 0.125,
+    };
+    for size in [16usize, 8] {
+        let run = &mut || {
+            for (w, cache) in ws.iter().zip(caches.iter_mut()) {
+                let weights = ops::ClusterLayerWeights { qkv: &w[0], o: &w[1], gate: (&w[2], 0), up: (&w[2], ff), down: &w[3] };
+                ops::cluster_layer(gpu, &weights, &g, &g, &cfg, cache, &positions, size, &mut x)?;
+            }
+            Ok(())
+        };
+        match time_graph(gpu, layers, run) {
+            Ok(s) => println!("  SmolLM2 decoder layer in one cluster of {size}, position 128: {:.2} us per layer", s * 1e6),
+            Err(e) => println!("  SmolLM2 decoder layer in one cluster of {size}: {e}"),
+        }
+    }
     Ok(())
 }
 

@@ -118,6 +118,8 @@ struct DeviceProps {
     name: String,
     compute_capability: (u32, u32),
     sm_count: u32,
+    /// Most dynamic shared memory a block may opt in to, in bytes.
+    smem_optin: u32,
 }
 
 /// One CUDA device with its compute stream. All ops enqueue on [`Gpu::stream`] without
@@ -178,6 +180,9 @@ impl Gpu {
         let sm_count = ctx
             .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
             .context(|| "reading the multiprocessor count".into())?;
+        let smem_optin = ctx
+            .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
+            .context(|| "reading the shared memory limit".into())?;
         let arch = major * 10 + minor;
         let nvrtc = nvrtc_version()?;
         let archs = supported_archs()?;
@@ -210,7 +215,7 @@ impl Gpu {
             attention_groups: options.attention_groups,
             attention_max_group: options.attention_max_group,
             moe_path: options.moe_path,
-            props: DeviceProps { name, compute_capability: (major as u32, minor as u32), sm_count: sm_count as u32 },
+            props: DeviceProps { name, compute_capability: (major as u32, minor as u32), sm_count: sm_count as u32, smem_optin: smem_optin as u32 },
             stream,
             ctx,
         })
@@ -233,6 +238,11 @@ impl Gpu {
 
     pub fn sm_count(&self) -> u32 {
         self.props.sm_count
+    }
+
+    /// Most dynamic shared memory one block may use (after opting in), in bytes.
+    pub fn max_shared_memory(&self) -> u32 {
+        self.props.smem_optin
     }
 
     /// Whether the device runs sm_90a code such as warpgroup MMAs (`wgmma`): Hopper only.

@@ -2969,6 +2969,10 @@ fn every_kernel_variant_compiles_for_sm90() {
         let v = ferrite_cuda::kernels::cluster::ClusterPhasesVariant { cluster };
         check(format!("{v:?}"), compile_variant(&v, "sm_90"));
     }
+    for (wtype, head_dim, neox, kv) in [(GgmlType::Q4_0, 64, false, KvDtype::F16), (GgmlType::Q4_1, 128, true, KvDtype::F32), (GgmlType::Q8_0, 32, false, KvDtype::F16)] {
+        let v = ferrite_cuda::kernels::cluster::ClusterLayerVariant { wtype, cluster: 16, head_dim, neox, kv };
+        check(format!("{v:?}"), compile_variant(&v, "sm_90"));
+    }
     for dtype in ALL_TYPES {
         for n in [1, 2, 3, 8] {
             let v = GemvVariant::for_shape(dtype, n);
@@ -3134,6 +3138,128 @@ fn cluster_phases_hand_values_to_every_block() {
     let mut out = poisoned(gpu, 64);
     let err = ops::cluster_phases(gpu, &data, 0, 1, 64, 17, 1, &mut out).unwrap_err().to_string();
     assert!(err.contains("1-16 blocks"), "{err}");
+}
+
+/// `out[r] = W[r] . x` in f64 over a row-major f32 weight.
+fn matvec(w: &[f32], x: &[f64]) -> Vec<f64> {
+    w.chunks_exact(x.len()).map(|row| row.iter().zip(x).map(|(&a, &b)| a as f64 * b).sum()).collect()
+}
+
+fn rms_normed(x: &[f64], g: &[f32], eps: f32) -> Vec<f64> {
+    let inv = 1.0 / (x.iter().map(|v| v * v).sum::<f64>() / x.len() as f64 + eps as f64).sqrt();
+    x.iter().zip(g).map(|(v, &g)| v * inv * g as f64).collect()
+}
+
+/// The cluster-resident decoder layer (`cluster_layer`) against the same layer on the host
+/// (exact weights in f64, ferrite-cpu's RoPE and attention), two decode steps over a cache that
+/// already holds a few rows: the residual stream within 3% of its change's RMS (the kernel
+/// quantizes four activations to int8 blocks), the token's K/V rows likewise, and the same
+/// output twice. Fused and separate gate/up weights, both RoPE layouts, both cache types, GQA,
+/// shares of rows that do not divide evenly; a position past the cache leaves NaN and an error.
+#[test]
+fn cluster_layer_matches_the_layer_on_the_host() {
+    let Some(gpu) = gpu() else { return };
+    if gpu.compute_capability().0 < 9 {
+        let _ = writeln!(std::io::stderr(), "skipped: cluster_layer needs sm_90");
+        return;
+    }
+    let mut rng = Rng(41);
+    // (type, width, query heads, KV heads, head size, MLP width, NeoX, KV type, fused gate/up, cluster)
+    let cases = [
+        (GgmlType::Q4_1, 256, 4, 2, 64, 512, false, KvDtype::F16, true, 16),
+        (GgmlType::Q4_0, 192, 3, 1, 64, 416, true, KvDtype::F32, false, 16),
+        (GgmlType::Q8_0, 128, 4, 4, 32, 224, false, KvDtype::F16, true, 8),
+        (GgmlType::Q4_1, 576, 9, 3, 64, 1536, false, KvDtype::F16, true, 16),
+    ];
+    for (dtype, dim, n_heads, n_kv, hd, ff, neox, kv_dtype, fused, cluster) in cases {
+        let (q_dim, kv_dim) = (n_heads * hd, n_kv * hd);
+        let qkv_rows = q_dim + 2 * kv_dim;
+        let (qkv_b, qkv_w) = random_weight(&mut rng, dtype, qkv_rows, dim);
+        let (o_b, o_w) = random_weight(&mut rng, dtype, dim, q_dim);
+        let (gu_b, gu_w) = random_weight(&mut rng, dtype, 2 * ff, dim);
+        let (down_b, down_w) = random_weight(&mut rng, dtype, dim, ff);
+        let up_bytes = gu_b.len() / 2;
+        let qkv = gpu.upload_weight(dtype, qkv_rows, dim, &qkv_b).unwrap();
+        let o = gpu.upload_weight(dtype, dim, q_dim, &o_b).unwrap();
+        let down = gpu.upload_weight(dtype, dim, ff, &down_b).unwrap();
+        let gate_up = gpu.upload_weight(dtype, 2 * ff, dim, &gu_b).unwrap();
+        let gate = gpu.upload_weight(dtype, ff, dim, &gu_b[..up_bytes]).unwrap();
+        let up = gpu.upload_weight(dtype, ff, dim, &gu_b[up_bytes..]).unwrap();
+        let weights = if fused {
+            ops::ClusterLayerWeights { qkv: &qkv, o: &o, gate: (&gate_up, 0), up: (&gate_up, ff), down: &down }
+        } else {
+            ops::ClusterLayerWeights { qkv: &qkv, o: &o, gate: (&gate, 0), up: (&up, 0), down: &down }
+        };
+        let (attn_g, ffn_g) = (rng.vec(dim, 0.5, 1.5), rng.vec(dim, 0.5, 1.5));
+        let (attn_norm, ffn_norm) = (upload(gpu, &attn_g), upload(gpu, &ffn_g));
+        let rope_cfg = RopeConfig { n_heads, head_dim: hd, rot_dim: hd, theta: 10_000.0, freq_scale: 1.0, neox };
+        let cfg = ops::ClusterLayerConfig {
+            dims: ops::LayerDims { dim, n_heads, n_kv_heads: n_kv, ff },
+            head_dim: hd,
+            rope: Some(rope_cfg),
+            eps: 1e-5,
+            scale: 1.0 / (hd as f32).sqrt(),
+        };
+        let cpu_rope = rope::Rope { style: if neox { rope::RopeStyle::Neox } else { rope::RopeStyle::Normal }, head_dim: hd, rot_dim: hd, theta: 10_000.0, freq_scale: 1.0 };
+        let cpu_attn = attention::AttentionParams { n_heads, n_kv_heads: n_kv, head_dim: hd, scale: cfg.scale, window: None, softcap: None };
+        let stored = |x: &[f32]| if kv_dtype == KvDtype::F16 { round_f16(x) } else { x.to_vec() };
+        // A cache already holding 5 rows (written by store_qkv, no RoPE), mirrored on the host.
+        let max_seq = 64;
+        let mut cache = KvCache::new(gpu, kv_dtype, max_seq, n_kv, hd).unwrap();
+        let (k0, v0) = (rng.vec(5 * kv_dim, -1.0, 1.0), rng.vec(5 * kv_dim, -1.0, 1.0));
+        let pos0: Vec<u32> = (0..5).collect();
+        store(gpu, &mut cache, &rng.vec(5 * q_dim, -1.0, 1.0), &k0, &v0, n_heads, &upload(gpu, &pos0), 5);
+        let (mut k_host, mut v_host) = (stored(&k0), stored(&v0));
+        let name = format!("{dtype} d{dim} h{n_heads}/{n_kv}x{hd} ff{ff} {} {kv_dtype:?} {} c{cluster}", if neox { "neox" } else { "norm" }, if fused { "fused" } else { "split" });
+        for pos in [5usize, 6] {
+            let x_in = rng.vec(dim, -1.0, 1.0);
+            // The host layer.
+            let x64: Vec<f64> = x_in.iter().map(|&v| v as f64).collect();
+            let qkv_out = matvec(&qkv_w, &rms_normed(&x64, &attn_g, cfg.eps));
+            let to32 = |v: &[f64]| v.iter().map(|&a| a as f32).collect::<Vec<f32>>();
+            let (mut q, mut k, v) = (to32(&qkv_out[..q_dim]), to32(&qkv_out[q_dim..q_dim + kv_dim]), to32(&qkv_out[q_dim + kv_dim..]));
+            cpu_rope.apply(&mut q, n_heads, &[pos as u32]);
+            cpu_rope.apply(&mut k, n_kv, &[pos as u32]);
+            let (k_new, v_new) = (stored(&k), stored(&v));
+            k_host.extend(&k_new);
+            v_host.extend(&v_new);
+            let mut att = vec![0f32; q_dim];
+            attention::attention(&cpu_attn, &q, &k_host, &v_host, pos, 1, &mut att);
+            let att64: Vec<f64> = att.iter().map(|&a| a as f64).collect();
+            let mid: Vec<f64> = matvec(&o_w, &att64).iter().zip(&x64).map(|(a, b)| a + b).collect();
+            let gu = matvec(&gu_w, &rms_normed(&mid, &ffn_g, cfg.eps));
+            let act: Vec<f64> = (0..ff).map(|i| gu[i] / (1.0 + (-gu[i]).exp()) * gu[ff + i]).collect();
+            let want: Vec<f32> = matvec(&down_w, &act).iter().zip(&mid).map(|(a, b)| (a + b) as f32).collect();
+            // The kernel, twice from the same input: the same bits.
+            let positions = upload(gpu, &[pos as u32]);
+            let mut outs = Vec::new();
+            for _ in 0..2 {
+                let mut x = upload(gpu, &x_in);
+                ops::cluster_layer(gpu, &weights, &attn_norm, &ffn_norm, &cfg, &mut cache, &positions, cluster, &mut x).unwrap();
+                outs.push(download(gpu, &x));
+            }
+            assert_eq!(outs[0], outs[1], "{name} pos {pos}: two runs differ");
+            let rms = |v: &[f32], base: &[f32]| (v.iter().zip(base).map(|(a, b)| ((a - b) as f64).powi(2)).sum::<f64>() / v.len() as f64).sqrt();
+            let change = rms(&want, &x_in);
+            check("clusterlyr", &format!("{name} pos {pos}"), &outs[0], &want, |_| 0.03 * change);
+            let (k_dev, v_dev) = cache.download(gpu).unwrap();
+            let row = pos * kv_dim..(pos + 1) * kv_dim;
+            let zeros = vec![0f32; kv_dim];
+            check("clusterlyr", &format!("{name} pos {pos} K row"), &k_dev[row.clone()], &k_new, |_| 0.03 * rms(&k_new, &zeros));
+            check("clusterlyr", &format!("{name} pos {pos} V row"), &v_dev[row.clone()], &v_new, |_| 0.03 * rms(&v_new, &zeros));
+            // The next step reads the rows the kernel stored.
+            k_host.truncate(pos * kv_dim);
+            v_host.truncate(pos * kv_dim);
+            k_host.extend(&k_dev[row.clone()]);
+            v_host.extend(&v_dev[row]);
+        }
+        // A position past the cache: NaN in the stream, the error reported.
+        let mut x = upload(gpu, &vec![1f32; dim]);
+        ops::cluster_layer(gpu, &weights, &attn_norm, &ffn_norm, &cfg, &mut cache, &upload(gpu, &[max_seq as u32]), cluster, &mut x).unwrap();
+        assert!(download(gpu, &x).iter().all(|v| v.is_nan()), "{name}: position past the cache");
+        let err = gpu.check_device().unwrap_err().to_string();
+        assert!(err.contains("beyond the KV cache"), "{err}");
+    }
 }
 
 /// `FERRITE_CUDA_TIMELINE`: each launch of a kernel compiled with the timeline notes its start,

@@ -1,8 +1,11 @@
-//! Thread-block cluster probes (see `kernels/cluster.rs`).
+//! Thread-block clusters (see `kernels/cluster.rs`): the probe of their phase cost, and a
+//! one-token decoder layer in one cluster.
 
-use super::{addr, addr_mut, as_u32, check_len};
+use super::{addr, addr_mut, as_u32, check_len, KvCache, RopeConfig};
 use crate::error::CudaError;
-use crate::kernels::cluster::{ClusterPhasesParams, ClusterPhasesVariant};
+use crate::kernels::attention::KvDtype;
+use crate::kernels::cluster::{ClusterLayerParams, ClusterLayerVariant, ClusterPhasesParams, ClusterPhasesVariant, LayerDims};
+use crate::weight::DeviceWeight;
 use crate::Gpu;
 use cudarc::driver::{DevicePtr, DevicePtrMut};
 
@@ -50,4 +53,141 @@ pub fn cluster_phases(
         pad: 0,
     };
     gpu.launch(&variant, "cluster_phases", variant.launch_config(as_u32(OP, "clusters", clusters)?, values as u32), &params)
+}
+
+/// A decoder layer's weights for [`cluster_layer`]: the fused QKV projection (`q | k | v`
+/// rows), the output projection, the gate and up rows (each a weight and its first row, so a
+/// fused `[gate; up]` weight serves both) and the down projection.
+pub struct ClusterLayerWeights<'a> {
+    pub qkv: &'a DeviceWeight,
+    pub o: &'a DeviceWeight,
+    pub gate: (&'a DeviceWeight, usize),
+    pub up: (&'a DeviceWeight, usize),
+    pub down: &'a DeviceWeight,
+}
+
+/// The layer's shapes and attention settings.
+#[derive(Clone, Copy, Debug)]
+pub struct ClusterLayerConfig {
+    pub dims: LayerDims,
+    pub head_dim: usize,
+    pub rope: Option<RopeConfig>,
+    pub eps: f32,
+    /// Attention score scale.
+    pub scale: f32,
+}
+
+/// The `cluster_layer` variant for a layer of `w` with `cfg` on `gpu` in clusters of `cluster`
+/// blocks, or why the kernel cannot run it.
+pub fn cluster_layer_variant(gpu: &Gpu, w: &ClusterLayerWeights, cfg: &ClusterLayerConfig, kv: KvDtype, cluster: usize) -> Result<ClusterLayerVariant, String> {
+    if gpu.compute_capability().0 < 9 {
+        return Err(format!("thread-block clusters need sm_90, the device is sm_{}{}", gpu.compute_capability().0, gpu.compute_capability().1));
+    }
+    if !(1..=MAX_CLUSTER).contains(&cluster) {
+        return Err(format!("clusters of {cluster} blocks: 1-{MAX_CLUSTER} only"));
+    }
+    let wtype = w.qkv.dtype;
+    if !ClusterLayerVariant::supports(wtype) || [w.o, w.gate.0, w.up.0, w.down].iter().any(|m| m.dtype != wtype) {
+        return Err(format!("weights {} / {} / {} / {} / {}: one of Q4_0, Q4_1, Q8_0 for all", wtype, w.o.dtype, w.gate.0.dtype, w.up.0.dtype, w.down.dtype));
+    }
+    let LayerDims { dim, n_heads, n_kv_heads, ff } = cfg.dims;
+    let hd = cfg.head_dim;
+    if !matches!(hd, 32 | 64 | 128 | 256) || n_kv_heads == 0 || !n_heads.is_multiple_of(n_kv_heads) {
+        return Err(format!("head size {hd}, {n_heads} query heads over {n_kv_heads} KV heads"));
+    }
+    let q_dim = n_heads * hd;
+    if [dim, q_dim, ff].iter().any(|n| *n == 0 || !n.is_multiple_of(32)) {
+        return Err(format!("width {dim}, query width {q_dim}, MLP width {ff}: whole 32-value blocks only"));
+    }
+    let shape = |m: &DeviceWeight, first: usize, rows: usize, cols: usize| m.cols == cols && m.rows >= first + rows;
+    if !shape(w.qkv, 0, q_dim + 2 * n_kv_heads * hd, dim) || !shape(w.o, 0, dim, q_dim) || !shape(w.gate.0, w.gate.1, ff, dim) || !shape(w.up.0, w.up.1, ff, dim) || !shape(w.down, 0, dim, ff) {
+        return Err(format!("weight shapes do not make a layer of width {dim}, {n_heads}/{n_kv_heads} heads of {hd}, MLP width {ff}"));
+    }
+    if let Some(r) = &cfg.rope {
+        if r.head_dim != hd || r.rot_dim == 0 || !r.rot_dim.is_multiple_of(2) || r.rot_dim > hd {
+            return Err(format!("RoPE over {} of {} dimensions for heads of {hd}", r.rot_dim, r.head_dim));
+        }
+    }
+    let variant = ClusterLayerVariant { wtype, cluster: cluster as u32, head_dim: hd as u32, neox: cfg.rope.is_some_and(|r| r.neox), kv };
+    let smem = variant.smem_bytes(&cfg.dims);
+    if smem > gpu.max_shared_memory() as usize {
+        return Err(format!("{smem} bytes of shared memory per block in clusters of {cluster}: over the device's {}", gpu.max_shared_memory()));
+    }
+    Ok(variant)
+}
+
+/// One decoder layer of a one-token decode step (see [`ClusterLayerVariant`]) on the residual
+/// stream `x` (`dim` values, updated in place): RMSNorm (`attn_norm`), QKV, RoPE, the K/V store
+/// at `positions[0]` of `cache`, attention over rows `0..=positions[0]`, the output projection
+/// plus the residual, RMSNorm (`ffn_norm`), gate/up with SwiGLU, the down projection plus the
+/// residual. A position `>= max_seq` leaves NaN in `x` and is reported by
+/// [`Gpu::check_device`].
+#[allow(clippy::too_many_arguments)]
+pub fn cluster_layer(
+    gpu: &Gpu,
+    w: &ClusterLayerWeights,
+    attn_norm: &impl DevicePtr<f32>,
+    ffn_norm: &impl DevicePtr<f32>,
+    cfg: &ClusterLayerConfig,
+    cache: &mut KvCache,
+    positions: &impl DevicePtr<u32>,
+    cluster: usize,
+    x: &mut impl DevicePtrMut<f32>,
+) -> Result<(), CudaError> {
+    const OP: &str = "cluster_layer";
+    let variant = cluster_layer_variant(gpu, w, cfg, cache.dtype, cluster).map_err(|why| CudaError::invalid(OP, why))?;
+    let d = cfg.dims;
+    if cache.head_dim != cfg.head_dim || cache.n_kv_heads != d.n_kv_heads {
+        return Err(CudaError::invalid(OP, format!("cache of {} KV heads of {} for a layer of {} of {}", cache.n_kv_heads, cache.head_dim, d.n_kv_heads, cfg.head_dim)));
+    }
+    check_len(OP, "attn_norm", attn_norm.len(), d.dim)?;
+    check_len(OP, "ffn_norm", ffn_norm.len(), d.dim)?;
+    check_len(OP, "positions", positions.len(), 1)?;
+    check_len(OP, "x", x.len(), d.dim)?;
+    // Planes 0 and 1 of `m` from row `first` on.
+    let planes = |m: &DeviceWeight, first: usize| {
+        let [p0, p1, ..] = m.plane_ptrs(gpu);
+        let units = (m.cols / 32) as u64;
+        let (b0, b1) = ClusterLayerVariant::plane_bytes(m.dtype).expect("a supported type");
+        (p0 + first as u64 * units * b0 as u64, p1 + first as u64 * units * b1 as u64)
+    };
+    let (wqkv0, wqkv1) = planes(w.qkv, 0);
+    let (wo0, wo1) = planes(w.o, 0);
+    let (wgate0, wgate1) = planes(w.gate.0, w.gate.1);
+    let (wup0, wup1) = planes(w.up.0, w.up.1);
+    let (wdown0, wdown1) = planes(w.down, 0);
+    let (k_cache, v_cache) = cache.ptrs(gpu);
+    let rope = cfg.rope;
+    let params = ClusterLayerParams {
+        wqkv0,
+        wqkv1,
+        wo0,
+        wo1,
+        wgate0,
+        wgate1,
+        wup0,
+        wup1,
+        wdown0,
+        wdown1,
+        attn_norm: addr(gpu, attn_norm),
+        ffn_norm: addr(gpu, ffn_norm),
+        x: addr_mut(gpu, x),
+        k_cache,
+        v_cache,
+        positions: addr(gpu, positions),
+        error_flag: gpu.error_flag_ptr(),
+        dim: as_u32(OP, "dim", d.dim)?,
+        n_heads: d.n_heads as u32,
+        n_kv_heads: d.n_kv_heads as u32,
+        ff: as_u32(OP, "ff", d.ff)?,
+        max_seq: cache.max_seq as u32,
+        rot_dim: rope.map_or(0, |r| r.rot_dim as u32),
+        weight_bytes: variant.weight_bytes(&d) as u32,
+        eps: cfg.eps,
+        theta: rope.map_or(0.0, |r| r.theta),
+        freq_scale: rope.map_or(0.0, |r| r.freq_scale),
+        scale: cfg.scale,
+        pad: 0,
+    };
+    gpu.launch(&variant, "cluster_layer", variant.launch_config(&d), &params)
 }
