@@ -266,7 +266,9 @@ fn cluster(gpu: &Gpu) -> Result<(), CudaError> {
     let g = gpu.upload(&vec![1.0f32; d], "norm")?;
     let mut caches = (0..layers).map(|_| KvCache::new(gpu, KvDtype::F16, 256, kv_heads, hd)).collect::<Result<Vec<_>, _>>()?;
     let positions = gpu.upload(&[128u32], "position")?;
-    let mut x = gpu.upload(&ramp(d), "x")?;
+    let x = gpu.upload(&ramp(d), "x")?;
+    let y = gpu.alloc_zeros::<f32>(d)?;
+    let (xv, yv) = (ops::DeviceView::of(gpu, &x), ops::DeviceView::of(gpu, &y));
     let cfg = ops::ClusterLayerConfig {
         dims: ops::LayerDims { dim: d, n_heads: heads, n_kv_heads: kv_heads, ff },
         head_dim: hd,
@@ -278,7 +280,7 @@ fn cluster(gpu: &Gpu) -> Result<(), CudaError> {
         let run = &mut || {
             for (w, cache) in ws.iter().zip(caches.iter_mut()) {
                 let weights = ops::ClusterLayerWeights { qkv: &w[0], o: &w[1], gate: (&w[2], 0), up: (&w[2], ff), down: &w[3] };
-                ops::cluster_layer(gpu, &weights, &g, &g, &cfg, cache, &positions, size, &mut x)?;
+                ops::cluster_layer(gpu, &weights, &g, &g, &cfg, cache, &positions, size, xv, yv)?;
             }
             Ok(())
         };

@@ -3154,7 +3154,7 @@ fn rms_normed(x: &[f64], g: &[f32], eps: f32) -> Vec<f64> {
 /// (exact weights in f64, ferrite-cpu's RoPE and attention), two decode steps over a cache that
 /// already holds a few rows: the residual stream within 3% of its change's RMS (the kernel
 /// quantizes four activations to int8 blocks), the token's K/V rows likewise, and the same
-/// output twice. Fused and separate gate/up weights, both RoPE layouts, both cache types, GQA,
+/// output in place and apart. Fused and separate gate/up weights, both RoPE layouts, both cache types, GQA,
 /// shares of rows that do not divide evenly; a position past the cache leaves NaN and an error.
 #[test]
 fn cluster_layer_matches_the_layer_on_the_host() {
@@ -3233,10 +3233,12 @@ fn cluster_layer_matches_the_layer_on_the_host() {
             // The kernel, twice from the same input: the same bits.
             let positions = upload(gpu, &[pos as u32]);
             let mut outs = Vec::new();
-            for _ in 0..2 {
-                let mut x = upload(gpu, &x_in);
-                ops::cluster_layer(gpu, &weights, &attn_norm, &ffn_norm, &cfg, &mut cache, &positions, cluster, &mut x).unwrap();
-                outs.push(download(gpu, &x));
+            for in_place in [false, true] {
+                let (x, out) = (upload(gpu, &x_in), poisoned(gpu, dim));
+                let xv = ops::DeviceView::of(gpu, &x);
+                let ov = if in_place { xv } else { ops::DeviceView::of(gpu, &out) };
+                ops::cluster_layer(gpu, &weights, &attn_norm, &ffn_norm, &cfg, &mut cache, &positions, cluster, xv, ov).unwrap();
+                outs.push(download(gpu, if in_place { &x } else { &out }));
             }
             assert_eq!(outs[0], outs[1], "{name} pos {pos}: two runs differ");
             let rms = |v: &[f32], base: &[f32]| (v.iter().zip(base).map(|(a, b)| ((a - b) as f64).powi(2)).sum::<f64>() / v.len() as f64).sqrt();
@@ -3254,9 +3256,10 @@ fn cluster_layer_matches_the_layer_on_the_host() {
             v_host.extend(&v_dev[row]);
         }
         // A position past the cache: NaN in the stream, the error reported.
-        let mut x = upload(gpu, &vec![1f32; dim]);
-        ops::cluster_layer(gpu, &weights, &attn_norm, &ffn_norm, &cfg, &mut cache, &upload(gpu, &[max_seq as u32]), cluster, &mut x).unwrap();
-        assert!(download(gpu, &x).iter().all(|v| v.is_nan()), "{name}: position past the cache");
+        let out = upload(gpu, &vec![1f32; dim]);
+        let ov = ops::DeviceView::of(gpu, &out);
+        ops::cluster_layer(gpu, &weights, &attn_norm, &ffn_norm, &cfg, &mut cache, &upload(gpu, &[max_seq as u32]), cluster, ov, ov).unwrap();
+        assert!(download(gpu, &out).iter().all(|v| v.is_nan()), "{name}: position past the cache");
         let err = gpu.check_device().unwrap_err().to_string();
         assert!(err.contains("beyond the KV cache"), "{err}");
     }

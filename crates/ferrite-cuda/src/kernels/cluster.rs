@@ -104,7 +104,8 @@ extern "C" __global__ void cluster_phases(const ClusterPhasesParams p) {
 device_params! {
     /// One decoder layer of a one-token step (see [`ClusterLayerVariant`]). Weights are given
     /// by their planes 0 and 1 (`up` at the up rows: the fused gate/up weight's second half,
-    /// or a weight of its own); `x` is the residual stream, read and written in place.
+    /// or a weight of its own); `x` is the residual stream in, `out` the stream out (it may be
+    /// `x`: every block has read `x` before any writes `out`).
     pub struct ClusterLayerParams {
         pub wqkv0: u64,
         pub wqkv1: u64,
@@ -119,6 +120,7 @@ device_params! {
         pub attn_norm: u64,
         pub ffn_norm: u64,
         pub x: u64,
+        pub out: u64,
         pub k_cache: u64,
         pub v_cache: u64,
         pub positions: u64,
@@ -136,7 +138,6 @@ device_params! {
         pub freq_scale: f32,
         /// Attention score scale (1 / sqrt(head_dim) unless the model says otherwise).
         pub scale: f32,
-        pub pad: u32,
     }
 }
 
@@ -292,10 +293,11 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) cluster_layer(const Cl
   pdl_wait();
   pdl_release();
   const u32 pos = reinterpret_cast<const u32*>(p.positions)[0];
-  float* xg = reinterpret_cast<float*>(p.x);
+  const float* xg = reinterpret_cast<const float*>(p.x);
+  float* og = reinterpret_cast<float*>(p.out);
   if (pos >= p.max_seq) {
     if (rank == 0 && tid == 0) report_error(p.error_flag, ERR_POSITION, pos);
-    for (u32 i = tid; i < wdown.n; i += NTHREADS) xg[wdown.r0 + i] = QNAN;
+    for (u32 i = tid; i < wdown.n; i += NTHREADS) og[wdown.r0 + i] = QNAN;
     return;
   }
   // Others may write this block's shared memory once every block runs (waited for below).
@@ -441,7 +443,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) cluster_layer(const Cl
   quantize_input(act, nullptr, 0.f, p.ff, xq, xs, red);
   copy_wait<0>();
   gemv_rows(wdown, xq, xs, [&](u32 i, float v) {
-    if (lane == 0) xg[wdown.r0 + i] = v + x2[wdown.r0 + i];
+    if (lane == 0) og[wdown.r0 + i] = v + x2[wdown.r0 + i];
   });
 }
 "#;

@@ -1,7 +1,7 @@
 //! Thread-block clusters (see `kernels/cluster.rs`): the probe of their phase cost, and a
 //! one-token decoder layer in one cluster.
 
-use super::{addr, addr_mut, as_u32, check_len, KvCache, RopeConfig};
+use super::{addr, addr_mut, as_u32, check_len, DeviceView, KvCache, RopeConfig};
 use crate::error::CudaError;
 use crate::kernels::attention::KvDtype;
 use crate::kernels::cluster::{ClusterLayerParams, ClusterLayerVariant, ClusterPhasesParams, ClusterPhasesVariant, LayerDims};
@@ -116,11 +116,11 @@ pub fn cluster_layer_variant(gpu: &Gpu, w: &ClusterLayerWeights, cfg: &ClusterLa
     Ok(variant)
 }
 
-/// One decoder layer of a one-token decode step (see [`ClusterLayerVariant`]) on the residual
-/// stream `x` (`dim` values, updated in place): RMSNorm (`attn_norm`), QKV, RoPE, the K/V store
+/// One decoder layer of a one-token decode step (see [`ClusterLayerVariant`]) from the residual
+/// stream `x` (`dim` values) to `out` (which may be `x`): RMSNorm (`attn_norm`), QKV, RoPE, the K/V store
 /// at `positions[0]` of `cache`, attention over rows `0..=positions[0]`, the output projection
 /// plus the residual, RMSNorm (`ffn_norm`), gate/up with SwiGLU, the down projection plus the
-/// residual. A position `>= max_seq` leaves NaN in `x` and is reported by
+/// residual. A position `>= max_seq` leaves NaN in `out` and is reported by
 /// [`Gpu::check_device`].
 #[allow(clippy::too_many_arguments)]
 pub fn cluster_layer(
@@ -132,7 +132,8 @@ pub fn cluster_layer(
     cache: &mut KvCache,
     positions: &impl DevicePtr<u32>,
     cluster: usize,
-    x: &mut impl DevicePtrMut<f32>,
+    x: DeviceView,
+    out: DeviceView,
 ) -> Result<(), CudaError> {
     const OP: &str = "cluster_layer";
     let variant = cluster_layer_variant(gpu, w, cfg, cache.dtype, cluster).map_err(|why| CudaError::invalid(OP, why))?;
@@ -143,7 +144,8 @@ pub fn cluster_layer(
     check_len(OP, "attn_norm", attn_norm.len(), d.dim)?;
     check_len(OP, "ffn_norm", ffn_norm.len(), d.dim)?;
     check_len(OP, "positions", positions.len(), 1)?;
-    check_len(OP, "x", x.len(), d.dim)?;
+    check_len(OP, "x", x.len, d.dim)?;
+    check_len(OP, "out", out.len, d.dim)?;
     // Planes 0 and 1 of `m` from row `first` on.
     let planes = |m: &DeviceWeight, first: usize| {
         let [p0, p1, ..] = m.plane_ptrs(gpu);
@@ -171,7 +173,8 @@ pub fn cluster_layer(
         wdown1,
         attn_norm: addr(gpu, attn_norm),
         ffn_norm: addr(gpu, ffn_norm),
-        x: addr_mut(gpu, x),
+        x: x.ptr,
+        out: out.ptr,
         k_cache,
         v_cache,
         positions: addr(gpu, positions),
@@ -187,7 +190,6 @@ pub fn cluster_layer(
         theta: rope.map_or(0.0, |r| r.theta),
         freq_scale: rope.map_or(0.0, |r| r.freq_scale),
         scale: cfg.scale,
-        pad: 0,
     };
     gpu.launch(&variant, "cluster_layer", variant.launch_config(&d), &params)
 }
