@@ -173,6 +173,12 @@ switches! {
     /// Linear chains declared at load (CUDA: one persistent launch per chain).
     DISABLE_CHAIN_FUSION = ("FERRITE_DISABLE_CHAIN_FUSION", "0", AbTest,
         "1 declares no linear chains at load (runs of linears each reading the previous one's output: a layer's output projection, gate/up, down and the next QKV). Declared chains change nothing unless FERRITE_CUDA_LINEAR_CHAIN=1 runs them as one CUDA launch each.");
+    /// Decoder layers declared at load (CUDA: one cluster launch per layer).
+    DISABLE_LAYER_FUSION = ("FERRITE_DISABLE_LAYER_FUSION", "0", AbTest,
+        "1 declares no decoder layers at load (a Llama-family layer's five ops after the other fusions: QKV, attention, output projection, gate/up, down). Declared layers change nothing unless FERRITE_CUDA_CLUSTER_LAYER=1 runs them as one CUDA launch each.");
+    /// Declared decoder layers run as one thread-block-cluster launch (CUDA, experimental).
+    CUDA_CLUSTER_LAYER = ("FERRITE_CUDA_CLUSTER_LAYER", "0", AbTest,
+        "1 runs each decoder layer declared at load as one launch of a thread-block cluster (kernels/cluster.rs: weights staged in shared memory, activations handed over through distributed shared memory) in one-token CUDA steps, instead of its five ops' launches; a note at load names layers it cannot run. Off by default until measured faster (docs/perf.md).");
     /// Declared linear chains run as one persistent launch (CUDA, experimental).
     CUDA_LINEAR_CHAIN = ("FERRITE_CUDA_LINEAR_CHAIN", "0", AbTest,
         "1 runs each linear chain declared at load (a layer's output projection, gate/up, down and the next QKV) as one persistent launch in one-token CUDA steps (kernels/chain.rs), instead of four int8 GEMV launches. Off by default: it is still 2-2.5x slower per layer (docs/perf.md, stop 28); a note at load names chains it cannot run.");

@@ -1,6 +1,6 @@
 //! Which fusions the graph builder declares. Defaults come from the env-switch registry.
 
-use crate::graph::{Graph, Handoff, LinearChain, Op, WeightId};
+use crate::graph::{DecoderLayer, GatedActivation, Graph, Handoff, LinearChain, Op, ValueId, WeightId};
 use ferrite_core::env;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -27,6 +27,10 @@ pub struct FusionOptions {
     /// previous one's output, which a backend may run as one launch per token (a backend hint;
     /// the CPU executor ignores it).
     pub linear_chain: bool,
+    /// Declare decoder layers ([`crate::graph::DecoderLayer`]): a Llama-family layer's five ops
+    /// after the other fusions, which a backend may run as one launch per token (a backend hint;
+    /// the CPU executor ignores it). Needs the QKV, gate/up, norm, residual, GLU and RoPE fusions.
+    pub decoder_layer: bool,
 }
 
 impl FusionOptions {
@@ -39,6 +43,7 @@ impl FusionOptions {
         rope_into_attention: true,
         int8_handoff: true,
         linear_chain: true,
+        decoder_layer: true,
     };
     pub const NONE: Self = Self {
         qkv: false,
@@ -49,6 +54,7 @@ impl FusionOptions {
         rope_into_attention: false,
         int8_handoff: false,
         linear_chain: false,
+        decoder_layer: false,
     };
 
     /// All fusions on, except those disabled by `FERRITE_DISABLE_*_FUSION=1`.
@@ -62,6 +68,7 @@ impl FusionOptions {
             rope_into_attention: !env::DISABLE_ROPE_FUSION.flag(),
             int8_handoff: !env::DISABLE_INT8_HANDOFF.flag(),
             linear_chain: !env::DISABLE_CHAIN_FUSION.flag(),
+            decoder_layer: !env::DISABLE_LAYER_FUSION.flag(),
         }
     }
 }
@@ -128,4 +135,39 @@ pub fn linear_chains(graph: &Graph) -> Vec<LinearChain> {
         }
     }
     chains
+}
+
+/// The values of a decoder layer starting at op `first` (see [`DecoderLayer`]): its input
+/// stream, QKV, attention output, stream after attention, MLP activation and output stream; or
+/// `None` if the five ops there are not such a layer.
+pub fn decoder_layer_at(graph: &Graph, first: usize) -> Option<[ValueId; 6]> {
+    let ops = graph.ops.get(first..first + DecoderLayer::LEN)?;
+    let values = match *ops {
+        [Op::Linear { x, norm: Some(_), bias: None, residual: None, out: qkv, out_col: 0, .. }, Op::Attention { qkv: q2, out: att, window: None, rope: Some(_), .. }, Op::Linear { x: a2, norm: None, bias: None, residual: Some(r1), out: mid, out_col: 0, .. }, Op::GatedLinear { x: m2, norm: Some(_), act: GatedActivation::Silu, out: act, .. }, Op::Linear { x: act2, norm: None, bias: None, residual: Some(r2), out, out_col: 0, .. }]
+            if q2 == qkv && a2 == att && r1 == x && m2 == mid && act2 == act && r2 == mid =>
+        {
+            [x, qkv, att, mid, act, out]
+        }
+        _ => return None,
+    };
+    // The values inside the layer are read by its own ops only.
+    let inside = first..first + DecoderLayer::LEN;
+    let read_outside = graph.ops.iter().enumerate().filter(|(i, _)| !inside.contains(i)).any(|(_, op)| op.reads().iter().any(|v| values[1..5].contains(v)));
+    (!read_outside && values[5] != values[0]).then_some(values)
+}
+
+/// The decoder layers of a graph: every run of five ops that [`decoder_layer_at`] accepts,
+/// without overlaps.
+pub fn decoder_layers(graph: &Graph) -> Vec<DecoderLayer> {
+    let mut layers = Vec::new();
+    let mut i = 0;
+    while i < graph.ops.len() {
+        if decoder_layer_at(graph, i).is_some() {
+            layers.push(DecoderLayer { first: i });
+            i += DecoderLayer::LEN;
+        } else {
+            i += 1;
+        }
+    }
+    layers
 }

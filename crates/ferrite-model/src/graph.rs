@@ -352,6 +352,25 @@ impl LinearChain {
     }
 }
 
+/// A decoder layer, declared at load by the `decoder_layer` fusion: ops `first .. first + 5`
+/// are the fused QKV linear (its RMSNorm folded, no bias), the attention (RoPE folded, no
+/// window), the output projection (the residual folded), the gate/up linear with SwiGLU (its
+/// RMSNorm folded) and the down projection (the residual folded), and the values between them
+/// are read by no op outside the five. A backend may run them as one launch for a one-token
+/// step (the CUDA cluster layer), writing only the last op's output.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DecoderLayer {
+    pub first: usize,
+}
+
+impl DecoderLayer {
+    pub const LEN: usize = 5;
+
+    pub fn ops(&self) -> std::ops::Range<usize> {
+        self.first..self.first + Self::LEN
+    }
+}
+
 /// The share of one rank of a tensor-parallel model (see [`crate::shard`]): its graph computes
 /// its heads and MLP columns, and some of its ops leave a partial sum that all ranks must add up.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -370,6 +389,7 @@ pub struct Graph {
     pub ops: Vec<Op>,
     pub handoffs: Vec<Handoff>,
     pub chains: Vec<LinearChain>,
+    pub layers: Vec<DecoderLayer>,
     /// The value holding the logits of the last token.
     pub logits: ValueId,
     pub n_layers: usize,
@@ -459,6 +479,13 @@ impl Graph {
             }
             chain_end = c.first + c.len;
         }
+        let mut layer_end = 0;
+        for l in &self.layers {
+            if l.first < layer_end || l.first + DecoderLayer::LEN > self.ops.len() || crate::fusion::decoder_layer_at(self, l.first).is_none() {
+                return Err(format!("decoder layer {l:?}: not the five ops of a fusable layer, or overlapping"));
+            }
+            layer_end = l.first + DecoderLayer::LEN;
+        }
         let mut previous_consumer = 0;
         for h in &self.handoffs {
             let reads = match self.ops.get(h.consumer) {
@@ -538,7 +565,7 @@ impl GraphBuilder {
     }
 
     pub fn finish(self, logits: ValueId, n_layers: usize, attention: AttentionShape) -> Graph {
-        Graph { values: self.values, ops: self.ops, handoffs: Vec::new(), chains: Vec::new(), logits, n_layers, attention, shard: None }
+        Graph { values: self.values, ops: self.ops, handoffs: Vec::new(), chains: Vec::new(), layers: Vec::new(), logits, n_layers, attention, shard: None }
     }
 }
 

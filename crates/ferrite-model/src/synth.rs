@@ -389,6 +389,31 @@ mod tests {
         assert!(Model::load(&path, FusionOptions { linear_chain: true, ..FusionOptions::NONE }).unwrap().graph.chains.is_empty());
     }
 
+    /// The decoder layers declared at load: every Llama layer's five ops after the fusions; none
+    /// without the fusion or the fusions it rests on, none for Qwen3 (its QK-norm runs between
+    /// QKV and attention) or Gemma 3 (GeGLU, post-norms).
+    #[test]
+    fn decoder_layers_cover_each_llama_layer() {
+        let llama = SynthShape { name: "tiny-llama", arch: "llama", n_layers: 3, n_embd: 64, n_heads: 4, n_kv_heads: 2, head_dim: 16, n_ff: 96, rope_theta: 1e4, context_length: 64, tied_embeddings: false, gdn: None, moe: None };
+        let path = write_temp(&llama, GgmlType::Q8_0, 9).unwrap();
+        let m = Model::load(&path, FusionOptions::ALL).unwrap();
+        let kinds: Vec<Vec<&str>> = m.graph.layers.iter().map(|l| l.ops().map(|i| m.graph.ops[i].kind()).collect()).collect();
+        let layer = vec!["norm+linear", "attention", "linear", "norm+gated_linear", "linear"];
+        assert_eq!(kinds, [layer.clone(), layer.clone(), layer]);
+        // Each layer's output is the next one's input.
+        for w in m.graph.layers.windows(2) {
+            assert_eq!(m.graph.ops[w[0].first + 4].writes(), m.graph.ops[w[1].first].reads()[0]);
+        }
+        assert!(Model::load(&path, FusionOptions { decoder_layer: false, ..FusionOptions::ALL }).unwrap().graph.layers.is_empty());
+        assert!(Model::load(&path, FusionOptions { rope_into_attention: false, ..FusionOptions::ALL }).unwrap().graph.layers.is_empty());
+        assert!(Model::load(&path, FusionOptions { decoder_layer: true, ..FusionOptions::NONE }).unwrap().graph.layers.is_empty());
+        for arch in ["qwen3", "gemma3"] {
+            let other = SynthShape { name: "tiny-other", arch, ..llama };
+            let path = write_temp(&other, GgmlType::Q8_0, 9).unwrap();
+            assert!(Model::load(&path, FusionOptions::ALL).unwrap().graph.layers.is_empty(), "{arch}");
+        }
+    }
+
     /// The int8 hand-offs declared at load: per Llama layer attention -> output projection ->
     /// gate/up -> down -> the next layer's QKV (the output head reads the last row, a copy);
     /// Gemma's

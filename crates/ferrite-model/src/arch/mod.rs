@@ -24,6 +24,9 @@ pub fn build(cfg: &ModelConfig, file: &GgufFile, fusion: FusionOptions) -> Resul
     if fusion.linear_chain {
         graph.chains = crate::fusion::linear_chains(&graph);
     }
+    if fusion.decoder_layer {
+        graph.layers = crate::fusion::decoder_layers(&graph);
+    }
     graph
         .validate(|w| weights.spec(w).rows)
         .map_err(|e| ModelError::Config(format!("internal graph error: {e}")))?;
