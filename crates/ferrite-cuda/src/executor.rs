@@ -22,7 +22,7 @@ use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
 use cudarc::driver::{CudaGraph, CudaSlice};
 use ferrite_core::env;
 use ferrite_gguf::GgmlType;
-use ferrite_model::graph::{ExpertGateUp, GatedActivation, LinearChain, NormSpec, Op, Rows, ValueId, WeightId};
+use ferrite_model::graph::{DecoderLayer, ExpertGateUp, GatedActivation, LinearChain, NormSpec, Op, Rows, ValueId, WeightId};
 use ferrite_model::planner::{self, Plan};
 use ferrite_model::profile::OpProfile;
 use ferrite_model::{
@@ -39,6 +39,38 @@ enum GpuWeight {
 }
 
 /// The matrix in a weight slot, if it holds one.
+/// Blocks per cluster of a decoder layer run as one launch (`FERRITE_CUDA_CLUSTER_LAYER`).
+const LAYER_CLUSTER: usize = 16;
+
+/// A decoder layer's `cluster_layer` launch: its weights, norms, shapes and cache layer.
+type LayerLaunch<'a> = (ops::ClusterLayerWeights<'a>, [&'a CudaSlice<f32>; 2], ops::ClusterLayerConfig, usize);
+
+/// The launch of decoder layer `layer` as one `cluster_layer` (`kv`: a cache layer's element
+/// type), or why it cannot run that way.
+fn layer_launch<'a>(gpu: &Gpu, weights: &'a [Option<GpuWeight>], graph: &ferrite_model::graph::Graph, kv: impl Fn(usize) -> KvDtype, layer: DecoderLayer) -> Result<LayerLaunch<'a>, String> {
+    let (Some(values), &[Op::Linear { w: wqkv, norm: Some(n1), .. }, Op::Attention { layer: kv_layer, rope: Some(rope), .. }, Op::Linear { w: wo, .. }, Op::GatedLinear { w: wgu, norm: Some(n2), .. }, Op::Linear { w: wdown, .. }]) =
+        (ferrite_model::fusion::decoder_layer_at(graph, layer.first), &graph.ops[layer.ops()])
+    else {
+        return Err("not a decoder layer".into());
+    };
+    if n1.eps != n2.eps {
+        return Err(format!("RMSNorm epsilons {} and {} differ", n1.eps, n2.eps));
+    }
+    let matrix = |w: WeightId| as_matrix(&weights[w.0 as usize]).ok_or_else(|| "a weight is not a matrix".to_string());
+    let (gate_up, ff) = (matrix(wgu)?, graph.value(values[4]).width);
+    let w = ops::ClusterLayerWeights { qkv: matrix(wqkv)?, o: matrix(wo)?, gate: (gate_up, 0), up: (gate_up, ff), down: matrix(wdown)? };
+    let a = graph.attention;
+    let cfg = ops::ClusterLayerConfig {
+        dims: ops::LayerDims { dim: graph.value(values[0]).width, n_heads: a.n_heads, n_kv_heads: a.n_kv_heads, ff },
+        head_dim: a.head_dim,
+        rope: Some(rope_config(&rope, a.n_heads, a.head_dim)),
+        eps: n1.eps,
+        scale: a.scale,
+    };
+    ops::cluster_layer_variant(gpu, &w, &cfg, kv(kv_layer), LAYER_CLUSTER)?;
+    Ok((w, [vector_of(weights, n1.weight), vector_of(weights, n2.weight)], cfg, kv_layer))
+}
+
 fn as_matrix(w: &Option<GpuWeight>) -> Option<&DeviceWeight> {
     match w {
         Some(GpuWeight::Matrix(m)) => Some(m),
@@ -133,6 +165,11 @@ struct Buffers {
     chain_barrier: ops::ChainBarrier,
     /// `FERRITE_CUDA_LINEAR_CHAIN`: declared chains may run as one launch.
     chains_on: bool,
+    /// Per op: whether a declared decoder layer starting there runs as one cluster launch for
+    /// the batch being run (`plan_chains`); its ops are marked in `in_chain` too.
+    layer_at: Vec<bool>,
+    /// `FERRITE_CUDA_CLUSTER_LAYER`: declared decoder layers may run as one launch.
+    layers_on: bool,
     kv: PerLayer<KvCache>,
     gdn: PerLayer<GdnState>,
     /// Working memory of the MoE FFN ops, one per distinct shape.
@@ -279,6 +316,8 @@ impl Buffers {
             in_chain: vec![false; graph.ops.len()],
             chain_barrier: ops::ChainBarrier::new(gpu)?,
             chains_on: env::CUDA_LINEAR_CHAIN.flag(),
+            layer_at: vec![false; graph.ops.len()],
+            layers_on: env::CUDA_CLUSTER_LAYER.flag(),
             ids: gpu.alloc_zeros(rows)?,
             positions: gpu.alloc_zeros(rows)?,
             token: gpu.alloc_zeros(1)?,
@@ -509,7 +548,23 @@ impl CudaExecutor {
         if !refusals.is_empty() {
             eprintln!("note: decode layers run their linears as separate launches, not one chain: {}", refusals.join("; "));
         }
+        if executor.buf.layers_on {
+            let mut reasons: Vec<String> = executor.model.graph.layers.iter().filter_map(|&l| executor.layer_refusal(l).err()).collect();
+            reasons.dedup();
+            if executor.model.graph.layers.is_empty() {
+                reasons.push("the graph declares no decoder layers (not a Llama-family layer, or the fusions are off)".into());
+            }
+            if !reasons.is_empty() {
+                eprintln!("note: decode layers run as separate launches, not one cluster launch each: {}", reasons.join("; "));
+            }
+        }
         Ok(executor)
+    }
+
+    /// Decoder layers that one-token steps run as one cluster launch (of those the graph
+    /// declares; none unless `FERRITE_CUDA_CLUSTER_LAYER=1`).
+    pub fn layers_run(&self) -> usize {
+        self.model.graph.layers.iter().filter(|&&l| self.buf.layers_on && self.layer_refusal(l).is_ok()).count()
     }
 
     /// Linear chains that one-token steps run as one launch (of those the graph declares; none
@@ -710,6 +765,14 @@ impl CudaExecutor {
                 Some(_) => Some(stream.record_event(timing).map_err(CudaError::from)?),
                 None => None,
             };
+            if self.buf.layer_at[i] {
+                self.run_layer(i).with_context(|| format!("decoder layer of ops {i}..{}", i + DecoderLayer::LEN))?;
+                chained_until = i + DecoderLayer::LEN;
+                if let Some(start) = start {
+                    events.push(("cluster_layer".to_string(), start, stream.record_event(timing).map_err(CudaError::from)?));
+                }
+                continue;
+            }
             if let Some(chain) = self.buf.chain_at[i] {
                 self.run_chain(chain).with_context(|| format!("linear chain of ops {:?}", chain.ops()))?;
                 chained_until = chain.first + chain.len;
@@ -746,13 +809,31 @@ impl CudaExecutor {
     /// Which of the graph's linear chains run as one launch for a batch of `n`: with
     /// `FERRITE_CUDA_LINEAR_CHAIN=1`, in one-token steps outside batched serving, where every link takes the int8 GEMV and `chain_variant` accepts
     /// the shapes (see [`Self::chain_refusals`] for why a chain would not).
+    /// Decoder layers (`FERRITE_CUDA_CLUSTER_LAYER=1`, `layer_refusal`) are planned first; a
+    /// chain that shares an op with one runs as separate GEMVs.
     fn plan_chains(&mut self, n: usize) {
         self.buf.chain_at.iter_mut().for_each(|c| *c = None);
         self.buf.in_chain.iter_mut().for_each(|c| *c = false);
-        if n != 1 || self.buf.paging.is_some() || !self.buf.chains_on {
+        self.buf.layer_at.iter_mut().for_each(|l| *l = false);
+        if n != 1 || self.buf.paging.is_some() {
+            return;
+        }
+        // A traced forward reads every value, and a layer launch writes only its output.
+        if self.buf.layers_on && !self.options.trace {
+            for layer in self.model.graph.layers.clone() {
+                if self.layer_refusal(layer).is_ok() {
+                    self.buf.layer_at[layer.first] = true;
+                    layer.ops().for_each(|i| self.buf.in_chain[i] = true);
+                }
+            }
+        }
+        if !self.buf.chains_on {
             return;
         }
         for chain in self.model.graph.chains.clone() {
+            if chain.ops().any(|i| self.buf.in_chain[i]) {
+                continue;
+            }
             if self.chain_refusal(chain).is_none() {
                 self.buf.chain_at[chain.first] = Some(chain);
                 chain.ops().for_each(|i| self.buf.in_chain[i] = true);
@@ -774,6 +855,25 @@ impl CudaExecutor {
             shapes.push(ops::ChainShape { dtype: m.dtype, weight_rows: m.rows, cols: m.cols, gated: matches!(graph.ops[i], Op::GatedLinear { .. }) });
         }
         ops::chain_variant(&self.gpu, &shapes).err()
+    }
+
+    fn layer_refusal(&self, layer: DecoderLayer) -> Result<(), String> {
+        layer_launch(&self.gpu, &self.weights, &self.model.graph, |l| self.buf.kv[l].dtype, layer).map(|_| ())
+    }
+
+    /// Enqueue the decoder layer starting at op `first` (planned by `plan_chains`) as one
+    /// launch: it reads the layer's input value and writes its output value; the values inside
+    /// are not written (nothing else reads them).
+    fn run_layer(&mut self, first: usize) -> anyhow::Result<()> {
+        let Self { gpu, weights, model, plan, buf, .. } = self;
+        let graph = &model.graph;
+        let values = ferrite_model::fusion::decoder_layer_at(graph, first).ok_or_else(|| anyhow!("op {first} starts no decoder layer"))?;
+        let view = |v: ValueId| ops::DeviceView::of(gpu, buf.slots[plan.slot(v)].as_ref().expect("slot in use"));
+        let (x, out) = (view(values[0]), view(values[5]));
+        let launch = layer_launch(gpu, weights, graph, |l| buf.kv[l].dtype, DecoderLayer { first }).map_err(|why| anyhow!(why))?;
+        let (w, [attn_norm, ffn_norm], cfg, kv_layer) = launch;
+        ops::cluster_layer(gpu, &w, attn_norm, ffn_norm, &cfg, &mut buf.kv[kv_layer], &buf.positions, LAYER_CLUSTER, x, out)?;
+        Ok(())
     }
 
     /// The reasons the graph's declared chains would run as separate launches (for a note at

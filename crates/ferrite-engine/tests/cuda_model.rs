@@ -317,6 +317,23 @@ fn cuda_fp32_matches_cpu_reference_on_real_shapes() {
         assert!(worst <= 1.5 * cpu_worst, "{shape} {dtype}: relative error {worst}, the CPU quantized path has {cpu_worst}");
         assert_eq!(agreed, 65, "{shape} {dtype}: greedy tokens differ from the fp32 reference");
     }
+    // Decoder layers as one cluster launch each (experimental, off by default): on the shapes
+    // whose layer fits a cluster's shared memory every declared layer runs that way, drifts from
+    // the fp32 reference no more than the CPU's quantized path, and keeps its greedy tokens.
+    std::env::set_var("FERRITE_CUDA_CLUSTER_LAYER", "1");
+    for dtype in [GgmlType::Q4_1, GgmlType::Q8_0] {
+        let model = synthetic(named("smollm2-135m"), dtype);
+        let layers = ferrite_cuda::CudaExecutor::new(Arc::clone(&model), opts(16)).unwrap().layers_run();
+        assert!(layers == 30 && model.graph.layers.len() == 30, "smollm2-135m {dtype}: {layers} of {} layers run", model.graph.layers.len());
+        let cpu_q8 = CpuExecutor::new(Arc::clone(&model), CpuPrecision::Quantized, opts(16)).unwrap();
+        let reference = CpuExecutor::new(Arc::clone(&model), CpuPrecision::Reference, opts(16)).unwrap();
+        let (cpu_worst, _) = compare_executors(&model, reference, cpu_q8, PROMPT, 64);
+        let (worst, agreed) = compare(Arc::clone(&model), 64);
+        println!("smollm2-135m {dtype}, cluster layers vs fp32 reference: worst relative error {worst:.2e}, {agreed}/65 agree; CPU quantized {cpu_worst:.2e}");
+        assert!(worst <= 1.5 * cpu_worst, "smollm2-135m {dtype} cluster layers: relative error {worst}, the CPU quantized path has {cpu_worst}");
+        assert_eq!(agreed, 65, "smollm2-135m {dtype} cluster layers: greedy tokens differ from the fp32 reference");
+    }
+    std::env::remove_var("FERRITE_CUDA_CLUSTER_LAYER");
     // The default f16 KV cache: small drift, same greedy tokens. (One test, because the
     // switches are process-wide.)
     std::env::set_var("FERRITE_CUDA_KV_DTYPE", "f16");
