@@ -166,6 +166,7 @@ const LAYER_SOURCE: &str = r#"
 #endif
 #define NWARPS (NTHREADS / 32)
 #define HD_LANE (HEAD_DIM / 32)
+#define KEY_RUN 8
 
 // Rows [r0, r0 + n) of a matrix of `rows`: block `rank`'s share.
 __device__ __forceinline__ u32 share_of(u32 rows) { return (rows + CLUSTER - 1) / CLUSTER; }
@@ -298,6 +299,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) cluster_layer(const Cl
   if (pos >= p.max_seq) {
     if (rank == 0 && tid == 0) report_error(p.error_flag, ERR_POSITION, pos);
     for (u32 i = tid; i < wdown.n; i += NTHREADS) og[wdown.r0 + i] = QNAN;
+    copy_wait<0>();
     return;
   }
   // Others may write this block's shared memory once every block runs (waited for below).
@@ -359,32 +361,34 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) cluster_layer(const Cl
       qv[e] = qr[lane * HD_LANE + e] * p.scale;
       o[e] = 0.f;
     }
+    // Warp w takes runs of KEY_RUN keys (w * KEY_RUN, then NWARPS * KEY_RUN on), loading a run's
+    // K and V rows before any math, so a warp waits on memory once per run, not per key.
     float m = NEG_INF, l = 0.f;
-    for (u32 j = warp; j <= pos; j += NWARPS) {
-      float kk[HD_LANE], vv[HD_LANE];
-      if (j == pos) {
+    for (u32 j0 = warp * KEY_RUN; j0 <= pos; j0 += NWARPS * KEY_RUN) {
+      float kk[KEY_RUN][HD_LANE], vv[KEY_RUN][HD_LANE];
+#pragma unroll
+      for (int b = 0; b < KEY_RUN; ++b) {
+        const u32 j = j0 + b;
+        const i64 row = ((i64)min(j, pos) * p.n_kv_heads + g) * HEAD_DIM + lane * HD_LANE;
 #pragma unroll
         for (int e = 0; e < HD_LANE; ++e) {
-          kk[e] = kr[lane * HD_LANE + e];
-          vv[e] = vr[lane * HD_LANE + e];
-        }
-      } else {
-        const i64 row = ((i64)j * p.n_kv_heads + g) * HEAD_DIM + lane * HD_LANE;
-#pragma unroll
-        for (int e = 0; e < HD_LANE; ++e) {
-          kk[e] = kv_load(kc, row + e);
-          vv[e] = kv_load(vc, row + e);
+          kk[b][e] = j < pos ? kv_load(kc, row + e) : kr[lane * HD_LANE + e];
+          vv[b][e] = j < pos ? kv_load(vc, row + e) : vr[lane * HD_LANE + e];
         }
       }
-      float sc = 0.f;
 #pragma unroll
-      for (int e = 0; e < HD_LANE; ++e) sc += qv[e] * kk[e];
-      sc = warp_sum(sc);
-      const float m2 = fmaxf(m, sc), corr = expf(m - m2), pj = expf(sc - m2);
-      l = l * corr + pj;
+      for (int b = 0; b < KEY_RUN; ++b) {
+        if (j0 + b > pos) break;  // warp-uniform
+        float sc = 0.f;
 #pragma unroll
-      for (int e = 0; e < HD_LANE; ++e) o[e] = o[e] * corr + pj * vv[e];
-      m = m2;
+        for (int e = 0; e < HD_LANE; ++e) sc += qv[e] * kk[b][e];
+        sc = warp_sum(sc);
+        const float m2 = fmaxf(m, sc), corr = expf(m - m2), pj = expf(sc - m2);
+        l = l * corr + pj;
+#pragma unroll
+        for (int e = 0; e < HD_LANE; ++e) o[e] = o[e] * corr + pj * vv[b][e];
+        m = m2;
+      }
     }
     float* mine = merge + warp * (HEAD_DIM + 2);
 #pragma unroll
