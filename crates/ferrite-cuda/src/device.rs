@@ -440,6 +440,43 @@ impl Gpu {
         Ok(())
     }
 
+    /// How many clusters of `variant`'s `entry` launched with `cfg` the device can run at once
+    /// (0: such a cluster cannot be placed at all, e.g. too many blocks of too much shared
+    /// memory for one GPC).
+    pub fn max_active_clusters<V: KernelVariant>(&self, variant: &V, entry: &'static str, cfg: LaunchConfig) -> Result<u32, CudaError> {
+        let module = self.modules.get(variant)?;
+        let function = module.function(entry);
+        let what = || format!("sizing clusters of {}::{entry} ({variant:?})", V::FAMILY);
+        function
+            .set_attribute(sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, cfg.shared_mem_bytes as i32)
+            .context(what)?;
+        let cluster = variant.cluster_size();
+        if cluster > 8 {
+            function.set_attribute(sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1).context(what)?;
+        }
+        let mut attribute = sys::CUlaunchAttribute {
+            id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION,
+            pad: [0; 4],
+            value: sys::CUlaunchAttributeValue { clusterDim: sys::CUlaunchAttributeValue_union__bindgen_ty_1 { x: cluster, y: 1, z: 1 } },
+        };
+        let config = sys::CUlaunchConfig {
+            gridDimX: cfg.grid_dim.0,
+            gridDimY: cfg.grid_dim.1,
+            gridDimZ: cfg.grid_dim.2,
+            blockDimX: cfg.block_dim.0,
+            blockDimY: cfg.block_dim.1,
+            blockDimZ: cfg.block_dim.2,
+            sharedMemBytes: cfg.shared_mem_bytes,
+            hStream: self.stream.cu_stream(),
+            attrs: &mut attribute,
+            numAttrs: 1,
+        };
+        let mut clusters = 0i32;
+        self.ctx.bind_to_thread().context(what)?;
+        unsafe { sys::cuOccupancyMaxActiveClusters(&mut clusters, function.cu_function(), &config) }.result().context(what)?;
+        Ok(clusters.max(0) as u32)
+    }
+
     /// Grow the scratch buffer used by the GEMM path to at least `bytes` now, so that later
     /// ops do not allocate (useful before capturing a CUDA graph).
     pub fn reserve_scratch(&self, bytes: usize) -> Result<(), CudaError> {

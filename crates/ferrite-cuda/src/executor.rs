@@ -39,15 +39,11 @@ enum GpuWeight {
 }
 
 /// The matrix in a weight slot, if it holds one.
-/// Blocks per cluster of a decoder layer run as one launch (`FERRITE_CUDA_CLUSTER_LAYER`).
-const LAYER_CLUSTER: usize = 16;
-
 /// A decoder layer's `cluster_layer` launch: its weights, norms, shapes and cache layer.
 type LayerLaunch<'a> = (ops::ClusterLayerWeights<'a>, [&'a CudaSlice<f32>; 2], ops::ClusterLayerConfig, usize);
 
-/// The launch of decoder layer `layer` as one `cluster_layer` (`kv`: a cache layer's element
-/// type), or why it cannot run that way.
-fn layer_launch<'a>(gpu: &Gpu, weights: &'a [Option<GpuWeight>], graph: &ferrite_model::graph::Graph, kv: impl Fn(usize) -> KvDtype, layer: DecoderLayer) -> Result<LayerLaunch<'a>, String> {
+/// The arguments of decoder layer `layer` as one `cluster_layer`, or why it is not one.
+fn layer_launch<'a>(weights: &'a [Option<GpuWeight>], graph: &ferrite_model::graph::Graph, layer: DecoderLayer) -> Result<LayerLaunch<'a>, String> {
     let (Some(values), &[Op::Linear { w: wqkv, norm: Some(n1), .. }, Op::Attention { layer: kv_layer, rope: Some(rope), .. }, Op::Linear { w: wo, .. }, Op::GatedLinear { w: wgu, norm: Some(n2), .. }, Op::Linear { w: wdown, .. }]) =
         (ferrite_model::fusion::decoder_layer_at(graph, layer.first), &graph.ops[layer.ops()])
     else {
@@ -67,7 +63,6 @@ fn layer_launch<'a>(gpu: &Gpu, weights: &'a [Option<GpuWeight>], graph: &ferrite
         eps: n1.eps,
         scale: a.scale,
     };
-    ops::cluster_layer_variant(gpu, &w, &cfg, kv(kv_layer), LAYER_CLUSTER)?;
     Ok((w, [vector_of(weights, n1.weight), vector_of(weights, n2.weight)], cfg, kv_layer))
 }
 
@@ -168,8 +163,9 @@ struct Buffers {
     /// Per op: whether a declared decoder layer starting there runs as one cluster launch for
     /// the batch being run (`plan_chains`); its ops are marked in `in_chain` too.
     layer_at: Vec<bool>,
-    /// `FERRITE_CUDA_CLUSTER_LAYER`: declared decoder layers may run as one launch.
-    layers_on: bool,
+    /// Per op: the cluster size of the declared decoder layer starting there, planned at load
+    /// when `FERRITE_CUDA_CLUSTER_LAYER=1` (`None`: it runs as its five ops).
+    layer_cluster: Vec<Option<usize>>,
     kv: PerLayer<KvCache>,
     gdn: PerLayer<GdnState>,
     /// Working memory of the MoE FFN ops, one per distinct shape.
@@ -317,7 +313,7 @@ impl Buffers {
             chain_barrier: ops::ChainBarrier::new(gpu)?,
             chains_on: env::CUDA_LINEAR_CHAIN.flag(),
             layer_at: vec![false; graph.ops.len()],
-            layers_on: env::CUDA_CLUSTER_LAYER.flag(),
+            layer_cluster: vec![None; graph.ops.len()],
             ids: gpu.alloc_zeros(rows)?,
             positions: gpu.alloc_zeros(rows)?,
             token: gpu.alloc_zeros(1)?,
@@ -527,7 +523,7 @@ impl CudaExecutor {
         let mailbox = Mailbox::new(&gpu, 4)?;
         let vocab = graph.value(graph.logits).width;
         let sample_scratch = if env::DISABLE_SAMPLE_CANDIDATES.flag() { None } else { Some(ops::SampleScratch::new(&gpu, vocab)?) };
-        let executor = Self {
+        let mut executor = Self {
             expanded,
             buf,
             plan,
@@ -548,8 +544,14 @@ impl CudaExecutor {
         if !refusals.is_empty() {
             eprintln!("note: decode layers run their linears as separate launches, not one chain: {}", refusals.join("; "));
         }
-        if executor.buf.layers_on {
-            let mut reasons: Vec<String> = executor.model.graph.layers.iter().filter_map(|&l| executor.layer_refusal(l).err()).collect();
+        if env::CUDA_CLUSTER_LAYER.flag() {
+            let mut reasons = Vec::new();
+            for layer in executor.model.graph.layers.clone() {
+                match executor.layer_plan(layer) {
+                    Ok(cluster) => executor.buf.layer_cluster[layer.first] = Some(cluster),
+                    Err(why) => reasons.push(why),
+                }
+            }
             reasons.dedup();
             if executor.model.graph.layers.is_empty() {
                 reasons.push("the graph declares no decoder layers (not a Llama-family layer, or the fusions are off)".into());
@@ -564,7 +566,7 @@ impl CudaExecutor {
     /// Decoder layers that one-token steps run as one cluster launch (of those the graph
     /// declares; none unless `FERRITE_CUDA_CLUSTER_LAYER=1`).
     pub fn layers_run(&self) -> usize {
-        self.model.graph.layers.iter().filter(|&&l| self.buf.layers_on && self.layer_refusal(l).is_ok()).count()
+        self.buf.layer_cluster.iter().flatten().count()
     }
 
     /// Linear chains that one-token steps run as one launch (of those the graph declares; none
@@ -809,7 +811,7 @@ impl CudaExecutor {
     /// Which of the graph's linear chains run as one launch for a batch of `n`: with
     /// `FERRITE_CUDA_LINEAR_CHAIN=1`, in one-token steps outside batched serving, where every link takes the int8 GEMV and `chain_variant` accepts
     /// the shapes (see [`Self::chain_refusals`] for why a chain would not).
-    /// Decoder layers (`FERRITE_CUDA_CLUSTER_LAYER=1`, `layer_refusal`) are planned first; a
+    /// Decoder layers (`FERRITE_CUDA_CLUSTER_LAYER=1`, planned at load) come first; a
     /// chain that shares an op with one runs as separate GEMVs.
     fn plan_chains(&mut self, n: usize) {
         self.buf.chain_at.iter_mut().for_each(|c| *c = None);
@@ -819,9 +821,9 @@ impl CudaExecutor {
             return;
         }
         // A traced forward reads every value, and a layer launch writes only its output.
-        if self.buf.layers_on && !self.options.trace {
-            for layer in self.model.graph.layers.clone() {
-                if self.layer_refusal(layer).is_ok() {
+        if !self.options.trace {
+            for layer in &self.model.graph.layers {
+                if self.buf.layer_cluster[layer.first].is_some() {
                     self.buf.layer_at[layer.first] = true;
                     layer.ops().for_each(|i| self.buf.in_chain[i] = true);
                 }
@@ -857,8 +859,10 @@ impl CudaExecutor {
         ops::chain_variant(&self.gpu, &shapes).err()
     }
 
-    fn layer_refusal(&self, layer: DecoderLayer) -> Result<(), String> {
-        layer_launch(&self.gpu, &self.weights, &self.model.graph, |l| self.buf.kv[l].dtype, layer).map(|_| ())
+    /// The cluster size decoder layer `layer` runs in as one launch, or why it cannot.
+    fn layer_plan(&self, layer: DecoderLayer) -> Result<usize, String> {
+        let (w, _, cfg, kv_layer) = layer_launch(&self.weights, &self.model.graph, layer)?;
+        ops::cluster_layer_plan(&self.gpu, &w, &cfg, self.buf.kv[kv_layer].dtype).map(|v| v.cluster as usize)
     }
 
     /// Enqueue the decoder layer starting at op `first` (planned by `plan_chains`) as one
@@ -870,9 +874,9 @@ impl CudaExecutor {
         let values = ferrite_model::fusion::decoder_layer_at(graph, first).ok_or_else(|| anyhow!("op {first} starts no decoder layer"))?;
         let view = |v: ValueId| ops::DeviceView::of(gpu, buf.slots[plan.slot(v)].as_ref().expect("slot in use"));
         let (x, out) = (view(values[0]), view(values[5]));
-        let launch = layer_launch(gpu, weights, graph, |l| buf.kv[l].dtype, DecoderLayer { first }).map_err(|why| anyhow!(why))?;
-        let (w, [attn_norm, ffn_norm], cfg, kv_layer) = launch;
-        ops::cluster_layer(gpu, &w, attn_norm, ffn_norm, &cfg, &mut buf.kv[kv_layer], &buf.positions, LAYER_CLUSTER, x, out)?;
+        let cluster = buf.layer_cluster[first].ok_or_else(|| anyhow!("op {first}: no cluster planned"))?;
+        let (w, [attn_norm, ffn_norm], cfg, kv_layer) = layer_launch(weights, graph, DecoderLayer { first }).map_err(|why| anyhow!(why))?;
+        ops::cluster_layer(gpu, &w, attn_norm, ffn_norm, &cfg, &mut buf.kv[kv_layer], &buf.positions, cluster, x, out)?;
         Ok(())
     }
 

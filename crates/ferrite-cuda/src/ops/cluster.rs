@@ -113,7 +113,16 @@ pub fn cluster_layer_variant(gpu: &Gpu, w: &ClusterLayerWeights, cfg: &ClusterLa
     if smem > gpu.max_shared_memory() as usize {
         return Err(format!("{smem} bytes of shared memory per block in clusters of {cluster}: over the device's {}", gpu.max_shared_memory()));
     }
-    Ok(variant)
+    match gpu.max_active_clusters(&variant, "cluster_layer", variant.launch_config(&cfg.dims)) {
+        Ok(0) => Err(format!("the device cannot place a cluster of {cluster} blocks of {smem} bytes of shared memory")),
+        Ok(_) => Ok(variant),
+        Err(e) => Err(e.to_string()),
+    }
+}
+
+/// [`cluster_layer_variant`] in the largest cluster the device can place (16 blocks, else 8).
+pub fn cluster_layer_plan(gpu: &Gpu, w: &ClusterLayerWeights, cfg: &ClusterLayerConfig, kv: KvDtype) -> Result<ClusterLayerVariant, String> {
+    cluster_layer_variant(gpu, w, cfg, kv, MAX_CLUSTER).or_else(|wide| cluster_layer_variant(gpu, w, cfg, kv, 8).map_err(|narrow| format!("{wide}; {narrow}")))
 }
 
 /// One decoder layer of a one-token decode step (see [`ClusterLayerVariant`]) from the residual

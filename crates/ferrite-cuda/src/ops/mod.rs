@@ -25,7 +25,7 @@ pub use attention::{
     attention, attention_group, attention_on, AttentionEmit, DecodeLayout, DecodeLayouts, AttentionGroups, attention_paged, attention_path, attention_split, attention_splits, store_and_attend, store_and_attend_paged, FUSED_PAGED_STORE_MAX_SEQS, store_qkv, store_qkv_paged, AttentionConfig,
     AttentionPath, KvCache, Paging, SplitScratch, FLASH_MIN_TOKENS, MAX_SPLITS,
 };
-pub use cluster::{cluster_layer, cluster_layer_variant, cluster_phases, ClusterLayerConfig, ClusterLayerWeights, MAX_CLUSTER};
+pub use cluster::{cluster_layer, cluster_layer_plan, cluster_layer_variant, cluster_phases, ClusterLayerConfig, ClusterLayerWeights, MAX_CLUSTER};
 pub use crate::kernels::cluster::LayerDims;
 pub use chain::{chain_variant, linear_chain, ChainBarrier, ChainLink, ChainShape, DeviceView};
 pub use linear::{
