@@ -179,6 +179,9 @@ switches! {
     /// Declared decoder layers run as one thread-block-cluster launch (CUDA, experimental).
     CUDA_CLUSTER_LAYER = ("FERRITE_CUDA_CLUSTER_LAYER", "0", AbTest,
         "1 runs each decoder layer declared at load as one launch of a thread-block cluster (kernels/cluster.rs: weights staged in shared memory, activations handed over through distributed shared memory) in one-token CUDA steps, instead of its five ops' launches; a note at load names layers it cannot run. Off by default until measured faster (docs/perf.md).");
+    /// Threads per block of the cluster decoder layer (CUDA).
+    CUDA_CLUSTER_LAYER_THREADS = ("FERRITE_CUDA_CLUSTER_LAYER_THREADS", "256", AbTest,
+        "256 or 512: threads per block of the cluster decoder layer (FERRITE_CUDA_CLUSTER_LAYER): more warps share each phase's rows and the attention's keys, at half the registers per thread.");
     /// Declared linear chains run as one persistent launch (CUDA, experimental).
     CUDA_LINEAR_CHAIN = ("FERRITE_CUDA_LINEAR_CHAIN", "0", AbTest,
         "1 runs each linear chain declared at load (a layer's output projection, gate/up, down and the next QKV) as one persistent launch in one-token CUDA steps (kernels/chain.rs), instead of four int8 GEMV launches. Off by default: it is still 2-2.5x slower per layer (docs/perf.md, stop 28); a note at load names chains it cannot run.");

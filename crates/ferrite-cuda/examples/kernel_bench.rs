@@ -276,7 +276,8 @@ fn cluster(gpu: &Gpu) -> Result<(), CudaError> {
         eps: 1e-5,
         scale: 0.125,
     };
-    for size in [16usize, 8] {
+    for (size, threads) in [(16usize, "256"), (16, "512"), (8, "256")] {
+        std::env::set_var("FERRITE_CUDA_CLUSTER_LAYER_THREADS", threads);
         let run = &mut || {
             for (w, cache) in ws.iter().zip(caches.iter_mut()) {
                 let weights = ops::ClusterLayerWeights { qkv: &w[0], o: &w[1], gate: (&w[2], 0), up: (&w[2], ff), down: &w[3] };
@@ -285,10 +286,11 @@ fn cluster(gpu: &Gpu) -> Result<(), CudaError> {
             Ok(())
         };
         match time_graph(gpu, layers, run) {
-            Ok(s) => println!("  SmolLM2 decoder layer in one cluster of {size}, position 128: {:.2} us per layer", s * 1e6),
-            Err(e) => println!("  SmolLM2 decoder layer in one cluster of {size}: {e}"),
+            Ok(s) => println!("  SmolLM2 decoder layer in one cluster of {size} x {threads} threads, position 128: {:.2} us per layer", s * 1e6),
+            Err(e) => println!("  SmolLM2 decoder layer in one cluster of {size} x {threads} threads: {e}"),
         }
     }
+    std::env::remove_var("FERRITE_CUDA_CLUSTER_LAYER_THREADS");
     Ok(())
 }
 

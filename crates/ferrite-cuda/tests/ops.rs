@@ -2970,8 +2970,10 @@ fn every_kernel_variant_compiles_for_sm90() {
         check(format!("{v:?}"), compile_variant(&v, "sm_90"));
     }
     for (wtype, head_dim, neox, kv) in [(GgmlType::Q4_0, 64, false, KvDtype::F16), (GgmlType::Q4_1, 128, true, KvDtype::F32), (GgmlType::Q8_0, 32, false, KvDtype::F16)] {
-        let v = ferrite_cuda::kernels::cluster::ClusterLayerVariant { wtype, cluster: 16, head_dim, neox, kv };
-        check(format!("{v:?}"), compile_variant(&v, "sm_90"));
+        for threads in [256, 512] {
+            let v = ferrite_cuda::kernels::cluster::ClusterLayerVariant { wtype, cluster: 16, threads, head_dim, neox, kv };
+            check(format!("{v:?}"), compile_variant(&v, "sm_90"));
+        }
     }
     for dtype in ALL_TYPES {
         for n in [1, 2, 3, 8] {
@@ -3164,14 +3166,18 @@ fn cluster_layer_matches_the_layer_on_the_host() {
         return;
     }
     let mut rng = Rng(41);
-    // (type, width, query heads, KV heads, head size, MLP width, NeoX, KV type, fused gate/up, cluster)
+    // (type, width, query heads, KV heads, head size, MLP width, NeoX, KV type, fused gate/up,
+    // cluster, threads per block)
     let cases = [
-        (GgmlType::Q4_1, 256, 4, 2, 64, 512, false, KvDtype::F16, true, 16),
-        (GgmlType::Q4_0, 192, 3, 1, 64, 416, true, KvDtype::F32, false, 16),
-        (GgmlType::Q8_0, 128, 4, 4, 32, 224, false, KvDtype::F16, true, 8),
-        (GgmlType::Q4_1, 576, 9, 3, 64, 1536, false, KvDtype::F16, true, 16),
+        (GgmlType::Q4_1, 256, 4, 2, 64, 512, false, KvDtype::F16, true, 16, "256"),
+        (GgmlType::Q4_0, 192, 3, 1, 64, 416, true, KvDtype::F32, false, 16, "512"),
+        (GgmlType::Q8_0, 128, 4, 4, 32, 224, false, KvDtype::F16, true, 8, "256"),
+        (GgmlType::Q4_1, 576, 9, 3, 64, 1536, false, KvDtype::F16, true, 16, "256"),
+        (GgmlType::Q4_1, 576, 9, 3, 64, 1536, false, KvDtype::F16, true, 16, "512"),
     ];
-    for (dtype, dim, n_heads, n_kv, hd, ff, neox, kv_dtype, fused, cluster) in cases {
+    for (dtype, dim, n_heads, n_kv, hd, ff, neox, kv_dtype, fused, cluster, threads) in cases {
+        // Only this test reads the switch.
+        std::env::set_var("FERRITE_CUDA_CLUSTER_LAYER_THREADS", threads);
         let (q_dim, kv_dim) = (n_heads * hd, n_kv * hd);
         let qkv_rows = q_dim + 2 * kv_dim;
         let (qkv_b, qkv_w) = random_weight(&mut rng, dtype, qkv_rows, dim);
@@ -3210,7 +3216,7 @@ fn cluster_layer_matches_the_layer_on_the_host() {
         let pos0: Vec<u32> = (0..5).collect();
         store(gpu, &mut cache, &rng.vec(5 * q_dim, -1.0, 1.0), &k0, &v0, n_heads, &upload(gpu, &pos0), 5);
         let (mut k_host, mut v_host) = (stored(&k0), stored(&v0));
-        let name = format!("{dtype} d{dim} h{n_heads}/{n_kv}x{hd} ff{ff} {} {kv_dtype:?} {} c{cluster}", if neox { "neox" } else { "norm" }, if fused { "fused" } else { "split" });
+        let name = format!("{dtype} d{dim} h{n_heads}/{n_kv}x{hd} ff{ff} {} {kv_dtype:?} {} c{cluster}x{threads}", if neox { "neox" } else { "norm" }, if fused { "fused" } else { "split" });
         for pos in [5usize, 6] {
             let x_in = rng.vec(dim, -1.0, 1.0);
             // The host layer.
@@ -3263,6 +3269,7 @@ fn cluster_layer_matches_the_layer_on_the_host() {
         let err = gpu.check_device().unwrap_err().to_string();
         assert!(err.contains("beyond the KV cache"), "{err}");
     }
+    std::env::remove_var("FERRITE_CUDA_CLUSTER_LAYER_THREADS");
 }
 
 /// `FERRITE_CUDA_TIMELINE`: each launch of a kernel compiled with the timeline notes its start,

@@ -465,6 +465,8 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) cluster_layer(const Cl
 pub struct ClusterLayerVariant {
     pub wtype: GgmlType,
     pub cluster: u32,
+    /// Threads per block (256 or 512).
+    pub threads: u32,
     pub head_dim: u32,
     pub neox: bool,
     pub kv: KvDtype,
@@ -480,7 +482,6 @@ pub struct LayerDims {
 }
 
 impl ClusterLayerVariant {
-    pub const THREADS: u32 = 256;
 
     /// Bytes of plane 0 and plane 1 per 32-weight unit (the repacked planes, `weight.rs`).
     pub(crate) fn plane_bytes(wtype: GgmlType) -> Option<(usize, usize)> {
@@ -514,14 +515,14 @@ impl ClusterLayerVariant {
         let hd = self.head_dim as usize;
         let q_dim = d.n_heads * hd;
         let qkv = q_dim + 2 * d.n_kv_heads * hd;
-        let warps = (Self::THREADS / 32) as usize;
+        let warps = (self.threads / 32) as usize;
         let floats = 2 * d.dim + qkv + q_dim + d.ff + 32 + warps * (hd + 2) + 3 * hd;
         let max_in = d.dim.max(q_dim).max(d.ff);
         self.weight_bytes(d) + (4 * floats).next_multiple_of(16) + max_in + max_in / 32 * 8
     }
 
     pub fn launch_config(&self, d: &LayerDims) -> LaunchConfig {
-        LaunchConfig { grid_dim: (self.cluster, 1, 1), block_dim: (Self::THREADS, 1, 1), shared_mem_bytes: self.smem_bytes(d) as u32 }
+        LaunchConfig { grid_dim: (self.cluster, 1, 1), block_dim: (self.threads, 1, 1), shared_mem_bytes: self.smem_bytes(d) as u32 }
     }
 
     /// Whether the kernel runs `wtype` weights.
@@ -539,7 +540,7 @@ impl KernelVariant for ClusterLayerVariant {
         vec![
             ("WTYPE", (self.wtype as u32).to_string()),
             ("CLUSTER", self.cluster.to_string()),
-            ("NTHREADS", Self::THREADS.to_string()),
+            ("NTHREADS", self.threads.to_string()),
             ("HEAD_DIM", self.head_dim.to_string()),
             ("NEOX", u32::from(self.neox).to_string()),
             ("KV_F16", u32::from(self.kv == KvDtype::F16).to_string()),
@@ -588,6 +589,6 @@ mod tests {
     #[test]
     fn macros_match_source() {
         crate::kernels::tests::assert_macros_match(ClusterPhasesVariant { cluster: 8 });
-        crate::kernels::tests::assert_macros_match(ClusterLayerVariant { wtype: GgmlType::Q4_1, cluster: 16, head_dim: 64, neox: false, kv: KvDtype::F16 });
+        crate::kernels::tests::assert_macros_match(ClusterLayerVariant { wtype: GgmlType::Q4_1, cluster: 16, threads: 256, head_dim: 64, neox: false, kv: KvDtype::F16 });
     }
 }

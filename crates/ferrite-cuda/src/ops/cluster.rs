@@ -7,6 +7,7 @@ use crate::kernels::attention::KvDtype;
 use crate::kernels::cluster::{ClusterLayerParams, ClusterLayerVariant, ClusterPhasesParams, ClusterPhasesVariant, LayerDims};
 use crate::weight::DeviceWeight;
 use crate::Gpu;
+use ferrite_core::env;
 use cudarc::driver::{DevicePtr, DevicePtrMut};
 
 /// Most blocks per cluster on the H100/H200 (8 portable, 16 with the non-portable opt-in).
@@ -108,7 +109,11 @@ pub fn cluster_layer_variant(gpu: &Gpu, w: &ClusterLayerWeights, cfg: &ClusterLa
             return Err(format!("RoPE over {} of {} dimensions for heads of {hd}", r.rot_dim, r.head_dim));
         }
     }
-    let variant = ClusterLayerVariant { wtype, cluster: cluster as u32, head_dim: hd as u32, neox: cfg.rope.is_some_and(|r| r.neox), kv };
+    let threads = match env::CUDA_CLUSTER_LAYER_THREADS.parse(256u32) {
+        t @ (256 | 512) => t,
+        t => return Err(format!("{}={t}: 256 or 512", env::CUDA_CLUSTER_LAYER_THREADS.name)),
+    };
+    let variant = ClusterLayerVariant { wtype, cluster: cluster as u32, threads, head_dim: hd as u32, neox: cfg.rope.is_some_and(|r| r.neox), kv };
     let smem = variant.smem_bytes(&cfg.dims);
     if smem > gpu.max_shared_memory() as usize {
         return Err(format!("{smem} bytes of shared memory per block in clusters of {cluster}: over the device's {}", gpu.max_shared_memory()));
