@@ -167,6 +167,7 @@ const LAYER_SOURCE: &str = r#"
 #define NWARPS (NTHREADS / 32)
 #define HD_LANE (HEAD_DIM / 32)
 #define KEY_RUN 8
+#define ROW_RUN 4
 
 // Rows [r0, r0 + n) of a matrix of `rows`: block `rank`'s share.
 __device__ __forceinline__ u32 share_of(u32 rows) { return (rows + CLUSTER - 1) / CLUSTER; }
@@ -236,22 +237,44 @@ __device__ void quantize_input(const float* v, const float* w, float eps, u32 n,
   __syncthreads();
 }
 
-// out = W[row] . x for each of the block's rows (a warp per row, lanes over its units), then
-// f(local row, value) on every lane of the warp.
-template <class F>
-__device__ __forceinline__ void gemv_rows(const Rows& r, const i8* xq, const uint2* xs, F f) {
-  const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const WeightRef w = {r.p0, r.p1, r.p1, r.p1, (i64)r.units * 32};
+// out[i] = W[i] . x for the block's rows of NMAT matrices at once (gate and up: the same rows
+// of both), ROW_RUN rows per warp turn so that their reductions overlap instead of following
+// one another; lanes walk the units. Then f(i, out of matrix 0, out of the last) on every lane.
+template <int NMAT, class F>
+__device__ __forceinline__ void gemv_rows(const Rows* m, const i8* xq, const uint2* xs, F f) {
+  const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5, n = m[0].n, units = m[0].units;
+  WeightRef w[NMAT];
+#pragma unroll
+  for (int k = 0; k < NMAT; ++k) w[k] = {m[k].p0, m[k].p1, m[k].p1, m[k].p1, (i64)units * 32};
   const int4* x4 = reinterpret_cast<const int4*>(xq);
-  for (u32 i = warp; i < r.n; i += NWARPS) {
-    float acc = 0.f;
-    for (u32 u = lane; u < r.units; u += 32) {
-      Unit wu;
-      load_unit(w, i, u, wu);
+  for (u32 i0 = warp * ROW_RUN; i0 < n; i0 += NWARPS * ROW_RUN) {
+    float acc[ROW_RUN][NMAT];
+#pragma unroll
+    for (int r = 0; r < ROW_RUN; ++r)
+#pragma unroll
+      for (int k = 0; k < NMAT; ++k) acc[r][k] = 0.f;
+    for (u32 u = lane; u < units; u += 32) {
       const uint2 s = xs[u];
-      acc += unit_dot_q8(wu, x4[2 * u], x4[2 * u + 1], __uint_as_float(s.x), (float)(int)(short)(s.y & 0xffffu), (float)((int)s.y >> 16));
+      const int4 a = x4[2 * u], b = x4[2 * u + 1];
+      const float dx = __uint_as_float(s.x), s0 = (float)(int)(short)(s.y & 0xffffu), s1 = (float)((int)s.y >> 16);
+#pragma unroll
+      for (int r = 0; r < ROW_RUN; ++r) {
+        const u32 i = min(i0 + r, n - 1);  // past the block's rows: the last one again, unused
+#pragma unroll
+        for (int k = 0; k < NMAT; ++k) {
+          Unit wu;
+          load_unit(w[k], i, u, wu);
+          acc[r][k] += unit_dot_q8(wu, a, b, dx, s0, s1);
+        }
+      }
     }
-    f(i, warp_sum(acc));
+#pragma unroll
+    for (int r = 0; r < ROW_RUN; ++r)
+#pragma unroll
+      for (int k = 0; k < NMAT; ++k) acc[r][k] = warp_sum(acc[r][k]);
+#pragma unroll
+    for (int r = 0; r < ROW_RUN; ++r)
+      if (i0 + r < n) f(i0 + r, acc[r][0], acc[r][NMAT - 1]);
   }
 }
 
@@ -311,7 +334,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) cluster_layer(const Cl
   quantize_input(x, reinterpret_cast<const float*>(p.attn_norm), p.eps, p.dim, xq, xs, red);
   copy_wait<4>();
   cluster_wait();
-  gemv_rows(wqkv, xq, xs, [&](u32 i, float v) { broadcast(qkv + wqkv.r0 + i, v); });
+  gemv_rows<1>(&wqkv, xq, xs, [&](u32 i, float v, float) { broadcast(qkv + wqkv.r0 + i, v); });
   cluster_sync();
 
   // Phase 2: attention, a block per query head (heads rank, rank + CLUSTER, ...).
@@ -417,36 +440,20 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) cluster_layer(const Cl
   // Phase 3: output projection plus the residual, to every block.
   quantize_input(attn, nullptr, 0.f, q_dim, xq, xs, red);
   copy_wait<3>();
-  gemv_rows(wo, xq, xs, [&](u32 i, float v) { broadcast(x2 + wo.r0 + i, v + x[wo.r0 + i]); });
+  gemv_rows<1>(&wo, xq, xs, [&](u32 i, float v, float) { broadcast(x2 + wo.r0 + i, v + x[wo.r0 + i]); });
   cluster_sync();
 
   // Phase 4: gate and up rows of the normalized stream, SwiGLU, to every block.
   quantize_input(x2, reinterpret_cast<const float*>(p.ffn_norm), p.eps, p.dim, xq, xs, red);
   copy_wait<1>();
-  {
-    const WeightRef wg = {wgate.p0, wgate.p1, wgate.p1, wgate.p1, (i64)ud * 32};
-    const WeightRef wu = {wup.p0, wup.p1, wup.p1, wup.p1, (i64)ud * 32};
-    const int4* x4 = reinterpret_cast<const int4*>(xq);
-    for (u32 i = warp; i < wgate.n; i += NWARPS) {
-      float ag = 0.f, au = 0.f;
-      for (u32 u = lane; u < ud; u += 32) {
-        Unit a, b;
-        load_unit(wg, i, u, a);
-        load_unit(wu, i, u, b);
-        const uint2 s = xs[u];
-        const float dx = __uint_as_float(s.x), s0 = (float)(int)(short)(s.y & 0xffffu), s1 = (float)((int)s.y >> 16);
-        ag += unit_dot_q8(a, x4[2 * u], x4[2 * u + 1], dx, s0, s1);
-        au += unit_dot_q8(b, x4[2 * u], x4[2 * u + 1], dx, s0, s1);
-      }
-      broadcast(act + wgate.r0 + i, silu(warp_sum(ag)) * warp_sum(au));
-    }
-  }
+  const Rows gate_up[2] = {wgate, wup};
+  gemv_rows<2>(gate_up, xq, xs, [&](u32 i, float g, float u) { broadcast(act + wgate.r0 + i, silu(g) * u); });
   cluster_sync();
 
   // Phase 5: down projection plus the residual, this block's rows of the stream.
   quantize_input(act, nullptr, 0.f, p.ff, xq, xs, red);
   copy_wait<0>();
-  gemv_rows(wdown, xq, xs, [&](u32 i, float v) {
+  gemv_rows<1>(&wdown, xq, xs, [&](u32 i, float v, float) {
     if (lane == 0) og[wdown.r0 + i] = v + x2[wdown.r0 + i];
   });
 }
