@@ -275,6 +275,7 @@ fn cluster(gpu: &Gpu) -> Result<(), CudaError> {
         rope: Some(ops::RopeConfig { n_heads: heads, head_dim: hd, rot_dim: hd, theta: 10_000.0, freq_scale: 1.0, neox: false }),
         eps: 1e-5,
         scale: 0.125,
+        kv_rows: None,
     };
     for (size, threads) in [(16usize, "256"), (16, "512"), (8, "256")] {
         std::env::set_var("FERRITE_CUDA_CLUSTER_LAYER_THREADS", threads);

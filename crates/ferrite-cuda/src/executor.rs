@@ -62,6 +62,7 @@ fn layer_launch<'a>(weights: &'a [Option<GpuWeight>], graph: &ferrite_model::gra
         rope: Some(rope_config(&rope, a.n_heads, a.head_dim)),
         eps: n1.eps,
         scale: a.scale,
+        kv_rows: None,
     };
     Ok((w, [vector_of(weights, n1.weight), vector_of(weights, n2.weight)], cfg, kv_layer))
 }

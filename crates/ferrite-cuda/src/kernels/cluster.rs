@@ -133,11 +133,15 @@ device_params! {
         pub rot_dim: u32,
         /// Bytes of the weight region at the start of shared memory (`layer_smem`).
         pub weight_bytes: u32,
+        /// Cache rows of the block's first head's KV group that are copied into shared memory
+        /// (positions `0 .. min(pos, kv_rows)`); later rows are read from the cache.
+        pub kv_rows: u32,
         pub eps: f32,
         pub theta: f32,
         pub freq_scale: f32,
         /// Attention score scale (1 / sqrt(head_dim) unless the model says otherwise).
         pub scale: f32,
+        pub pad: u32,
     }
 }
 
@@ -313,6 +317,9 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) cluster_layer(const Cl
   // int8 codes read 16 bytes at a time, then their scales.
   i8* xq = reinterpret_cast<i8*>(smem + round16((u32)(reinterpret_cast<u8*>(vr + HEAD_DIM) - smem)));
   uint2* xs = reinterpret_cast<uint2*>(xq + max_in);
+  // The first head's K and V rows, `kv_rows` each, 16-byte aligned.
+  kv_t* ks = reinterpret_cast<kv_t*>(smem + round16((u32)(reinterpret_cast<u8*>(xs + max_in / 32) - smem)));
+  kv_t* vs = ks + (u64)p.kv_rows * HEAD_DIM;
 
   pdl_wait();
   pdl_release();
@@ -325,6 +332,24 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) cluster_layer(const Cl
     copy_wait<0>();
     return;
   }
+  // The cache rows the first head attends to, requested now (written by earlier steps), to land
+  // while phase 1 runs: one copy group after the weights'.
+  const u32 heads_per_kv = p.n_heads / p.n_kv_heads;
+  const u32 staged_rows = min(pos, p.kv_rows);
+  if (rank < p.n_heads) {
+    const u32 g = rank / heads_per_kv, chunks = HEAD_DIM * sizeof(kv_t) / 16;
+    const u8* kc8 = reinterpret_cast<const u8*>(p.k_cache);
+    const u8* vc8 = reinterpret_cast<const u8*>(p.v_cache);
+    const u32 dk = (u32)__cvta_generic_to_shared(ks), dv = (u32)__cvta_generic_to_shared(vs);
+    for (u32 c = tid; c < staged_rows * chunks; c += NTHREADS) {
+      const u32 j = c / chunks, part = c % chunks;
+      const u64 src = (((u64)j * p.n_kv_heads + g) * HEAD_DIM) * sizeof(kv_t) + part * 16;
+      const u32 dst = (j * HEAD_DIM) * sizeof(kv_t) + part * 16;
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(dk + dst), "l"(kc8 + src) : "memory");
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(dv + dst), "l"(vc8 + src) : "memory");
+    }
+  }
+  copy_commit();
   // Others may write this block's shared memory once every block runs (waited for below).
   cluster_arrive();
   for (u32 i = tid; i < p.dim; i += NTHREADS) x[i] = xg[i];
@@ -332,17 +357,20 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) cluster_layer(const Cl
 
   // Phase 1: QKV rows of the normalized input, to every block.
   quantize_input(x, reinterpret_cast<const float*>(p.attn_norm), p.eps, p.dim, xq, xs, red);
-  copy_wait<4>();
+  copy_wait<5>();
   cluster_wait();
   gemv_rows<1>(&wqkv, xq, xs, [&](u32 i, float v, float) { broadcast(qkv + wqkv.r0 + i, v); });
   cluster_sync();
 
-  // Phase 2: attention, a block per query head (heads rank, rank + CLUSTER, ...).
-  const u32 heads_per_kv = p.n_heads / p.n_kv_heads;
+  // Phase 2: attention, a block per query head (heads rank, rank + CLUSTER, ...). The staged
+  // K/V rows are the last copy group, so from here on every weight has landed too (they were
+  // requested before the wait for the previous kernel).
+  copy_wait<0>();
   const kv_t* kc = reinterpret_cast<const kv_t*>(p.k_cache);
   const kv_t* vc = reinterpret_cast<const kv_t*>(p.v_cache);
   for (u32 h = rank; h < p.n_heads; h += CLUSTER) {
     const u32 g = h / heads_per_kv;
+    const bool first_head = h == rank;
     const float* q = qkv + h * HEAD_DIM;
     const float* k = qkv + q_dim + g * HEAD_DIM;
     const float* v = qkv + q_dim + kv_dim + g * HEAD_DIM;
@@ -395,8 +423,10 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) cluster_layer(const Cl
         const i64 row = ((i64)min(j, pos) * p.n_kv_heads + g) * HEAD_DIM + lane * HD_LANE;
 #pragma unroll
         for (int e = 0; e < HD_LANE; ++e) {
-          kk[b][e] = j < pos ? kv_load(kc, row + e) : kr[lane * HD_LANE + e];
-          vv[b][e] = j < pos ? kv_load(vc, row + e) : vr[lane * HD_LANE + e];
+          const u32 at_s = j * HEAD_DIM + lane * HD_LANE + e;  // its place among the staged rows
+          const bool staged = first_head && j < staged_rows;
+          kk[b][e] = j == pos ? kr[lane * HD_LANE + e] : staged ? kv_load(ks, at_s) : kv_load(kc, row + e);
+          vv[b][e] = j == pos ? vr[lane * HD_LANE + e] : staged ? kv_load(vs, at_s) : kv_load(vc, row + e);
         }
       }
 #pragma unroll
@@ -439,20 +469,17 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) cluster_layer(const Cl
 
   // Phase 3: output projection plus the residual, to every block.
   quantize_input(attn, nullptr, 0.f, q_dim, xq, xs, red);
-  copy_wait<3>();
   gemv_rows<1>(&wo, xq, xs, [&](u32 i, float v, float) { broadcast(x2 + wo.r0 + i, v + x[wo.r0 + i]); });
   cluster_sync();
 
   // Phase 4: gate and up rows of the normalized stream, SwiGLU, to every block.
   quantize_input(x2, reinterpret_cast<const float*>(p.ffn_norm), p.eps, p.dim, xq, xs, red);
-  copy_wait<1>();
   const Rows gate_up[2] = {wgate, wup};
   gemv_rows<2>(gate_up, xq, xs, [&](u32 i, float g, float u) { broadcast(act + wgate.r0 + i, silu(g) * u); });
   cluster_sync();
 
   // Phase 5: down projection plus the residual, this block's rows of the stream.
   quantize_input(act, nullptr, 0.f, p.ff, xq, xs, red);
-  copy_wait<0>();
   gemv_rows<1>(&wdown, xq, xs, [&](u32 i, float v, float) {
     if (lane == 0) og[wdown.r0 + i] = v + x2[wdown.r0 + i];
   });
@@ -517,19 +544,30 @@ impl ClusterLayerVariant {
             .sum()
     }
 
-    /// Dynamic shared memory of a block: the weight region, then the activations.
-    pub fn smem_bytes(&self, d: &LayerDims) -> usize {
+    /// Bytes of one staged cache row pair (K and V) of a head.
+    pub fn kv_row_bytes(&self) -> usize {
+        2 * self.head_dim as usize * self.kv.bytes()
+    }
+
+    /// Dynamic shared memory of a block: the weight region, the activations, then `kv_rows`
+    /// staged K/V rows.
+    pub fn smem_bytes(&self, d: &LayerDims, kv_rows: usize) -> usize {
+        self.base_smem_bytes(d) + kv_rows * self.kv_row_bytes()
+    }
+
+    /// [`Self::smem_bytes`] without staged K/V rows.
+    pub fn base_smem_bytes(&self, d: &LayerDims) -> usize {
         let hd = self.head_dim as usize;
         let q_dim = d.n_heads * hd;
         let qkv = q_dim + 2 * d.n_kv_heads * hd;
         let warps = (self.threads / 32) as usize;
         let floats = 2 * d.dim + qkv + q_dim + d.ff + 32 + warps * (hd + 2) + 3 * hd;
         let max_in = d.dim.max(q_dim).max(d.ff);
-        self.weight_bytes(d) + (4 * floats).next_multiple_of(16) + max_in + max_in / 32 * 8
+        self.weight_bytes(d) + (4 * floats).next_multiple_of(16) + (max_in + max_in / 32 * 8).next_multiple_of(16)
     }
 
-    pub fn launch_config(&self, d: &LayerDims) -> LaunchConfig {
-        LaunchConfig { grid_dim: (self.cluster, 1, 1), block_dim: (self.threads, 1, 1), shared_mem_bytes: self.smem_bytes(d) as u32 }
+    pub fn launch_config(&self, d: &LayerDims, kv_rows: usize) -> LaunchConfig {
+        LaunchConfig { grid_dim: (self.cluster, 1, 1), block_dim: (self.threads, 1, 1), shared_mem_bytes: self.smem_bytes(d, kv_rows) as u32 }
     }
 
     /// Whether the kernel runs `wtype` weights.

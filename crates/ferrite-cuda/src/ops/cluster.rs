@@ -76,6 +76,9 @@ pub struct ClusterLayerConfig {
     pub eps: f32,
     /// Attention score scale.
     pub scale: f32,
+    /// Most cache rows a block copies into shared memory for its head (`None`: as many as the
+    /// device's shared memory holds, up to the cache's length).
+    pub kv_rows: Option<usize>,
 }
 
 /// The `cluster_layer` variant for a layer of `w` with `cfg` on `gpu` in clusters of `cluster`
@@ -114,15 +117,22 @@ pub fn cluster_layer_variant(gpu: &Gpu, w: &ClusterLayerWeights, cfg: &ClusterLa
         t => return Err(format!("{}={t}: 256 or 512", env::CUDA_CLUSTER_LAYER_THREADS.name)),
     };
     let variant = ClusterLayerVariant { wtype, cluster: cluster as u32, threads, head_dim: hd as u32, neox: cfg.rope.is_some_and(|r| r.neox), kv };
-    let smem = variant.smem_bytes(&cfg.dims);
+    let smem = variant.base_smem_bytes(&cfg.dims);
     if smem > gpu.max_shared_memory() as usize {
         return Err(format!("{smem} bytes of shared memory per block in clusters of {cluster}: over the device's {}", gpu.max_shared_memory()));
     }
-    match gpu.max_active_clusters(&variant, "cluster_layer", variant.launch_config(&cfg.dims)) {
+    match gpu.max_active_clusters(&variant, "cluster_layer", variant.launch_config(&cfg.dims, staged_rows(gpu, &variant, cfg, usize::MAX))) {
         Ok(0) => Err(format!("the device cannot place a cluster of {cluster} blocks of {smem} bytes of shared memory")),
         Ok(_) => Ok(variant),
         Err(e) => Err(e.to_string()),
     }
+}
+
+/// Cache rows a block of `variant` stages for a cache of `max_seq` positions: what the
+/// configuration allows and the device's shared memory holds.
+fn staged_rows(gpu: &Gpu, variant: &ClusterLayerVariant, cfg: &ClusterLayerConfig, max_seq: usize) -> usize {
+    let room = (gpu.max_shared_memory() as usize).saturating_sub(variant.base_smem_bytes(&cfg.dims)) / variant.kv_row_bytes();
+    room.min(max_seq).min(cfg.kv_rows.unwrap_or(usize::MAX))
 }
 
 /// [`cluster_layer_variant`] in the largest cluster the device can place (16 blocks, else 8).
@@ -172,6 +182,7 @@ pub fn cluster_layer(
     let (wgate0, wgate1) = planes(w.gate.0, w.gate.1);
     let (wup0, wup1) = planes(w.up.0, w.up.1);
     let (wdown0, wdown1) = planes(w.down, 0);
+    let kv_rows = staged_rows(gpu, &variant, cfg, cache.max_seq);
     let (k_cache, v_cache) = cache.ptrs(gpu);
     let rope = cfg.rope;
     let params = ClusterLayerParams {
@@ -200,10 +211,12 @@ pub fn cluster_layer(
         max_seq: cache.max_seq as u32,
         rot_dim: rope.map_or(0, |r| r.rot_dim as u32),
         weight_bytes: variant.weight_bytes(&d) as u32,
+        kv_rows: kv_rows as u32,
         eps: cfg.eps,
         theta: rope.map_or(0.0, |r| r.theta),
         freq_scale: rope.map_or(0.0, |r| r.freq_scale),
         scale: cfg.scale,
+        pad: 0,
     };
-    gpu.launch(&variant, "cluster_layer", variant.launch_config(&d), &params)
+    gpu.launch(&variant, "cluster_layer", variant.launch_config(&d, kv_rows), &params)
 }
