@@ -387,16 +387,8 @@ impl Gpu {
         let what = || {
             format!("launching {}::{entry} ({variant:?}, grid {:?}, block {:?})", V::FAMILY, cfg.grid_dim, cfg.block_dim)
         };
-        // A block gets more than 48 KiB of dynamic shared memory only once the function allows it.
-        if cfg.shared_mem_bytes > 48 * 1024 {
-            function
-                .set_attribute(sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, cfg.shared_mem_bytes as i32)
-                .context(what)?;
-        }
         let cluster = variant.cluster_size();
-        if cluster > 8 {
-            function.set_attribute(sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1).context(what)?;
-        }
+        allow_launch(&function, &cfg, cluster).context(what)?;
         if !self.dependent_launch && cluster == 1 {
             let mut builder = self.stream.launch_builder(function);
             builder.arg(params);
@@ -413,24 +405,10 @@ impl Gpu {
                 pad: [0; 4],
                 value: sys::CUlaunchAttributeValue { programmaticStreamSerializationAllowed: self.dependent_launch as i32 },
             },
-            sys::CUlaunchAttribute {
-                id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION,
-                pad: [0; 4],
-                value: sys::CUlaunchAttributeValue { clusterDim: sys::CUlaunchAttributeValue_union__bindgen_ty_1 { x: cluster, y: 1, z: 1 } },
-            },
+            cluster_attribute(cluster),
         ];
-        let config = sys::CUlaunchConfig {
-            gridDimX: cfg.grid_dim.0,
-            gridDimY: cfg.grid_dim.1,
-            gridDimZ: cfg.grid_dim.2,
-            blockDimX: cfg.block_dim.0,
-            blockDimY: cfg.block_dim.1,
-            blockDimZ: cfg.block_dim.2,
-            sharedMemBytes: cfg.shared_mem_bytes,
-            hStream: self.stream.cu_stream(),
-            attrs: attributes.as_mut_ptr(),
-            numAttrs: if cluster > 1 { 2 } else { 1 },
-        };
+        let used = if cluster > 1 { 2 } else { 1 };
+        let config = self.launch_config_ex(&cfg, &mut attributes[..used]);
         // One kernel argument: the parameter struct, passed by value.
         let mut args = [params as *const P as *mut std::ffi::c_void];
         self.ctx.bind_to_thread().context(what)?;
@@ -440,26 +418,9 @@ impl Gpu {
         Ok(())
     }
 
-    /// How many clusters of `variant`'s `entry` launched with `cfg` the device can run at once
-    /// (0: such a cluster cannot be placed at all, e.g. too many blocks of too much shared
-    /// memory for one GPC).
-    pub fn max_active_clusters<V: KernelVariant>(&self, variant: &V, entry: &'static str, cfg: LaunchConfig) -> Result<u32, CudaError> {
-        let module = self.modules.get(variant)?;
-        let function = module.function(entry);
-        let what = || format!("sizing clusters of {}::{entry} ({variant:?})", V::FAMILY);
-        function
-            .set_attribute(sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, cfg.shared_mem_bytes as i32)
-            .context(what)?;
-        let cluster = variant.cluster_size();
-        if cluster > 8 {
-            function.set_attribute(sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1).context(what)?;
-        }
-        let mut attribute = sys::CUlaunchAttribute {
-            id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION,
-            pad: [0; 4],
-            value: sys::CUlaunchAttributeValue { clusterDim: sys::CUlaunchAttributeValue_union__bindgen_ty_1 { x: cluster, y: 1, z: 1 } },
-        };
-        let config = sys::CUlaunchConfig {
+    /// `cfg` on this GPU's stream with `attributes`, for `cuLaunchKernelEx` and occupancy queries.
+    fn launch_config_ex(&self, cfg: &LaunchConfig, attributes: &mut [sys::CUlaunchAttribute]) -> sys::CUlaunchConfig {
+        sys::CUlaunchConfig {
             gridDimX: cfg.grid_dim.0,
             gridDimY: cfg.grid_dim.1,
             gridDimZ: cfg.grid_dim.2,
@@ -468,9 +429,22 @@ impl Gpu {
             blockDimZ: cfg.block_dim.2,
             sharedMemBytes: cfg.shared_mem_bytes,
             hStream: self.stream.cu_stream(),
-            attrs: &mut attribute,
-            numAttrs: 1,
-        };
+            attrs: attributes.as_mut_ptr(),
+            numAttrs: attributes.len() as u32,
+        }
+    }
+
+    /// How many clusters of `variant`'s `entry` launched with `cfg` the device can run at once
+    /// (0: such a cluster cannot be placed at all, e.g. too many blocks of too much shared
+    /// memory for one GPC).
+    pub fn max_active_clusters<V: KernelVariant>(&self, variant: &V, entry: &'static str, cfg: LaunchConfig) -> Result<u32, CudaError> {
+        let module = self.modules.get(variant)?;
+        let function = module.function(entry);
+        let what = || format!("sizing clusters of {}::{entry} ({variant:?})", V::FAMILY);
+        let cluster = variant.cluster_size();
+        allow_launch(&function, &cfg, cluster).context(what)?;
+        let mut attribute = cluster_attribute(cluster);
+        let config = self.launch_config_ex(&cfg, std::slice::from_mut(&mut attribute));
         let mut clusters = 0i32;
         self.ctx.bind_to_thread().context(what)?;
         unsafe { sys::cuOccupancyMaxActiveClusters(&mut clusters, function.cu_function(), &config) }.result().context(what)?;
@@ -507,5 +481,26 @@ impl Gpu {
         }
         let (ptr, _sync) = scratch.as_ref().expect("allocated above").device_ptr(&self.stream);
         f(ptr)
+    }
+}
+
+/// Lets `function` take `cfg`: more than 48 KiB of dynamic shared memory only once the function
+/// allows it, clusters over 8 blocks only with the non-portable sizes.
+fn allow_launch(function: &cudarc::driver::CudaFunction, cfg: &LaunchConfig, cluster: u32) -> Result<(), cudarc::driver::DriverError> {
+    if cfg.shared_mem_bytes > 48 * 1024 {
+        function.set_attribute(sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, cfg.shared_mem_bytes as i32)?;
+    }
+    if cluster > 8 {
+        function.set_attribute(sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1)?;
+    }
+    Ok(())
+}
+
+/// The launch attribute of a 1-D thread-block cluster of `blocks` blocks.
+fn cluster_attribute(blocks: u32) -> sys::CUlaunchAttribute {
+    sys::CUlaunchAttribute {
+        id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION,
+        pad: [0; 4],
+        value: sys::CUlaunchAttributeValue { clusterDim: sys::CUlaunchAttributeValue_union__bindgen_ty_1 { x: blocks, y: 1, z: 1 } },
     }
 }
