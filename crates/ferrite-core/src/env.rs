@@ -178,7 +178,7 @@ switches! {
         "1 declares no decoder layers at load (a Llama-family layer's five ops after the other fusions: QKV, attention, output projection, gate/up, down). Declared layers change nothing unless FERRITE_CUDA_CLUSTER_LAYER=1 runs them as one CUDA launch each.");
     /// Declared decoder layers run as one thread-block-cluster launch (CUDA, experimental).
     CUDA_CLUSTER_LAYER = ("FERRITE_CUDA_CLUSTER_LAYER", "0", AbTest,
-        "1 runs each decoder layer declared at load as one launch of a thread-block cluster (kernels/cluster.rs: weights staged in shared memory, activations handed over through distributed shared memory) in one-token CUDA steps, instead of its five ops' launches; a note at load names layers it cannot run. Off by default until measured faster (docs/perf.md).");
+        "1 runs each decoder layer declared at load as one launch of a thread-block cluster (kernels/cluster.rs: weights staged in shared memory, activations handed over through distributed shared memory) in one-token CUDA steps, instead of its five ops' launches; a note at load names layers it cannot run. Off by default: measured 2.3x slower than the separate launches on the H200 (docs/perf.md, stop 31).");
     /// Threads per block of the cluster decoder layer (CUDA).
     CUDA_CLUSTER_LAYER_THREADS = ("FERRITE_CUDA_CLUSTER_LAYER_THREADS", "256", AbTest,
         "256 or 512: threads per block of the cluster decoder layer (FERRITE_CUDA_CLUSTER_LAYER): more warps share each phase's rows and the attention's keys, at half the registers per thread.");
