@@ -161,9 +161,9 @@ struct Buffers {
     chain_barrier: ops::ChainBarrier,
     /// `FERRITE_CUDA_LINEAR_CHAIN`: declared chains may run as one launch.
     chains_on: bool,
-    /// Per op: whether a declared decoder layer starting there runs as one cluster launch for
-    /// the batch being run (`plan_chains`); its ops are marked in `in_chain` too.
-    layer_at: Vec<bool>,
+    /// Whether the planned decoder layers (`layer_cluster`) run as one cluster launch each for
+    /// the batch being run (`plan_chains`); their ops are marked in `in_chain` too.
+    layers_now: bool,
     /// Per op: the cluster size of the declared decoder layer starting there, planned at load
     /// when `FERRITE_CUDA_CLUSTER_LAYER=1` (`None`: it runs as its five ops).
     layer_cluster: Vec<Option<usize>>,
@@ -313,7 +313,7 @@ impl Buffers {
             in_chain: vec![false; graph.ops.len()],
             chain_barrier: ops::ChainBarrier::new(gpu)?,
             chains_on: env::CUDA_LINEAR_CHAIN.flag(),
-            layer_at: vec![false; graph.ops.len()],
+            layers_now: false,
             layer_cluster: vec![None; graph.ops.len()],
             ids: gpu.alloc_zeros(rows)?,
             positions: gpu.alloc_zeros(rows)?,
@@ -768,7 +768,7 @@ impl CudaExecutor {
                 Some(_) => Some(stream.record_event(timing).map_err(CudaError::from)?),
                 None => None,
             };
-            if self.buf.layer_at[i] {
+            if self.buf.layers_now && self.buf.layer_cluster[i].is_some() {
                 self.run_layer(i).with_context(|| format!("decoder layer of ops {i}..{}", i + DecoderLayer::LEN))?;
                 chained_until = i + DecoderLayer::LEN;
                 if let Some(start) = start {
@@ -817,15 +817,14 @@ impl CudaExecutor {
     fn plan_chains(&mut self, n: usize) {
         self.buf.chain_at.iter_mut().for_each(|c| *c = None);
         self.buf.in_chain.iter_mut().for_each(|c| *c = false);
-        self.buf.layer_at.iter_mut().for_each(|l| *l = false);
+        // A traced forward reads every value, and a layer launch writes only its output.
+        self.buf.layers_now = n == 1 && self.buf.paging.is_none() && !self.options.trace;
         if n != 1 || self.buf.paging.is_some() {
             return;
         }
-        // A traced forward reads every value, and a layer launch writes only its output.
-        if !self.options.trace {
+        if self.buf.layers_now {
             for layer in &self.model.graph.layers {
                 if self.buf.layer_cluster[layer.first].is_some() {
-                    self.buf.layer_at[layer.first] = true;
                     layer.ops().for_each(|i| self.buf.in_chain[i] = true);
                 }
             }

@@ -40,7 +40,7 @@ device_params! {
 }
 
 /// Cluster helpers shared by the kernels of this file.
-const CLUSTER_HEADER: &str = r#"
+pub(super) const CLUSTER_HEADER: &str = r#"
 #ifndef CLUSTER
 #error "CLUSTER (blocks per thread-block cluster, 1-16) must come from the kernel variant"
 #endif
@@ -519,10 +519,8 @@ impl ClusterLayerVariant {
 
     /// Bytes of plane 0 and plane 1 per 32-weight unit (the repacked planes, `weight.rs`).
     pub(crate) fn plane_bytes(wtype: GgmlType) -> Option<(usize, usize)> {
-        match wtype {
-            GgmlType::Q4_0 => Some((16, 2)),
-            GgmlType::Q4_1 => Some((16, 4)),
-            GgmlType::Q8_0 => Some((32, 2)),
+        match (wtype, crate::weight::planes(wtype)?) {
+            (GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q8_0, [quants, scales]) => Some((quants.size, scales.size)),
             _ => None,
         }
     }

@@ -172,10 +172,8 @@ pub fn cluster_layer(
     check_len(OP, "out", out.len, d.dim)?;
     // Planes 0 and 1 of `m` from row `first` on.
     let planes = |m: &DeviceWeight, first: usize| {
-        let [p0, p1, ..] = m.plane_ptrs(gpu);
-        let units = (m.cols / 32) as u64;
-        let (b0, b1) = ClusterLayerVariant::plane_bytes(m.dtype).expect("a supported type");
-        (p0 + first as u64 * units * b0 as u64, p1 + first as u64 * units * b1 as u64)
+        let [p0, p1, ..] = m.row_plane_ptrs(gpu, first);
+        (p0, p1)
     };
     let (wqkv0, wqkv1) = planes(w.qkv, 0);
     let (wo0, wo1) = planes(w.o, 0);
