@@ -205,10 +205,6 @@ switches! {
         "auto|recurrent|chunked: the CUDA Gated DeltaNet delta rule; auto runs batches of 128+ tokens in the chunked (WY/UT transform, 64-token chunks) form and shorter ones token by token; the others force one path for every batch.");
     DISABLE_GEMV_SPLIT_K = ("FERRITE_DISABLE_GEMV_SPLIT_K", "0", AbTest,
         "1: the int8 GEMV never splits a row's units over slices of a block (by default it does, up to 4 slices, when its grid has at most one block per SM, e.g. the emitting output/down projections).");
-    CUDA_GEMV_CLUSTER = ("FERRITE_CUDA_GEMV_CLUSTER", "0", AbTest,
-        "1: a one-token int8 GEMV whose grid leaves at least half of the SMs idle (the emitting output/down projections of narrow models: 64 blocks for the 1B shape) runs as thread-block clusters of up to 8 blocks, each on its own SM with a contiguous range of every row's units; rank 0 adds the partial sums from its shared memory and runs the epilogue.");
-    CUDA_GEMV_STAGE_KB = ("FERRITE_CUDA_GEMV_STAGE_KB", "0", AbTest,
-        "0 off; N: each lane of a Q4_0/Q4_1/Q8_0 int8 GEMV copies its first batches of weight units into shared memory with cp.async before waiting for the previous kernel, up to N KiB per block (all of a lane's units when they fit), so that the weights stream in while that kernel runs.");
     CUDA_ATTENTION_GROUPS = ("FERRITE_CUDA_ATTENTION_GROUPS", "adaptive", AbTest,
         "off|paged|adaptive|all (auto: adaptive): where a CUDA attention block serves up to 8 query heads of one KV group, which score each K row and weigh each V row they load together (same results per head); paged: the batched serving steps (2x faster kernel at 64 sequences); adaptive: also one-token decode steps deep in a context (FERRITE_CUDA_ATTENTION_GROUP_SHARE_VALUES), each layout a captured graph of its own; all: one-token decode at every length (8B: +12% at 4096 cached positions, -7% at short contexts); off: a block per query head everywhere.");
     /// K/V values per share from which adaptive decode attention groups heads.

@@ -116,7 +116,7 @@ fn decode(gpu: &Gpu) -> Result<(), CudaError> {
     // residual and leave the next GEMV's int8 input with its norm; gate/up applies SwiGLU and
     // emits), each at the dispatcher's tiling and at others. Launches rotate over copies of the
     // weight that together exceed the 50 MB L2 three times, so every launch streams from DRAM.
-    println!("\ndecode int8 GEMV tilings, Q4_0, 8B and 1B shapes, one token: us per launch, GB/s of weights (nwarps rows unroll k_split [xcluster]: registers, spilled bytes)");
+    println!("\ndecode int8 GEMV tilings, Q4_0, 8B and 1B shapes, one token: us per launch, GB/s of weights (nwarps rows unroll k_split: registers, spilled bytes)");
     // (name, weight rows, cols, gated, residual, emits)
     let shapes = [
         ("qkv", 6144usize, 4096usize, false, false, false),
@@ -128,27 +128,9 @@ fn decode(gpu: &Gpu) -> Result<(), CudaError> {
         ("1b g/u", 16384, 2048, true, false, true),
         ("1b down", 2048, 8192, false, true, true),
     ];
-    // (nwarps, rows, unroll, k_split, cluster); the first entry is the dispatcher's own. Clusters
-    // only where the grid leaves room for them (emitting: 32 rows per block).
-    let tilings: [(u32, u32, u32, u32, u32); 17] = [
-        (0, 0, 0, 0, 0),
-        (4, 1, 4, 1, 1),
-        (4, 2, 2, 1, 1),
-        (4, 4, 2, 1, 1),
-        (8, 4, 2, 1, 1),
-        (8, 4, 1, 2, 1),
-        (8, 4, 1, 4, 1),
-        (16, 2, 2, 1, 1),
-        (16, 2, 4, 1, 1),
-        (16, 2, 2, 2, 1),
-        (16, 2, 1, 2, 1),
-        (32, 1, 4, 1, 1),
-        (8, 4, 1, 1, 2),
-        (8, 4, 1, 2, 2),
-        (8, 4, 1, 4, 2),
-        (8, 4, 1, 1, 4),
-        (8, 4, 1, 2, 4),
-    ];
+    // (nwarps, rows, unroll, k_split); the first entry is the dispatcher's own.
+    let tilings: [(u32, u32, u32, u32); 12] =
+        [(0, 0, 0, 0), (4, 1, 4, 1), (4, 2, 2, 1), (4, 4, 2, 1), (8, 4, 2, 1), (8, 4, 1, 2), (8, 4, 1, 4), (16, 2, 2, 1), (16, 2, 4, 1), (16, 2, 2, 2), (16, 2, 1, 2), (32, 1, 4, 1)];
     for (name, rows, cols, gated, adds, emits) in shapes {
         let values = ramp(rows * cols);
         let packed = quantize(GgmlType::Q4_0, &values).expect("quantize");
@@ -164,13 +146,10 @@ fn decode(gpu: &Gpu) -> Result<(), CudaError> {
         let mut out = gpu.alloc_zeros::<f32>(out_rows)?;
         let epilogue = ops::Epilogue { residual: adds.then_some(&residual), glu: gated.then_some(ops::Glu::SwiGlu), ..Default::default() };
         let mut line = format!("  {name:<8} {rows}x{cols}");
-        for (nwarps, r, unroll, k_split, cluster) in tilings {
-            if cluster > 1 && (!emits || out_rows / 32 * cluster as usize > gpu.sm_count() as usize) {
-                continue;
-            }
+        for (nwarps, r, unroll, k_split) in tilings {
             let chosen = std::cell::Cell::new(None);
             let retile = |v: GemvQ8Variant| {
-                let v = if nwarps == 0 { v } else { GemvQ8Variant { nwarps, rows: r, unroll, k_split, cluster, ..v } };
+                let v = if nwarps == 0 { v } else { GemvQ8Variant { nwarps, rows: r, unroll, k_split, ..v } };
                 chosen.set(Some(v));
                 v
             };
@@ -184,8 +163,8 @@ fn decode(gpu: &Gpu) -> Result<(), CudaError> {
             // The launched variant: the tiling plus the epilogue's macros (bias and norm-in off).
             let info = gpu.kernel_info(&GemvQ8Variant { residual: adds, ..v }).ok().and_then(|i| i.into_iter().next()).map_or((0, 0), |i| (i.registers, i.local_bytes));
             match result {
-                Ok(s) => line += &format!(" | {}{}{}{}x{}: {:.1} us {:.0} GB/s ({}r {}B)", v.nwarps, v.rows, v.unroll, v.k_split, v.cluster, s * 1e6, packed.len() as f64 / s / 1e9, info.0, info.1),
-                Err(_) => line += &format!(" | {}{}{}{}x{}: -", v.nwarps, v.rows, v.unroll, v.k_split, v.cluster),
+                Ok(s) => line += &format!(" | {}{}{}{}: {:.1} us {:.0} GB/s ({}r {}B)", v.nwarps, v.rows, v.unroll, v.k_split, s * 1e6, packed.len() as f64 / s / 1e9, info.0, info.1),
+                Err(_) => line += &format!(" | {}{}{}{}: -", v.nwarps, v.rows, v.unroll, v.k_split),
             }
         }
         println!("{line}");

@@ -40,7 +40,7 @@ device_params! {
 }
 
 /// Cluster helpers shared by the kernels of this file.
-pub(super) const CLUSTER_HEADER: &str = r#"
+const CLUSTER_HEADER: &str = r#"
 #ifndef CLUSTER
 #error "CLUSTER (blocks per thread-block cluster, 1-16) must come from the kernel variant"
 #endif

@@ -30,7 +30,6 @@
 //! loaded serves all the tile's pairs (prefill). Either way a pair reads activation row
 //! `pair / x_div` and writes output row `pair`.
 
-use super::cluster::CLUSTER_HEADER;
 use super::common::{HEADER, QUANT};
 use super::moe::GROUP_TILE;
 use super::quantize::Q8_BLOCK;
@@ -152,20 +151,6 @@ const SOURCE_Q8: &str = r#"
 #ifndef EXPERTS
 #error "EXPERTS (1: grid y walks (token, slot) pairs, each multiplying the rows of its pair's expert, read from device memory; 2: grid y walks moe_group's tiles of up to NTOK pairs of one expert) must come from the kernel variant"
 #endif
-// CLUSTER (from the cluster header): blocks of a thread-block cluster that split each row's
-// units in contiguous ranges; rank 0 adds the others' sums from its shared memory and runs the
-// epilogue alone.
-#if CLUSTER > 1 && EXPERTS
-#error "CLUSTER > 1 runs without experts"
-#endif
-#ifndef STAGE
-#error "STAGE (a lane's first batches of units copied to shared memory with cp.async before the dependency wait; 0: none) must come from the kernel variant"
-#endif
-#if STAGE && (EXPERTS || !(WTYPE == GGML_Q4_0 || WTYPE == GGML_Q4_1 || WTYPE == GGML_Q8_0))
-#error "STAGE runs Q4_0, Q4_1 and Q8_0 weights without experts"
-#endif
-// The block's rows: every block of a cluster (consecutive along x) works on the same rows.
-#define ROW_BLOCK ((i64)(blockIdx.x / CLUSTER))
 #define ROWS_PER_BLOCK (NWARPS * 32 / TPR * ROWS)
 #define SLICE_THREADS (NWARPS * 32)
 #if EMIT && ROWS_PER_BLOCK % 32 != 0
@@ -188,36 +173,6 @@ const SOURCE_Q8: &str = r#"
 #else
 #define WROWS ROWS
 #endif
-#if STAGE
-// A lane's staged units: slot s holds one unit (its quant bytes, then apart the 4 aligned bytes
-// holding its scale), slots of consecutive lanes adjacent (conflict-free 16-byte reads). The
-// copies hold no registers, so a block may have far more bytes in flight than its loads could,
-// and they start before the wait: the weights stream in while the previous kernel runs.
-#define STAGE_SLOTS (STAGE * UNROLL * WROWS)
-extern __shared__ __align__(16) u8 stage_smem[];
-__device__ __forceinline__ u8* slot_qs(int s) { return stage_smem + ((i64)s * blockDim.x + threadIdx.x) * QS_BYTES; }
-__device__ __forceinline__ u8* slot_scale(int s) { return stage_smem + ((i64)STAGE_SLOTS * blockDim.x * QS_BYTES) + ((i64)s * blockDim.x + threadIdx.x) * 4; }
-__device__ __forceinline__ void copy_async(u8* dst, const u8* src, int bytes) {
-  if (bytes == 16)
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"((u32)__cvta_generic_to_shared(dst)), "l"(src) : "memory");
-  else
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"((u32)__cvta_generic_to_shared(dst)), "l"(src) : "memory");
-}
-__device__ __forceinline__ void stage_unit(const WeightRef& w, i64 row, int u, int s) {
-  const i64 blk = row * (w.cols / 32) + u;
-#pragma unroll
-  for (int i = 0; i < QS_BYTES; i += 16) copy_async(slot_qs(s) + i, w.p0 + blk * QS_BYTES + i, 16);
-  // A 2-byte scale comes with its aligned neighbour (within the plane).
-  copy_async(slot_scale(s), w.p1 + ((blk * SCALE_BYTES) & ~(i64)3), 4);
-}
-// Unit u of a row (of `units`) from slot s: the block decoder reading the slot as block 0.
-__device__ __forceinline__ void unstage_unit(i64 row, int u, int units, int s, Unit& o) {
-  const i64 blk = row * units + u;
-  const WeightRef slot = {slot_qs(s), slot_scale(s) + ((blk * SCALE_BYTES) & 3), nullptr, nullptr, 32};
-  load_block_unit(slot, 0, 0, o);
-}
-#endif
-
 // Weight row of accumulator i: its expert's first row (ebase, 0 without EXPERTS) plus the row,
 // for an up accumulator of a fused [gate; up] weight p.rows further on.
 __device__ __forceinline__ i64 weight_row(const GemvQ8Params& p, i64 ebase, i64 row0, int i) {
@@ -257,7 +212,7 @@ __device__ __forceinline__ void prefetch_weights(const GemvQ8Params& p, Prefetch
   const int lane = threadIdx.x & 31;
 #pragma unroll
   for (int c = 0; c < ROWS_PER_BLOCK / 32; ++c) {
-    const i64 row = ROW_BLOCK * ROWS_PER_BLOCK + 32 * c + lane;
+    const i64 row = (i64)blockIdx.x * ROWS_PER_BLOCK + 32 * c + lane;
     f.emit_g[c] = row < p.rows ? reinterpret_cast<const float*>(p.emit_norm)[row] : 0.f;
   }
 #endif
@@ -321,7 +276,7 @@ __device__ __forceinline__ void emit_q8(const GemvQ8Params& p, const Prefetched&
   const u32 blocks = p.rows / 32;
   for (int job = warp; job < NTOK * (ROWS_PER_BLOCK / 32); job += NWARPS * KSPLIT) {
     const int t = job / (ROWS_PER_BLOCK / 32), c = job % (ROWS_PER_BLOCK / 32);
-    const i64 row0 = ROW_BLOCK * ROWS_PER_BLOCK + 32 * c;
+    const i64 row0 = (i64)blockIdx.x * ROWS_PER_BLOCK + 32 * c;
     if (tok0 + t >= (int)p.n_tokens || row0 >= p.rows) continue;  // warp-uniform
     const i64 blk = (i64)(tok0 + t) * blocks + row0 / 32;
     float v = staged[t][32 * c + lane];
@@ -339,15 +294,8 @@ __device__ __forceinline__ void emit_q8(const GemvQ8Params& p, const Prefetched&
 extern "C" __global__ void __launch_bounds__(SLICE_THREADS * KSPLIT) gemv_q8(const GemvQ8Params p) {
   // Slice `slice` of the block takes every KSPLIT-th batch of units of the block's rows.
   const int tid = threadIdx.x % SLICE_THREADS, slice = threadIdx.x / SLICE_THREADS, k = tid % TPR, group = tid / TPR;
-  const i64 row0 = (ROW_BLOCK * (NWARPS * 32 / TPR) + group) * ROWS;
+  const i64 row0 = ((i64)blockIdx.x * (NWARPS * 32 / TPR) + group) * ROWS;
   const int tok0 = blockIdx.y * NTOK;
-  const int units = (int)(p.cols / 32);
-  // This block's range of each row's units (the whole row without a cluster).
-  const int crank = (int)(blockIdx.x % CLUSTER), u_begin = crank * units / CLUSTER, u_end = (crank + 1) * units / CLUSTER;
-#if CLUSTER > 1
-  // Pairs with the wait before the partial sums go to rank 0: its shared memory exists by then.
-  cluster_arrive();
-#endif
   const WeightRef w = {(const u8*)p.w0, (const u8*)p.w1, (const u8*)p.w2, (const u8*)p.w3, (i64)p.cols};
 #if UP_SPLIT
   const WeightRef wup = {(const u8*)p.u0, (const u8*)p.u1, (const u8*)p.u2, (const u8*)p.u3, (i64)p.cols};
@@ -355,6 +303,7 @@ extern "C" __global__ void __launch_bounds__(SLICE_THREADS * KSPLIT) gemv_q8(con
 #else
 #define WEIGHT_OF(r) w
 #endif
+  const int units = (int)(p.cols / 32);
   const int4* xq = reinterpret_cast<const int4*>(p.xq);
   const uint2* xs = reinterpret_cast<const uint2*>(p.xs);
 
@@ -376,7 +325,7 @@ extern "C" __global__ void __launch_bounds__(SLICE_THREADS * KSPLIT) gemv_q8(con
     pdl_wait();
     pdl_release();
     waited = true;
-    prefetch_inputs(p, pre, row0, tok0, k == 0 && slice == 0 && crank == 0, slice == 0 && crank == 0);
+    prefetch_inputs(p, pre, row0, tok0, k == 0 && slice == 0, slice == 0);
   };
   i64 ebase = 0;
 #if EXPERTS
@@ -400,41 +349,15 @@ extern "C" __global__ void __launch_bounds__(SLICE_THREADS * KSPLIT) gemv_q8(con
 #endif
   if (!bad_expert) ebase = (i64)expert * p.expert_rows + p.expert_off;
 #endif
-  const int u_first = u_begin + k + slice * TPR * UNROLL, u_step = TPR * UNROLL * KSPLIT;
-#if STAGE
   if (row0 < p.rows) {
-    int b = 0;
-    for (int u0 = u_first; u0 < u_end && b < STAGE; u0 += u_step, ++b)
-#pragma unroll
-      for (int j = 0; j < UNROLL; ++j)
-#pragma unroll
-        for (int r = 0; r < WROWS; ++r) stage_unit(WEIGHT_OF(r), weight_row(p, ebase, row0, r), min(u0 + j * TPR, u_end - 1), (b * UNROLL + j) * WROWS + r);
-    asm volatile("cp.async.commit_group;" ::: "memory");
-  }
-#endif
-  if (row0 < p.rows) {
-    int b = 0;
-    for (int u0 = u_first; u0 < u_end; u0 += u_step, ++b) {
+    for (int u0 = k + slice * TPR * UNROLL; u0 < units; u0 += TPR * UNROLL * KSPLIT) {
       // Issue all UNROLL x ROWS weight loads before any math, so that each lane keeps that many
       // bytes in flight. Indices past the end are clamped (a safe re-read, never used).
       Unit wu[UNROLL][WROWS];
-#if STAGE
-      if (b < STAGE) {
-        // The lane's own copies only: no barrier.
-        if (b == 0) asm volatile("cp.async.wait_all;" ::: "memory");
 #pragma unroll
-        for (int j = 0; j < UNROLL; ++j)
+      for (int j = 0; j < UNROLL; ++j)
 #pragma unroll
-          for (int r = 0; r < WROWS; ++r) unstage_unit(weight_row(p, ebase, row0, r), min(u0 + j * TPR, u_end - 1), units, (b * UNROLL + j) * WROWS + r, wu[j][r]);
-      } else {
-#else
-      {
-#endif
-#pragma unroll
-        for (int j = 0; j < UNROLL; ++j)
-#pragma unroll
-          for (int r = 0; r < WROWS; ++r) load_unit(WEIGHT_OF(r), weight_row(p, ebase, row0, r), min(u0 + j * TPR, u_end - 1), wu[j][r]);
-      }
+        for (int r = 0; r < WROWS; ++r) load_unit(WEIGHT_OF(r), weight_row(p, ebase, row0, r), min(u0 + j * TPR, units - 1), wu[j][r]);
       if (!waited) wait_then_prefetch();
 #pragma unroll
       for (int t = 0; t < NTOK; ++t) {
@@ -443,14 +366,14 @@ extern "C" __global__ void __launch_bounds__(SLICE_THREADS * KSPLIT) gemv_q8(con
           uint2 sc[UNROLL];
 #pragma unroll
           for (int j = 0; j < UNROLL; ++j) {
-            const i64 blk = (i64)XROW(t) * units + min(u0 + j * TPR, u_end - 1);
+            const i64 blk = (i64)XROW(t) * units + min(u0 + j * TPR, units - 1);
             xa[j] = xq[2 * blk];
             xb[j] = xq[2 * blk + 1];
             sc[j] = xs[blk];
           }
 #pragma unroll
           for (int j = 0; j < UNROLL; ++j) {
-            if (u0 + j * TPR < u_end) {
+            if (u0 + j * TPR < units) {
               const float dx = __uint_as_float(sc[j].x);
               const float sq0 = (float)(int)(short)(sc[j].y & 0xffffu), sq1 = (float)((int)sc[j].y >> 16);
 #pragma unroll
@@ -487,26 +410,6 @@ extern "C" __global__ void __launch_bounds__(SLICE_THREADS * KSPLIT) gemv_q8(con
       for (int r = 0; r < WROWS; ++r)
 #pragma unroll
         for (int t = 0; t < NTOK; ++t) acc[r][t] += s_part[s][group][r][t];
-#endif
-#if CLUSTER > 1
-  // The other ranks' sums go to rank 0's shared memory, which adds them in rank order
-  // (deterministic); only rank 0 goes on.
-  __shared__ float c_part[CLUSTER - 1][SLICE_THREADS / TPR][WROWS][NTOK];
-  cluster_wait();
-  if (crank > 0 && slice == 0 && k == 0)
-#pragma unroll
-    for (int r = 0; r < WROWS; ++r)
-#pragma unroll
-      for (int t = 0; t < NTOK; ++t) store_remote(&c_part[crank - 1][group][r][t], 0, acc[r][t]);
-  cluster_arrive();
-  if (crank > 0) return;
-  cluster_wait();
-  if (slice == 0 && k == 0)
-    for (int s = 0; s < CLUSTER - 1; ++s)
-#pragma unroll
-      for (int r = 0; r < WROWS; ++r)
-#pragma unroll
-        for (int t = 0; t < NTOK; ++t) acc[r][t] += c_part[s][group][r][t];
 #endif
 #if IN_NORM
   // Finish the producer's RMSNorm: 1 / rms per token from its per-block sums of squares, summed
@@ -737,12 +640,6 @@ pub struct GemvQ8Variant {
     pub up_split: bool,
     /// Whether grid y walks a MoE FFN's (token, slot) pairs on their routed experts' rows.
     pub experts: ExpertGrid,
-    /// Blocks of a thread-block cluster splitting each row's units (1: no cluster); see
-    /// [`Self::cluster_split`].
-    pub cluster: u32,
-    /// Batches of units each lane copies into shared memory before the dependency wait (0:
-    /// none); see [`Self::staged`].
-    pub stage: u32,
 }
 
 /// What grid y of the int8 GEMV walks (the `EXPERTS` macro).
@@ -792,8 +689,6 @@ impl GemvQ8Variant {
             k_split: 1,
             up_split: false,
             experts: ExpertGrid::Off,
-            cluster: 1,
-            stage: 0,
         }
     }
 
@@ -865,13 +760,13 @@ impl GemvQ8Variant {
     /// that up to 4 slices of 1 024 threads fit (`kernel_bench decode`: 8B down 10.9 -> 9.8 us,
     /// 1B output 2.5 -> 2.3 us, 1B down 5.7 -> 5.6 us; 8B output unchanged).
     pub fn split_k(self, rows: usize, cols: usize, n_tokens: usize, sm_count: u32) -> Self {
-        let blocks = self.row_blocks(rows) * n_tokens.max(1).div_ceil(self.ntok as usize) * self.cluster as usize;
+        let blocks = rows.div_ceil(self.rows_per_block()) * n_tokens.max(1).div_ceil(self.ntok as usize);
         if blocks > sm_count as usize {
             return GemvQ8Variant { k_split: 1, ..self };
         }
         let one_unit = self.emit > 0 && self.glu == 0 && self.ntok == 1 && Self::unit_budget(self.wtype) == 8;
         let (v, max_threads) = if one_unit { (GemvQ8Variant { unroll: 1, ..self }, Self::MAX_SPLIT_THREADS_ONE_UNIT) } else { (self, Self::MAX_SPLIT_THREADS) };
-        let batches = (cols / 32 / self.cluster as usize).div_ceil((v.tpr * v.unroll) as usize);
+        let batches = (cols / 32).div_ceil((v.tpr * v.unroll) as usize);
         let mut k_split = 1;
         while k_split * 2 <= 4 && batches >= k_split * 2 && v.nwarps * 32 * (k_split as u32) * 2 <= max_threads {
             k_split *= 2;
@@ -879,67 +774,22 @@ impl GemvQ8Variant {
         GemvQ8Variant { k_split: k_split as u32, ..v }
     }
 
-    /// Spreads a one-token GEMV whose grid leaves at least half of the SMs idle (the emitting
-    /// projections into a narrow model's width: 64 blocks of 32 rows for the 1B shape) over
-    /// thread-block clusters of up to 8 blocks, each on its own SM with a contiguous range of
-    /// every row's units, as long as the grid still fits the device and each block keeps at
-    /// least one unit per lane. Apply before [`Self::split_k`], which then splits each block's
-    /// range.
-    pub fn cluster_split(self, rows: usize, cols: usize, n_tokens: usize, sm_count: u32) -> Self {
-        let blocks = self.row_blocks(rows);
-        if n_tokens != 1 || self.experts != ExpertGrid::Off || 2 * blocks > sm_count as usize {
-            return self;
-        }
-        let mut cluster = 1;
-        while cluster < 8 && blocks * cluster * 2 <= sm_count as usize && cols / 32 / (cluster * 2) >= self.tpr as usize {
-            cluster *= 2;
-        }
-        GemvQ8Variant { cluster: cluster as u32, ..self }
-    }
-
-    /// Copies each lane's first batches of units into shared memory with `cp.async` before
-    /// the dependency wait, as many as `max_bytes` per block hold (all of them if they fit):
-    /// those bytes stream in while the previous kernel runs, without registers held. Q4_0,
-    /// Q4_1 and Q8_0 weights outside MoE banks; others are returned unchanged.
-    pub fn staged(self, cols: usize, max_bytes: usize) -> Self {
-        if !matches!(self.wtype, GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q8_0) || self.experts != ExpertGrid::Off {
-            return self;
-        }
-        let units = cols / 32 / self.cluster as usize;
-        let batches = units.div_ceil((self.tpr * self.unroll * self.k_split) as usize);
-        let per_batch = GemvQ8Variant { stage: 1, ..self }.stage_bytes();
-        GemvQ8Variant { stage: batches.min(max_bytes / per_batch) as u32, ..self }
-    }
-
-    /// Shared memory of the staged units: per slot and thread a unit's quant bytes and 4 bytes
-    /// holding its scale.
-    pub fn stage_bytes(&self) -> usize {
-        let quant = crate::weight::planes(self.wtype).map_or(0, |p| p[0].size);
-        let weight_rows = if self.glu > 0 { 2 } else { 1 };
-        (self.stage * self.unroll * self.rows * weight_rows * self.nwarps * 32 * self.k_split) as usize * (quant + 4)
-    }
-
     pub fn rows_per_block(&self) -> usize {
         (self.nwarps * 32 / self.tpr * self.rows) as usize
     }
 
-    /// Blocks of rows (each run by `cluster` blocks).
-    fn row_blocks(&self, rows: usize) -> usize {
-        rows.div_ceil(self.rows_per_block())
-    }
-
     pub fn launch_config(&self, rows: usize, n_tokens: usize) -> LaunchConfig {
         LaunchConfig {
-            grid_dim: (blocks_for(rows, self.rows_per_block()) * self.cluster, blocks_for(n_tokens, self.ntok as usize), 1),
+            grid_dim: (blocks_for(rows, self.rows_per_block()), blocks_for(n_tokens, self.ntok as usize), 1),
             block_dim: (self.nwarps * 32 * self.k_split, 1, 1),
-            shared_mem_bytes: self.stage_bytes() as u32,
+            shared_mem_bytes: 0,
         }
     }
 }
 
 impl KernelVariant for GemvQ8Variant {
     const FAMILY: &'static str = "gemv_q8";
-    const SOURCES: &'static [&'static str] = &[HEADER, QUANT, Q8_BLOCK, CLUSTER_HEADER, GemvQ8Params::C_DECL, SOURCE_Q8];
+    const SOURCES: &'static [&'static str] = &[HEADER, QUANT, Q8_BLOCK, GemvQ8Params::C_DECL, SOURCE_Q8];
     const ENTRY_POINTS: &'static [&'static str] = &["gemv_q8"];
 
     fn macros(&self) -> Vec<(&'static str, String)> {
@@ -958,13 +808,7 @@ impl KernelVariant for GemvQ8Variant {
             ("KSPLIT", self.k_split.to_string()),
             ("UP_SPLIT", u32::from(self.up_split).to_string()),
             ("EXPERTS", (self.experts as u32).to_string()),
-            ("CLUSTER", self.cluster.to_string()),
-            ("STAGE", self.stage.to_string()),
         ]
-    }
-
-    fn cluster_size(&self) -> u32 {
-        self.cluster
     }
 }
 

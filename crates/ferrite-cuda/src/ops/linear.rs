@@ -83,12 +83,6 @@ pub struct LinearOptions {
     pub activations: GemvActivations,
     /// Let the int8 GEMV split rows' units over slices of a block ([`GemvQ8Variant::split_k`]).
     pub gemv_split_k: bool,
-    /// Let a one-token int8 GEMV on few blocks spread over thread-block clusters
-    /// ([`GemvQ8Variant::cluster_split`]).
-    pub gemv_cluster: bool,
-    /// Shared memory per block for weight units an int8 GEMV copies before its dependency wait
-    /// ([`GemvQ8Variant::staged`]; 0: none).
-    pub gemv_stage_bytes: usize,
     /// Largest token count that takes the small-batch tensor-core GEMM in [`LinearPath::Auto`]
     /// (quantized weights above `gemv_max_tokens`; 0 never).
     pub mma_max_tokens: usize,
@@ -111,8 +105,6 @@ impl Default for LinearOptions {
             gemv_max_tokens: 8,
             activations: GemvActivations::Q8,
             gemv_split_k: true,
-            gemv_cluster: false,
-            gemv_stage_bytes: 0,
             mma_max_tokens: 64,
             wgmma: true,
             gemm_glu: true,
@@ -153,13 +145,11 @@ impl LinearOptions {
             _ => d.activations,
         };
         let gemv_split_k = !env::DISABLE_GEMV_SPLIT_K.flag();
-        let gemv_cluster = env::CUDA_GEMV_CLUSTER.flag();
-        let gemv_stage_bytes = env::CUDA_GEMV_STAGE_KB.parse(d.gemv_stage_bytes / 1024) * 1024;
         let mma_max_tokens = env::CUDA_MMA_MAX_TOKENS.parse(d.mma_max_tokens);
         let wgmma = !env::DISABLE_CUDA_WGMMA.flag();
         let gemm_glu = !env::DISABLE_CUDA_GEMM_GLU.flag();
         let staged_handoff = !env::DISABLE_CUDA_STAGED_HANDOFF.flag();
-        LinearOptions { path, precision, gemv_max_tokens, activations, gemv_split_k, gemv_cluster, gemv_stage_bytes, mma_max_tokens, wgmma, gemm_glu, staged_handoff }
+        LinearOptions { path, precision, gemv_max_tokens, activations, gemv_split_k, mma_max_tokens, wgmma, gemm_glu, staged_handoff }
     }
 }
 
@@ -1025,10 +1015,7 @@ pub(super) fn gemv_q8(
         Some(e) => tiling.emitting(if e.norm.is_some() { 2 } else { 1 }),
         None => tiling,
     };
-    let options = gpu.linear_options();
-    let tiling = if options.gemv_cluster { tiling.cluster_split(out_rows, w.cols, grid_tokens, gpu.sm_count()) } else { tiling };
-    let tiling = if options.gemv_split_k { tiling.split_k(out_rows, w.cols, grid_tokens, gpu.sm_count()) } else { tiling };
-    let tiling = if options.gemv_stage_bytes > 0 { tiling.staged(w.cols, options.gemv_stage_bytes) } else { tiling };
+    let tiling = if gpu.linear_options().gemv_split_k { tiling.split_k(out_rows, w.cols, grid_tokens, gpu.sm_count()) } else { tiling };
     let tiling = retile.map_or(tiling, |f| f(tiling));
     let variant = GemvQ8Variant {
         residual: epilogue.residual.is_some(),
