@@ -2959,54 +2959,57 @@ fn every_kernel_variant_compiles_for_sm90() {
             other => panic!("{other}"),
         }
     }
-    let mut compiled = 0;
-    let mut check = |name: String, result: Result<Vec<u8>, ferrite_cuda::CudaError>| {
-        let cubin = result.unwrap_or_else(|e| panic!("{name}: {e}"));
-        assert!(cubin.len() > 100, "{name}: empty CUBIN");
-        compiled += 1;
-    };
+    // The variants are listed first, then compiled on every core (NVRTC compiles independent
+    // programs concurrently): one at a time this test took minutes.
+    type Job = Box<dyn FnOnce() -> Result<Vec<u8>, ferrite_cuda::CudaError> + Send>;
+    fn job<V: ferrite_cuda::kernels::KernelVariant>(v: &V) -> Job {
+        let v = *v;
+        Box::new(move || compile_variant(&v, "sm_90"))
+    }
+    let mut jobs: Vec<(String, Job)> = Vec::new();
+    let mut check = |name: String, job: Job| jobs.push((name, job));
     for cluster in [1, 8, 16] {
         let v = ferrite_cuda::kernels::cluster::ClusterPhasesVariant { cluster };
-        check(format!("{v:?}"), compile_variant(&v, "sm_90"));
+        check(format!("{v:?}"), job(&v));
     }
     for (wtype, head_dim, neox, kv) in [(GgmlType::Q4_0, 64, false, KvDtype::F16), (GgmlType::Q4_1, 128, true, KvDtype::F32), (GgmlType::Q8_0, 32, false, KvDtype::F16)] {
         for threads in [256, 512] {
             let v = ferrite_cuda::kernels::cluster::ClusterLayerVariant { wtype, cluster: 16, threads, head_dim, neox, kv };
-            check(format!("{v:?}"), compile_variant(&v, "sm_90"));
+            check(format!("{v:?}"), job(&v));
         }
     }
     for dtype in ALL_TYPES {
         for n in [1, 2, 3, 8] {
             let v = GemvVariant::for_shape(dtype, n);
-            check(format!("{v:?}"), compile_variant(&v, "sm_90"));
+            check(format!("{v:?}"), job(&v));
         }
         // MoE expert GEMV on f32 activations (float banks, FERRITE_CUDA_GEMV_ACTIVATIONS=f32).
         let v = GemvVariant::for_experts(dtype);
-        check(format!("{v:?}"), compile_variant(&v, "sm_90"));
+        check(format!("{v:?}"), job(&v));
         if !matches!(dtype, GgmlType::F32 | GgmlType::F16 | GgmlType::BF16) {
             // Small-batch tensor-core GEMM: every n-tiling, bf16 and f16 inputs.
             for (n, bf16) in [(9, true), (32, false), (64, true)] {
                 let v = GemmMmaVariant::for_shape(dtype, n, bf16);
-                check(format!("{v:?}"), compile_variant(&v, "sm_90"));
+                check(format!("{v:?}"), job(&v));
             }
             // The deepest tilings of the small-batch GEMM op test and kernel_bench.
             let v = GemmMmaVariant { mt: 1, depth: 4, stages: 4, occupancy: 8, ..GemmMmaVariant::for_shape(dtype, 16, true) };
-            check(format!("{v:?}"), compile_variant(&v, "sm_90"));
+            check(format!("{v:?}"), job(&v));
             // Warpgroup MMAs (sm_90a), every n-tiling, and the dispatcher's tilings (two
             // warpgroups; weights through shared memory where the type allows).
             for (n, bf16) in [(16, true), (32, false), (64, true)] {
                 let v = GemmMmaVariant { wgmma: 4, stages: 3, ..GemmMmaVariant::for_shape(dtype, n, bf16) };
-                check(format!("{v:?}"), compile_variant(&v, "sm_90"));
+                check(format!("{v:?}"), job(&v));
                 let v = GemmMmaVariant::for_wgmma(dtype, n, bf16);
-                check(format!("{v:?}"), compile_variant(&v, "sm_90"));
+                check(format!("{v:?}"), job(&v));
                 if v.can_fuse_glu() {
                     for glu in [1, 2] {
                         let v = GemmMmaVariant { glu, ..v };
-                        check(format!("{v:?}"), compile_variant(&v, "sm_90"));
+                        check(format!("{v:?}"), job(&v));
                     }
                     // The GLU writing the down projection's staged input.
                     let v = GemmMmaVariant { glu: 1, staged_out: true, ..v };
-                    check(format!("{v:?}"), compile_variant(&v, "sm_90"));
+                    check(format!("{v:?}"), job(&v));
                 }
             }
             // Short rows (warp-level reduction), long rows (block-level), token tiles, epilogues.
@@ -3014,18 +3017,18 @@ fn every_kernel_variant_compiles_for_sm90() {
                 [(960, 576, 1, false, true), (4096, 14336, 1, true, false), (4096, 4096, 3, true, true), (300, 2048, 8, false, false)]
             {
                 let v = GemvQ8Variant { residual, bias, ..GemvQ8Variant::for_shape(dtype, rows, cols, n, 132) };
-                check(format!("{v:?}"), compile_variant(&v, "sm_90"));
+                check(format!("{v:?}"), job(&v));
                 let gated = GemvQ8Variant::for_gated(dtype, rows, cols, n, 132, 1 + (rows % 2) as u32);
-                check(format!("{gated:?}"), compile_variant(&gated, "sm_90"));
+                check(format!("{gated:?}"), job(&gated));
                 // Int8 hand-offs: producing (plain / normed) and finishing a norm.
                 let handoff = GemvQ8Variant { in_norm: n != 3, ..v.emitting(1 + (rows % 2) as u32) };
-                check(format!("{handoff:?}"), compile_variant(&handoff, "sm_90"));
+                check(format!("{handoff:?}"), job(&handoff));
                 let gated = GemvQ8Variant { in_norm: true, ..gated.emitting(1) };
-                check(format!("{gated:?}"), compile_variant(&gated, "sm_90"));
+                check(format!("{gated:?}"), job(&gated));
                 // Rows' units split over slices of the block (few blocks, long rows).
                 let split = handoff.split_k(rows / 8, cols, n, 132);
                 if split.k_split > 1 {
-                    check(format!("{split:?}"), compile_variant(&split, "sm_90"));
+                    check(format!("{split:?}"), job(&split));
                 }
             }
             // MoE: the expert GEMVs (down; gate/up with a fused or a split bank) at the
@@ -3034,92 +3037,106 @@ fn every_kernel_variant_compiles_for_sm90() {
             // expert's split gate/up.
             for (ff, d, pairs) in [(512, 2048, 8), (512, 2048, 2048), (256, 256, 3)] {
                 let down = GemvQ8Variant::for_experts(dtype, d, ff, pairs, 132, 0);
-                check(format!("{down:?}"), compile_variant(&down, "sm_90"));
+                check(format!("{down:?}"), job(&down));
                 for up_split in [false, true] {
                     let gate_up = GemvQ8Variant { up_split, ..GemvQ8Variant::for_experts(dtype, ff, d, pairs, 132, 1) };
-                    check(format!("{gate_up:?}"), compile_variant(&gate_up, "sm_90"));
+                    check(format!("{gate_up:?}"), job(&gate_up));
                 }
                 let tiles = group_max_tiles(pairs, 256);
                 for (rows, cols, glu, up_split) in [(d, ff, 0, false), (ff, d, 0, false), (ff, d, 1, false), (ff, d, 1, true)] {
                     let grouped = GemvQ8Variant { up_split, ..GemvQ8Variant::for_grouped_experts(dtype, rows, cols, tiles, 132, glu) };
-                    check(format!("{grouped:?}"), compile_variant(&grouped, "sm_90"));
+                    check(format!("{grouped:?}"), job(&grouped));
                 }
             }
             for n in [1, 3, 8] {
                 let shared = GemvQ8Variant { up_split: true, ..GemvQ8Variant::for_gated(dtype, 512, 2048, n, 132, 1) };
-                check(format!("{shared:?}"), compile_variant(&shared, "sm_90"));
+                check(format!("{shared:?}"), job(&shared));
             }
             // The persistent GEMV chain (one-token decode layers).
             for max_cols in [4096, 14336] {
                 let chain = ferrite_cuda::kernels::chain::ChainVariant::new(dtype, max_cols).unwrap();
-                check(format!("{chain:?}"), compile_variant(&chain, "sm_90"));
+                check(format!("{chain:?}"), job(&chain));
             }
         }
         for out in [OutType::F32, OutType::F16, OutType::BF16] {
-            check(format!("dequant {dtype} {out:?}"), compile_variant(&DequantVariant { wtype: dtype, out }, "sm_90"));
+            check(format!("dequant {dtype} {out:?}"), job(&DequantVariant { wtype: dtype, out }));
         }
-        check(format!("embed {dtype}"), compile_variant(&EmbedVariant { wtype: dtype }, "sm_90"));
+        check(format!("embed {dtype}"), job(&EmbedVariant { wtype: dtype }));
     }
     for out in [OutType::F32, OutType::F16, OutType::BF16] {
-        check(format!("convert {out:?}"), compile_variant(&ConvertVariant { out }, "sm_90"));
-        check(format!("norm 4096 {out:?}"), compile_variant(&NormVariant { out, ..NormVariant::for_dim(4096) }, "sm_90"));
+        check(format!("convert {out:?}"), job(&ConvertVariant { out }));
+        check(format!("norm 4096 {out:?}"), job(&NormVariant { out, ..NormVariant::for_dim(4096) }));
     }
     for dim in [32, 576, 4096] {
-        check(format!("norm {dim}"), compile_variant(&NormVariant::for_dim(dim), "sm_90"));
+        check(format!("norm {dim}"), job(&NormVariant::for_dim(dim)));
         for prologue in [Prologue::Plain, Prologue::RmsNorm] {
-            check(format!("quantize {dim} {prologue:?}"), compile_variant(&QuantizeVariant::for_cols(dim, prologue), "sm_90"));
+            check(format!("quantize {dim} {prologue:?}"), job(&QuantizeVariant::for_cols(dim, prologue)));
         }
     }
     for neox in [false, true] {
-        check(format!("rope {neox}"), compile_variant(&RopeVariant { neox }, "sm_90"));
+        check(format!("rope {neox}"), job(&RopeVariant { neox }));
     }
     for kv in [KvDtype::F16, KvDtype::F32] {
         for rope in [RopeStyle::None, RopeStyle::Normal, RopeStyle::Neox] {
             let v = StoreQkvVariant { kv, head_dim: 128, rope, paged: rope == RopeStyle::Normal };
-            check(format!("{v:?}"), compile_variant(&v, "sm_90"));
+            check(format!("{v:?}"), job(&v));
         }
         for hd in [32, 64, 128, 256] {
             for split in [false, true] {
                 let v = AttentionVariant::new(hd, kv, split);
-                check(format!("{v:?}"), compile_variant(&v, "sm_90"));
+                check(format!("{v:?}"), job(&v));
             }
             let rope = [RopeStyle::None, RopeStyle::Normal, RopeStyle::Neox][hd / 64 % 3];
             for split in [false, true] {
                 for group in [1, 4] {
                     let v = AttentionVariant::storing(hd, kv, rope, split, group);
-                    check(format!("{v:?}"), compile_variant(&v, "sm_90"));
+                    check(format!("{v:?}"), job(&v));
                 }
             }
             for group in [1, 3, 4, 8] {
                 let v = AttentionVariant::paged(hd, kv, group);
-                check(format!("{v:?}"), compile_variant(&v, "sm_90"));
+                check(format!("{v:?}"), job(&v));
                 // Batched decode steps: the K/V store fused into the paged kernel.
                 let v = AttentionVariant { paged: true, ..AttentionVariant::storing(hd, kv, rope, false, group) };
-                check(format!("{v:?}"), compile_variant(&v, "sm_90"));
+                check(format!("{v:?}"), job(&v));
             }
         }
     }
     for head_dim in [32, 64, 128, 256] {
         let v = flash_attention::FlashAttentionVariant { head_dim };
-        check(format!("{v:?}"), compile_variant(&v, "sm_90"));
+        check(format!("{v:?}"), job(&v));
     }
-    check("sampling".into(), compile_variant(&SamplingVariant::DEFAULT, "sm_90"));
-    check("moe_route".into(), compile_variant(&MoeRouteVariant, "sm_90"));
-    check("moe_group".into(), compile_variant(&MoeGroupVariant, "sm_90"));
+    check("sampling".into(), job(&SamplingVariant::DEFAULT));
+    check("moe_route".into(), job(&MoeRouteVariant));
+    check("moe_group".into(), job(&MoeGroupVariant));
     for shared in [false, true] {
         for residual in [false, true] {
             let v = MoeCombineVariant { shared, residual };
-            check(format!("{v:?}"), compile_variant(&v, "sm_90"));
+            check(format!("{v:?}"), job(&v));
         }
     }
-    check("gdn_conv".into(), compile_variant(&GdnConvVariant, "sm_90"));
+    check("gdn_conv".into(), job(&GdnConvVariant));
     // Qwen3.5's heads, the tiny fixture's, the op tests' odd shapes, the largest blocks.
     for (k_dim, v_dim) in [(128, 128), (16, 12), (12, 10), (33, 7), (40, 24), (256, 64), (32, 32), (128, 256), (1024, 32)] {
         let v = GdnDeltaVariant::for_shape(k_dim, v_dim).unwrap();
-        check(format!("{v:?}"), compile_variant(&v, "sm_90"));
+        check(format!("{v:?}"), job(&v));
         let v = GdnChunkVariant::for_shape(k_dim, v_dim).unwrap();
-        check(format!("{v:?}"), compile_variant(&v, "sm_90"));
+        check(format!("{v:?}"), job(&v));
     }
+        let jobs = std::sync::Mutex::new(jobs.into_iter());
+    let compiled = std::sync::atomic::AtomicUsize::new(0);
+    let threads = std::thread::available_parallelism().map_or(2, |n| n.get());
+    std::thread::scope(|scope| {
+        for _ in 0..threads {
+            scope.spawn(|| loop {
+                let Some((name, compile)) = jobs.lock().unwrap().next() else { break };
+                let cubin = compile().unwrap_or_else(|e| panic!("{name}: {e}"));
+                assert!(cubin.len() > 100, "{name}: empty CUBIN");
+                compiled.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            });
+        }
+    });
+    let compiled = compiled.into_inner();
     println!("compiled {compiled} kernel variants for sm_90");
 }
 
