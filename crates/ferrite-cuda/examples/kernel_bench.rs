@@ -114,8 +114,9 @@ fn gemv(gpu: &Gpu) -> Result<(), CudaError> {
 fn decode(gpu: &Gpu) -> Result<(), CudaError> {
     // The 8B decode step's int8 GEMVs with their epilogues (QKV plain; output and down add the
     // residual and leave the next GEMV's int8 input with its norm; gate/up applies SwiGLU and
-    // emits), each at the dispatcher's tiling and at others. Launches rotate over copies of the
-    // weight that together exceed the 50 MB L2 three times, so every launch streams from DRAM.
+    // emits), each at the dispatcher's tiling and at others. 60 dependent launches replayed from
+    // a graph (so the host's launch rate does not floor the small ones), rotating over copies of
+    // the weight that together exceed the 50 MB L2 three times: every launch streams from DRAM.
     println!("\ndecode int8 GEMV tilings, Q4_0, 8B and 1B shapes, one token: us per launch, GB/s of weights (nwarps rows unroll k_split: registers, spilled bytes)");
     // (name, weight rows, cols, gated, residual, emits)
     let shapes = [
@@ -153,11 +154,11 @@ fn decode(gpu: &Gpu) -> Result<(), CudaError> {
                 chosen.set(Some(v));
                 v
             };
-            let mut i = 0;
-            let result = time(gpu, 60, || {
-                i += 1;
-                let emit = emits.then_some(ops::Q8Emit { dst: &mut emitted, norm: Some(ops::NormPrologue { weight: &norm, eps: 1e-5, add_one: false }) });
-                ops::linear_q8_retiled(gpu, &weights[i % copies], &q8, 1, &mut out, out_rows, 0, &epilogue, emit, Some(&retile))
+            let result = time_graph(gpu, 60, &mut || {
+                (0..60).try_for_each(|i| {
+                    let emit = emits.then_some(ops::Q8Emit { dst: &mut emitted, norm: Some(ops::NormPrologue { weight: &norm, eps: 1e-5, add_one: false }) });
+                    ops::linear_q8_retiled(gpu, &weights[i % copies], &q8, 1, &mut out, out_rows, 0, &epilogue, emit, Some(&retile))
+                })
             });
             let Some(v) = chosen.get() else { continue };
             // The launched variant: the tiling plus the epilogue's macros (bias and norm-in off).
