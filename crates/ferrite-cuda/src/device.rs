@@ -388,7 +388,7 @@ impl Gpu {
             format!("launching {}::{entry} ({variant:?}, grid {:?}, block {:?})", V::FAMILY, cfg.grid_dim, cfg.block_dim)
         };
         let cluster = variant.cluster_size();
-        allow_launch(&function, &cfg, cluster).context(what)?;
+        allow_launch(function, &cfg, cluster).context(what)?;
         if !self.dependent_launch && cluster == 1 {
             let mut builder = self.stream.launch_builder(function);
             builder.arg(params);
@@ -442,7 +442,7 @@ impl Gpu {
         let function = module.function(entry);
         let what = || format!("sizing clusters of {}::{entry} ({variant:?})", V::FAMILY);
         let cluster = variant.cluster_size();
-        allow_launch(&function, &cfg, cluster).context(what)?;
+        allow_launch(function, &cfg, cluster).context(what)?;
         let mut attribute = cluster_attribute(cluster);
         let config = self.launch_config_ex(&cfg, std::slice::from_mut(&mut attribute));
         let mut clusters = 0i32;

@@ -38,9 +38,15 @@ enum GpuWeight {
     Vector(CudaSlice<f32>),
 }
 
-/// The matrix in a weight slot, if it holds one.
-/// A decoder layer's `cluster_layer` launch: its weights, norms, shapes and cache layer.
-type LayerLaunch<'a> = (ops::ClusterLayerWeights<'a>, [&'a CudaSlice<f32>; 2], ops::ClusterLayerConfig, usize);
+/// A decoder layer's `cluster_layer` launch: its weights, norms, shapes, cache layer and values
+/// (input and output stream at 0 and 5, see `fusion::decoder_layer_at`).
+struct LayerLaunch<'a> {
+    weights: ops::ClusterLayerWeights<'a>,
+    norms: [&'a CudaSlice<f32>; 2],
+    cfg: ops::ClusterLayerConfig,
+    kv_layer: usize,
+    values: [ValueId; 6],
+}
 
 /// The arguments of decoder layer `layer` as one `cluster_layer`, or why it is not one.
 fn layer_launch<'a>(weights: &'a [Option<GpuWeight>], graph: &ferrite_model::graph::Graph, layer: DecoderLayer) -> Result<LayerLaunch<'a>, String> {
@@ -64,9 +70,10 @@ fn layer_launch<'a>(weights: &'a [Option<GpuWeight>], graph: &ferrite_model::gra
         scale: a.scale,
         kv_rows: None,
     };
-    Ok((w, [vector_of(weights, n1.weight), vector_of(weights, n2.weight)], cfg, kv_layer))
+    Ok(LayerLaunch { weights: w, norms: [vector_of(weights, n1.weight), vector_of(weights, n2.weight)], cfg, kv_layer, values })
 }
 
+/// The matrix in a weight slot, if it holds one.
 fn as_matrix(w: &Option<GpuWeight>) -> Option<&DeviceWeight> {
     match w {
         Some(GpuWeight::Matrix(m)) => Some(m),
@@ -861,8 +868,8 @@ impl CudaExecutor {
 
     /// The cluster size decoder layer `layer` runs in as one launch, or why it cannot.
     fn layer_plan(&self, layer: DecoderLayer) -> Result<usize, String> {
-        let (w, _, cfg, kv_layer) = layer_launch(&self.weights, &self.model.graph, layer)?;
-        ops::cluster_layer_plan(&self.gpu, &w, &cfg, self.buf.kv[kv_layer].dtype).map(|v| v.cluster as usize)
+        let l = layer_launch(&self.weights, &self.model.graph, layer)?;
+        ops::cluster_layer_plan(&self.gpu, &l.weights, &l.cfg, self.buf.kv[l.kv_layer].dtype).map(|v| v.cluster as usize)
     }
 
     /// Enqueue the decoder layer starting at op `first` (planned by `plan_chains`) as one
@@ -870,13 +877,12 @@ impl CudaExecutor {
     /// are not written (nothing else reads them).
     fn run_layer(&mut self, first: usize) -> anyhow::Result<()> {
         let Self { gpu, weights, model, plan, buf, .. } = self;
-        let graph = &model.graph;
-        let values = ferrite_model::fusion::decoder_layer_at(graph, first).ok_or_else(|| anyhow!("op {first} starts no decoder layer"))?;
-        let view = |v: ValueId| ops::DeviceView::of(gpu, buf.slots[plan.slot(v)].as_ref().expect("slot in use"));
-        let (x, out) = (view(values[0]), view(values[5]));
         let cluster = buf.layer_cluster[first].ok_or_else(|| anyhow!("op {first}: no cluster planned"))?;
-        let (w, [attn_norm, ffn_norm], cfg, kv_layer) = layer_launch(weights, graph, DecoderLayer { first }).map_err(|why| anyhow!(why))?;
-        ops::cluster_layer(gpu, &w, attn_norm, ffn_norm, &cfg, &mut buf.kv[kv_layer], &buf.positions, cluster, x, out)?;
+        let l = layer_launch(weights, &model.graph, DecoderLayer { first }).map_err(|why| anyhow!(why))?;
+        let view = |v: ValueId| ops::DeviceView::of(gpu, buf.slots[plan.slot(v)].as_ref().expect("slot in use"));
+        let (x, out) = (view(l.values[0]), view(l.values[5]));
+        let [attn_norm, ffn_norm] = l.norms;
+        ops::cluster_layer(gpu, &l.weights, attn_norm, ffn_norm, &l.cfg, &mut buf.kv[l.kv_layer], &buf.positions, cluster, x, out)?;
         Ok(())
     }
 

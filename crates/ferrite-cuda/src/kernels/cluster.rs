@@ -515,8 +515,19 @@ pub struct LayerDims {
     pub ff: usize,
 }
 
-impl ClusterLayerVariant {
+impl LayerDims {
+    /// Query width for heads of `head_dim`.
+    pub fn q_dim(&self, head_dim: usize) -> usize {
+        self.n_heads * head_dim
+    }
 
+    /// Rows of the fused QKV projection (`q | k | v`) for heads of `head_dim`.
+    pub fn qkv_rows(&self, head_dim: usize) -> usize {
+        self.q_dim(head_dim) + 2 * self.n_kv_heads * head_dim
+    }
+}
+
+impl ClusterLayerVariant {
     /// Bytes of plane 0 and plane 1 per 32-weight unit (the repacked planes, `weight.rs`).
     pub(crate) fn plane_bytes(wtype: GgmlType) -> Option<(usize, usize)> {
         match (wtype, crate::weight::planes(wtype)?) {
@@ -531,8 +542,7 @@ impl ClusterLayerVariant {
         let (b0, b1) = Self::plane_bytes(self.wtype).unwrap_or((0, 0));
         let hd = self.head_dim as usize;
         let c = self.cluster as usize;
-        let q_dim = d.n_heads * hd;
-        let qkv = q_dim + 2 * d.n_kv_heads * hd;
+        let (q_dim, qkv) = (d.q_dim(hd), d.qkv_rows(hd));
         [(qkv, d.dim), (d.dim, q_dim), (d.ff, d.dim), (d.ff, d.dim), (d.dim, d.ff)]
             .iter()
             .map(|&(rows, cols)| {
@@ -556,8 +566,7 @@ impl ClusterLayerVariant {
     /// [`Self::smem_bytes`] without staged K/V rows.
     pub fn base_smem_bytes(&self, d: &LayerDims) -> usize {
         let hd = self.head_dim as usize;
-        let q_dim = d.n_heads * hd;
-        let qkv = q_dim + 2 * d.n_kv_heads * hd;
+        let (q_dim, qkv) = (d.q_dim(hd), d.qkv_rows(hd));
         let warps = (self.threads / 32) as usize;
         let floats = 2 * d.dim + qkv + q_dim + d.ff + 32 + warps * (hd + 2) + 3 * hd;
         let max_in = d.dim.max(q_dim).max(d.ff);

@@ -136,9 +136,10 @@ pub(crate) mod tests {
     /// may issue early).
     #[test]
     fn every_kernel_waits_for_the_previous_one() {
-        let families: [(&str, &[&str]); 22] = [
+        let families: [(&str, &[&str]); 23] = [
             (chain::ChainVariant::FAMILY, chain::ChainVariant::SOURCES),
             (cluster::ClusterPhasesVariant::FAMILY, cluster::ClusterPhasesVariant::SOURCES),
+            (cluster::ClusterLayerVariant::FAMILY, cluster::ClusterLayerVariant::SOURCES),
             (activation::ActivationVariant::FAMILY, activation::ActivationVariant::SOURCES),
             (attention::AttentionVariant::FAMILY, attention::AttentionVariant::SOURCES),
             (attention::StoreQkvVariant::FAMILY, attention::StoreQkvVariant::SOURCES),

@@ -13,6 +13,18 @@ use cudarc::driver::{DevicePtr, DevicePtrMut};
 /// Most blocks per cluster on the H100/H200 (8 portable, 16 with the non-portable opt-in).
 pub const MAX_CLUSTER: usize = 16;
 
+/// Whether `gpu` runs clusters of `cluster` blocks (sm_90, 1-[`MAX_CLUSTER`] blocks).
+fn check_cluster(gpu: &Gpu, cluster: usize) -> Result<(), String> {
+    let (major, minor) = gpu.compute_capability();
+    if major < 9 {
+        return Err(format!("thread-block clusters need sm_90, the device is sm_{major}{minor}"));
+    }
+    if !(1..=MAX_CLUSTER).contains(&cluster) {
+        return Err(format!("clusters of {cluster} blocks: need 1-{MAX_CLUSTER} blocks"));
+    }
+    Ok(())
+}
+
 /// `clusters` clusters of `cluster` blocks run `phases` phases; in each, every block streams
 /// `bytes_per_block` of `data` (a fresh slice each phase), hands `values` floats to every block
 /// of its cluster through distributed shared memory and meets them at the cluster barrier.
@@ -29,11 +41,9 @@ pub fn cluster_phases(
     out: &mut impl DevicePtrMut<f32>,
 ) -> Result<(), CudaError> {
     const OP: &str = "cluster_phases";
-    if gpu.compute_capability().0 < 9 {
-        return Err(CudaError::invalid(OP, format!("thread-block clusters need sm_90, the device is sm_{}{}", gpu.compute_capability().0, gpu.compute_capability().1)));
-    }
-    if !(1..=MAX_CLUSTER).contains(&cluster) || clusters == 0 {
-        return Err(CudaError::invalid(OP, format!("{clusters} clusters of {cluster} blocks: need 1-{MAX_CLUSTER} blocks and at least one cluster")));
+    check_cluster(gpu, cluster).map_err(|why| CudaError::invalid(OP, why))?;
+    if clusters == 0 {
+        return Err(CudaError::invalid(OP, "no clusters to launch"));
     }
     if !(1..=ClusterPhasesVariant::THREADS as usize).contains(&values) {
         return Err(CudaError::invalid(OP, format!("{values} values per block: need 1-{}", ClusterPhasesVariant::THREADS)));
@@ -84,12 +94,7 @@ pub struct ClusterLayerConfig {
 /// The `cluster_layer` variant for a layer of `w` with `cfg` on `gpu` in clusters of `cluster`
 /// blocks, or why the kernel cannot run it.
 pub fn cluster_layer_variant(gpu: &Gpu, w: &ClusterLayerWeights, cfg: &ClusterLayerConfig, kv: KvDtype, cluster: usize) -> Result<ClusterLayerVariant, String> {
-    if gpu.compute_capability().0 < 9 {
-        return Err(format!("thread-block clusters need sm_90, the device is sm_{}{}", gpu.compute_capability().0, gpu.compute_capability().1));
-    }
-    if !(1..=MAX_CLUSTER).contains(&cluster) {
-        return Err(format!("clusters of {cluster} blocks: 1-{MAX_CLUSTER} only"));
-    }
+    check_cluster(gpu, cluster)?;
     let wtype = w.qkv.dtype;
     if !ClusterLayerVariant::supports(wtype) || [w.o, w.gate.0, w.up.0, w.down].iter().any(|m| m.dtype != wtype) {
         return Err(format!("weights {} / {} / {} / {} / {}: one of Q4_0, Q4_1, Q8_0 for all", wtype, w.o.dtype, w.gate.0.dtype, w.up.0.dtype, w.down.dtype));
@@ -99,12 +104,12 @@ pub fn cluster_layer_variant(gpu: &Gpu, w: &ClusterLayerWeights, cfg: &ClusterLa
     if !matches!(hd, 32 | 64 | 128 | 256) || n_kv_heads == 0 || !n_heads.is_multiple_of(n_kv_heads) {
         return Err(format!("head size {hd}, {n_heads} query heads over {n_kv_heads} KV heads"));
     }
-    let q_dim = n_heads * hd;
+    let q_dim = cfg.dims.q_dim(hd);
     if [dim, q_dim, ff].iter().any(|n| *n == 0 || !n.is_multiple_of(32)) {
         return Err(format!("width {dim}, query width {q_dim}, MLP width {ff}: whole 32-value blocks only"));
     }
     let shape = |m: &DeviceWeight, first: usize, rows: usize, cols: usize| m.cols == cols && m.rows >= first + rows;
-    if !shape(w.qkv, 0, q_dim + 2 * n_kv_heads * hd, dim) || !shape(w.o, 0, dim, q_dim) || !shape(w.gate.0, w.gate.1, ff, dim) || !shape(w.up.0, w.up.1, ff, dim) || !shape(w.down, 0, dim, ff) {
+    if !shape(w.qkv, 0, cfg.dims.qkv_rows(hd), dim) || !shape(w.o, 0, dim, q_dim) || !shape(w.gate.0, w.gate.1, ff, dim) || !shape(w.up.0, w.up.1, ff, dim) || !shape(w.down, 0, dim, ff) {
         return Err(format!("weight shapes do not make a layer of width {dim}, {n_heads}/{n_kv_heads} heads of {hd}, MLP width {ff}"));
     }
     if let Some(r) = &cfg.rope {
