@@ -179,9 +179,6 @@ switches! {
     /// Declared decoder layers run as one thread-block-cluster launch (CUDA, experimental).
     CUDA_CLUSTER_LAYER = ("FERRITE_CUDA_CLUSTER_LAYER", "0", AbTest,
         "1 runs each decoder layer declared at load as one launch of a thread-block cluster (kernels/cluster.rs: weights staged in shared memory, activations handed over through distributed shared memory) in one-token CUDA steps, instead of its five ops' launches; a note at load names layers it cannot run. Off by default: measured 2.3x slower than the separate launches on the H200 (docs/perf.md, stop 31).");
-    /// The attention half of declared decoder layers in one launch (CUDA).
-    CUDA_ATTENTION_BLOCK = ("FERRITE_CUDA_ATTENTION_BLOCK", "0", AbTest,
-        "1 runs the QKV projection, attention and output projection of each decoder layer declared at load as one launch (kernels/attention_block.rs: a block per query head, its weights and cached rows staged in shared memory, the heads' output-projection shares summed by the last block) in one-token CUDA steps whose context fits the staged rows; longer contexts take the separate kernels (a captured graph of their own). A note at load names layers it cannot run.");
     /// Threads per block of the cluster decoder layer (CUDA).
     CUDA_CLUSTER_LAYER_THREADS = ("FERRITE_CUDA_CLUSTER_LAYER_THREADS", "256", AbTest,
         "256 or 512: threads per block of the cluster decoder layer (FERRITE_CUDA_CLUSTER_LAYER): more warps share each phase's rows and the attention's keys, at half the registers per thread.");

@@ -73,13 +73,6 @@ fn layer_launch<'a>(weights: &'a [Option<GpuWeight>], graph: &ferrite_model::gra
     Ok(LayerLaunch { weights: w, norms: [vector_of(weights, n1.weight), vector_of(weights, n2.weight)], cfg, kv_layer, values })
 }
 
-/// The attention half of a declared layer as `attention_block` takes it.
-fn attention_block_config(l: &LayerLaunch) -> Result<ops::AttentionBlockConfig, String> {
-    let rope = l.cfg.rope.ok_or("attention without RoPE")?;
-    let d = l.cfg.dims;
-    Ok(ops::AttentionBlockConfig { dim: d.dim, n_heads: d.n_heads, n_kv_heads: d.n_kv_heads, head_dim: l.cfg.head_dim, rope, scale: l.cfg.scale })
-}
-
 /// The matrix in a weight slot, if it holds one.
 fn as_matrix(w: &Option<GpuWeight>) -> Option<&DeviceWeight> {
     match w {
@@ -181,16 +174,6 @@ struct Buffers {
     /// Per op: the cluster size of the declared decoder layer starting there, planned at load
     /// when `FERRITE_CUDA_CLUSTER_LAYER=1` (`None`: it runs as its five ops).
     layer_cluster: Vec<Option<usize>>,
-    /// Per op: the plan of the declared decoder layer starting there when its attention half
-    /// runs as one `attention_block` launch (`FERRITE_CUDA_ATTENTION_BLOCK=1`, planned at load).
-    attention_blocks: Vec<Option<ops::AttentionBlockPlan>>,
-    block_scratch: Option<ops::AttentionBlockScratch>,
-    /// Most keys (positions + 1) of a one-token step whose layers run `attention_blocks`: every
-    /// cached row then sits in shared memory (0: none).
-    block_keys: usize,
-    /// Whether this step's planned layers run their attention half as one launch
-    /// (`launch_step`: a one-token step within `block_keys`).
-    decode_block: bool,
     kv: PerLayer<KvCache>,
     gdn: PerLayer<GdnState>,
     /// Working memory of the MoE FFN ops, one per distinct shape.
@@ -339,10 +322,6 @@ impl Buffers {
             chains_on: env::CUDA_LINEAR_CHAIN.flag(),
             layers_now: false,
             layer_cluster: vec![None; graph.ops.len()],
-            attention_blocks: vec![None; graph.ops.len()],
-            block_scratch: None,
-            block_keys: 0,
-            decode_block: false,
             ids: gpu.alloc_zeros(rows)?,
             positions: gpu.alloc_zeros(rows)?,
             token: gpu.alloc_zeros(1)?,
@@ -371,7 +350,7 @@ pub struct CudaExecutor {
     /// attention layout (`DecodeLayouts`: short and long contexts). Every per-token input (token
     /// id, position, hence KV length) is read from device buffers at fixed addresses, so the same
     /// graph serves every position of its layout without re-capture.
-    decode_graphs: [DecodeGraph; 3],
+    decode_graphs: [DecodeGraph; 2],
     /// Batched serving (`init_paged`): the paged cache and its buffers.
     paged: Option<PagedState>,
     /// Token ids, positions and block tables go to the device through this ring.
@@ -589,9 +568,6 @@ impl CudaExecutor {
                 eprintln!("note: decode layers run as separate launches, not one cluster launch each: {}", reasons.join("; "));
             }
         }
-        if env::CUDA_ATTENTION_BLOCK.flag() {
-            executor.plan_attention_blocks()?;
-        }
         Ok(executor)
     }
 
@@ -599,13 +575,6 @@ impl CudaExecutor {
     /// declares; none unless `FERRITE_CUDA_CLUSTER_LAYER=1`).
     pub fn layers_run(&self) -> usize {
         self.buf.layer_cluster.iter().flatten().count()
-    }
-
-    /// Decoder layers whose attention half one-token steps run as one `attention_block` launch
-    /// (of those the graph declares; none unless `FERRITE_CUDA_ATTENTION_BLOCK=1`), and the most
-    /// keys such a step may have.
-    pub fn attention_blocks_run(&self) -> (usize, usize) {
-        (self.buf.attention_blocks.iter().flatten().count(), self.buf.block_keys)
     }
 
     /// Linear chains that one-token steps run as one launch (of those the graph declares; none
@@ -650,10 +619,9 @@ impl CudaExecutor {
     /// (captured at the second step of that layout).
     fn launch_step(&mut self, n: usize, start_pos: usize) -> anyhow::Result<()> {
         self.last_rows = n;
-        self.buf.decode_block = n == 1 && start_pos < self.buf.block_keys;
         if n == 1 {
             self.buf.decode_long = self.buf.decode.is_long(start_pos + 1);
-            let layout = if self.buf.decode_block { 2 } else { usize::from(self.buf.decode_long) };
+            let layout = usize::from(self.buf.decode_long);
             let generation = self.gpu.scratch_generation();
             match &self.decode_graphs[layout] {
                 DecodeGraph::Ready(step) if step.scratch_generation == generation => {
@@ -815,14 +783,6 @@ impl CudaExecutor {
                 }
                 continue;
             }
-            if self.blocks_now() && self.buf.attention_blocks[i].is_some() {
-                self.run_attention_block(i).with_context(|| format!("attention block of ops {i}..{}", i + 3))?;
-                chained_until = i + 3;
-                if let Some(start) = start {
-                    events.push(("attention_block".to_string(), start, stream.record_event(timing).map_err(CudaError::from)?));
-                }
-                continue;
-            }
             if let Some(chain) = self.buf.chain_at[i] {
                 self.run_chain(chain).with_context(|| format!("linear chain of ops {:?}", chain.ops()))?;
                 chained_until = chain.first + chain.len;
@@ -879,10 +839,8 @@ impl CudaExecutor {
         if !self.buf.chains_on {
             return;
         }
-        let in_block = |buf: &Buffers, i: usize| (i.saturating_sub(2)..=i).any(|f| buf.attention_blocks[f].is_some());
-        let blocks_now = self.blocks_now();
         for chain in self.model.graph.chains.clone() {
-            if chain.ops().any(|i| self.buf.in_chain[i] || (blocks_now && in_block(&self.buf, i))) {
+            if chain.ops().any(|i| self.buf.in_chain[i]) {
                 continue;
             }
             if self.chain_refusal(chain).is_none() {
@@ -925,89 +883,6 @@ impl CudaExecutor {
         let (x, out) = (view(l.values[0]), view(l.values[5]));
         let [attn_norm, ffn_norm] = l.norms;
         ops::cluster_layer(gpu, &l.weights, attn_norm, ffn_norm, &l.cfg, &mut buf.kv[l.kv_layer], &buf.positions, cluster, x, out)?;
-        Ok(())
-    }
-
-    /// Whether the planned attention blocks run in the forward being enqueued: one-token steps
-    /// within `block_keys`, outside batched serving, untraced (a traced forward reads every
-    /// value; the block writes only the stream after attention).
-    fn blocks_now(&self) -> bool {
-        self.buf.decode_block && self.buf.layers_now
-    }
-
-    /// Plans the attention half of every declared decoder layer (not already a cluster layer)
-    /// as one `attention_block` launch, and says at load why a layer cannot run so.
-    fn plan_attention_blocks(&mut self) -> anyhow::Result<()> {
-        let mut reasons = Vec::new();
-        let mut widest = (0, 0);
-        for layer in self.model.graph.layers.clone() {
-            if self.buf.layer_cluster[layer.first].is_some() {
-                continue;
-            }
-            let planned = layer_launch(&self.weights, &self.model.graph, layer).and_then(|l| {
-                let cfg = attention_block_config(&l)?;
-                let cache = &self.buf.kv[l.kv_layer];
-                ops::attention_block_plan(&self.gpu, &ops::AttentionBlockWeights { qkv: l.weights.qkv, o: l.weights.o }, &cfg, cache.dtype, cache.max_seq).map(|plan| (plan, cfg))
-            });
-            match planned {
-                Ok((plan, cfg)) => {
-                    self.buf.attention_blocks[layer.first] = Some(plan);
-                    widest = (widest.0.max(cfg.n_heads), widest.1.max(cfg.dim));
-                }
-                Err(why) => reasons.push(why),
-            }
-        }
-        if self.model.graph.layers.is_empty() {
-            reasons.push("the graph declares no decoder layers (not a Llama-family layer, or the fusions are off)".into());
-        }
-        reasons.dedup();
-        if !reasons.is_empty() {
-            eprintln!("note: decode layers run their attention as separate launches, not one attention block each: {}", reasons.join("; "));
-        }
-        let planned = self.buf.attention_blocks.iter().flatten();
-        // Positions every planned layer holds in shared memory (all layers share the cache size).
-        self.buf.block_keys = planned.clone().map(|p| p.kv_rows + 1).min().unwrap_or(0);
-        if self.buf.block_keys > 0 {
-            self.buf.block_scratch = Some(ops::AttentionBlockScratch::new(&self.gpu, widest.0, widest.1)?);
-        }
-        Ok(())
-    }
-
-    /// Enqueue the QKV projection, attention and output projection of the decoder layer
-    /// starting at op `first` as one `attention_block` launch: it reads the QKV projection's
-    /// int8 input (its producer's hand-off, or quantized here) and writes the stream after
-    /// attention and the output projection's hand-off to the gate/up projection.
-    fn run_attention_block(&mut self, first: usize) -> anyhow::Result<()> {
-        let Self { gpu, weights, model, plan, buf, .. } = self;
-        let graph = &model.graph;
-        let block = buf.attention_blocks[first].ok_or_else(|| anyhow!("op {first}: no attention block planned"))?;
-        let l = layer_launch(weights, graph, DecoderLayer { first }).map_err(|why| anyhow!(why))?;
-        let cfg = attention_block_config(&l).map_err(|why| anyhow!(why))?;
-        let view = |v: ValueId| ops::DeviceView::of(gpu, buf.slots[plan.slot(v)].as_ref().expect("slot in use"));
-        let (x, mid) = (view(l.values[0]), view(l.values[3]));
-        let dim = cfg.dim;
-        let input = match buf.handoff_in[first] {
-            Some(h) => buf.q8_handoff[h % 2].view(gpu, "attention_block", 1, dim)?,
-            None => {
-                let x_in = buf.slots[plan.slot(l.values[0])].as_ref().expect("slot in use");
-                let norm = ops::NormPrologue { weight: l.norms[0], eps: l.cfg.eps, add_one: false };
-                ops::quantize_q8(gpu, x_in, 1, dim, Some(norm), &mut buf.q8)?;
-                buf.q8.view(gpu, "attention_block", 1, dim)?
-            }
-        };
-        // The output projection's hand-off to the gate/up projection, with its norm.
-        let o = first + 2;
-        let consumer_norm = graph.handoffs.iter().find(|h| h.producer == o).and_then(|h| match graph.ops[h.consumer] {
-            Op::Linear { norm, .. } | Op::GatedLinear { norm, .. } => norm,
-            _ => None,
-        });
-        let emit = buf.handoff_out[o].map(|h| ops::Q8Emit {
-            dst: &mut buf.q8_handoff[h % 2],
-            norm: consumer_norm.map(|nm| ops::NormPrologue { weight: vector_of(weights, nm.weight), eps: nm.eps, add_one: false }),
-        });
-        let scratch = buf.block_scratch.as_mut().ok_or_else(|| anyhow!("no attention block scratch"))?;
-        let w = ops::AttentionBlockWeights { qkv: l.weights.qkv, o: l.weights.o };
-        ops::attention_block(gpu, &w, input, &cfg, &block, &mut buf.kv[l.kv_layer], &buf.positions, scratch, x, mid, emit)?;
         Ok(())
     }
 

@@ -2978,10 +2978,6 @@ fn every_kernel_variant_compiles_for_sm90() {
             check(format!("{v:?}"), job(&v));
         }
     }
-    for (wtype, head_dim, neox, kv) in [(GgmlType::Q4_0, 64, false, KvDtype::F16), (GgmlType::Q4_1, 128, true, KvDtype::F32), (GgmlType::Q8_0, 256, false, KvDtype::F16)] {
-        let v = ferrite_cuda::kernels::attention_block::AttentionBlockVariant { wtype, head_dim, neox, kv };
-        check(format!("{v:?}"), job(&v));
-    }
     for dtype in ALL_TYPES {
         for n in [1, 2, 3, 8] {
             let v = GemvVariant::for_shape(dtype, n);
@@ -3303,128 +3299,6 @@ fn cluster_layer_matches_the_layer_on_the_host() {
         assert!(err.contains("beyond the KV cache"), "{err}");
     }
     std::env::remove_var("FERRITE_CUDA_CLUSTER_LAYER_THREADS");
-}
-
-/// `attention_block` (QKV projection, RoPE + K/V store, attention, output projection + residual
-/// and the int8 hand-off in one launch) against the separate kernels it replaces
-/// (`linear_q8`, `store_and_attend`, `linear_q8` with the residual and a normed hand-off) on the
-/// same inputs and caches: the stored K/V row, the stream after attention (its error's RMS
-/// within 1% of the attention's contribution, no element off by 10% of it: the kernels round
-/// the attention output to int8 in their own summation orders), and what a linear reading the
-/// hand-off computes. Input codes quantized with the norm applied, or a producer's hand-off with
-/// the norm pending; in place and apart; cached rows staged or read from the cache; the same
-/// bits twice; a position past the cache leaves NaN and an error.
-#[test]
-fn attention_block_matches_the_separate_kernels() {
-    let Some(gpu) = gpu() else { return };
-    let mut rng = Rng(53);
-    // (type, width, query heads, KV heads, head size, NeoX, KV type, input hand-off, in place,
-    // staged rows)
-    let cases = [
-        (GgmlType::Q4_1, 576, 9, 3, 64, false, KvDtype::F16, true, false, None),
-        (GgmlType::Q4_1, 576, 9, 3, 64, false, KvDtype::F16, false, true, Some(3)),
-        (GgmlType::Q4_0, 256, 4, 2, 64, true, KvDtype::F32, true, true, None),
-        (GgmlType::Q8_0, 256, 2, 1, 128, false, KvDtype::F16, false, false, None),
-    ];
-    for (dtype, dim, n_heads, n_kv, hd, neox, kv_dtype, handoff, in_place, kv_rows) in cases {
-        let name = format!("{dtype} d{dim} h{n_heads}/{n_kv}x{hd} {} {kv_dtype:?}{}{}", if neox { "neox" } else { "norm" }, if handoff { " hand-off" } else { "" }, if in_place { " in place" } else { "" });
-        let (q_dim, kv_dim) = (n_heads * hd, n_kv * hd);
-        let weight = |rng: &mut Rng, rows, cols| {
-            let (bytes, _) = random_weight(rng, dtype, rows, cols);
-            gpu.upload_weight(dtype, rows, cols, &bytes).unwrap()
-        };
-        let (wqkv, wo, wprev, wnext) = (weight(&mut rng, q_dim + 2 * kv_dim, dim), weight(&mut rng, dim, q_dim), weight(&mut rng, dim, dim), weight(&mut rng, 96, dim));
-        // Small norm weights keep attention scores of a few units (see the cluster layer's test).
-        let (g1, g2) = (upload(gpu, &rng.vec(dim, 0.05, 0.15)), upload(gpu, &rng.vec(dim, 0.5, 1.5)));
-        let norm_of = |w| Some(ops::NormPrologue { weight: w, eps: 1e-5, add_one: false });
-        let rope = RopeConfig { n_heads, head_dim: hd, rot_dim: hd, theta: 10_000.0, freq_scale: 1.0, neox };
-        let cfg = ops::AttentionBlockConfig { dim, n_heads, n_kv_heads: n_kv, head_dim: hd, rope, scale: 1.0 / (hd as f32).sqrt() };
-        let attn_cfg = AttentionConfig { n_heads, scale: cfg.scale, window: None, softcap: None };
-        let w = ops::AttentionBlockWeights { qkv: &wqkv, o: &wo };
-        // Two caches holding the same 5 rows: one for each path.
-        let max_seq = 64;
-        let (k0, v0, q0) = (rng.vec(5 * kv_dim, -1.0, 1.0), rng.vec(5 * kv_dim, -1.0, 1.0), rng.vec(5 * q_dim, -1.0, 1.0));
-        let pos0 = upload(gpu, &(0..5).collect::<Vec<u32>>());
-        let mut caches = [0, 1].map(|_| {
-            let mut c = KvCache::new(gpu, kv_dtype, max_seq, n_kv, hd).unwrap();
-            store(gpu, &mut c, &q0, &k0, &v0, n_heads, &pos0, 5);
-            c
-        });
-        let mut plan = ops::attention_block_plan(gpu, &w, &cfg, kv_dtype, max_seq).unwrap();
-        if let Some(rows) = kv_rows {
-            plan.kv_rows = rows;
-        }
-        let mut scratch = ops::AttentionBlockScratch::new(gpu, n_heads, dim).unwrap();
-        for pos in [5usize, 6] {
-            let positions = upload(gpu, &[pos as u32]);
-            // The layer's input stream and its int8 codes: quantized with the norm, or a
-            // producer's hand-off with the norm pending.
-            let mut q_in = ops::Q8Activations::new(gpu, dim).unwrap();
-            let x = if handoff {
-                let mut q_z = ops::Q8Activations::new(gpu, dim).unwrap();
-                ops::quantize_q8(gpu, &upload(gpu, &rng.vec(dim, -1.0, 1.0)), 1, dim, None, &mut q_z).unwrap();
-                let mut x = poisoned(gpu, dim);
-                ops::linear_q8(gpu, &wprev, &q_z, 1, &mut x, dim, 0, &ops::Epilogue::default(), Some(ops::Q8Emit { dst: &mut q_in, norm: norm_of(&g1) })).unwrap();
-                download(gpu, &x)
-            } else {
-                let x = rng.vec(dim, -1.0, 1.0);
-                ops::quantize_q8(gpu, &upload(gpu, &x), 1, dim, norm_of(&g1), &mut q_in).unwrap();
-                x
-            };
-            // The separate kernels.
-            let mut qkv = poisoned(gpu, q_dim + 2 * kv_dim);
-            ops::linear_q8(gpu, &wqkv, &q_in, 1, &mut qkv, q_dim + 2 * kv_dim, 0, &ops::Epilogue::default(), None).unwrap();
-            let (mut att, mut q_att, mut q_ref) = (poisoned(gpu, q_dim), ops::Q8Activations::new(gpu, q_dim).unwrap(), ops::Q8Activations::new(gpu, dim).unwrap());
-            ops::store_and_attend(gpu, &mut caches[0], &qkv, &positions, &attn_cfg, Some(&rope), None, 1, &mut att, Some(ops::AttentionEmit::Q8(&mut q_att))).unwrap();
-            let (x_dev, mut mid_ref) = (upload(gpu, &x), poisoned(gpu, dim));
-            let with_res = ops::Epilogue { residual: Some(&x_dev), ..Default::default() };
-            ops::linear_q8(gpu, &wo, &q_att, 1, &mut mid_ref, dim, 0, &with_res, Some(ops::Q8Emit { dst: &mut q_ref, norm: norm_of(&g2) })).unwrap();
-            let mid_ref = download(gpu, &mid_ref);
-            // The block, twice: the same bits.
-            let mut outs = Vec::new();
-            let mut q_out = ops::Q8Activations::new(gpu, dim).unwrap();
-            for _ in 0..2 {
-                let (res, out) = (upload(gpu, &x), poisoned(gpu, dim));
-                let rv = ops::DeviceView::of(gpu, &res);
-                let ov = if in_place { rv } else { ops::DeviceView::of(gpu, &out) };
-                let input = q_in.view(gpu, "test", 1, dim).unwrap();
-                ops::attention_block(gpu, &w, input, &cfg, &plan, &mut caches[1], &positions, &mut scratch, rv, ov, Some(ops::Q8Emit { dst: &mut q_out, norm: norm_of(&g2) })).unwrap();
-                outs.push(download(gpu, if in_place { &res } else { &out }));
-            }
-            assert_eq!(outs[0], outs[1], "{name} pos {pos}: two runs differ");
-            let rms = |a: &[f32], b: &[f32]| (a.iter().zip(b).map(|(p, q)| ((p - q) as f64).powi(2)).sum::<f64>() / a.len() as f64).sqrt();
-            let within = |what: &str, got: &[f32], want: &[f32], scale: f64| {
-                let err = rms(got, want);
-                assert!(err <= 0.01 * scale, "{name} pos {pos} {what}: error RMS {err:.3e} over 1% of {scale:.3e}");
-                check("attn_block", &format!("{name} pos {pos}{what}"), got, want, |_| 0.1 * scale);
-            };
-            within("", &outs[0], &mid_ref, rms(&mid_ref, &x));
-            let (ka, va) = caches[0].download(gpu).unwrap();
-            let (kb, vb) = caches[1].download(gpu).unwrap();
-            let row = pos * kv_dim..(pos + 1) * kv_dim;
-            let zeros = vec![0f32; kv_dim];
-            within(" K row", &kb[row.clone()], &ka[row.clone()], rms(&ka[row.clone()], &zeros));
-            within(" V row", &vb[row.clone()], &va[row.clone()], rms(&va[row.clone()], &zeros));
-            // A linear reading each hand-off (the norm finished there).
-            let consume = |q: &ops::Q8Activations| {
-                let mut y = poisoned(gpu, 96);
-                ops::linear_q8(gpu, &wnext, q, 1, &mut y, 96, 0, &ops::Epilogue::default(), None).unwrap();
-                download(gpu, &y)
-            };
-            let (y, y_ref) = (consume(&q_out), consume(&q_ref));
-            within(" hand-off", &y, &y_ref, rms(&y_ref, &vec![0f32; 96]));
-        }
-        // A position past the cache: NaN in the stream, the error reported.
-        let out = upload(gpu, &vec![1f32; dim]);
-        let ov = ops::DeviceView::of(gpu, &out);
-        let mut q_in = ops::Q8Activations::new(gpu, dim).unwrap();
-        ops::quantize_q8(gpu, &out, 1, dim, None, &mut q_in).unwrap();
-        let input = q_in.view(gpu, "test", 1, dim).unwrap();
-        ops::attention_block(gpu, &w, input, &cfg, &plan, &mut caches[1], &upload(gpu, &[max_seq as u32]), &mut scratch, ov, ov, None).unwrap();
-        assert!(download(gpu, &out).iter().all(|v| v.is_nan()), "{name}: position past the cache");
-        let err = gpu.check_device().unwrap_err().to_string();
-        assert!(err.contains("beyond the KV cache"), "{err}");
-    }
 }
 
 /// `FERRITE_CUDA_TIMELINE`: each launch of a kernel compiled with the timeline notes its start,

@@ -145,10 +145,8 @@ device_params! {
     }
 }
 
-/// The pieces of a decode kernel that holds its weights in shared memory, shared by
-/// `cluster_layer` and `attention_block`: staging packed weight rows with `cp.async` (before
-/// the wait for the previous kernel), GEMV rows out of shared memory, RoPE of one head.
-pub(crate) const LAYER_COMMON: &str = r#"
+/// `cluster_layer`: a whole decoder layer of a one-token decode step in one cluster.
+const LAYER_SOURCE: &str = r#"
 #ifndef NTHREADS
 #error "NTHREADS (threads per block) must come from the kernel variant"
 #endif
@@ -168,33 +166,34 @@ pub(crate) const LAYER_COMMON: &str = r#"
 #define PLANE0 32
 #define PLANE1 2
 #else
-#error "kernels with weights in shared memory run Q4_0, Q4_1 and Q8_0"
+#error "cluster_layer runs Q4_0, Q4_1 and Q8_0 weights"
 #endif
 #define NWARPS (NTHREADS / 32)
 #define HD_LANE (HEAD_DIM / 32)
+#define KEY_RUN 8
 #define ROW_RUN 4
 
+// Rows [r0, r0 + n) of a matrix of `rows`: block `rank`'s share.
+__device__ __forceinline__ u32 share_of(u32 rows) { return (rows + CLUSTER - 1) / CLUSTER; }
+__device__ __forceinline__ u32 share_start(u32 rows, u32 rank) { return min(rows, rank * share_of(rows)); }
+__device__ __forceinline__ u32 share_len(u32 rows, u32 rank) { return min(rows, (rank + 1) * share_of(rows)) - share_start(rows, rank); }
 __device__ __forceinline__ u32 round16(u32 n) { return (n + 15u) & ~15u; }
 
 // A block's rows of one matrix, both planes, in shared memory.
 struct Rows { const u8* p0; const u8* p1; u32 r0, n, units; };
 
-// Issues the asynchronous copy of `n` rows of `row_bytes` bytes, `stride` bytes apart in global
-// `src`, to shared `dst` (16-byte aligned), `dst_stride` bytes apart: 16 bytes at a time where
-// the addresses allow, else 4, else 1 (plain).
-__device__ __forceinline__ void copy_rows_async(u8* dst, u32 dst_stride, const u8* src, u32 row_bytes, u32 stride, u32 n) {
+// Issues the asynchronous copy of `bytes` from global `src` to shared `dst` (16-byte aligned),
+// 16 bytes at a time where `src` allows, else 4, else 1 (plain).
+__device__ __forceinline__ void copy_async(u8* dst, const u8* src, u32 bytes) {
   const u32 d = (u32)__cvta_generic_to_shared(dst);
-  const u64 bits = (u64)src | stride | row_bytes | dst_stride;
-  if ((bits & 15) == 0) {
-    const u32 per = row_bytes / 16;
-    for (u32 i = threadIdx.x; i < n * per; i += NTHREADS)
-      asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(d + i / per * dst_stride + 16 * (i % per)), "l"(src + (u64)(i / per) * stride + 16 * (i % per)) : "memory");
-  } else if ((bits & 3) == 0) {
-    const u32 per = row_bytes / 4;
-    for (u32 i = threadIdx.x; i < n * per; i += NTHREADS)
-      asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" :: "r"(d + i / per * dst_stride + 4 * (i % per)), "l"(src + (u64)(i / per) * stride + 4 * (i % per)) : "memory");
+  if (((u64)src & 15) == 0 && (bytes & 15) == 0) {
+    for (u32 i = threadIdx.x * 16; i < bytes; i += NTHREADS * 16)
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(d + i), "l"(src + i) : "memory");
+  } else if (((u64)src & 3) == 0 && (bytes & 3) == 0) {
+    for (u32 i = threadIdx.x * 4; i < bytes; i += NTHREADS * 4)
+      asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" :: "r"(d + i), "l"(src + i) : "memory");
   } else {
-    for (u32 i = threadIdx.x; i < n * row_bytes; i += NTHREADS) dst[i / row_bytes * dst_stride + i % row_bytes] = src[(u64)(i / row_bytes) * stride + i % row_bytes];
+    for (u32 i = threadIdx.x; i < bytes; i += NTHREADS) dst[i] = src[i];
   }
 }
 __device__ __forceinline__ void copy_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
@@ -205,39 +204,41 @@ __device__ __forceinline__ void copy_wait() {
   __syncthreads();
 }
 
-// Issues the copies of rows [r0, r0 + n), units [u0, u0 + nu) of a matrix of `units` units per
-// row (planes w0, w1) to shared memory at d0 and d1: a dense n x nu matrix in each plane.
-__device__ __forceinline__ void stage_units(u8* d0, u8* d1, const u8* w0, const u8* w1, u32 r0, u32 n, u32 units, u32 u0, u32 nu) {
-  copy_rows_async(d0, nu * PLANE0, w0 + ((u64)r0 * units + u0) * PLANE0, nu * PLANE0, units * PLANE0, n);
-  copy_rows_async(d1, nu * PLANE1, w1 + ((u64)r0 * units + u0) * PLANE1, nu * PLANE1, units * PLANE1, n);
+// Copies block `rank`'s rows of a `rows x units` matrix (planes w0, w1) to shared memory at
+// `*at` (advanced past them) as one copy group.
+__device__ __forceinline__ Rows stage_rows(u8* smem, u32* at, const u8* w0, const u8* w1, u32 rows, u32 units, u32 rank) {
+  Rows r;
+  r.r0 = share_start(rows, rank);
+  r.n = share_len(rows, rank);
+  r.units = units;
+  const u32 b0 = r.n * units * PLANE0, b1 = r.n * units * PLANE1;
+  u8* d0 = smem + *at;
+  u8* d1 = d0 + round16(b0);
+  copy_async(d0, w0 + (u64)r.r0 * units * PLANE0, b0);
+  copy_async(d1, w1 + (u64)r.r0 * units * PLANE1, b1);
+  copy_commit();
+  *at += round16(b0) + round16(b1);
+  r.p0 = d0;
+  r.p1 = d1;
+  return r;
 }
 
-// The rotated query and key of a head (pairs as qkv_pair_turned takes them: (2i, 2i + 1), or
-// NeoX's (i, i + rot_dim / 2) among the rotated pairs; pairs past rot_dim / 2 (partial RoPE) are
-// copied as they are) into qr and kr, its value into vr; K and V rounded as the cache stores them.
-__device__ __forceinline__ void rotate_head(const float* q, const float* k, const float* v, float* qr, float* kr, float* vr, u32 pos, u32 rot_dim, float theta, float freq_scale) {
-  for (u32 i = threadIdx.x; i < HEAD_DIM / 2; i += NTHREADS) {
-    u32 a = 2 * i, b = 2 * i + 1;
-    const bool turned = i < rot_dim / 2;
-#if NEOX
-    if (turned) {
-      a = i;
-      b = i + rot_dim / 2;
-    }
-#endif
-    float q0 = q[a], q1 = q[b], k0 = k[a], k1 = k[b];
-    if (turned) {
-      float c, s;
-      rope_cos_sin(pos, i, rot_dim, theta, freq_scale, &c, &s);
-      rope_rotate(&q0, &q1, c, s);
-      rope_rotate(&k0, &k1, c, s);
-    }
-    qr[a] = q0;
-    qr[b] = q1;
-    kr[a] = kv_round(k0);
-    kr[b] = kv_round(k1);
+// v (n values in shared memory, optionally RMS-normalized with weight w) quantized into int8
+// 32-value blocks xq / xs (quantize_q8's numerics); ends with a block barrier.
+__device__ void quantize_input(const float* v, const float* w, float eps, u32 n, i8* xq, uint2* xs, float* red) {
+  const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  float inv = 1.f;
+  if (w != nullptr) {
+    float ss = 0.f;
+    for (u32 i = threadIdx.x; i < n; i += NTHREADS) ss += v[i] * v[i];
+    inv = 1.f / sqrtf(block_sum(ss, red) / (float)n + eps);
   }
-  for (u32 i = threadIdx.x; i < HEAD_DIM; i += NTHREADS) vr[i] = kv_round(v[i]);
+  for (u32 b = warp; b < n / 32; b += NWARPS) {
+    float x = v[32 * b + lane];
+    if (w != nullptr) x = x * inv * w[32 * b + lane];
+    quantize_block_warp(x, lane, xq + 32 * b, xs + b);
+  }
+  __syncthreads();
 }
 
 // out[i] = W[i] . x for the block's rows of NMAT matrices at once (gate and up: the same rows
@@ -279,52 +280,6 @@ __device__ __forceinline__ void gemv_rows(const Rows* m, const i8* xq, const uin
     for (int r = 0; r < ROW_RUN; ++r)
       if (i0 + r < n) f(i0 + r, acc[r][0], acc[r][NMAT - 1]);
   }
-}
-
-"#;
-
-/// `cluster_layer`: a whole decoder layer of a one-token decode step in one cluster.
-const LAYER_SOURCE: &str = r#"
-#define KEY_RUN 8
-
-// Rows [r0, r0 + n) of a matrix of `rows`: block `rank`'s share.
-__device__ __forceinline__ u32 share_of(u32 rows) { return (rows + CLUSTER - 1) / CLUSTER; }
-__device__ __forceinline__ u32 share_start(u32 rows, u32 rank) { return min(rows, rank * share_of(rows)); }
-__device__ __forceinline__ u32 share_len(u32 rows, u32 rank) { return min(rows, (rank + 1) * share_of(rows)) - share_start(rows, rank); }
-
-// Copies block `rank`'s rows of a `rows x units` matrix (planes w0, w1) to shared memory at
-// `*at` (advanced past them) as one copy group.
-__device__ __forceinline__ Rows stage_rows(u8* smem, u32* at, const u8* w0, const u8* w1, u32 rows, u32 units, u32 rank) {
-  Rows r;
-  r.r0 = share_start(rows, rank);
-  r.n = share_len(rows, rank);
-  r.units = units;
-  u8* d0 = smem + *at;
-  u8* d1 = d0 + round16(r.n * units * PLANE0);
-  stage_units(d0, d1, w0, w1, r.r0, r.n, units, 0, units);
-  copy_commit();
-  *at += round16(r.n * units * PLANE0) + round16(r.n * units * PLANE1);
-  r.p0 = d0;
-  r.p1 = d1;
-  return r;
-}
-
-// v (n values in shared memory, optionally RMS-normalized with weight w) quantized into int8
-// 32-value blocks xq / xs (quantize_q8's numerics); ends with a block barrier.
-__device__ void quantize_input(const float* v, const float* w, float eps, u32 n, i8* xq, uint2* xs, float* red) {
-  const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  float inv = 1.f;
-  if (w != nullptr) {
-    float ss = 0.f;
-    for (u32 i = threadIdx.x; i < n; i += NTHREADS) ss += v[i] * v[i];
-    inv = 1.f / sqrtf(block_sum(ss, red) / (float)n + eps);
-  }
-  for (u32 b = warp; b < n / 32; b += NWARPS) {
-    float x = v[32 * b + lane];
-    if (w != nullptr) x = x * inv * w[32 * b + lane];
-    quantize_block_warp(x, lane, xq + 32 * b, xs + b);
-  }
-  __syncthreads();
 }
 
 // Lane k < CLUSTER of a warp stores v at `local`'s place in block k.
@@ -419,7 +374,30 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) cluster_layer(const Cl
     const float* q = qkv + h * HEAD_DIM;
     const float* k = qkv + q_dim + g * HEAD_DIM;
     const float* v = qkv + q_dim + kv_dim + g * HEAD_DIM;
-    rotate_head(q, k, v, qr, kr, vr, pos, p.rot_dim, p.theta, p.freq_scale);
+    for (u32 i = tid; i < HEAD_DIM / 2; i += NTHREADS) {
+      // Pair i as qkv_pair_turned takes it: (2i, 2i + 1), or NeoX's (i, i + rot_dim / 2) among
+      // the rotated pairs; pairs past rot_dim / 2 (partial RoPE) are copied as they are.
+      u32 a = 2 * i, b = 2 * i + 1;
+      const bool turned = i < p.rot_dim / 2;
+#if NEOX
+      if (turned) {
+        a = i;
+        b = i + p.rot_dim / 2;
+      }
+#endif
+      float q0 = q[a], q1 = q[b], k0 = k[a], k1 = k[b];
+      if (turned) {
+        float c, s;
+        rope_cos_sin(pos, i, p.rot_dim, p.theta, p.freq_scale, &c, &s);
+        rope_rotate(&q0, &q1, c, s);
+        rope_rotate(&k0, &k1, c, s);
+      }
+      qr[a] = q0;
+      qr[b] = q1;
+      kr[a] = kv_round(k0);
+      kr[b] = kv_round(k1);
+    }
+    for (u32 i = tid; i < HEAD_DIM; i += NTHREADS) vr[i] = kv_round(v[i]);
     __syncthreads();
     if (h % heads_per_kv == 0)
       for (u32 i = tid; i < HEAD_DIM; i += NTHREADS) {
@@ -607,7 +585,7 @@ impl ClusterLayerVariant {
 
 impl KernelVariant for ClusterLayerVariant {
     const FAMILY: &'static str = "cluster_layer";
-    const SOURCES: &'static [&'static str] = &[HEADER, QUANT, Q8_BLOCK, KV, ROPE_ANGLE, CLUSTER_HEADER, LAYER_COMMON, ClusterLayerParams::C_DECL, LAYER_SOURCE];
+    const SOURCES: &'static [&'static str] = &[HEADER, QUANT, Q8_BLOCK, KV, ROPE_ANGLE, CLUSTER_HEADER, ClusterLayerParams::C_DECL, LAYER_SOURCE];
     const ENTRY_POINTS: &'static [&'static str] = &["cluster_layer"];
 
     fn macros(&self) -> Vec<(&'static str, String)> {

@@ -15,7 +15,6 @@
 
 pub mod activation;
 pub mod attention;
-pub mod attention_block;
 pub mod chain;
 pub mod cluster;
 pub mod common;
@@ -137,13 +136,12 @@ pub(crate) mod tests {
     /// may issue early).
     #[test]
     fn every_kernel_waits_for_the_previous_one() {
-        let families: [(&str, &[&str]); 24] = [
+        let families: [(&str, &[&str]); 23] = [
             (chain::ChainVariant::FAMILY, chain::ChainVariant::SOURCES),
             (cluster::ClusterPhasesVariant::FAMILY, cluster::ClusterPhasesVariant::SOURCES),
             (cluster::ClusterLayerVariant::FAMILY, cluster::ClusterLayerVariant::SOURCES),
             (activation::ActivationVariant::FAMILY, activation::ActivationVariant::SOURCES),
             (attention::AttentionVariant::FAMILY, attention::AttentionVariant::SOURCES),
-            (attention_block::AttentionBlockVariant::FAMILY, attention_block::AttentionBlockVariant::SOURCES),
             (attention::StoreQkvVariant::FAMILY, attention::StoreQkvVariant::SOURCES),
             (dequant::DequantVariant::FAMILY, dequant::DequantVariant::SOURCES),
             (dequant::ConvertVariant::FAMILY, dequant::ConvertVariant::SOURCES),

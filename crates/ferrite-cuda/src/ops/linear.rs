@@ -740,16 +740,6 @@ impl Q8Activations {
         Q8Input { xq, xs, norm: self.pending_norm.map(|eps| (partials, eps)) }
     }
 
-    /// The device side of the last write, which must be `rows x cols` (for a kernel that reads
-    /// it while it writes another hand-off, possibly into this very buffer once every read is
-    /// done: `attention_block`).
-    pub fn view(&self, gpu: &Gpu, op: &'static str, rows: usize, cols: usize) -> Result<Q8Input, CudaError> {
-        if self.shape() != (rows, cols) {
-            return Err(CudaError::invalid(op, format!("activations hold {} x {}, the op needs {rows} x {cols}", self.rows, self.cols)));
-        }
-        Ok(self.input(gpu))
-    }
-
     /// Rows and columns of the last write.
     pub(super) fn shape(&self) -> (usize, usize) {
         (self.rows, self.cols)
@@ -978,11 +968,11 @@ pub fn linear_q8_gated_pair(
 
 /// Device side of [`Q8Activations`] as the GEMV reads it.
 #[derive(Clone, Copy)]
-pub struct Q8Input {
-    pub(super) xq: u64,
-    pub(super) xs: u64,
+pub(super) struct Q8Input {
+    xq: u64,
+    xs: u64,
     /// The producer's sums of squares and the norm's eps, when the codes lack `1 / rms`.
-    pub(super) norm: Option<(u64, f32)>,
+    norm: Option<(u64, f32)>,
 }
 
 /// Device side of a [`Q8Emit`]: codes, scales, sums of squares, and the norm weight (+ add_one).

@@ -14,7 +14,6 @@
 //! Buffers must belong to `gpu`'s context; work on other streams must be ordered by the caller.
 
 mod attention;
-mod attention_block;
 mod chain;
 mod cluster;
 mod gdn;
@@ -26,13 +25,12 @@ pub use attention::{
     attention, attention_group, attention_on, AttentionEmit, DecodeLayout, DecodeLayouts, AttentionGroups, attention_paged, attention_path, attention_split, attention_splits, store_and_attend, store_and_attend_paged, FUSED_PAGED_STORE_MAX_SEQS, store_qkv, store_qkv_paged, AttentionConfig,
     AttentionPath, KvCache, Paging, SplitScratch, FLASH_MIN_TOKENS, MAX_SPLITS,
 };
-pub use attention_block::{attention_block, attention_block_plan, AttentionBlockConfig, AttentionBlockPlan, AttentionBlockScratch, AttentionBlockWeights};
 pub use cluster::{cluster_layer, cluster_layer_plan, cluster_layer_variant, cluster_phases, ClusterLayerConfig, ClusterLayerWeights, MAX_CLUSTER};
 pub use crate::kernels::cluster::LayerDims;
 pub use chain::{chain_variant, linear_chain, ChainBarrier, ChainLink, ChainShape, DeviceView};
 pub use linear::{
     expand_weight, expanded_bytes, glu_fuses, linear, linear_mma, linear_plan, linear_fused, linear_q8, linear_q8_gated_pair, linear_q8_retiled, Retile, linear_with, linear_glu_staged, linear_staged, StagedActivations, StagedLayout, quantize_q8, MMA_OVER_RESIDENT_MAX_TOKENS, Epilogue, GemvActivations, Glu, LinearOptions,
-    LinearFusion, LinearPath, LinearPlan, NormPrologue, Precision, Q8Activations, Q8Emit, Q8Input,
+    LinearFusion, LinearPath, LinearPlan, NormPrologue, Precision, Q8Activations, Q8Emit,
 };
 pub use moe::{
     check_moe_shape, moe_ffn, moe_ffn_with, moe_group, moe_plan, moe_route, ExpertGateUp, ExpertGemv, MoeDims, MoeGroups, MoePath, MoePlan, MoeScratch, MoeWeights,
