@@ -203,9 +203,6 @@ switches! {
     /// Force a CUDA Gated DeltaNet path.
     CUDA_GDN_PATH = ("FERRITE_CUDA_GDN_PATH", "auto", AbTest,
         "auto|recurrent|chunked: the CUDA Gated DeltaNet delta rule; auto runs batches of 128+ tokens in the chunked (WY/UT transform, 64-token chunks) form and shorter ones token by token; the others force one path for every batch.");
-    /// Rows per lane group of one-token emitting int8 GEMVs over short rows (CUDA).
-    CUDA_GEMV_SHORT_ROWS = ("FERRITE_CUDA_GEMV_SHORT_ROWS", "4", AbTest,
-        "1, 2 or 4: most rows per lane group of a one-token int8 GEMV that hands off int8 activations and whose rows fit one unit per lane (up to 1 024 values: SmolLM2's output and gate/up projections). A 32-row block then has 32 / rows warps: fewer rows per warp shorten each warp's dependent chain at the same bytes per block.");
     DISABLE_GEMV_SPLIT_K = ("FERRITE_DISABLE_GEMV_SPLIT_K", "0", AbTest,
         "1: the int8 GEMV never splits a row's units over slices of a block (by default it does, up to 4 slices, when its grid has at most one block per SM, e.g. the emitting output/down projections).");
     CUDA_ATTENTION_GROUPS = ("FERRITE_CUDA_ATTENTION_GROUPS", "adaptive", AbTest,

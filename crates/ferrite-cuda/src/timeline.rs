@@ -198,7 +198,7 @@ mod tests {
             options.push("-DTIMELINE=1".into());
             crate::compile::compile_cubin(V::FAMILY, &V::SOURCES.concat(), &options).unwrap_or_else(|e| panic!("{e}"));
         }
-        compile(&GemvQ8Variant::for_shape(ferrite_gguf::GgmlType::Q4_0, 4096, 4096, 1, 132).emitting(2, 4));
+        compile(&GemvQ8Variant::for_shape(ferrite_gguf::GgmlType::Q4_0, 4096, 4096, 1, 132).emitting(2));
         compile(&NormVariant::for_dim(576));
     }
 

@@ -3021,9 +3021,9 @@ fn every_kernel_variant_compiles_for_sm90() {
                 let gated = GemvQ8Variant::for_gated(dtype, rows, cols, n, 132, 1 + (rows % 2) as u32);
                 check(format!("{gated:?}"), job(&gated));
                 // Int8 hand-offs: producing (plain / normed) and finishing a norm.
-                let handoff = GemvQ8Variant { in_norm: n != 3, ..v.emitting(1 + (rows % 2) as u32, if n == 1 { 2 } else { 4 }) };
+                let handoff = GemvQ8Variant { in_norm: n != 3, ..v.emitting(1 + (rows % 2) as u32) };
                 check(format!("{handoff:?}"), job(&handoff));
-                let gated = GemvQ8Variant { in_norm: true, ..gated.emitting(1, 2) };
+                let gated = GemvQ8Variant { in_norm: true, ..gated.emitting(1) };
                 check(format!("{gated:?}"), job(&gated));
                 // Rows' units split over slices of the block (few blocks, long rows).
                 let split = handoff.split_k(rows / 8, cols, n, 132);

@@ -719,10 +719,8 @@ impl GemvQ8Variant {
 
     /// The tiling when the epilogue also quantizes the output (`emit` 1 or 2): a block owns one
     /// 32-row quantization block. As many rows per group as the unit budget allows (up to 4, so
-    /// at most 16 warps per block), then fewer units per lane to stay within it. One token over
-    /// rows of one unit per lane: at most `short_rows` rows per group (more warps, each with a
-    /// shorter chain of dependent loads and reductions).
-    pub fn emitting(self, emit: u32, short_rows: u32) -> Self {
+    /// at most 16 warps per block), then fewer units per lane to stay within it.
+    pub fn emitting(self, emit: u32) -> Self {
         let groups_per_warp = (32 / self.tpr) as usize;
         let weight_rows = if self.glu > 0 { 2 } else { 1 };
         // A one-token gated group of the small (Q4-family) units may hold twice the budget: its
@@ -732,10 +730,9 @@ impl GemvQ8Variant {
             8 if self.glu > 0 && self.ntok == 1 => 16,
             b => b,
         };
-        let short = self.ntok == 1 && self.unroll == 1;
         let rows = [4, 2, 1]
             .into_iter()
-            .find(|&r| groups_per_warp * r <= 32 && r * weight_rows <= budget && r * self.ntok as usize <= 16 && (!short || r <= short_rows as usize))
+            .find(|&r| groups_per_warp * r <= 32 && r * weight_rows <= budget && r * self.ntok as usize <= 16)
             .unwrap_or(1);
         let unroll = (budget / (rows * weight_rows)).clamp(1, self.unroll as usize);
         let nwarps = (32 / (groups_per_warp * rows)).max(1);
@@ -872,24 +869,16 @@ mod tests {
             (GgmlType::Q6_K, 4096, 4096, 8, 1),
             (GgmlType::Q8_0, 64, 256, 3, 0),
         ] {
-            let v = GemvQ8Variant { glu, ..GemvQ8Variant::for_shape(wtype, rows, cols, n, 132) }.emitting(2, 4);
+            let v = GemvQ8Variant { glu, ..GemvQ8Variant::for_shape(wtype, rows, cols, n, 132) }.emitting(2);
             assert_eq!(v.rows_per_block(), 32, "{wtype} {rows}x{cols} n={n}");
             let budget = if glu > 0 && n == 1 && wtype == GgmlType::Q4_0 { 16 } else { 8 };
             assert!(v.nwarps <= 16 && v.rows as usize * v.unroll as usize * if glu > 0 { 2 } else { 1 } <= budget);
         }
         // 8B gate/up (one token): 4 output rows per warp, each lane 2 units of each gate and up row.
-        let v = GemvQ8Variant::for_gated(GgmlType::Q4_0, 14336, 4096, 1, 132, 1).emitting(2, 4);
+        let v = GemvQ8Variant::for_gated(GgmlType::Q4_0, 14336, 4096, 1, 132, 1).emitting(2);
         assert_eq!((v.rows, v.unroll, v.nwarps), (4, 2, 8));
         // 8B output projection: 4 rows per warp, 2 units each, 8 warps.
-        let v = GemvQ8Variant::for_shape(GgmlType::Q4_0, 4096, 4096, 1, 132).emitting(1, 4);
-        assert_eq!((v.rows, v.unroll, v.nwarps), (4, 2, 8));
-        // Short rows (SmolLM2's output projection and gate/up, one unit per lane) at 2 rows per
-        // group: 16 warps per 32-row block; longer rows (two units per lane) keep 4.
-        let v = GemvQ8Variant::for_shape(GgmlType::Q4_1, 576, 576, 1, 132).emitting(2, 2);
-        assert_eq!((v.rows, v.unroll, v.nwarps, v.rows_per_block()), (2, 1, 16, 32));
-        let v = GemvQ8Variant::for_gated(GgmlType::Q4_1, 1536, 576, 1, 132, 1).emitting(1, 2);
-        assert_eq!((v.rows, v.nwarps, v.rows_per_block()), (2, 16, 32));
-        let v = GemvQ8Variant::for_shape(GgmlType::Q4_0, 2048, 2048, 1, 132).emitting(1, 2);
+        let v = GemvQ8Variant::for_shape(GgmlType::Q4_0, 4096, 4096, 1, 132).emitting(1);
         assert_eq!((v.rows, v.unroll, v.nwarps), (4, 2, 8));
     }
 
@@ -897,13 +886,13 @@ mod tests {
     fn split_k_fills_underused_sms() {
         // 8B down projection, emitting: 128 blocks of 8 warps, one unit per lane and batch (14
         // batches) -> 4 slices, 1 024 threads.
-        let v = GemvQ8Variant::for_shape(GgmlType::Q4_0, 4096, 14336, 1, 132).emitting(2, 4).split_k(4096, 14336, 1, 132);
+        let v = GemvQ8Variant::for_shape(GgmlType::Q4_0, 4096, 14336, 1, 132).emitting(2).split_k(4096, 14336, 1, 132);
         assert_eq!((v.unroll, v.k_split, v.launch_config(4096, 1).block_dim.0), (1, 4, 1024));
         // Bulkier units (Q6_K) keep their unroll and at most 512 threads: 2 slices.
-        let v = GemvQ8Variant::for_shape(GgmlType::Q6_K, 4096, 14336, 1, 132).emitting(2, 4).split_k(4096, 14336, 1, 132);
+        let v = GemvQ8Variant::for_shape(GgmlType::Q6_K, 4096, 14336, 1, 132).emitting(2).split_k(4096, 14336, 1, 132);
         assert!(v.launch_config(4096, 1).block_dim.0 <= 512 && v.k_split == 2);
         // 1B output projection: two batches of one unit -> 2 slices.
-        let v = GemvQ8Variant::for_shape(GgmlType::Q4_0, 2048, 2048, 1, 132).emitting(1, 4).split_k(2048, 2048, 1, 132);
+        let v = GemvQ8Variant::for_shape(GgmlType::Q4_0, 2048, 2048, 1, 132).emitting(1).split_k(2048, 2048, 1, 132);
         assert_eq!((v.unroll, v.k_split), (1, 2));
         // Without a hand-off (no emit) a lane keeps its unroll: 1 batch, nothing to split.
         let v = GemvQ8Variant::for_shape(GgmlType::Q4_0, 64, 2048, 1, 132).split_k(64, 2048, 1, 132);

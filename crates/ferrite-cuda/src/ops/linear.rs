@@ -83,9 +83,6 @@ pub struct LinearOptions {
     pub activations: GemvActivations,
     /// Let the int8 GEMV split rows' units over slices of a block ([`GemvQ8Variant::split_k`]).
     pub gemv_split_k: bool,
-    /// `FERRITE_CUDA_GEMV_SHORT_ROWS`: rows per lane group of a one-token emitting GEMV whose
-    /// rows fit one unit per lane (see `GemvQ8Variant::emitting`).
-    pub gemv_short_rows: u32,
     /// Largest token count that takes the small-batch tensor-core GEMM in [`LinearPath::Auto`]
     /// (quantized weights above `gemv_max_tokens`; 0 never).
     pub mma_max_tokens: usize,
@@ -108,7 +105,6 @@ impl Default for LinearOptions {
             gemv_max_tokens: 8,
             activations: GemvActivations::Q8,
             gemv_split_k: true,
-            gemv_short_rows: 4,
             mma_max_tokens: 64,
             wgmma: true,
             gemm_glu: true,
@@ -153,14 +149,7 @@ impl LinearOptions {
         let wgmma = !env::DISABLE_CUDA_WGMMA.flag();
         let gemm_glu = !env::DISABLE_CUDA_GEMM_GLU.flag();
         let staged_handoff = !env::DISABLE_CUDA_STAGED_HANDOFF.flag();
-        let gemv_short_rows = match env::CUDA_GEMV_SHORT_ROWS.parse(4u32) {
-            r @ (1 | 2 | 4) => r,
-            r => {
-                eprintln!("warning: {}={r} is not 1, 2 or 4; using 4", env::CUDA_GEMV_SHORT_ROWS.name);
-                4
-            }
-        };
-        LinearOptions { path, precision, gemv_max_tokens, activations, gemv_split_k, gemv_short_rows, mma_max_tokens, wgmma, gemm_glu, staged_handoff }
+        LinearOptions { path, precision, gemv_max_tokens, activations, gemv_split_k, mma_max_tokens, wgmma, gemm_glu, staged_handoff }
     }
 }
 
@@ -1023,7 +1012,7 @@ pub(super) fn gemv_q8(
         (None, glu) => GemvQ8Variant::for_gated(w.dtype, out_rows, w.cols, n_tokens, gpu.sm_count(), glu),
     };
     let tiling = match &emit {
-        Some(e) => tiling.emitting(if e.norm.is_some() { 2 } else { 1 }, gpu.linear_options().gemv_short_rows),
+        Some(e) => tiling.emitting(if e.norm.is_some() { 2 } else { 1 }),
         None => tiling,
     };
     let tiling = if gpu.linear_options().gemv_split_k { tiling.split_k(out_rows, w.cols, grid_tokens, gpu.sm_count()) } else { tiling };
