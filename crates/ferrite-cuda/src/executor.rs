@@ -152,6 +152,9 @@ struct Buffers {
     /// Per op: the hand-off it consumes / produces, when active for the batch being run.
     handoff_in: Vec<Option<usize>>,
     handoff_out: Vec<Option<usize>>,
+    /// Per op: a `LastRow` copy the batch being run skips (a one-row batch, whose row reaches
+    /// the output head through an int8 hand-off instead).
+    copy_skipped: Vec<bool>,
     /// 16-bit GEMM inputs staged by their producer (a GLU GEMM for the down projection, attention
     /// for the output projection), and per op whether it writes them (in the consumer's layout)
     /// or reads them, for the batch being run (`plan_handoffs`). One buffer serves both: each
@@ -312,6 +315,7 @@ impl Buffers {
             q8_handoff: [ops::Q8Activations::new(gpu, scratch)?, ops::Q8Activations::new(gpu, scratch)?],
             handoff_in: vec![None; graph.ops.len()],
             handoff_out: vec![None; graph.ops.len()],
+            copy_skipped: vec![false; graph.ops.len()],
             staged: ops::StagedActivations::new(gpu, rows.min(gpu.linear_options().mma_max_tokens), glu_width)?,
             staged_out: vec![None; graph.ops.len()],
             staged_in: vec![false; graph.ops.len()],
@@ -577,6 +581,11 @@ impl CudaExecutor {
         self.buf.layer_cluster.iter().flatten().count()
     }
 
+    /// The int8 hand-offs the last forward pass ran, and the copies of its last row it skipped.
+    pub fn handoffs_run(&self) -> (usize, usize) {
+        (self.buf.handoff_in.iter().flatten().count(), self.buf.copy_skipped.iter().filter(|&&s| s).count())
+    }
+
     /// Linear chains that one-token steps run as one launch (of those the graph declares; none
     /// unless `FERRITE_CUDA_LINEAR_CHAIN=1`).
     pub fn chains_run(&self) -> usize {
@@ -791,6 +800,9 @@ impl CudaExecutor {
                 }
                 continue;
             }
+            if self.buf.copy_skipped[i] {
+                continue;
+            }
             let out_slot = self.plan.slot(op.writes());
             let mut out = self.buf.slots[out_slot].take().expect("slot in use");
             let result = self.run_op(i, op, &mut out, n);
@@ -950,7 +962,14 @@ impl CudaExecutor {
             _ => false,
         };
         self.buf.handoff_in.iter_mut().chain(self.buf.handoff_out.iter_mut()).for_each(|h| *h = None);
+        self.buf.copy_skipped.iter_mut().for_each(|s| *s = false);
+        // A hand-off through the copy of the last row holds when that row is the whole batch
+        // (and the copy's output is not traced).
+        let one_row = n == 1 && self.buf.paging.is_none() && !self.options.trace;
         for (i, h) in graph.handoffs.iter().enumerate() {
+            if h.last_row.is_some() && !one_row {
+                continue;
+            }
             let producer = &graph.ops[h.producer];
             let emits = match producer {
                 Op::Attention { .. } => graph.attention.head_dim.is_multiple_of(32),
@@ -961,6 +980,9 @@ impl CudaExecutor {
             if emits && !chained && runs_int8(&graph.ops[h.consumer]) {
                 self.buf.handoff_out[h.producer] = Some(i);
                 self.buf.handoff_in[h.consumer] = Some(i);
+                if let Some(copy) = h.last_row {
+                    self.buf.copy_skipped[copy] = true;
+                }
             }
         }
         // 16-bit staged hand-offs: a gated linear whose GLU runs in the warpgroup-MMA GEMM's

@@ -100,9 +100,9 @@ fn compare(model: Arc<Model>, steps: usize) -> (f64, usize) {
     compare_executors(&model, cpu, gpu, PROMPT, steps)
 }
 
-/// `compare` with an untraced GPU executor: fused launches that write only their last value
-/// (decoder layers in one cluster) run only in untraced forwards, so only the logits are
-/// compared.
+/// `compare` with an untraced GPU executor: launches that leave values unwritten (decoder layers
+/// in one cluster, the head's hand-off past the copy of the last row) run only in untraced
+/// forwards, so only the logits are compared.
 fn compare_untraced(model: Arc<Model>, steps: usize) -> (f64, usize) {
     let cpu = CpuExecutor::new(Arc::clone(&model), CpuPrecision::Reference, opts(16)).unwrap();
     let gpu = ferrite_cuda::CudaExecutor::new(Arc::clone(&model), ExecutorOptions { trace: false, ..opts(16) }).unwrap();
@@ -309,6 +309,23 @@ fn cuda_fp32_matches_cpu_reference_on_real_shapes() {
     // blocks, d = max/127, round half to even): against the fp32 reference it may drift no more
     // than that CPU path does, and the greedy tokens must agree.
     std::env::set_var("FERRITE_CUDA_GEMV_ACTIVATIONS", "q8");
+    // Untraced one-token steps hand the last layer's output to the output head in int8 and
+    // skip the copy of the last row: the logits stay as close to the fp32 reference as the CPU's
+    // quantized path, and every declared hand-off runs.
+    for (shape, dtype) in [("smollm2-135m", GgmlType::Q4_1), ("llama-3.2-1b", GgmlType::Q4_0)] {
+        let model = synthetic(synth::shape(shape).unwrap(), dtype);
+        let reference = CpuExecutor::new(Arc::clone(&model), CpuPrecision::Reference, opts(16)).unwrap();
+        let cpu_q8 = CpuExecutor::new(Arc::clone(&model), CpuPrecision::Quantized, opts(16)).unwrap();
+        let (cpu_worst, _) = compare_executors(&model, reference, cpu_q8, PROMPT, 64);
+        let (worst, agreed) = compare_untraced(Arc::clone(&model), 64);
+        println!("{shape} {dtype} untraced vs fp32 reference: worst relative error {worst:.2e}, {agreed}/65 agree; CPU quantized {cpu_worst:.2e}");
+        assert!(worst <= 1.5 * cpu_worst && agreed == 65, "{shape} {dtype} untraced: relative error {worst}, {agreed}/65 agree");
+        let mut gpu = ferrite_cuda::CudaExecutor::new(Arc::clone(&model), ExecutorOptions { trace: false, ..opts(16) }).unwrap();
+        gpu.forward(&[5, 7, 11], 0).unwrap();
+        assert_eq!(gpu.handoffs_run().1, 0, "{shape} {dtype}: a three-token forward skipped the copy of its last row");
+        gpu.forward(&[13], 3).unwrap();
+        assert_eq!(gpu.handoffs_run(), (model.graph.handoffs.len(), 1), "{shape} {dtype}: hand-offs of a one-token step");
+    }
     // Linear chains as one launch (from here on): the greedy checks and the graph-replay checks
     // below cover the (experimental, off by default) chain kernel on every shape.
     std::env::set_var("FERRITE_CUDA_LINEAR_CHAIN", "1");
@@ -332,6 +349,7 @@ fn cuda_fp32_matches_cpu_reference_on_real_shapes() {
         );
         assert!(worst <= 1.5 * cpu_worst, "{shape} {dtype}: relative error {worst}, the CPU quantized path has {cpu_worst}");
         assert_eq!(agreed, 65, "{shape} {dtype}: greedy tokens differ from the fp32 reference");
+        assert!(worst <= 1.5 * cpu_worst && agreed == 65, "{shape} {dtype} untraced: relative error {worst}, {agreed}/65 agree");
     }
     // Decoder layers as one cluster launch each (experimental, off by default): where the layer
     // fits a cluster's shared memory (SmolLM2 in Q4_1; not in Q8_0) every declared layer runs

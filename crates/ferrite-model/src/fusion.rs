@@ -80,17 +80,29 @@ impl Default for FusionOptions {
 }
 
 /// The int8 hand-offs of a graph: each linear (or gated linear) whose input was written by an
-/// attention op, a whole-width linear or a gated linear, taking only the first linear after each
-/// producer and keeping hand-offs in sequence (a consumer comes no later than the next
+/// attention op, a whole-width linear or a gated linear (directly, or through the `LastRow` op
+/// before the output head: a hand-off for one-row batches), taking only the first linear after
+/// each producer and keeping hand-offs in sequence (a consumer comes no later than the next
 /// producer), so that two buffers carry them all. `weight_rows` gives a weight's output rows.
 pub fn int8_handoffs(graph: &Graph, weight_rows: impl Fn(WeightId) -> usize) -> Vec<Handoff> {
     let mut found: Vec<Handoff> = Vec::new();
+    let writer = |end: usize, v: ValueId| graph.ops[..end].iter().rposition(|o| o.writes() == v);
     for (consumer, op) in graph.ops.iter().enumerate() {
         let x = match *op {
             Op::Linear { x, .. } | Op::GatedLinear { x, .. } => x,
             _ => continue,
         };
-        let Some(producer) = graph.ops[..consumer].iter().rposition(|o| o.writes() == x) else { continue };
+        let Some(mut producer) = writer(consumer, x) else { continue };
+        let mut last_row = None;
+        if let Op::LastRow { x: rows, out } = graph.ops[producer] {
+            // Skipping the copy must leave no reader without its value.
+            if graph.ops.iter().filter(|o| o.reads().contains(&out)).count() != 1 {
+                continue;
+            }
+            last_row = Some(producer);
+            let Some(p) = writer(producer, rows) else { continue };
+            producer = p;
+        }
         let emits = match graph.ops[producer] {
             Op::Attention { .. } | Op::GatedLinear { .. } => true,
             Op::Linear { w, out, out_col, .. } => out_col == 0 && weight_rows(w) == graph.value(out).width,
@@ -98,7 +110,7 @@ pub fn int8_handoffs(graph: &Graph, weight_rows: impl Fn(WeightId) -> usize) -> 
         };
         let in_sequence = found.last().is_none_or(|h| h.consumer <= producer);
         if emits && in_sequence {
-            found.push(Handoff { producer, consumer });
+            found.push(Handoff { producer, consumer, last_row });
         }
     }
     found

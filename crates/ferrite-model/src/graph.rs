@@ -331,6 +331,10 @@ pub struct AttentionShape {
 pub struct Handoff {
     pub producer: usize,
     pub consumer: usize,
+    /// `Some(op)`: the consumer reads the last row of the producer's output through this
+    /// `LastRow` op (the output head after the last layer). The hand-off then holds for
+    /// one-row batches only, where that op copies the whole value and a backend may skip it.
+    pub last_row: Option<usize>,
 }
 
 /// A linear chain, declared at load by the `linear_chain` fusion: ops `first .. first + len`
@@ -492,8 +496,15 @@ impl Graph {
                 Some(Op::Linear { x, .. } | Op::GatedLinear { x, .. }) => *x,
                 _ => return Err(format!("hand-off {h:?}: the consumer is not a linear")),
             };
-            let last_writer = self.ops[..h.consumer].iter().rposition(|o| o.writes() == reads);
-            if last_writer != Some(h.producer) || h.producer < previous_consumer {
+            let last_writer = |end: usize, v: ValueId| self.ops[..end].iter().rposition(|o| o.writes() == v);
+            let writer = match h.last_row {
+                Some(l) => match self.ops.get(l) {
+                    Some(Op::LastRow { x, out }) if *out == reads && last_writer(h.consumer, reads) == Some(l) => last_writer(l, *x),
+                    _ => return Err(format!("hand-off {h:?}: op {l} is not the LastRow the consumer reads")),
+                },
+                None => last_writer(h.consumer, reads),
+            };
+            if writer != Some(h.producer) || h.producer < previous_consumer {
                 return Err(format!("hand-off {h:?}: not the last writer of the consumer's input, or out of sequence"));
             }
             previous_consumer = h.consumer;

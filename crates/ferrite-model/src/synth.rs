@@ -295,7 +295,7 @@ fn file_type(dtype: GgmlType) -> u32 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::graph::Op;
+    use crate::graph::{Handoff, Op};
     use crate::{Arch, FusionOptions, Model};
 
     #[test]
@@ -415,8 +415,8 @@ mod tests {
     }
 
     /// The int8 hand-offs declared at load: per Llama layer attention -> output projection ->
-    /// gate/up -> down -> the next layer's QKV (the output head reads the last row, a copy);
-    /// Gemma's
+    /// gate/up -> down -> the next layer's QKV, and the last down projection -> the output head
+    /// through the copy of the last row (for one-row batches); Gemma's
     /// post-norms and Qwen3.5's gated/GDN outputs leave only the producers that feed a linear
     /// directly. None without the fusion.
     #[test]
@@ -428,7 +428,20 @@ mod tests {
         let path = write_temp(&llama, GgmlType::Q8_0, 5).unwrap();
         let m = Model::load(&path, FusionOptions::ALL).unwrap();
         let layer = [("attention", "linear"), ("linear", "norm+gated_linear"), ("norm+gated_linear", "linear")];
-        assert_eq!(kinds(&m), [&layer[..], &[("linear", "norm+linear")], &layer[..]].concat());
+        assert_eq!(kinds(&m), [&layer[..], &[("linear", "norm+linear")], &layer[..], &[("linear", "norm+linear")]].concat());
+        let through: Vec<_> = m.graph.handoffs.iter().map(|h| h.last_row.map(|l| m.graph.ops[l].kind())).collect();
+        assert!(through[..through.len() - 1].iter().all(Option::is_none) && through.last() == Some(&Some("last_row")), "{through:?}");
+        // Validation follows the hand-off through the copy, and refuses one that skips it or
+        // names another op.
+        let rows = |w| m.weights.spec(w).rows;
+        m.graph.validate(rows).unwrap();
+        let last = m.graph.handoffs.len() - 1;
+        let head = m.graph.handoffs[last];
+        for bad in [Handoff { last_row: None, ..head }, Handoff { last_row: Some(head.producer), ..head }] {
+            let mut g = m.graph.clone();
+            g.handoffs[last] = bad;
+            assert!(g.validate(rows).unwrap_err().contains("hand-off"), "{bad:?}");
+        }
         assert!(Model::load(&path, FusionOptions { int8_handoff: false, ..FusionOptions::ALL }).unwrap().graph.handoffs.is_empty());
         // Unfused: the separate Q/K/V linears read the normed value, written by an RmsNorm op.
         let unfused = Model::load(&path, FusionOptions { int8_handoff: true, ..FusionOptions::NONE }).unwrap();
