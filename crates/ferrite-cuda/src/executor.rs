@@ -973,7 +973,6 @@ impl CudaExecutor {
             let producer = &graph.ops[h.producer];
             let emits = match producer {
                 Op::Attention { .. } => graph.attention.head_dim.is_multiple_of(32),
-                Op::Embed { out, .. } => graph.value(*out).width.is_multiple_of(32),
                 _ => runs_int8(producer) && graph.value(producer.writes()).width.is_multiple_of(32),
             };
             // A chain quantizes its links' inputs itself and leaves no int8 outputs.
@@ -1047,10 +1046,7 @@ impl CudaExecutor {
             }
         };
         match *op {
-            Op::Embed { table, scale, .. } => {
-                let emit = buf.handoff_out[index].map(|h| ops::Q8Emit { dst: &mut buf.q8_handoff[h % 2], norm: handoff_norm(index).map(norm_prologue) });
-                ops::embed_scaled(gpu, matrix(table), &buf.ids, n, scale, out, emit)?
-            }
+            Op::Embed { table, scale, .. } => ops::embed_scaled(gpu, matrix(table), &buf.ids, n, scale, out)?,
             Op::RmsNorm { x, norm, .. } => ops::rms_norm(gpu, input(x), vector(norm.weight), norm.eps, rows(x), width(x), false, out)?,
             Op::Linear { x, norm, w, bias, residual, out_col, .. }
                 if ops::linear_plan(matrix(w).dtype, width(x), rows(x), &gpu.linear_options()) == ops::LinearPlan::GemvQ8 =>

@@ -173,49 +173,6 @@ fn embed_matches_cpu_for_every_dtype() {
     }
 }
 
-/// The embedding's int8 hand-off to the first linear: plain codes are `quantize_q8`'s of the
-/// rows bit for bit; with a norm they are those of `row * weight` (scaled rows too), and a
-/// linear finishing the norm from the hand-off's sums of squares computes what it computes on
-/// the rows quantized with the norm applied.
-#[test]
-fn embed_hands_off_int8_rows() {
-    let Some(gpu) = gpu() else { return };
-    let mut rng = Rng(59);
-    for (dtype, dim, scale) in [(GgmlType::Q4_1, 576, 1.0f32), (GgmlType::Q8_0, 256, 16.0), (GgmlType::F16, 96, 1.0)] {
-        let case = format!("{dtype} d{dim} scale {scale}");
-        let vocab = 40;
-        let (bytes, _) = random_weight(&mut rng, dtype, vocab, dim);
-        let table = gpu.upload_weight(dtype, vocab, dim, &bytes).unwrap();
-        let ids: Vec<u32> = (0..5).map(|_| rng.below(vocab as u32)).collect();
-        let n = ids.len();
-        let ids = upload(gpu, &ids);
-        let g = rng.vec(dim, 0.5, 1.5);
-        let g_dev = upload(gpu, &g);
-        let norm = Some(ops::NormPrologue { weight: &g_dev, eps: 1e-5, add_one: false });
-        let (mut q_plain, mut q_normed, mut q_own) = (ops::Q8Activations::new(gpu, n * dim).unwrap(), ops::Q8Activations::new(gpu, n * dim).unwrap(), ops::Q8Activations::new(gpu, n * dim).unwrap());
-        let (mut rows, mut rows2) = (poisoned(gpu, n * dim), poisoned(gpu, n * dim));
-        ops::embed_scaled(gpu, &table, &ids, n, scale, &mut rows, Some(ops::Q8Emit { dst: &mut q_plain, norm: None })).unwrap();
-        ops::embed_scaled(gpu, &table, &ids, n, scale, &mut rows2, Some(ops::Q8Emit { dst: &mut q_normed, norm })).unwrap();
-        let host = download(gpu, &rows);
-        assert_eq!(host, download(gpu, &rows2), "{case}: the rows depend on the hand-off");
-        assert_handoff_is_quantize(gpu, &q_plain, &rows, n, dim, &case);
-        let times_g: Vec<f32> = host.iter().enumerate().map(|(i, v)| v * g[i % dim]).collect();
-        ops::quantize_q8(gpu, &upload(gpu, &times_g), n, dim, None, &mut q_own).unwrap();
-        let (a, b) = (q8_product(gpu, &q_normed, n, dim), q8_product(gpu, &q_own, n, dim));
-        assert!(a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits()), "{case}: normed codes differ from those of row * weight");
-        // A linear finishing the norm from the hand-off, against one on the normed rows.
-        let (wb, _) = random_weight(&mut rng, GgmlType::Q8_0, 64, dim);
-        let w = gpu.upload_weight(GgmlType::Q8_0, 64, dim, &wb).unwrap();
-        let (mut y, mut y_ref) = (poisoned(gpu, n * 64), poisoned(gpu, n * 64));
-        ops::linear_q8(gpu, &w, &q_normed, n, &mut y, 64, 0, &ops::Epilogue::default(), None).unwrap();
-        ops::quantize_q8(gpu, &rows, n, dim, norm, &mut q_own).unwrap();
-        ops::linear_q8(gpu, &w, &q_own, n, &mut y_ref, 64, 0, &ops::Epilogue::default(), None).unwrap();
-        let y_ref = download(gpu, &y_ref);
-        let spread = y_ref.iter().fold(0f64, |m, v| m.max(v.abs() as f64));
-        close("embed", &format!("{case} normed hand-off"), &download(gpu, &y), &y_ref, 1e-2, 1e-2 * spread);
-    }
-}
-
 #[test]
 fn embed_reports_out_of_range_ids_without_reading_outside() {
     let Some(gpu) = own_gpu(KernelCacheDir::from_env()) else { return };

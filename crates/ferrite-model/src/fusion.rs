@@ -79,8 +79,8 @@ impl Default for FusionOptions {
     }
 }
 
-/// The int8 hand-offs of a graph: each linear (or gated linear) whose input was written by the
-/// embedding, an attention op, a whole-width linear or a gated linear (directly, or through the `LastRow` op
+/// The int8 hand-offs of a graph: each linear (or gated linear) whose input was written by an
+/// attention op, a whole-width linear or a gated linear (directly, or through the `LastRow` op
 /// before the output head: a hand-off for one-row batches), taking only the first linear after
 /// each producer and keeping hand-offs in sequence (a consumer comes no later than the next
 /// producer), so that two buffers carry them all. `weight_rows` gives a weight's output rows.
@@ -104,7 +104,7 @@ pub fn int8_handoffs(graph: &Graph, weight_rows: impl Fn(WeightId) -> usize) -> 
             producer = p;
         }
         let emits = match graph.ops[producer] {
-            Op::Embed { .. } | Op::Attention { .. } | Op::GatedLinear { .. } => true,
+            Op::Attention { .. } | Op::GatedLinear { .. } => true,
             Op::Linear { w, out, out_col, .. } => out_col == 0 && weight_rows(w) == graph.value(out).width,
             _ => false,
         };

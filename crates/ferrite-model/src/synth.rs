@@ -414,8 +414,7 @@ mod tests {
         }
     }
 
-    /// The int8 hand-offs declared at load: the embedding -> the first QKV projection, per Llama
-    /// layer attention -> output projection ->
+    /// The int8 hand-offs declared at load: per Llama layer attention -> output projection ->
     /// gate/up -> down -> the next layer's QKV, and the last down projection -> the output head
     /// through the copy of the last row (for one-row batches); Gemma's
     /// post-norms and Qwen3.5's gated/GDN outputs leave only the producers that feed a linear
@@ -429,7 +428,7 @@ mod tests {
         let path = write_temp(&llama, GgmlType::Q8_0, 5).unwrap();
         let m = Model::load(&path, FusionOptions::ALL).unwrap();
         let layer = [("attention", "linear"), ("linear", "norm+gated_linear"), ("norm+gated_linear", "linear")];
-        assert_eq!(kinds(&m), [&[("embed", "norm+linear")], &layer[..], &[("linear", "norm+linear")], &layer[..], &[("linear", "norm+linear")]].concat());
+        assert_eq!(kinds(&m), [&layer[..], &[("linear", "norm+linear")], &layer[..], &[("linear", "norm+linear")]].concat());
         let through: Vec<_> = m.graph.handoffs.iter().map(|h| h.last_row.map(|l| m.graph.ops[l].kind())).collect();
         assert!(through[..through.len() - 1].iter().all(Option::is_none) && through.last() == Some(&Some("last_row")), "{through:?}");
         // Validation follows the hand-off through the copy, and refuses one that skips it or
@@ -449,7 +448,7 @@ mod tests {
         assert!(kinds(&unfused).iter().all(|&(p, _)| p != "rms_norm"));
         let gemma = SynthShape { name: "tiny-gemma3", arch: "gemma3", n_layers: 1, n_embd: 64, n_heads: 4, n_kv_heads: 1, head_dim: 32, n_ff: 96, rope_theta: 1e6, context_length: 64, tied_embeddings: true, gdn: None, moe: None };
         let m = Model::load(write_temp(&gemma, GgmlType::Q8_0, 6).unwrap(), FusionOptions::ALL).unwrap();
-        assert_eq!(kinds(&m), [("embed", "norm+linear"), ("attention", "linear"), ("norm+gated_linear", "linear")]);
+        assert_eq!(kinds(&m), [("attention", "linear"), ("norm+gated_linear", "linear")]);
         let gdn = Some(SynthGdn { n_k_heads: 2, n_v_heads: 4, k_dim: 16, v_dim: 32 });
         let qwen35 = SynthShape { name: "tiny-qwen35", arch: "qwen35", n_layers: 4, n_embd: 64, n_heads: 4, n_kv_heads: 2, head_dim: 32, n_ff: 96, rope_theta: 1e7, context_length: 64, tied_embeddings: false, gdn, moe: None };
         let m = Model::load(write_temp(&qwen35, GgmlType::Q8_0, 7).unwrap(), FusionOptions::ALL).unwrap();

@@ -110,12 +110,10 @@ pub fn embed(
     n_tokens: usize,
     out: &mut impl DevicePtrMut<f32>,
 ) -> Result<(), CudaError> {
-    embed_scaled(gpu, table, ids, n_tokens, 1.0, out, None)
+    embed_scaled(gpu, table, ids, n_tokens, 1.0, out)
 }
 
-/// [`embed`] with every value multiplied by `scale` (Gemma's `sqrt(n_embd)`; 1 leaves the rows
-/// exact), and with `emit` the int8 hand-off of the rows to the first linear (as
-/// [`linear_q8`]'s: codes of `row * norm weight` and their sums of squares with a norm).
+/// [`embed`] with every value multiplied by `scale` (Gemma's `sqrt(n_embd)`; 1 leaves the rows exact).
 pub fn embed_scaled(
     gpu: &Gpu,
     table: &DeviceWeight,
@@ -123,7 +121,6 @@ pub fn embed_scaled(
     n_tokens: usize,
     scale: f32,
     out: &mut impl DevicePtrMut<f32>,
-    emit: Option<Q8Emit>,
 ) -> Result<(), CudaError> {
     const OP: &str = "embed";
     if n_tokens == 0 {
@@ -135,20 +132,6 @@ pub fn embed_scaled(
     as_u32(OP, "n_tokens", n_tokens)?;
     check_len(OP, "ids", ids.len(), n_tokens)?;
     check_len(OP, "out", out.len(), elems(OP, &[n_tokens, table.cols])?)?;
-    let (emit_q, emit_s, emit_norm, emit_partials, emit_add_one) = match emit {
-        Some(e) => {
-            if let Some(nm) = &e.norm {
-                check_len(OP, "hand-off norm weight", nm.weight.len(), table.cols)?;
-            }
-            e.dst.fill(OP, n_tokens, table.cols, e.norm.map(|nm| nm.eps))?;
-            let (q, s, p) = e.dst.ptrs(gpu);
-            match e.norm {
-                Some(nm) => (q, s, addr(gpu, nm.weight), p, u32::from(nm.add_one)),
-                None => (q, s, 0, 0, 0),
-            }
-        }
-        None => (0, 0, 0, 0, 0),
-    };
     let variant = EmbedVariant { wtype: table.dtype };
     let [w0, w1, w2, w3] = table.plane_ptrs(gpu);
     let params = EmbedParams {
@@ -159,14 +142,10 @@ pub fn embed_scaled(
         ids: addr(gpu, ids),
         out: addr_mut(gpu, out),
         error_flag: gpu.error_flag_ptr(),
-        emit_q,
-        emit_s,
-        emit_norm,
-        emit_partials,
         vocab: as_u32(OP, "vocabulary", table.rows)?,
         dim: as_u32(OP, "dim", table.cols)?,
         scale,
-        emit_add_one,
+        pad: 0,
     };
     gpu.launch(&variant, "embed", variant.launch_config(n_tokens), &params)
 }
