@@ -837,7 +837,7 @@ impl CudaExecutor {
         self.buf.chain_at.iter_mut().for_each(|c| *c = None);
         self.buf.in_chain.iter_mut().for_each(|c| *c = false);
         // A traced forward reads every value, and a layer launch writes only its output.
-        self.buf.layers_now = n == 1 && self.buf.paging.is_none() && !self.options.trace;
+        self.buf.layers_now = self.untraced_one_row(n);
         if n != 1 || self.buf.paging.is_some() {
             return;
         }
@@ -876,6 +876,12 @@ impl CudaExecutor {
             shapes.push(ops::ChainShape { dtype: m.dtype, weight_rows: m.rows, cols: m.cols, gated: matches!(graph.ops[i], Op::GatedLinear { .. }) });
         }
         ops::chain_variant(&self.gpu, &shapes).err()
+    }
+
+    /// Whether a forward of `n` rows is one untraced token outside batched serving: the batches
+    /// whose fused launches may leave values inside them unwritten.
+    fn untraced_one_row(&self, n: usize) -> bool {
+        n == 1 && self.buf.paging.is_none() && !self.options.trace
     }
 
     /// The cluster size decoder layer `layer` runs in as one launch, or why it cannot.
@@ -965,7 +971,7 @@ impl CudaExecutor {
         self.buf.copy_skipped.iter_mut().for_each(|s| *s = false);
         // A hand-off through the copy of the last row holds when that row is the whole batch
         // (and the copy's output is not traced).
-        let one_row = n == 1 && self.buf.paging.is_none() && !self.options.trace;
+        let one_row = self.untraced_one_row(n);
         for (i, h) in graph.handoffs.iter().enumerate() {
             if h.last_row.is_some() && !one_row {
                 continue;

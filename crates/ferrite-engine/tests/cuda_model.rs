@@ -349,14 +349,14 @@ fn cuda_fp32_matches_cpu_reference_on_real_shapes() {
         );
         assert!(worst <= 1.5 * cpu_worst, "{shape} {dtype}: relative error {worst}, the CPU quantized path has {cpu_worst}");
         assert_eq!(agreed, 65, "{shape} {dtype}: greedy tokens differ from the fp32 reference");
-        assert!(worst <= 1.5 * cpu_worst && agreed == 65, "{shape} {dtype} untraced: relative error {worst}, {agreed}/65 agree");
     }
     // Decoder layers as one cluster launch each (experimental, off by default): where the layer
     // fits a cluster's shared memory (SmolLM2 in Q4_1; not in Q8_0) every declared layer runs
     // that way, drifts from the fp32 reference no more than the CPU's quantized path, and keeps
     // its greedy tokens.
     std::env::set_var("FERRITE_CUDA_CLUSTER_LAYER", "1");
-    for dtype in [GgmlType::Q4_1] {
+    {
+        let dtype = GgmlType::Q4_1;
         let model = synthetic(named("smollm2-135m"), dtype);
         let layers = ferrite_cuda::CudaExecutor::new(Arc::clone(&model), opts(16)).unwrap().layers_run();
         assert!(layers == 30 && model.graph.layers.len() == 30, "smollm2-135m {dtype}: {layers} of {} layers run", model.graph.layers.len());

@@ -86,13 +86,12 @@ impl Default for FusionOptions {
 /// producer), so that two buffers carry them all. `weight_rows` gives a weight's output rows.
 pub fn int8_handoffs(graph: &Graph, weight_rows: impl Fn(WeightId) -> usize) -> Vec<Handoff> {
     let mut found: Vec<Handoff> = Vec::new();
-    let writer = |end: usize, v: ValueId| graph.ops[..end].iter().rposition(|o| o.writes() == v);
     for (consumer, op) in graph.ops.iter().enumerate() {
         let x = match *op {
             Op::Linear { x, .. } | Op::GatedLinear { x, .. } => x,
             _ => continue,
         };
-        let Some(mut producer) = writer(consumer, x) else { continue };
+        let Some(mut producer) = graph.last_writer(consumer, x) else { continue };
         let mut last_row = None;
         if let Op::LastRow { x: rows, out } = graph.ops[producer] {
             // Skipping the copy must leave no reader without its value.
@@ -100,7 +99,7 @@ pub fn int8_handoffs(graph: &Graph, weight_rows: impl Fn(WeightId) -> usize) -> 
                 continue;
             }
             last_row = Some(producer);
-            let Some(p) = writer(producer, rows) else { continue };
+            let Some(p) = graph.last_writer(producer, rows) else { continue };
             producer = p;
         }
         let emits = match graph.ops[producer] {

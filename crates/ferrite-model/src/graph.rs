@@ -423,6 +423,11 @@ impl Graph {
         self.ops.iter().filter_map(|o| if let Op::Attention { layer, .. } = o { Some(*layer) } else { None }).collect()
     }
 
+    /// The last op before op `end` that writes value `v`.
+    pub fn last_writer(&self, end: usize, v: ValueId) -> Option<usize> {
+        self.ops[..end].iter().rposition(|o| o.writes() == v)
+    }
+
     /// Check that every value is written before it is read and that column ranges fit.
     pub fn validate(&self, weight_rows: impl Fn(WeightId) -> usize) -> Result<(), String> {
         let mut written = vec![false; self.values.len()];
@@ -496,13 +501,12 @@ impl Graph {
                 Some(Op::Linear { x, .. } | Op::GatedLinear { x, .. }) => *x,
                 _ => return Err(format!("hand-off {h:?}: the consumer is not a linear")),
             };
-            let last_writer = |end: usize, v: ValueId| self.ops[..end].iter().rposition(|o| o.writes() == v);
             let writer = match h.last_row {
                 Some(l) => match self.ops.get(l) {
-                    Some(Op::LastRow { x, out }) if *out == reads && last_writer(h.consumer, reads) == Some(l) => last_writer(l, *x),
+                    Some(Op::LastRow { x, out }) if *out == reads && self.last_writer(h.consumer, reads) == Some(l) => self.last_writer(l, *x),
                     _ => return Err(format!("hand-off {h:?}: op {l} is not the LastRow the consumer reads")),
                 },
-                None => last_writer(h.consumer, reads),
+                None => self.last_writer(h.consumer, reads),
             };
             if writer != Some(h.producer) || h.producer < previous_consumer {
                 return Err(format!("hand-off {h:?}: not the last writer of the consumer's input, or out of sequence"));
