@@ -950,9 +950,6 @@ impl CudaExecutor {
         if !variant.projects(o.dtype, o.rows) {
             return Some(format!("a {} output projection of {} rows does not fit the attention kernel ({group} heads per block)", o.dtype, o.rows));
         }
-        if graph.value(*x).width > 1024 {
-            return Some(format!("a gate/up input of {} values is wider than its prologue builds (1024)", graph.value(*x).width));
-        }
         if a.n_heads / group > ops::MAX_PARTS {
             return Some(format!("{} blocks' partial sums exceed the gate/up prologue's {}", a.n_heads / group, ops::MAX_PARTS));
         }

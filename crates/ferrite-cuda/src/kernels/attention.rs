@@ -373,21 +373,13 @@ __device__ __forceinline__ void stage_projection(const AttentionParams& p, u32 h
   }
   asm volatile("cp.async.commit_group;" ::: "memory");
 }
-// The block's heads' outputs (s_out, GROUP * HEAD_DIM values) times their columns, as the int8
-// GEMV multiplies: the outputs quantized in 32-value blocks (as an int8 hand-off would leave
-// them), four weights per dp4a, one row per thread at a time; written to the block's partial
-// sums. Every thread calls it.
+// The block's heads' outputs (s_out, GROUP * HEAD_DIM values) times their columns: one row per
+// thread at a time, written to the block's partial sums. Every thread calls it.
 __device__ __forceinline__ void project_output(const AttentionParams& p, u32 head, const float* s_out) {
-  __shared__ __align__(16) i8 s_q[GROUP * HEAD_DIM];
-  __shared__ uint2 s_s[UPB];
   asm volatile("cp.async.wait_all;" ::: "memory");
   __syncthreads();  // every thread's copies, and s_out, are in
-  const int lane = threadIdx.x & 31;
-  for (int b = threadIdx.x >> 5; b < UPB; b += NWARPS) quantize_block_warp(s_out[32 * b + lane], lane, s_q + 32 * b, s_s + b);
-  __syncthreads();
   const i64 units = (i64)p.n_heads * HEAD_DIM / 32, first = (i64)head * HEAD_DIM / 32;
   float* partials = reinterpret_cast<float*>(p.proj_partials) + (i64)(head / GROUP) * p.proj_rows;
-  const int4* xq = reinterpret_cast<const int4*>(s_q);
   for (u32 r = threadIdx.x; r < p.proj_rows; r += NWARPS * 32) {
     float acc = 0.f;
 #pragma unroll
@@ -397,8 +389,7 @@ __device__ __forceinline__ void project_output(const AttentionParams& p, u32 hea
       const WeightRef unit = {proj_qs(slot), proj_scale(p.proj_rows, slot) + ((blk * SCALE_BYTES) & 3), nullptr, nullptr, 32};
       Unit w;
       load_block_unit(unit, 0, 0, w);
-      const uint2 sc = s_s[i];
-      acc += unit_dot_q8(w, xq[2 * i], xq[2 * i + 1], __uint_as_float(sc.x), (float)(int)(short)(sc.y & 0xffffu), (float)((int)sc.y >> 16));
+      acc += unit_dot(w, s_out + 32 * i);
     }
     partials[r] = acc;
   }

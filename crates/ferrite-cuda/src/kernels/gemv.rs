@@ -312,47 +312,39 @@ __device__ __forceinline__ void emit_q8(const GemvQ8Params& p, const Prefetched&
 #if IN_PARTIALS
 // The input of an output projection folded into attention: x = residual + the partial sums in
 // part order (block 0 writes x out: the next ops read it), 1 / rms over the whole row, then
-// x * inv * norm weight quantized into this block's shared memory (dynamic: cols codes, then
-// cols / 32 scales). A warp takes 32-value blocks b = warp, warp + warps, ... (at most
-// MAX_OWN each): every part's load in flight at once, the values kept in registers between
-// the two barriers. Every thread calls it.
-#define MAX_PARTS 16
-#define MAX_OWN 8
+// x * inv * norm weight quantized, a warp per 32-value block, into this block's shared memory
+// (dynamic: cols floats, cols codes, cols / 32 scales). Every thread calls it.
 extern __shared__ __align__(16) u8 pre_smem[];
+#define MAX_PARTS 16
 __device__ void build_input(const GemvQ8Params& p, const int4** xq, const uint2** xs) {
-  i8* q = reinterpret_cast<i8*>(pre_smem);
-  uint2* sc = reinterpret_cast<uint2*>(pre_smem + p.cols);
-  __shared__ float s_ss[MAX_OWN * SLICE_THREADS * KSPLIT / 32];
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
-  const u32 nb = p.cols / 32;
+  float* x = reinterpret_cast<float*>(pre_smem);
+  i8* q = reinterpret_cast<i8*>(pre_smem + (i64)p.cols * 4);
+  uint2* sc = reinterpret_cast<uint2*>(pre_smem + (i64)p.cols * 5);
+  __shared__ float scratch[32];
   const float* parts = reinterpret_cast<const float*>(p.pre_parts);
-  float v[MAX_OWN];
-#pragma unroll
-  for (int j = 0; j < MAX_OWN; ++j) {
-    const u32 b = warp + j * warps, i = 32 * b + lane;
-    v[j] = 0.f;
-    if (b < nb) {
-      float part[MAX_PARTS];
-#pragma unroll
-      for (int k = 0; k < MAX_PARTS; ++k) part[k] = k < (int)p.pre_n_parts ? parts[(i64)k * p.cols + i] : 0.f;
-      float x = reinterpret_cast<const float*>(p.pre_residual)[i];
-#pragma unroll
-      for (int k = 0; k < MAX_PARTS; ++k) x += part[k];  // the missing parts add an exact 0
-      if (blockIdx.x == 0) reinterpret_cast<float*>(p.pre_out)[i] = x;
-      v[j] = x;
-      const float ss = warp_sum(x * x);
-      if (lane == 0) s_ss[b] = ss;
-    }
-  }
-  __syncthreads();
+  const float* res = reinterpret_cast<const float*>(p.pre_residual);
+  const bool writer = blockIdx.x == 0;
   float ss = 0.f;
-  for (u32 b = 0; b < nb; ++b) ss += s_ss[b];  // every thread, in block order
-  const float inv = 1.f / sqrtf(ss / (float)p.cols + p.pre_eps);
-  const float* g = reinterpret_cast<const float*>(p.pre_norm);
+#pragma unroll 4
+  for (u32 i = threadIdx.x; i < p.cols; i += blockDim.x) {
+    // Every part's load issued before the sum (one L2 round trip, not one per part); the
+    // missing parts add an exact 0.
+    float part[MAX_PARTS];
 #pragma unroll
-  for (int j = 0; j < MAX_OWN; ++j) {
-    const u32 b = warp + j * warps, i = 32 * b + lane;
-    if (b < nb) quantize_block_warp(v[j] * inv * (p.pre_add_one ? 1.f + g[i] : g[i]), lane, q + 32 * b, sc + b);
+    for (int k = 0; k < MAX_PARTS; ++k) part[k] = k < (int)p.pre_n_parts ? parts[(i64)k * p.cols + i] : 0.f;
+    float v = res[i];
+#pragma unroll
+    for (int k = 0; k < MAX_PARTS; ++k) v += part[k];
+    x[i] = v;
+    if (writer) reinterpret_cast<float*>(p.pre_out)[i] = v;
+    ss += v * v;
+  }
+  const float inv = 1.f / sqrtf(block_sum(ss, scratch) / (float)p.cols + p.pre_eps);  // its barriers publish x
+  const int lane = threadIdx.x & 31;
+  const float* g = reinterpret_cast<const float*>(p.pre_norm);
+  for (u32 b = threadIdx.x >> 5; b < p.cols / 32; b += blockDim.x >> 5) {
+    const u32 i = 32 * b + lane;
+    quantize_block_warp(x[i] * inv * (p.pre_add_one ? 1.f + g[i] : g[i]), lane, q + 32 * b, sc + b);
   }
   __syncthreads();
   *xq = reinterpret_cast<const int4*>(q);
@@ -425,20 +417,21 @@ extern "C" __global__ void __launch_bounds__(SLICE_THREADS * KSPLIT) gemv_q8(con
   // Issue all UNROLL x ROWS weight loads of a batch before any math, so that each lane keeps
   // that many bytes in flight. Indices past the end are clamped (a safe re-read, never used).
   Unit wu[UNROLL][WROWS];
-#define LOAD_BATCH(u0)                                                                                                     \
-  _Pragma("unroll") for (int j = 0; j < UNROLL; ++j)                                                                      \
-    _Pragma("unroll") for (int r = 0; r < WROWS; ++r) load_unit(WEIGHT_OF(r), weight_row(p, ebase, row0, r), min((u0) + j * TPR, units - 1), wu[j][r])
+  const auto load_batch = [&](int u0) {
+#pragma unroll
+    for (int j = 0; j < UNROLL; ++j)
+#pragma unroll
+      for (int r = 0; r < WROWS; ++r) load_unit(WEIGHT_OF(r), weight_row(p, ebase, row0, r), min(u0 + j * TPR, units - 1), wu[j][r]);
+  };
 #if IN_PARTIALS
   // The input is built by the whole block after the wait (barriers): every thread loads its
   // first batch, clamped, then waits there.
-  LOAD_BATCH(u_first);
+  load_batch(u_first);
   wait_then_prefetch();
 #endif
   if (row0 < p.rows) {
     for (int u0 = u_first; u0 < units; u0 += TPR * UNROLL * KSPLIT) {
-      if (!IN_PARTIALS || u0 != u_first) {
-        LOAD_BATCH(u0);
-      }
+      if (!IN_PARTIALS || u0 != u_first) load_batch(u0);
       if (!waited) wait_then_prefetch();
 #pragma unroll
       for (int t = 0; t < NTOK; ++t) {
@@ -859,10 +852,10 @@ impl GemvQ8Variant {
         GemvQ8Variant { k_split: k_split as u32, ..v }
     }
 
-    /// Shared memory of the `IN_PARTIALS` prologue for rows of `cols`: the row's codes and
-    /// block scales.
+    /// Shared memory of the `IN_PARTIALS` prologue for rows of `cols`: the row as f32, its
+    /// codes and block scales.
     pub fn prologue_bytes(&self, cols: usize) -> u32 {
-        if self.in_partials { (cols + cols / 32 * 8) as u32 } else { 0 }
+        if self.in_partials { (cols * 4 + cols + cols / 32 * 8) as u32 } else { 0 }
     }
 
     pub fn rows_per_block(&self) -> usize {

@@ -1021,8 +1021,6 @@ pub struct PartialsPrologue<'a> {
 
 /// Most partial sums a [`PartialsPrologue`] adds (the kernel's `MAX_PARTS`).
 pub const MAX_PARTS: usize = 16;
-/// Most 32-value blocks of the input each warp of the prologue builds (the kernel's `MAX_OWN`).
-const PARTIALS_MAX_OWN: usize = 8;
 
 /// [`linear_q8`] for one token whose input comes from a [`PartialsPrologue`] (its `cols` are
 /// the weight's).
@@ -1158,9 +1156,6 @@ pub(super) fn gemv_q8(
         pre_pad: 0,
     };
     let mut cfg = variant.launch_config(out_rows, grid_tokens);
-    if variant.in_partials && w.cols / 32 > PARTIALS_MAX_OWN * cfg.block_dim.0 as usize / 32 {
-        return Err(CudaError::invalid(OP, format!("an input of {} values exceeds what {} threads build in the prologue", w.cols, cfg.block_dim.0)));
-    }
     cfg.shared_mem_bytes += variant.prologue_bytes(w.cols);
     if cfg.grid_dim.1 > 65535 {
         return Err(CudaError::invalid(OP, format!("{n_tokens} tokens exceed the GEMV grid; use the GEMM path")));
