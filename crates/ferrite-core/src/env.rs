@@ -185,9 +185,6 @@ switches! {
     /// Declared linear chains run as one persistent launch (CUDA, experimental).
     CUDA_LINEAR_CHAIN = ("FERRITE_CUDA_LINEAR_CHAIN", "0", AbTest,
         "1 runs each linear chain declared at load (a layer's output projection, gate/up, down and the next QKV) as one persistent launch in one-token CUDA steps (kernels/chain.rs), instead of four int8 GEMV launches. Off by default: it is still 2-2.5x slower per layer (docs/perf.md, stop 28); a note at load names chains it cannot run.");
-    /// A decoder layer's output projection inside its attention kernel (CUDA).
-    DISABLE_CUDA_OUT_PROJ_FOLD = ("FERRITE_DISABLE_CUDA_OUT_PROJ_FOLD", "0", AbTest,
-        "1 runs each declared decoder layer's output projection as its own int8 GEMV launch in one-token CUDA steps, instead of inside the attention kernel (each block multiplies its heads by their columns of the projection, staged in shared memory before the wait; the gate/up GEMV adds the blocks' partial sums and the residual in its prologue). The fold serves projections whose columns per block fit 48 KiB (SmolLM2-sized; larger models keep the separate launch).");
     /// Decode attention stores the token's K/V itself (CUDA).
     DISABLE_KV_STORE_FUSION = ("FERRITE_DISABLE_KV_STORE_FUSION", "0", AbTest,
         "1 runs the CUDA decode steps' K/V store (and RoPE) as its own store_qkv launch before attention, instead of inside the attention kernel (one-token steps, and batched serving steps of one token per sequence).");

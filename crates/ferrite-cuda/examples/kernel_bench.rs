@@ -555,8 +555,8 @@ fn attention(gpu: &Gpu) -> Result<(), CudaError> {
             let p = gpu.upload(&[pos], "pos")?;
             // The layout the executor would take at this position.
             let ops::DecodeLayout { group, splits } = layouts.layout(layouts.is_long(pos as usize + 1));
-            let s = time(gpu, 200, || ops::store_and_attend(gpu, &mut cache, &qkv, &p, &cfg, Some(&rope), None, group, &mut out, None, None))?;
-            let split = time(gpu, 200, || ops::store_and_attend(gpu, &mut cache, &qkv, &p, &cfg, Some(&rope), Some((splits, &mut scratch)), group, &mut out, None, None))?;
+            let s = time(gpu, 200, || ops::store_and_attend(gpu, &mut cache, &qkv, &p, &cfg, Some(&rope), None, group, &mut out, None))?;
+            let split = time(gpu, 200, || ops::store_and_attend(gpu, &mut cache, &qkv, &p, &cfg, Some(&rope), Some((splits, &mut scratch)), group, &mut out, None))?;
             // K and V rows read per launch (each query head's block reads its group's rows).
             let gbs = (n_heads * (pos as usize + 1) * head_dim * 2 * 2) as f64 / split / 1e9;
             println!("  kv_len={:<5} {group} heads per block {:>9.2} us, split in {splits}: {:>9.2} us ({gbs:.0} GB/s of K/V rows per query head)", pos + 1, s * 1e6, split * 1e6);

@@ -177,15 +177,6 @@ struct Buffers {
     /// Per op: the cluster size of the declared decoder layer starting there, planned at load
     /// when `FERRITE_CUDA_CLUSTER_LAYER=1` (`None`: it runs as its five ops).
     layer_cluster: Vec<Option<usize>>,
-    /// Per op, for the batch being run (`plan_folds`): `Some(o)` at a declared decoder layer's
-    /// attention, output projection (op `o`, which then does not run) and gate/up when the
-    /// projection runs inside the attention kernel ([`ops::OutProj`]) and the gate/up builds its
-    /// input from the partial sums ([`ops::PartialsPrologue`]).
-    fold_at: Vec<Option<usize>>,
-    /// The folded projections' partial sums (`[n_heads, dim]`, one layer at a time).
-    proj_partials: CudaSlice<f32>,
-    /// `FERRITE_DISABLE_CUDA_OUT_PROJ_FOLD` unset.
-    folds_on: bool,
     kv: PerLayer<KvCache>,
     gdn: PerLayer<GdnState>,
     /// Working memory of the MoE FFN ops, one per distinct shape.
@@ -335,9 +326,6 @@ impl Buffers {
             chains_on: env::CUDA_LINEAR_CHAIN.flag(),
             layers_now: false,
             layer_cluster: vec![None; graph.ops.len()],
-            fold_at: vec![None; graph.ops.len()],
-            proj_partials: gpu.alloc_zeros((cfg.n_heads * graph.values.iter().map(|v| v.width).max().unwrap_or(0)).max(1))?,
-            folds_on: !env::DISABLE_CUDA_OUT_PROJ_FOLD.flag(),
             ids: gpu.alloc_zeros(rows)?,
             positions: gpu.alloc_zeros(rows)?,
             token: gpu.alloc_zeros(1)?,
@@ -568,19 +556,6 @@ impl CudaExecutor {
         if !refusals.is_empty() {
             eprintln!("note: decode layers run their linears as separate launches, not one chain: {}", refusals.join("; "));
         }
-        if executor.buf.folds_on && executor.buf.fused_kv_store {
-            // Layouts whose attention cannot take the output projection (a note, not silence).
-            let d = executor.buf.decode;
-            let mut reasons: Vec<String> = [d.short.group, d.long.group]
-                .into_iter()
-                .flat_map(|group| executor.model.graph.layers.iter().map(move |&l| (l, group)))
-                .filter_map(|(l, group)| executor.fold_refusal(l, group))
-                .collect();
-            reasons.dedup();
-            if !reasons.is_empty() {
-                eprintln!("note: decode steps run the output projection as its own launch: {}", reasons.join("; "));
-            }
-        }
         if env::CUDA_CLUSTER_LAYER.flag() {
             let mut reasons = Vec::new();
             for layer in executor.model.graph.layers.clone() {
@@ -604,11 +579,6 @@ impl CudaExecutor {
     /// declares; none unless `FERRITE_CUDA_CLUSTER_LAYER=1`).
     pub fn layers_run(&self) -> usize {
         self.buf.layer_cluster.iter().flatten().count()
-    }
-
-    /// Decoder layers whose output projection the last forward pass ran inside attention.
-    pub fn folds_run(&self) -> usize {
-        self.buf.fold_at.iter().enumerate().filter(|&(i, f)| *f == Some(i)).count()
     }
 
     /// The int8 hand-offs the last forward pass ran, and the copies of its last row it skipped.
@@ -803,7 +773,6 @@ impl CudaExecutor {
         let timing = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
         let mut events = Vec::new();
         self.plan_chains(n);
-        self.plan_folds(n);
         self.plan_handoffs(n);
         self.buf.staged_runs += self.buf.staged_out.iter().flatten().count() as u64;
         let mut chained_until = 0;
@@ -831,7 +800,7 @@ impl CudaExecutor {
                 }
                 continue;
             }
-            if self.buf.copy_skipped[i] || self.buf.fold_at[i] == Some(i) {
+            if self.buf.copy_skipped[i] {
                 continue;
             }
             let out_slot = self.plan.slot(op.writes());
@@ -913,50 +882,6 @@ impl CudaExecutor {
     /// whose fused launches may leave values inside them unwritten.
     fn untraced_one_row(&self, n: usize) -> bool {
         n == 1 && self.buf.paging.is_none() && !self.options.trace
-    }
-
-    /// Which declared decoder layers run their output projection inside the attention kernel
-    /// for a batch of `n` (see `Buffers::fold_at`): untraced one-token steps with the fused K/V
-    /// store, layers outside chains and cluster launches, as far as [`Self::fold_refusal`]
-    /// allows for this step's attention layout.
-    fn plan_folds(&mut self, n: usize) {
-        self.buf.fold_at.iter_mut().for_each(|f| *f = None);
-        if !self.buf.folds_on || !self.untraced_one_row(n) || !self.buf.fused_kv_store {
-            return;
-        }
-        let group = self.buf.decode.layout(self.buf.decode_long).group;
-        for layer in self.model.graph.layers.clone() {
-            if layer.ops().any(|i| self.buf.in_chain[i]) || self.fold_refusal(layer, group).is_some() {
-                continue;
-            }
-            let (attention, o, gate_up) = (layer.first + 1, layer.first + 2, layer.first + 3);
-            for i in [attention, o, gate_up] {
-                self.buf.fold_at[i] = Some(o);
-            }
-        }
-    }
-
-    /// Why decoder layer `layer` cannot fold its output projection into an attention launch of
-    /// `group` query heads per block, or `None` if it can.
-    fn fold_refusal(&self, layer: DecoderLayer, group: usize) -> Option<String> {
-        let graph = &self.model.graph;
-        let (Op::Attention { layer: kv, .. }, Op::Linear { w: o, .. }, Op::GatedLinear { w: gate_up, x, .. }) = (&graph.ops[layer.first + 1], &graph.ops[layer.first + 2], &graph.ops[layer.first + 3]) else {
-            return Some("not a decoder layer".into());
-        };
-        let (Some(o), Some(gate_up)) = (as_matrix(&self.weights[o.0 as usize]), as_matrix(&self.weights[gate_up.0 as usize])) else { return Some("a weight is not a matrix".into()) };
-        let a = graph.attention;
-        let cache = &self.buf.kv[*kv];
-        let variant = crate::kernels::attention::AttentionVariant::storing(a.head_dim, cache.dtype, crate::kernels::attention::RopeStyle::Neox, false, group);
-        if !variant.projects(o.dtype, o.rows) {
-            return Some(format!("a {} output projection of {} rows does not fit the attention kernel ({group} heads per block)", o.dtype, o.rows));
-        }
-        if a.n_heads / group > ops::MAX_PARTS {
-            return Some(format!("{} blocks' partial sums exceed the gate/up prologue's {}", a.n_heads / group, ops::MAX_PARTS));
-        }
-        if ops::linear_plan(gate_up.dtype, graph.value(*x).width, 1, &self.gpu.linear_options()) != ops::LinearPlan::GemvQ8 {
-            return Some(format!("a {} gate/up weight does not take the int8 GEMV", gate_up.dtype));
-        }
-        None
     }
 
     /// The cluster size decoder layer `layer` runs in as one launch, or why it cannot.
@@ -1056,10 +981,8 @@ impl CudaExecutor {
                 Op::Attention { .. } => graph.attention.head_dim.is_multiple_of(32),
                 _ => runs_int8(producer) && graph.value(producer.writes()).width.is_multiple_of(32),
             };
-            // A chain quantizes its links' inputs itself and leaves no int8 outputs; so does a
-            // folded output projection (its attention and it hand nothing over).
-            let folded = matches!(self.buf.fold_at[h.producer], Some(o) if h.producer <= o);
-            let chained = self.buf.in_chain[h.producer] || self.buf.in_chain[h.consumer] || folded;
+            // A chain quantizes its links' inputs itself and leaves no int8 outputs.
+            let chained = self.buf.in_chain[h.producer] || self.buf.in_chain[h.consumer];
             if emits && !chained && runs_int8(&graph.ops[h.consumer]) {
                 self.buf.handoff_out[h.producer] = Some(i);
                 self.buf.handoff_in[h.consumer] = Some(i);
@@ -1080,7 +1003,7 @@ impl CudaExecutor {
         // projection on cuBLAS.
         for h in &graph.handoffs {
             let Op::Linear { x, w, norm: None, bias: None, out_col: 0, out, .. } = &graph.ops[h.consumer] else { continue };
-            if self.buf.in_chain[h.producer] || self.buf.in_chain[h.consumer] || self.buf.fold_at[h.consumer].is_some() {
+            if self.buf.in_chain[h.producer] || self.buf.in_chain[h.consumer] {
                 continue;
             }
             let Some(w) = matrix(*w) else { continue };
@@ -1224,11 +1147,7 @@ impl CudaExecutor {
                         1 => None,
                         splits => Some((splits, &mut buf.split_scratch)),
                     };
-                    let proj = buf.fold_at[index].map(|o| match graph.ops[o] {
-                        Op::Linear { w, .. } => ops::OutProj { w: matrix(w), partials: &mut buf.proj_partials },
-                        _ => unreachable!("a folded projection is a linear (plan_folds)"),
-                    });
-                    ops::store_and_attend(gpu, cache, input(qkv), &buf.positions, &cfg, rope.as_ref(), split, layout.group, out, emit, proj)?;
+                    ops::store_and_attend(gpu, cache, input(qkv), &buf.positions, &cfg, rope.as_ref(), split, layout.group, out, emit)?;
                     return Ok(());
                 }
                 // One kernel splits the rows: rotated Q to scratch, rotated K and V into the cache.
@@ -1249,23 +1168,7 @@ impl CudaExecutor {
                     GatedActivation::GeluTanh => ops::Glu::GeGlu,
                 };
                 let (r, xw, half) = (rows(x), width(x), width(op.writes()));
-                if let (Some(o), Some(nm)) = (buf.fold_at[index], norm) {
-                    // Its input from the folded output projection's partial sums (`plan_folds`):
-                    // the projection's residual added, its output written, normalised, quantized.
-                    let Op::Linear { residual: Some(res), out: x_out, .. } = graph.ops[o] else { unreachable!("a folded projection adds the residual (plan_folds)") };
-                    let group = buf.decode.layout(buf.decode_long).group;
-                    let (_, _, emit) = q8_buffers(&mut buf.q8, &mut buf.q8_handoff, None, buf.handoff_out[index]);
-                    let prologue = ops::PartialsPrologue {
-                        partials: &buf.proj_partials,
-                        n_parts: graph.attention.n_heads / group,
-                        residual: input(res),
-                        x_out: ops::DeviceView::of(gpu, input(x_out)),
-                        norm: norm_prologue(nm),
-                    };
-                    let epilogue = ops::Epilogue { glu: Some(glu), ..Default::default() };
-                    let emit = emit.map(|dst| ops::Q8Emit { dst, norm: handoff_norm(index).map(norm_prologue) });
-                    ops::linear_q8_from_partials(gpu, matrix(w), prologue, out, &epilogue, emit)?;
-                } else if ops::linear_plan(matrix(w).dtype, xw, r, &gpu.linear_options()) == ops::LinearPlan::GemvQ8 {
+                if ops::linear_plan(matrix(w).dtype, xw, r, &gpu.linear_options()) == ops::LinearPlan::GemvQ8 {
                     // Quantized (+ norm) input, then one GEMV whose epilogue applies the activation.
                     let (q8, quantize, emit) = q8_buffers(&mut buf.q8, &mut buf.q8_handoff, buf.handoff_in[index], buf.handoff_out[index]);
                     if quantize {

@@ -1325,7 +1325,7 @@ fn store_and_attend_matches_store_then_attention_on(gpu: &Gpu) {
             let (mut out, mut want) = (poisoned(gpu, qw), poisoned(gpu, qw));
             let mut emitted = ops::Q8Activations::new(gpu, qw).unwrap();
             let group = ops::DecodeLayouts::new(gpu, n_heads, n_kv, hd, max_seq, false).short.group;
-            ops::store_and_attend(gpu, &mut fused, &qkv, &pos, &cfg, rope.as_ref(), None, group, &mut out, Some(ops::AttentionEmit::Q8(&mut emitted)), None).unwrap();
+            ops::store_and_attend(gpu, &mut fused, &qkv, &pos, &cfg, rope.as_ref(), None, group, &mut out, Some(ops::AttentionEmit::Q8(&mut emitted))).unwrap();
             let mut q = poisoned(gpu, qw);
             ops::store_qkv(gpu, &mut twin, &qkv, row, 1, n_heads, &pos, rope.as_ref(), &mut q).unwrap();
             ops::attention(gpu, &q, &twin, &pos, 1, &cfg, &mut want, None).unwrap();
@@ -1334,83 +1334,6 @@ fn store_and_attend_matches_store_then_attention_on(gpu: &Gpu) {
             assert_handoff_is_quantize(gpu, &emitted, &out, 1, qw, &name);
         }
         assert_eq!(fused.download(gpu).unwrap(), twin.download(gpu).unwrap(), "cache rows written by the fused store");
-    }
-}
-
-/// An output projection folded into one-token attention (`ops::OutProj`): each block's partial
-/// sums against the attention output times the dequantized weight's columns on the host, one
-/// block and split over shares; then the gate/up GEMV building its input from those partials
-/// (`ops::linear_q8_from_partials`) against the residual plus the projection, quantized with
-/// its norm and multiplied by the plain int8 GEMV.
-#[test]
-fn folded_output_projection_matches_the_separate_ops() {
-    let Some(gpu) = gpu() else { return };
-    let mut rng = Rng(29);
-    // (query heads, KV heads, head_dim, projection type, split shares)
-    let cases = [(9, 3, 64, GgmlType::Q4_1, 1), (9, 3, 64, GgmlType::Q4_1, 8), (8, 2, 64, GgmlType::Q8_0, 4), (4, 4, 128, GgmlType::Q4_0, 1)];
-    for (n_heads, n_kv, hd, wtype, splits) in cases {
-        let (max_seq, dim, ff) = (256, n_heads * hd, 3 * n_heads * hd / 2);
-        let row = (n_heads + 2 * n_kv) * hd;
-        let rope = RopeConfig { n_heads, head_dim: hd, rot_dim: hd, theta: 10_000.0, freq_scale: 1.0, neox: true };
-        let cfg = AttentionConfig { n_heads, scale: 1.0 / (hd as f32).sqrt(), window: None, softcap: None };
-        let wo_packed = quantize(wtype, &rng.vec(dim * dim, -0.1, 0.1)).unwrap();
-        let mut wo_host = vec![0f32; dim * dim];
-        dequantize(wtype, &wo_packed, &mut wo_host).unwrap();
-        let wo = gpu.upload_weight(wtype, dim, dim, &wo_packed).unwrap();
-        let gu = gpu.upload_weight(wtype, 2 * ff, dim, &quantize(wtype, &rng.vec(2 * ff * dim, -0.1, 0.1)).unwrap()).unwrap();
-        let norm_w = upload(gpu, &rng.vec(dim, 0.5, 1.5));
-        let residual_host = rng.vec(dim, -1.0, 1.0);
-        let residual = upload(gpu, &residual_host);
-        let (mut folded, mut plain) = (KvCache::new(gpu, KvDtype::F16, max_seq, n_kv, hd).unwrap(), KvCache::new(gpu, KvDtype::F16, max_seq, n_kv, hd).unwrap());
-        let prefill = 150;
-        let rows = upload(gpu, &rng.vec(prefill * row, -1.0, 1.0));
-        let pos = upload(gpu, &(0..prefill as u32).collect::<Vec<u32>>());
-        let mut q = poisoned(gpu, prefill * n_heads * hd);
-        for cache in [&mut folded, &mut plain] {
-            ops::store_qkv(gpu, cache, &rows, row, prefill, n_heads, &pos, Some(&rope), &mut q).unwrap();
-        }
-        let mut scratch = ops::SplitScratch::new(gpu, n_heads, splits.max(2), hd).unwrap();
-        for p in prefill as u32..prefill as u32 + 2 {
-            let name = format!("h{n_heads}/{n_kv} d{hd} {wtype} pos{p} in {splits} shares");
-            let qkv = upload(gpu, &rng.vec(row, -1.0, 1.0));
-            let pos = upload(gpu, &[p]);
-            let (mut got, mut want) = (poisoned(gpu, dim), poisoned(gpu, dim));
-            let mut partials = poisoned(gpu, n_heads * dim);
-            let proj = Some(ops::OutProj { w: &wo, partials: &mut partials });
-            let split = (splits > 1).then_some((splits, &mut scratch));
-            ops::store_and_attend(gpu, &mut folded, &qkv, &pos, &cfg, Some(&rope), split, 1, &mut got, None, proj).unwrap();
-            ops::store_and_attend(gpu, &mut plain, &qkv, &pos, &cfg, Some(&rope), None, 1, &mut want, None, None).unwrap();
-            let att = download(gpu, &want);
-            close("attention with a folded projection", &name, &download(gpu, &got), &att, 1e-5, 2e-6);
-            // Block h's partial sums: row r of the weight over head h's columns.
-            let parts = download(gpu, &partials);
-            let mut expect = vec![0f32; n_heads * dim];
-            for h in 0..n_heads {
-                for r in 0..dim {
-                    expect[h * dim + r] = (0..hd).map(|d| wo_host[r * dim + h * hd + d] * att[h * hd + d]).sum();
-                }
-            }
-            close("projection partials", &name, &parts, &expect, 1e-4, 1e-5);
-
-            // The gate/up GEMV from the partials against the plain path on x = residual + projection.
-            let x_host: Vec<f32> = (0..dim).map(|i| (0..n_heads).fold(residual_host[i], |acc, h| acc + parts[h * dim + i])).collect();
-            let x_out = poisoned(gpu, dim);
-            let (mut out, mut out_want) = (poisoned(gpu, ff), poisoned(gpu, ff));
-            let norm = ops::NormPrologue { weight: &norm_w, eps: 1e-5, add_one: false };
-            let epilogue = ops::Epilogue { glu: Some(ops::Glu::SwiGlu), ..Default::default() };
-            let input = ops::PartialsPrologue { partials: &partials, n_parts: n_heads, residual: &residual, x_out: ops::DeviceView::of(gpu, &x_out), norm };
-            ops::linear_q8_from_partials(gpu, &gu, input, &mut out, &epilogue, None).unwrap();
-            assert_eq!(download(gpu, &x_out), x_host, "{name}: the stream written by the prologue (residual, then the parts in order)");
-            let mut q8 = ops::Q8Activations::new(gpu, dim).unwrap();
-            ops::quantize_q8(gpu, &upload(gpu, &x_host), 1, dim, Some(norm), &mut q8).unwrap();
-            ops::linear_q8(gpu, &gu, &q8, 1, &mut out_want, ff, 0, &epilogue, None).unwrap();
-            close("gate/up from partials", &name, &download(gpu, &out), &download(gpu, &out_want), 1e-3, 1e-4);
-        }
-        // Projections the kernel cannot stage are refused, not run another way.
-        let big = gpu.upload_weight(wtype, 4096, dim, &quantize(wtype, &vec![0.0; 4096 * dim]).unwrap()).unwrap();
-        let (qkv, pos, mut out, mut partials) = (upload(gpu, &vec![0.0; row]), upload(gpu, &[0u32]), poisoned(gpu, dim), poisoned(gpu, n_heads * 4096));
-        let err = ops::store_and_attend(gpu, &mut folded, &qkv, &pos, &cfg, Some(&rope), None, 1, &mut out, None, Some(ops::OutProj { w: &big, partials: &mut partials }));
-        assert!(err.unwrap_err().to_string().contains("cannot be folded"), "{n_heads}/{hd}");
     }
 }
 
@@ -1452,15 +1375,15 @@ fn split_store_and_attend_matches_one_block_on(gpu: &Gpu) {
             let (mut got, mut want) = (poisoned(gpu, n_heads * hd), poisoned(gpu, n_heads * hd));
             let mut emitted = ops::Q8Activations::new(gpu, n_heads * hd).unwrap();
             let group = ops::DecodeLayouts::new(gpu, n_heads, n_kv, hd, max_seq, true).short.group;
-            ops::store_and_attend(gpu, &mut split, &qkv, &pos, &cfg, Some(&rope), Some((splits, &mut scratch)), group, &mut got, Some(ops::AttentionEmit::Q8(&mut emitted)), None).unwrap();
-            ops::store_and_attend(gpu, &mut one, &qkv, &pos, &cfg, Some(&rope), None, group, &mut want, None, None).unwrap();
+            ops::store_and_attend(gpu, &mut split, &qkv, &pos, &cfg, Some(&rope), Some((splits, &mut scratch)), group, &mut got, Some(ops::AttentionEmit::Q8(&mut emitted))).unwrap();
+            ops::store_and_attend(gpu, &mut one, &qkv, &pos, &cfg, Some(&rope), None, group, &mut want, None).unwrap();
             close("store+attn split", &name, &download(gpu, &got), &download(gpu, &want), 1e-5, 2e-6);
             assert_handoff_is_quantize(gpu, &emitted, &got, 1, n_heads * hd, &name);
         }
         assert_eq!(split.download(gpu).unwrap(), one.download(gpu).unwrap(), "cache rows written by the split kernel");
         let (qkv, pos, mut out) = (upload(gpu, &vec![0.0; row]), upload(gpu, &[0u32]), poisoned(gpu, n_heads * hd));
         let bad = n_heads / n_kv + 1;
-        let err = ops::store_and_attend(gpu, &mut split, &qkv, &pos, &cfg, Some(&rope), None, bad, &mut out, None, None).unwrap_err().to_string();
+        let err = ops::store_and_attend(gpu, &mut split, &qkv, &pos, &cfg, Some(&rope), None, bad, &mut out, None).unwrap_err().to_string();
         assert!(err.contains("query heads per block"), "{err}");
     }
 }

@@ -12,12 +12,11 @@
 //! device memory (blocks past the keys leave at once; a lone share skips the merge), so one
 //! captured decode graph serves every position.
 
-use super::common::{HEADER, QUANT};
+use super::common::HEADER;
 use super::quantize::Q8_BLOCK;
 use super::rope::ROPE_ANGLE;
 use super::{blocks_for, device_params, KernelVariant};
 use cudarc::driver::LaunchConfig;
-use ferrite_gguf::GgmlType;
 
 /// Element type of the KV cache (`KV_F16`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
@@ -285,14 +284,6 @@ device_params! {
         pub row_seq: u64,
         pub max_blocks: u32,
         pub block_size: u32,
-        /// OUT_PROJ only: the output projection's weight planes (`proj_rows` rows of `n_heads *
-        /// head_dim` columns), and its partial sums: `[n_heads / GROUP, proj_rows]`, block x's
-        /// row over its heads' columns.
-        pub proj_w0: u64,
-        pub proj_w1: u64,
-        pub proj_partials: u64,
-        pub proj_rows: u32,
-        pub proj_pad: u32,
     }
 }
 
@@ -340,60 +331,6 @@ const ATTENTION: &str = r#"
 #endif
 #ifndef GROUP
 #error "GROUP (query heads per block: the heads of one KV group score each K row and weigh each V row they load together; 1: a block per query head) must come from the kernel variant"
-#endif
-#ifndef OUT_PROJ
-#error "OUT_PROJ (1: the block also multiplies its heads' outputs by their columns of the output projection, a WTYPE weight staged in shared memory before the wait, and writes the partial sums) must come from the kernel variant"
-#endif
-#if OUT_PROJ && (!STORE || PAGED || !(WTYPE == GGML_Q4_0 || WTYPE == GGML_Q4_1 || WTYPE == GGML_Q8_0))
-#error "OUT_PROJ runs one decode token over a contiguous cache, with Q4_0, Q4_1 or Q8_0 weights"
-#endif
-#if OUT_PROJ
-// The block's columns of the output projection: UPB 32-value units of each row, staged raw (a
-// unit's quant bytes, then apart the 4 aligned bytes holding its scale) in dynamic shared
-// memory, unit i of row r in slot r * UPB + i.
-#define UPB (GROUP * HEAD_DIM / 32)
-extern __shared__ __align__(16) u8 proj_smem[];
-__device__ __forceinline__ u8* proj_qs(int slot) { return proj_smem + (i64)slot * QS_BYTES; }
-__device__ __forceinline__ u8* proj_scale(u32 rows, int slot) { return proj_smem + (i64)rows * UPB * QS_BYTES + (i64)slot * 4; }
-__device__ __forceinline__ void copy_async(u8* dst, const u8* src, int bytes) {
-  if (bytes == 16)
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"((u32)__cvta_generic_to_shared(dst)), "l"(src) : "memory");
-  else
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"((u32)__cvta_generic_to_shared(dst)), "l"(src) : "memory");
-}
-// Copies the block's units (first head `head`) into shared memory; no registers held.
-__device__ __forceinline__ void stage_projection(const AttentionParams& p, u32 head) {
-  const i64 units = (i64)p.n_heads * HEAD_DIM / 32, first = (i64)head * HEAD_DIM / 32;
-  for (int slot = threadIdx.x; slot < (int)p.proj_rows * UPB; slot += NWARPS * 32) {
-    const i64 blk = (slot / UPB) * units + first + slot % UPB;
-#pragma unroll
-    for (int b = 0; b < QS_BYTES; b += 16) copy_async(proj_qs(slot) + b, reinterpret_cast<const u8*>(p.proj_w0) + blk * QS_BYTES + b, 16);
-    // A 2-byte scale comes with its aligned neighbour (within the plane).
-    copy_async(proj_scale(p.proj_rows, slot), reinterpret_cast<const u8*>(p.proj_w1) + ((blk * SCALE_BYTES) & ~(i64)3), 4);
-  }
-  asm volatile("cp.async.commit_group;" ::: "memory");
-}
-// The block's heads' outputs (s_out, GROUP * HEAD_DIM values) times their columns: one row per
-// thread at a time, written to the block's partial sums. Every thread calls it.
-__device__ __forceinline__ void project_output(const AttentionParams& p, u32 head, const float* s_out) {
-  asm volatile("cp.async.wait_all;" ::: "memory");
-  __syncthreads();  // every thread's copies, and s_out, are in
-  const i64 units = (i64)p.n_heads * HEAD_DIM / 32, first = (i64)head * HEAD_DIM / 32;
-  float* partials = reinterpret_cast<float*>(p.proj_partials) + (i64)(head / GROUP) * p.proj_rows;
-  for (u32 r = threadIdx.x; r < p.proj_rows; r += NWARPS * 32) {
-    float acc = 0.f;
-#pragma unroll
-    for (int i = 0; i < UPB; ++i) {
-      const int slot = r * UPB + i;
-      const i64 blk = (i64)r * units + first + i;
-      const WeightRef unit = {proj_qs(slot), proj_scale(p.proj_rows, slot) + ((blk * SCALE_BYTES) & 3), nullptr, nullptr, 32};
-      Unit w;
-      load_block_unit(unit, 0, 0, w);
-      acc += unit_dot(w, s_out + 32 * i);
-    }
-    partials[r] = acc;
-  }
-}
 #endif
 // A cache row as 16-byte vectors of KV_VEC values. A lane scores one key: the first K_PRE
 // vectors of its K row are requested with the batch's V rows (see load_batch), the rest (long
@@ -522,22 +459,12 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32) attention(const Attent
   qkv_pair_angle(threadIdx.x, pos, p.rot_dim, p.theta, p.freq_scale, &rope_c, &rope_s);
 #endif
   if (!bad_pos) prefetch_kv(p, kc, vc, row, tok, begin, end);
-#if OUT_PROJ
-  // The weights depend on nothing earlier kernels write: they land while the QKV projection runs.
-  __shared__ __align__(16) float s_out[GROUP * HEAD_DIM];
-  stage_projection(p, head);
-#endif
   KERNEL_ENTRY();
   if (bad_pos) {  // block-uniform, before any barrier; every share of the query returns
     if (threadIdx.x == 0 && blockIdx.z == 0) report_error(p.error_flag, ERR_POSITION, pos_in);
     if (blockIdx.z == 0)
       for (int g = 0; g < GROUP; ++g)
         for (int d = threadIdx.x; d < HEAD_DIM; d += NWARPS * 32) store_output(p, qrow + g * HEAD_DIM, d, QNAN);
-#if OUT_PROJ
-    if (blockIdx.z == 0)
-      for (u32 r = threadIdx.x; r < p.proj_rows; r += NWARPS * 32) reinterpret_cast<float*>(p.proj_partials)[(i64)(head / GROUP) * p.proj_rows + r] = QNAN;
-    asm volatile("cp.async.wait_all;" ::: "memory");  // no copy outlives the block
-#endif
     return;
   }
 #if STORE
@@ -728,12 +655,7 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32) attention(const Attent
       if (s_last) *counter = 0;  // every share has arrived: ready for the next launch
     }
     __syncthreads();
-    if (!s_last) {
-#if OUT_PROJ
-      asm volatile("cp.async.wait_all;" ::: "memory");  // no copy outlives the block
-#endif
-      return;
-    }
+    if (!s_last) return;
     __threadfence();
     // The merge: warp w takes heads w, w + NWARPS, ... (no block barrier, so a group's heads
     // merge side by side). Lane l weighs shares l, l + 32, ... (exp(m_z - max), and the rescaled
@@ -774,31 +696,14 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32) attention(const Attent
         }
       }
 #pragma unroll
-      for (int c = 0; c < HEAD_DIM / 32; ++c) {
-        store_output(p, qrow + g * HEAD_DIM, 32 * c + lane, o[c] / l_sum);
-#if OUT_PROJ
-        s_out[g * HEAD_DIM + 32 * c + lane] = o[c] / l_sum;
-#endif
-      }
+      for (int c = 0; c < HEAD_DIM / 32; ++c) store_output(p, qrow + g * HEAD_DIM, 32 * c + lane, o[c] / l_sum);
     }
-#if OUT_PROJ
-    project_output(p, head, s_out);
-#endif
     return;
   }
 #endif
 #pragma unroll
   for (int g = 0; g < GROUP; ++g)
-    for (int d = threadIdx.x; d < HEAD_DIM; d += NWARPS * 32) {
-      const float v = block_acc(g, d) / l_all[g];
-      store_output(p, qrow + g * HEAD_DIM, d, v);
-#if OUT_PROJ
-      s_out[g * HEAD_DIM + d] = v;
-#endif
-    }
-#if OUT_PROJ
-  project_output(p, head, s_out);
-#endif
+    for (int d = threadIdx.x; d < HEAD_DIM; d += NWARPS * 32) store_output(p, qrow + g * HEAD_DIM, d, block_acc(g, d) / l_all[g]);
 }
 "#;
 
@@ -816,9 +721,6 @@ pub struct AttentionVariant {
     pub paged: bool,
     /// Query heads per block (`GROUP`): heads of one KV group that share each K/V row load.
     pub group: u32,
-    /// The output projection's weight type when the kernel also multiplies the block's heads by
-    /// their columns of it (`OUT_PROJ`, see [`Self::projecting`]).
-    pub proj: Option<GgmlType>,
 }
 
 impl AttentionVariant {
@@ -826,7 +728,7 @@ impl AttentionVariant {
     pub const MAX_GROUP: usize = 8;
 
     pub fn new(head_dim: usize, kv: KvDtype, split: bool) -> Self {
-        AttentionVariant { head_dim: head_dim as u32, kv, nwarps: 4, split, store: None, paged: false, group: 1, proj: None }
+        AttentionVariant { head_dim: head_dim as u32, kv, nwarps: 4, split, store: None, paged: false, group: 1 }
     }
 
     /// The one-block kernel reading a paged cache, `group` query heads per block (1, or a
@@ -847,46 +749,18 @@ impl AttentionVariant {
         AttentionVariant { store: Some(rope), group: group as u32, ..Self::new(head_dim, kv, split) }
     }
 
-    /// The storing kernel that also multiplies its heads' outputs by their columns of a
-    /// `wtype` output projection (Q4_0, Q4_1 or Q8_0; see [`Self::projects`]).
-    pub fn projecting(self, wtype: GgmlType) -> Self {
-        AttentionVariant { proj: Some(wtype), ..self }
-    }
-
-    /// Whether a storing kernel can fold an output projection of `wtype` with `rows` rows: a
-    /// type it stages raw, and the block's columns within [`Self::MAX_PROJ_BYTES`].
-    pub fn projects(&self, wtype: GgmlType, rows: usize) -> bool {
-        matches!(wtype, GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q8_0)
-            && self.store.is_some()
-            && !self.paged
-            && self.head_dim % 32 == 0
-            && AttentionVariant { proj: Some(wtype), ..*self }.proj_bytes(rows) <= Self::MAX_PROJ_BYTES
-    }
-
-    /// Most shared memory for a block's columns of a folded output projection: the copies are
-    /// in flight during the previous kernel and must not keep the next one's blocks out.
-    pub const MAX_PROJ_BYTES: usize = 48 * 1024;
-
-    /// Shared memory of the staged projection columns for `rows` output rows.
-    pub fn proj_bytes(&self, rows: usize) -> usize {
-        let Some(wtype) = self.proj else { return 0 };
-        let quant = crate::weight::planes(wtype).map_or(0, |p| p[0].size);
-        rows * (self.group * self.head_dim / 32) as usize * (quant + 4)
-    }
-
-    /// `proj_rows`: the folded output projection's rows (ignored without one).
-    pub fn launch_config(&self, n_heads: usize, n_tokens: usize, splits: usize, proj_rows: usize) -> LaunchConfig {
+    pub fn launch_config(&self, n_heads: usize, n_tokens: usize, splits: usize) -> LaunchConfig {
         LaunchConfig {
             grid_dim: ((n_heads / self.group as usize) as u32, n_tokens as u32, splits as u32),
             block_dim: (self.nwarps * 32, 1, 1),
-            shared_mem_bytes: self.proj_bytes(proj_rows) as u32,
+            shared_mem_bytes: 0,
         }
     }
 }
 
 impl KernelVariant for AttentionVariant {
     const FAMILY: &'static str = "attention";
-    const SOURCES: &'static [&'static str] = &[HEADER, QUANT, Q8_BLOCK, KV, ROPE_ANGLE, QKV_PAIR, AttentionParams::C_DECL, ATTENTION_OUTPUT, ATTENTION];
+    const SOURCES: &'static [&'static str] = &[HEADER, Q8_BLOCK, KV, ROPE_ANGLE, QKV_PAIR, AttentionParams::C_DECL, ATTENTION_OUTPUT, ATTENTION];
     const ENTRY_POINTS: &'static [&'static str] = &["attention"];
 
     fn macros(&self) -> Vec<(&'static str, String)> {
@@ -899,8 +773,6 @@ impl KernelVariant for AttentionVariant {
             ("ROPE_STYLE", self.store.map_or(0, RopeStyle::macro_value).to_string()),
             ("PAGED", u32::from(self.paged).to_string()),
             ("GROUP", self.group.to_string()),
-            ("OUT_PROJ", u32::from(self.proj.is_some()).to_string()),
-            ("WTYPE", self.proj.map_or(0, |t| t as u32).to_string()),
         ]
     }
 }
@@ -922,7 +794,6 @@ mod tests {
         crate::kernels::tests::assert_macros_match(AttentionVariant::storing(128, KvDtype::F16, RopeStyle::Neox, true, 4));
         crate::kernels::tests::assert_macros_match(AttentionVariant::paged(128, KvDtype::F16, 4));
         crate::kernels::tests::assert_macros_match(AttentionVariant { paged: true, ..AttentionVariant::storing(128, KvDtype::F16, RopeStyle::Neox, false, 4) });
-        crate::kernels::tests::assert_macros_match(AttentionVariant::storing(64, KvDtype::F16, RopeStyle::Neox, true, 1).projecting(GgmlType::Q4_1));
     }
 
     #[test]
@@ -930,6 +801,6 @@ mod tests {
         assert_eq!([1, 2, 3, 4, 6, 8, 12, 16].map(|h| AttentionVariant::group_for(h, 8)), [1, 2, 3, 4, 6, 8, 6, 8]);
         assert_eq!([1, 2, 3, 4, 6, 8, 12, 16].map(|h| AttentionVariant::group_for(h, 2)), [1, 2, 1, 2, 2, 2, 2, 2]);
         let v = AttentionVariant::paged(128, KvDtype::F16, 4);
-        assert_eq!(v.launch_config(32, 64, 1, 0).grid_dim, (8, 64, 1));
+        assert_eq!(v.launch_config(32, 64, 1).grid_dim, (8, 64, 1));
     }
 }

@@ -258,18 +258,15 @@ __device__ __forceinline__ float unit_q(const Unit& o, int l) {
 #define HAS_MIN 0
 #define Q_OFFSET 8
 #endif
-// Bytes of a block in each plane (what a kernel staging raw units copies).
-#define QS_BYTES 16
-#define SCALE_BYTES (WTYPE == GGML_Q4_1 ? 4 : 2)
 struct Unit { uint4 qs; SCALES; };
 __device__ __forceinline__ void load_block_unit(const WeightRef& w, i64 blk, int sub, Unit& o) {
-  o.qs = ld_u128(w.p0 + blk * QS_BYTES);
+  o.qs = ld_u128(w.p0 + blk * 16);
 #if WTYPE == GGML_Q4_1
-  const u32 dm = ld_u32(w.p1 + blk * SCALE_BYTES);
+  const u32 dm = ld_u32(w.p1 + blk * 4);
   const float d = f16_to_f32((u16)dm), m = f16_to_f32((u16)(dm >> 16));
   set_scales(o, d, m, d, m);
 #else
-  const float d = f16_to_f32(ld_u16(w.p1 + blk * SCALE_BYTES));
+  const float d = f16_to_f32(ld_u16(w.p1 + blk * 2));
   set_scales(o, d, 0.f, d, 0.f);
 #endif
 }
@@ -316,13 +313,11 @@ __device__ __forceinline__ u32 unit_word(const Unit& o, int i) {
 // planes: p0 = qs[32] (int8), p1 = d
 #define QK 32
 #define HAS_MIN 0
-#define QS_BYTES 32
-#define SCALE_BYTES 2
 struct Unit { uint4 lo, hi; SCALES; };
 __device__ __forceinline__ void load_block_unit(const WeightRef& w, i64 blk, int sub, Unit& o) {
-  o.lo = ld_u128(w.p0 + blk * QS_BYTES);
-  o.hi = ld_u128(w.p0 + blk * QS_BYTES + 16);
-  const float d = f16_to_f32(ld_u16(w.p1 + blk * SCALE_BYTES));
+  o.lo = ld_u128(w.p0 + blk * 32);
+  o.hi = ld_u128(w.p0 + blk * 32 + 16);
+  const float d = f16_to_f32(ld_u16(w.p1 + blk * 2));
   set_scales(o, d, 0.f, d, 0.f);
 }
 // Flipping the sign bit maps int8 q to the unsigned code q + 128.

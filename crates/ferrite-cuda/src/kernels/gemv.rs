@@ -108,18 +108,6 @@ device_params! {
         pub expert_off: u32,
         pub n_experts: u32,
         pub x_div: u32,
-        /// `IN_PARTIALS`: the input built in the prologue (one token): `x = pre_residual +
-        /// sum of pre_n_parts rows of pre_parts` (`[pre_n_parts, cols]`, an output projection's
-        /// partial sums), written to `pre_out` by block 0, then RMS-normalised with `pre_norm`
-        /// (`pre_add_one`: Gemma's `1 + w`) and quantized into shared memory.
-        pub pre_parts: u64,
-        pub pre_residual: u64,
-        pub pre_out: u64,
-        pub pre_norm: u64,
-        pub pre_n_parts: u32,
-        pub pre_eps: f32,
-        pub pre_add_one: u32,
-        pub pre_pad: u32,
     }
 }
 
@@ -162,12 +150,6 @@ const SOURCE_Q8: &str = r#"
 #endif
 #ifndef EXPERTS
 #error "EXPERTS (1: grid y walks (token, slot) pairs, each multiplying the rows of its pair's expert, read from device memory; 2: grid y walks moe_group's tiles of up to NTOK pairs of one expert) must come from the kernel variant"
-#endif
-#ifndef IN_PARTIALS
-#error "IN_PARTIALS (1: one token whose int8 input the block builds after the wait from an output projection's partial sums, a residual and an RMSNorm) must come from the kernel variant"
-#endif
-#if IN_PARTIALS && (NTOK != 1 || EXPERTS || IN_NORM)
-#error "IN_PARTIALS builds one token's input, without experts or a pending norm"
 #endif
 #define ROWS_PER_BLOCK (NWARPS * 32 / TPR * ROWS)
 #define SLICE_THREADS (NWARPS * 32)
@@ -309,49 +291,6 @@ __device__ __forceinline__ void emit_q8(const GemvQ8Params& p, const Prefetched&
 }
 #endif
 
-#if IN_PARTIALS
-// The input of an output projection folded into attention: x = residual + the partial sums in
-// part order (block 0 writes x out: the next ops read it), 1 / rms over the whole row, then
-// x * inv * norm weight quantized, a warp per 32-value block, into this block's shared memory
-// (dynamic: cols floats, cols codes, cols / 32 scales). Every thread calls it.
-extern __shared__ __align__(16) u8 pre_smem[];
-#define MAX_PARTS 16
-__device__ void build_input(const GemvQ8Params& p, const int4** xq, const uint2** xs) {
-  float* x = reinterpret_cast<float*>(pre_smem);
-  i8* q = reinterpret_cast<i8*>(pre_smem + (i64)p.cols * 4);
-  uint2* sc = reinterpret_cast<uint2*>(pre_smem + (i64)p.cols * 5);
-  __shared__ float scratch[32];
-  const float* parts = reinterpret_cast<const float*>(p.pre_parts);
-  const float* res = reinterpret_cast<const float*>(p.pre_residual);
-  const bool writer = blockIdx.x == 0;
-  float ss = 0.f;
-#pragma unroll 4
-  for (u32 i = threadIdx.x; i < p.cols; i += blockDim.x) {
-    // Every part's load issued before the sum (one L2 round trip, not one per part); the
-    // missing parts add an exact 0.
-    float part[MAX_PARTS];
-#pragma unroll
-    for (int k = 0; k < MAX_PARTS; ++k) part[k] = k < (int)p.pre_n_parts ? parts[(i64)k * p.cols + i] : 0.f;
-    float v = res[i];
-#pragma unroll
-    for (int k = 0; k < MAX_PARTS; ++k) v += part[k];
-    x[i] = v;
-    if (writer) reinterpret_cast<float*>(p.pre_out)[i] = v;
-    ss += v * v;
-  }
-  const float inv = 1.f / sqrtf(block_sum(ss, scratch) / (float)p.cols + p.pre_eps);  // its barriers publish x
-  const int lane = threadIdx.x & 31;
-  const float* g = reinterpret_cast<const float*>(p.pre_norm);
-  for (u32 b = threadIdx.x >> 5; b < p.cols / 32; b += blockDim.x >> 5) {
-    const u32 i = 32 * b + lane;
-    quantize_block_warp(x[i] * inv * (p.pre_add_one ? 1.f + g[i] : g[i]), lane, q + 32 * b, sc + b);
-  }
-  __syncthreads();
-  *xq = reinterpret_cast<const int4*>(q);
-  *xs = sc;
-}
-#endif
-
 extern "C" __global__ void __launch_bounds__(SLICE_THREADS * KSPLIT) gemv_q8(const GemvQ8Params p) {
   // Slice `slice` of the block takes every KSPLIT-th batch of units of the block's rows.
   const int tid = threadIdx.x % SLICE_THREADS, slice = threadIdx.x / SLICE_THREADS, k = tid % TPR, group = tid / TPR;
@@ -367,7 +306,6 @@ extern "C" __global__ void __launch_bounds__(SLICE_THREADS * KSPLIT) gemv_q8(con
   const int units = (int)(p.cols / 32);
   const int4* xq = reinterpret_cast<const int4*>(p.xq);
   const uint2* xs = reinterpret_cast<const uint2*>(p.xs);
-  const int u_first = k + slice * TPR * UNROLL;
 
   float acc[WROWS][NTOK];
 #pragma unroll
@@ -388,9 +326,6 @@ extern "C" __global__ void __launch_bounds__(SLICE_THREADS * KSPLIT) gemv_q8(con
     pdl_release();
     waited = true;
     prefetch_inputs(p, pre, row0, tok0, k == 0 && slice == 0, slice == 0);
-#if IN_PARTIALS
-    build_input(p, &xq, &xs);
-#endif
   };
   i64 ebase = 0;
 #if EXPERTS
@@ -414,24 +349,15 @@ extern "C" __global__ void __launch_bounds__(SLICE_THREADS * KSPLIT) gemv_q8(con
 #endif
   if (!bad_expert) ebase = (i64)expert * p.expert_rows + p.expert_off;
 #endif
-  // Issue all UNROLL x ROWS weight loads of a batch before any math, so that each lane keeps
-  // that many bytes in flight. Indices past the end are clamped (a safe re-read, never used).
-  Unit wu[UNROLL][WROWS];
-  const auto load_batch = [&](int u0) {
-#pragma unroll
-    for (int j = 0; j < UNROLL; ++j)
-#pragma unroll
-      for (int r = 0; r < WROWS; ++r) load_unit(WEIGHT_OF(r), weight_row(p, ebase, row0, r), min(u0 + j * TPR, units - 1), wu[j][r]);
-  };
-#if IN_PARTIALS
-  // The input is built by the whole block after the wait (barriers): every thread loads its
-  // first batch, clamped, then waits there.
-  load_batch(u_first);
-  wait_then_prefetch();
-#endif
   if (row0 < p.rows) {
-    for (int u0 = u_first; u0 < units; u0 += TPR * UNROLL * KSPLIT) {
-      if (!IN_PARTIALS || u0 != u_first) load_batch(u0);
+    for (int u0 = k + slice * TPR * UNROLL; u0 < units; u0 += TPR * UNROLL * KSPLIT) {
+      // Issue all UNROLL x ROWS weight loads before any math, so that each lane keeps that many
+      // bytes in flight. Indices past the end are clamped (a safe re-read, never used).
+      Unit wu[UNROLL][WROWS];
+#pragma unroll
+      for (int j = 0; j < UNROLL; ++j)
+#pragma unroll
+        for (int r = 0; r < WROWS; ++r) load_unit(WEIGHT_OF(r), weight_row(p, ebase, row0, r), min(u0 + j * TPR, units - 1), wu[j][r]);
       if (!waited) wait_then_prefetch();
 #pragma unroll
       for (int t = 0; t < NTOK; ++t) {
@@ -714,9 +640,6 @@ pub struct GemvQ8Variant {
     pub up_split: bool,
     /// Whether grid y walks a MoE FFN's (token, slot) pairs on their routed experts' rows.
     pub experts: ExpertGrid,
-    /// One token whose input the block builds from an output projection's partial sums
-    /// (`IN_PARTIALS`; shared memory: [`Self::prologue_bytes`]).
-    pub in_partials: bool,
 }
 
 /// What grid y of the int8 GEMV walks (the `EXPERTS` macro).
@@ -766,7 +689,6 @@ impl GemvQ8Variant {
             k_split: 1,
             up_split: false,
             experts: ExpertGrid::Off,
-            in_partials: false,
         }
     }
 
@@ -852,12 +774,6 @@ impl GemvQ8Variant {
         GemvQ8Variant { k_split: k_split as u32, ..v }
     }
 
-    /// Shared memory of the `IN_PARTIALS` prologue for rows of `cols`: the row as f32, its
-    /// codes and block scales.
-    pub fn prologue_bytes(&self, cols: usize) -> u32 {
-        if self.in_partials { (cols * 4 + cols + cols / 32 * 8) as u32 } else { 0 }
-    }
-
     pub fn rows_per_block(&self) -> usize {
         (self.nwarps * 32 / self.tpr * self.rows) as usize
     }
@@ -892,7 +808,6 @@ impl KernelVariant for GemvQ8Variant {
             ("KSPLIT", self.k_split.to_string()),
             ("UP_SPLIT", u32::from(self.up_split).to_string()),
             ("EXPERTS", (self.experts as u32).to_string()),
-            ("IN_PARTIALS", u32::from(self.in_partials).to_string()),
         ]
     }
 }

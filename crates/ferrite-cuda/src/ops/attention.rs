@@ -8,7 +8,6 @@ use super::RopeConfig;
 use crate::kernels::attention::{AttentionParams, AttentionVariant, KvDtype, RopeStyle, StoreQkvParams, StoreQkvVariant};
 use crate::kernels::flash_attention::FlashAttentionVariant;
 use ferrite_core::env;
-use crate::weight::DeviceWeight;
 use crate::Gpu;
 use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
 use half::f16;
@@ -203,8 +202,6 @@ fn store_qkv_with(
 /// to 128 keys, which then skips the merge), so one launch (and one captured graph) serves every
 /// context length. Each block serves `group` query heads of one KV group (1, or a divisor of the
 /// heads per KV head up to [`AttentionVariant::MAX_GROUP`]; see [`DecodeLayouts`]).
-/// With `proj`, the block that writes a head group's output also multiplies it by that group's
-/// columns of the output projection and writes the partial sums ([`OutProj`]).
 #[allow(clippy::too_many_arguments)]
 pub fn store_and_attend(
     gpu: &Gpu,
@@ -217,7 +214,6 @@ pub fn store_and_attend(
     group: usize,
     out: &mut impl DevicePtrMut<f32>,
     emit: Option<AttentionEmit>,
-    proj: Option<OutProj>,
 ) -> Result<(), CudaError> {
     const OP: &str = "store_and_attend";
     let row = (cfg.n_heads + 2 * cache.n_kv_heads) * cache.head_dim;
@@ -240,30 +236,8 @@ pub fn store_and_attend(
         }
         None => 1,
     };
-    let mut variant = AttentionVariant::storing(cache.head_dim, cache.dtype, rope_style(rope), splits > 1, group);
-    let mut proj_rows = 0;
-    if let Some(OutProj { w, partials }) = proj {
-        if w.cols != cfg.n_heads * cache.head_dim || !variant.projects(w.dtype, w.rows) {
-            return Err(CudaError::invalid(OP, format!("a {} output projection of {}x{} cannot be folded into attention of {} heads of {}", w.dtype, w.rows, w.cols, cfg.n_heads, cache.head_dim)));
-        }
-        check_len(OP, "projection partials", partials.len(), cfg.n_heads / group * w.rows)?;
-        let planes = w.plane_ptrs(gpu);
-        (params.proj_w0, params.proj_w1) = (planes[0], planes[1]);
-        params.proj_partials = addr_mut(gpu, partials);
-        params.proj_rows = as_u32(OP, "projection rows", w.rows)?;
-        proj_rows = w.rows;
-        variant = variant.projecting(w.dtype);
-    }
-    gpu.launch(&variant, "attention", variant.launch_config(cfg.n_heads, 1, splits, proj_rows), &params)
-}
-
-/// An output projection folded into one-token attention ([`store_and_attend`]): its weight
-/// (`rows x n_heads * head_dim`, Q4_0, Q4_1 or Q8_0) and the partial sums, `[n_heads / group,
-/// rows]`: each block's heads times their columns. The projection is their sum over blocks
-/// (which [`super::linear::PartialsPrologue`] adds in the next linear).
-pub struct OutProj<'a> {
-    pub w: &'a DeviceWeight,
-    pub partials: &'a mut CudaSlice<f32>,
+    let variant = AttentionVariant::storing(cache.head_dim, cache.dtype, rope_style(rope), splits > 1, group);
+    gpu.launch(&variant, "attention", variant.launch_config(cfg.n_heads, 1, splits), &params)
 }
 
 /// A launch of the fused one-token decode kernel: query heads per block and key shares.
@@ -367,7 +341,7 @@ pub fn store_and_attend_paged(
     set_paging(gpu, &mut params, cfg, paging, max_seq);
     let group = attention_group(gpu, cfg.n_heads, cache.n_kv_heads);
     let variant = AttentionVariant { paged: true, ..AttentionVariant::storing(cache.head_dim, cache.dtype, rope_style(rope), false, group) };
-    gpu.launch(&variant, "attention", variant.launch_config(cfg.n_heads, n_tokens, 1, 0), &params)
+    gpu.launch(&variant, "attention", variant.launch_config(cfg.n_heads, n_tokens, 1), &params)
 }
 
 fn check_rope(op: &'static str, rope: Option<&RopeConfig>, cache: &KvCache) -> Result<(), CudaError> {
@@ -470,7 +444,7 @@ pub fn attention_on(
         }
         AttentionPath::Simt => {
             let variant = AttentionVariant::new(cache.head_dim, cache.dtype, false);
-            gpu.launch(&variant, "attention", variant.launch_config(cfg.n_heads, n_tokens, 1, 0), &params)
+            gpu.launch(&variant, "attention", variant.launch_config(cfg.n_heads, n_tokens, 1), &params)
         }
     }
 }
@@ -565,7 +539,7 @@ pub fn attention_paged(
     let Some(mut params) = attention_params(gpu, q, cache, positions, n_tokens, cfg, out, emit)? else { return Ok(()) };
     set_paging(gpu, &mut params, cfg, paging, max_seq);
     let variant = AttentionVariant::paged(cache.head_dim, cache.dtype, attention_group(gpu, cfg.n_heads, cache.n_kv_heads));
-    gpu.launch(&variant, "attention", variant.launch_config(cfg.n_heads, n_tokens, 1, 0), &params)
+    gpu.launch(&variant, "attention", variant.launch_config(cfg.n_heads, n_tokens, 1), &params)
 }
 
 /// Query heads per block of the paged kernels (batched steps), as [`AttentionGroups`] allows:
@@ -664,7 +638,7 @@ pub fn attention_split(
     params.partials = addr_mut(gpu, &mut scratch.partials);
     params.counters = addr_mut(gpu, &mut scratch.counters);
     let variant = AttentionVariant::new(cache.head_dim, cache.dtype, true);
-    gpu.launch(&variant, "attention", variant.launch_config(cfg.n_heads, n_tokens, splits, 0), &params)
+    gpu.launch(&variant, "attention", variant.launch_config(cfg.n_heads, n_tokens, splits), &params)
 }
 
 /// Checks the shapes and settings of an attention call and builds its parameters (`None`: no
@@ -757,7 +731,6 @@ fn attention_params(
         window,
         scale: cfg.scale,
         softcap,
-        ..Default::default()
     }))
 }
 

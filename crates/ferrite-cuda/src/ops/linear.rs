@@ -611,7 +611,7 @@ fn run_plan(
         LinearPlan::GemvQ8 => {
             let (q_bytes, s_bytes, _) = Q8Activations::sizes(n_tokens * w.cols);
             gpu.with_scratch(q_bytes + s_bytes, |scratch| {
-                let input = Q8Input { xq: scratch, xs: scratch + q_bytes as u64, norm: None, partials: None };
+                let input = Q8Input { xq: scratch, xs: scratch + q_bytes as u64, norm: None };
                 quantize_raw(gpu, x, w.cols, n_tokens, w.cols, None, input.xq, input.xs)?;
                 gemv_q8(gpu, w, None, None, input, n_tokens, w.rows, (out, w.rows, 0), &Epilogue::default(), None, None)
             })
@@ -737,7 +737,7 @@ impl Q8Activations {
     /// The GEMV's view of the last write.
     pub(super) fn input(&self, gpu: &Gpu) -> Q8Input {
         let (xq, xs, partials) = self.ptrs(gpu);
-        Q8Input { xq, xs, norm: self.pending_norm.map(|eps| (partials, eps)), partials: None }
+        Q8Input { xq, xs, norm: self.pending_norm.map(|eps| (partials, eps)) }
     }
 
     /// Rows and columns of the last write.
@@ -891,24 +891,6 @@ pub fn linear_q8_retiled(
             format!("activations hold {} x {}, the weight needs {n_tokens} x {}", x.rows, x.cols, w.cols),
         ));
     }
-    linear_q8_input(gpu, w, x.input(gpu), n_tokens, out, out_ld, out_col, epilogue, emit, retile)
-}
-
-/// [`linear_q8_retiled`] past the input's checks.
-#[allow(clippy::too_many_arguments)]
-fn linear_q8_input(
-    gpu: &Gpu,
-    w: &DeviceWeight,
-    input: Q8Input,
-    n_tokens: usize,
-    out: &mut impl DevicePtrMut<f32>,
-    out_ld: usize,
-    out_col: usize,
-    epilogue: &Epilogue,
-    emit: Option<Q8Emit>,
-    retile: Option<Retile>,
-) -> Result<(), CudaError> {
-    const OP: &str = "linear_q8";
     if n_tokens == 0 {
         return Ok(());
     }
@@ -950,6 +932,7 @@ fn linear_q8_input(
         }
         None => None,
     };
+    let input = x.input(gpu);
     gemv_q8(gpu, w, None, None, input, n_tokens, out_rows, (addr_mut(gpu, out), out_ld, out_col), epilogue, emit, retile)
 }
 
@@ -983,78 +966,13 @@ pub fn linear_q8_gated_pair(
     gemv_q8(gpu, gate, Some(up), None, x.input(gpu), n_tokens, gate.rows, (addr_mut(gpu, out), gate.rows, 0), &epilogue, None, None)
 }
 
-/// Device side of [`Q8Activations`] as the GEMV reads it, or of a [`PartialsPrologue`].
+/// Device side of [`Q8Activations`] as the GEMV reads it.
 #[derive(Clone, Copy)]
 pub(super) struct Q8Input {
     xq: u64,
     xs: u64,
     /// The producer's sums of squares and the norm's eps, when the codes lack `1 / rms`.
     norm: Option<(u64, f32)>,
-    partials: Option<PartialsInput>,
-}
-
-/// Device side of a [`PartialsPrologue`].
-#[derive(Clone, Copy)]
-pub(super) struct PartialsInput {
-    parts: u64,
-    n_parts: u32,
-    residual: u64,
-    out: u64,
-    norm: u64,
-    eps: f32,
-    add_one: bool,
-}
-
-/// The input of a one-token int8 GEMV built in its own prologue from the partial sums of an
-/// output projection folded into attention ([`super::OutProj`]): `x = residual + the sum of
-/// the `n_parts` rows of `partials`, written to `x_out` (the value later ops read; a view, as it
-/// is another op's output buffer), then
-/// RMS-normalised with `norm` and quantized by each block for itself. One launch replaces the
-/// output projection's GEMV and its int8 hand-off.
-pub struct PartialsPrologue<'a> {
-    pub partials: &'a CudaSlice<f32>,
-    pub n_parts: usize,
-    pub residual: &'a CudaSlice<f32>,
-    pub x_out: super::DeviceView,
-    pub norm: NormPrologue<'a>,
-}
-
-/// Most partial sums a [`PartialsPrologue`] adds (the kernel's `MAX_PARTS`).
-pub const MAX_PARTS: usize = 16;
-
-/// [`linear_q8`] for one token whose input comes from a [`PartialsPrologue`] (its `cols` are
-/// the weight's).
-pub fn linear_q8_from_partials(
-    gpu: &Gpu,
-    w: &DeviceWeight,
-    input: PartialsPrologue,
-    out: &mut impl DevicePtrMut<f32>,
-    epilogue: &Epilogue,
-    emit: Option<Q8Emit>,
-) -> Result<(), CudaError> {
-    const OP: &str = "linear_q8_from_partials";
-    if weight::planes(w.dtype).is_none() || !w.cols.is_multiple_of(32) {
-        return Err(CudaError::invalid(OP, format!("the int8 GEMV needs a quantized weight of whole 32-value blocks, not {} x {}", w.dtype, w.cols)));
-    }
-    if !(1..=MAX_PARTS).contains(&input.n_parts) {
-        return Err(CudaError::invalid(OP, format!("{} partial sums: the prologue adds 1 to {MAX_PARTS}", input.n_parts)));
-    }
-    check_len(OP, "partials", input.partials.len(), elems(OP, &[input.n_parts, w.cols])?)?;
-    check_len(OP, "residual", input.residual.len(), w.cols)?;
-    check_len(OP, "x_out", input.x_out.len, w.cols)?;
-    check_len(OP, "norm weight", input.norm.weight.len(), w.cols)?;
-    let partials = PartialsInput {
-        parts: addr(gpu, input.partials),
-        n_parts: as_u32(OP, "n_parts", input.n_parts)?,
-        residual: addr(gpu, input.residual),
-        out: input.x_out.ptr,
-        norm: addr(gpu, input.norm.weight),
-        eps: input.norm.eps,
-        add_one: input.norm.add_one,
-    };
-    let x = Q8Input { xq: 0, xs: 0, norm: None, partials: Some(partials) };
-    let out_ld = if epilogue.glu.is_some() { w.rows / 2 } else { w.rows };
-    linear_q8_input(gpu, w, x, 1, out, out_ld, 0, epilogue, emit, None)
 }
 
 /// Device side of a [`Q8Emit`]: codes, scales, sums of squares, and the norm weight (+ add_one).
@@ -1104,7 +1022,6 @@ pub(super) fn gemv_q8(
         bias: epilogue.bias.is_some(),
         in_norm: x.norm.is_some(),
         up_split: up.is_some(),
-        in_partials: x.partials.is_some(),
         ..tiling
     };
     let [w0, w1, w2, w3] = w.plane_ptrs(gpu);
@@ -1146,17 +1063,8 @@ pub(super) fn gemv_q8(
         expert_off,
         n_experts,
         x_div,
-        pre_parts: x.partials.map_or(0, |pi| pi.parts),
-        pre_residual: x.partials.map_or(0, |pi| pi.residual),
-        pre_out: x.partials.map_or(0, |pi| pi.out),
-        pre_norm: x.partials.map_or(0, |pi| pi.norm),
-        pre_n_parts: x.partials.map_or(0, |pi| pi.n_parts),
-        pre_eps: x.partials.map_or(0.0, |pi| pi.eps),
-        pre_add_one: x.partials.is_some_and(|pi| pi.add_one) as u32,
-        pre_pad: 0,
     };
-    let mut cfg = variant.launch_config(out_rows, grid_tokens);
-    cfg.shared_mem_bytes += variant.prologue_bytes(w.cols);
+    let cfg = variant.launch_config(out_rows, grid_tokens);
     if cfg.grid_dim.1 > 65535 {
         return Err(CudaError::invalid(OP, format!("{n_tokens} tokens exceed the GEMV grid; use the GEMM path")));
     }

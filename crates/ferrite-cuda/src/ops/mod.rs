@@ -22,14 +22,14 @@ mod moe;
 mod sampling;
 
 pub use attention::{
-    attention, attention_group, attention_on, AttentionEmit, OutProj, DecodeLayout, DecodeLayouts, AttentionGroups, attention_paged, attention_path, attention_split, attention_splits, store_and_attend, store_and_attend_paged, FUSED_PAGED_STORE_MAX_SEQS, store_qkv, store_qkv_paged, AttentionConfig,
+    attention, attention_group, attention_on, AttentionEmit, DecodeLayout, DecodeLayouts, AttentionGroups, attention_paged, attention_path, attention_split, attention_splits, store_and_attend, store_and_attend_paged, FUSED_PAGED_STORE_MAX_SEQS, store_qkv, store_qkv_paged, AttentionConfig,
     AttentionPath, KvCache, Paging, SplitScratch, FLASH_MIN_TOKENS, MAX_SPLITS,
 };
 pub use cluster::{cluster_layer, cluster_layer_plan, cluster_layer_variant, cluster_phases, ClusterLayerConfig, ClusterLayerWeights, MAX_CLUSTER};
 pub use crate::kernels::cluster::LayerDims;
 pub use chain::{chain_variant, linear_chain, ChainBarrier, ChainLink, ChainShape, DeviceView};
 pub use linear::{
-    expand_weight, expanded_bytes, glu_fuses, linear, linear_mma, linear_plan, linear_fused, linear_q8, linear_q8_from_partials, PartialsPrologue, MAX_PARTS, linear_q8_gated_pair, linear_q8_retiled, Retile, linear_with, linear_glu_staged, linear_staged, StagedActivations, StagedLayout, quantize_q8, MMA_OVER_RESIDENT_MAX_TOKENS, Epilogue, GemvActivations, Glu, LinearOptions,
+    expand_weight, expanded_bytes, glu_fuses, linear, linear_mma, linear_plan, linear_fused, linear_q8, linear_q8_gated_pair, linear_q8_retiled, Retile, linear_with, linear_glu_staged, linear_staged, StagedActivations, StagedLayout, quantize_q8, MMA_OVER_RESIDENT_MAX_TOKENS, Epilogue, GemvActivations, Glu, LinearOptions,
     LinearFusion, LinearPath, LinearPlan, NormPrologue, Precision, Q8Activations, Q8Emit,
 };
 pub use moe::{
