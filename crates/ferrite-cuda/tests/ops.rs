@@ -536,7 +536,7 @@ fn check_mma_tiling(gpu: &Gpu, rng: &mut Rng, dtype: GgmlType, shape: (usize, us
 fn linear_q8_fuses_norm_bias_and_residual() {
     let Some(gpu) = gpu() else { return };
     let mut rng = Rng(41);
-    for (dtype, rows, cols, n) in [(GgmlType::Q4_0, 96, 576, 1), (GgmlType::Q8_0, 200, 2048, 3), (GgmlType::Q6_K, 64, 1024, 8)] {
+    for (dtype, rows, cols, n) in [(GgmlType::Q4_0, 96, 576, 1), (GgmlType::Q4_1, 200, 2048, 1), (GgmlType::Q8_0, 200, 2048, 3), (GgmlType::Q6_K, 64, 1024, 8)] {
         let (bytes, w) = random_weight(&mut rng, dtype, rows, cols);
         let weight = gpu.upload_weight(dtype, rows, cols, &bytes).unwrap();
         let x = rng.vec(n * cols, -3.0, 3.0);
