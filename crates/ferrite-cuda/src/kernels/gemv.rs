@@ -747,13 +747,14 @@ impl GemvQ8Variant {
     }
 
     /// The tiling of a plain one-token GEMV (no GLU, no hand-off, as a QKV projection) over
-    /// long rows of small units: 8 warps of 4-row groups, 32 rows per block, each lane loading
+    /// long rows of Q4_0/Q4_1 units: 8 warps of 4-row groups, 32 rows per block, each lane loading
     /// up to 2 units of each row; other shapes are returned unchanged. Measured (`kernel_bench
     /// decode`, H100, alternatives in parentheses): the 8B QKV 6.4 -> 5.8 us (16 warps x 2 rows
     /// 5.8, 8 x 4 x 1 unit x 2 slices 5.7), the 1B QKV 2.2 -> 2.0 us (the same three 2.0).
     pub fn wide_rows(self, cols: usize, n_tokens: usize) -> Self {
         let long_rows = cols / 32 >= Self::WIDE_MIN_UNITS && self.tpr == 32;
-        if n_tokens != 1 || self.glu != 0 || self.emit != 0 || self.experts != ExpertGrid::Off || Self::unit_budget(self.wtype) != 8 || !long_rows {
+        let q4 = matches!(self.wtype, GgmlType::Q4_0 | GgmlType::Q4_1);
+        if n_tokens != 1 || self.glu != 0 || self.emit != 0 || self.experts != ExpertGrid::Off || !q4 || !long_rows {
             return self;
         }
         GemvQ8Variant { nwarps: 8, rows: 4, unroll: self.unroll.min(2), ..self }
