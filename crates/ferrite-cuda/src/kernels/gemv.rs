@@ -751,10 +751,10 @@ impl GemvQ8Variant {
     /// up to 2 units of each row; other shapes are returned unchanged. Measured (`kernel_bench
     /// decode`, H100, alternatives in parentheses): the 8B QKV 6.4 -> 5.8 us (16 warps x 2 rows
     /// 5.8, 8 x 4 x 1 unit x 2 slices 5.7), the 1B QKV 2.2 -> 2.0 us (the same three 2.0).
-    pub fn wide_rows(self, cols: usize, n_tokens: usize) -> Self {
+    pub fn wide_rows(self, cols: usize) -> Self {
         let long_rows = cols / 32 >= Self::WIDE_MIN_UNITS && self.tpr == 32;
         let q4 = matches!(self.wtype, GgmlType::Q4_0 | GgmlType::Q4_1);
-        if n_tokens != 1 || self.glu != 0 || self.emit != 0 || self.experts != ExpertGrid::Off || !q4 || !long_rows {
+        if self.ntok != 1 || self.glu != 0 || self.emit != 0 || self.experts != ExpertGrid::Off || !q4 || !long_rows {
             return self;
         }
         GemvQ8Variant { nwarps: 8, rows: 4, unroll: self.unroll.min(2), ..self }
@@ -904,18 +904,18 @@ mod tests {
         // 8B and 1B QKV: 8 warps x 4 rows x 2 units, 32 rows per block, no split (8B: 192 blocks;
         // 1B: 96 blocks of one batch of units, nothing to split).
         for (rows, cols) in [(6144, 4096), (3072, 2048)] {
-            let v = GemvQ8Variant::for_shape(GgmlType::Q4_0, rows, cols, 1, 132).wide_rows(cols, 1).split_k(rows, cols, 1, 132);
+            let v = GemvQ8Variant::for_shape(GgmlType::Q4_0, rows, cols, 1, 132).wide_rows(cols).split_k(rows, cols, 1, 132);
             assert_eq!((v.nwarps, v.rows, v.unroll, v.k_split, v.rows_per_block()), (8, 4, 2, 1, 32), "{rows}x{cols}");
         }
         // SmolLM2's short rows, several tokens, bulkier units and hand-offs keep their tilings.
         let short = GemvQ8Variant::for_shape(GgmlType::Q4_1, 960, 576, 1, 132);
-        assert_eq!(short.wide_rows(576, 1), short);
+        assert_eq!(short.wide_rows(576), short);
         let batch = GemvQ8Variant::for_shape(GgmlType::Q4_0, 6144, 4096, 4, 132);
-        assert_eq!(batch.wide_rows(4096, 4), batch);
+        assert_eq!(batch.wide_rows(4096), batch);
         let bulky = GemvQ8Variant::for_shape(GgmlType::Q8_0, 6144, 4096, 1, 132);
-        assert_eq!(bulky.wide_rows(4096, 1), bulky);
+        assert_eq!(bulky.wide_rows(4096), bulky);
         let emitting = GemvQ8Variant::for_shape(GgmlType::Q4_0, 4096, 4096, 1, 132).emitting(1);
-        assert_eq!(emitting.wide_rows(4096, 1), emitting);
+        assert_eq!(emitting.wide_rows(4096), emitting);
     }
 
     #[test]

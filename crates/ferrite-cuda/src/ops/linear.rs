@@ -1013,8 +1013,7 @@ pub(super) fn gemv_q8(
     };
     let tiling = match &emit {
         Some(e) => tiling.emitting(if e.norm.is_some() { 2 } else { 1 }),
-        None if experts.is_none() => tiling.wide_rows(w.cols, n_tokens),
-        None => tiling,
+        None => tiling.wide_rows(w.cols),
     };
     let tiling = if gpu.linear_options().gemv_split_k { tiling.split_k(out_rows, w.cols, grid_tokens, gpu.sm_count()) } else { tiling };
     let tiling = retile.map_or(tiling, |f| f(tiling));
