@@ -177,6 +177,16 @@ struct Buffers {
     /// Per op: the cluster size of the declared decoder layer starting there, planned at load
     /// when `FERRITE_CUDA_CLUSTER_LAYER=1` (`None`: it runs as its five ops).
     layer_cluster: Vec<Option<usize>>,
+    /// Per op: whether the declared decoder layer starting there may run its MLP as one launch
+    /// (`FERRITE_CUDA_FUSED_MLP=1`, planned at load; see `mlp_refusal`).
+    mlp_layer: Vec<bool>,
+    /// For the batch being run (`plan_mlps`), per op: a gate/up op that runs with its down
+    /// projection as one launch adding into the layer's output; the value an op writes instead
+    /// of its own (the output projection before a fused MLP writes the layer's output, which
+    /// the MLP then adds to); and whether a linear quantizes its f32 input row itself.
+    mlp_fused: Vec<bool>,
+    writes_into: Vec<Option<ValueId>>,
+    f32_row_in: Vec<bool>,
     kv: PerLayer<KvCache>,
     gdn: PerLayer<GdnState>,
     /// Working memory of the MoE FFN ops, one per distinct shape.
@@ -326,6 +336,10 @@ impl Buffers {
             chains_on: env::CUDA_LINEAR_CHAIN.flag(),
             layers_now: false,
             layer_cluster: vec![None; graph.ops.len()],
+            mlp_layer: vec![false; graph.ops.len()],
+            mlp_fused: vec![false; graph.ops.len()],
+            writes_into: vec![None; graph.ops.len()],
+            f32_row_in: vec![false; graph.ops.len()],
             ids: gpu.alloc_zeros(rows)?,
             positions: gpu.alloc_zeros(rows)?,
             token: gpu.alloc_zeros(1)?,
@@ -572,7 +586,56 @@ impl CudaExecutor {
                 eprintln!("note: decode layers run as separate launches, not one cluster launch each: {}", reasons.join("; "));
             }
         }
+        if env::CUDA_FUSED_MLP.flag() {
+            let mut reasons = Vec::new();
+            for layer in executor.model.graph.layers.clone() {
+                match executor.mlp_refusal(layer) {
+                    None => executor.buf.mlp_layer[layer.first] = true,
+                    Some(why) => reasons.push(why),
+                }
+            }
+            reasons.sort();
+            reasons.dedup();
+            if executor.model.graph.layers.is_empty() {
+                reasons.push("the graph declares no decoder layers (not a Llama-family layer, or the fusions are off)".into());
+            }
+            if !reasons.is_empty() {
+                let n = executor.model.graph.layers.len() - executor.mlps_run();
+                eprintln!("note: the MLP of {n} decoder layer(s) runs as two launches, not one: {}", reasons.join("; "));
+            }
+        }
         Ok(executor)
+    }
+
+    /// Decoder layers whose MLP one-token steps may run as one launch (none unless
+    /// `FERRITE_CUDA_FUSED_MLP=1`).
+    pub fn mlps_run(&self) -> usize {
+        self.buf.mlp_layer.iter().filter(|&&m| m).count()
+    }
+
+    /// Why the MLP of decoder layer `layer` cannot run as one launch (`ops::mlp_q8`), or `None`.
+    /// Its output projection then writes the layer's output, the fused launch adds the MLP into
+    /// it, and the op after the layer, a linear, quantizes that f32 row itself.
+    fn mlp_refusal(&self, layer: DecoderLayer) -> Option<String> {
+        let graph = &self.model.graph;
+        let f = layer.first;
+        let Some([_, _, _, _, _, out]) = ferrite_model::fusion::decoder_layer_at(graph, f) else { return Some("not a decoder layer".into()) };
+        let (Op::GatedLinear { w: gate_up, .. }, Op::Linear { w: down, .. }) = (&graph.ops[f + 3], &graph.ops[f + 4]) else { return Some("not a decoder layer".into()) };
+        let (Some(gu), Some(d)) = (as_matrix(&self.weights[gate_up.0 as usize]), as_matrix(&self.weights[down.0 as usize])) else { return Some("a weight is not a matrix".into()) };
+        if gu.dtype != d.dtype || crate::weight::planes(gu.dtype).is_none() {
+            return Some(format!("gate/up ({}) and down ({}) are not one quantized type", gu.dtype, d.dtype));
+        }
+        if !(gu.rows / 2).is_multiple_of(32) {
+            return Some(format!("{} MLP channels are not whole 32-value units", gu.rows / 2));
+        }
+        let adds = d.rows * (gu.rows / 2 / 32);
+        if adds > ops::MLP_MAX_ADDS {
+            return Some(format!("{adds} atomic adds per token (over {})", ops::MLP_MAX_ADDS));
+        }
+        match graph.ops.get(f + DecoderLayer::LEN) {
+            Some(Op::Linear { x, .. }) if *x == out => None,
+            _ => Some("its output feeds no linear next (the last layer)".into()),
+        }
     }
 
     /// Decoder layers that one-token steps run as one cluster launch (of those the graph
@@ -774,6 +837,7 @@ impl CudaExecutor {
         let mut events = Vec::new();
         self.plan_chains(n);
         self.plan_handoffs(n);
+        self.plan_mlps(n);
         self.buf.staged_runs += self.buf.staged_out.iter().flatten().count() as u64;
         let mut chained_until = 0;
         for (i, op) in model.graph.ops.iter().enumerate() {
@@ -800,10 +864,18 @@ impl CudaExecutor {
                 }
                 continue;
             }
+            if self.buf.mlp_fused[i] {
+                self.run_mlp(i).with_context(|| format!("fused MLP of ops {i}..{}", i + 2))?;
+                chained_until = i + 2;
+                if let Some(start) = start {
+                    events.push(("fused mlp".to_string(), start, stream.record_event(timing).map_err(CudaError::from)?));
+                }
+                continue;
+            }
             if self.buf.copy_skipped[i] {
                 continue;
             }
-            let out_slot = self.plan.slot(op.writes());
+            let out_slot = self.plan.slot(self.buf.writes_into[i].unwrap_or(op.writes()));
             let mut out = self.buf.slots[out_slot].take().expect("slot in use");
             let result = self.run_op(i, op, &mut out, n);
             self.buf.slots[out_slot] = Some(out);
@@ -1031,6 +1103,64 @@ impl CudaExecutor {
         }
     }
 
+    /// Which decoder layers run their MLP as one launch for a batch of `n` (see `mlp_refusal`):
+    /// in untraced one-token steps, where the MLP's input is its output projection's int8
+    /// hand-off, that projection's output may take the layer output's buffer (not the
+    /// attention output's, unless the attention hands its output over in int8 too), and the op
+    /// after the layer takes the int8 GEMV (it quantizes the f32 row itself; the down
+    /// projection's hand-off to it is dropped).
+    fn plan_mlps(&mut self, n: usize) {
+        self.buf.mlp_fused.iter_mut().chain(self.buf.f32_row_in.iter_mut()).for_each(|m| *m = false);
+        self.buf.writes_into.iter_mut().for_each(|w| *w = None);
+        if !self.untraced_one_row(n) {
+            return;
+        }
+        let graph = &self.model.graph;
+        let opts = self.gpu.linear_options();
+        for layer in &graph.layers {
+            let f = layer.first;
+            if !self.buf.mlp_layer[f] || (f + 2..=f + DecoderLayer::LEN).any(|i| self.buf.in_chain[i]) {
+                continue;
+            }
+            let Some([_, _, att, _, _, out]) = ferrite_model::fusion::decoder_layer_at(graph, f) else { continue };
+            let Op::Linear { x, w, .. } = graph.ops[f + DecoderLayer::LEN] else { continue };
+            let next_int8 = as_matrix(&self.weights[w.0 as usize]).is_some_and(|m| ops::linear_plan(m.dtype, graph.value(x).width, 1, &opts) == ops::LinearPlan::GemvQ8);
+            let shares_att = self.plan.slot(out) == self.plan.slot(att) && self.buf.handoff_in[f + 2].is_none();
+            if self.buf.handoff_in[f + 3].is_none() || shares_att || !next_int8 {
+                continue;
+            }
+            self.buf.mlp_fused[f + 3] = true;
+            self.buf.writes_into[f + 2] = Some(out);
+            self.buf.f32_row_in[f + DecoderLayer::LEN] = true;
+            // The gate/up -> down and down -> next hand-offs do not run.
+            for i in [f + 4, f + DecoderLayer::LEN] {
+                self.buf.handoff_in[i] = None;
+                self.buf.handoff_out[i - 1] = None;
+            }
+        }
+    }
+
+    /// Enqueue the gate/up op `index` and the down projection after it (planned by
+    /// `plan_mlps`) as one launch, adding into the down projection's output, which its
+    /// residual's producer wrote there.
+    fn run_mlp(&mut self, index: usize) -> anyhow::Result<()> {
+        let graph = &self.model.graph;
+        let (Op::GatedLinear { w: gate_up, act, .. }, Op::Linear { w: down, out, .. }) = (&graph.ops[index], &graph.ops[index + 1]) else {
+            bail!("op {index}: not a gate/up and down projection");
+        };
+        let glu = match act {
+            GatedActivation::Silu => ops::Glu::SwiGlu,
+            GatedActivation::GeluTanh => ops::Glu::GeGlu,
+        };
+        let h = self.buf.handoff_in[index].ok_or_else(|| anyhow!("op {index}: the fused MLP has no int8 hand-off"))?;
+        let Self { gpu, weights, plan, buf, .. } = self;
+        let slot = plan.slot(*out);
+        let mut stream = buf.slots[slot].take().expect("slot in use");
+        let result = ops::mlp_q8(gpu, matrix_of(weights, *gate_up), matrix_of(weights, *down), &buf.q8_handoff[h % 2], glu, &mut stream);
+        buf.slots[slot] = Some(stream);
+        Ok(result?)
+    }
+
     fn run_op(&mut self, index: usize, op: &Op, out: &mut CudaSlice<f32>, n: usize) -> anyhow::Result<()> {
         let graph = &self.model.graph;
         let width = |v: ValueId| graph.value(v).width;
@@ -1061,12 +1191,21 @@ impl CudaExecutor {
                 // one launch multiplies, adds bias and residual, and may quantize for the next.
                 let (r, xw, ow) = (rows(x), width(x), width(op.writes()));
                 let (q8, quantize, emit) = q8_buffers(&mut buf.q8, &mut buf.q8_handoff, buf.handoff_in[index], buf.handoff_out[index]);
-                if quantize {
-                    ops::quantize_q8(gpu, input(x), r, xw, norm.map(norm_prologue), q8)?;
-                }
-                let epilogue = ops::Epilogue { bias: bias.map(vector), residual: residual.map(input), glu: None };
+                // The residual in the output's own buffer: an output projection writing the
+                // layer's output before a fused MLP (`plan_mlps`), whose input shares it.
+                let in_place = residual.is_some_and(|r| buf.writes_into[index].is_some_and(|o| plan.slot(o) == plan.slot(r)));
+                let residual = if in_place { None } else { residual.map(input) };
+                let epilogue = ops::Epilogue { bias: bias.map(vector), residual, accumulate: in_place, ..Default::default() };
                 let emit = emit.map(|dst| ops::Q8Emit { dst, norm: handoff_norm(index).map(norm_prologue) });
-                ops::linear_q8(gpu, matrix(w), q8, r, out, ow, out_col, &epilogue, emit)?;
+                if buf.f32_row_in[index] {
+                    // After a fused MLP (`plan_mlps`): one row, quantized by the GEMV's blocks.
+                    ops::linear_q8_f32_row(gpu, matrix(w), input(x), norm.map(norm_prologue), out, ow, out_col, &epilogue, emit)?;
+                } else {
+                    if quantize {
+                        ops::quantize_q8(gpu, input(x), r, xw, norm.map(norm_prologue), q8)?;
+                    }
+                    ops::linear_q8(gpu, matrix(w), q8, r, out, ow, out_col, &epilogue, emit)?;
+                }
             }
             Op::Linear { x, w, residual, .. } if buf.staged_in[index] => {
                 // Its input was staged by its producer (`plan_handoffs`).

@@ -554,7 +554,7 @@ fn linear_q8_fuses_norm_bias_and_residual() {
         let prologue = ops::NormPrologue { weight: &upload(gpu, &g), eps: 1e-5, add_one: false };
         ops::quantize_q8(gpu, &upload(gpu, &x), n, cols, Some(prologue), &mut q8).unwrap();
         let (bias_d, res_d) = (upload(gpu, &bias), upload(gpu, &res));
-        let epilogue = ops::Epilogue { bias: Some(&bias_d), residual: Some(&res_d), glu: None };
+        let epilogue = ops::Epilogue { bias: Some(&bias_d), residual: Some(&res_d), ..Default::default() };
         ops::linear_q8(gpu, &weight, &q8, n, &mut out, ld, col, &epilogue, None).unwrap();
         let got_all = download(gpu, &out);
         let mut got = Vec::new();
@@ -721,6 +721,75 @@ fn int8_handoffs_chain_gemvs_like_separate_quantize_launches() {
             let mag: f64 = (0..d).map(|c| (wq_f[r * d + c] * n2[t * d + c]).abs() as f64).sum();
             q8_bound(&wq_f[r * d..(r + 1) * d], &step[t * d..(t + 1) * d]) + 2e-5 * (mag + 4.0)
         });
+    }
+}
+
+/// The fused MLP (`mlp_q8`: gate/up with SwiGLU on a norm-pending int8 hand-off, each block's
+/// outputs quantized and multiplied by their columns of the down projection, added into the
+/// stream) is as close to the stream plus the exact down projection of the separate gated GEMV's
+/// f32 output as an int8 GEMV on those outputs is; and
+/// a GEMV that quantizes its f32 input row itself (`linear_q8_f32_row`, with and without a norm,
+/// in place of a residual-accumulating output) is as close to the exact product as one that
+/// reads `quantize_q8`'s codes.
+#[test]
+fn fused_mlp_and_f32_row_inputs_match_separate_launches() {
+    let Some(gpu) = gpu() else { return };
+    let mut rng = Rng(59);
+    for (dtype, d, ff) in [(GgmlType::Q4_1, 576, 1536), (GgmlType::Q4_0, 2048, 8192), (GgmlType::Q8_0, 256, 512), (GgmlType::Q4_K, 512, 1024)] {
+        let case = format!("{dtype} d{d} ff{ff}");
+        let weight = |rng: &mut Rng, rows, cols| {
+            let (bytes, w) = random_weight(rng, dtype, rows, cols);
+            (gpu.upload_weight(dtype, rows, cols, &bytes).unwrap(), w)
+        };
+        let ((wo, _), (wgu, _), (wd, wd_f), (wq, wq_f)) = (weight(&mut rng, d, d), weight(&mut rng, 2 * ff, d), weight(&mut rng, d, ff), weight(&mut rng, 96, d));
+        let g1 = upload(gpu, &rng.vec(d, 0.5, 1.5));
+        let g2 = rng.vec(d, 0.5, 1.5);
+        let x = upload(gpu, &rng.vec(d, -2.0, 2.0));
+        let res = rng.vec(d, -2.0, 2.0);
+        let mut q_x = ops::Q8Activations::new(gpu, ff).unwrap();
+        let mut q_a = ops::Q8Activations::new(gpu, ff).unwrap();
+
+        // The output projection accumulates into its residual in place and hands off its output
+        // with the MLP norm pending; the same with a separate residual must give the same bits.
+        ops::quantize_q8(gpu, &x, 1, d, None, &mut q_x).unwrap();
+        let mut stream = upload(gpu, &res);
+        let accumulate = ops::Epilogue { accumulate: true, ..Default::default() };
+        ops::linear_q8(gpu, &wo, &q_x, 1, &mut stream, d, 0, &accumulate, Some(ops::Q8Emit { dst: &mut q_a, norm: Some(ops::NormPrologue { weight: &g1, eps: 1e-5, add_one: false }) })).unwrap();
+        let mut h1 = poisoned(gpu, d);
+        let res_d = upload(gpu, &res);
+        ops::linear_q8(gpu, &wo, &q_x, 1, &mut h1, d, 0, &ops::Epilogue { residual: Some(&res_d), ..Default::default() }, None).unwrap();
+        let h1 = download(gpu, &h1);
+        close("mlp_q8", &format!("{case} accumulating output projection"), &download(gpu, &stream), &h1, 1e-5, 1e-5);
+
+        // Gate/up apart (f32 output), then the down projection in f64 on the CPU.
+        let mut m = poisoned(gpu, ff);
+        ops::linear_q8(gpu, &wgu, &q_a, 1, &mut m, ff, 0, &ops::Epilogue { glu: Some(ops::Glu::SwiGlu), ..Default::default() }, None).unwrap();
+        let m = download(gpu, &m);
+        let stream_before = download(gpu, &stream);
+        ops::mlp_q8(gpu, &wgu, &wd, &q_a, ops::Glu::SwiGlu, &mut stream).unwrap();
+        let got = download(gpu, &stream);
+        let mag: Vec<f64> = (0..d).map(|r| (0..ff).map(|c| (wd_f[r * ff + c] * m[c]).abs() as f64).sum::<f64>() + stream_before[r].abs() as f64).collect();
+        let want: Vec<f32> = (0..d).map(|r| ((0..ff).map(|c| wd_f[r * ff + c] as f64 * m[c] as f64).sum::<f64>() + stream_before[r] as f64) as f32).collect();
+        // The down projection reads the block's outputs quantized, as from a gated GEMV's hand-off.
+        let step = q8_steps(&m, ff);
+        check("mlp_q8", &format!("{case} fused MLP"), &got, &want, |r| q8_bound(&wd_f[r * ff..(r + 1) * ff], &step) + 2e-5 * mag[r] + 1e-6);
+
+        // The next projection reads the f32 stream and quantizes it itself (norm folded or not).
+        let stream_f = got;
+        let g2_d = upload(gpu, &g2);
+        for with_norm in [true, false] {
+            let input = if with_norm { normed(&stream_f, &g2) } else { stream_f.clone() };
+            let mut y = poisoned(gpu, 96);
+            let norm = with_norm.then_some(ops::NormPrologue { weight: &g2_d, eps: 1e-5, add_one: false });
+            ops::linear_q8_f32_row(gpu, &wq, &stream, norm, &mut y, 96, 0, &ops::Epilogue::default(), None).unwrap();
+            let mut want = vec![0f32; 96];
+            matmul_f32(&wq_f, 96, d, &input, 1, &mut want);
+            let step = q8_steps(&input, d);
+            check("linear_q8_f32_row", &format!("{case} norm={with_norm}"), &download(gpu, &y), &want, |r| {
+                let mag: f64 = (0..d).map(|c| (wq_f[r * d + c] * input[c]).abs() as f64).sum();
+                q8_bound(&wq_f[r * d..(r + 1) * d], &step) + 2e-5 * (mag + 4.0)
+            });
+        }
     }
 }
 

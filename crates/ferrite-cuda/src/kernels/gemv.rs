@@ -108,6 +108,18 @@ device_params! {
         pub expert_off: u32,
         pub n_experts: u32,
         pub x_div: u32,
+        /// `IN_F32`: one token's f32 activations and, with `IN_NORM`, their RMSNorm's weight.
+        pub x32: u64,
+        pub in_norm_w: u64,
+        /// `IN_F32` with `IN_NORM`: Gemma's `(1 + w)` norm convention.
+        pub in_add_one: u32,
+        /// `DOWN`: rows of the down projection (its columns are this GEMV's `rows`).
+        pub down_rows: u32,
+        /// `DOWN`: the planes of the down projection.
+        pub d0: u64,
+        pub d1: u64,
+        pub d2: u64,
+        pub d3: u64,
     }
 }
 
@@ -151,8 +163,20 @@ const SOURCE_Q8: &str = r#"
 #ifndef EXPERTS
 #error "EXPERTS (1: grid y walks (token, slot) pairs, each multiplying the rows of its pair's expert, read from device memory; 2: grid y walks moe_group's tiles of up to NTOK pairs of one expert) must come from the kernel variant"
 #endif
+#ifndef IN_F32
+#error "IN_F32 (0, or the 32-value blocks each group of 8 lanes quantizes: the activations are one token's f32 row x32, quantized (times in_norm_w with IN_NORM) by every block into shared memory) must come from the kernel variant"
+#endif
+#ifndef DOWN
+#error "DOWN (0, or the down-projection rows per thread: the fused MLP, see down_red) must come from the kernel variant"
+#endif
 #define ROWS_PER_BLOCK (NWARPS * 32 / TPR * ROWS)
 #define SLICE_THREADS (NWARPS * 32)
+#if IN_F32 && (NTOK != 1 || EXPERTS)
+#error "IN_F32 quantizes one token's row of a plain GEMV"
+#endif
+#if DOWN && (NTOK != 1 || !GLU || EMIT || RESIDUAL || BIAS || EXPERTS || ROWS_PER_BLOCK % 32 != 0)
+#error "DOWN follows a one-token GLU whose blocks own whole 32-value units of the down projection's columns"
+#endif
 #if EMIT && ROWS_PER_BLOCK % 32 != 0
 #error "EMIT needs blocks that own whole 32-row quantization blocks"
 #endif
@@ -219,7 +243,7 @@ __device__ __forceinline__ void prefetch_weights(const GemvQ8Params& p, Prefetch
 }
 
 // After the wait: what earlier kernels wrote (the residual, the norm's sums) and the bias.
-__device__ __forceinline__ void prefetch_inputs(const GemvQ8Params& p, Prefetched& f, i64 row0, int tok0, bool epilogue_lane, bool first_slice) {
+__device__ __forceinline__ void prefetch_inputs(const GemvQ8Params& p, Prefetched& f, i64 row0, int tok0, bool epilogue_lane, bool first_slice, const float* in_partials) {
 #if BIAS || RESIDUAL
   if (epilogue_lane) {
 #pragma unroll
@@ -246,7 +270,7 @@ __device__ __forceinline__ void prefetch_inputs(const GemvQ8Params& p, Prefetche
 #pragma unroll
       for (int k = 0; k < NORM_PARTS; ++k) {
         const int i = lane + 32 * k;
-        f.ss[t][k] = tok0 + t < (int)p.n_tokens && i < units ? reinterpret_cast<const float*>(p.in_partials)[(i64)(tok0 + t) * units + i] : 0.f;
+        f.ss[t][k] = tok0 + t < (int)p.n_tokens && i < units ? in_partials[(i64)(tok0 + t) * units + i] : 0.f;
       }
   }
 #endif
@@ -291,6 +315,80 @@ __device__ __forceinline__ void emit_q8(const GemvQ8Params& p, const Prefetched&
 }
 #endif
 
+#if IN_F32
+#define IN_F32_GROUPS (SLICE_THREADS * KSPLIT / 8)
+#define IN_F32_UNITS (IN_F32 * IN_F32_GROUPS)
+// After the wait: the consumer makes its own int8 hand-off. The block's groups of 8 lanes
+// quantize the 32-value blocks of the token's f32 row (times the norm's weight, each block's sum
+// of squares beside it, as `emit_q8` does), group i the blocks i, i + groups, ..., into shared
+// memory; every load is issued first.
+__device__ __forceinline__ void quantize_input(const GemvQ8Params& p, u32* s_q, uint2* s_s, float* s_ss) {
+  const int lane = threadIdx.x & 31, group = threadIdx.x >> 3, units = (int)(p.cols / 32);
+  float4 x[IN_F32], g[IN_F32];
+#pragma unroll
+  for (int r = 0; r < IN_F32; ++r) {
+    const int i = 8 * min(group + r * IN_F32_GROUPS, units - 1) + (lane & 7);
+    x[r] = reinterpret_cast<const float4*>(p.x32)[i];
+#if IN_NORM
+    const float4 w = reinterpret_cast<const float4*>(p.in_norm_w)[i];
+    const float one = p.in_add_one ? 1.f : 0.f;
+    g[r] = make_float4(one + w.x, one + w.y, one + w.z, one + w.w);
+#else
+    g[r] = make_float4(1.f, 1.f, 1.f, 1.f);
+#endif
+  }
+#pragma unroll
+  for (int r = 0; r < IN_F32; ++r) {
+    const int u = group + r * IN_F32_GROUPS;
+    const float4 v = x[r];
+#if IN_NORM
+    float ss = v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
+#pragma unroll
+    for (int o = 1; o < 8; o <<= 1) ss += __shfl_xor_sync(FULL_MASK, ss, o);
+    if (u < units && (lane & 7) == 0) s_ss[u] = ss;
+#endif
+    const float4 q = make_float4(v.x * g[r].x, v.y * g[r].y, v.z * g[r].z, v.w * g[r].w);
+    quantize_block_group8(q, lane, s_q + 8 * u, s_s + u, u < units);
+  }
+  __syncthreads();
+}
+#endif
+
+#if DOWN
+// The fused MLP: the block's GLU outputs are columns blockIdx.x * ROWS_PER_BLOCK + ... of the
+// down projection's input. The block quantizes them as the gated GEMV's int8 hand-off to the
+// down projection would, multiplies them by those columns of every down row and adds the
+// products into `out`, which holds the residual stream (one atomic add per row and block: the
+// sum's order varies from run to run in the last bits). Thread i takes the rows i, i + threads,
+// ...; its units are loaded before the wait.
+#define DOWN_UNITS (ROWS_PER_BLOCK / 32)
+__device__ __forceinline__ void prefetch_down(const GemvQ8Params& p, Unit (&dw)[DOWN][DOWN_UNITS]) {
+  const WeightRef w = {(const u8*)p.d0, (const u8*)p.d1, (const u8*)p.d2, (const u8*)p.d3, (i64)p.rows};
+#pragma unroll
+  for (int i = 0; i < DOWN; ++i)
+#pragma unroll
+    for (int c = 0; c < DOWN_UNITS; ++c)
+      load_unit(w, min((i64)threadIdx.x + i * SLICE_THREADS * KSPLIT, (i64)p.down_rows - 1), blockIdx.x * DOWN_UNITS + c, dw[i][c]);
+}
+__device__ __forceinline__ void down_red(const GemvQ8Params& p, const Unit (&dw)[DOWN][DOWN_UNITS], const int4* hq, const uint2* hs) {
+  float* out = reinterpret_cast<float*>(p.out);
+#pragma unroll
+  for (int i = 0; i < DOWN; ++i) {
+    const i64 row = (i64)threadIdx.x + i * SLICE_THREADS * KSPLIT;
+    if (row < p.down_rows) {
+      float s = 0.f;
+#pragma unroll
+      for (int c = 0; c < DOWN_UNITS; ++c) {
+        const uint2 sc = hs[c];
+        const float sq0 = (float)(int)(short)(sc.y & 0xffffu), sq1 = (float)((int)sc.y >> 16);
+        s += unit_dot_q8(dw[i][c], hq[2 * c], hq[2 * c + 1], __uint_as_float(sc.x), sq0, sq1);
+      }
+      atomicAdd(out + row, s);
+    }
+  }
+}
+#endif
+
 extern "C" __global__ void __launch_bounds__(SLICE_THREADS * KSPLIT) gemv_q8(const GemvQ8Params p) {
   // Slice `slice` of the block takes every KSPLIT-th batch of units of the block's rows.
   const int tid = threadIdx.x % SLICE_THREADS, slice = threadIdx.x / SLICE_THREADS, k = tid % TPR, group = tid / TPR;
@@ -304,8 +402,18 @@ extern "C" __global__ void __launch_bounds__(SLICE_THREADS * KSPLIT) gemv_q8(con
 #define WEIGHT_OF(r) w
 #endif
   const int units = (int)(p.cols / 32);
+#if IN_F32
+  __shared__ int4 s_xq[2 * IN_F32_UNITS];
+  __shared__ uint2 s_xs[IN_F32_UNITS];
+  __shared__ float s_ss[IN_F32_UNITS];
+  const int4* xq = s_xq;
+  const uint2* xs = s_xs;
+  const float* in_partials = s_ss;
+#else
   const int4* xq = reinterpret_cast<const int4*>(p.xq);
   const uint2* xs = reinterpret_cast<const uint2*>(p.xs);
+  const float* in_partials = reinterpret_cast<const float*>(p.in_partials);
+#endif
 
   float acc[WROWS][NTOK];
 #pragma unroll
@@ -320,12 +428,19 @@ extern "C" __global__ void __launch_bounds__(SLICE_THREADS * KSPLIT) gemv_q8(con
   // routing (an earlier kernel's output), so the block waits first.
   Prefetched pre;
   prefetch_weights(p, pre);
+#if DOWN
+  Unit dw[DOWN][DOWN_UNITS];
+  prefetch_down(p, dw);
+#endif
   bool waited = false;
   const auto wait_then_prefetch = [&]() {
     pdl_wait();
     pdl_release();
     waited = true;
-    prefetch_inputs(p, pre, row0, tok0, k == 0 && slice == 0, slice == 0);
+#if IN_F32
+    quantize_input(p, reinterpret_cast<u32*>(s_xq), s_xs, s_ss);
+#endif
+    prefetch_inputs(p, pre, row0, tok0, k == 0 && slice == 0, slice == 0, in_partials);
   };
   i64 ebase = 0;
 #if EXPERTS
@@ -349,8 +464,11 @@ extern "C" __global__ void __launch_bounds__(SLICE_THREADS * KSPLIT) gemv_q8(con
 #endif
   if (!bad_expert) ebase = (i64)expert * p.expert_rows + p.expert_off;
 #endif
-  if (row0 < p.rows) {
-    for (int u0 = k + slice * TPR * UNROLL; u0 < units; u0 += TPR * UNROLL * KSPLIT) {
+  // With IN_F32 every thread takes the first batch (whose math the unit checks guard), so that
+  // all of them meet at the prologue's barrier in wait_then_prefetch.
+  {
+    const int u_first = k + slice * TPR * UNROLL;
+    for (int u0 = u_first; (IN_F32 && u0 == u_first) || (row0 < p.rows && u0 < units); u0 += TPR * UNROLL * KSPLIT) {
       // Issue all UNROLL x ROWS weight loads before any math, so that each lane keeps that many
       // bytes in flight. Indices past the end are clamped (a safe re-read, never used).
       Unit wu[UNROLL][WROWS];
@@ -416,14 +534,13 @@ extern "C" __global__ void __launch_bounds__(SLICE_THREADS * KSPLIT) gemv_q8(con
   // in the same order by every warp (of slice 0, which holds the sums: warp-uniform).
   if (slice == 0) {
     const int lane = tid & 31;
-    const float* partials = reinterpret_cast<const float*>(p.in_partials);
 #pragma unroll
     for (int t = 0; t < NTOK; ++t) {
       float ss = 0.f;
 #pragma unroll
       for (int k = 0; k < NORM_PARTS; ++k) ss += pre.ss[t][k];  // 0 past the sums (exact)
       if (tok0 + t < (int)p.n_tokens)
-        for (int i = lane + 32 * NORM_PARTS; i < units; i += 32) ss += partials[(i64)(tok0 + t) * units + i];
+        for (int i = lane + 32 * NORM_PARTS; i < units; i += 32) ss += in_partials[(i64)(tok0 + t) * units + i];
       const float inv = 1.f / sqrtf(warp_sum(ss) / (float)p.cols + p.in_eps);
 #pragma unroll
       for (int r = 0; r < WROWS; ++r) acc[r][t] *= inv;
@@ -432,6 +549,9 @@ extern "C" __global__ void __launch_bounds__(SLICE_THREADS * KSPLIT) gemv_q8(con
 #endif
 #if EMIT
   __shared__ float staged[NTOK][ROWS_PER_BLOCK];
+#endif
+#if DOWN
+  __shared__ float s_h[ROWS_PER_BLOCK];
 #endif
   if (k == 0 && slice == 0) {
 #pragma unroll
@@ -448,15 +568,27 @@ extern "C" __global__ void __launch_bounds__(SLICE_THREADS * KSPLIT) gemv_q8(con
 #if EXPERTS
         if (bad_expert) v = QNAN;
 #endif
+#if DOWN
+        s_h[group * ROWS + r] = row0 + r < p.rows ? v : 0.f;
+#else
         const float stored = store_q8(p, pre, row0 + r, TOK(t), r, t, v);
 #if EMIT
         staged[t][group * ROWS + r] = stored;
+#endif
 #endif
       }
   }
 #if EMIT
   __syncthreads();
   emit_q8(p, pre, staged, tok0);
+#endif
+#if DOWN
+  __shared__ int4 s_hq[2 * DOWN_UNITS];
+  __shared__ uint2 s_hs[DOWN_UNITS];
+  __syncthreads();
+  for (int c = threadIdx.x >> 5; c < DOWN_UNITS; c += NWARPS * KSPLIT) quantize_block_warp(s_h[32 * c + (threadIdx.x & 31)], threadIdx.x & 31, reinterpret_cast<i8*>(s_hq) + 32 * c, s_hs + c);
+  __syncthreads();
+  down_red(p, dw, s_hq, s_hs);
 #endif
 }
 "#;
@@ -640,6 +772,12 @@ pub struct GemvQ8Variant {
     pub up_split: bool,
     /// Whether grid y walks a MoE FFN's (token, slot) pairs on their routed experts' rows.
     pub experts: ExpertGrid,
+    /// One token's f32 activations, quantized by every block itself: 0, or the 32-value blocks
+    /// each group of 8 lanes quantizes (see [`Self::with_f32_input`]).
+    pub in_f32: u32,
+    /// The fused MLP: 0, or the down-projection rows each thread multiplies (see
+    /// [`Self::with_down`]).
+    pub down: u32,
 }
 
 /// What grid y of the int8 GEMV walks (the `EXPERTS` macro).
@@ -689,6 +827,8 @@ impl GemvQ8Variant {
             k_split: 1,
             up_split: false,
             experts: ExpertGrid::Off,
+            in_f32: 0,
+            down: 0,
         }
     }
 
@@ -791,6 +931,25 @@ impl GemvQ8Variant {
         GemvQ8Variant { k_split: k_split as u32, ..v }
     }
 
+    /// The fused MLP of one token: each thread multiplies `down_rows / threads` of the down
+    /// projection's rows by the block's outputs (the block's tiling must own whole 32-value units
+    /// of the down projection's columns, as [`Self::emitting`]'s does).
+    pub fn with_down(self, down_rows: usize) -> Self {
+        GemvQ8Variant { down: down_rows.div_ceil(self.threads()) as u32, ..self }
+    }
+
+    /// One token's activations arrive as f32 and every block quantizes them itself (a prologue
+    /// instead of a quantize launch or a producer's hand-off): `cols / 32` blocks over the
+    /// block's groups of 8 lanes.
+    pub fn with_f32_input(self, cols: usize) -> Self {
+        GemvQ8Variant { in_f32: (cols / 32).div_ceil(self.threads() / 8) as u32, ..self }
+    }
+
+    /// Threads per block.
+    pub fn threads(&self) -> usize {
+        (self.nwarps * 32 * self.k_split) as usize
+    }
+
     pub fn rows_per_block(&self) -> usize {
         (self.nwarps * 32 / self.tpr * self.rows) as usize
     }
@@ -825,6 +984,8 @@ impl KernelVariant for GemvQ8Variant {
             ("KSPLIT", self.k_split.to_string()),
             ("UP_SPLIT", u32::from(self.up_split).to_string()),
             ("EXPERTS", (self.experts as u32).to_string()),
+            ("IN_F32", self.in_f32.to_string()),
+            ("DOWN", self.down.to_string()),
         ]
     }
 }

@@ -31,6 +31,30 @@ __device__ __forceinline__ void quantize_block_warp(float v, int lane, i8* q, ui
   const int s_hi = __shfl_sync(FULL_MASK, s, 16);
   if (lane == 0) *scale = make_uint2(__float_as_uint(nan ? QNAN : amax / 127.f), ((u32)s & 0xffffu) | ((u32)s_hi << 16));
 }
+
+// `quantize_block_warp` for a block held by an aligned group of 8 lanes, 4 consecutive values
+// each (group lane j: values 4j..4j+3): the same codes, scale and sums in three shuffle steps
+// instead of five, four blocks per warp at once. With `store`, lane j writes code word j to
+// q[j] and lane 0 the scale. Every lane of the warp must call it.
+__device__ __forceinline__ void quantize_block_group8(float4 v, int lane, u32* q, uint2* scale, bool store) {
+  float amax = fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w)));
+  int nan = v.x != v.x || v.y != v.y || v.z != v.z || v.w != v.w;
+#pragma unroll
+  for (int o = 1; o < 8; o <<= 1) {
+    amax = fmaxf(amax, __shfl_xor_sync(FULL_MASK, amax, o));
+    nan |= __shfl_xor_sync(FULL_MASK, nan, o);
+  }
+  const float inv_d = amax > 0.f ? 127.f / amax : 0.f;
+  const int c0 = nan ? 0 : __float2int_rn(v.x * inv_d), c1 = nan ? 0 : __float2int_rn(v.y * inv_d);
+  const int c2 = nan ? 0 : __float2int_rn(v.z * inv_d), c3 = nan ? 0 : __float2int_rn(v.w * inv_d);
+  int s = c0 + c1 + c2 + c3;  // code sums of each half: group lanes 0..3 and 4..7
+  s += __shfl_xor_sync(FULL_MASK, s, 1);
+  s += __shfl_xor_sync(FULL_MASK, s, 2);
+  const int s_hi = __shfl_sync(FULL_MASK, s, (lane & ~7) + 4);
+  if (!store) return;
+  q[lane & 7] = (u32)(c0 & 0xff) | ((u32)(c1 & 0xff) << 8) | ((u32)(c2 & 0xff) << 16) | ((u32)c3 << 24);
+  if ((lane & 7) == 0) *scale = make_uint2(__float_as_uint(nan ? QNAN : amax / 127.f), ((u32)s & 0xffffu) | ((u32)s_hi << 16));
+}
 "#;
 
 device_params! {

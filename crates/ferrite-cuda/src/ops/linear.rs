@@ -611,7 +611,7 @@ fn run_plan(
         LinearPlan::GemvQ8 => {
             let (q_bytes, s_bytes, _) = Q8Activations::sizes(n_tokens * w.cols);
             gpu.with_scratch(q_bytes + s_bytes, |scratch| {
-                let input = Q8Input { xq: scratch, xs: scratch + q_bytes as u64, norm: None };
+                let input = Q8Input { xq: scratch, xs: scratch + q_bytes as u64, norm: None, f32_row: None };
                 quantize_raw(gpu, x, w.cols, n_tokens, w.cols, None, input.xq, input.xs)?;
                 gemv_q8(gpu, w, None, None, input, n_tokens, w.rows, (out, w.rows, 0), &Epilogue::default(), None, None)
             })
@@ -737,7 +737,7 @@ impl Q8Activations {
     /// The GEMV's view of the last write.
     pub(super) fn input(&self, gpu: &Gpu) -> Q8Input {
         let (xq, xs, partials) = self.ptrs(gpu);
-        Q8Input { xq, xs, norm: self.pending_norm.map(|eps| (partials, eps)) }
+        Q8Input { xq, xs, norm: self.pending_norm.map(|eps| (partials, eps)), f32_row: None }
     }
 
     /// Rows and columns of the last write.
@@ -783,12 +783,17 @@ pub enum Glu {
 
 /// What the int8 GEMV does before storing: `out = x W^T + bias + residual`, the residual laid
 /// out like the output; or, with `glu`, `out = act(gate) * up` over the two halves of `W`'s
-/// rows (no bias or residual then).
+/// rows (no bias or residual then); and with `glu` and `down` (one token, see [`mlp_q8`]),
+/// `out += down · (act(gate) * up)` instead of a store.
 #[derive(Clone, Copy, Default)]
 pub struct Epilogue<'a> {
     pub bias: Option<&'a CudaSlice<f32>>,
     pub residual: Option<&'a CudaSlice<f32>>,
+    /// The residual is `out` itself (`out += x W^T`: each output read, then written, by one
+    /// thread); instead of `residual`.
+    pub accumulate: bool,
     pub glu: Option<Glu>,
+    pub down: Option<&'a DeviceWeight>,
 }
 
 /// Quantize `n_rows` rows of `cols` f32 values (`cols % 32 == 0`) into `dst`, normalising each
@@ -882,25 +887,108 @@ pub fn linear_q8_retiled(
     retile: Option<Retile>,
 ) -> Result<(), CudaError> {
     const OP: &str = "linear_q8";
-    if weight::planes(w.dtype).is_none() {
-        return Err(CudaError::invalid(OP, format!("the int8 GEMV needs a quantized weight, not {}", w.dtype)));
-    }
     if x.cols != w.cols || x.rows < n_tokens {
         return Err(CudaError::invalid(
             OP,
             format!("activations hold {} x {}, the weight needs {n_tokens} x {}", x.rows, x.cols, w.cols),
         ));
     }
+    linear_q8_input(gpu, w, x.input(gpu), n_tokens, out, out_ld, out_col, epilogue, emit, retile)
+}
+
+/// [`linear_q8`] for one token whose activations are an f32 row `x` (`w.cols` values): every
+/// block of the GEMV quantizes the row, normalised with `norm`, into its shared memory (no
+/// quantize launch, no producer's hand-off).
+#[allow(clippy::too_many_arguments)]
+pub fn linear_q8_f32_row(
+    gpu: &Gpu,
+    w: &DeviceWeight,
+    x: &impl DevicePtr<f32>,
+    norm: Option<NormPrologue>,
+    out: &mut impl DevicePtrMut<f32>,
+    out_ld: usize,
+    out_col: usize,
+    epilogue: &Epilogue,
+    emit: Option<Q8Emit>,
+) -> Result<(), CudaError> {
+    const OP: &str = "linear_q8_f32_row";
+    if !w.cols.is_multiple_of(32) || w.cols == 0 {
+        return Err(CudaError::invalid(OP, format!("{} columns are not whole 32-value blocks", w.cols)));
+    }
+    check_len(OP, "x", x.len(), w.cols)?;
+    if let Some(nm) = &norm {
+        check_len(OP, "norm weight", nm.weight.len(), w.cols)?;
+    }
+    let input = Q8Input {
+        xq: 0,
+        xs: 0,
+        norm: norm.map(|nm| (0, nm.eps)),
+        f32_row: Some((addr(gpu, x), norm.map(|nm| (addr(gpu, nm.weight), nm.add_one)))),
+    };
+    linear_q8_input(gpu, w, input, 1, out, out_ld, out_col, epilogue, emit, None)
+}
+
+/// Most atomic adds per token (down rows x 32-channel units) for which [`mlp_q8`] is chosen:
+/// measured on the H100 (tg128), the 1B shape's 524 288 (2 048 rows x 256 units) made the step
+/// 28% slower; SmolLM2's 27 648 (576 x 48) do not dominate.
+pub const MLP_MAX_ADDS: usize = 1 << 16;
+
+/// The fused MLP of one token: `stream += down · act(x gate^T) * (x up^T)` in one int8 GEMV
+/// launch, `gate_up` being the fused `[gate; up]` weight and `x` the int8 hand-off of the
+/// normalised stream. Each block adds its share of the down projection into `stream` with
+/// atomic adds, so the last bits of the sum vary from run to run.
+pub fn mlp_q8(gpu: &Gpu, gate_up: &DeviceWeight, down: &DeviceWeight, x: &Q8Activations, glu: Glu, stream: &mut impl DevicePtrMut<f32>) -> Result<(), CudaError> {
+    const OP: &str = "mlp_q8";
+    let hidden = gate_up.rows / 2;
+    if gate_up.dtype != down.dtype || down.cols != hidden || !hidden.is_multiple_of(32) || !gate_up.rows.is_multiple_of(2) {
+        return Err(CudaError::invalid(
+            OP,
+            format!("gate/up ({} {}x{}) and down ({} {}x{}) must be one quantized type, down reading the gate/up's {hidden} outputs (whole 32-value units)", gate_up.dtype, gate_up.rows, gate_up.cols, down.dtype, down.rows, down.cols),
+        ));
+    }
+    if x.cols != gate_up.cols || x.rows != 1 {
+        return Err(CudaError::invalid(OP, format!("activations hold {} x {}, the fused MLP takes 1 x {}", x.rows, x.cols, gate_up.cols)));
+    }
+    check_len(OP, "stream", stream.len(), down.rows)?;
+    let epilogue = Epilogue { glu: Some(glu), down: Some(down), ..Default::default() };
+    let rows = down.rows;
+    linear_q8_input(gpu, gate_up, x.input(gpu), 1, stream, rows, 0, &epilogue, None, None)
+}
+
+/// The checks and the hand-off of [`linear_q8_retiled`] and [`linear_q8_f32_row`] (the input's
+/// shape already checked).
+#[allow(clippy::too_many_arguments)]
+fn linear_q8_input(
+    gpu: &Gpu,
+    w: &DeviceWeight,
+    input: Q8Input,
+    n_tokens: usize,
+    out: &mut impl DevicePtrMut<f32>,
+    out_ld: usize,
+    out_col: usize,
+    epilogue: &Epilogue,
+    emit: Option<Q8Emit>,
+    retile: Option<Retile>,
+) -> Result<(), CudaError> {
+    const OP: &str = "linear_q8";
+    if weight::planes(w.dtype).is_none() {
+        return Err(CudaError::invalid(OP, format!("the int8 GEMV needs a quantized weight, not {}", w.dtype)));
+    }
     if n_tokens == 0 {
         return Ok(());
     }
+    // With `down`, `out` is the down projection's output (`out_ld` its rows).
     let out_rows = match epilogue.glu {
-        Some(_) if !w.rows.is_multiple_of(2) || epilogue.bias.is_some() || epilogue.residual.is_some() => {
+        _ if epilogue.accumulate && epilogue.residual.is_some() => {
+            return Err(CudaError::invalid(OP, "an epilogue adds either a residual or the output's own values, not both"));
+        }
+        Some(_) if !w.rows.is_multiple_of(2) || epilogue.bias.is_some() || epilogue.residual.is_some() || epilogue.accumulate => {
             return Err(CudaError::invalid(
                 OP,
                 format!("a gated epilogue needs an even number of weight rows ({}) and no bias or residual", w.rows),
             ))
         }
+        Some(_) if epilogue.down.is_some() => out_ld,
         Some(_) => w.rows / 2,
         None => w.rows,
     };
@@ -932,8 +1020,8 @@ pub fn linear_q8_retiled(
         }
         None => None,
     };
-    let input = x.input(gpu);
-    gemv_q8(gpu, w, None, None, input, n_tokens, out_rows, (addr_mut(gpu, out), out_ld, out_col), epilogue, emit, retile)
+    let gemv_rows = if epilogue.down.is_some() { w.rows / 2 } else { out_rows };
+    gemv_q8(gpu, w, None, None, input, n_tokens, gemv_rows, (addr_mut(gpu, out), out_ld, out_col), epilogue, emit, retile)
 }
 
 /// A gated linear whose gate and up rows are two weights of the same quantized type (a shared
@@ -973,6 +1061,9 @@ pub(super) struct Q8Input {
     xs: u64,
     /// The producer's sums of squares and the norm's eps, when the codes lack `1 / rms`.
     norm: Option<(u64, f32)>,
+    /// One token's f32 row, and its norm's weight (+ add_one), that the GEMV quantizes itself
+    /// (`xq`, `xs` and the sums of squares unused then).
+    f32_row: Option<(u64, Option<(u64, bool)>)>,
 }
 
 /// Device side of a [`Q8Emit`]: codes, scales, sums of squares, and the norm weight (+ add_one).
@@ -1011,14 +1102,22 @@ pub(super) fn gemv_q8(
         (None, 0) => GemvQ8Variant::for_shape(w.dtype, out_rows, w.cols, n_tokens, gpu.sm_count()),
         (None, glu) => GemvQ8Variant::for_gated(w.dtype, out_rows, w.cols, n_tokens, gpu.sm_count(), glu),
     };
-    let tiling = match &emit {
-        Some(e) => tiling.emitting(if e.norm.is_some() { 2 } else { 1 }),
-        None => tiling.wide_rows(w.cols),
+    let tiling = match (&emit, epilogue.down) {
+        // Blocks that own whole 32-value units of the down projection's columns.
+        (_, Some(_)) => GemvQ8Variant { emit: 0, ..tiling.emitting(2) },
+        (Some(e), None) => tiling.emitting(if e.norm.is_some() { 2 } else { 1 }),
+        (None, None) => tiling.wide_rows(w.cols),
     };
-    let tiling = if gpu.linear_options().gemv_split_k { tiling.split_k(out_rows, w.cols, grid_tokens, gpu.sm_count()) } else { tiling };
+    let split = gpu.linear_options().gemv_split_k && epilogue.down.is_none();
+    let tiling = if split { tiling.split_k(out_rows, w.cols, grid_tokens, gpu.sm_count()) } else { tiling };
     let tiling = retile.map_or(tiling, |f| f(tiling));
+    let tiling = match epilogue.down {
+        Some(d) => tiling.with_down(d.rows),
+        None => tiling,
+    };
+    let tiling = if x.f32_row.is_some() { tiling.with_f32_input(w.cols) } else { tiling };
     let variant = GemvQ8Variant {
-        residual: epilogue.residual.is_some(),
+        residual: epilogue.residual.is_some() || epilogue.accumulate,
         bias: epilogue.bias.is_some(),
         in_norm: x.norm.is_some(),
         up_split: up.is_some(),
@@ -1026,6 +1125,7 @@ pub(super) fn gemv_q8(
     };
     let [w0, w1, w2, w3] = w.plane_ptrs(gpu);
     let [u0, u1, u2, u3] = up.map_or([0; 4], |u| u.plane_ptrs(gpu));
+    let [d0, d1, d2, d3] = epilogue.down.map_or([0; 4], |d| d.plane_ptrs(gpu));
     let (expert_rows, expert_off, n_experts, x_div) = ExpertRows::fields(experts, OP)?;
     let params = GemvQ8Params {
         w0,
@@ -1035,7 +1135,7 @@ pub(super) fn gemv_q8(
         xq: x.xq,
         xs: x.xs,
         out,
-        residual: epilogue.residual.map_or(0, |r| addr(gpu, r)),
+        residual: if epilogue.accumulate { out } else { epilogue.residual.map_or(0, |r| addr(gpu, r)) },
         bias: epilogue.bias.map_or(0, |b| addr(gpu, b)),
         rows: as_u32(OP, "rows", out_rows)?,
         cols: as_u32(OP, "cols", w.cols)?,
@@ -1063,6 +1163,14 @@ pub(super) fn gemv_q8(
         expert_off,
         n_experts,
         x_div,
+        x32: x.f32_row.map_or(0, |(x, _)| x),
+        in_norm_w: x.f32_row.and_then(|(_, nm)| nm).map_or(0, |(w, _)| w),
+        in_add_one: x.f32_row.and_then(|(_, nm)| nm).is_some_and(|(_, add_one)| add_one) as u32,
+        down_rows: epilogue.down.map_or(Ok(0), |d| as_u32(OP, "down rows", d.rows))?,
+        d0,
+        d1,
+        d2,
+        d3,
     };
     let cfg = variant.launch_config(out_rows, grid_tokens);
     if cfg.grid_dim.1 > 65535 {
