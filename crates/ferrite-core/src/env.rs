@@ -183,8 +183,8 @@ switches! {
     CUDA_CLUSTER_LAYER_THREADS = ("FERRITE_CUDA_CLUSTER_LAYER_THREADS", "256", AbTest,
         "256 or 512: threads per block of the cluster decoder layer (FERRITE_CUDA_CLUSTER_LAYER): more warps share each phase's rows and the attention's keys, at half the registers per thread.");
     /// The MLP of a declared decoder layer as one int8 GEMV launch (CUDA).
-    CUDA_FUSED_MLP = ("FERRITE_CUDA_FUSED_MLP", "0", AbTest,
-        "1 runs the gate/up and down projections of each decoder layer declared at load as one launch in one-token CUDA steps (ops::mlp_q8: each block multiplies its SwiGLU outputs by their columns of the down projection and adds the products into the residual stream with atomic adds, so the last bits vary from run to run), and the next layer's QKV projection quantizes that stream itself; a note at load names layers it cannot run.");
+    CUDA_FUSED_MLP = ("FERRITE_CUDA_FUSED_MLP", "1", AbTest,
+        "1: in untraced one-token CUDA steps, the gate/up and down projections of each decoder layer declared at load run as one launch (ops::mlp_q8: each block quantizes its SwiGLU outputs, multiplies them by their columns of the down projection and adds the products into the residual stream with atomic adds, so the logits' last bits vary from run to run), and the next layer's QKV projection quantizes that stream itself; only where the adds stay few (ops::MLP_MAX_ADDS: SmolLM2-sized layers; +4% tg128 there, measured on the H100, docs/perf.md stop 35); a note at load names layers it cannot run. 0: two launches, bit-reproducible.");
     /// Declared linear chains run as one persistent launch (CUDA, experimental).
     CUDA_LINEAR_CHAIN = ("FERRITE_CUDA_LINEAR_CHAIN", "0", AbTest,
         "1 runs each linear chain declared at load (a layer's output projection, gate/up, down and the next QKV) as one persistent launch in one-token CUDA steps (kernels/chain.rs), instead of four int8 GEMV launches. Off by default: it is still 2-2.5x slower per layer (docs/perf.md, stop 28); a note at load names chains it cannot run.");

@@ -1080,6 +1080,21 @@ mod tests {
     }
 
     #[test]
+    fn fused_mlp_and_f32_rows_tile_by_units() {
+        // SmolLM2's gate/up with its down projection: 48 blocks of 8 warps x 4 rows, each owning
+        // 32 channels (one unit of every down row); 576 down rows over 256 threads: 3 each.
+        let v = GemvQ8Variant::for_gated(GgmlType::Q4_1, 1536, 576, 1, 132, 1);
+        let v = GemvQ8Variant { emit: 0, ..v.emitting(2) }.with_down(576);
+        assert_eq!((v.rows_per_block(), v.threads(), v.down, v.in_f32), (32, 256, 3, 0));
+        assert_eq!(v.launch_config(1536, 1).grid_dim, (48, 1, 1));
+        crate::kernels::tests::assert_macros_match(v);
+        // SmolLM2's QKV reading the f32 stream: 18 blocks of 32 values over 16 groups of 8 lanes.
+        let q = GemvQ8Variant::for_shape(GgmlType::Q4_1, 960, 576, 1, 132).with_f32_input(576);
+        assert_eq!((q.threads(), q.in_f32, q.down), (128, 2, 0));
+        crate::kernels::tests::assert_macros_match(q);
+    }
+
+    #[test]
     fn split_k_fills_underused_sms() {
         // 8B down projection, emitting: 128 blocks of 8 warps, one unit per lane and batch (14
         // batches) -> 4 slices, 1 024 threads.
