@@ -1108,8 +1108,7 @@ impl CudaExecutor {
     /// hand-off, that projection's output may take the layer output's buffer (not the
     /// attention output's, unless the attention hands its output over in int8 too), and the op
     /// after the layer takes the int8 GEMV (it quantizes the f32 row itself; the down
-    /// projection's hand-off to it is dropped). And which one-token int8 linears quantize their
-    /// f32 input row themselves.
+    /// projection's hand-off to it is dropped).
     fn plan_mlps(&mut self, n: usize) {
         self.buf.mlp_fused.iter_mut().chain(self.buf.f32_row_in.iter_mut()).for_each(|m| *m = false);
         self.buf.writes_into.iter_mut().for_each(|w| *w = None);
@@ -1137,15 +1136,6 @@ impl CudaExecutor {
             for i in [f + 4, f + DecoderLayer::LEN] {
                 self.buf.handoff_in[i] = None;
                 self.buf.handoff_out[i - 1] = None;
-            }
-        }
-        // Every other one-token int8 linear without a hand-off (the first QKV, after the
-        // embedding) quantizes its f32 row itself too, instead of a quantize launch.
-        for (i, op) in graph.ops.iter().enumerate() {
-            let Op::Linear { x, w, .. } = *op else { continue };
-            let int8 = as_matrix(&self.weights[w.0 as usize]).is_some_and(|m| ops::linear_plan(m.dtype, graph.value(x).width, 1, &opts) == ops::LinearPlan::GemvQ8);
-            if int8 && self.buf.handoff_in[i].is_none() && !self.buf.in_chain[i] && !self.buf.staged_in[i] {
-                self.buf.f32_row_in[i] = true;
             }
         }
     }
