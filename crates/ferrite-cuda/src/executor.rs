@@ -1013,10 +1013,7 @@ impl CudaExecutor {
                     norm: norm.map(norm_prologue),
                     bias: None,
                     residual: None,
-                    glu: Some(match act {
-                        GatedActivation::Silu => ops::Glu::SwiGlu,
-                        GatedActivation::GeluTanh => ops::Glu::GeGlu,
-                    }),
+                    glu: Some(glu_of(act)),
                     out: view(out),
                 },
                 _ => unreachable!("chains hold linears only (Graph::validate)"),
@@ -1148,10 +1145,7 @@ impl CudaExecutor {
         let (Op::GatedLinear { w: gate_up, act, .. }, Op::Linear { w: down, out, .. }) = (&graph.ops[index], &graph.ops[index + 1]) else {
             bail!("op {index}: not a gate/up and down projection");
         };
-        let glu = match act {
-            GatedActivation::Silu => ops::Glu::SwiGlu,
-            GatedActivation::GeluTanh => ops::Glu::GeGlu,
-        };
+        let glu = glu_of(*act);
         let h = self.buf.handoff_in[index].ok_or_else(|| anyhow!("op {index}: the fused MLP has no int8 hand-off"))?;
         let Self { gpu, weights, plan, buf, .. } = self;
         let slot = plan.slot(*out);
@@ -1302,10 +1296,7 @@ impl CudaExecutor {
                 ops::glu_rows(gpu, input(x), rows(x), width(x) / 2, glu, out)?;
             }
             Op::GatedLinear { x, norm, w, act, .. } => {
-                let glu = match act {
-                    GatedActivation::Silu => ops::Glu::SwiGlu,
-                    GatedActivation::GeluTanh => ops::Glu::GeGlu,
-                };
+                let glu = glu_of(act);
                 let (r, xw, half) = (rows(x), width(x), width(op.writes()));
                 if ops::linear_plan(matrix(w).dtype, xw, r, &gpu.linear_options()) == ops::LinearPlan::GemvQ8 {
                     // Quantized (+ norm) input, then one GEMV whose epilogue applies the activation.
@@ -1738,6 +1729,14 @@ fn rope_config(rope: &ferrite_model::RopeConfig, n_heads: usize, head_dim: usize
         theta: rope.theta,
         freq_scale: rope.freq_scale,
         neox: rope.style == RopeStyle::Neox,
+    }
+}
+
+/// The kernels' gated activation for a graph's.
+fn glu_of(act: GatedActivation) -> ops::Glu {
+    match act {
+        GatedActivation::Silu => ops::Glu::SwiGlu,
+        GatedActivation::GeluTanh => ops::Glu::GeGlu,
     }
 }
 

@@ -929,8 +929,8 @@ pub fn linear_q8_f32_row(
 }
 
 /// Most atomic adds per token (down rows x 32-channel units) for which [`mlp_q8`] is chosen:
-/// measured on the H100 (tg128), the 1B shape's 524 288 (2 048 rows x 256 units) made the step
-/// 28% slower; SmolLM2's 27 648 (576 x 48) do not dominate.
+/// measured on the H100 (tg128, docs/perf.md stop 35), the 1B shape's 524 288 (2 048 rows x 256
+/// units) made the step 17% slower; SmolLM2's 27 648 (576 x 48) left it 4.5% faster.
 pub const MLP_MAX_ADDS: usize = 1 << 16;
 
 /// The fused MLP of one token: `stream += down · act(x gate^T) * (x up^T)` in one int8 GEMV
