@@ -154,7 +154,7 @@ fn bad_arguments_are_rejected() {
     assert_clean_error(&ferrite(&["run", "x", "--top-p", "0", "--model", m]), "top-p");
     assert_clean_error(&ferrite(&["run", "x", "--backend", "tpu", "--model", m]), "unknown backend");
     assert_clean_error(&ferrite(&["bench", "-r", "0", "--model", m]), "repetitions");
-    assert_clean_error(&ferrite(&["synth", "--shape", "gpt-5", "-o", "/tmp/x.gguf"]), "unknown shape");
+    assert_clean_error(&ferrite(&["synth", "--shape", "gpt-5", "-o", "/tmp/x.gguf"]), "possible values: smollm2-135m");
     // Spelled in two halves so the registry-completeness scan does not take it for a real switch.
     assert_clean_error(&ferrite(&["env", concat!("FERRITE", "_NOPE")]), "no switch");
 }

@@ -100,7 +100,7 @@ struct Buffers {
     k_cache: Vec<KvRows>,
     v_cache: Vec<KvRows>,
     /// Recurrent state per layer (empty for layers without a Gated DeltaNet): the conv window and
-    /// the delta-rule matrices.
+    /// the delta-rule matrices, for one sequence (`forward`) or one per state slot (paged steps).
     conv_state: Vec<Vec<f32>>,
     ssm_state: Vec<Vec<f32>>,
     /// Normalized input of a norm-folded linear; rotated Q of attention.
@@ -147,7 +147,10 @@ struct MoeScratch {
 struct Paged {
     config: PagedKvConfig,
     plan: Plan,
+    /// Its recurrent state holds `max_seqs` slots per Gated DeltaNet layer, slot after slot.
     buf: Buffers,
+    /// Tokens each recurrent-state slot has consumed (models with Gated DeltaNet layers).
+    cursors: Vec<RecurrentCursor>,
 }
 
 /// The rows of one forward step: which sequences they belong to and where their cache lives.
@@ -166,6 +169,8 @@ struct StepSeq<'a> {
     start_pos: usize,
     /// Block table (paged cache only).
     blocks: &'a [u32],
+    /// Its recurrent state: slot `state_slot` of each Gated DeltaNet layer's (0 for `forward`).
+    state_slot: usize,
 }
 
 /// A tensor-parallel rank: how it meets the other ranks, and the pool its kernels run on. The
@@ -492,7 +497,7 @@ impl CpuExecutor {
             buf.v_cache = (0..self.model.graph.n_layers).map(cache).collect();
         }
         let positions: Vec<u32> = (start_pos..start_pos + ids.len()).map(|p| p as u32).collect();
-        let seqs = [StepSeq { first_row: 0, n: ids.len(), start_pos, blocks: &[] }];
+        let seqs = [StepSeq { first_row: 0, n: ids.len(), start_pos, blocks: &[], state_slot: 0 }];
         let step = Step { ids, positions: &positions, seqs: &seqs, block_size: None };
         let result = self.run_ops(&mut buf, &self.plan, &step);
         if let Some(p) = buf.profile.as_mut() {
@@ -777,8 +782,22 @@ impl CpuExecutor {
                         norm: self.f32_weight(norm.weight),
                         eps: norm.eps,
                     };
-                    let (conv_state, ssm_state) = (&mut buf.conv_state[layer], &mut buf.ssm_state[layer]);
-                    gdn::gated_delta_net(&p, &slots[self.plan.slot(x)][..n * width(x)], n, conv_state, ssm_state, &mut out[..n * width(out_id)]);
+                    // Each sequence's rows through its own state slot, the sequences side by side
+                    // (a sequence's tokens one after another: the recurrence is serial).
+                    let (xw, ow) = (width(x), width(out_id));
+                    let xs = &slots[self.plan.slot(x)];
+                    let mut conv: Vec<Option<&mut [f32]>> = buf.conv_state[layer].chunks_mut(shape.conv_state_len()).map(Some).collect();
+                    let mut ssm: Vec<Option<&mut [f32]>> = buf.ssm_state[layer].chunks_mut(shape.ssm_state_len()).map(Some).collect();
+                    let mut rest = &mut out[..n * ow];
+                    let mut work = Vec::with_capacity(step.seqs.len());
+                    for q in step.seqs {
+                        let (dst, tail) = std::mem::take(&mut rest).split_at_mut(q.n * ow);
+                        rest = tail;
+                        let taken = (conv.get_mut(q.state_slot).and_then(Option::take), ssm.get_mut(q.state_slot).and_then(Option::take));
+                        let (Some(c), Some(h)) = taken else { bail!("state slot {} is missing or shared", q.state_slot) };
+                        work.push((&xs[q.first_row * xw..(q.first_row + q.n) * xw], q.n, c, h, dst));
+                    }
+                    work.into_par_iter().for_each(|(x, n, c, h, dst)| gdn::gated_delta_net(&p, x, n, c, h, dst));
                 }
             }
         }
@@ -798,10 +817,23 @@ impl CpuExecutor {
         let seqs: Vec<StepSeq> = batch
             .iter()
             .enumerate()
-            .map(|(i, s)| StepSeq { first_row: rows.seq_start[i], n: s.tokens.len(), start_pos: s.start_pos, blocks: s.block_table })
+            .map(|(i, s)| StepSeq { first_row: rows.seq_start[i], n: s.tokens.len(), start_pos: s.start_pos, blocks: s.block_table, state_slot: s.state_slot })
             .collect();
         let step = Step { ids: &rows.ids, positions: &rows.positions, seqs: &seqs, block_size: Some(c.block_size) };
-        let Paged { plan, buf, .. } = paged;
+        let Paged { plan, buf, cursors, .. } = paged;
+        if self.model.graph.has_recurrent_state() {
+            // Every chunk starts its slot over or continues it; checked for all before any
+            // changes. The slots stay unusable until the step succeeds.
+            let mut next = cursors.clone();
+            let resets = seqs.iter().map(|s| next[s.state_slot].begin(s.start_pos).with_context(|| format!("state slot {}", s.state_slot))).collect::<anyhow::Result<Vec<bool>>>()?;
+            *cursors = next;
+            for (s, _) in seqs.iter().zip(resets).filter(|(_, reset)| *reset) {
+                for state in buf.conv_state.iter_mut().chain(buf.ssm_state.iter_mut()).filter(|st| !st.is_empty()) {
+                    let len = state.len() / c.max_seqs;
+                    state[s.state_slot * len..][..len].fill(0.0);
+                }
+            }
+        }
         let g = &self.model.graph;
         let w = g.value(g.logits).width;
         // On a pool worker, like `forward`.
@@ -810,6 +842,9 @@ impl CpuExecutor {
             let logits = &buf.slots[plan.slot(g.logits)];
             Ok::<_, anyhow::Error>((0..batch.len()).into_par_iter().map(|i| output(i, &logits[i * w..(i + 1) * w])).collect())
         });
+        if result.is_ok() {
+            seqs.iter().for_each(|s| cursors[s.state_slot].finish(s.start_pos + s.n));
+        }
         if let Some(p) = buf.profile.as_mut() {
             p.end_forward();
         }
@@ -937,6 +972,10 @@ impl Executor for CpuExecutor {
                 c.max_tokens,
                 c.max_seqs
             );
+            let state: usize = p.buf.conv_state.iter().chain(&p.buf.ssm_state).map(|c| c.len() * 4).sum();
+            if state > 0 {
+                report += &format!("\nrecurrent state of the batch (f32): {:.2} MiB in {} slots", mib(state), c.max_seqs);
+            }
         }
         report
     }
@@ -947,22 +986,31 @@ impl Executor for CpuExecutor {
             bail!("paged kv cache: every size must be positive, got {config:?}");
         }
         let graph = &self.model.graph;
-        if graph.has_recurrent_state() {
-            bail!("batched serving of models with recurrent (Gated DeltaNet) layers is not supported yet");
-        }
         let plan = planner::plan_rows(graph, max_tokens, max_seqs, true);
         plan.check(graph).map_err(|e| anyhow!("batch memory plan violates the aliasing rule: {e}"))?;
         let rows = n_blocks.checked_mul(block_size).and_then(|r| r.checked_mul(self.kv_width()));
         let Some(elems) = rows else { bail!("paged kv cache of {n_blocks} blocks x {block_size} is too large") };
         self.paged = None; // free the old cache first
+        // K/V blocks for the attention layers, state slots for the Gated DeltaNet ones.
+        let attention = graph.attention_layers();
+        let kv = |l: usize| KvRows::zeros(self.kv_f16, if attention.contains(&l) { elems } else { 0 });
+        let (mut conv_state, mut ssm_state) = (vec![Vec::new(); graph.n_layers], vec![Vec::new(); graph.n_layers]);
+        for op in &graph.ops {
+            if let Op::GatedDeltaNet { layer, shape, .. } = op {
+                conv_state[*layer] = vec![0f32; max_seqs * shape.conv_state_len()];
+                ssm_state[*layer] = vec![0f32; max_seqs * shape.ssm_state_len()];
+            }
+        }
         let buf = Buffers {
             slots: plan.slot_elems.iter().map(|&n| vec![0f32; n]).collect(),
-            k_cache: (0..graph.n_layers).map(|_| KvRows::zeros(self.kv_f16, elems)).collect(),
-            v_cache: (0..graph.n_layers).map(|_| KvRows::zeros(self.kv_f16, elems)).collect(),
+            k_cache: (0..graph.n_layers).map(kv).collect(),
+            v_cache: (0..graph.n_layers).map(kv).collect(),
+            conv_state,
+            ssm_state,
             profile: OpProfile::from_env(),
             ..Buffers::default()
         };
-        self.paged = Some(Paged { config, plan, buf });
+        self.paged = Some(Paged { config, plan, buf, cursors: vec![RecurrentCursor::default(); max_seqs] });
         Ok(())
     }
 

@@ -142,14 +142,14 @@ fn quantized_kernels_on_sliced_blocks() {
 fn paged_batches_match() {
     let model = Arc::new(Model::load(fixture("llama.gguf"), FusionOptions::ALL).unwrap());
     let config = PagedKvConfig { n_blocks: 8, block_size: 4, max_seqs: 2, max_tokens: 16 };
-    let batch = [SeqChunk { tokens: &PROMPT[..7], start_pos: 0, block_table: &[0, 1] }, SeqChunk { tokens: &PROMPT[3..], start_pos: 0, block_table: &[2, 3] }];
+    let batch = [SeqChunk { tokens: &PROMPT[..7], start_pos: 0, block_table: &[0, 1], state_slot: 0 }, SeqChunk { tokens: &PROMPT[3..], start_pos: 0, block_table: &[2, 3], state_slot: 1 }];
     let mut whole = CpuExecutor::new(Arc::clone(&model), CpuPrecision::Reference, options()).unwrap();
     let mut tp = ranks(&model, 2, CpuPrecision::Reference);
     let mut worst = 0f32;
     for exec in [&mut whole as &mut dyn Executor, &mut tp] {
         exec.init_paged(config).unwrap();
     }
-    for step in [&batch[..], &[SeqChunk { tokens: &[42], start_pos: 7, block_table: &[0, 1] }]] {
+    for step in [&batch[..], &[SeqChunk { tokens: &[42], start_pos: 7, block_table: &[0, 1], state_slot: 0 }]] {
         let (want, got) = (whole.forward_paged(step).unwrap(), tp.forward_paged(step).unwrap());
         assert_eq!(want.len(), got.len());
         for (w, g) in want.iter().zip(&got) {

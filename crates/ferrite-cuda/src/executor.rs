@@ -1487,7 +1487,7 @@ impl CudaExecutor {
         if let Some(ahead) = ahead {
             // Placeholder ids: the step takes the drawn tokens.
             let one = [0u32];
-            let next: Vec<SeqChunk> = ahead.iter().map(|a| SeqChunk { tokens: &one, start_pos: a.start_pos, block_table: a.block_table }).collect();
+            let next: Vec<SeqChunk> = ahead.iter().enumerate().map(|(i, a)| SeqChunk { tokens: &one, start_pos: a.start_pos, block_table: a.block_table, state_slot: i }).collect();
             let rows = BatchRows::new(&next, &paged.config)?;
             let (tables, max_blocks) = step_tables(ahead.iter().map(|a| a.block_table), true, paged.config.n_blocks);
             self.run_paged(paged, &rows, &tables, max_blocks, true)?;
@@ -1589,7 +1589,7 @@ impl Executor for CudaExecutor {
         }
         let (graph, cfg) = (&self.model.graph, &self.model.config);
         if graph.has_recurrent_state() {
-            bail!("batched serving of models with recurrent (Gated DeltaNet) layers is not supported yet");
+            bail!("batched serving of models with recurrent (Gated DeltaNet) layers is not supported on CUDA yet (the CPU backend serves them: --backend cpu)");
         }
         self.paged = None; // free the old cache first
         let plan = planner::plan_rows(graph, max_tokens, max_seqs, true);
@@ -1651,14 +1651,14 @@ impl Executor for CudaExecutor {
         let mut sizes: Vec<usize> = [1, 2, 4, 8, 16, 32, 64, config.max_seqs].into_iter().filter(|&n| n <= config.max_seqs.min(config.n_blocks)).collect();
         sizes.dedup();
         for n in sizes {
-            let batch: Vec<SeqChunk> = blocks[..n].iter().map(|b| SeqChunk { tokens: &token, start_pos: 0, block_table: std::slice::from_ref(b) }).collect();
+            let batch: Vec<SeqChunk> = blocks[..n].iter().enumerate().map(|(i, b)| SeqChunk { tokens: &token, start_pos: 0, block_table: std::slice::from_ref(b), state_slot: i }).collect();
             self.forward_paged_sampled(&batch, &vec![Some(greedy); n])?;
         }
         let len = config.max_tokens.min(config.n_blocks * config.block_size).min(self.model.config.context_length);
         if len > 0 {
             let tokens = vec![0u32; len];
             let table = &blocks[..len.div_ceil(config.block_size)];
-            self.forward_paged_sampled(&[SeqChunk { tokens: &tokens, start_pos: 0, block_table: table }], &[Some(greedy)])?;
+            self.forward_paged_sampled(&[SeqChunk { tokens: &tokens, start_pos: 0, block_table: table, state_slot: 0 }], &[Some(greedy)])?;
         }
         Ok(())
     }

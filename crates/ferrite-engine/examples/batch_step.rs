@@ -26,8 +26,8 @@ fn main() -> anyhow::Result<()> {
     exec.init_paged(PagedKvConfig { n_blocks: per_seq * max_seqs, block_size: bs, max_seqs, max_tokens: 256 })?;
     let tables: Vec<Vec<u32>> = (0..max_seqs).map(|s| (0..per_seq as u32).map(|b| s as u32 * per_seq as u32 + b).collect()).collect();
     let prompt: Vec<u32> = (0..ctx as u32).map(|i| 100 + i * 31 % 4000).collect();
-    for t in &tables {
-        exec.forward_paged(&[SeqChunk { tokens: &prompt, start_pos: 0, block_table: t }])?;
+    for (s, t) in tables.iter().enumerate() {
+        exec.forward_paged(&[SeqChunk { tokens: &prompt, start_pos: 0, block_table: t, state_slot: s }])?;
     }
     let sizes: Vec<usize> = match args.get(3) {
         Some(list) => list.split(',').map(|n| n.parse().map_err(|_| anyhow::anyhow!("bad batch size {n:?}"))).collect::<Result<_, _>>()?,
@@ -41,7 +41,7 @@ fn main() -> anyhow::Result<()> {
         let mut times = Vec::new();
         for step in 0..=steps {
             let tok = [7u32];
-            let batch: Vec<SeqChunk> = tables[..n].iter().map(|t| SeqChunk { tokens: &tok, start_pos: ctx + step.min(40), block_table: t }).collect();
+            let batch: Vec<SeqChunk> = tables[..n].iter().enumerate().map(|(s, t)| SeqChunk { tokens: &tok, start_pos: ctx + step.min(40), block_table: t, state_slot: s }).collect();
             let t0 = Instant::now();
             exec.forward_paged(&batch)?;
             if step > 0 {

@@ -170,7 +170,7 @@ pub fn bench_batched(session: &mut Session, seqs: usize, prompt: usize, n: usize
         let mut next: Vec<u32> = Vec::with_capacity(seqs);
         for (s, table) in tables.iter().enumerate() {
             let tokens: Vec<u32> = bench_tokens(prompt + s, vocab).split_off(s);
-            let logits = exec.forward_paged(&[SeqChunk { tokens: &tokens, start_pos: 0, block_table: table }])?;
+            let logits = exec.forward_paged(&[SeqChunk { tokens: &tokens, start_pos: 0, block_table: table, state_slot: s }])?;
             next.push(argmax(&logits[0]));
         }
         reps.bracket(exec, rep, true)?;
@@ -178,7 +178,7 @@ pub fn bench_batched(session: &mut Session, seqs: usize, prompt: usize, n: usize
         for step in 0..n {
             let ids = next.clone();
             let batch: Vec<SeqChunk> =
-                tables.iter().zip(&ids).map(|(table, tok)| SeqChunk { tokens: std::slice::from_ref(tok), start_pos: prompt + step, block_table: table }).collect();
+                tables.iter().zip(&ids).enumerate().map(|(s, (table, tok))| SeqChunk { tokens: std::slice::from_ref(tok), start_pos: prompt + step, block_table: table, state_slot: s }).collect();
             let sample = vec![Some(DeviceSampling { step: step as u64, ..DeviceSampling::GREEDY }); seqs];
             // As the server's scheduler runs it: the next step enqueued before the tokens are
             // read back (where the backend can), but for the last step.

@@ -12,7 +12,13 @@
 //! cached prefix (prefix cache), then allocates the rest as it grows. When a sequence needs a
 //! block and none is free, the most recently admitted other sequence is preempted: its blocks are
 //! released and it goes back to the front of the queue, to be recomputed (prompt and the tokens
-//! generated so far) when blocks are free again.
+//! generated so far) when blocks are free again (if the only holders are already in this step, the
+//! sequence itself goes back).
+//!
+//! Models with recurrent layers (Gated DeltaNet) keep each running sequence's state in the
+//! executor: every admitted sequence takes a free state slot (`SeqChunk::state_slot`) and returns
+//! it when it leaves; a preempted one starts over at position 0 in a new slot. The prefix cache is
+//! refused for them, since cached KV blocks cannot restore the state after a prefix.
 //!
 //! Requests are cancelled by dropping their event receiver; the scheduler notices it before the
 //! next step (or when a send fails).
@@ -187,6 +193,9 @@ impl EngineHandle {
                 }
                 let _alive = Alive(a);
                 let setup = make_executor().and_then(|mut exec| {
+                    if c.prefix_cache && exec.has_recurrent_state() {
+                        bail!("the prefix cache cannot serve a model with recurrent (Gated DeltaNet) layers: their state after a prefix is not kept, only its KV blocks (turn the prefix cache off)");
+                    }
                     exec.init_paged(PagedKvConfig {
                         n_blocks: c.n_blocks,
                         block_size: c.block_size,
@@ -266,6 +275,8 @@ struct Seq {
     /// Tokens whose K/V are in the cache.
     computed: usize,
     table: Vec<u32>,
+    /// The executor's recurrent-state slot of this sequence while it runs (see [`SeqChunk`]).
+    slot: usize,
     /// Hashes of the full computed blocks (those registered in the prefix cache).
     hashes: Vec<BlockHash>,
     sampler: Sampler,
@@ -292,6 +303,8 @@ struct Scheduler {
     /// Whether every handle is gone (no more submissions can come).
     closed: bool,
     pool: BlockPool,
+    /// Recurrent-state slots no running sequence holds.
+    free_slots: Vec<usize>,
     waiting: VecDeque<Seq>,
     running: Vec<Seq>,
     metrics: Arc<EngineMetrics>,
@@ -305,6 +318,7 @@ struct Scheduler {
 impl Scheduler {
     fn new(exec: Box<dyn Executor>, config: EngineConfig, rx: mpsc::Receiver<Submission>, metrics: Arc<EngineMetrics>, queued: Arc<AtomicU64>) -> Self {
         let pool = BlockPool::new(config.n_blocks, config.block_size);
+        let free_slots = (0..config.max_seqs).rev().collect();
         metrics.kv_blocks_total.store(config.n_blocks as u64, Relaxed);
         Self {
             exec,
@@ -312,6 +326,7 @@ impl Scheduler {
             rx,
             closed: false,
             pool,
+            free_slots,
             waiting: VecDeque::new(),
             running: Vec::new(),
             metrics,
@@ -365,6 +380,7 @@ impl Scheduler {
             events,
             computed: 0,
             table: Vec::new(),
+            slot: usize::MAX,
             hashes: Vec::new(),
             sampler,
             counts: HashMap::new(),
@@ -398,8 +414,7 @@ impl Scheduler {
         let mut i = 0;
         while i < self.running.len() {
             if self.running[i].events.is_closed() {
-                let mut s = self.running.remove(i);
-                self.pool.release_all(&mut s.table);
+                self.leave(i);
                 self.metrics.requests_cancelled.fetch_add(1, Relaxed);
             } else {
                 i += 1;
@@ -409,14 +424,15 @@ impl Scheduler {
 
     /// Give the running sequence `i` blocks for `upto` positions, preempting other sequences
     /// from the back of `running` (never one of the first `protected`, already in this step's
-    /// batch). Returns the sequence's index afterwards, or `None` if it cannot get the blocks.
-    fn reserve(&mut self, mut i: usize, upto: usize, protected: usize) -> Option<usize> {
+    /// batch). Returns the sequence's index afterwards: `Ok` with the blocks, `Err` if the
+    /// others that hold blocks are all protected.
+    fn reserve(&mut self, mut i: usize, upto: usize, protected: usize) -> Result<usize, usize> {
         let need = upto.div_ceil(self.config.block_size);
         while self.running[i].table.len() < need {
             match self.pool.allocate() {
                 Some(b) => self.running[i].table.push(b),
                 None => {
-                    let victim = (protected..self.running.len()).rev().find(|&v| v != i)?;
+                    let Some(victim) = (protected..self.running.len()).rev().find(|&v| v != i) else { return Err(i) };
                     self.preempt(victim);
                     if victim < i {
                         i -= 1;
@@ -424,12 +440,19 @@ impl Scheduler {
                 }
             }
         }
-        Some(i)
+        Ok(i)
+    }
+
+    /// Take running sequence `k` out of the batch, its blocks and state slot freed.
+    fn leave(&mut self, k: usize) -> Seq {
+        let mut s = self.running.remove(k);
+        self.pool.release_all(&mut s.table);
+        self.free_slots.push(std::mem::replace(&mut s.slot, usize::MAX));
+        s
     }
 
     fn preempt(&mut self, v: usize) {
-        let mut s = self.running.remove(v);
-        self.pool.release_all(&mut s.table);
+        let mut s = self.leave(v);
         s.computed = 0;
         s.hashes.clear();
         self.metrics.preemptions.fetch_add(1, Relaxed);
@@ -458,13 +481,22 @@ impl Scheduler {
                 let n = remaining.min(budget);
                 let upto = s.computed + n;
                 let pos = batch.len();
-                let Some(at) = self.reserve(i, upto, pos) else {
+                let at = match self.reserve(i, upto, pos) {
+                    Ok(at) => at,
+                    // The blocks are held by sequences already in this step: wait for them.
+                    Err(at) if pos > 0 => {
+                        self.preempt(at);
+                        i = at;
+                        continue;
+                    }
                     // Alone and still no room: only possible if the cache is smaller than the
                     // config promised.
-                    let mut s = self.running.remove(i);
-                    self.pool.release_all(&mut s.table);
-                    self.fail(s, "the KV cache cannot hold this sequence");
-                    continue;
+                    Err(at) => {
+                        let s = self.leave(at);
+                        self.fail(s, "the KV cache cannot hold this sequence");
+                        i = at;
+                        continue;
+                    }
                 };
                 i = at;
                 self.running.swap(pos, i);
@@ -507,6 +539,7 @@ impl Scheduler {
                 self.metrics.prompt_tokens.fetch_add(s.prompt_len() as u64, Relaxed);
                 self.metrics.prefix_cache_hit_tokens.fetch_add(s.computed as u64, Relaxed);
             }
+            s.slot = self.free_slots.pop().expect("fewer sequences running than state slots");
             self.running.push(s);
             let pos = batch.len();
             let last = self.running.len() - 1;
@@ -530,7 +563,12 @@ impl Scheduler {
                 .zip(&counts)
                 // Only the blocks the step reaches: a table may hold one taken early for the step
                 // ahead, and the step ahead is recognised by its tables.
-                .map(|(s, &n)| SeqChunk { tokens: &s.tokens[s.computed..s.computed + n], start_pos: s.computed, block_table: &s.table[..(s.computed + n).div_ceil(bs)] })
+                .map(|(s, &n)| SeqChunk {
+                    tokens: &s.tokens[s.computed..s.computed + n],
+                    start_pos: s.computed,
+                    block_table: &s.table[..(s.computed + n).div_ceil(bs)],
+                    state_slot: s.slot,
+                })
                 .collect();
             // The sequences that reach their last token this step sample from its logits.
             let sample: Vec<Option<DeviceSampling>> = self.running[..n_batch]
@@ -551,9 +589,8 @@ impl Scheduler {
             Ok(l) => l,
             Err(e) => {
                 let msg = format!("{e:#}");
-                for s in self.running.drain(..n_batch).collect::<Vec<_>>() {
-                    let mut s = s;
-                    self.pool.release_all(&mut s.table);
+                for _ in 0..n_batch {
+                    let s = self.leave(0);
                     self.fail(s, &msg);
                 }
                 return;
@@ -589,8 +626,7 @@ impl Scheduler {
             match outcome {
                 None => {}
                 Some(reason) => {
-                    let mut s = self.running.remove(k);
-                    self.pool.release_all(&mut s.table);
+                    let s = self.leave(k);
                     self.publish();
                     let usage = Usage { prompt_tokens: s.prompt_len(), completion_tokens: s.generated, cached_tokens: s.cached_tokens };
                     self.metrics.e2e.observe(s.arrived.elapsed().as_secs_f64());

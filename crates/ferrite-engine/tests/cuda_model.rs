@@ -176,7 +176,7 @@ fn compare_paged(model: &Arc<Model>) -> (f64, usize, usize) {
     for (step, members) in [&[0][..], &[0, 1, 2], &[0, 1, 2], &[1, 2], &[0, 2], &[0, 1, 2]].into_iter().enumerate() {
         let (want, got) = {
             let batch: Vec<SeqChunk> =
-                members.iter().map(|&i| SeqChunk { tokens: &tokens[i][pos[i]..], start_pos: pos[i], block_table: tables[i] }).collect();
+                members.iter().map(|&i| SeqChunk { tokens: &tokens[i][pos[i]..], start_pos: pos[i], block_table: tables[i], state_slot: i }).collect();
             let sample: Vec<Option<DeviceSampling>> = members.iter().map(|&i| (step >= 2 && i == 1).then_some(greedy)).collect();
             (cpu.forward_paged(&batch).unwrap(), gpu.forward_paged_sampled(&batch, &sample).unwrap())
         };
@@ -466,7 +466,7 @@ fn staged_handoff_matches_f32_rows() {
         let tables: Vec<[u32; 1]> = (0..40u32).map(|s| [s]).collect();
         for pos in 0..2usize {
             let tokens: Vec<[u32; 1]> = (0..40usize).map(|s| [((s * 389 + pos * 17 + 1) % 49152) as u32]).collect();
-            let batch: Vec<SeqChunk> = tokens.iter().zip(&tables).map(|(t, b)| SeqChunk { tokens: t, start_pos: pos, block_table: b }).collect();
+            let batch: Vec<SeqChunk> = tokens.iter().zip(&tables).enumerate().map(|(s, (t, b))| SeqChunk { tokens: t, start_pos: pos, block_table: b, state_slot: s }).collect();
             for logits in gpu.forward_paged(&batch).unwrap() {
                 bits.extend(logits.into_iter().map(f32::to_bits));
             }
@@ -522,7 +522,7 @@ fn batch_graph_replay_matches_eager() {
             let batch: Vec<SeqChunk> = members
                 .iter()
                 .zip(&toks)
-                .map(|(&i, t)| SeqChunk { tokens: t, start_pos: pos[i], block_table: &tables[i][..(pos[i] + len).div_ceil(block)] })
+                .map(|(&i, t)| SeqChunk { tokens: t, start_pos: pos[i], block_table: &tables[i][..(pos[i] + len).div_ceil(block)], state_slot: i })
                 .collect();
             if step % 2 == 0 {
                 for l in gpu.forward_paged(&batch).unwrap() {
@@ -574,7 +574,7 @@ fn batched_decode_ahead_matches_step_by_step() {
         let mut drawn = Vec::new();
         for (step, (members, may_run_ahead)) in schedule.iter().enumerate() {
             let batch: Vec<SeqChunk> =
-                members.iter().map(|&i| SeqChunk { tokens: &seqs[i][pos[i]..], start_pos: pos[i], block_table: &tables[i][..seqs[i].len().div_ceil(block)] }).collect();
+                members.iter().map(|&i| SeqChunk { tokens: &seqs[i][pos[i]..], start_pos: pos[i], block_table: &tables[i][..seqs[i].len().div_ceil(block)], state_slot: i }).collect();
             let sample: Vec<Option<DeviceSampling>> =
                 members.iter().map(|&i| Some(if i == 2 { DeviceSampling { step: step as u64, ..sampled } } else { DeviceSampling::GREEDY })).collect();
             let next: Vec<AheadSeq> = members.iter().map(|&i| AheadSeq { start_pos: seqs[i].len(), block_table: &tables[i][..(seqs[i].len() + 1).div_ceil(block)] }).collect();
@@ -586,7 +586,7 @@ fn batched_decode_ahead_matches_step_by_step() {
                 drawn.push((step, i, t));
             }
         }
-        let last: Vec<SeqChunk> = [0, 2, 3].iter().map(|&i| SeqChunk { tokens: &seqs[i][pos[i]..], start_pos: pos[i], block_table: &tables[i][..seqs[i].len().div_ceil(block)] }).collect();
+        let last: Vec<SeqChunk> = [0, 2, 3].iter().map(|&i| SeqChunk { tokens: &seqs[i][pos[i]..], start_pos: pos[i], block_table: &tables[i][..seqs[i].len().div_ceil(block)], state_slot: i }).collect();
         let logits: Vec<u32> = gpu.forward_paged(&last).unwrap().into_iter().flatten().map(f32::to_bits).collect();
         (drawn, logits, gpu.ahead_steps_taken())
     };

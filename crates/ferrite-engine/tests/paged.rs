@@ -53,7 +53,7 @@ fn single_sequence_matches(model: &Arc<Model>, precision: CpuPrecision) {
     let table = [9u32, 2, 11, 5];
     let mut pos = 0;
     for (i, &c) in chunks.iter().enumerate() {
-        let chunk = SeqChunk { tokens: &tokens[pos..pos + c], start_pos: pos, block_table: &table };
+        let chunk = SeqChunk { tokens: &tokens[pos..pos + c], start_pos: pos, block_table: &table, state_slot: 0 };
         let got = e.forward_paged(&[chunk]).unwrap();
         assert_eq!(got.len(), 1);
         assert!(same_bits(&got[0], &want[i]), "step {i} (position {pos}): paged logits differ from the contiguous path");
@@ -74,41 +74,90 @@ fn single_sequence_paged_equals_contiguous_synth_reference() {
     single_sequence_matches(&model, CpuPrecision::Reference);
 }
 
+/// Runs `schedule` (per step: (sequence, tokens) pairs) through one paged executor, sequence `i`
+/// in state slot `slots[i]` through `tables[i]`, and checks every sequence's logits after each
+/// of its chunks against the contiguous path fed the same chunks alone, bit for bit.
+fn batches_equal_single_runs(model: &Arc<Model>, precision: CpuPrecision, prompts: &[Vec<u32>], tables: &[&[u32]], slots: &[usize], schedule: &[&[(usize, usize)]]) {
+    let chunks_of = |i: usize| -> Vec<usize> { schedule.iter().flat_map(|step| step.iter().filter(move |&&(s, _)| s == i).map(|&(_, n)| n)).collect() };
+    let want: Vec<Vec<Vec<f32>>> = (0..prompts.len()).map(|i| contiguous(&mut executor(model, precision), &prompts[i], &chunks_of(i))).collect();
+    let mut e = paged(model, precision, 16);
+    let (mut pos, mut chunk_of) = (vec![0usize; prompts.len()], vec![0usize; prompts.len()]);
+    for (s, members) in schedule.iter().enumerate() {
+        let batch: Vec<SeqChunk> = members
+            .iter()
+            .map(|&(i, n)| SeqChunk { tokens: &prompts[i][pos[i]..pos[i] + n], start_pos: pos[i], block_table: tables[i], state_slot: slots[i] })
+            .collect();
+        let got = e.forward_paged(&batch).unwrap();
+        for (&(i, n), logits) in members.iter().zip(&got) {
+            assert!(same_bits(logits, &want[i][chunk_of[i]]), "batch step {s}: sequence {i} (its chunk {}) differs from its single run", chunk_of[i]);
+            pos[i] += n;
+            chunk_of[i] += 1;
+        }
+    }
+}
+
 /// Several sequences in one batch (one prefilling, others decoding, different lengths): each one's
 /// logits equal what it gets alone on the contiguous path.
 #[test]
 fn batched_sequences_equal_their_single_runs() {
     let model = smollm2(FusionOptions::ALL);
-    let lens = [5usize, 23, 40];
-    let prompts: Vec<Vec<u32>> = lens.iter().enumerate().map(|(i, &l)| prompt(i as u32 + 2, l + 3)).collect();
-    // Reference: each sequence alone; prefill `l`, then 3 single-token steps.
-    let want: Vec<Vec<Vec<f32>>> = prompts
-        .iter()
-        .zip(lens)
-        .map(|(p, l)| contiguous(&mut executor(&model, CpuPrecision::Quantized), p, &[l, 1, 1, 1]))
-        .collect();
-    let mut e = paged(&model, CpuPrecision::Quantized, 16);
-    let tables: [&[u32]; 3] = [&[15], &[3, 0], &[7, 12, 1]];
+    let prompts: Vec<Vec<u32>> = [5usize, 23, 40].iter().enumerate().map(|(i, &l)| prompt(i as u32 + 2, l + 3)).collect();
     // Step 0: sequence 0 prefills alone. Step 1: sequence 0 decodes, 1 and 2 prefill.
     // Steps 2-4: 0 decodes on while 1 and 2 decode too.
-    let mut pos = [0usize; 3];
-    let mut step_of = [0usize; 3];
-    let schedule: [&[usize]; 5] = [&[0], &[0, 1, 2], &[0, 1, 2], &[1, 2], &[1, 2]];
-    for (s, members) in schedule.iter().enumerate() {
-        let batch: Vec<SeqChunk> = members
-            .iter()
-            .map(|&i| {
-                let n = if pos[i] == 0 { lens[i] } else { 1 };
-                SeqChunk { tokens: &prompts[i][pos[i]..pos[i] + n], start_pos: pos[i], block_table: tables[i] }
-            })
-            .collect();
-        let got = e.forward_paged(&batch).unwrap();
-        for (&i, logits) in members.iter().zip(&got) {
-            assert!(same_bits(logits, &want[i][step_of[i]]), "batch step {s}: sequence {i} (its step {}) differs from its single run", step_of[i]);
-            pos[i] += batch[members.iter().position(|&m| m == i).unwrap()].tokens.len();
-            step_of[i] += 1;
-        }
-    }
+    let schedule: [&[(usize, usize)]; 5] = [&[(0, 5)], &[(0, 1), (1, 23), (2, 40)], &[(0, 1), (1, 1), (2, 1)], &[(1, 1), (2, 1)], &[(1, 1), (2, 1)]];
+    batches_equal_single_runs(&model, CpuPrecision::Quantized, &prompts, &[&[15], &[3, 0], &[7, 12, 1]], &[0, 1, 2], &schedule);
+}
+
+fn tiny(file: &str) -> Arc<Model> {
+    Arc::new(Model::load(common::workspace_root().join("fixtures/tiny").join(file), FusionOptions::ALL).unwrap())
+}
+
+/// Hybrid models (Gated DeltaNet layers beside attention): each sequence's recurrent state
+/// stays in its slot between steps (slots not in batch order), a prompt prefilled over two
+/// steps continues its state, decodes run beside prefills: every sequence gets what it gets
+/// alone, bit for bit.
+fn recurrent_batches_equal_single_runs(file: &str, precision: CpuPrecision) {
+    let model = tiny(file);
+    let vocab = model.config.vocab_size as u32;
+    let prompts: Vec<Vec<u32>> = [7usize, 25, 43].iter().enumerate().map(|(i, &l)| prompt(i as u32 + 2, l).iter().map(|t| t % vocab).collect()).collect();
+    let schedule: [&[(usize, usize)]; 5] =
+        [&[(0, 5), (2, 20)], &[(0, 1), (1, 23), (2, 20)], &[(0, 1), (1, 1), (2, 1)], &[(1, 1), (2, 1)], &[(2, 1)]];
+    batches_equal_single_runs(&model, precision, &prompts, &[&[15], &[3, 0], &[7, 12, 1]], &[5, 0, 3], &schedule);
+}
+
+#[test]
+fn recurrent_batches_equal_single_runs_qwen35() {
+    recurrent_batches_equal_single_runs("qwen35.gguf", CpuPrecision::Reference);
+    recurrent_batches_equal_single_runs("qwen35.gguf", CpuPrecision::Quantized);
+}
+
+#[test]
+fn recurrent_batches_equal_single_runs_moe_hybrids() {
+    recurrent_batches_equal_single_runs("qwen35moe.gguf", CpuPrecision::Quantized);
+    recurrent_batches_equal_single_runs("qwen3next.gguf", CpuPrecision::Quantized);
+}
+
+/// A recurrent state cannot be rewound: a chunk must start its slot at 0 or continue where the
+/// slot's last chunk ended. A batch with one bad chunk fails before it changes any state, so the
+/// good sequence beside it continues as if nothing happened.
+#[test]
+fn recurrent_slots_refuse_gaps_and_survive_a_failed_batch() {
+    let model = tiny("qwen35.gguf");
+    let vocab = model.config.vocab_size as u32;
+    let tokens: Vec<u32> = prompt(9, 12).iter().map(|t| t % vocab).collect();
+    let want = contiguous(&mut executor(&model, CpuPrecision::Reference), &tokens, &[8, 1]);
+    let mut e = paged(&model, CpuPrecision::Reference, 8);
+    let chunk = |from: usize, n: usize, table: &'static [u32], slot: usize| SeqChunk { tokens: &tokens[from..from + n], start_pos: from, block_table: table, state_slot: slot };
+    assert!(same_bits(&e.forward_paged(&[chunk(0, 8, &[0], 2)]).unwrap()[0], &want[0]));
+    // Slot 4 has consumed nothing: it cannot continue at 8. Slot 2's chunk beside it is fine.
+    let err = format!("{:#}", e.forward_paged(&[chunk(8, 1, &[0], 2), chunk(8, 1, &[1], 4)]).unwrap_err());
+    assert!(err.contains("state slot 4") && err.contains("cannot be rewound"), "{err}");
+    // Slot 2 rewound to 4: refused too.
+    assert!(e.forward_paged(&[chunk(4, 1, &[0], 2)]).is_err());
+    let got = e.forward_paged(&[chunk(8, 1, &[0], 2)]).unwrap();
+    assert!(same_bits(&got[0], &want[1]), "the refused batches changed slot 2's state");
+    // A new sequence in slot 2 starts from a clean state.
+    assert!(same_bits(&e.forward_paged(&[chunk(0, 8, &[1], 2)]).unwrap()[0], &want[0]), "slot 2 was not reset at position 0");
 }
 
 /// Greedy draws come back as the argmax of the logits, other draws as the logits themselves:
@@ -119,14 +168,14 @@ fn sampled_steps_draw_greedy_tokens_and_return_other_logits() {
     let prompts = [prompt(3, 9), prompt(4, 17)];
     let tables: [&[u32]; 2] = [&[2], &[5, 9]];
     let (mut plain, mut sampled) = (paged(&model, CpuPrecision::Quantized, 16), paged(&model, CpuPrecision::Quantized, 16));
-    let batch: Vec<SeqChunk> = prompts.iter().zip(tables).map(|(p, t)| SeqChunk { tokens: p, start_pos: 0, block_table: t }).collect();
+    let batch: Vec<SeqChunk> = prompts.iter().zip(tables).enumerate().map(|(i, (p, t))| SeqChunk { tokens: p, start_pos: 0, block_table: t, state_slot: i }).collect();
     let want = plain.forward_paged(&batch).unwrap();
     let hot = DeviceSampling { temperature: 0.8, top_k: 40, ..DeviceSampling::GREEDY };
     let got = sampled.forward_paged_sampled(&batch, &[Some(DeviceSampling::GREEDY), Some(hot)]).unwrap();
     assert_eq!(got[0], PagedOutput::Token(argmax(&want[0])));
     assert_eq!(got[1], PagedOutput::Logits(want[1].clone()));
     // Without sampling settings (a prompt chunk that does not end its prompt): logits.
-    let next: Vec<SeqChunk> = prompts.iter().zip(tables).map(|(p, t)| SeqChunk { tokens: &p[..1], start_pos: p.len(), block_table: t }).collect();
+    let next: Vec<SeqChunk> = prompts.iter().zip(tables).enumerate().map(|(i, (p, t))| SeqChunk { tokens: &p[..1], start_pos: p.len(), block_table: t, state_slot: i }).collect();
     let (want, got) = (plain.forward_paged(&next).unwrap(), sampled.forward_paged_sampled(&next, &[None, None]).unwrap());
     assert_eq!(got, want.into_iter().map(PagedOutput::Logits).collect::<Vec<_>>());
     assert!(sampled.forward_paged_sampled(&next, &[None]).is_err(), "one sampling setting per sequence");
@@ -137,22 +186,25 @@ fn bad_batches_are_errors_not_panics() {
     let model = smollm2(FusionOptions::ALL);
     let mut plain = executor(&model, CpuPrecision::Quantized);
     let t = [1u32, 2, 3];
-    let err = plain.forward_paged(&[SeqChunk { tokens: &t, start_pos: 0, block_table: &[0] }]).unwrap_err().to_string();
+    let err = plain.forward_paged(&[SeqChunk { tokens: &t, start_pos: 0, block_table: &[0], state_slot: 0 }]).unwrap_err().to_string();
     assert!(err.contains("before init_paged"), "{err}");
     let mut e = paged(&model, CpuPrecision::Quantized, 4);
     let long = vec![1u32; 65];
-    let cases: [(&[SeqChunk], &str); 6] = [
+    let chunk = |tokens, start_pos, block_table, state_slot| SeqChunk { tokens, start_pos, block_table, state_slot };
+    let cases: [(&[SeqChunk], &str); 8] = [
         (&[], "1 to 8 sequences"),
-        (&[SeqChunk { tokens: &t, start_pos: 15, block_table: &[0] }], "cannot hold"),
-        (&[SeqChunk { tokens: &t, start_pos: 0, block_table: &[9] }], "outside the cache"),
-        (&[SeqChunk { tokens: &[], start_pos: 0, block_table: &[0] }], "no tokens"),
-        (&[SeqChunk { tokens: &long, start_pos: 0, block_table: &[0, 1, 2, 3, 3] }], "at most 64 tokens"),
-        (&[SeqChunk { tokens: &[1_000_000], start_pos: 0, block_table: &[0] }], "outside the table"),
+        (&[chunk(&t, 15, &[0], 0)], "cannot hold"),
+        (&[chunk(&t, 0, &[9], 0)], "outside the cache"),
+        (&[chunk(&[], 0, &[0], 0)], "no tokens"),
+        (&[chunk(&long, 0, &[0, 1, 2, 3, 3], 0)], "at most 64 tokens"),
+        (&[chunk(&[1_000_000], 0, &[0], 0)], "outside the table"),
+        (&[chunk(&t, 0, &[0], 8)], "state slot 8 is outside the 8 slots"),
+        (&[chunk(&t, 0, &[0], 3), chunk(&t, 0, &[1], 3)], "state slot 3 belongs to another sequence"),
     ];
     for (batch, want) in cases {
         let err = format!("{:#}", e.forward_paged(batch).unwrap_err());
         assert!(err.contains(want), "expected `{want}` in: {err}");
     }
     // Still usable afterwards.
-    assert_eq!(e.forward_paged(&[SeqChunk { tokens: &t, start_pos: 0, block_table: &[2] }]).unwrap().len(), 1);
+    assert_eq!(e.forward_paged(&[chunk(&t, 0, &[2], 0)]).unwrap().len(), 1);
 }

@@ -116,6 +116,31 @@ fn preemption_by_recompute_keeps_outputs_exact() {
     wait_idle(m);
 }
 
+/// A hybrid model (Gated DeltaNet layers beside attention) served: every running sequence keeps
+/// its recurrent state in a slot of its own; the outputs equal `Session::generate`'s through
+/// chunked prefills, queueing and preemption by recompute (a preempted sequence gets a fresh slot
+/// and starts over). The prefix cache, which would skip a prompt's recurrence, is refused.
+#[test]
+fn hybrid_models_are_served_with_a_state_slot_per_sequence() {
+    let model = Arc::new(Model::load(common::workspace_root().join("fixtures/tiny/qwen35.gguf"), FusionOptions::ALL).unwrap());
+    let vocab = model.config.vocab_size as u32;
+    let m = Arc::clone(&model);
+    let make = move || -> anyhow::Result<Box<dyn Executor>> { Ok(Box::new(CpuExecutor::new(m, CpuPrecision::Quantized, options())?)) };
+    let err = EngineHandle::start(make, config()).err().expect("the prefix cache must be refused");
+    assert!(err.to_string().contains("prefix cache cannot serve"), "{err}");
+    let cfg = EngineConfig { n_blocks: 6, max_context: 64, max_seqs: 3, prefix_cache: false, ..config() };
+    let engine = start(&model, cfg);
+    let cases = [(7, 14, 30), (8, 40, 20), (9, 9, 30), (10, 3, 12)];
+    let prompt_of = |s: u32, l: usize| -> Vec<u32> { prompt(s, l).iter().map(|t| t % vocab).collect() };
+    let rxs: Vec<_> = cases.iter().map(|&(s, l, n)| engine.submit(greedy(prompt_of(s, l), n)).unwrap()).collect();
+    for ((s, l, n), rx) in cases.into_iter().zip(rxs) {
+        assert_eq!(collect(rx).tokens, reference(&model, &prompt_of(s, l), n), "request {s}");
+    }
+    let m = engine.metrics();
+    assert!(EngineMetrics::get(&m.preemptions) > 0, "the cache was large enough: nothing was preempted");
+    wait_idle(m);
+}
+
 #[test]
 fn repeated_prefix_is_served_from_the_cache() {
     let model = smollm2(FusionOptions::ALL);

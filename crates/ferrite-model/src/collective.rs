@@ -261,9 +261,9 @@ impl<E: Executor + 'static> Executor for RankThreads<E> {
     }
 
     fn forward_paged(&mut self, batch: &[SeqChunk<'_>]) -> anyhow::Result<Vec<Vec<f32>>> {
-        let owned: Vec<(Vec<u32>, usize, Vec<u32>)> = batch.iter().map(|s| (s.tokens.to_vec(), s.start_pos, s.block_table.to_vec())).collect();
+        let owned: Vec<(Vec<u32>, usize, Vec<u32>, usize)> = batch.iter().map(|s| (s.tokens.to_vec(), s.start_pos, s.block_table.to_vec(), s.state_slot)).collect();
         Self::rank0(self.each(move |e| {
-            let batch: Vec<SeqChunk> = owned.iter().map(|(t, p, b)| SeqChunk { tokens: t, start_pos: *p, block_table: b }).collect();
+            let batch: Vec<SeqChunk> = owned.iter().map(|(t, p, b, slot)| SeqChunk { tokens: t, start_pos: *p, block_table: b, state_slot: *slot }).collect();
             e.forward_paged(&batch)
         }))
     }

@@ -118,11 +118,16 @@ pub struct PagedKvConfig {
 /// One sequence's part of a batched step: `tokens` at positions `start_pos..`, its cache rows
 /// found through `block_table` (position `p` is row `p % block_size` of block
 /// `block_table[p / block_size]`). The table covers at least `start_pos + tokens.len()` positions.
+/// `state_slot` (below `max_seqs`, one per sequence of a batch) names the sequence's recurrent
+/// state for models with Gated DeltaNet layers: it lives in the executor between steps, a chunk
+/// at position 0 resets it and any other chunk must continue exactly where the slot's last one
+/// ended (the state cannot be rewound).
 #[derive(Clone, Copy, Debug)]
 pub struct SeqChunk<'a> {
     pub tokens: &'a [u32],
     pub start_pos: usize,
     pub block_table: &'a [u32],
+    pub state_slot: usize,
 }
 
 /// A sequence's row of a decode step enqueued ahead ([`Executor::forward_paged_ahead`]): its
@@ -155,9 +160,15 @@ impl BatchRows {
             anyhow::bail!("a batch holds at most {} tokens, got {n}", config.max_tokens);
         }
         let mut rows = BatchRows { ids: Vec::with_capacity(n), positions: Vec::with_capacity(n), row_seq: Vec::with_capacity(n), seq_start: Vec::new() };
+        let mut slots_taken = vec![false; config.max_seqs];
         for (i, s) in batch.iter().enumerate() {
             if s.tokens.is_empty() {
                 anyhow::bail!("sequence {i} of the batch has no tokens");
+            }
+            match slots_taken.get_mut(s.state_slot) {
+                None => anyhow::bail!("sequence {i}: state slot {} is outside the {} slots", s.state_slot, config.max_seqs),
+                Some(true) => anyhow::bail!("sequence {i}: state slot {} belongs to another sequence of the batch", s.state_slot),
+                Some(taken) => *taken = true,
             }
             let end = s.start_pos + s.tokens.len();
             if s.block_table.len() * config.block_size < end {

@@ -413,6 +413,12 @@ impl Graph {
         self.ops.iter().any(|o| matches!(o, Op::GatedDeltaNet { .. }))
     }
 
+    /// Floats of one sequence's recurrent state over all Gated DeltaNet layers (conv windows
+    /// and delta-rule matrices); 0 for models without them.
+    pub fn recurrent_state_floats(&self) -> usize {
+        self.ops.iter().map(|o| if let Op::GatedDeltaNet { shape, .. } = o { shape.conv_state_len() + shape.ssm_state_len() } else { 0 }).sum()
+    }
+
     /// True if op `op`'s output is all-reduced over the ranks after it runs.
     pub fn all_reduces_after(&self, op: usize) -> bool {
         self.shard.as_ref().is_some_and(|s| s.all_reduce.binary_search(&op).is_ok())

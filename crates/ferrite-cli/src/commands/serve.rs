@@ -79,7 +79,15 @@ pub fn run(args: ServeArgs) -> Result<()> {
     let loaded = load_model(&margs)?;
     let executor = loaded.executor_options(&margs, false);
     let block_size = args.block_size as usize;
-    let per_position = loaded.model.graph.n_layers * 2 * loaded.model.config.kv_width() * 4;
+    let graph = &loaded.model.graph;
+    // f32 K and V of the attention layers (a backend with an f16 cache gets twice the blocks'
+    // worth of memory to spare); Gated DeltaNet layers keep a recurrent state per sequence instead.
+    let per_position = graph.attention_layers().len() * 2 * loaded.model.config.kv_width() * 4;
+    // A cached prefix holds K/V blocks but not the recurrent state after it.
+    let recurrent = graph.has_recurrent_state();
+    if recurrent && !args.no_prefix_cache {
+        eprintln!("note: prefix cache off: this model's Gated DeltaNet layers carry a recurrent state that cached KV blocks cannot restore");
+    }
     let engine = EngineConfig {
         block_size,
         n_blocks: EngineConfig::blocks_for_memory(kv_bytes, per_position, block_size),
@@ -87,7 +95,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
         max_batch_tokens: args.max_batch_tokens as usize,
         max_queue: args.max_queue,
         max_context: executor.context_len,
-        prefix_cache: !args.no_prefix_cache,
+        prefix_cache: !args.no_prefix_cache && !recurrent,
     };
     let opts = ServeOptions { backend: margs.backend, executor, engine: engine.clone(), api_key, model_id: model_id.clone() };
     let (state, engine_thread) = ferrite_server::start_engine(Arc::clone(&loaded.model), &opts).with_context(|| format!("starting the {} backend for serving", margs.backend))?;
@@ -103,6 +111,10 @@ pub fn run(args: ServeArgs) -> Result<()> {
         engine.max_context,
         if engine.prefix_cache { ", prefix cache on" } else { "" }
     );
+    if recurrent {
+        let per_seq = graph.recurrent_state_floats() as f64 * 4.0 / 1048576.0;
+        eprintln!("recurrent state: {:.1} MiB ({} sequences x {per_seq:.2} MiB, besides --kv-memory)", per_seq * engine.max_seqs as f64, engine.max_seqs);
+    }
     let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().context("starting the async runtime")?;
     let served: Result<()> = runtime.block_on(async move {
         let addr = format!("{}:{}", args.host, args.port);

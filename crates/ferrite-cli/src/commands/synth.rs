@@ -6,8 +6,8 @@ use std::path::PathBuf;
 
 #[derive(Args)]
 pub struct SynthArgs {
-    /// Model shape: smollm2-135m, llama-3.2-1b, llama-3.1-8b, gemma3-270m or qwen3-8b.
-    #[arg(long)]
+    /// Model shape (the real model's tensor shapes).
+    #[arg(long, value_parser = clap::builder::PossibleValuesParser::new(synth::SHAPES.iter().map(|s| s.name)))]
     pub shape: String,
     /// Weight type of the matrices: Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K, F16, BF16, F32.
     #[arg(long, default_value = "Q4_0")]
@@ -21,9 +21,7 @@ pub struct SynthArgs {
 }
 
 pub fn run(args: SynthArgs) -> Result<()> {
-    let shape = synth::shape(&args.shape).ok_or_else(|| {
-        anyhow!("unknown shape `{}` (known: {})", args.shape, synth::SHAPES.iter().map(|s| s.name).collect::<Vec<_>>().join(", "))
-    })?;
+    let shape = synth::shape(&args.shape).ok_or_else(|| anyhow!("unknown shape `{}`", args.shape))?;
     let dtype = GgmlType::from_name(&args.dtype).ok_or_else(|| anyhow!("unknown dtype `{}`", args.dtype))?;
     let bar = indicatif::ProgressBar::new(0);
     bar.set_style(indicatif::ProgressStyle::with_template("{msg} [{bar:40}] {pos}/{len} tensors {elapsed}").unwrap());
