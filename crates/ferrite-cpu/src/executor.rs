@@ -4,7 +4,7 @@
 //! the correctness oracle for every other path —, `Quantized` multiplies directly on the packed
 //! GGUF weights with SIMD integer dot products.
 
-use crate::kernels::{self, activation, attention::{AttentionParams, KvElem, PagedKv, PagedSeq}, gdn, moe, norm, rope::{Rope, RopeTable}, WeightView};
+use crate::kernels::{self, activation, attention::{AttentionParams, KvElem, PagedKv, PagedSeq, CONTIGUOUS_BLOCK}, gdn, moe, norm, rope::{Rope, RopeTable}, WeightView};
 use anyhow::{anyhow, bail, Context};
 use half::slice::HalfFloatSliceExt;
 use ferrite_gguf::TensorInfo;
@@ -61,6 +61,14 @@ impl KvRows {
             KvRows::F16(v) => v[at..at + row.len()].convert_from_f32_slice(row),
         }
     }
+
+    /// Writes `x[i]` at element `at + i * stride` (a key into its block's transposed layout).
+    fn store_strided(&mut self, at: usize, stride: usize, x: &[f32]) {
+        match self {
+            KvRows::F32(v) => x.iter().enumerate().for_each(|(i, &x)| v[at + i * stride] = x),
+            KvRows::F16(v) => x.iter().enumerate().for_each(|(i, &x)| v[at + i * stride] = half::f16::from_f32(x)),
+        }
+    }
 }
 
 /// Whether a cache for `precision` holds f16 (`KvRows`), read once per executor.
@@ -94,9 +102,10 @@ enum CpuWeight {
 #[derive(Default)]
 struct Buffers {
     slots: Vec<Vec<f32>>,
-    /// Per layer: the contiguous cache (`context_len` rows, allocated on the first `forward`;
-    /// empty for layers without attention), or the block arena of the paged cache
-    /// (`n_blocks * block_size` rows).
+    /// Per layer: the one-sequence cache (`context_len` rows in blocks of `CONTIGUOUS_BLOCK`
+    /// taken in order, allocated on the first `forward`; empty for layers without attention), or
+    /// the block arena of the paged cache (`n_blocks * block_size` rows). Both in the paged
+    /// layout of `kernels::attention` (keys transposed per block and KV head).
     k_cache: Vec<KvRows>,
     v_cache: Vec<KvRows>,
     /// Recurrent state per layer (empty for layers without a Gated DeltaNet): the conv window and
@@ -159,15 +168,15 @@ struct Step<'a> {
     /// Position of every row.
     positions: &'a [u32],
     seqs: &'a [StepSeq<'a>],
-    /// Block size of the paged cache; `None`: the contiguous cache.
-    block_size: Option<usize>,
+    /// Positions per block of the cache (`CONTIGUOUS_BLOCK` for the one-sequence cache).
+    block_size: usize,
 }
 
 struct StepSeq<'a> {
     first_row: usize,
     n: usize,
     start_pos: usize,
-    /// Block table (paged cache only).
+    /// Block table (for the one-sequence cache: blocks 0, 1, 2, ...).
     blocks: &'a [u32],
     /// Its recurrent state: slot `state_slot` of each Gated DeltaNet layer's (0 for `forward`).
     state_slot: usize,
@@ -488,17 +497,18 @@ impl CpuExecutor {
 
     fn run_chunk(&mut self, ids: &[u32], start_pos: usize) -> anyhow::Result<()> {
         let mut buf = std::mem::take(&mut self.buf);
+        let blocks: Vec<u32> = (0..self.options.context_len.div_ceil(CONTIGUOUS_BLOCK) as u32).collect();
         if buf.k_cache.is_empty() {
             // Attention layers only: Gated DeltaNet layers keep recurrent state instead.
-            let kv = self.options.context_len * self.kv_width();
+            let kv = blocks.len() * CONTIGUOUS_BLOCK * self.kv_width();
             let attention_layers = self.model.graph.attention_layers();
             let cache = |l: usize| KvRows::zeros(self.kv_f16, if attention_layers.contains(&l) { kv } else { 0 });
             buf.k_cache = (0..self.model.graph.n_layers).map(cache).collect();
             buf.v_cache = (0..self.model.graph.n_layers).map(cache).collect();
         }
         let positions: Vec<u32> = (start_pos..start_pos + ids.len()).map(|p| p as u32).collect();
-        let seqs = [StepSeq { first_row: 0, n: ids.len(), start_pos, blocks: &[], state_slot: 0 }];
-        let step = Step { ids, positions: &positions, seqs: &seqs, block_size: None };
+        let seqs = [StepSeq { first_row: 0, n: ids.len(), start_pos, blocks: &blocks, state_slot: 0 }];
+        let step = Step { ids, positions: &positions, seqs: &seqs, block_size: CONTIGUOUS_BLOCK };
         let result = self.run_ops(&mut buf, &self.plan, &step);
         if let Some(p) = buf.profile.as_mut() {
             p.end_forward();
@@ -684,36 +694,26 @@ impl CpuExecutor {
                     for seq in step.seqs {
                         let (start_pos, n) = (seq.start_pos, seq.n);
                         let rows = seq.first_row..seq.first_row + n;
-                        // Where KV head h of position p goes: a contiguous row, or a block's
-                        // head-major slot through the block table.
-                        let cache_at = |p: usize, h: usize| match step.block_size {
-                            None => p * kvw + h * hd,
-                            Some(bs) => kernels::attention::paged_offset(&params, bs, seq.blocks[p / bs] as usize, p % bs, h),
-                        };
-                        let capacity = buf.k_cache[layer].len() / kvw;
-                        match step.block_size {
-                            None if start_pos + n > self.options.context_len => {
-                                bail!("context full: {} tokens do not fit in {}", start_pos + n, self.options.context_len)
-                            }
-                            Some(bs) if seq.blocks.len() * bs < start_pos + n || seq.blocks.iter().any(|&b| (b as usize + 1) * bs > capacity) => {
-                                bail!("block table of {} blocks does not cover {} positions in a cache of {capacity} rows", seq.blocks.len(), start_pos + n)
-                            }
-                            _ => {}
+                        let (bs, capacity) = (step.block_size, buf.k_cache[layer].len() / kvw);
+                        if seq.blocks.len() * bs < start_pos + n || seq.blocks.iter().any(|&b| (b as usize + 1) * bs > capacity) {
+                            bail!("block table of {} blocks does not cover {} positions in a cache of {capacity} rows", seq.blocks.len(), start_pos + n);
                         }
                         for t in rows.clone() {
                             let (k_row, v_row) = (&buf.scratch2[t * kvw..][..kvw], &src[t * w + qw + kvw..][..kvw]);
+                            let p = start_pos + t - rows.start;
+                            let (block, row) = (seq.blocks[p / bs] as usize, p % bs);
                             for h in 0..a.n_kv_heads {
-                                let at = cache_at(start_pos + t - rows.start, h);
-                                buf.k_cache[layer].store(at, &k_row[h * hd..][..hd]);
-                                buf.v_cache[layer].store(at, &v_row[h * hd..][..hd]);
+                                let key_at = kernels::attention::paged_key_offset(&params, bs, block, row, h);
+                                buf.k_cache[layer].store_strided(key_at, bs, &k_row[h * hd..][..hd]);
+                                buf.v_cache[layer].store(kernels::attention::paged_offset(&params, bs, block, row, h), &v_row[h * hd..][..hd]);
                             }
                         }
                     }
                     let q = &buf.scratch[..n_rows * qw];
                     let out = &mut out[..n_rows * qw];
                     match (&buf.k_cache[layer], &buf.v_cache[layer]) {
-                        (KvRows::F32(k), KvRows::F32(v)) => attend_step(&params, step, q, k, v, kvw, out),
-                        (KvRows::F16(k), KvRows::F16(v)) => attend_step(&params, step, q, k, v, kvw, out),
+                        (KvRows::F32(k), KvRows::F32(v)) => attend_step(&params, step, q, k, v, out),
+                        (KvRows::F16(k), KvRows::F16(v)) => attend_step(&params, step, q, k, v, out),
                         _ => unreachable!("a layer's K and V caches have one type"),
                     }
                 }
@@ -819,7 +819,7 @@ impl CpuExecutor {
             .enumerate()
             .map(|(i, s)| StepSeq { first_row: rows.seq_start[i], n: s.tokens.len(), start_pos: s.start_pos, blocks: s.block_table, state_slot: s.state_slot })
             .collect();
-        let step = Step { ids: &rows.ids, positions: &rows.positions, seqs: &seqs, block_size: Some(c.block_size) };
+        let step = Step { ids: &rows.ids, positions: &rows.positions, seqs: &seqs, block_size: c.block_size };
         let Paged { plan, buf, cursors, .. } = paged;
         if self.model.graph.has_recurrent_state() {
             // Every chunk starts its slot over or continues it; checked for all before any
@@ -1047,25 +1047,12 @@ impl Drop for CpuExecutor {
     }
 }
 
-/// A step's attention over a layer's cache, contiguous or paged (`step.block_size`): `q` and
-/// `out` hold the step's rows.
-fn attend_step<T: KvElem>(params: &AttentionParams, step: &Step<'_>, q: &[f32], k: &[T], v: &[T], kvw: usize, out: &mut [f32]) {
-    let qw = params.n_heads * params.head_dim;
-    match step.block_size {
-        None => {
-            for seq in step.seqs {
-                let (start_pos, n, r0) = (seq.start_pos, seq.n, seq.first_row);
-                let kv_len = start_pos + n;
-                let (q, out) = (&q[r0 * qw..(r0 + n) * qw], &mut out[r0 * qw..(r0 + n) * qw]);
-                kernels::attention::attention(params, q, &k[..kv_len * kvw], &v[..kv_len * kvw], start_pos, n, out)
-            }
-        }
-        Some(block_size) => {
-            let kv = PagedKv { k, v, block_size };
-            let seqs: Vec<_> = step.seqs.iter().map(|s| PagedSeq { blocks: s.blocks, start_pos: s.start_pos, n_tokens: s.n }).collect();
-            kernels::attention::attention_paged(params, q, &kv, &seqs, out);
-        }
-    }
+/// A step's attention over a layer's cache: `q` and `out` hold the step's rows, each sequence's
+/// keys and values are found through its block table.
+fn attend_step<T: KvElem>(params: &AttentionParams, step: &Step<'_>, q: &[f32], k: &[T], v: &[T], out: &mut [f32]) {
+    let kv = PagedKv { k, v, block_size: step.block_size };
+    let seqs: Vec<_> = step.seqs.iter().map(|s| PagedSeq { blocks: s.blocks, start_pos: s.start_pos, n_tokens: s.n }).collect();
+    kernels::attention::attention_paged(params, q, &kv, &seqs, out);
 }
 
 /// Run `f` on a worker of `pool` (a rank's own) or of the global pool: the kernels' parallel

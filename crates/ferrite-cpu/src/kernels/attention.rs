@@ -10,11 +10,13 @@ use rayon::prelude::*;
 pub trait KvElem: Copy + Send + Sync + 'static {
     /// Whether it is f16 (the SIMD kernels convert 8 at a time with `vcvtph2ps`).
     const HALF: bool;
+    const ZERO: Self;
     fn to_f32(self) -> f32;
 }
 
 impl KvElem for f32 {
     const HALF: bool = false;
+    const ZERO: Self = 0.0;
     fn to_f32(self) -> f32 {
         self
     }
@@ -22,6 +24,7 @@ impl KvElem for f32 {
 
 impl KvElem for half::f16 {
     const HALF: bool = true;
+    const ZERO: Self = half::f16::ZERO;
     fn to_f32(self) -> f32 {
         half::f16::to_f32(self)
     }
@@ -56,78 +59,54 @@ impl AttentionParams {
 }
 
 /// Attention of `n_tokens` new queries at positions `start_pos ..`, over a cache holding
-/// `kv_len = start_pos + n_tokens` rows (the new tokens' keys and values included).
+/// `kv_len = start_pos + n_tokens` rows (the new tokens' keys and values included), given as
+/// plain rows: a reference entry (tests, other backends' checks) that copies them into the
+/// blocked layout of [`attention_paged`] (blocks of [`CONTIGUOUS_BLOCK`] positions in order) and
+/// runs that.
 ///
 /// `q`, `out`: `n_tokens x (n_heads * head_dim)`; `k_cache`, `v_cache`: `kv_len x (n_kv_heads * head_dim)`.
 /// Softmax in f32 with the maximum subtracted. Parallel over (token, head).
 /// Panics on inconsistent sizes.
-pub fn attention<T: KvElem>(
-    p: &AttentionParams,
-    q: &[f32],
-    k_cache: &[T],
-    v_cache: &[T],
-    start_pos: usize,
-    n_tokens: usize,
-    out: &mut [f32],
-) {
-    attention_at(
-        simd_level(),
-        p,
-        q,
-        k_cache,
-        v_cache,
-        start_pos,
-        n_tokens,
-        out,
-    );
+pub fn attention<T: KvElem>(p: &AttentionParams, q: &[f32], k_cache: &[T], v_cache: &[T], start_pos: usize, n_tokens: usize, out: &mut [f32]) {
+    attention_at(simd_level(), p, q, k_cache, v_cache, start_pos, n_tokens, out);
 }
 
 #[allow(clippy::too_many_arguments)]
-pub(crate) fn attention_at<T: KvElem>(
-    level: SimdLevel,
-    p: &AttentionParams,
-    q: &[f32],
-    k_cache: &[T],
-    v_cache: &[T],
-    start_pos: usize,
-    n_tokens: usize,
-    out: &mut [f32],
-) {
-    let (nh, nkv, hd) = (p.n_heads, p.n_kv_heads, p.head_dim);
-    assert!(
-        nkv > 0 && nh % nkv == 0 && hd > 0,
-        "attention: {nh} heads cannot share {nkv} KV heads of {hd}"
-    );
-    assert!(p.window != Some(0), "attention: a window of 0 sees no key");
-    assert!(
-        level.is_available(),
-        "attention: {level:?} is not available on this CPU"
-    );
-    let (qw, kvw, kv_len) = (nh * hd, nkv * hd, start_pos + n_tokens);
-    assert_eq!(
-        q.len(),
-        n_tokens * qw,
-        "attention: q has {} values, expected {n_tokens} x {qw}",
-        q.len()
-    );
-    assert_eq!(
-        out.len(),
-        n_tokens * qw,
-        "attention: out has {} values, expected {n_tokens} x {qw}",
-        out.len()
-    );
+pub(crate) fn attention_at<T: KvElem>(level: SimdLevel, p: &AttentionParams, q: &[f32], k_cache: &[T], v_cache: &[T], start_pos: usize, n_tokens: usize, out: &mut [f32]) {
+    let (kvw, kv_len) = (p.n_kv_heads * p.head_dim, start_pos + n_tokens);
     for (name, cache) in [("k", k_cache), ("v", v_cache)] {
-        assert_eq!(
-            cache.len(),
-            kv_len * kvw,
-            "attention: {name} cache has {} values, expected {kv_len} x {kvw}",
-            cache.len()
-        );
+        assert_eq!(cache.len(), kv_len * kvw, "attention: {name} cache has {} values, expected {kv_len} x {kvw}", cache.len());
     }
-    let keys: Vec<(usize, usize)> = (start_pos..kv_len).map(|pos| (p.window.map_or(0, |w| (pos + 1).saturating_sub(w)), pos + 1)).collect();
-    // KV head h's columns of the cache rows `begin..end`: one run of rows, `kvw` apart.
-    let runs = |_: usize, h: usize, begin: usize, end: usize| [(0, begin * kvw + h * hd, end - begin)];
-    attend_rows(level, p, q, k_cache, v_cache, kvw, &keys, &runs, out);
+    let bs = CONTIGUOUS_BLOCK;
+    let blocks: Vec<u32> = (0..kv_len.div_ceil(bs) as u32).collect();
+    let (k, v) = (to_blocks(p, k_cache, true, bs, &blocks, blocks.len(), T::ZERO), to_blocks(p, v_cache, false, bs, &blocks, blocks.len(), T::ZERO));
+    let seq = PagedSeq { blocks: &blocks, start_pos, n_tokens };
+    attention_paged_at(level, p, q, &PagedKv { k: &k, v: &v, block_size: bs }, &[seq], out);
+}
+
+/// Positions per block of a contiguous cache: the CPU executor's one-sequence cache is the paged
+/// layout with blocks `0, 1, 2, ...` of this many positions.
+pub const CONTIGUOUS_BLOCK: usize = 16;
+
+/// Cache rows (`rows x (n_kv_heads * head_dim)`, row-major) in the paged layout: row `r` into
+/// block `blocks[r / bs]` of an arena of `n_blocks` blocks (the rest `fill`), as keys
+/// ([`paged_key_offset`]) or values ([`paged_offset`]).
+pub fn to_blocks<T: KvElem>(p: &AttentionParams, rows: &[T], key: bool, bs: usize, blocks: &[u32], n_blocks: usize, fill: T) -> Vec<T> {
+    let (kvw, hd) = (p.n_kv_heads * p.head_dim, p.head_dim);
+    let mut arena = vec![fill; n_blocks * bs * kvw];
+    for (r, row) in rows.chunks(kvw).enumerate() {
+        for (h, head) in row.chunks(hd).enumerate() {
+            let (block, at) = (blocks[r / bs] as usize, r % bs);
+            if key {
+                let first = paged_key_offset(p, bs, block, at, h);
+                head.iter().enumerate().for_each(|(d, &x)| arena[first + d * bs] = x);
+            } else {
+                let first = paged_offset(p, bs, block, at, h);
+                arena[first..first + hd].copy_from_slice(head);
+            }
+        }
+    }
+    arena
 }
 
 /// Keys per part of a query row's keys: rows with more are split into parts of at most this many,
@@ -138,16 +117,15 @@ const SPLIT_KEYS: usize = 512;
 
 /// Attention of the query rows of `q` whose keys are `keys[t] = (first, end)`, in parallel over
 /// (row, query heads of a call, part of the keys). `runs_of(t, h, begin, end)` gives the cache
-/// runs of row t's keys `begin..end` for KV head `h`: `(index among those keys, offset of the
-/// run's first row in the cache, rows)`, each run's rows `stride` elements apart.
+/// runs of row t's keys `begin..end` for KV head `h` ([`Run`]s).
 #[allow(clippy::too_many_arguments)]
-fn attend_rows<T: KvElem, R: AsRef<[(usize, usize, usize)]>>(
+fn attend_rows<T: KvElem, R: AsRef<[Run]>>(
     level: SimdLevel,
     p: &AttentionParams,
     q: &[f32],
     k: &[T],
     v: &[T],
-    stride: usize,
+    block_size: usize,
     keys: &[(usize, usize)],
     runs_of: &(impl Fn(usize, usize, usize, usize) -> R + Sync),
     out: &mut [f32],
@@ -161,7 +139,7 @@ fn attend_rows<T: KvElem, R: AsRef<[(usize, usize, usize)]>>(
     // The query heads h.. of row t over its keys begin..end.
     let call = |t: usize, h: usize, begin: usize, end: usize, out: &mut [f32], state: Option<&mut [(f32, f32)]>| {
         let runs = runs_of(t, h / group, begin, end);
-        attend(level, p, &q[t * qw + h * hd..][..heads * hd], k, v, stride, runs.as_ref(), out, state);
+        attend(level, p, &q[t * qw + h * hd..][..heads * hd], k, v, block_size, runs.as_ref(), out, state);
     };
     if total_parts == keys.len() {
         out.par_chunks_mut(heads * hd).enumerate().for_each(|(i, out)| {
@@ -246,14 +224,18 @@ fn heads_per_task(rows: usize, n_heads: usize, group: usize) -> usize {
 /// Most query heads of one KV group the loops run together (their accumulators stay in registers).
 const MAX_HEADS: usize = 4;
 
+/// Consecutive keys of one KV head inside one block: `(index among the call's keys, offset of
+/// the first key's element 0 in the K cache, offset of its value row in the V cache, keys)`.
+/// Element `d` of key `j` of the run is at `k + d * block_size + j`, its value row at
+/// `v + j * head_dim`.
+type Run = (usize, usize, usize, usize);
+
 /// Query heads of one KV group (`queries` and `out`: their rows of `head_dim` back to back) over
-/// their cache rows, given as runs `(index among the rows, offset of the run's first row in the
-/// cache, rows)` that step `stride` floats per row: scores, soft-cap, softmax, then the weighted
-/// sum of the values, accumulated run by run in `out` and normalised with the last run
-/// (multiplying the others by 1.0 is exact, so one run or many give the same result). With a
-/// `state` (one part of split keys) the sums stay unnormalised and each head's (maximum score,
-/// sum of exponentials) goes there. A head's arithmetic does not depend on which heads share
-/// its call.
+/// their cache runs: scores, soft-cap, softmax, then the weighted sum of the values, accumulated
+/// run by run in `out` and normalised with the last run (multiplying the others by 1.0 is exact,
+/// so one run or many give the same result). With a `state` (one part of split keys) the sums
+/// stay unnormalised and each head's (maximum score, sum of exponentials) goes there. A head's
+/// arithmetic does not depend on which heads share its call, nor on how its keys fall into runs.
 #[allow(clippy::too_many_arguments)]
 fn attend<T: KvElem>(
     level: SimdLevel,
@@ -261,23 +243,24 @@ fn attend<T: KvElem>(
     queries: &[f32],
     k: &[T],
     v: &[T],
-    stride: usize,
-    runs: &[(usize, usize, usize)],
+    block_size: usize,
+    runs: &[Run],
     out: &mut [f32],
     state: Option<&mut [(f32, f32)]>,
 ) {
     let hd = p.head_dim;
     let heads = queries.len() / hd;
     let kernels = Kernels::<T>::for_level(level, hd, heads);
-    let n_rows: usize = runs.iter().map(|r| r.2).sum();
+    let n_rows: usize = runs.iter().map(|r| r.3).sum();
     // Row g of `scores` holds head g's weights.
     let mut scores = vec![0f32; heads * n_rows];
-    prefetch_run(k, runs.first(), stride, hd);
-    for (i, &(at, offset, len)) in runs.iter().enumerate() {
-        prefetch_run(k, runs.get(i + 1), stride, hd);
-        let keys = &k[offset..offset + (len - 1) * stride + hd];
+    let key_span = |len: usize| (hd - 1) * block_size + len;
+    for (i, &(at, k_at, _, len)) in runs.iter().enumerate() {
+        if let Some(&(_, next, _, len)) = runs.get(i + 1) {
+            prefetch(&k[next..next + key_span(len)]);
+        }
         // SAFETY: the callers checked that `level` is available.
-        unsafe { (kernels.scores)(queries, keys, stride, p.scale, &mut scores[at..], n_rows, len) };
+        unsafe { (kernels.scores)(queries, &k[k_at..k_at + key_span(len)], block_size, p.scale, &mut scores[at..], n_rows, len) };
     }
     if let Some(cap) = p.softcap {
         scores.iter_mut().for_each(|s| *s = cap * tanh(*s / cap));
@@ -295,31 +278,29 @@ fn attend<T: KvElem>(
         }
     }
     let (ones, norms) = (&ones[..heads], &norms[..heads]);
-    prefetch_run(v, runs.first(), stride, hd);
-    for (i, &(at, offset, len)) in runs.iter().enumerate() {
-        prefetch_run(v, runs.get(i + 1), stride, hd);
-        let values = &v[offset..offset + (len - 1) * stride + hd];
+    for (i, &(at, _, v_at, len)) in runs.iter().enumerate() {
+        if let Some(&(_, _, next, len)) = runs.get(i + 1) {
+            prefetch(&v[next..next + len * hd]);
+        }
+        let values = &v[v_at..v_at + len * hd];
         let norms = if i + 1 == runs.len() { norms } else { ones };
         // SAFETY: as above.
-        unsafe { (kernels.weighted_sum)(&scores[at..], n_rows, len, values, stride, norms, out, i > 0) };
+        unsafe { (kernels.weighted_sum)(&scores[at..], n_rows, len, values, hd, norms, out, i > 0) };
     }
 }
 
-/// Asks for the first rows of a run (the rows the loops' own prefetches do not reach), a head of
-/// `hd` elements each: the next block of a paged cache is anywhere in it.
-fn prefetch_run<T>(cache: &[T], run: Option<&(usize, usize, usize)>, stride: usize, hd: usize) {
+/// Asks for the cache lines of `span` (the next run's keys or values: the next block of a paged
+/// cache is anywhere in it, where the hardware prefetchers do not look).
+fn prefetch<T>(span: &[T]) {
     #[cfg(target_arch = "x86_64")]
-    if let Some(&(_, offset, len)) = run {
-        for r in 0..len.min(x86::PREFETCH_ROWS) {
-            x86::prefetch_row(cache[offset + r * stride..].as_ptr(), hd);
-        }
-    }
-    let _ = (cache, run, stride, hd);
+    x86::prefetch_row(span.as_ptr(), span.len());
+    let _ = span;
 }
 
 /// A paged KV cache: row `p` of a sequence is row `p % block_size` of physical block
 /// `blocks[p / block_size]` of its [`PagedSeq`]. A block holds `block_size` rows of the cache
-/// width, head-major (see [`paged_offset`]).
+/// width, KV head by KV head: the values as rows ([`paged_offset`]), the keys transposed, element
+/// by element of the head ([`paged_key_offset`]).
 #[derive(Clone, Copy, Debug)]
 pub struct PagedKv<'a, T: KvElem = f32> {
     pub k: &'a [T],
@@ -334,6 +315,15 @@ pub struct PagedKv<'a, T: KvElem = f32> {
 /// decode step over 8 sequences at 256 positions took ~5% longer (docs/perf.md, stop 30).
 pub fn paged_offset(p: &AttentionParams, block_size: usize, block: usize, row: usize, head: usize) -> usize {
     ((block * p.n_kv_heads + head) * block_size + row) * p.head_dim
+}
+
+/// Where element 0 of KV head `head`'s key of row `row` of block `block` is in a paged K cache;
+/// element `d` is `d * block_size` further. A block's keys of one head are stored transposed
+/// (`head_dim` rows of `block_size` keys), so that the scores loop multiplies a query element
+/// into a vector of keys at a time and needs no sum across a vector's lanes: 2.2x fewer cycles
+/// per key than the row-major loop's transposing reduction (docs/perf.md, stop 36).
+pub fn paged_key_offset(p: &AttentionParams, block_size: usize, block: usize, row: usize, head: usize) -> usize {
+    (block * p.n_kv_heads + head) * block_size * p.head_dim + row
 }
 
 /// One sequence's query rows in a batched [`attention_paged`] call: `n_tokens` new rows at
@@ -387,20 +377,23 @@ pub(crate) fn attention_paged_at<T: KvElem>(level: SimdLevel, p: &AttentionParam
         while r < end {
             let (b, off) = (r / bs, r % bs);
             let len = (bs - off).min(end - r);
-            runs.push((r - begin, paged_offset(p, bs, blocks[b] as usize, off, h), len));
+            let block = blocks[b] as usize;
+            runs.push((r - begin, paged_key_offset(p, bs, block, off, h), paged_offset(p, bs, block, off, h), len));
             r += len;
         }
         runs
     };
-    attend_rows(level, p, q, kv.k, kv.v, hd, &keys, &runs, out);
+    attend_rows(level, p, q, kv.k, kv.v, bs, &keys, &runs, out);
 }
 
 /// The two inner loops over the rows of a run, for the query heads of one call (their rows
 /// back to back in `queries`/`out`; row g of the weights at `g * ld`):
-/// `scores(queries, keys, stride, scale, scores, ld, len)` writes `q_g · k_j * scale` for the
-/// run's `len` rows, and `weighted_sum(weights, ld, len, values, stride, norms, out, accumulate)`
+/// `scores(queries, keys, block_size, scale, scores, ld, len)` writes `q_g · k_j * scale` for the
+/// run's `len` keys (element `d` of key `j` at `keys[d * block_size + j]`), each as four sums
+/// over the elements `d = u mod 4` in order, then `(s0 + s1) + (s2 + s3)`, whichever the vector
+/// width; `weighted_sum(weights, ld, len, values, stride, norms, out, accumulate)`
 /// sets (or, with its last argument, adds to) `out_g = Σ_j w_gj v_j`, then multiplies it by
-/// `norms[g]`. `keys`/`values` start at the run's first row and step `stride` elements per row.
+/// `norms[g]`. `values` start at the run's first row and step `stride` elements per row.
 /// Safety: the functions may use the CPU features of the level they were selected for.
 struct Kernels<T> {
     scores: Scores<T>,
@@ -443,17 +436,19 @@ impl<T: KvElem> Kernels<T> {
     }
 }
 
-fn scores_portable<T: KvElem>(queries: &[f32], keys: &[T], stride: usize, scale: f32, scores: &mut [f32], ld: usize, len: usize) {
+fn scores_portable<T: KvElem>(queries: &[f32], keys: &[T], block_size: usize, scale: f32, scores: &mut [f32], ld: usize, len: usize) {
     if len == 0 {
         return;
     }
-    // `keys` ends with the last row's head.
-    let hd = keys.len() - (len - 1) * stride;
-    let mut key = vec![0f32; hd];
-    for j in 0..len {
-        key.iter_mut().zip(&keys[j * stride..][..hd]).for_each(|(d, k)| *d = k.to_f32());
-        for (g, q) in queries.chunks(hd).enumerate() {
-            scores[g * ld + j] = fvec::dot(q, &key) * scale;
+    // `keys` ends with the last key's last element.
+    let hd = (keys.len() - len) / block_size + 1;
+    for (g, q) in queries.chunks(hd).enumerate() {
+        for j in 0..len {
+            let mut sums = [0f32; 4];
+            for (d, &qd) in q.iter().enumerate() {
+                sums[d % 4] += qd * keys[d * block_size + j].to_f32();
+            }
+            scores[g * ld + j] = ((sums[0] + sums[1]) + (sums[2] + sums[3])) * scale;
         }
     }
 }
@@ -485,9 +480,9 @@ fn weighted_sum_portable<T: KvElem>(
 }
 
 /// AVX2 and AVX-512 loops, written once by a macro over a vector-width module (as the row-group
-/// kernels are). Scores: a lane-wide vector of partial products per (head, row), `LANES` rows at
-/// a time, then one transposing reduction turns the `LANES` vectors into the `LANES` scores
-/// (about 3 instructions per score instead of a horizontal sum's 8-9). Weighted sums: each value
+/// kernels are). Scores: `LANES` keys at a time from the transposed keys of a block, one vector
+/// of one element of each, multiplied by that element of each head's query (a broadcast), so
+/// that the lanes are the keys' scores with no reduction across lanes. Weighted sums: each value
 /// row is loaded and converted once for all the heads of the call, whose sums stay in registers.
 #[cfg(target_arch = "x86_64")]
 mod x86 {
@@ -501,7 +496,7 @@ mod x86 {
     pub(super) unsafe fn scores<T: KvElem, const WIDE: bool, const G: usize>(
         queries: &[f32],
         keys: &[T],
-        stride: usize,
+        block_size: usize,
         scale: f32,
         scores: &mut [f32],
         ld: usize,
@@ -511,15 +506,16 @@ mod x86 {
         assert!(
             queries.len() == G * hd
                 && hd.is_multiple_of(CHUNK)
-                && (len == 0 || (keys.len() >= (len - 1) * stride + hd && scores.len() >= (G - 1) * ld + len)),
+                && len <= block_size
+                && (len == 0 || (keys.len() >= (hd - 1) * block_size + len && scores.len() >= (G - 1) * ld + len)),
             "attention scores: sizes"
         );
         // SAFETY: the features per the caller; the reads and writes stay within the slices
         // (checked above).
         if WIDE {
-            scores_avx512::<T, G>(queries, keys, stride, scale, scores, ld, len)
+            scores_avx512::<T, G>(queries, keys, block_size, scale, scores, ld, len)
         } else {
-            scores_avx2::<T, G>(queries, keys, stride, scale, scores, ld, len)
+            scores_avx2::<T, G>(queries, keys, block_size, scale, scores, ld, len)
         }
     }
 
@@ -552,13 +548,13 @@ mod x86 {
     }
 
     /// The vector width of a pair of loops: f32 intrinsics under one set of names (re-exports,
-    /// which inline into the `target_feature` loops), the cache loads and the transposing sum.
+    /// which inline into the `target_feature` loops), the cache loads and the partial stores.
     mod ymm {
         use super::KvElem;
         use std::arch::x86_64::*;
         pub use std::arch::x86_64::{
-            __m256 as F32s, _mm256_fmadd_ps as fmadd, _mm256_loadu_ps as load, _mm256_mul_ps as mul, _mm256_set1_ps as set1,
-            _mm256_setzero_ps as setzero, _mm256_storeu_ps as store,
+            __m256 as F32s, _mm256_add_ps as add, _mm256_fmadd_ps as fmadd, _mm256_loadu_ps as load, _mm256_mul_ps as mul,
+            _mm256_set1_ps as set1, _mm256_setzero_ps as setzero, _mm256_storeu_ps as store,
         };
         pub const LANES: usize = 8;
 
@@ -572,18 +568,21 @@ mod x86 {
             }
         }
 
-        /// Lane j of the result: the sum of the lanes of `v[j]`. Within each 128-bit half the
-        /// pairs are folded twice (rows 4i..4i+3 of a half side by side), then the halves added.
+        /// The first `n` (< 8) cache values from `p` as f32, the other lanes 0 (through a copy:
+        /// AVX2 has no 16-bit masked load).
         #[inline(always)]
-        pub unsafe fn sum_each(v: &[F32s; LANES]) -> F32s {
-            let fold = |a: F32s, b: F32s| _mm256_add_ps(_mm256_unpacklo_ps(a, b), _mm256_unpackhi_ps(a, b));
-            let r: [F32s; 4] = std::array::from_fn(|i| fold(v[2 * i], v[2 * i + 1]));
-            let pair = |x: F32s, y: F32s| {
-                let (x, y) = (_mm256_castps_pd(x), _mm256_castps_pd(y));
-                _mm256_add_ps(_mm256_castpd_ps(_mm256_unpacklo_pd(x, y)), _mm256_castpd_ps(_mm256_unpackhi_pd(x, y)))
-            };
-            let (s0, s1) = (pair(r[0], r[1]), pair(r[2], r[3]));
-            _mm256_add_ps(_mm256_permute2f128_ps::<0x20>(s0, s1), _mm256_permute2f128_ps::<0x31>(s0, s1))
+        pub unsafe fn load_kv_n<T: KvElem>(p: *const T, n: usize) -> F32s {
+            let mut part = [T::ZERO; LANES];
+            std::ptr::copy_nonoverlapping(p, part.as_mut_ptr(), n);
+            load_kv(part.as_ptr())
+        }
+
+        /// Stores the first `n` (< 8) lanes of `v` at `p`.
+        #[inline(always)]
+        pub unsafe fn store_n(p: *mut f32, v: F32s, n: usize) {
+            let mut part = [0f32; LANES];
+            _mm256_storeu_ps(part.as_mut_ptr(), v);
+            std::ptr::copy_nonoverlapping(part.as_ptr(), p, n);
         }
     }
 
@@ -591,8 +590,8 @@ mod x86 {
         use super::KvElem;
         use std::arch::x86_64::*;
         pub use std::arch::x86_64::{
-            __m512 as F32s, _mm512_fmadd_ps as fmadd, _mm512_loadu_ps as load, _mm512_mul_ps as mul, _mm512_set1_ps as set1,
-            _mm512_setzero_ps as setzero, _mm512_storeu_ps as store,
+            __m512 as F32s, _mm512_add_ps as add, _mm512_fmadd_ps as fmadd, _mm512_loadu_ps as load, _mm512_mul_ps as mul,
+            _mm512_set1_ps as set1, _mm512_setzero_ps as setzero, _mm512_storeu_ps as store,
         };
         pub const LANES: usize = 16;
 
@@ -606,28 +605,27 @@ mod x86 {
             }
         }
 
-        /// Lane j of the result: the sum of the lanes of `v[j]`. Pairs folded twice inside each
-        /// 128-bit lane (rows 4i..4i+3 side by side), then the four 128-bit lanes of each group
-        /// of four rows added across, in row order.
+        /// The first `n` (< 16) cache values from `p` as f32, the other lanes 0 (masked loads).
         #[inline(always)]
-        pub unsafe fn sum_each(v: &[F32s; LANES]) -> F32s {
-            let fold = |a: F32s, b: F32s| _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
-            let r: [F32s; 8] = std::array::from_fn(|i| fold(v[2 * i], v[2 * i + 1]));
-            let pair = |x: F32s, y: F32s| {
-                let (x, y) = (_mm512_castps_pd(x), _mm512_castps_pd(y));
-                _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)))
-            };
-            let s: [F32s; 4] = std::array::from_fn(|i| pair(r[2 * i], r[2 * i + 1]));
-            // 128-bit lanes (0, 2) and (1, 3) of two vectors, added: halves of each row group's sum.
-            let across = |a: F32s, b: F32s| _mm512_add_ps(_mm512_shuffle_f32x4::<0x88>(a, b), _mm512_shuffle_f32x4::<0xDD>(a, b));
-            across(across(s[0], s[1]), across(s[2], s[3]))
+        pub unsafe fn load_kv_n<T: KvElem>(p: *const T, n: usize) -> F32s {
+            let mask = (1u32 << n) - 1;
+            if T::HALF {
+                _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask as u16, p as *const i16))
+            } else {
+                _mm512_maskz_loadu_ps(mask as u16, p as *const f32)
+            }
+        }
+
+        /// Stores the first `n` (< 16) lanes of `v` at `p`.
+        #[inline(always)]
+        pub unsafe fn store_n(p: *mut f32, v: F32s, n: usize) {
+            _mm512_mask_storeu_ps(p, ((1u32 << n) - 1) as u16, v)
         }
     }
 
-    /// Rows ahead whose cache lines the loops request (within their run; `attend` asks for the
-    /// next run's first rows): the rows of one head are a stride apart (the other KV heads'
-    /// columns between them), which the hardware prefetchers do not follow, and a batched
-    /// step's cache outgrows L2, so without this every row waits on L3.
+    /// Value rows ahead whose cache lines the weighted sum requests within its run (`attend`
+    /// asks for the next run): a batched step's cache outgrows L2, and a run is short for the
+    /// hardware prefetchers to pick up.
     pub(super) const PREFETCH_ROWS: usize = 4;
 
     /// Asks for the cache lines of the `n` elements from `p`.
@@ -645,40 +643,31 @@ mod x86 {
     macro_rules! attention_loops {
         ($scores:ident, $weighted_sum:ident, $features:literal, $width:ident) => {
             #[target_feature(enable = $features)]
-            unsafe fn $scores<T: KvElem, const G: usize>(q: &[f32], keys: &[T], stride: usize, scale: f32, scores: &mut [f32], ld: usize, len: usize) {
+            unsafe fn $scores<T: KvElem, const G: usize>(q: &[f32], keys: &[T], block_size: usize, scale: f32, scores: &mut [f32], ld: usize, len: usize) {
                 use $width::*;
                 let hd = q.len() / G;
                 let scale = set1(scale);
-                // Per head, the partial-product vectors of the current LANES rows.
-                let mut part = [[setzero(); LANES]; G];
                 for j0 in (0..len).step_by(LANES) {
-                    let rows = LANES.min(len - j0);
-                    for (jj, r) in (j0..j0 + rows).enumerate() {
-                        let k = keys.as_ptr().add(r * stride);
-                        if r + PREFETCH_ROWS < len {
-                            prefetch_row(k.add(PREFETCH_ROWS * stride), hd);
-                        }
-                        let mut acc = [setzero(); G];
-                        for c in (0..hd).step_by(LANES) {
-                            let kv = load_kv(k.add(c));
+                    let n = LANES.min(len - j0);
+                    let k = keys.as_ptr().add(j0);
+                    // A vector of keys per element; four sums per head (element d into sum
+                    // d mod 4), so that G x 4 chains of multiply-adds are in flight.
+                    let mut acc = [[setzero(); 4]; G];
+                    for d0 in (0..hd).step_by(4) {
+                        for (u, d) in (d0..d0 + 4).enumerate() {
+                            let kv = if n == LANES { load_kv(k.add(d * block_size)) } else { load_kv_n(k.add(d * block_size), n) };
                             for (g, a) in acc.iter_mut().enumerate() {
-                                *a = fmadd(load(q.as_ptr().add(g * hd + c)), kv, *a);
+                                a[u] = fmadd(set1(*q.get_unchecked(g * hd + d)), kv, a[u]);
                             }
                         }
-                        for g in 0..G {
-                            part[g][jj] = acc[g];
-                        }
                     }
-                    for g in 0..G {
-                        part[g][rows..].fill(setzero());
-                        let sums = mul(sum_each(&part[g]), scale);
+                    for (g, [s0, s1, s2, s3]) in acc.into_iter().enumerate() {
+                        let sums = mul(add(add(s0, s1), add(s2, s3)), scale);
                         let dst = scores.as_mut_ptr().add(g * ld + j0);
-                        if rows == LANES {
+                        if n == LANES {
                             store(dst, sums);
                         } else {
-                            let mut tail = [0f32; LANES];
-                            store(tail.as_mut_ptr(), sums);
-                            std::ptr::copy_nonoverlapping(tail.as_ptr(), dst, rows);
+                            store_n(dst, sums, n);
                         }
                     }
                 }
@@ -873,38 +862,30 @@ mod tests {
         }
     }
 
-    /// Scatter a contiguous cache into blocks (in a shuffled order, with unused blocks between).
-    fn to_pages(p: &AttentionParams, cache: &[f32], bs: usize, blocks: &[u32], n_blocks: usize) -> Vec<f32> {
-        let (kvw, hd) = (p.n_kv_heads * p.head_dim, p.head_dim);
-        let mut arena = vec![f32::NAN; n_blocks * bs * kvw];
-        for (r, row) in cache.chunks(kvw).enumerate() {
-            for (h, head) in row.chunks(hd).enumerate() {
-                let at = paged_offset(p, bs, blocks[r / bs] as usize, r % bs, h);
-                arena[at..at + hd].copy_from_slice(head);
-            }
-        }
-        arena
-    }
-
     #[test]
     fn paged_offsets_cover_every_block_once() {
         let p = AttentionParams::new(6, 3, 4);
         let bs = 5;
-        let mut seen = vec![false; 2 * bs * 3 * 4];
+        let (mut values, mut keys) = (vec![false; 2 * bs * 3 * 4], vec![false; 2 * bs * 3 * 4]);
         for block in 0..2 {
             for row in 0..bs {
                 for head in 0..3 {
-                    let at = paged_offset(&p, bs, block, row, head);
-                    for s in &mut seen[at..at + 4] {
-                        assert!(!*s, "block {block} row {row} head {head} overlaps");
-                        *s = true;
+                    let (at, key_at) = (paged_offset(&p, bs, block, row, head), paged_key_offset(&p, bs, block, row, head));
+                    for d in 0..4 {
+                        for (seen, i) in [(&mut values, at + d), (&mut keys, key_at + d * bs)] {
+                            assert!(!seen[i], "block {block} row {row} head {head} overlaps");
+                            seen[i] = true;
+                        }
                     }
+                    // A key and a value of one (block, head) share that pair's region.
+                    assert_eq!(key_at - row, at - row * 4);
                 }
             }
         }
-        assert!(seen.iter().all(|&s| s));
-        // One head's rows of a block are consecutive.
+        assert!(values.iter().chain(&keys).all(|&s| s));
+        // One head's value rows of a block are consecutive, as are its keys' elements d.
         assert_eq!(paged_offset(&p, bs, 1, 3, 2) + 4, paged_offset(&p, bs, 1, 4, 2));
+        assert_eq!(paged_key_offset(&p, bs, 1, 3, 2) + 1, paged_key_offset(&p, bs, 1, 4, 2));
     }
 
     #[test]
@@ -919,7 +900,8 @@ mod tests {
             let n_used = kv_len.div_ceil(bs);
             let n_blocks = 2 * n_used + 1;
             let blocks: Vec<u32> = (0..n_used as u32).map(|b| (n_blocks as u32 - 1) - 2 * b).collect();
-            let (ka, va) = (to_pages(&p, &k, bs, &blocks, n_blocks), to_pages(&p, &v, bs, &blocks, n_blocks));
+            // Scattered in a shuffled order, with unused blocks (NaN) between.
+            let (ka, va) = (to_blocks(&p, &k, true, bs, &blocks, n_blocks, f32::NAN), to_blocks(&p, &v, false, bs, &blocks, n_blocks, f32::NAN));
             for level in SimdLevel::available() {
                 let mut want = vec![0f32; q.len()];
                 attention_at(level, &p, &q, &k, &v, start, n, &mut want);

@@ -35,72 +35,8 @@ macro_rules! multiversion {
 }
 pub(crate) use multiversion;
 
-/// Partial sums per lane (the scalar path rounds like the 8-lane SIMD one).
+/// Partial sums (and maxima) per lane: the loops vectorize, in a fixed order.
 const LANES: usize = 8;
-
-/// `Σ a[i] * b[i]` over the common length.
-#[inline]
-pub(crate) fn dot(a: &[f32], b: &[f32]) -> f32 {
-    #[cfg(target_arch = "x86_64")]
-    {
-        use super::simd::{simd_level, SimdLevel};
-        if matches!(simd_level(), SimdLevel::Avx2 | SimdLevel::Avx512Vnni) {
-            // SAFETY: these levels are only reported when AVX2 and FMA are available.
-            return unsafe { dot_avx2(a, b) };
-        }
-    }
-    dot_lanes(a, b)
-}
-
-fn dot_lanes(a: &[f32], b: &[f32]) -> f32 {
-    let n = a.len().min(b.len());
-    let (a, b) = (&a[..n], &b[..n]);
-    let mut lanes = [0f32; LANES];
-    let (ca, cb) = (a.chunks_exact(LANES), b.chunks_exact(LANES));
-    let tail: f32 = ca
-        .remainder()
-        .iter()
-        .zip(cb.remainder())
-        .map(|(x, y)| x * y)
-        .sum();
-    for (x, y) in ca.zip(cb) {
-        for i in 0..LANES {
-            lanes[i] += x[i] * y[i];
-        }
-    }
-    lanes.iter().sum::<f32>() + tail
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn dot_avx2(a: &[f32], b: &[f32]) -> f32 {
-    use std::arch::x86_64::*;
-    let n = a.len().min(b.len());
-    let (pa, pb) = (a.as_ptr(), b.as_ptr());
-    let (mut acc0, mut acc1) = (_mm256_setzero_ps(), _mm256_setzero_ps());
-    let mut i = 0;
-    while i + 16 <= n {
-        acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(pa.add(i)), _mm256_loadu_ps(pb.add(i)), acc0);
-        acc1 = _mm256_fmadd_ps(
-            _mm256_loadu_ps(pa.add(i + 8)),
-            _mm256_loadu_ps(pb.add(i + 8)),
-            acc1,
-        );
-        i += 16;
-    }
-    if i + 8 <= n {
-        acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(pa.add(i)), _mm256_loadu_ps(pb.add(i)), acc0);
-        i += 8;
-    }
-    let v = _mm256_add_ps(acc0, acc1);
-    let v = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
-    let v = _mm_add_ps(v, _mm_movehl_ps(v, v));
-    let mut sum = _mm_cvtss_f32(_mm_add_ss(v, _mm_movehdup_ps(v)));
-    for j in i..n {
-        sum += a[j] * b[j];
-    }
-    sum
-}
 
 /// `Σ x[i]` with lane-wise partial sums (vectorizes; order fixed).
 #[inline(always)]
@@ -209,25 +145,5 @@ mod tests {
         assert_eq!(exp(-100.0), 0.0);
         assert_eq!(exp(f32::NEG_INFINITY), 0.0);
         assert!(exp(f32::NAN).is_nan());
-    }
-
-    #[test]
-    fn dot_matches_f64() {
-        for n in [0, 1, 7, 8, 15, 16, 17, 64, 100, 1000] {
-            let a: Vec<f32> = (0..n).map(|i| ((i * 7 % 13) as f32 - 6.0) * 0.3).collect();
-            let b: Vec<f32> = (0..n).map(|i| ((i * 5 % 11) as f32 - 5.0) * 0.7).collect();
-            let want: f64 = a.iter().zip(&b).map(|(&x, &y)| x as f64 * y as f64).sum();
-            let mag: f64 = a
-                .iter()
-                .zip(&b)
-                .map(|(&x, &y)| (x as f64 * y as f64).abs())
-                .sum();
-            for got in [dot(&a, &b), dot_lanes(&a, &b)] {
-                assert!(
-                    (got as f64 - want).abs() <= 1e-6 * mag,
-                    "n={n}: {got} vs {want}"
-                );
-            }
-        }
     }
 }
