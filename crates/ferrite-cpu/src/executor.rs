@@ -66,7 +66,17 @@ impl KvRows {
     fn store_strided(&mut self, at: usize, stride: usize, x: &[f32]) {
         match self {
             KvRows::F32(v) => x.iter().enumerate().for_each(|(i, &x)| v[at + i * stride] = x),
-            KvRows::F16(v) => x.iter().enumerate().for_each(|(i, &x)| v[at + i * stride] = half::f16::from_f32(x)),
+            KvRows::F16(v) => {
+                // Rounded as a slice (F16C when the CPU has it), then scattered.
+                const CHUNK: usize = 256;
+                let mut half = [half::f16::ZERO; CHUNK];
+                for (c, part) in x.chunks(CHUNK).enumerate() {
+                    let h = &mut half[..part.len()];
+                    h.convert_from_f32_slice(part);
+                    let first = at + c * CHUNK * stride;
+                    h.iter().enumerate().for_each(|(i, &h)| v[first + i * stride] = h);
+                }
+            }
         }
     }
 }

@@ -109,6 +109,12 @@ pub fn to_blocks<T: KvElem>(p: &AttentionParams, rows: &[T], key: bool, bs: usiz
     arena
 }
 
+/// Bytes of the next run that `attend` requests ahead: 512 of a 16-key block's 2 KiB of f16 keys
+/// (and as many of its values) were faster than all of them (`attention_bench`, alternated three
+/// times: 2 048 positions 2.2-2.7 -> 1.96 ms, 8 sequences at 84 positions 0.79-0.81 -> 0.72 ms)
+/// or none (2.25-2.35 and 0.78-0.85 ms).
+const RUN_PREFETCH_BYTES: usize = 512;
+
 /// Keys per part of a query row's keys: rows with more are split into parts of at most this many,
 /// run as tasks of their own and merged (flash-decoding), so that one sequence's decode step
 /// deep in a context has work for every thread. The split depends on the key count only, so the
@@ -289,11 +295,12 @@ fn attend<T: KvElem>(
     }
 }
 
-/// Asks for the cache lines of `span` (the next run's keys or values: the next block of a paged
-/// cache is anywhere in it, where the hardware prefetchers do not look).
+/// Asks for the first [`RUN_PREFETCH_BYTES`] of `span` (the next run's keys or values: the next
+/// block of a paged cache is anywhere in it, where the hardware prefetchers do not look; once
+/// its first lines are read they stream the rest).
 fn prefetch<T>(span: &[T]) {
     #[cfg(target_arch = "x86_64")]
-    x86::prefetch_row(span.as_ptr(), span.len());
+    x86::prefetch_row(span.as_ptr(), span.len().min(RUN_PREFETCH_BYTES / std::mem::size_of::<T>()));
     let _ = span;
 }
 

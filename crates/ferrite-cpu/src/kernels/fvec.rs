@@ -1,4 +1,4 @@
-//! f32 vector helpers shared by the kernels: a SIMD dot product and a vectorizable `exp`.
+//! f32 vector helpers shared by the kernels: lane-wise sums and maxima, and a vectorizable `exp`.
 
 /// Defines `fn $name` (optionally with one const generic) whose body is compiled three times,
 /// portable, for AVX2 + FMA and for AVX-512, the widest one the SIMD level has taken. For
@@ -52,19 +52,22 @@ pub(crate) fn sum(x: &[f32]) -> f32 {
     lanes.iter().sum::<f32>() + tail
 }
 
-/// `max x[i]` (NaNs ignored, `-inf` when empty) with lane-wise partial maxima: a serial fold of
-/// `f32::max` does not vectorize.
-#[inline(always)]
-pub(crate) fn max(x: &[f32]) -> f32 {
-    let chunks = x.chunks_exact(LANES);
-    let tail = chunks.remainder().iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
-    let mut lanes = [f32::NEG_INFINITY; LANES];
-    for c in chunks {
-        for i in 0..LANES {
-            lanes[i] = lanes[i].max(c[i]);
+multiversion! {
+    /// `max x[i]` (NaNs ignored, `-inf` when empty) with lane-wise partial maxima: a serial fold
+    /// of `f32::max` does not vectorize, and inlined into a caller without AVX it took 4-wide SSE
+    /// with NaN masks (a fifth of attention's own time deep in a context).
+    pub(crate) fn max(x: &[f32]) -> f32 {
+        const WIDE: usize = 16;
+        let chunks = x.chunks_exact(WIDE);
+        let tail = chunks.remainder().iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+        let mut lanes = [f32::NEG_INFINITY; WIDE];
+        for c in chunks {
+            for i in 0..WIDE {
+                lanes[i] = lanes[i].max(c[i]);
+            }
         }
+        lanes.iter().fold(tail, |m, &v| m.max(v))
     }
-    lanes.iter().fold(tail, |m, &v| m.max(v))
 }
 
 /// Round to nearest, ties to even, for |v| < 2^22. The magic-number form vectorizes on every
