@@ -1,8 +1,9 @@
 //! Gated DeltaNet (Qwen3.5 / Qwen3-Next linear attention), one token at a time: the reference
-//! recurrent form (prefill loops over its tokens).
+//! recurrent form (prefill loops over its tokens), the value heads side by side.
 
 use super::norm;
 use ferrite_model::graph::GdnShape;
+use rayon::prelude::*;
 
 /// The per-layer parameters of a Gated DeltaNet mixer, as f32.
 pub struct GdnParams<'a> {
@@ -58,12 +59,10 @@ pub fn gated_delta_net(p: &GdnParams, x: &[f32], n: usize, conv_state: &mut [f32
     assert_eq!(p.conv.len(), cw * kc, "gdn: conv weight length");
     assert!(p.a_coef.len() == hv && p.dt_bias.len() == hv && p.norm.len() == dv, "gdn: parameter lengths");
     let q_scale = 1.0 / (dk as f32).sqrt();
-    let mut y = vec![0f32; cw];
-    let mut pred = vec![0f32; dv];
-    let mut o = vec![0f32; dv];
-    let mut normed = vec![0f32; dv];
-    for (row, out_row) in x.chunks_exact(pw).zip(out.chunks_exact_mut(vw)) {
-        // Causal depthwise conv over q | k | v, SiLU; then shift the window.
+    // Every token's causal depthwise conv over q | k | v (SiLU, then the window shifts), with q
+    // and k normalised per key head: serial over the tokens, cheap.
+    let mut ys = vec![0f32; n * cw];
+    for (row, y) in x.chunks_exact(pw).zip(ys.chunks_exact_mut(cw)) {
         let xin = &row[..cw];
         for c in 0..cw {
             let w = &p.conv[c * kc..(c + 1) * kc];
@@ -78,21 +77,23 @@ pub fn gated_delta_net(p: &GdnParams, x: &[f32], n: usize, conv_state: &mut [f32
             conv_state[(kc - 2) * cw..].copy_from_slice(xin);
         }
         let (q, rest) = y.split_at_mut(kw);
-        let (k, v) = rest.split_at_mut(kw);
-        for (qh, kh) in q.chunks_exact_mut(dk).zip(k.chunks_exact_mut(dk)) {
+        for (qh, kh) in q.chunks_exact_mut(dk).zip(rest[..kw].chunks_exact_mut(dk)) {
             l2_normalize(qh, q_scale);
             l2_normalize(kh, 1.0);
         }
-        let z = &row[cw..cw + vw];
-        let b = &row[cw + vw..cw + vw + hv];
-        let a = &row[cw + vw + hv..cw + vw + 2 * hv];
-        for h in 0..hv {
-            let kh = s.key_head(h);
-            let (qh, kh_vec) = (&q[kh * dk..(kh + 1) * dk], &k[kh * dk..(kh + 1) * dk]);
-            let vh = &v[h * dv..(h + 1) * dv];
-            let beta = sigmoid(b[h]);
-            let decay = (p.a_coef[h] * softplus(a[h] + p.dt_bias[h])).exp();
-            let st = &mut ssm_state[h * dk * dv..(h + 1) * dk * dv];
+    }
+    // Then the delta rule, value head by value head in parallel (each head's state is its own),
+    // every head over all the tokens in order; its outputs gathered into `out` afterwards.
+    let mut heads_out = vec![0f32; hv * n * dv];
+    heads_out.par_chunks_mut(n * dv).zip(ssm_state.par_chunks_mut(dk * dv)).enumerate().for_each(|(h, (head_out, st))| {
+        let (mut pred, mut o, mut normed) = (vec![0f32; dv], vec![0f32; dv], vec![0f32; dv]);
+        let kh = s.key_head(h);
+        for ((row, y), dst) in x.chunks_exact(pw).zip(ys.chunks_exact(cw)).zip(head_out.chunks_exact_mut(dv)) {
+            let (qh, kh_vec) = (&y[kh * dk..(kh + 1) * dk], &y[kw + kh * dk..kw + (kh + 1) * dk]);
+            let vh = &y[2 * kw + h * dv..2 * kw + (h + 1) * dv];
+            let (z, b, a) = (&row[cw + h * dv..cw + (h + 1) * dv], row[cw + vw + h], row[cw + vw + hv + h]);
+            let beta = sigmoid(b);
+            let decay = (p.a_coef[h] * softplus(a + p.dt_bias[h])).exp();
             st.iter_mut().for_each(|v| *v *= decay);
             pred.fill(0.0);
             for (srow, &ki) in st.chunks_exact(dv).zip(kh_vec) {
@@ -111,10 +112,14 @@ pub fn gated_delta_net(p: &GdnParams, x: &[f32], n: usize, conv_state: &mut [f32
                 }
             }
             norm::rms_norm(&o, p.norm, p.eps, &mut normed);
-            let zh = &z[h * dv..(h + 1) * dv];
-            for ((dst, &nv), &zv) in out_row[h * dv..(h + 1) * dv].iter_mut().zip(&normed).zip(zh) {
-                *dst = nv * silu(zv);
+            for ((d, &nv), &zv) in dst.iter_mut().zip(&normed).zip(z) {
+                *d = nv * silu(zv);
             }
+        }
+    });
+    for (h, head_out) in heads_out.chunks_exact(n * dv).enumerate() {
+        for (out_row, src) in out.chunks_exact_mut(vw).zip(head_out.chunks_exact(dv)) {
+            out_row[h * dv..(h + 1) * dv].copy_from_slice(src);
         }
     }
 }
@@ -210,6 +215,36 @@ mod tests {
             assert!((ss[0] as f64 - s_expect).abs() < 1e-5, "step {t}: state {} != {s_expect}", ss[0]);
             assert!(ss[1..].iter().all(|&x| x == 0.0));
             assert_eq!(out[0].signum() as f64, s_expect.signum());
+        }
+    }
+
+    /// A prompt in one call, token by token, or in uneven chunks, on one thread or many: the
+    /// same bits (the value heads run side by side, each over all of a call's tokens in order).
+    #[test]
+    fn chunks_and_threads_give_the_same_bits() {
+        let shape = GdnShape { n_k_heads: 2, n_v_heads: 6, k_dim: 8, v_dim: 4, conv_kernel: 4, v_order: ValueHeadOrder::Grouped };
+        let (pw, vw, n) = (shape.proj_width(), shape.value_width(), 11);
+        let x: Vec<f32> = values(n * pw, 7).iter().map(|v| 2.0 * v).collect();
+        let conv = values(shape.conv_width() * shape.conv_kernel, 8);
+        let a_coef: Vec<f32> = values(6, 9).iter().map(|v| -1.0 - v.abs()).collect();
+        let (dt_bias, norm) = (values(6, 10), vec![1.0; 4]);
+        let p = GdnParams { shape, conv: &conv, a_coef: &a_coef, dt_bias: &dt_bias, norm: &norm, eps: 1e-6 };
+        let run = |chunks: &[usize]| {
+            let (mut cs, mut ss, mut out) = (vec![0f32; shape.conv_state_len()], vec![0f32; shape.ssm_state_len()], vec![0f32; n * vw]);
+            let mut t = 0;
+            for &c in chunks {
+                gated_delta_net(&p, &x[t * pw..(t + c) * pw], c, &mut cs, &mut ss, &mut out[t * vw..(t + c) * vw]);
+                t += c;
+            }
+            (out, ss)
+        };
+        let want = run(&[n]);
+        assert!(want.0.iter().any(|v| v.abs() > 1e-3));
+        assert_eq!(run(&[1; 11]), want);
+        assert_eq!(run(&[4, 1, 6]), want);
+        for threads in [1, 3] {
+            let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
+            assert_eq!(pool.install(|| run(&[5, 6])), want, "{threads} threads");
         }
     }
 }
