@@ -1,15 +1,16 @@
-//! Hand-run timing of one batched decode step (`forward_paged`) on the CPU for 1..N sequences
+//! Hand-run timing of one batched decode step (`forward_paged_sampled`) on the CPU for 1..N sequences
 //! (not part of the test suite):
 //!
 //!     cargo run --release -p ferrite-engine --example batch_step -- MODEL.gguf [CONTEXT] [SIZES] [STEPS]
 //!
-//! Every sequence holds CONTEXT cached positions (default 64) and decodes one token per step;
+//! Every sequence holds CONTEXT cached positions (default 64) and decodes one token per step,
+//! drawn greedily by the executor as in serving;
 //! prints the median step time over STEPS steps (default 20) and the implied aggregate tokens/s
 //! per batch size (SIZES, comma-separated, default 1,2,4,8,16; at most 16). One size and many
 //! steps make a profile of that step (`perf record`).
 
 use ferrite_cpu::{CpuExecutor, CpuPrecision};
-use ferrite_model::{Executor, ExecutorOptions, FusionOptions, Model, PagedKvConfig, SeqChunk};
+use ferrite_model::{DeviceSampling, Executor, ExecutorOptions, FusionOptions, Model, PagedKvConfig, SeqChunk};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -42,8 +43,11 @@ fn main() -> anyhow::Result<()> {
         for step in 0..=steps {
             let tok = [7u32];
             let batch: Vec<SeqChunk> = tables[..n].iter().enumerate().map(|(s, t)| SeqChunk { tokens: &tok, start_pos: ctx + step.min(40), block_table: t, state_slot: s }).collect();
+            // Greedy draws, as the server asks for them: the executor takes each argmax in place
+            // instead of copying 8 x 49 152 logits out.
+            let greedy = vec![Some(DeviceSampling::GREEDY); n];
             let t0 = Instant::now();
-            exec.forward_paged(&batch)?;
+            exec.forward_paged_sampled(&batch, &greedy)?;
             if step > 0 {
                 times.push(t0.elapsed().as_secs_f64());
             }
