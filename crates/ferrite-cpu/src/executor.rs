@@ -218,6 +218,9 @@ pub struct CpuExecutor {
     /// A smaller team of threads for one-token steps (`decode_threads`), where it is smaller
     /// than the global pool.
     decode_pool: Option<Arc<rayon::ThreadPool>>,
+    /// The one-sequence cache's block table: blocks 0, 1, 2, ... of `CONTIGUOUS_BLOCK` positions
+    /// covering the context.
+    contiguous_blocks: Vec<u32>,
 }
 
 /// Threads for a one-token step: `FERRITE_DECODE_THREADS`, else one per `DECODE_BYTES_PER_THREAD`
@@ -335,7 +338,8 @@ impl CpuExecutor {
         } else {
             None
         };
-        Ok(Self { model, rank, precision, kv_f16, weights, plan, buf, paged: None, options, last_rows: 0, state_pos: RecurrentCursor::default(), decode_pool })
+        let contiguous_blocks = (0..options.context_len.div_ceil(CONTIGUOUS_BLOCK) as u32).collect();
+        Ok(Self { model, rank, precision, kv_f16, weights, plan, buf, paged: None, options, last_rows: 0, state_pos: RecurrentCursor::default(), decode_pool, contiguous_blocks })
     }
 
     /// Token ids must be inside the vocabulary (the embedding op checks). A tensor-parallel rank
@@ -507,7 +511,7 @@ impl CpuExecutor {
 
     fn run_chunk(&mut self, ids: &[u32], start_pos: usize) -> anyhow::Result<()> {
         let mut buf = std::mem::take(&mut self.buf);
-        let blocks: Vec<u32> = (0..self.options.context_len.div_ceil(CONTIGUOUS_BLOCK) as u32).collect();
+        let blocks = &self.contiguous_blocks;
         if buf.k_cache.is_empty() {
             // Attention layers only: Gated DeltaNet layers keep recurrent state instead.
             let kv = blocks.len() * CONTIGUOUS_BLOCK * self.kv_width();
@@ -517,7 +521,7 @@ impl CpuExecutor {
             buf.v_cache = (0..self.model.graph.n_layers).map(cache).collect();
         }
         let positions: Vec<u32> = (start_pos..start_pos + ids.len()).map(|p| p as u32).collect();
-        let seqs = [StepSeq { first_row: 0, n: ids.len(), start_pos, blocks: &blocks, state_slot: 0 }];
+        let seqs = [StepSeq { first_row: 0, n: ids.len(), start_pos, blocks, state_slot: 0 }];
         let step = Step { ids, positions: &positions, seqs: &seqs, block_size: CONTIGUOUS_BLOCK };
         let result = self.run_ops(&mut buf, &self.plan, &step);
         if let Some(p) = buf.profile.as_mut() {

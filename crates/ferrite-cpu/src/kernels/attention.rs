@@ -291,7 +291,7 @@ fn attend<T: KvElem>(
         let values = &v[v_at..v_at + len * hd];
         let norms = if i + 1 == runs.len() { norms } else { ones };
         // SAFETY: as above.
-        unsafe { (kernels.weighted_sum)(&scores[at..], n_rows, len, values, hd, norms, out, i > 0) };
+        unsafe { (kernels.weighted_sum)(&scores[at..], n_rows, len, values, norms, out, i > 0) };
     }
 }
 
@@ -398,9 +398,9 @@ pub(crate) fn attention_paged_at<T: KvElem>(level: SimdLevel, p: &AttentionParam
 /// `scores(queries, keys, block_size, scale, scores, ld, len)` writes `q_g · k_j * scale` for the
 /// run's `len` keys (element `d` of key `j` at `keys[d * block_size + j]`), each as four sums
 /// over the elements `d = u mod 4` in order, then `(s0 + s1) + (s2 + s3)`, whichever the vector
-/// width; `weighted_sum(weights, ld, len, values, stride, norms, out, accumulate)`
+/// width; `weighted_sum(weights, ld, len, values, norms, out, accumulate)`
 /// sets (or, with its last argument, adds to) `out_g = Σ_j w_gj v_j`, then multiplies it by
-/// `norms[g]`. `values` start at the run's first row and step `stride` elements per row.
+/// `norms[g]`. `values` are the run's rows, one head's worth each, back to back.
 /// Safety: the functions may use the CPU features of the level they were selected for.
 struct Kernels<T> {
     scores: Scores<T>,
@@ -408,7 +408,7 @@ struct Kernels<T> {
 }
 
 type Scores<T> = unsafe fn(&[f32], &[T], usize, f32, &mut [f32], usize, usize);
-type WeightedSum<T> = unsafe fn(&[f32], usize, usize, &[T], usize, &[f32], &mut [f32], bool);
+type WeightedSum<T> = unsafe fn(&[f32], usize, usize, &[T], &[f32], &mut [f32], bool);
 
 impl<T: KvElem> Kernels<T> {
     fn for_level(level: SimdLevel, head_dim: usize, heads: usize) -> Kernels<T> {
@@ -460,13 +460,11 @@ fn scores_portable<T: KvElem>(queries: &[f32], keys: &[T], block_size: usize, sc
     }
 }
 
-#[allow(clippy::too_many_arguments)]
 fn weighted_sum_portable<T: KvElem>(
     weights: &[f32],
     ld: usize,
     len: usize,
     values: &[T],
-    stride: usize,
     norms: &[f32],
     out: &mut [f32],
     accumulate: bool,
@@ -478,7 +476,7 @@ fn weighted_sum_portable<T: KvElem>(
     for (g, out) in out.chunks_mut(hd).enumerate() {
         for j in 0..len {
             let w = weights[g * ld + j];
-            for (o, v) in out.iter_mut().zip(&values[j * stride..][..hd]) {
+            for (o, v) in out.iter_mut().zip(&values[j * hd..][..hd]) {
                 *o += w * v.to_f32();
             }
         }
@@ -527,13 +525,11 @@ mod x86 {
     }
 
     /// Safety: as [`scores`].
-    #[allow(clippy::too_many_arguments)]
     pub(super) unsafe fn weighted_sum<T: KvElem, const WIDE: bool, const G: usize>(
         weights: &[f32],
         ld: usize,
         len: usize,
         values: &[T],
-        stride: usize,
         norms: &[f32],
         out: &mut [f32],
         accumulate: bool,
@@ -543,14 +539,14 @@ mod x86 {
             out.len() == G * hd
                 && norms.len() == G
                 && hd.is_multiple_of(CHUNK)
-                && (len == 0 || (values.len() >= (len - 1) * stride + hd && weights.len() >= (G - 1) * ld + len)),
+                && (len == 0 || (values.len() >= len * hd && weights.len() >= (G - 1) * ld + len)),
             "attention sum: sizes"
         );
         // SAFETY: as in `scores`.
         if WIDE {
-            weighted_sum_avx512::<T, G>(weights, ld, len, values, stride, norms, out, accumulate)
+            weighted_sum_avx512::<T, G>(weights, ld, len, values, norms, out, accumulate)
         } else {
-            weighted_sum_avx2::<T, G>(weights, ld, len, values, stride, norms, out, accumulate)
+            weighted_sum_avx2::<T, G>(weights, ld, len, values, norms, out, accumulate)
         }
     }
 
@@ -681,13 +677,11 @@ mod x86 {
             }
 
             #[target_feature(enable = $features)]
-            #[allow(clippy::too_many_arguments)]
             unsafe fn $weighted_sum<T: KvElem, const G: usize>(
                 weights: &[f32],
                 ld: usize,
                 len: usize,
                 values: &[T],
-                stride: usize,
                 norms: &[f32],
                 out: &mut [f32],
                 accumulate: bool,
@@ -706,9 +700,9 @@ mod x86 {
                         }
                     }
                     for j in 0..len {
-                        let v = values.as_ptr().add(j * stride + c);
+                        let v = values.as_ptr().add(j * hd + c);
                         if j + PREFETCH_ROWS < len {
-                            prefetch_row(v.add(PREFETCH_ROWS * stride), VECS * LANES);
+                            prefetch_row(v.add(PREFETCH_ROWS * hd), VECS * LANES);
                         }
                         let vv: [F32s; VECS] = std::array::from_fn(|i| load_kv(v.add(LANES * i)));
                         for (g, a) in acc.iter_mut().enumerate() {
