@@ -14,7 +14,7 @@
 //! a scratch of their own, so they replay too.
 
 use crate::kernels::dequant::MmaOrder;
-use crate::ops::{self, AttentionConfig, GatedQuery, GdnState, GdnWeights, KvCache, KvDtype, RopeConfig, SamplingConfig};
+use crate::ops::{self, AttentionConfig, GatedQuery, GdnBatch, GdnSeq, GdnState, GdnWeights, KvCache, KvDtype, RopeConfig, SamplingConfig};
 use crate::staging::{Mailbox, Readback, StagingRing};
 use crate::{CudaError, DeviceWeight, Gpu};
 use anyhow::{anyhow, bail, Context};
@@ -22,7 +22,7 @@ use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
 use cudarc::driver::{CudaGraph, CudaSlice};
 use ferrite_core::env;
 use ferrite_gguf::GgmlType;
-use ferrite_model::graph::{DecoderLayer, ExpertGateUp, GatedActivation, LinearChain, NormSpec, Op, Rows, ValueId, WeightId};
+use ferrite_model::graph::{DecoderLayer, ExpertGateUp, GatedActivation, GdnShape, Graph, LinearChain, NormSpec, Op, Rows, ValueId, WeightId};
 use ferrite_model::planner::{self, Plan};
 use ferrite_model::profile::OpProfile;
 use ferrite_model::{
@@ -222,6 +222,12 @@ struct BatchPaging {
     /// tables are unchanged (decode steps within a block) copies neither again.
     uploaded_row_seq: Vec<u32>,
     uploaded_tables: Vec<u32>,
+    /// Models with Gated DeltaNet layers: the step's sequences (rows and state slots) for the
+    /// batched mixer, and their device form (`GdnBatch`), with the host copy of its last upload.
+    gdn_seqs: Vec<GdnSeq>,
+    gdn_rows: CudaSlice<u32>,
+    gdn_slots: CudaSlice<u32>,
+    uploaded_gdn: (Vec<u32>, Vec<u32>),
 }
 
 /// The paged KV cache and the buffers of batched steps (`init_paged`), swapped in for a step.
@@ -238,6 +244,9 @@ struct PagedState {
     ahead: Option<AheadStep>,
     /// Steps enqueued ahead that the next batch took (counted since `init_paged`).
     ahead_taken: u64,
+    /// Per state slot: the tokens its recurrent state has consumed (models with Gated DeltaNet
+    /// layers).
+    cursors: Vec<RecurrentCursor>,
 }
 
 /// A decode step enqueued before the tokens that feed it were read back: what it ran, to
@@ -247,6 +256,11 @@ struct AheadStep {
     positions: Vec<u32>,
     tables: Vec<u32>,
     max_blocks: usize,
+}
+
+/// The Gated DeltaNet layers of a graph and their shapes.
+fn gdn_layers(graph: &Graph) -> Vec<(usize, GdnShape)> {
+    graph.ops.iter().filter_map(|o| if let Op::GatedDeltaNet { layer, shape, .. } = o { Some((*layer, *shape)) } else { None }).collect()
 }
 
 /// A step's block tables on the device, `[n_seqs, max_blocks]`. A decode step (one token per
@@ -509,8 +523,7 @@ impl CudaExecutor {
         }
         let plan = planner::plan(graph, max_batch, !options.trace);
         plan.check(graph).map_err(|e| anyhow!("memory plan violates the aliasing rule: {e}"))?;
-        let gdn_shapes: Vec<_> =
-            graph.ops.iter().filter_map(|o| if let Op::GatedDeltaNet { layer, shape, .. } = o { Some((*layer, *shape)) } else { None }).collect();
+        let gdn_shapes = gdn_layers(graph);
         let state_bytes: usize = gdn_shapes.iter().map(|(_, s)| (s.conv_state_len() + s.ssm_state_len()) * 4).sum();
         let kv_bytes = graph.attention_layers().len() * 2 * options.context_len * cfg.kv_width() * kv_dtype().bytes();
         let (free, _) = gpu.mem_info()?;
@@ -1354,7 +1367,16 @@ impl CudaExecutor {
             }
             Op::GatedDeltaNet { layer, x, conv, a_coef, dt_bias, norm, .. } => {
                 let w = GdnWeights { conv: vector(conv), a_coef: vector(a_coef), dt_bias: vector(dt_bias), norm: vector(norm.weight), eps: norm.eps };
-                ops::gated_delta_net(gpu, input(x), rows(x), &w, &mut buf.gdn[layer], &mut buf.scratch_a, out)?;
+                match &buf.paging {
+                    // Batched serving: each sequence on its own state slot.
+                    Some(pg) => {
+                        let batch = GdnBatch { seqs: &pg.gdn_seqs, seq_rows: &pg.gdn_rows, seq_slots: &pg.gdn_slots };
+                        ops::gated_delta_net_batch(gpu, input(x), rows(x), &w, &mut buf.gdn[layer], &mut buf.scratch_a, out, &batch)?;
+                    }
+                    None => {
+                        ops::gated_delta_net(gpu, input(x), rows(x), &w, &mut buf.gdn[layer], &mut buf.scratch_a, out)?;
+                    }
+                }
             }
             Op::MoeFfn { x, norm, router, gate_up, down, shared, moe, residual, .. } => {
                 let (r, d) = (rows(x), width(x));
@@ -1403,6 +1425,10 @@ impl CudaExecutor {
         }
         let Some(mut paged) = self.paged.take() else { bail!("forward_paged before init_paged") };
         let pending = paged.ahead.take();
+        let recurrent = self.model.graph.has_recurrent_state();
+        // A step ahead would advance recurrent states that a different next batch could not
+        // rewind: models with them step one batch at a time.
+        let ahead = if recurrent { None } else { ahead };
         let result = BatchRows::new(batch, &paged.config).and_then(|rows| {
             let decode = rows.ids.len() == batch.len();
             let (tables, max_blocks) = step_tables(batch.iter().map(|s| s.block_table), decode, paged.config.n_blocks);
@@ -1410,15 +1436,44 @@ impl CudaExecutor {
             if ran {
                 paged.ahead_taken += 1;
             } else {
+                if recurrent {
+                    self.begin_recurrent(&mut paged, batch, &rows)?;
+                }
                 self.run_paged(&mut paged, &rows, &tables, max_blocks, false)?;
             }
             self.paged_outputs(&mut paged, sample, ahead)
         });
         if result.is_err() {
             paged.ahead = None;
+        } else if recurrent {
+            batch.iter().for_each(|s| paged.cursors[s.state_slot].finish(s.start_pos + s.tokens.len()));
         }
         self.paged = Some(paged);
         result
+    }
+
+    /// Before a batched step of a model with Gated DeltaNet layers: every sequence starts its
+    /// state slot over (position 0: zeroed, in stream order) or continues it exactly, checked for
+    /// all before any change (the slots stay unusable until the step succeeds); then the step's
+    /// rows and slots go to the device for the batched mixer.
+    fn begin_recurrent(&mut self, paged: &mut PagedState, batch: &[SeqChunk<'_>], rows: &BatchRows) -> anyhow::Result<()> {
+        let mut next = paged.cursors.clone();
+        let resets = batch.iter().map(|s| next[s.state_slot].begin(s.start_pos).with_context(|| format!("state slot {}", s.state_slot))).collect::<anyhow::Result<Vec<bool>>>()?;
+        paged.cursors = next;
+        for (s, _) in batch.iter().zip(resets).filter(|(_, reset)| *reset) {
+            for state in paged.buf.gdn.iter_mut() {
+                state.reset_slot(&self.gpu, s.state_slot)?;
+            }
+        }
+        let pg = paged.buf.paging.as_mut().expect("init_paged sets the paging buffers");
+        pg.gdn_seqs = batch.iter().zip(&rows.seq_start).map(|(s, &first_row)| GdnSeq { first_row, n: s.tokens.len(), slot: s.state_slot }).collect();
+        let form = GdnBatch::device_form(&pg.gdn_seqs);
+        if pg.uploaded_gdn != form {
+            self.staging.copy(&self.gpu, &form.0, &mut pg.gdn_rows.slice_mut(0..form.0.len()))?;
+            self.staging.copy(&self.gpu, &form.1, &mut pg.gdn_slots.slice_mut(0..form.1.len()))?;
+            pg.uploaded_gdn = form;
+        }
+        Ok(())
     }
 
     /// Enqueue one batched step on the paged cache: the step's rows and block tables go to the
@@ -1588,22 +1643,24 @@ impl Executor for CudaExecutor {
             bail!("paged kv cache: every size must be positive, got {config:?}");
         }
         let (graph, cfg) = (&self.model.graph, &self.model.config);
-        if graph.has_recurrent_state() {
-            bail!("batched serving of models with recurrent (Gated DeltaNet) layers is not supported on CUDA yet (the CPU backend serves them: --backend cpu)");
-        }
         self.paged = None; // free the old cache first
         let plan = planner::plan_rows(graph, max_tokens, max_seqs, true);
         plan.check(graph).map_err(|e| anyhow!("batch memory plan violates the aliasing rule: {e}"))?;
         let Some(cache_rows) = n_blocks.checked_mul(block_size) else { bail!("paged kv cache of {n_blocks} blocks x {block_size} is too large") };
-        let bytes = graph.attention_layers().len() * 2 * cache_rows * cfg.kv_width() * kv_dtype().bytes();
+        // Gated DeltaNet layers keep a recurrent state per sequence slot.
+        let gdn_shapes = gdn_layers(graph);
+        let state_bytes: usize = gdn_shapes.iter().map(|(_, s)| (s.conv_state_len() + s.ssm_state_len()) * 4 * max_seqs).sum();
+        let bytes = graph.attention_layers().len() * 2 * cache_rows * cfg.kv_width() * kv_dtype().bytes() + state_bytes;
         let (free, _) = self.gpu.mem_info()?;
         if bytes > free {
             bail!(
-                "the paged KV cache ({n_blocks} blocks of {block_size}) needs {:.1} GiB but only {:.1} GiB of device memory is free (lower --kv-memory)",
+                "the paged KV cache ({n_blocks} blocks of {block_size}{}) needs {:.1} GiB but only {:.1} GiB of device memory is free (lower --kv-memory)",
+                if state_bytes > 0 { format!(", and the recurrent state of {max_seqs} sequences") } else { String::new() },
                 bytes as f64 / (1u64 << 30) as f64,
                 free as f64 / (1u64 << 30) as f64
             );
         }
+        let gdn = gdn_shapes.into_iter().map(|(l, shape)| GdnState::with_slots(&self.gpu, shape, max_seqs).map(|st| (l, st))).collect::<Result<_, _>>()?;
         let kv = graph
             .attention_layers()
             .into_iter()
@@ -1612,7 +1669,7 @@ impl Executor for CudaExecutor {
         // Batched steps attend without splitting the keys; decode steps (a token per sequence)
         // store K/V inside the attention kernel, steps with a prefill chunk with store_qkv.
         let unsplit = ops::DecodeLayouts::new(&self.gpu, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cache_rows, false);
-        let mut buf = Buffers::new(&self.gpu, &self.model, &plan, max_tokens, kv, PerLayer(Vec::new()), vec![1; max_tokens + 1], unsplit)?;
+        let mut buf = Buffers::new(&self.gpu, &self.model, &plan, max_tokens, kv, gdn, vec![1; max_tokens + 1], unsplit)?;
         buf.paging = Some(BatchPaging {
             tables: self.gpu.alloc_zeros(max_seqs * n_blocks)?,
             row_seq: self.gpu.alloc_zeros(max_tokens)?,
@@ -1622,12 +1679,16 @@ impl Executor for CudaExecutor {
             last_rows: Vec::new(),
             uploaded_row_seq: Vec::new(),
             uploaded_tables: Vec::new(),
+            gdn_seqs: Vec::new(),
+            gdn_rows: self.gpu.alloc_zeros(max_seqs + 1)?,
+            gdn_slots: self.gpu.alloc_zeros(max_seqs)?,
+            uploaded_gdn: (Vec::new(), Vec::new()),
         });
         let tokens = self.gpu.alloc_zeros(max_seqs)?;
         let readback = Readback::new(&self.gpu, max_seqs + 2)?;
         let mut graphs = BatchGraphs::new();
         graphs.enabled &= buf.profile.is_none();
-        self.paged = Some(PagedState { config, plan, buf, tokens, readback, graphs, ahead: None, ahead_taken: 0 });
+        self.paged = Some(PagedState { config, plan, buf, tokens, readback, graphs, ahead: None, ahead_taken: 0, cursors: vec![RecurrentCursor::default(); max_seqs] });
         Ok(())
     }
 

@@ -1830,6 +1830,79 @@ fn gated_delta_net_matches_cpu() {
     assert!(err.contains("do not fit the delta-rule kernel"), "{err}");
 }
 
+/// Batched serving's mixer (`gated_delta_net_batch`): sequences of different lengths on
+/// scrambled state slots, over three steps (prefills, one of them long enough for the chunked
+/// path; then a decode step of all; then a mix), give each sequence, to the bit, what the
+/// one-sequence op gives on its rows alone with a state of its own; a slot restarted at zero in
+/// between starts over. Bad batches are refused before anything runs.
+#[test]
+fn batched_gated_delta_net_matches_single_sequences() {
+    let Some(gpu) = gpu() else { return };
+    let mut rng = Rng(19);
+    let tiled = |n_k_heads, n_v_heads, k_dim, v_dim| GdnShape { n_k_heads, n_v_heads, k_dim, v_dim, conv_kernel: 4, v_order: ValueHeadOrder::Tiled };
+    for s in [tiled(2, 4, 128, 128), tiled(2, 4, 16, 12), grouped_gdn_shapes()[2]] {
+        let layer = GdnLayer::random(&mut rng, s);
+        let weights = (upload(gpu, &layer.conv), upload(gpu, &layer.a_coef), upload(gpu, &layer.dt_bias), upload(gpu, &layer.norm));
+        let w = GdnWeights { conv: &weights.0, a_coef: &weights.1, dt_bias: &weights.2, norm: &weights.3, eps: 1e-6 };
+        let (pw, vw) = (s.proj_width(), s.value_width());
+        let case = format!("hk{} hv{} dk{} dv{} {:?}", s.n_k_heads, s.n_v_heads, s.k_dim, s.v_dim, s.v_order);
+        let slots = 5;
+        let mut batched = GdnState::with_slots(gpu, s, slots).unwrap();
+        // The reference: per sequence (by slot) a state of its own.
+        let mut alone: Vec<GdnState> = (0..slots).map(|_| GdnState::new(gpu, s).unwrap()).collect();
+        let rows_max = 3 + ops::GDN_CHUNKED_MIN_TOKENS + 10 + 1 + 9;
+        let mut scratch = poisoned(gpu, ops::gdn_scratch_len(&s, rows_max, GdnPath::Chunked));
+        let mut scratch_alone = poisoned(gpu, ops::gdn_scratch_len(&s, rows_max, GdnPath::Chunked));
+        let (mut seq_rows, mut seq_slots) = (gpu.alloc_zeros::<u32>(slots + 1).unwrap(), gpu.alloc_zeros::<u32>(slots).unwrap());
+        // (slot, tokens) per step; slot 0 restarts from zero before the third step.
+        let steps: [&[(usize, usize)]; 3] = [&[(2, 3), (0, ops::GDN_CHUNKED_MIN_TOKENS + 10), (4, 1), (1, 9)], &[(1, 1), (4, 1), (0, 1), (2, 1)], &[(0, 6), (2, 1), (3, 2)]];
+        for (step, members) in steps.into_iter().enumerate() {
+            if step == 2 {
+                batched.reset_slot(gpu, 0).unwrap();
+                alone[0].reset(gpu).unwrap();
+            }
+            let mut seqs = Vec::new();
+            for &(slot, n) in members {
+                let first_row = seqs.last().map_or(0, |q: &ops::GdnSeq| q.first_row + q.n);
+                seqs.push(ops::GdnSeq { first_row, n, slot });
+            }
+            let n_rows: usize = members.iter().map(|m| m.1).sum();
+            let x = layer.input(&mut rng, n_rows);
+            let (rows, slot_ids) = ops::GdnBatch::device_form(&seqs);
+            gpu.stream().memcpy_htod(&rows, &mut seq_rows.slice_mut(0..rows.len())).unwrap();
+            gpu.stream().memcpy_htod(&slot_ids, &mut seq_slots.slice_mut(0..slot_ids.len())).unwrap();
+            let batch = ops::GdnBatch { seqs: &seqs, seq_rows: &seq_rows, seq_slots: &seq_slots };
+            let mut out = poisoned(gpu, n_rows * vw);
+            ops::gated_delta_net_batch(gpu, &upload(gpu, &x), n_rows, &w, &mut batched, &mut scratch, &mut out, &batch).unwrap();
+            let got = download(gpu, &out);
+            for q in &seqs {
+                let mut want = poisoned(gpu, q.n * vw);
+                let x_seq = upload(gpu, &x[q.first_row * pw..(q.first_row + q.n) * pw]);
+                ops::gated_delta_net(gpu, &x_seq, q.n, &w, &mut alone[q.slot], &mut scratch_alone, &mut want).unwrap();
+                let want = download(gpu, &want);
+                let got = &got[q.first_row * vw..(q.first_row + q.n) * vw];
+                assert!(got.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()), "{case}, step {step}: slot {} ({} tokens) differs from the sequence alone", q.slot, q.n);
+                assert_eq!(batched.download_slot(gpu, q.slot).unwrap(), alone[q.slot].download(gpu).unwrap(), "{case}, step {step}: state of slot {}", q.slot);
+            }
+        }
+        // Refused: rows with a gap, a slot past the state's, two sequences on one slot, a row
+        // count the sequences do not cover.
+        let x = upload(gpu, &layer.input(&mut rng, 4));
+        let mut out = poisoned(gpu, 4 * vw);
+        let seq = |first_row, n, slot| ops::GdnSeq { first_row, n, slot };
+        for (seqs, n_rows, what) in [
+            (vec![seq(0, 2, 0), seq(3, 1, 1)], 4, "expected a non-empty run from row 2"),
+            (vec![seq(0, 4, slots)], 4, "state slot 5 of 5"),
+            (vec![seq(0, 2, 1), seq(2, 2, 1)], 4, "belongs to another sequence"),
+            (vec![seq(0, 2, 1)], 4, "cover 2 rows of 4"),
+        ] {
+            let batch = ops::GdnBatch { seqs: &seqs, seq_rows: &seq_rows, seq_slots: &seq_slots };
+            let err = ops::gated_delta_net_batch(gpu, &x, n_rows, &w, &mut batched, &mut scratch, &mut out, &batch).unwrap_err().to_string();
+            assert!(err.contains(what), "{case}: {err}");
+        }
+    }
+}
+
 /// Grouped value heads (Qwen3-Next's order: value head `h` reads key head `h / r`) for both
 /// paths' tests: real head dims (r = 2, as Qwen3-Next-80B), the tiny fixture's, and r = 4 with
 /// odd dims. Each has several key heads, so a kernel that read the tiled head would differ.

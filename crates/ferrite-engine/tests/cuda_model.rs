@@ -154,12 +154,18 @@ fn compare_executors(
 }
 
 /// Batched serving: CUDA `forward_paged` against the CPU reference's, three sequences of
-/// different lengths prefilling and decoding together on scrambled blocks, each fed the
-/// reference's greedy choice, after the GPU's serving warm-up. From the third step on, sequence 1
-/// takes its greedy token from the device (`forward_paged_sampled`) instead of its logits.
-/// Returns (worst relative logit error, agreeing choices, choices).
-fn compare_paged(model: &Arc<Model>) -> (f64, usize, usize) {
-    let config = PagedKvConfig { n_blocks: 16, block_size: 16, max_seqs: 4, max_tokens: 64 };
+/// different prompt lengths (`lens`) prefilling and decoding together on scrambled blocks (in
+/// state slots 0, 1, 2: models with Gated DeltaNet layers carry a state per sequence), each fed
+/// the reference's greedy choice, after the GPU's serving warm-up. From the third step on,
+/// sequence 1 takes its greedy token from the device (`forward_paged_sampled`) instead of its
+/// logits. Returns (worst relative logit error, agreeing choices, choices).
+fn compare_paged(model: &Arc<Model>, lens: [usize; 3]) -> (f64, usize, usize) {
+    const BLOCK: usize = 16;
+    // Six steps: at most five tokens past the prompt.
+    let per_seq: Vec<usize> = lens.iter().map(|l| (l + 5).div_ceil(BLOCK)).collect();
+    let n_blocks = per_seq.iter().sum::<usize>() + 1;
+    let max_tokens = lens.iter().sum::<usize>().max(64);
+    let config = PagedKvConfig { n_blocks, block_size: BLOCK, max_seqs: 4, max_tokens };
     let mut cpu = CpuExecutor::new(Arc::clone(model), CpuPrecision::Reference, opts(16)).unwrap();
     let mut gpu = ferrite_cuda::CudaExecutor::new(Arc::clone(model), opts(16)).unwrap();
     cpu.init_paged(config).unwrap();
@@ -167,9 +173,15 @@ fn compare_paged(model: &Arc<Model>) -> (f64, usize, usize) {
     // The warm-up leaves garbage in the blocks used below: no sequence may see it.
     gpu.warm_up_paged().unwrap();
     let vocab = model.config.vocab_size as u32;
-    let tables: [&[u32]; 3] = [&[15, 4], &[3, 0, 9], &[7, 12]];
+    // Blocks handed out in a scrambled order (7 is coprime to every count here but multiples of 7).
+    let order: Vec<u32> = (0..n_blocks).map(|i| ((i * 7 + 3) % n_blocks) as u32).collect();
+    assert!(!n_blocks.is_multiple_of(7), "the block order must be a permutation");
+    let tables: Vec<&[u32]> = per_seq.iter().scan(0, |at, &n| {
+        *at += n;
+        Some(&order[*at - n..*at])
+    }).collect();
     let mut tokens: Vec<Vec<u32>> =
-        [5u32, 23, 12].iter().enumerate().map(|(i, &l)| (0..l).map(|t| (t * 977 + 31 * i as u32 + 5) % vocab).collect()).collect();
+        lens.iter().enumerate().map(|(i, &l)| (0..l as u32).map(|t| (t * 977 + 31 * i as u32 + 5) % vocab).collect()).collect();
     let mut pos = [0usize; 3];
     let (mut worst, mut agreed, mut total) = (0f64, 0, 0);
     let greedy = DeviceSampling::GREEDY;
@@ -256,9 +268,19 @@ fn cuda_fp32_matches_cpu_reference_on_real_shapes() {
     std::env::remove_var("FERRITE_SPLIT_ATTENTION");
     std::env::remove_var("FERRITE_CUDA_ATTENTION_GROUP_SHARE_VALUES");
     // Batched serving on the paged cache: three sequences prefilling and decoding together.
-    for (name, model) in [("smollm2-135m Q8_0", synthetic(synth::shape("smollm2-135m").unwrap(), GgmlType::Q8_0)), ("tiny qwen3", Arc::new(Model::load(common::workspace_root().join("fixtures/tiny/qwen3.gguf"), FusionOptions::from_env()).unwrap()))] {
-        let (worst, agreed, total) = compare_paged(&model);
-        println!("{name}, batched paged steps: worst relative error {worst:.2e}, {agreed}/{total} greedy choices agree");
+    // Then hybrids (a Gated DeltaNet state per sequence slot), the last with a prompt long
+    // enough for the chunked mixer beside the others' recurrent one.
+    let fixture = |name: &str| Arc::new(Model::load(common::workspace_root().join("fixtures/tiny").join(name), FusionOptions::from_env()).unwrap());
+    let short = [5, 23, 12];
+    for (name, model, lens) in [
+        ("smollm2-135m Q8_0", synthetic(synth::shape("smollm2-135m").unwrap(), GgmlType::Q8_0), short),
+        ("tiny qwen3", fixture("qwen3.gguf"), short),
+        ("tiny qwen35", fixture("qwen35.gguf"), short),
+        ("qwen3.5-small Q8_0", synthetic(&QWEN35_SMALL, GgmlType::Q8_0), short),
+        ("tiny qwen3next", fixture("qwen3next.gguf"), [5, 150, 12]),
+    ] {
+        let (worst, agreed, total) = compare_paged(&model, lens);
+        println!("{name}, batched paged steps, prompts of {lens:?}: worst relative error {worst:.2e}, {agreed}/{total} greedy choices agree");
         assert!(worst < 1e-4 && agreed == total, "{name} paged: relative error {worst}, {agreed}/{total} agree");
     }
     // Qwen3.5 hybrid (Gated DeltaNet state carried across the 16 + 5 prompt chunks and every

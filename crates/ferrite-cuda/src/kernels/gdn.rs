@@ -13,6 +13,12 @@
 //! dim `j`). Value head `h` reads key head `h % n_k_heads` in llama.cpp's tiled order (Qwen3.5's
 //! GGUFs) or `h / v_group` in HF's grouped order (Qwen3-Next; `v_group` = value heads per key
 //! head), as `GdnShape::key_head`: the order is a launch parameter, not a variant.
+//! Batches of several sequences (batched serving): the conv and the recurrent form take
+//! `seq_rows` (the first row of each sequence, then the row count) and `seq_slots` (each
+//! sequence's state slot: its conv window and delta-rule matrices sit at `slot` times one
+//! sequence's state from the start) and run a grid row per sequence (`blockIdx.y`); null
+//! `seq_rows` is one sequence of `n_tokens` rows on slot 0. The chunked form runs one sequence
+//! per launch, at addresses the op offsets.
 //! The chunked form's scratch, per value head: the in-chunk cumulative log-decays `gam`
 //! (`[n_v_heads, n_tokens]`), `W` (`[n_v_heads, n_tokens, k_dim]`) and `U`, then `V'`
 //! (`[n_v_heads, n_tokens, v_dim]`).
@@ -27,6 +33,9 @@ device_params! {
         pub weight: u64,
         pub state: u64,
         pub out: u64,
+        /// A batch of sequences (module doc), or 0 for one sequence of `n_tokens`.
+        pub seq_rows: u64,
+        pub seq_slots: u64,
         pub n_tokens: u32,
         /// Channels (`conv_width`): the first columns of each `x` row, and the `out` row width.
         pub channels: u32,
@@ -37,6 +46,17 @@ device_params! {
     }
 }
 
+/// The sequence a block serves (module doc).
+const SEQS: &str = r#"
+struct GdnSeq { i64 first; u32 n; u32 slot; };
+__device__ __forceinline__ GdnSeq gdn_seq(u64 seq_rows, u64 seq_slots, u32 n_tokens) {
+  if (!seq_rows) return GdnSeq{0, n_tokens, 0};
+  const u32* rows = reinterpret_cast<const u32*>(seq_rows);
+  const u32 s = blockIdx.y;
+  return GdnSeq{(i64)rows[s], rows[s + 1] - rows[s], reinterpret_cast<const u32*>(seq_slots)[s]};
+}
+"#;
+
 const CONV: &str = r#"
 // One thread per channel, tokens in order. Input t - (taps - 1) + j feeds tap j; inputs before
 // the batch come from the state. The sum starts with the current token's tap, then the older
@@ -45,21 +65,22 @@ extern "C" __global__ void gdn_conv(const GdnConvParams p) {
   KERNEL_ENTRY();
   const u32 c = blockIdx.x * blockDim.x + threadIdx.x;
   if (c >= p.channels) return;
-  const float* x = reinterpret_cast<const float*>(p.x) + c;
-  const float* w = reinterpret_cast<const float*>(p.weight) + (i64)c * p.taps;
-  float* state = reinterpret_cast<float*>(p.state) + c;
-  float* out = reinterpret_cast<float*>(p.out) + c;
+  const GdnSeq q = gdn_seq(p.seq_rows, p.seq_slots, p.n_tokens);
   const i64 hist = p.taps - 1;
-  // Input i of the batch (i < 0: state row hist + i).
+  const float* x = reinterpret_cast<const float*>(p.x) + q.first * p.x_width + c;
+  const float* w = reinterpret_cast<const float*>(p.weight) + (i64)c * p.taps;
+  float* state = reinterpret_cast<float*>(p.state) + (i64)q.slot * hist * p.channels + c;
+  float* out = reinterpret_cast<float*>(p.out) + q.first * p.channels + c;
+  // Input i of the sequence (i < 0: state row hist + i).
 #define CONV_INPUT(i) ((i) >= 0 ? x[(i) * p.x_width] : state[(hist + (i)) * p.channels])
-  for (i64 t = 0; t < p.n_tokens; ++t) {
+  for (i64 t = 0; t < q.n; ++t) {
     float acc = w[hist] * x[t * p.x_width];
     for (i64 j = 0; j < hist; ++j) acc += w[j] * CONV_INPUT(t - hist + j);
     out[t * p.channels] = silu(acc);
   }
   // The new window: inputs n - hist .. n - 1. Row r reads state row n + r > r when it comes
   // from the old state, which is not yet overwritten.
-  for (i64 r = 0; r < hist; ++r) state[r * p.channels] = CONV_INPUT((i64)p.n_tokens - hist + r);
+  for (i64 r = 0; r < hist; ++r) state[r * p.channels] = CONV_INPUT((i64)q.n - hist + r);
 #undef CONV_INPUT
 }
 "#;
@@ -69,14 +90,15 @@ extern "C" __global__ void gdn_conv(const GdnConvParams p) {
 pub struct GdnConvVariant;
 
 impl GdnConvVariant {
-    pub fn launch_config(&self, channels: usize) -> LaunchConfig {
-        LaunchConfig { grid_dim: (blocks_for(channels, 256), 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 }
+    /// A thread per channel, a grid row per sequence.
+    pub fn launch_config(&self, channels: usize, n_seqs: usize) -> LaunchConfig {
+        LaunchConfig { grid_dim: (blocks_for(channels, 256), n_seqs as u32, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 }
     }
 }
 
 impl KernelVariant for GdnConvVariant {
     const FAMILY: &'static str = "gdn_conv";
-    const SOURCES: &'static [&'static str] = &[HEADER, GdnConvParams::C_DECL, CONV];
+    const SOURCES: &'static [&'static str] = &[HEADER, GdnConvParams::C_DECL, SEQS, CONV];
     const ENTRY_POINTS: &'static [&'static str] = &["gdn_conv"];
 
     fn macros(&self) -> Vec<(&'static str, String)> {
@@ -95,7 +117,13 @@ device_params! {
         pub norm: u64,
         pub state: u64,
         pub out: u64,
+        /// A batch of sequences (module doc), or 0 for one sequence of `n_tokens`.
+        pub seq_rows: u64,
+        pub seq_slots: u64,
         pub n_tokens: u32,
+        /// Sequences of at least this many tokens are left alone (the op runs them on the
+        /// chunked path); 0: none.
+        pub skip_from: u32,
         pub n_k_heads: u32,
         pub n_v_heads: u32,
         /// Value heads per key head in grouped order (value head `h` reads key head
@@ -161,7 +189,7 @@ __device__ __forceinline__ float column_sum(float v) {
   return v;
 }
 
-// One block per value head. Thread j * KSPLIT + s owns state column j (value dim j), rows
+// One block per (value head, sequence). Thread j * KSPLIT + s owns state column j (value dim j), rows
 // s, s + KSPLIT, ... in registers for the whole batch; the state is read once and written once.
 // Threads past the last column (blockDim is whole warps) hold zeros and only join the sums.
 // Per token: L2-normalise q (times q_scale) and k, decay S, predict Sᵀk, rank-1 update with
@@ -169,15 +197,17 @@ __device__ __forceinline__ float column_sum(float v) {
 extern "C" __global__ void __launch_bounds__(THREADS) gdn_delta(const GdnDeltaParams p) {
   KERNEL_ENTRY();
   __shared__ float sq[K_DIM], sk[K_DIM], scratch[32];
+  const GdnSeq seq = gdn_seq(p.seq_rows, p.seq_slots, p.n_tokens);
+  if (p.skip_from && seq.n >= p.skip_from) return;
   const u32 h = blockIdx.x, kh = gdn_key_head(h, p.n_k_heads, p.v_group);
   const u32 j = threadIdx.x / KSPLIT, s = threadIdx.x % KSPLIT, lane = threadIdx.x & 31;
   const bool owner = j < V_DIM;
   const i64 key_width = (i64)p.n_k_heads * K_DIM, value_width = (i64)p.n_v_heads * V_DIM;
   const i64 conv_width = 2 * key_width + value_width;
-  const float* qkv = reinterpret_cast<const float*>(p.qkv);
-  const float* x = reinterpret_cast<const float*>(p.x);
-  float* st = reinterpret_cast<float*>(p.state) + (i64)h * K_DIM * V_DIM;
-  float* out = reinterpret_cast<float*>(p.out);
+  const float* qkv = reinterpret_cast<const float*>(p.qkv) + seq.first * conv_width;
+  const float* x = reinterpret_cast<const float*>(p.x) + seq.first * p.x_width;
+  float* st = reinterpret_cast<float*>(p.state) + ((i64)seq.slot * p.n_v_heads + h) * K_DIM * V_DIM;
+  float* out = reinterpret_cast<float*>(p.out) + seq.first * value_width;
   const float a_coef = reinterpret_cast<const float*>(p.a_coef)[h];
   const float dt_bias = reinterpret_cast<const float*>(p.dt_bias)[h];
   const float norm_w = owner ? reinterpret_cast<const float*>(p.norm)[j] : 0.f;
@@ -188,7 +218,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) gdn_delta(const GdnDeltaPa
     const u32 i = s + KSPLIT * m;
     S[m] = (owner && i < K_DIM) ? st[(i64)i * V_DIM + j] : 0.f;
   }
-  for (u32 t = 0; t < p.n_tokens; ++t) {
+  for (u32 t = 0; t < seq.n; ++t) {
     const float* row = qkv + t * conv_width;
     const float* xrow = x + (i64)t * p.x_width;
     for (u32 i = threadIdx.x; i < K_DIM; i += THREADS) {
@@ -264,16 +294,16 @@ impl GdnDeltaVariant {
         Ok(GdnDeltaVariant { k_dim: k_dim as u32, v_dim: v_dim as u32, ksplit: ksplit as u32 })
     }
 
-    /// One block of whole warps per value head.
-    pub fn launch_config(&self, n_v_heads: usize) -> LaunchConfig {
+    /// One block of whole warps per (value head, sequence).
+    pub fn launch_config(&self, n_v_heads: usize, n_seqs: usize) -> LaunchConfig {
         let threads = (self.ksplit * self.v_dim).next_multiple_of(32);
-        LaunchConfig { grid_dim: (n_v_heads as u32, 1, 1), block_dim: (threads, 1, 1), shared_mem_bytes: 0 }
+        LaunchConfig { grid_dim: (n_v_heads as u32, n_seqs as u32, 1), block_dim: (threads, 1, 1), shared_mem_bytes: 0 }
     }
 }
 
 impl KernelVariant for GdnDeltaVariant {
     const FAMILY: &'static str = "gdn_delta";
-    const SOURCES: &'static [&'static str] = &[HEADER, HEAD, GdnDeltaParams::C_DECL, DELTA];
+    const SOURCES: &'static [&'static str] = &[HEADER, HEAD, GdnDeltaParams::C_DECL, SEQS, DELTA];
     const ENTRY_POINTS: &'static [&'static str] = &["gdn_delta"];
 
     fn macros(&self) -> Vec<(&'static str, String)> {
@@ -704,8 +734,9 @@ mod tests {
         assert_eq!(GdnDeltaVariant::for_shape(16, 12), Ok(GdnDeltaVariant { k_dim: 16, v_dim: 12, ksplit: 1 }));
         assert_eq!(GdnDeltaVariant::for_shape(33, 7).unwrap().ksplit, 2);
         assert_eq!(GdnDeltaVariant::for_shape(256, 128).unwrap().ksplit, 8);
-        assert_eq!(GdnDeltaVariant::for_shape(128, 128).unwrap().launch_config(32).block_dim, (512, 1, 1));
-        assert_eq!(GdnDeltaVariant::for_shape(16, 12).unwrap().launch_config(4).block_dim, (32, 1, 1));
+        assert_eq!(GdnDeltaVariant::for_shape(128, 128).unwrap().launch_config(32, 1).block_dim, (512, 1, 1));
+        assert_eq!(GdnDeltaVariant::for_shape(16, 12).unwrap().launch_config(4, 3).block_dim, (32, 1, 1));
+        assert_eq!(GdnDeltaVariant::for_shape(16, 12).unwrap().launch_config(4, 3).grid_dim, (4, 3, 1));
         assert!(GdnDeltaVariant::for_shape(256, 256).is_err());
         assert!(GdnDeltaVariant::for_shape(2048, 8).is_err());
         assert!(GdnDeltaVariant::for_shape(0, 8).is_err());

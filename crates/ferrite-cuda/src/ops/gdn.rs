@@ -30,33 +30,58 @@ fn v_group(shape: &GdnShape) -> u32 {
     }
 }
 
-/// One Gated DeltaNet layer's recurrent state in device memory, f32: the conv window
-/// (`[conv_kernel - 1, conv_width]`, oldest input first) and the delta-rule matrices
-/// (`[n_v_heads, k_dim, v_dim]`), as ferrite-cpu lays them out. Its buffers never move, so a
-/// captured decode graph keeps updating the same state.
+/// One Gated DeltaNet layer's recurrent state in device memory, f32, for one sequence or, in
+/// batched serving, one per state slot: the conv window (`[conv_kernel - 1, conv_width]`, oldest
+/// input first) and the delta-rule matrices (`[n_v_heads, k_dim, v_dim]`), as ferrite-cpu lays
+/// them out, slot after slot. Its buffers never move, so a captured decode graph keeps updating
+/// the same state.
 pub struct GdnState {
     conv: CudaSlice<f32>,
     ssm: CudaSlice<f32>,
+    slots: usize,
     pub shape: GdnShape,
 }
 
 impl GdnState {
-    /// A zeroed state (the state before the first token).
+    /// A zeroed state for one sequence (the state before the first token).
     pub fn new(gpu: &Gpu, shape: GdnShape) -> Result<Self, CudaError> {
-        check_gdn_shape(&shape)?;
-        // A one-tap conv keeps no window; allocations are never empty.
-        let conv = gpu.alloc_zeros(shape.conv_state_len().max(1))?;
-        Ok(GdnState { conv, ssm: gpu.alloc_zeros(shape.ssm_state_len())?, shape })
+        Self::with_slots(gpu, shape, 1)
     }
 
-    /// Zero both parts, in stream order (a forward from position 0).
+    /// Zeroed states for `slots` sequences ([`gated_delta_net_batch`]).
+    pub fn with_slots(gpu: &Gpu, shape: GdnShape, slots: usize) -> Result<Self, CudaError> {
+        check_gdn_shape(&shape)?;
+        let len = |per_slot: usize| elems("GdnState", &[per_slot, slots]);
+        // A one-tap conv keeps no window; allocations are never empty.
+        let conv = gpu.alloc_zeros(len(shape.conv_state_len())?.max(1))?;
+        Ok(GdnState { conv, ssm: gpu.alloc_zeros(len(shape.ssm_state_len())?.max(1))?, slots, shape })
+    }
+
+    pub fn slots(&self) -> usize {
+        self.slots
+    }
+
+    /// Zero every slot, in stream order (a forward from position 0).
     pub fn reset(&mut self, gpu: &Gpu) -> Result<(), CudaError> {
         let stream = gpu.stream();
         stream.memset_zeros(&mut self.conv).context(|| "clearing the conv state".into())?;
         stream.memset_zeros(&mut self.ssm).context(|| "clearing the delta-rule state".into())
     }
 
-    /// Replace the state with host values (tests start from a non-zero state).
+    /// Zero one slot, in stream order (a sequence starting at position 0).
+    pub fn reset_slot(&mut self, gpu: &Gpu, slot: usize) -> Result<(), CudaError> {
+        if slot >= self.slots {
+            return Err(CudaError::invalid("GdnState::reset_slot", format!("slot {slot} of {}", self.slots)));
+        }
+        let (c, s) = (self.shape.conv_state_len(), self.shape.ssm_state_len());
+        let stream = gpu.stream();
+        if c > 0 {
+            stream.memset_zeros(&mut self.conv.slice_mut(slot * c..(slot + 1) * c)).context(|| "clearing a conv state slot".into())?;
+        }
+        stream.memset_zeros(&mut self.ssm.slice_mut(slot * s..(slot + 1) * s)).context(|| "clearing a delta-rule state slot".into())
+    }
+
+    /// Replace slot 0's state with host values (tests start from a non-zero state).
     pub fn upload(&mut self, gpu: &Gpu, conv: &[f32], ssm: &[f32]) -> Result<(), CudaError> {
         const OP: &str = "GdnState::upload";
         let s = self.shape;
@@ -68,18 +93,88 @@ impl GdnState {
         }
         let stream = gpu.stream();
         stream.memcpy_htod(conv, &mut self.conv.slice_mut(0..conv.len())).context(|| "copying the conv state".into())?;
-        stream.memcpy_htod(ssm, &mut self.ssm).context(|| "copying the delta-rule state".into())
+        stream.memcpy_htod(ssm, &mut self.ssm.slice_mut(0..ssm.len())).context(|| "copying the delta-rule state".into())
     }
 
-    /// Copy the conv and delta-rule state back (waits for the stream).
+    /// Copy one slot's conv and delta-rule state back (waits for the stream).
+    pub fn download_slot(&self, gpu: &Gpu, slot: usize) -> Result<(Vec<f32>, Vec<f32>), CudaError> {
+        if slot >= self.slots {
+            return Err(CudaError::invalid("GdnState::download_slot", format!("slot {slot} of {}", self.slots)));
+        }
+        let (c, s) = (self.shape.conv_state_len(), self.shape.ssm_state_len());
+        Ok((gpu.download(&self.conv.slice(slot * c..(slot + 1) * c))?, gpu.download(&self.ssm.slice(slot * s..(slot + 1) * s))?))
+    }
+
+    /// Copy slot 0's conv and delta-rule state back (waits for the stream).
     pub fn download(&self, gpu: &Gpu) -> Result<(Vec<f32>, Vec<f32>), CudaError> {
-        Ok((gpu.download(&self.conv.slice(0..self.shape.conv_state_len()))?, gpu.download(&self.ssm)?))
+        self.download_slot(gpu, 0)
     }
 
     /// Device bytes held.
     pub fn bytes(&self) -> usize {
         (self.conv.len() + self.ssm.len()) * 4
     }
+
+    /// Device address of a slot's delta-rule matrices.
+    fn ssm_addr(&mut self, gpu: &Gpu, slot: usize) -> u64 {
+        addr_mut(gpu, &mut self.ssm) + 4 * (slot * self.shape.ssm_state_len()) as u64
+    }
+}
+
+/// One sequence of a batch for [`gated_delta_net_batch`]: its rows and its state slot.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct GdnSeq {
+    pub first_row: usize,
+    pub n: usize,
+    pub slot: usize,
+}
+
+/// A batch of sequences for [`gated_delta_net_batch`]: `seqs` on the host, and the same on the
+/// device for the kernels, `seq_rows` (every sequence's first row, then the row count) and
+/// `seq_slots` (the caller keeps them equal).
+pub struct GdnBatch<'a> {
+    pub seqs: &'a [GdnSeq],
+    pub seq_rows: &'a CudaSlice<u32>,
+    pub seq_slots: &'a CudaSlice<u32>,
+}
+
+impl GdnBatch<'_> {
+    /// The device form of `seqs`: (`seq_rows`, `seq_slots`).
+    pub fn device_form(seqs: &[GdnSeq]) -> (Vec<u32>, Vec<u32>) {
+        let rows = seqs.iter().map(|s| s.first_row as u32).chain(seqs.last().map(|s| (s.first_row + s.n) as u32)).collect();
+        (rows, seqs.iter().map(|s| s.slot as u32).collect())
+    }
+
+    /// Why the batch cannot run on `n_rows` rows with `slots` state slots ([`check_seqs`]), or
+    /// its device arrays cannot hold it.
+    fn check(&self, n_rows: usize, slots: usize) -> Result<(), CudaError> {
+        check_seqs(self.seqs, n_rows, slots)?;
+        check_len("gated_delta_net_batch", "seq_rows", self.seq_rows.len(), self.seqs.len() + 1)?;
+        check_len("gated_delta_net_batch", "seq_slots", self.seq_slots.len(), self.seqs.len())
+    }
+}
+
+/// The sequences must cover `n_rows` rows in order, each with tokens, on distinct slots below
+/// `slots` (the kernels of two sequences on one slot would race).
+fn check_seqs(seqs: &[GdnSeq], n_rows: usize, slots: usize) -> Result<(), CudaError> {
+    const OP: &str = "gated_delta_net_batch";
+    let mut next = 0;
+    let mut taken = vec![false; slots];
+    for (i, s) in seqs.iter().enumerate() {
+        if s.first_row != next || s.n == 0 {
+            return Err(CudaError::invalid(OP, format!("sequence {i} has rows {}..{}, expected a non-empty run from row {next}", s.first_row, s.first_row + s.n)));
+        }
+        match taken.get_mut(s.slot) {
+            None => return Err(CudaError::invalid(OP, format!("sequence {i}: state slot {} of {slots}", s.slot))),
+            Some(true) => return Err(CudaError::invalid(OP, format!("sequence {i}: state slot {} belongs to another sequence of the batch", s.slot))),
+            Some(t) => *t = true,
+        }
+        next += s.n;
+    }
+    if seqs.is_empty() || next != n_rows {
+        return Err(CudaError::invalid(OP, format!("{} sequences cover {next} rows of {n_rows}", seqs.len())));
+    }
+    Ok(())
 }
 
 /// The per-layer parameters of the mixer, f32 on the device.
@@ -178,6 +273,49 @@ pub fn gated_delta_net_with(
     }
 }
 
+/// [`gated_delta_net`] on a batch of sequences, each continuing from and updating its own
+/// state slot: one conv launch for all, the recurrent kernel for all sequences shorter than
+/// [`GDN_CHUNKED_MIN_TOKENS`] in one launch (a decode step's whole batch), the chunked form
+/// for each longer one (`FERRITE_CUDA_GDN_PATH` forces either for every sequence). Each
+/// sequence gets what [`gated_delta_net`] on its rows alone would give.
+#[allow(clippy::too_many_arguments)]
+pub fn gated_delta_net_batch(
+    gpu: &Gpu,
+    x: &impl DevicePtr<f32>,
+    n_rows: usize,
+    w: &GdnWeights,
+    state: &mut GdnState,
+    scratch: &mut (impl DevicePtr<f32> + DevicePtrMut<f32>),
+    out: &mut impl DevicePtrMut<f32>,
+    batch: &GdnBatch,
+) -> Result<(), CudaError> {
+    const OP: &str = "gated_delta_net_batch";
+    batch.check(n_rows, state.slots)?;
+    let s = state.shape;
+    let skip_from = match gpu.gdn_path() {
+        Some(GdnPath::Recurrent) => 0,
+        Some(GdnPath::Chunked) => 1,
+        None => GDN_CHUNKED_MIN_TOKENS,
+    };
+    let chunked = |q: &&GdnSeq| skip_from > 0 && q.n >= skip_from;
+    let path = if batch.seqs.iter().any(|q| chunked(&q)) { GdnPath::Chunked } else { GdnPath::Recurrent };
+    check_len(OP, "scratch", scratch.len(), gdn_scratch_len(&s, n_rows, path))?;
+    check_delta_args(OP, &s, n_rows, x.len(), w, out.len())?;
+    let seqs = Some(batch);
+    conv_launch(gpu, x, n_rows, w.conv, state, scratch, seqs)?;
+    if batch.seqs.iter().any(|q| !chunked(&q)) {
+        delta_launch(gpu, scratch, x, n_rows, w, state, out, seqs, skip_from)?;
+    }
+    for q in batch.seqs.iter().filter(chunked) {
+        let at = |base: u64, width: usize| base + 4 * (q.first_row * width) as u64;
+        // The chunk sections after the whole batch's conv output.
+        let sections = addr_mut(gpu, scratch) + 4 * (n_rows * s.conv_width()) as u64;
+        let rows = ChunkRows { qkv: at(addr(gpu, scratch), s.conv_width()), x: at(addr(gpu, x), s.proj_width()), out: at(addr_mut(gpu, out), s.value_width()), sections };
+        chunked_launch(gpu, rows, q.n, w, state, q.slot)?;
+    }
+    Ok(())
+}
+
 /// Causal depthwise conv1d + SiLU over the `q | k | v` channels (the first `conv_width` columns
 /// of each `x` row of `proj_width`) into `out` (`n_tokens` rows of `conv_width`), through the
 /// state's conv window, which it then advances.
@@ -189,6 +327,19 @@ pub fn gdn_conv(
     state: &mut GdnState,
     out: &mut impl DevicePtrMut<f32>,
 ) -> Result<(), CudaError> {
+    conv_launch(gpu, x, n_tokens, weight, state, out, None)
+}
+
+/// [`gdn_conv`] on one sequence (slot 0) or on a batch (its rows: `n_tokens`).
+fn conv_launch(
+    gpu: &Gpu,
+    x: &impl DevicePtr<f32>,
+    n_tokens: usize,
+    weight: &impl DevicePtr<f32>,
+    state: &mut GdnState,
+    out: &mut impl DevicePtrMut<f32>,
+    seqs: Option<&GdnBatch>,
+) -> Result<(), CudaError> {
     const OP: &str = "gdn_conv";
     if n_tokens == 0 {
         return Ok(());
@@ -199,17 +350,25 @@ pub fn gdn_conv(
     check_len(OP, "weight", weight.len(), elems(OP, &[cw, s.conv_kernel])?)?;
     check_len(OP, "out", out.len(), elems(OP, &[n_tokens, cw])?)?;
     let variant = GdnConvVariant;
+    let (seq_rows, seq_slots, n_seqs) = seq_arrays(gpu, seqs);
     let params = GdnConvParams {
         x: addr(gpu, x),
         weight: addr(gpu, weight),
         state: addr_mut(gpu, &mut state.conv),
         out: addr_mut(gpu, out),
+        seq_rows,
+        seq_slots,
         n_tokens: as_u32(OP, "n_tokens", n_tokens)?,
         channels: cw as u32,
         x_width: s.proj_width() as u32,
         taps: s.conv_kernel as u32,
     };
-    gpu.launch(&variant, "gdn_conv", variant.launch_config(cw), &params)
+    gpu.launch(&variant, "gdn_conv", variant.launch_config(cw, n_seqs), &params)
+}
+
+/// The kernels' `seq_rows`, `seq_slots` and sequence count for a batch (0, 0, 1: one sequence).
+fn seq_arrays(gpu: &Gpu, seqs: Option<&GdnBatch>) -> (u64, u64, usize) {
+    seqs.map_or((0, 0, 1), |b| (addr(gpu, b.seq_rows), addr(gpu, b.seq_slots), b.seqs.len()))
 }
 
 /// The gated delta rule and gated RMSNorm on `n_tokens` tokens, in order: `qkv` is the conv
@@ -225,14 +384,32 @@ pub fn gdn_delta(
     state: &mut GdnState,
     out: &mut impl DevicePtrMut<f32>,
 ) -> Result<(), CudaError> {
+    check_delta_args("gdn_delta", &state.shape, n_tokens, x.len(), w, out.len())?;
+    check_len("gdn_delta", "qkv", qkv.len(), elems("gdn_delta", &[n_tokens, state.shape.conv_width()])?)?;
+    delta_launch(gpu, qkv, x, n_tokens, w, state, out, None, 0)
+}
+
+/// [`gdn_delta`] on one sequence (slot 0) or on a batch, skipping its sequences of at least
+/// `skip_from` tokens (0: none). The caller has checked the lengths.
+#[allow(clippy::too_many_arguments)]
+fn delta_launch(
+    gpu: &Gpu,
+    qkv: &impl DevicePtr<f32>,
+    x: &impl DevicePtr<f32>,
+    n_tokens: usize,
+    w: &GdnWeights,
+    state: &mut GdnState,
+    out: &mut impl DevicePtrMut<f32>,
+    seqs: Option<&GdnBatch>,
+    skip_from: usize,
+) -> Result<(), CudaError> {
     const OP: &str = "gdn_delta";
     if n_tokens == 0 {
         return Ok(());
     }
     let s = state.shape;
     let variant = check_gdn_shape(&s)?;
-    check_delta_args(OP, &s, n_tokens, x.len(), w, out.len())?;
-    check_len(OP, "qkv", qkv.len(), elems(OP, &[n_tokens, s.conv_width()])?)?;
+    let (seq_rows, seq_slots, n_seqs) = seq_arrays(gpu, seqs);
     let params = GdnDeltaParams {
         qkv: addr(gpu, qkv),
         x: addr(gpu, x),
@@ -241,7 +418,10 @@ pub fn gdn_delta(
         norm: addr(gpu, w.norm),
         state: addr_mut(gpu, &mut state.ssm),
         out: addr_mut(gpu, out),
+        seq_rows,
+        seq_slots,
         n_tokens: as_u32(OP, "n_tokens", n_tokens)?,
+        skip_from: as_u32(OP, "skip_from", skip_from)?,
         n_k_heads: s.n_k_heads as u32,
         n_v_heads: s.n_v_heads as u32,
         v_group: v_group(&s),
@@ -249,7 +429,7 @@ pub fn gdn_delta(
         q_scale: 1.0 / (s.k_dim as f32).sqrt(),
         eps: w.eps,
     };
-    gpu.launch(&variant, "gdn_delta", variant.launch_config(s.n_v_heads), &params)
+    gpu.launch(&variant, "gdn_delta", variant.launch_config(s.n_v_heads, n_seqs), &params)
 }
 
 /// The checks both delta-rule paths make on the input, weights and output.
@@ -278,31 +458,49 @@ pub fn gdn_chunked(
     out: &mut impl DevicePtrMut<f32>,
 ) -> Result<(), CudaError> {
     const OP: &str = "gdn_chunked";
+    let s = state.shape;
+    check_gdn_shape(&s)?;
+    check_delta_args(OP, &s, n_tokens, x.len(), w, out.len())?;
+    check_len(OP, "scratch", scratch.len(), gdn_scratch_len(&s, n_tokens, GdnPath::Chunked))?;
+    let base = addr_mut(gpu, scratch);
+    let rows = ChunkRows { qkv: base, x: addr(gpu, x), out: addr_mut(gpu, out), sections: base + 4 * (n_tokens * s.conv_width()) as u64 };
+    chunked_launch(gpu, rows, n_tokens, w, state, 0)
+}
+
+/// Where one sequence's chunked pass reads and writes: its conv output rows, its projected
+/// input rows, its output rows, and room for the chunk sections (cumulative log-decays, `W`, `U`
+/// for its tokens).
+struct ChunkRows {
+    qkv: u64,
+    x: u64,
+    out: u64,
+    sections: u64,
+}
+
+/// The four chunked launches on `n_tokens` rows at `rows`, on state slot `slot`. The caller has
+/// checked the lengths.
+fn chunked_launch(gpu: &Gpu, rows: ChunkRows, n_tokens: usize, w: &GdnWeights, state: &mut GdnState, slot: usize) -> Result<(), CudaError> {
+    const OP: &str = "gdn_chunked";
     if n_tokens == 0 {
         return Ok(());
     }
     let s = state.shape;
-    check_gdn_shape(&s)?;
     let variant = GdnChunkVariant::for_shape(s.k_dim, s.v_dim).map_err(|e| CudaError::invalid(OP, e))?;
-    check_delta_args(OP, &s, n_tokens, x.len(), w, out.len())?;
-    check_len(OP, "scratch", scratch.len(), gdn_scratch_len(&s, n_tokens, GdnPath::Chunked))?;
-    // Scratch sections, in f32 elements from its start.
-    let gam = n_tokens * s.conv_width();
-    let w_at = gam + n_tokens * s.n_v_heads;
+    // Sections, in f32 elements from `rows.sections`.
+    let w_at = n_tokens * s.n_v_heads;
     let u_at = w_at + n_tokens * s.n_v_heads * s.k_dim;
-    let base = addr_mut(gpu, scratch);
-    let at = |elem: usize| base + 4 * elem as u64;
+    let at = |elem: usize| rows.sections + 4 * elem as u64;
     let params = GdnChunkParams {
-        qkv: base,
-        x: addr(gpu, x),
+        qkv: rows.qkv,
+        x: rows.x,
         a_coef: addr(gpu, w.a_coef),
         dt_bias: addr(gpu, w.dt_bias),
         norm: addr(gpu, w.norm),
-        state: addr_mut(gpu, &mut state.ssm),
-        gam: at(gam),
+        state: state.ssm_addr(gpu, slot),
+        gam: at(0),
         w: at(w_at),
         u: at(u_at),
-        out: addr_mut(gpu, out),
+        out: rows.out,
         n_tokens: as_u32(OP, "n_tokens", n_tokens)?,
         n_k_heads: s.n_k_heads as u32,
         n_v_heads: s.n_v_heads as u32,
@@ -354,6 +552,25 @@ mod tests {
         let grouped = GdnShape { n_k_heads: 16, n_v_heads: 32, k_dim: 128, v_dim: 128, conv_kernel: 4, v_order: ValueHeadOrder::Grouped };
         assert_eq!(v_group(&grouped), 2);
         assert_eq!(v_group(&GdnShape { v_order: ValueHeadOrder::Tiled, ..grouped }), 0);
+    }
+
+    #[test]
+    fn batches_must_cover_their_rows_on_distinct_slots() {
+        let seq = |first_row, n, slot| GdnSeq { first_row, n, slot };
+        let seqs = [seq(0, 3, 2), seq(3, 1, 0), seq(4, 130, 1)];
+        assert!(check_seqs(&seqs, 134, 3).is_ok());
+        assert_eq!(GdnBatch::device_form(&seqs), (vec![0, 3, 4, 134], vec![2, 0, 1]));
+        for (seqs, n_rows, slots, what) in [
+            (vec![seq(0, 2, 0), seq(3, 1, 1)], 4, 2, "expected a non-empty run from row 2"),
+            (vec![seq(0, 0, 0)], 0, 1, "expected a non-empty run from row 0"),
+            (vec![seq(0, 4, 2)], 4, 2, "state slot 2 of 2"),
+            (vec![seq(0, 2, 1), seq(2, 2, 1)], 4, 2, "belongs to another sequence"),
+            (vec![seq(0, 2, 1)], 4, 2, "1 sequences cover 2 rows of 4"),
+            (vec![], 0, 2, "0 sequences cover 0 rows of 0"),
+        ] {
+            let err = check_seqs(&seqs, n_rows, slots).unwrap_err().to_string();
+            assert!(err.contains(what), "{seqs:?}: {err}");
+        }
     }
 
     #[test]

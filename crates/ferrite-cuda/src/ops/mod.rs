@@ -38,7 +38,7 @@ pub use moe::{
 };
 pub use sampling::{argmax, argmax_rows, sample, sample_delivering, SampleScratch, SamplingConfig, TokenDelivery};
 pub use gdn::{
-    check_gdn_shape, gated_delta_net, gated_delta_net_with, gdn_chunked, gdn_conv, gdn_delta, gdn_plan, gdn_scratch_len, GdnPath, GdnState,
+    check_gdn_shape, gated_delta_net, gated_delta_net_batch, gated_delta_net_with, gdn_chunked, gdn_conv, gdn_delta, gdn_plan, gdn_scratch_len, GdnBatch, GdnPath, GdnSeq, GdnState,
     GdnWeights, GDN_CHUNKED_MIN_TOKENS,
 };
 
