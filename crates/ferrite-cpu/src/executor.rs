@@ -843,7 +843,7 @@ impl CpuExecutor {
             *cursors = next;
             for (s, _) in seqs.iter().zip(resets).filter(|(_, reset)| *reset) {
                 for state in buf.conv_state.iter_mut().chain(buf.ssm_state.iter_mut()).filter(|st| !st.is_empty()) {
-                    let len = state.len() / c.max_seqs;
+                    let len = state.len() / cursors.len();
                     state[s.state_slot * len..][..len].fill(0.0);
                 }
             }
@@ -995,11 +995,15 @@ impl Executor for CpuExecutor {
     }
 
     fn init_paged(&mut self, config: PagedKvConfig) -> anyhow::Result<()> {
-        let PagedKvConfig { n_blocks, block_size, max_seqs, max_tokens } = config;
+        let PagedKvConfig { n_blocks, block_size, max_seqs, max_tokens, state_snapshots } = config;
         if n_blocks == 0 || block_size == 0 || max_seqs == 0 || max_tokens == 0 {
             bail!("paged kv cache: every size must be positive, got {config:?}");
         }
         let graph = &self.model.graph;
+        if state_snapshots > 0 && !graph.has_recurrent_state() {
+            bail!("state snapshots asked for a model without recurrent layers");
+        }
+        let state_slots = max_seqs + state_snapshots;
         let plan = planner::plan_rows(graph, max_tokens, max_seqs, true);
         plan.check(graph).map_err(|e| anyhow!("batch memory plan violates the aliasing rule: {e}"))?;
         let rows = n_blocks.checked_mul(block_size).and_then(|r| r.checked_mul(self.kv_width()));
@@ -1011,8 +1015,8 @@ impl Executor for CpuExecutor {
         let (mut conv_state, mut ssm_state) = (vec![Vec::new(); graph.n_layers], vec![Vec::new(); graph.n_layers]);
         for op in &graph.ops {
             if let Op::GatedDeltaNet { layer, shape, .. } = op {
-                conv_state[*layer] = vec![0f32; max_seqs * shape.conv_state_len()];
-                ssm_state[*layer] = vec![0f32; max_seqs * shape.ssm_state_len()];
+                conv_state[*layer] = vec![0f32; state_slots * shape.conv_state_len()];
+                ssm_state[*layer] = vec![0f32; state_slots * shape.ssm_state_len()];
             }
         }
         let buf = Buffers {
@@ -1024,7 +1028,24 @@ impl Executor for CpuExecutor {
             profile: OpProfile::from_env(),
             ..Buffers::default()
         };
-        self.paged = Some(Paged { config, plan, buf, cursors: vec![RecurrentCursor::default(); max_seqs] });
+        self.paged = Some(Paged { config, plan, buf, cursors: vec![RecurrentCursor::default(); state_slots] });
+        Ok(())
+    }
+
+    fn copy_state(&mut self, from: usize, to: usize) -> anyhow::Result<()> {
+        let Some(paged) = self.paged.as_mut() else { bail!("copy_state before init_paged") };
+        if !self.model.graph.has_recurrent_state() {
+            bail!("this model has no recurrent state to copy");
+        }
+        let slots = paged.cursors.len();
+        if from >= slots || to >= slots {
+            bail!("state slots {from} -> {to}: there are {slots}");
+        }
+        for state in paged.buf.conv_state.iter_mut().chain(paged.buf.ssm_state.iter_mut()).filter(|st| !st.is_empty()) {
+            let len = state.len() / slots;
+            state.copy_within(from * len..(from + 1) * len, to * len);
+        }
+        paged.cursors[to] = paged.cursors[from];
         Ok(())
     }
 

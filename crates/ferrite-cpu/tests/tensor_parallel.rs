@@ -141,7 +141,7 @@ fn quantized_kernels_on_sliced_blocks() {
 #[test]
 fn paged_batches_match() {
     let model = Arc::new(Model::load(fixture("llama.gguf"), FusionOptions::ALL).unwrap());
-    let config = PagedKvConfig { n_blocks: 8, block_size: 4, max_seqs: 2, max_tokens: 16 };
+    let config = PagedKvConfig { n_blocks: 8, block_size: 4, max_seqs: 2, max_tokens: 16, state_snapshots: 0 };
     let batch = [SeqChunk { tokens: &PROMPT[..7], start_pos: 0, block_table: &[0, 1], state_slot: 0 }, SeqChunk { tokens: &PROMPT[3..], start_pos: 0, block_table: &[2, 3], state_slot: 1 }];
     let mut whole = CpuExecutor::new(Arc::clone(&model), CpuPrecision::Reference, options()).unwrap();
     let mut tp = ranks(&model, 2, CpuPrecision::Reference);

@@ -1638,7 +1638,7 @@ impl Executor for CudaExecutor {
     }
 
     fn init_paged(&mut self, config: PagedKvConfig) -> anyhow::Result<()> {
-        let PagedKvConfig { n_blocks, block_size, max_seqs, max_tokens } = config;
+        let PagedKvConfig { n_blocks, block_size, max_seqs, max_tokens, state_snapshots } = config;
         if n_blocks == 0 || block_size == 0 || max_seqs == 0 || max_tokens == 0 {
             bail!("paged kv cache: every size must be positive, got {config:?}");
         }
@@ -1647,20 +1647,25 @@ impl Executor for CudaExecutor {
         let plan = planner::plan_rows(graph, max_tokens, max_seqs, true);
         plan.check(graph).map_err(|e| anyhow!("batch memory plan violates the aliasing rule: {e}"))?;
         let Some(cache_rows) = n_blocks.checked_mul(block_size) else { bail!("paged kv cache of {n_blocks} blocks x {block_size} is too large") };
-        // Gated DeltaNet layers keep a recurrent state per sequence slot.
+        // Gated DeltaNet layers keep a recurrent state per sequence slot, and the snapshots of
+        // the prefix cache in slots after those.
         let gdn_shapes = gdn_layers(graph);
-        let state_bytes: usize = gdn_shapes.iter().map(|(_, s)| (s.conv_state_len() + s.ssm_state_len()) * 4 * max_seqs).sum();
+        if state_snapshots > 0 && gdn_shapes.is_empty() {
+            bail!("state snapshots asked for a model without recurrent layers");
+        }
+        let state_slots = max_seqs + state_snapshots;
+        let state_bytes: usize = gdn_shapes.iter().map(|(_, s)| (s.conv_state_len() + s.ssm_state_len()) * 4 * state_slots).sum();
         let bytes = graph.attention_layers().len() * 2 * cache_rows * cfg.kv_width() * kv_dtype().bytes() + state_bytes;
         let (free, _) = self.gpu.mem_info()?;
         if bytes > free {
             bail!(
                 "the paged KV cache ({n_blocks} blocks of {block_size}{}) needs {:.1} GiB but only {:.1} GiB of device memory is free (lower --kv-memory)",
-                if state_bytes > 0 { format!(", and the recurrent state of {max_seqs} sequences") } else { String::new() },
+                if state_bytes > 0 { format!(", and {state_slots} recurrent state slots") } else { String::new() },
                 bytes as f64 / (1u64 << 30) as f64,
                 free as f64 / (1u64 << 30) as f64
             );
         }
-        let gdn = gdn_shapes.into_iter().map(|(l, shape)| GdnState::with_slots(&self.gpu, shape, max_seqs).map(|st| (l, st))).collect::<Result<_, _>>()?;
+        let gdn = gdn_shapes.into_iter().map(|(l, shape)| GdnState::with_slots(&self.gpu, shape, state_slots).map(|st| (l, st))).collect::<Result<_, _>>()?;
         let kv = graph
             .attention_layers()
             .into_iter()
@@ -1688,7 +1693,23 @@ impl Executor for CudaExecutor {
         let readback = Readback::new(&self.gpu, max_seqs + 2)?;
         let mut graphs = BatchGraphs::new();
         graphs.enabled &= buf.profile.is_none();
-        self.paged = Some(PagedState { config, plan, buf, tokens, readback, graphs, ahead: None, ahead_taken: 0, cursors: vec![RecurrentCursor::default(); max_seqs] });
+        self.paged = Some(PagedState { config, plan, buf, tokens, readback, graphs, ahead: None, ahead_taken: 0, cursors: vec![RecurrentCursor::default(); state_slots] });
+        Ok(())
+    }
+
+    fn copy_state(&mut self, from: usize, to: usize) -> anyhow::Result<()> {
+        let Some(paged) = self.paged.as_mut() else { bail!("copy_state before init_paged") };
+        if !self.model.graph.has_recurrent_state() {
+            bail!("this model has no recurrent state to copy");
+        }
+        let slots = paged.cursors.len();
+        if from >= slots || to >= slots {
+            bail!("state slots {from} -> {to}: there are {slots}");
+        }
+        for state in paged.buf.gdn.iter_mut() {
+            state.copy_slot(&self.gpu, from, to)?;
+        }
+        paged.cursors[to] = paged.cursors[from];
         Ok(())
     }
 

@@ -24,7 +24,7 @@ fn main() -> anyhow::Result<()> {
     let per_seq = (ctx + 64).div_ceil(bs);
     let opts = ExecutorOptions { max_batch: 256, context_len: 1, trace: false, progress: None };
     let mut exec = CpuExecutor::new(model, CpuPrecision::Quantized, opts)?;
-    exec.init_paged(PagedKvConfig { n_blocks: per_seq * max_seqs, block_size: bs, max_seqs, max_tokens: 256 })?;
+    exec.init_paged(PagedKvConfig { n_blocks: per_seq * max_seqs, block_size: bs, max_seqs, max_tokens: 256, state_snapshots: 0 })?;
     let tables: Vec<Vec<u32>> = (0..max_seqs).map(|s| (0..per_seq as u32).map(|b| s as u32 * per_seq as u32 + b).collect()).collect();
     let prompt: Vec<u32> = (0..ctx as u32).map(|i| 100 + i * 31 % 4000).collect();
     for (s, t) in tables.iter().enumerate() {

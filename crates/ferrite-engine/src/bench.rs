@@ -161,7 +161,7 @@ pub fn bench_batched(session: &mut Session, seqs: usize, prompt: usize, n: usize
     const BLOCK: usize = 16;
     let blocks_per_seq = (prompt + n).div_ceil(BLOCK);
     let exec = session.executor();
-    exec.init_paged(PagedKvConfig { n_blocks: seqs * blocks_per_seq, block_size: BLOCK, max_seqs: seqs, max_tokens: seqs.max(prompt) })?;
+    exec.init_paged(PagedKvConfig { n_blocks: seqs * blocks_per_seq, block_size: BLOCK, max_seqs: seqs, max_tokens: seqs.max(prompt), state_snapshots: 0 })?;
     let tables: Vec<Vec<u32>> = (0..seqs).map(|s| (0..blocks_per_seq).map(|b| (s * blocks_per_seq + b) as u32).collect()).collect();
     let ahead_on = ferrite_core::env::DECODE_AHEAD.flag();
     let mut samples = Vec::new();

@@ -8,6 +8,7 @@ pub mod metrics;
 pub mod sampling;
 pub mod scheduler;
 pub mod session;
+pub mod state_snapshots;
 
 pub use backend::{open_executor, BackendKind};
 pub use sampling::{Sampler, SamplerParams};

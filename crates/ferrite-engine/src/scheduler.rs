@@ -17,8 +17,10 @@
 //!
 //! Models with recurrent layers (Gated DeltaNet) keep each running sequence's state in the
 //! executor: every admitted sequence takes a free state slot (`SeqChunk::state_slot`) and returns
-//! it when it leaves; a preempted one starts over at position 0 in a new slot. The prefix cache is
-//! refused for them, since cached KV blocks cannot restore the state after a prefix.
+//! it when it leaves; a preempted one starts over at position 0 in a new slot. Their prefix cache
+//! needs state snapshots ([`StateSnapshots`]): a sequence's state is kept every
+//! `snapshot_stride` tokens (its prefill chunks end there), and a new sequence skips only a
+//! cached prefix whose state is kept, starting from a copy of it.
 //!
 //! Requests are cancelled by dropping their event receiver; the scheduler notices it before the
 //! next step (or when a send fails).
@@ -27,6 +29,7 @@ use rayon::prelude::*;
 use crate::kv_pages::{prefix_hashes, BlockHash, BlockPool};
 use crate::metrics::EngineMetrics;
 use crate::sampling::{LogProbs, Sampler, SamplerParams};
+use crate::state_snapshots::StateSnapshots;
 use anyhow::{bail, Context, Result};
 use ferrite_model::{AheadSeq, DeviceSampling, Executor, PagedKvConfig, PagedOutput, SeqChunk};
 use std::collections::{HashMap, VecDeque};
@@ -53,6 +56,11 @@ pub struct EngineConfig {
     pub max_context: usize,
     /// Reuse the cached blocks of equal prompt prefixes.
     pub prefix_cache: bool,
+    /// Models with recurrent layers: sequence states kept for the prefix cache (each a whole
+    /// state; 0: no prefix cache for such models), one every `snapshot_stride` tokens of a
+    /// sequence (a multiple of `block_size`). Ignored for other models.
+    pub state_snapshots: usize,
+    pub snapshot_stride: usize,
 }
 
 impl EngineConfig {
@@ -64,6 +72,9 @@ impl EngineConfig {
     pub fn validate(&self) -> Result<()> {
         if self.block_size == 0 || self.max_seqs == 0 || self.max_batch_tokens == 0 || self.max_context == 0 {
             bail!("engine sizes must be positive: {self:?}");
+        }
+        if self.state_snapshots > 0 && (self.snapshot_stride == 0 || !self.snapshot_stride.is_multiple_of(self.block_size)) {
+            bail!("the state snapshot stride ({} tokens) must be a positive multiple of the block size ({})", self.snapshot_stride, self.block_size);
         }
         let need = self.max_context.div_ceil(self.block_size);
         if self.n_blocks < need {
@@ -193,22 +204,25 @@ impl EngineHandle {
                 }
                 let _alive = Alive(a);
                 let setup = make_executor().and_then(|mut exec| {
-                    if c.prefix_cache && exec.has_recurrent_state() {
-                        bail!("the prefix cache cannot serve a model with recurrent (Gated DeltaNet) layers: their state after a prefix is not kept, only its KV blocks (turn the prefix cache off)");
+                    let recurrent = exec.has_recurrent_state();
+                    if c.prefix_cache && recurrent && c.state_snapshots == 0 {
+                        bail!("the prefix cache of a model with recurrent (Gated DeltaNet) layers needs state snapshots: cached KV blocks cannot restore the state after a prefix (give some, or turn the prefix cache off)");
                     }
+                    let snapshots = if recurrent && c.prefix_cache { c.state_snapshots } else { 0 };
                     exec.init_paged(PagedKvConfig {
                         n_blocks: c.n_blocks,
                         block_size: c.block_size,
                         max_seqs: c.max_seqs,
                         max_tokens: c.max_batch_tokens,
+                        state_snapshots: snapshots,
                     })?;
                     exec.warm_up_paged().context("warming up the batched kernels")?;
-                    Ok(exec)
+                    Ok((exec, StateSnapshots::new(c.max_seqs, snapshots, c.snapshot_stride.max(1))))
                 });
                 match setup {
-                    Ok(exec) => {
+                    Ok((exec, snapshots)) => {
                         let _ = ready_tx.send(Ok(exec.describe()));
-                        Scheduler::new(exec, c, rx, m, q).run();
+                        Scheduler::new(exec, c, snapshots, rx, m, q).run();
                     }
                     Err(e) => {
                         let _ = ready_tx.send(Err(e));
@@ -305,6 +319,8 @@ struct Scheduler {
     pool: BlockPool,
     /// Recurrent-state slots no running sequence holds.
     free_slots: Vec<usize>,
+    /// The prefix cache's recurrent states (none for models without recurrent layers).
+    snapshots: StateSnapshots,
     waiting: VecDeque<Seq>,
     running: Vec<Seq>,
     metrics: Arc<EngineMetrics>,
@@ -316,7 +332,7 @@ struct Scheduler {
 }
 
 impl Scheduler {
-    fn new(exec: Box<dyn Executor>, config: EngineConfig, rx: mpsc::Receiver<Submission>, metrics: Arc<EngineMetrics>, queued: Arc<AtomicU64>) -> Self {
+    fn new(exec: Box<dyn Executor>, config: EngineConfig, snapshots: StateSnapshots, rx: mpsc::Receiver<Submission>, metrics: Arc<EngineMetrics>, queued: Arc<AtomicU64>) -> Self {
         let pool = BlockPool::new(config.n_blocks, config.block_size);
         let free_slots = (0..config.max_seqs).rev().collect();
         metrics.kv_blocks_total.store(config.n_blocks as u64, Relaxed);
@@ -327,6 +343,7 @@ impl Scheduler {
             closed: false,
             pool,
             free_slots,
+            snapshots,
             waiting: VecDeque::new(),
             running: Vec::new(),
             metrics,
@@ -443,6 +460,34 @@ impl Scheduler {
         Ok(i)
     }
 
+    /// Most tokens one step may compute of a sequence at `computed`: up to its next snapshot
+    /// point where states are kept (they are copied between steps).
+    fn chunk_limit(&self, computed: usize) -> usize {
+        if self.snapshots.enabled() {
+            self.snapshots.stride() - computed % self.snapshots.stride()
+        } else {
+            usize::MAX
+        }
+    }
+
+    /// The cached blocks of the longest prefix of `hashes` (whole blocks of a new prompt) whose
+    /// recurrent state is kept too, taken from the pool, and the state's snapshot slot: a longer
+    /// cached prefix without its state cannot be skipped. Nothing if none is kept.
+    fn cached_state_prefix(&mut self, hashes: &[BlockHash]) -> (Vec<u32>, Option<usize>) {
+        let per = self.snapshots.stride() / self.config.block_size;
+        let mut limit = hashes.len();
+        while let Some((k, slot)) = self.snapshots.longest(&hashes[..limit], (per..=limit).step_by(per)) {
+            let mut table = self.pool.lookup(&hashes[..k]);
+            if table.len() == k {
+                return (table, Some(slot));
+            }
+            // Some of its blocks were evicted: a shorter one may still be whole.
+            self.pool.release_all(&mut table);
+            limit = k - 1;
+        }
+        (Vec::new(), None)
+    }
+
     /// Take running sequence `k` out of the batch, its blocks and state slot freed.
     fn leave(&mut self, k: usize) -> Seq {
         let mut s = self.running.remove(k);
@@ -478,7 +523,7 @@ impl Scheduler {
                     i += 1;
                     continue;
                 }
-                let n = remaining.min(budget);
+                let n = remaining.min(budget).min(self.chunk_limit(s.computed));
                 let upto = s.computed + n;
                 let pos = batch.len();
                 let at = match self.reserve(i, upto, pos) {
@@ -514,10 +559,15 @@ impl Scheduler {
             // At least the last token is computed, so its logits exist.
             let reusable = (s.tokens.len() - 1) / bs;
             let reusable = if self.config.prefix_cache { reusable.min(hashes.len()) } else { 0 };
-            s.table = self.pool.lookup(&hashes[..reusable]);
+            let mut restore = None;
+            if self.snapshots.enabled() {
+                (s.table, restore) = self.cached_state_prefix(&hashes[..reusable]);
+            } else {
+                s.table = self.pool.lookup(&hashes[..reusable]);
+            }
             s.hashes = hashes[..s.table.len()].to_vec();
             s.computed = s.table.len() * bs;
-            let n = (s.tokens.len() - s.computed).min(budget);
+            let n = (s.tokens.len() - s.computed).min(budget).min(self.chunk_limit(s.computed));
             let need = (s.computed + n).div_ceil(bs) - s.table.len();
             if self.pool.available() < need + self.running.len() {
                 self.pool.release_all(&mut s.table);
@@ -540,6 +590,14 @@ impl Scheduler {
                 self.metrics.prefix_cache_hit_tokens.fetch_add(s.computed as u64, Relaxed);
             }
             s.slot = self.free_slots.pop().expect("fewer sequences running than state slots");
+            if let Some(from) = restore {
+                if let Err(e) = self.exec.copy_state(from, s.slot) {
+                    self.free_slots.push(s.slot);
+                    self.pool.release_all(&mut s.table);
+                    self.fail(s, &format!("restoring a cached prefix's state: {e:#}"));
+                    continue;
+                }
+            }
             self.running.push(s);
             let pos = batch.len();
             let last = self.running.len() - 1;
@@ -606,6 +664,16 @@ impl Scheduler {
                 let h = crate::kv_pages::block_hash(s.hashes.last(), &s.tokens[j * bs..(j + 1) * bs]);
                 self.pool.register(s.table[j], h);
                 s.hashes.push(h);
+            }
+            // At a snapshot point: keep the state after this prefix (in order after the step).
+            if self.snapshots.enabled() && s.computed.is_multiple_of(self.snapshots.stride()) {
+                if let Some(h) = s.hashes.last().copied() {
+                    if let Some(to) = self.snapshots.slot_for(h) {
+                        if self.exec.copy_state(s.slot, to).is_err() {
+                            self.snapshots.forget(&h);
+                        }
+                    }
+                }
             }
             if s.computed < s.tokens.len() {
                 *output = None; // prefill continues next step
@@ -766,7 +834,7 @@ mod tests {
 
     #[test]
     fn config_must_hold_one_full_sequence() {
-        let c = EngineConfig { block_size: 16, n_blocks: 3, max_seqs: 4, max_batch_tokens: 64, max_queue: 8, max_context: 64, prefix_cache: true };
+        let c = EngineConfig { block_size: 16, n_blocks: 3, max_seqs: 4, max_batch_tokens: 64, max_queue: 8, max_context: 64, prefix_cache: true, state_snapshots: 0, snapshot_stride: 0 };
         assert!(c.validate().unwrap_err().to_string().contains("needs 4"));
         assert!(EngineConfig { n_blocks: 4, ..c }.validate().is_ok());
     }

@@ -165,7 +165,7 @@ fn compare_paged(model: &Arc<Model>, lens: [usize; 3]) -> (f64, usize, usize) {
     let per_seq: Vec<usize> = lens.iter().map(|l| (l + 5).div_ceil(BLOCK)).collect();
     let n_blocks = per_seq.iter().sum::<usize>() + 1;
     let max_tokens = lens.iter().sum::<usize>().max(64);
-    let config = PagedKvConfig { n_blocks, block_size: BLOCK, max_seqs: 4, max_tokens };
+    let config = PagedKvConfig { n_blocks, block_size: BLOCK, max_seqs: 4, max_tokens, state_snapshots: 0 };
     let mut cpu = CpuExecutor::new(Arc::clone(model), CpuPrecision::Reference, opts(16)).unwrap();
     let mut gpu = ferrite_cuda::CudaExecutor::new(Arc::clone(model), opts(16)).unwrap();
     cpu.init_paged(config).unwrap();
@@ -484,7 +484,7 @@ fn staged_handoff_matches_f32_rows() {
             bits.extend(logits.into_iter().map(f32::to_bits));
         }
         let prompts = gpu.staged_handoffs_run();
-        gpu.init_paged(PagedKvConfig { n_blocks: 48, block_size: 16, max_seqs: 40, max_tokens: 64 }).unwrap();
+        gpu.init_paged(PagedKvConfig { n_blocks: 48, block_size: 16, max_seqs: 40, max_tokens: 64, state_snapshots: 0 }).unwrap();
         let tables: Vec<[u32; 1]> = (0..40u32).map(|s| [s]).collect();
         for pos in 0..2usize {
             let tokens: Vec<[u32; 1]> = (0..40usize).map(|s| [((s * 389 + pos * 17 + 1) % 49152) as u32]).collect();
@@ -526,7 +526,7 @@ fn batch_graph_replay_matches_eager() {
         std::env::set_var("FERRITE_DISABLE_CUDA_BATCH_GRAPHS", disable);
         let mut gpu = ferrite_cuda::CudaExecutor::new(Arc::clone(&model), opts(64)).unwrap();
         let block = 4;
-        gpu.init_paged(PagedKvConfig { n_blocks: 48, block_size: block, max_seqs: 4, max_tokens: 64 }).unwrap();
+        gpu.init_paged(PagedKvConfig { n_blocks: 48, block_size: block, max_seqs: 4, max_tokens: 64, state_snapshots: 0 }).unwrap();
         let tables: Vec<Vec<u32>> = (0..4u32).map(|s| (0..12).map(|b| s * 12 + b).collect()).collect();
         let mut pos = [0usize; 4];
         let mut bits = Vec::new();
@@ -579,7 +579,7 @@ fn batched_decode_ahead_matches_step_by_step() {
     let run = |ahead: bool| {
         let mut gpu = ferrite_cuda::CudaExecutor::new(Arc::clone(&model), opts(64)).unwrap();
         let block = 4;
-        gpu.init_paged(PagedKvConfig { n_blocks: 48, block_size: block, max_seqs: 4, max_tokens: 64 }).unwrap();
+        gpu.init_paged(PagedKvConfig { n_blocks: 48, block_size: block, max_seqs: 4, max_tokens: 64, state_snapshots: 0 }).unwrap();
         let tables: Vec<Vec<u32>> = (0..4u32).map(|s| (0..12).map(|b| s * 12 + b).collect()).collect();
         let mut seqs: Vec<Vec<u32>> = (0..4).map(|i| (0..3 + 2 * i).map(|t| ((t * 389 + i * 17 + 1) % 49152) as u32).collect()).collect();
         let mut pos = [0usize; 4];

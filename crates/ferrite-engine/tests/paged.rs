@@ -19,7 +19,7 @@ fn executor(model: &Arc<Model>, precision: CpuPrecision) -> CpuExecutor {
 
 fn paged(model: &Arc<Model>, precision: CpuPrecision, n_blocks: usize) -> CpuExecutor {
     let mut e = executor(model, precision);
-    e.init_paged(PagedKvConfig { n_blocks, block_size: BLOCK, max_seqs: 8, max_tokens: 64 }).unwrap();
+    e.init_paged(PagedKvConfig { n_blocks, block_size: BLOCK, max_seqs: 8, max_tokens: 64, state_snapshots: 0 }).unwrap();
     e
 }
 
@@ -158,6 +158,38 @@ fn recurrent_slots_refuse_gaps_and_survive_a_failed_batch() {
     assert!(same_bits(&got[0], &want[1]), "the refused batches changed slot 2's state");
     // A new sequence in slot 2 starts from a clean state.
     assert!(same_bits(&e.forward_paged(&[chunk(0, 8, &[1], 2)]).unwrap()[0], &want[0]), "slot 2 was not reset at position 0");
+}
+
+/// The prefix cache's state snapshots (`copy_state`): a state copied into a snapshot slot (past
+/// the running sequences' slots) and from there into another sequence's slot continues, bit for
+/// bit, as the original does. The copy carries the count of tokens consumed, so it continues only
+/// there; slots past the snapshots, and snapshots of a model without recurrent state, are refused.
+#[test]
+fn copied_states_continue_as_the_original() {
+    let model = tiny("qwen35.gguf");
+    let vocab = model.config.vocab_size as u32;
+    let tokens: Vec<u32> = prompt(9, 12).iter().map(|t| t % vocab).collect();
+    let want = contiguous(&mut executor(&model, CpuPrecision::Reference), &tokens, &[8, 4]);
+    let mut e = executor(&model, CpuPrecision::Reference);
+    e.init_paged(PagedKvConfig { n_blocks: 8, block_size: BLOCK, max_seqs: 8, max_tokens: 64, state_snapshots: 2 }).unwrap();
+    let chunk = |from: usize, n: usize, slot: usize| SeqChunk { tokens: &tokens[from..from + n], start_pos: from, block_table: &[0], state_slot: slot };
+    assert!(same_bits(&e.forward_paged(&[chunk(0, 8, 1)]).unwrap()[0], &want[0]));
+    // Snapshot 1 (slot 9) keeps slot 1's state after 8 tokens; slot 1 moves on.
+    e.copy_state(1, 9).unwrap();
+    assert!(same_bits(&e.forward_paged(&[chunk(8, 4, 1)]).unwrap()[0], &want[1]));
+    // Slot 3 from the snapshot continues at 8 as slot 1 did (rewriting the same K/V rows).
+    e.copy_state(9, 3).unwrap();
+    assert!(same_bits(&e.forward_paged(&[chunk(8, 4, 3)]).unwrap()[0], &want[1]), "the copied state differs");
+    let err = format!("{:#}", e.forward_paged(&[chunk(8, 4, 3)]).unwrap_err());
+    assert!(err.contains("state slot 3") && err.contains("continue at 12"), "{err}");
+    assert!(e.copy_state(10, 0).unwrap_err().to_string().contains("there are 10"));
+    // Running sequences take only the first max_seqs slots.
+    assert!(e.forward_paged(&[chunk(0, 8, 8)]).is_err());
+    let mut plain = executor(&smollm2(FusionOptions::ALL), CpuPrecision::Quantized);
+    let err = plain.init_paged(PagedKvConfig { n_blocks: 8, block_size: BLOCK, max_seqs: 2, max_tokens: 64, state_snapshots: 1 }).unwrap_err();
+    assert!(err.to_string().contains("without recurrent layers"), "{err}");
+    plain.init_paged(PagedKvConfig { n_blocks: 8, block_size: BLOCK, max_seqs: 2, max_tokens: 64, state_snapshots: 0 }).unwrap();
+    assert!(plain.copy_state(0, 1).is_err());
 }
 
 /// Greedy draws come back as the argmax of the logits, other draws as the logits themselves:

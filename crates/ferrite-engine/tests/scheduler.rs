@@ -23,7 +23,7 @@ fn start(model: &Arc<Model>, config: EngineConfig) -> EngineHandle {
 }
 
 fn config() -> EngineConfig {
-    EngineConfig { block_size: 16, n_blocks: 64, max_seqs: 3, max_batch_tokens: 32, max_queue: 16, max_context: 256, prefix_cache: true }
+    EngineConfig { block_size: 16, n_blocks: 64, max_seqs: 3, max_batch_tokens: 32, max_queue: 16, max_context: 256, prefix_cache: true, state_snapshots: 0, snapshot_stride: 0 }
 }
 
 fn prompt(seed: u32, len: usize) -> Vec<u32> {
@@ -119,7 +119,8 @@ fn preemption_by_recompute_keeps_outputs_exact() {
 /// A hybrid model (Gated DeltaNet layers beside attention) served: every running sequence keeps
 /// its recurrent state in a slot of its own; the outputs equal `Session::generate`'s through
 /// chunked prefills, queueing and preemption by recompute (a preempted sequence gets a fresh slot
-/// and starts over). The prefix cache, which would skip a prompt's recurrence, is refused.
+/// and starts over). The prefix cache, which would skip a prompt's recurrence, is refused without
+/// state snapshots.
 #[test]
 fn hybrid_models_are_served_with_a_state_slot_per_sequence() {
     let model = Arc::new(Model::load(common::workspace_root().join("fixtures/tiny/qwen35.gguf"), FusionOptions::ALL).unwrap());
@@ -127,7 +128,7 @@ fn hybrid_models_are_served_with_a_state_slot_per_sequence() {
     let m = Arc::clone(&model);
     let make = move || -> anyhow::Result<Box<dyn Executor>> { Ok(Box::new(CpuExecutor::new(m, CpuPrecision::Quantized, options())?)) };
     let err = EngineHandle::start(make, config()).err().expect("the prefix cache must be refused");
-    assert!(err.to_string().contains("prefix cache cannot serve"), "{err}");
+    assert!(err.to_string().contains("needs state snapshots"), "{err}");
     let cfg = EngineConfig { n_blocks: 6, max_context: 64, max_seqs: 3, prefix_cache: false, ..config() };
     let engine = start(&model, cfg);
     let cases = [(7, 14, 30), (8, 40, 20), (9, 9, 30), (10, 3, 12)];
@@ -163,6 +164,41 @@ fn repeated_prefix_is_served_from_the_cache() {
     let engine = start(&model, EngineConfig { prefix_cache: false, ..config() });
     collect(engine.submit(greedy(p.clone(), 5)).unwrap());
     assert_eq!(collect(engine.submit(greedy(p, 5)).unwrap()).cached, 0);
+}
+
+/// The prefix cache of a hybrid model: a sequence's recurrent state is kept every
+/// `snapshot_stride` tokens, and a later prompt with the same start skips its cached prefix up to
+/// the last kept state, not further (a longer cached KV prefix without its state is computed
+/// again); the tokens equal `Session::generate`'s.
+#[test]
+fn hybrid_prefix_cache_restores_kept_states() {
+    let model = Arc::new(Model::load(common::workspace_root().join("fixtures/tiny/qwen35.gguf"), FusionOptions::ALL).unwrap());
+    let vocab = model.config.vocab_size as u32;
+    let prompt_of = |s: u32, l: usize| -> Vec<u32> { prompt(s, l).iter().map(|t| t % vocab).collect() };
+    let engine = start(&model, EngineConfig { state_snapshots: 2, snapshot_stride: 32, ..config() });
+    let p = prompt_of(21, 75);
+    let first = collect(engine.submit(greedy(p.clone(), 6)).unwrap());
+    assert_eq!(first.cached, 0);
+    assert_eq!(first.tokens, reference(&model, &p, 6));
+    // 4 whole blocks of its first 64 tokens are cached, with the state after them.
+    let mut q = p[..70].to_vec();
+    q.extend([5, 6, 7]);
+    let second = collect(engine.submit(greedy(q.clone(), 6)).unwrap());
+    assert_eq!(second.cached, 64);
+    assert_eq!(second.tokens, reference(&model, &q, 6));
+    // 3 whole blocks match, but the state is kept after 2 (32 tokens) and 4.
+    let mut r = p[..48].to_vec();
+    r.extend([9, 8, 7]);
+    let third = collect(engine.submit(greedy(r.clone(), 6)).unwrap());
+    assert_eq!(third.cached, 32);
+    assert_eq!(third.tokens, reference(&model, &r, 6));
+    assert_eq!(EngineMetrics::get(&engine.metrics().prefix_cache_hit_tokens), 96);
+    wait_idle(engine.metrics());
+    // A stride that is not a multiple of the block size is refused.
+    let m = Arc::clone(&model);
+    let make = move || -> anyhow::Result<Box<dyn Executor>> { Ok(Box::new(CpuExecutor::new(m, CpuPrecision::Quantized, options())?)) };
+    let err = EngineHandle::start(make, EngineConfig { state_snapshots: 2, snapshot_stride: 24, ..config() }).err().expect("a stride of 24");
+    assert!(err.to_string().contains("multiple of the block size"), "{err}");
 }
 
 #[test]

@@ -113,6 +113,10 @@ pub struct PagedKvConfig {
     pub max_seqs: usize,
     /// Most tokens, over all sequences, in one `forward_paged` call.
     pub max_tokens: usize,
+    /// Models with recurrent layers: state slots past the `max_seqs` of the running sequences,
+    /// `max_seqs..max_seqs + state_snapshots`, that keep copies of sequences' states for the
+    /// prefix cache ([`Executor::copy_state`]). 0 for a model without recurrent layers.
+    pub state_snapshots: usize,
 }
 
 /// One sequence's part of a batched step: `tokens` at positions `start_pos..`, its cache rows
@@ -307,6 +311,15 @@ pub trait Executor {
     /// token of every chunk, in order. The weights are applied to all chunks' rows at once.
     fn forward_paged(&mut self, _batch: &[SeqChunk<'_>]) -> anyhow::Result<Vec<Vec<f32>>> {
         Err(no_batched_serving(self.describe()))
+    }
+
+    /// Copy the recurrent state of slot `from` into slot `to` (slots below `max_seqs +
+    /// state_snapshots` of [`PagedKvConfig`]), with the count of tokens it has consumed, in order
+    /// with the batched steps: the prefix cache of a model with Gated DeltaNet layers keeps the
+    /// state after a cached prefix in a snapshot slot and starts a later sequence with that
+    /// prefix from a copy. An error for models without recurrent state.
+    fn copy_state(&mut self, _from: usize, _to: usize) -> anyhow::Result<()> {
+        anyhow::bail!("{} keeps no recurrent state to copy", self.describe())
     }
 
     /// Run throw-away batched steps of the shapes serving will meet (after

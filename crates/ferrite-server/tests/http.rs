@@ -26,7 +26,7 @@ fn exec_options() -> ExecutorOptions {
 }
 
 fn engine_config() -> EngineConfig {
-    EngineConfig { block_size: 16, n_blocks: 256, max_seqs: 8, max_batch_tokens: 64, max_queue: 64, max_context: 512, prefix_cache: true }
+    EngineConfig { block_size: 16, n_blocks: 256, max_seqs: 8, max_batch_tokens: 64, max_queue: 64, max_context: 512, prefix_cache: true, state_snapshots: 0, snapshot_stride: 0 }
 }
 
 struct Server {

@@ -39,6 +39,16 @@ pub struct ServeArgs {
     /// Turn the prefix cache off (every prompt is computed in full).
     #[arg(long)]
     pub no_prefix_cache: bool,
+    /// Models with recurrent layers (Qwen3.5, Qwen3-Next): sequence states the prefix cache
+    /// keeps, each a whole recurrent state (memory printed at start); 0 turns their prefix
+    /// cache off.
+    #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u64).range(0..=4096))]
+    pub state_snapshots: u64,
+    /// Models with recurrent layers: tokens between two kept states of a sequence (a multiple of
+    /// --block-size): a cached prefix is reused up to the last such point in it, and prefill
+    /// chunks end there.
+    #[arg(long, default_value_t = 256, value_parser = clap::value_parser!(u64).range(1..=1 << 20))]
+    pub snapshot_stride: u64,
     /// Model id reported by /v1/models and expected in requests [default: the model file name].
     #[arg(long)]
     pub model_id: Option<String>,
@@ -83,10 +93,14 @@ pub fn run(args: ServeArgs) -> Result<()> {
     // f32 K and V of the attention layers (a backend with an f16 cache gets twice the blocks'
     // worth of memory to spare); Gated DeltaNet layers keep a recurrent state per sequence instead.
     let per_position = graph.attention_layers().len() * 2 * loaded.model.config.kv_width() * 4;
-    // A cached prefix holds K/V blocks but not the recurrent state after it.
+    // A cached prefix holds K/V blocks but not the recurrent state after it: that takes snapshots.
     let recurrent = graph.has_recurrent_state();
-    if recurrent && !args.no_prefix_cache {
-        eprintln!("note: prefix cache off: this model's Gated DeltaNet layers carry a recurrent state that cached KV blocks cannot restore");
+    let snapshots = if recurrent { args.state_snapshots as usize } else { 0 };
+    if recurrent && !args.no_prefix_cache && snapshots == 0 {
+        eprintln!("note: prefix cache off: this model's Gated DeltaNet layers carry a recurrent state that cached KV blocks cannot restore, and --state-snapshots is 0");
+    }
+    if snapshots > 0 && !(args.snapshot_stride as usize).is_multiple_of(block_size) {
+        bail!("--snapshot-stride ({}) must be a multiple of --block-size ({block_size})", args.snapshot_stride);
     }
     let engine = EngineConfig {
         block_size,
@@ -95,7 +109,9 @@ pub fn run(args: ServeArgs) -> Result<()> {
         max_batch_tokens: args.max_batch_tokens as usize,
         max_queue: args.max_queue,
         max_context: executor.context_len,
-        prefix_cache: !args.no_prefix_cache && !recurrent,
+        prefix_cache: !args.no_prefix_cache && (!recurrent || snapshots > 0),
+        state_snapshots: snapshots,
+        snapshot_stride: args.snapshot_stride as usize,
     };
     let opts = ServeOptions { backend: margs.backend, executor, engine: engine.clone(), api_key, model_id: model_id.clone() };
     let (state, engine_thread) = ferrite_server::start_engine(Arc::clone(&loaded.model), &opts).with_context(|| format!("starting the {} backend for serving", margs.backend))?;
@@ -114,6 +130,14 @@ pub fn run(args: ServeArgs) -> Result<()> {
     if recurrent {
         let per_seq = graph.recurrent_state_floats() as f64 * 4.0 / 1048576.0;
         eprintln!("recurrent state: {:.1} MiB ({} sequences x {per_seq:.2} MiB, besides --kv-memory)", per_seq * engine.max_seqs as f64, engine.max_seqs);
+        if engine.prefix_cache {
+            eprintln!(
+                "prefix cache state snapshots: {:.1} MiB ({} x {per_seq:.2} MiB, one every {} tokens of a sequence)",
+                per_seq * snapshots as f64,
+                snapshots,
+                engine.snapshot_stride
+            );
+        }
     }
     let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().context("starting the async runtime")?;
     let served: Result<()> = runtime.block_on(async move {

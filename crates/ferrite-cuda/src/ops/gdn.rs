@@ -81,6 +81,29 @@ impl GdnState {
         stream.memset_zeros(&mut self.ssm.slice_mut(slot * s..(slot + 1) * s)).context(|| "clearing a delta-rule state slot".into())
     }
 
+    /// Copy slot `from`'s state into slot `to`, in stream order (the prefix cache's snapshots).
+    pub fn copy_slot(&mut self, gpu: &Gpu, from: usize, to: usize) -> Result<(), CudaError> {
+        if from >= self.slots || to >= self.slots {
+            return Err(CudaError::invalid("GdnState::copy_slot", format!("slots {from} -> {to} of {}", self.slots)));
+        }
+        if from == to {
+            return Ok(());
+        }
+        let stream = gpu.stream();
+        for (buf, len) in [(&mut self.conv, self.shape.conv_state_len()), (&mut self.ssm, self.shape.ssm_state_len())] {
+            if len == 0 {
+                continue;
+            }
+            // Two views of one buffer: split it between the slots.
+            let (lo, hi) = (from.min(to), from.max(to));
+            let (mut first, mut second) = buf.split_at_mut(hi * len);
+            let (mut a, mut b) = (first.slice_mut(lo * len..(lo + 1) * len), second.slice_mut(0..len));
+            let result = if from < to { stream.memcpy_dtod(&a, &mut b) } else { stream.memcpy_dtod(&b, &mut a) };
+            result.context(|| "copying a recurrent state slot".into())?;
+        }
+        Ok(())
+    }
+
     /// Replace slot 0's state with host values (tests start from a non-zero state).
     pub fn upload(&mut self, gpu: &Gpu, conv: &[f32], ssm: &[f32]) -> Result<(), CudaError> {
         const OP: &str = "GdnState::upload";
