@@ -1885,6 +1885,12 @@ fn batched_gated_delta_net_matches_single_sequences() {
                 assert_eq!(batched.download_slot(gpu, q.slot).unwrap(), alone[q.slot].download(gpu).unwrap(), "{case}, step {step}: state of slot {}", q.slot);
             }
         }
+        // A slot copied (the prefix cache's snapshots), both ways round.
+        for (from, to) in [(2, 4), (3, 0)] {
+            batched.copy_slot(gpu, from, to).unwrap();
+            assert_eq!(batched.download_slot(gpu, to).unwrap(), batched.download_slot(gpu, from).unwrap(), "{case}: slot {from} copied to {to}");
+        }
+        assert!(batched.copy_slot(gpu, 0, slots).is_err());
         // Refused: rows with a gap, a slot past the state's, two sequences on one slot, a row
         // count the sequences do not cover.
         let x = upload(gpu, &layer.input(&mut rng, 4));
