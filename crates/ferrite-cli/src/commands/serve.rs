@@ -46,8 +46,9 @@ pub struct ServeArgs {
     pub state_snapshots: u64,
     /// Models with recurrent layers: tokens between two kept states of a sequence (a multiple of
     /// --block-size): a cached prefix is reused up to the last such point in it, and prefill
-    /// chunks end there.
-    #[arg(long, default_value_t = 256, value_parser = clap::value_parser!(u64).range(1..=1 << 20))]
+    /// chunks end there (the default matches --max-batch-tokens' default, so chunks are not
+    /// cut shorter).
+    #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u64).range(1..=1 << 20))]
     pub snapshot_stride: u64,
     /// Model id reported by /v1/models and expected in requests [default: the model file name].
     #[arg(long)]
