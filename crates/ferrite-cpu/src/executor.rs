@@ -1034,18 +1034,12 @@ impl Executor for CpuExecutor {
 
     fn copy_state(&mut self, from: usize, to: usize) -> anyhow::Result<()> {
         let Some(paged) = self.paged.as_mut() else { bail!("copy_state before init_paged") };
-        if !self.model.graph.has_recurrent_state() {
-            bail!("this model has no recurrent state to copy");
-        }
+        RecurrentCursor::copy_slot(&self.model.graph, &mut paged.cursors, from, to)?;
         let slots = paged.cursors.len();
-        if from >= slots || to >= slots {
-            bail!("state slots {from} -> {to}: there are {slots}");
-        }
         for state in paged.buf.conv_state.iter_mut().chain(paged.buf.ssm_state.iter_mut()).filter(|st| !st.is_empty()) {
             let len = state.len() / slots;
             state.copy_within(from * len..(from + 1) * len, to * len);
         }
-        paged.cursors[to] = paged.cursors[from];
         Ok(())
     }
 

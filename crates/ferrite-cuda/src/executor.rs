@@ -1699,17 +1699,10 @@ impl Executor for CudaExecutor {
 
     fn copy_state(&mut self, from: usize, to: usize) -> anyhow::Result<()> {
         let Some(paged) = self.paged.as_mut() else { bail!("copy_state before init_paged") };
-        if !self.model.graph.has_recurrent_state() {
-            bail!("this model has no recurrent state to copy");
-        }
-        let slots = paged.cursors.len();
-        if from >= slots || to >= slots {
-            bail!("state slots {from} -> {to}: there are {slots}");
-        }
+        RecurrentCursor::copy_slot(&self.model.graph, &mut paged.cursors, from, to)?;
         for state in paged.buf.gdn.iter_mut() {
             state.copy_slot(&self.gpu, from, to)?;
         }
-        paged.cursors[to] = paged.cursors[from];
         Ok(())
     }
 

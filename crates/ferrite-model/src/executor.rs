@@ -232,6 +232,20 @@ impl RecurrentCursor {
     pub fn finish(&mut self, end: usize) {
         self.consumed = Some(end);
     }
+
+    /// [`Executor::copy_state`]'s bookkeeping: slot `to` of `cursors` takes slot `from`'s count,
+    /// or the error if `graph` has no recurrent state or either is not a slot.
+    pub fn copy_slot(graph: &crate::graph::Graph, cursors: &mut [RecurrentCursor], from: usize, to: usize) -> anyhow::Result<()> {
+        if !graph.has_recurrent_state() {
+            anyhow::bail!("this model has no recurrent state to copy");
+        }
+        let slots = cursors.len();
+        if from >= slots || to >= slots {
+            anyhow::bail!("state slots {from} -> {to}: there are {slots}");
+        }
+        cursors[to] = cursors[from];
+        Ok(())
+    }
 }
 
 fn no_batched_serving(backend: String) -> anyhow::Error {
