@@ -689,3 +689,43 @@ fn recurrent_state_positions() {
     assert!(err.contains("continue at 6, not at 2"), "{err}");
     println!("recurrent state: reset at 0, continue, refuse other positions");
 }
+
+/// The serving engine on CUDA with a hybrid model and its prefix cache: a prompt run cold, then
+/// another that shares its first 64 tokens (taking the state kept after them: a copy between
+/// state slots on the device), then the first again, warm: it draws, greedily, what it drew
+/// cold (the same chunks run either way, on one engine, so the same bits).
+#[test]
+fn hybrid_prefix_cache_on_cuda_restores_kept_states() {
+    if !gpu_or_skip() {
+        return;
+    }
+    use ferrite_engine::{EngineConfig, EngineHandle, GenEvent, GenRequest, SamplerParams};
+    let model = Arc::new(Model::load(common::workspace_root().join("fixtures/tiny/qwen35.gguf"), FusionOptions::ALL).unwrap());
+    let vocab = model.config.vocab_size as u32;
+    let m = Arc::clone(&model);
+    let make = move || -> anyhow::Result<Box<dyn Executor>> { Ok(Box::new(ferrite_cuda::CudaExecutor::new(m, opts(64))?)) };
+    let config = EngineConfig { block_size: 16, n_blocks: 64, max_seqs: 3, max_batch_tokens: 32, max_queue: 16, max_context: 256, prefix_cache: true, state_snapshots: 2, snapshot_stride: 32 };
+    let engine = EngineHandle::start(make, config).unwrap().0;
+    let run = |prompt: &[u32]| -> (Vec<u32>, usize) {
+        let req = GenRequest { prompt: prompt.to_vec(), max_tokens: 8, sampling: SamplerParams::greedy(), presence_penalty: 0.0, frequency_penalty: 0.0, logit_bias: vec![], logprobs: None, stop_tokens: vec![] };
+        let mut rx = engine.submit(req).unwrap();
+        let (mut tokens, mut cached) = (vec![], 0);
+        loop {
+            match rx.blocking_recv().expect("stream ended without Finished") {
+                GenEvent::Started { cached_tokens } => cached = cached_tokens,
+                GenEvent::Token { id, .. } => tokens.push(id),
+                GenEvent::Finished { .. } => return (tokens, cached),
+                GenEvent::Error(e) => panic!("engine error: {e}"),
+            }
+        }
+    };
+    let q: Vec<u32> = (0..73u32).map(|i| (i * 7919 + 21) % vocab).collect();
+    let mut p = q[..70].to_vec();
+    p.extend([5, 6, 7, 8, 9]);
+    let (cold, cached) = run(&q);
+    assert_eq!(cached, 0);
+    assert_eq!(run(&p).1, 64, "the state after q's first 64 tokens was kept");
+    let (warm, cached) = run(&q);
+    assert_eq!(cached, 64);
+    assert_eq!(warm, cold, "tokens after the restored state differ from the cold run's");
+}
