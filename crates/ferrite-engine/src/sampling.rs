@@ -297,7 +297,7 @@ fn top_sorted(xs: &[f32], k: usize) -> Vec<(u32, f32)> {
             all.select_nth_unstable_by(k, |a, b| key(b).cmp(&key(a)));
             all.truncate(k);
         }
-        all.sort_unstable_by(|a, b| key(b).cmp(&key(a)));
+        all.sort_unstable_by_key(|a| std::cmp::Reverse(key(a)));
         return all;
     }
     const CHUNK: usize = 16;

@@ -80,7 +80,7 @@ impl Rope {
         self.check();
         let (hd, half) = (self.head_dim, self.rot_dim / 2);
         let width = n_heads * hd;
-        let rows = if width == 0 { 0 } else { len / width };
+        let rows = len.checked_div(width).unwrap_or(0);
         assert!(
             rows * width == len && (first + rows) * half <= table.cos_sin.len(),
             "rope: {len} values for rows of {n_heads} heads x {hd} from table row {first} of {}",

@@ -507,7 +507,7 @@ mod tests {
         assert_eq!(t.stage_off[1], 16 * t.kc_units * 16);
         // Q6_K: 2-byte d per 256 weights, so chunks take 8 blocks at least.
         let t = phase_tiling(GgmlType::Q6_K, 4096, 4096, false, stage).unwrap();
-        assert!(t.kc_units % 64 == 0 || t.whole_rows);
+        assert!(t.kc_units.is_multiple_of(64) || t.whole_rows);
         // Rows not in whole groups, or float weights: no tiling.
         assert!(phase_tiling(GgmlType::Q4_0, 100, 4096, false, stage).is_none());
         assert!(phase_tiling(GgmlType::F16, 4096, 4096, false, stage).is_none());
