@@ -799,7 +799,7 @@ impl CpuExecutor {
                     // Each sequence's rows through its own state slot, the sequences side by side
                     // (a sequence's tokens one after another: the recurrence is serial).
                     let (xw, ow) = (width(x), width(out_id));
-                    let xs = &slots[self.plan.slot(x)];
+                    let xs = &slots[plan.slot(x)];
                     let mut conv: Vec<Option<&mut [f32]>> = buf.conv_state[layer].chunks_mut(shape.conv_state_len()).map(Some).collect();
                     let mut ssm: Vec<Option<&mut [f32]>> = buf.ssm_state[layer].chunks_mut(shape.ssm_state_len()).map(Some).collect();
                     let mut rest = &mut out[..n * ow];

@@ -163,7 +163,9 @@ fn compare_paged(model: &Arc<Model>, lens: [usize; 3]) -> (f64, usize, usize) {
     const BLOCK: usize = 16;
     // Six steps: at most five tokens past the prompt.
     let per_seq: Vec<usize> = lens.iter().map(|l| (l + 5).div_ceil(BLOCK)).collect();
+    // One spare block, and one more where 7 would divide the count (the order below).
     let n_blocks = per_seq.iter().sum::<usize>() + 1;
+    let n_blocks = if n_blocks.is_multiple_of(7) { n_blocks + 1 } else { n_blocks };
     let max_tokens = lens.iter().sum::<usize>().max(64);
     let config = PagedKvConfig { n_blocks, block_size: BLOCK, max_seqs: 4, max_tokens, state_snapshots: 0 };
     let mut cpu = CpuExecutor::new(Arc::clone(model), CpuPrecision::Reference, opts(16)).unwrap();
@@ -173,7 +175,7 @@ fn compare_paged(model: &Arc<Model>, lens: [usize; 3]) -> (f64, usize, usize) {
     // The warm-up leaves garbage in the blocks used below: no sequence may see it.
     gpu.warm_up_paged().unwrap();
     let vocab = model.config.vocab_size as u32;
-    // Blocks handed out in a scrambled order (7 is coprime to every count here but multiples of 7).
+    // Blocks handed out in a scrambled order (a permutation: 7 is coprime to the count).
     let order: Vec<u32> = (0..n_blocks).map(|i| ((i * 7 + 3) % n_blocks) as u32).collect();
     assert!(!n_blocks.is_multiple_of(7), "the block order must be a permutation");
     let tables: Vec<&[u32]> = per_seq.iter().scan(0, |at, &n| {

@@ -137,6 +137,22 @@ fn recurrent_batches_equal_single_runs_moe_hybrids() {
     recurrent_batches_equal_single_runs("qwen3next.gguf", CpuPrecision::Quantized);
 }
 
+/// A Gated DeltaNet layer reads its input where the batch's memory plan put it, not where the
+/// one-sequence plan would (they differ, for one, on a tracing executor, whose plan keeps every
+/// value; found by the CUDA-vs-CPU serving test, which panicked here).
+#[test]
+fn recurrent_batches_use_the_batch_plan() {
+    let model = tiny("qwen35.gguf");
+    let vocab = model.config.vocab_size as u32;
+    let tokens: Vec<u32> = prompt(3, 40).iter().map(|t| t % vocab).collect();
+    let want = contiguous(&mut executor(&model, CpuPrecision::Reference), &tokens, &[40]);
+    let opts = ExecutorOptions { max_batch: 8, context_len: 256, trace: true, progress: None };
+    let mut e = CpuExecutor::new(Arc::clone(&model), CpuPrecision::Reference, opts).unwrap();
+    e.init_paged(PagedKvConfig { n_blocks: 8, block_size: BLOCK, max_seqs: 4, max_tokens: 64, state_snapshots: 0 }).unwrap();
+    let got = e.forward_paged(&[SeqChunk { tokens: &tokens, start_pos: 0, block_table: &[0, 1, 2], state_slot: 1 }]).unwrap();
+    assert!(same_bits(&got[0], &want[0]), "a 40-token batch on a tracing executor of 8-token forwards");
+}
+
 /// A recurrent state cannot be rewound: a chunk must start its slot at 0 or continue where the
 /// slot's last chunk ended. A batch with one bad chunk fails before it changes any state, so the
 /// good sequence beside it continues as if nothing happened.
