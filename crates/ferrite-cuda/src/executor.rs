@@ -223,11 +223,23 @@ struct BatchPaging {
     uploaded_row_seq: Vec<u32>,
     uploaded_tables: Vec<u32>,
     /// Models with Gated DeltaNet layers: the step's sequences (rows and state slots) for the
-    /// batched mixer, and their device form (`GdnBatch`), with the host copy of its last upload.
+    /// batched mixer, and their device form (`GdnBatch`), with host copies of the last uploads.
     gdn_seqs: Vec<GdnSeq>,
     gdn_rows: CudaSlice<u32>,
     gdn_slots: CudaSlice<u32>,
-    uploaded_gdn: (Vec<u32>, Vec<u32>),
+    uploaded_gdn_rows: Vec<u32>,
+    uploaded_gdn_slots: Vec<u32>,
+}
+
+/// Copy `src` to the start of `dst` through the staging ring, unless `last` (the host copy of the
+/// previous upload) equals it already.
+fn upload_if_changed(staging: &mut StagingRing, gpu: &Gpu, src: &[u32], last: &mut Vec<u32>, dst: &mut CudaSlice<u32>) -> Result<(), CudaError> {
+    if last.as_slice() != src {
+        staging.copy(gpu, src, &mut dst.slice_mut(0..src.len()))?;
+        last.clear();
+        last.extend_from_slice(src);
+    }
+    Ok(())
 }
 
 /// The paged KV cache and the buffers of batched steps (`init_paged`), swapped in for a step.
@@ -1467,12 +1479,9 @@ impl CudaExecutor {
         }
         let pg = paged.buf.paging.as_mut().expect("init_paged sets the paging buffers");
         pg.gdn_seqs = batch.iter().zip(&rows.seq_start).map(|(s, &first_row)| GdnSeq { first_row, n: s.tokens.len(), slot: s.state_slot }).collect();
-        let form = GdnBatch::device_form(&pg.gdn_seqs);
-        if pg.uploaded_gdn != form {
-            self.staging.copy(&self.gpu, &form.0, &mut pg.gdn_rows.slice_mut(0..form.0.len()))?;
-            self.staging.copy(&self.gpu, &form.1, &mut pg.gdn_slots.slice_mut(0..form.1.len()))?;
-            pg.uploaded_gdn = form;
-        }
+        let (seq_rows, seq_slots) = GdnBatch::device_form(&pg.gdn_seqs);
+        upload_if_changed(&mut self.staging, &self.gpu, &seq_rows, &mut pg.uploaded_gdn_rows, &mut pg.gdn_rows)?;
+        upload_if_changed(&mut self.staging, &self.gpu, &seq_slots, &mut pg.uploaded_gdn_slots, &mut pg.gdn_slots)?;
         Ok(())
     }
 
@@ -1493,14 +1502,8 @@ impl CudaExecutor {
             self.staging.copy(&self.gpu, &rows.ids, &mut buf.ids.slice_mut(0..n))?;
         }
         self.staging.copy(&self.gpu, &rows.positions, &mut buf.positions.slice_mut(0..n))?;
-        if pg.uploaded_row_seq != rows.row_seq {
-            self.staging.copy(&self.gpu, &rows.row_seq, &mut pg.row_seq.slice_mut(0..n))?;
-            pg.uploaded_row_seq.clone_from(&rows.row_seq);
-        }
-        if pg.uploaded_tables != tables {
-            self.staging.copy(&self.gpu, tables, &mut pg.tables.slice_mut(0..tables.len()))?;
-            pg.uploaded_tables = tables.to_vec();
-        }
+        upload_if_changed(&mut self.staging, &self.gpu, &rows.row_seq, &mut pg.uploaded_row_seq, &mut pg.row_seq)?;
+        upload_if_changed(&mut self.staging, &self.gpu, tables, &mut pg.uploaded_tables, &mut pg.tables)?;
         (pg.n_seqs, pg.max_blocks, pg.last_rows) = (n_seqs, max_blocks, rows.last_rows().collect());
         std::mem::swap(&mut self.buf, &mut paged.buf);
         std::mem::swap(&mut self.plan, &mut paged.plan);
@@ -1687,7 +1690,8 @@ impl Executor for CudaExecutor {
             gdn_seqs: Vec::new(),
             gdn_rows: self.gpu.alloc_zeros(max_seqs + 1)?,
             gdn_slots: self.gpu.alloc_zeros(max_seqs)?,
-            uploaded_gdn: (Vec::new(), Vec::new()),
+            uploaded_gdn_rows: Vec::new(),
+            uploaded_gdn_slots: Vec::new(),
         });
         let tokens = self.gpu.alloc_zeros(max_seqs)?;
         let readback = Readback::new(&self.gpu, max_seqs + 2)?;

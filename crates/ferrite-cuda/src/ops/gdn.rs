@@ -57,10 +57,6 @@ impl GdnState {
         Ok(GdnState { conv, ssm: gpu.alloc_zeros(len(shape.ssm_state_len())?.max(1))?, slots, shape })
     }
 
-    pub fn slots(&self) -> usize {
-        self.slots
-    }
-
     /// Zero every slot, in stream order (a forward from position 0).
     pub fn reset(&mut self, gpu: &Gpu) -> Result<(), CudaError> {
         let stream = gpu.stream();
@@ -68,11 +64,17 @@ impl GdnState {
         stream.memset_zeros(&mut self.ssm).context(|| "clearing the delta-rule state".into())
     }
 
+    /// Why `slot` is not one of this state's.
+    fn check_slot(&self, op: &'static str, slot: usize) -> Result<(), CudaError> {
+        if slot >= self.slots {
+            return Err(CudaError::invalid(op, format!("slot {slot} of {}", self.slots)));
+        }
+        Ok(())
+    }
+
     /// Zero one slot, in stream order (a sequence starting at position 0).
     pub fn reset_slot(&mut self, gpu: &Gpu, slot: usize) -> Result<(), CudaError> {
-        if slot >= self.slots {
-            return Err(CudaError::invalid("GdnState::reset_slot", format!("slot {slot} of {}", self.slots)));
-        }
+        self.check_slot("GdnState::reset_slot", slot)?;
         let (c, s) = (self.shape.conv_state_len(), self.shape.ssm_state_len());
         let stream = gpu.stream();
         if c > 0 {
@@ -83,9 +85,8 @@ impl GdnState {
 
     /// Copy slot `from`'s state into slot `to`, in stream order (the prefix cache's snapshots).
     pub fn copy_slot(&mut self, gpu: &Gpu, from: usize, to: usize) -> Result<(), CudaError> {
-        if from >= self.slots || to >= self.slots {
-            return Err(CudaError::invalid("GdnState::copy_slot", format!("slots {from} -> {to} of {}", self.slots)));
-        }
+        self.check_slot("GdnState::copy_slot", from)?;
+        self.check_slot("GdnState::copy_slot", to)?;
         if from == to {
             return Ok(());
         }
@@ -121,9 +122,7 @@ impl GdnState {
 
     /// Copy one slot's conv and delta-rule state back (waits for the stream).
     pub fn download_slot(&self, gpu: &Gpu, slot: usize) -> Result<(Vec<f32>, Vec<f32>), CudaError> {
-        if slot >= self.slots {
-            return Err(CudaError::invalid("GdnState::download_slot", format!("slot {slot} of {}", self.slots)));
-        }
+        self.check_slot("GdnState::download_slot", slot)?;
         let (c, s) = (self.shape.conv_state_len(), self.shape.ssm_state_len());
         Ok((gpu.download(&self.conv.slice(slot * c..(slot + 1) * c))?, gpu.download(&self.ssm.slice(slot * s..(slot + 1) * s))?))
     }
@@ -329,11 +328,13 @@ pub fn gated_delta_net_batch(
     if batch.seqs.iter().any(|q| !chunked(&q)) {
         delta_launch(gpu, scratch, x, n_rows, w, state, out, seqs, skip_from)?;
     }
+    // Each long sequence's rows of the conv output, input and output; its chunk sections after
+    // the whole batch's conv output.
+    let (qkv, x, out) = (addr_mut(gpu, scratch), addr(gpu, x), addr_mut(gpu, out));
+    let sections = qkv + 4 * (n_rows * s.conv_width()) as u64;
     for q in batch.seqs.iter().filter(chunked) {
         let at = |base: u64, width: usize| base + 4 * (q.first_row * width) as u64;
-        // The chunk sections after the whole batch's conv output.
-        let sections = addr_mut(gpu, scratch) + 4 * (n_rows * s.conv_width()) as u64;
-        let rows = ChunkRows { qkv: at(addr(gpu, scratch), s.conv_width()), x: at(addr(gpu, x), s.proj_width()), out: at(addr_mut(gpu, out), s.value_width()), sections };
+        let rows = ChunkRows { qkv: at(qkv, s.conv_width()), x: at(x, s.proj_width()), out: at(out, s.value_width()), sections };
         chunked_launch(gpu, rows, q.n, w, state, q.slot)?;
     }
     Ok(())
