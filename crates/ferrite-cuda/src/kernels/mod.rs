@@ -24,6 +24,7 @@ pub mod flash_attention;
 pub mod gdn;
 pub mod gemm;
 pub mod gemv;
+pub mod handoff;
 pub mod moe;
 pub mod norm;
 pub mod quantize;
@@ -41,6 +42,10 @@ pub trait KernelVariant: Copy + Eq + Hash + Debug + Send + Sync + 'static {
     const SOURCES: &'static [&'static str];
     /// `extern "C"` kernels of the module.
     const ENTRY_POINTS: &'static [&'static str];
+    /// The entry points that take a second parameter, [`handoff::HandoffArgs`]: they wait for
+    /// their predecessor and signal their successor through a counter chain when one is open
+    /// (see `kernels/handoff.rs`).
+    const CHAINED: &'static [&'static str] = &[];
     /// The macro dictionary: every `-D NAME=VALUE` this variant compiles with.
     fn macros(&self) -> Vec<(&'static str, String)>;
     /// Whether the variant uses instructions of the device's arch-specific target (`sm_90a`:
