@@ -4,7 +4,7 @@
 //! with programmatic dependent launch (docs/perf.md, stops 17 and 33): `griddepcontrol.wait`
 //! returns only once the whole previous grid has exited and its writes are flushed. Dependent
 //! launch already schedules the next kernel's blocks while the previous one runs, so they can
-//! instead watch a counter that every block of the previous kernel bumps (a release add after
+//! instead watch a counter that every block of the previous kernel bumps (a fenced add after
 //! a block barrier) once its last store is done: the wait becomes an L2 round trip.
 //!
 //! A kernel of a chained entry point ([`crate::kernels::KernelVariant::CHAINED`]) takes a
@@ -13,8 +13,9 @@
 //! kernel waits with `griddepcontrol.wait` and bumps nothing. In a chain, launch `i` bumps
 //! counter `i` (`i > 0`); launch `i + 1` polls it when launch `i` was the capture's last node
 //! (so nothing else runs between them), else waits as usual. Launch 0 of the chain waits as
-//! usual, zeroes the chain's other counters (nothing before it still runs, nothing after it
-//! has started) and bumps none, so every counter starts from zero at each replay.
+//! usual, zeroes the chain's other counters (nothing before it still runs, and launch 1 waits
+//! for it to finish before anything reads one) and bumps none, so every counter starts from
+//! zero at each replay.
 //!
 //! `handoff_probe` (`kernel_bench handoff`): a launch reads all of `x` (as a GEMV reads its
 //! whole input row) and each block writes its share of `y`: the hand-off's cost on its own.
@@ -45,24 +46,32 @@ device_params! {
 /// defines the entry point around it, which every thread leaves through `handoff_signal`: the
 /// body's early returns must be block-uniform, or followed by no block barrier.
 pub const HANDOFF: &str = r#"
-// Polls with an acquire load: the previous launch's stores are visible after it. A counter
-// that never arrives (a bug) traps after 2 s instead of hanging the device.
+// One lane of each group of converged lanes polls with an acquire load (the kernels call this
+// from divergent code, so no block barrier; one request per group keeps the polling off the
+// counter's L2 slice); the group's other lanes are ordered after it by the warp barrier. A
+// counter that never arrives (a bug) traps after 2 s instead of hanging the device.
 __device__ __forceinline__ void handoff_wait(const HandoffArgs& h) {
   if (h.wait_blocks == 0) {
     pdl_wait();
   } else {
-    const u32* c = reinterpret_cast<const u32*>(h.counters) + h.index - 1;
-    u32 seen;
-    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(seen) : "l"(c) : "memory");
-    if (seen < h.wait_blocks) {
-      u64 t0, t;
-      asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
-      do {
-        asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(seen) : "l"(c) : "memory");
-        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-        if (t - t0 > 2000000000ull) __trap();
-      } while (seen < h.wait_blocks);
+    const unsigned group = __activemask();
+    u32 lane;
+    asm("mov.u32 %0, %%laneid;" : "=r"(lane));
+    if (lane == (u32)(__ffs(group) - 1)) {
+      const u32* c = reinterpret_cast<const u32*>(h.counters) + h.index - 1;
+      u32 seen;
+      asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(seen) : "l"(c) : "memory");
+      if (seen < h.wait_blocks) {
+        u64 t0, t;
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+        do {
+          asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(seen) : "l"(c) : "memory");
+          asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+          if (t - t0 > 2000000000ull) __trap();
+        } while (seen < h.wait_blocks);
+      }
     }
+    __syncwarp(group);
 #if TIMELINE
     timeline_mark();
 #endif
@@ -74,12 +83,14 @@ __device__ __forceinline__ void handoff_wait(const HandoffArgs& h) {
     for (u32 i = 1 + threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z); i < h.zero_count; i += threads) c[i] = 0;
   }
 }
-// After the block's last store: one release add per block.
+// After the block's last store: one add per block, behind a block barrier and a GPU-scope fence
+// (as cooperative groups' grid barrier publishes a block's writes).
 __device__ __forceinline__ void handoff_signal(const HandoffArgs& h) {
   if (h.index == 0) return;  // uniform: a kernel parameter
   __syncthreads();
   if (threadIdx.x == 0 && threadIdx.y == 0 && threadIdx.z == 0) {
-    asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(reinterpret_cast<u32*>(h.counters) + h.index) : "memory");
+    __threadfence();
+    atomicAdd(reinterpret_cast<u32*>(h.counters) + h.index, 1u);
   }
 }
 #define CHAINED_KERNEL(BOUNDS, NAME, PARAMS)                                       \
