@@ -149,3 +149,13 @@ impl KernelVariant for HandoffProbeVariant {
         Vec::new()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn macros_match_source() {
+        crate::kernels::tests::assert_macros_match(HandoffProbeVariant);
+    }
+}

@@ -128,20 +128,27 @@ pub(crate) mod tests {
         let given: BTreeSet<String> = variant.macros().iter().map(|(n, _)| n.to_string()).collect();
         assert_eq!(required, given, "family {}: source #ifndef/#error set vs macro dictionary", V::FAMILY);
         for entry in V::ENTRY_POINTS {
-            assert!(
-                source.contains(&format!("void {entry}(")) || source.contains(&format!(") {entry}(")),
-                "family {}: entry point {entry} not found in the source",
-                V::FAMILY
-            );
+            let chained = V::CHAINED.contains(entry);
+            let defined = if chained {
+                source.contains(&format!(", {entry}, ")) && source.contains(&format!("void {entry}_body("))
+            } else {
+                source.contains(&format!("void {entry}(")) || source.contains(&format!(") {entry}("))
+            };
+            assert!(defined, "family {}: entry point {entry} not found in the source (chained: {chained})", V::FAMILY);
+        }
+        for entry in V::CHAINED {
+            assert!(V::ENTRY_POINTS.contains(entry), "family {}: chained {entry} is not an entry point", V::FAMILY);
         }
     }
 
     /// Every kernel waits for its predecessor (programmatic dependent launch, see `pdl_wait` in
     /// the common header): its body calls `KERNEL_ENTRY()` or `pdl_wait()` (after the loads it
-    /// may issue early).
+    /// may issue early), or, defined by `CHAINED_KERNEL` (kernels/handoff.rs), its `_body`
+    /// calls `handoff_wait(h)`.
     #[test]
     fn every_kernel_waits_for_the_previous_one() {
-        let families: [(&str, &[&str]); 23] = [
+        let families: [(&str, &[&str]); 24] = [
+            (handoff::HandoffProbeVariant::FAMILY, handoff::HandoffProbeVariant::SOURCES),
             (chain::ChainVariant::FAMILY, chain::ChainVariant::SOURCES),
             (cluster::ClusterPhasesVariant::FAMILY, cluster::ClusterPhasesVariant::SOURCES),
             (cluster::ClusterLayerVariant::FAMILY, cluster::ClusterLayerVariant::SOURCES),
@@ -172,9 +179,21 @@ pub(crate) mod tests {
             for (start, _) in source.match_indices("__global__") {
                 let body = &source[start..];
                 let open = body.find('{').expect("kernel body");
+                if body[..open].contains("BOUNDS NAME(") {
+                    continue; // the CHAINED_KERNEL macro itself
+                }
                 let kernel = &body[..body.find("\n}\n").unwrap_or(body.len())];
                 let waits = kernel.contains("KERNEL_ENTRY();") || kernel.contains("pdl_wait();");
                 assert!(waits, "family {family}: kernel at {:?} does not wait for its predecessor", &body[..open]);
+                kernels += 1;
+            }
+            for (start, _) in source.match_indices("\nCHAINED_KERNEL(") {
+                let args = &source[start + "\nCHAINED_KERNEL(".len()..];
+                let name = args.split(',').nth(1).expect("CHAINED_KERNEL(BOUNDS, NAME, PARAMS)").trim();
+                let at = source.find(&format!("void {name}_body(")).unwrap_or_else(|| panic!("family {family}: {name}_body not found"));
+                let body = &source[at..];
+                let kernel = &body[..body.find("\n}\n").unwrap_or(body.len())];
+                assert!(kernel.contains("handoff_wait(h);"), "family {family}: chained kernel {name} does not wait for its predecessor");
                 kernels += 1;
             }
         }
