@@ -112,6 +112,9 @@ pub struct GpuOptions {
     /// Let captured steps chain their kernels through counters (`FERRITE_CUDA_COUNTER_HANDOFF`,
     /// see `kernels/handoff.rs`); needs dependent launch.
     pub counter_handoff: bool,
+    /// Nanoseconds between a chained kernel's polls of its predecessor's counter
+    /// (`FERRITE_CUDA_COUNTER_POLL_NS`).
+    pub counter_poll_ns: u32,
 }
 
 impl GpuOptions {
@@ -127,6 +130,7 @@ impl GpuOptions {
             moe_path: MoePath::forced_by(env::CUDA_MOE_PATH.get().as_deref()),
             timeline: env::CUDA_TIMELINE.flag(),
             counter_handoff: env::CUDA_COUNTER_HANDOFF.flag(),
+            counter_poll_ns: env::CUDA_COUNTER_POLL_NS.parse(0u32).min(1_000_000),
         }
     }
 }
@@ -154,6 +158,7 @@ pub struct Gpu {
     linear: LinearOptions,
     dependent_launch: bool,
     counter_handoff: bool,
+    counter_poll_ns: u32,
     counter_chain: Mutex<Option<CounterChain>>,
     /// Chained launches captured to poll their predecessor's counter (see `counter_waits`).
     counter_waits: std::sync::atomic::AtomicU64,
@@ -232,6 +237,7 @@ impl Gpu {
             linear: options.linear,
             dependent_launch: options.dependent_launch && major >= 9,
             counter_handoff: options.counter_handoff && options.dependent_launch && major >= 9,
+            counter_poll_ns: options.counter_poll_ns,
             counter_chain: Mutex::new(None),
             counter_waits: Default::default(),
             gdn_path: options.gdn_path,
@@ -489,7 +495,7 @@ impl Gpu {
         chain.next += 1;
         if index == 0 {
             // Waits as usual; zeroes the counters the later launches bump.
-            return Ok(HandoffArgs { counters: chain.counters, index: 0, wait_blocks: 0, zero_count: chain.capacity, pad: 0 });
+            return Ok(HandoffArgs { counters: chain.counters, index: 0, wait_blocks: 0, zero_count: chain.capacity, poll_sleep_ns: 0 });
         }
         let tail = self.capture_tail()?;
         let wait_blocks = match chain.prev.take() {
@@ -499,7 +505,7 @@ impl Gpu {
         if wait_blocks > 0 {
             self.counter_waits.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         }
-        Ok(HandoffArgs { counters: chain.counters, index, wait_blocks, zero_count: 0, pad: 0 })
+        Ok(HandoffArgs { counters: chain.counters, index, wait_blocks, zero_count: 0, poll_sleep_ns: self.counter_poll_ns })
     }
 
     /// After a launch that bumps its counter: it is the capture's last node, for the next one.

@@ -36,7 +36,9 @@ device_params! {
         pub wait_blocks: u32,
         /// Counters to zero after waiting (the chain's first launch: all of them but its own).
         pub zero_count: u32,
-        pub pad: u32,
+        /// Nanoseconds a poller sleeps between polls (0: none; fewer requests on the counter's
+        /// L2 slice while the predecessor runs).
+        pub poll_sleep_ns: u32,
     }
 }
 
@@ -65,6 +67,7 @@ __device__ __forceinline__ void handoff_wait(const HandoffArgs& h) {
         u64 t0, t;
         asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
         do {
+          if (h.poll_sleep_ns != 0) __nanosleep(h.poll_sleep_ns);
           asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(seen) : "l"(c) : "memory");
           asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
           if (t - t0 > 2000000000ull) __trap();
