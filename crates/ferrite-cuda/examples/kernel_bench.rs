@@ -250,8 +250,9 @@ dependent launch chains (150 launches, graph replay): us per launch");
 
 fn handoff(_: &Gpu) -> Result<(), CudaError> {
     // What a dependent kernel's wait costs: 150 launches, each reading all of its predecessor's
-    // output, waiting with griddepcontrol.wait or (FERRITE_CUDA_COUNTER_HANDOFF) on a counter its
-    // predecessor's blocks bump after their last store; graph replay. Both chains must leave
+    // output (probe launches, then int8 GEMVs), waiting with griddepcontrol.wait or
+    // (FERRITE_CUDA_COUNTER_HANDOFF) on a counter its predecessor's blocks bump after their last
+    // store; graph replay. Both chains must leave
     // the same bits, or a counter let a launch read too early.
     const LAUNCHES: usize = 150;
     println!("\ndependent hand-offs (150 launches of 256-thread blocks, graph replay): us per launch");
@@ -279,6 +280,31 @@ fn handoff(_: &Gpu) -> Result<(), CudaError> {
             let same = results[0].iter().zip(&results[1]).all(|(a, b)| a.to_bits() == b.to_bits());
             println!("{line} | same bits: {}", if same { "yes" } else { "NO" });
         }
+    }
+    // The decode GEMVs' own chain (as `chain`): each hands its int8 output to the next.
+    for (dtype, rows, cols) in [(GgmlType::Q4_1, 576usize, 576usize), (GgmlType::Q4_0, 2048, 2048), (GgmlType::Q4_0, 4096, 4096)] {
+        let mut line = format!("  gemv {dtype} {rows}x{cols}");
+        let mut results = Vec::new();
+        for (gpu, name) in gpus.iter().zip(["griddepcontrol.wait", "counters"]) {
+            let gpu = gpu.as_ref().map_err(|e| CudaError::NoDevice(e.to_string()))?;
+            let w = gpu.upload_weight(dtype, rows, cols, &quantize(dtype, &ramp(rows * cols)).expect("quantize"))?;
+            let mut q8 = [ops::Q8Activations::new(gpu, cols)?, ops::Q8Activations::new(gpu, cols)?];
+            ops::quantize_q8(gpu, &gpu.upload(&ramp(cols), "x")?, 1, cols, None, &mut q8[0])?;
+            let mut out = gpu.alloc_zeros::<f32>(rows)?;
+            let mut counters = gpu.alloc_zeros::<u32>(LAUNCHES + 1)?;
+            let mut run = || {
+                (0..LAUNCHES).try_for_each(|i| {
+                    let [a, b] = &mut q8;
+                    let (src, dst) = if i % 2 == 0 { (&*a, b) } else { (&*b, a) };
+                    ops::linear_q8(gpu, &w, src, 1, &mut out, rows, 0, &ops::Epilogue::default(), Some(ops::Q8Emit { dst, norm: None }))
+                })
+            };
+            let s = time_graph_chained(gpu, LAUNCHES, Some(&mut counters), &mut run)?;
+            line += &format!(" | {name}: {:.2}", s * 1e6);
+            results.push(gpu.download(&out)?);
+        }
+        let same = results[0].iter().zip(&results[1]).all(|(a, b)| a.to_bits() == b.to_bits());
+        println!("{line} | same bits: {}", if same { "yes" } else { "NO" });
     }
     Ok(())
 }
