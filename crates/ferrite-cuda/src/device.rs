@@ -463,7 +463,7 @@ impl Gpu {
     /// the stream capturing (a launch polls its predecessor's counter only when that launch is
     /// the capture's last node, which only a capture can tell). See `kernels/handoff.rs`.
     pub fn open_counter_chain(&self, counters: &mut CudaSlice<u32>) -> Result<bool, CudaError> {
-        if !self.counter_handoff || counters.len() < 2 || self.capture_tail()?.is_none() {
+        if !self.counter_handoff || counters.len() < 2 || self.capture()?.is_none() {
             return Ok(false);
         }
         let (address, _) = counters.device_ptr_mut(&self.stream);
@@ -497,7 +497,7 @@ impl Gpu {
             // Waits as usual; zeroes the counters the later launches bump.
             return Ok(HandoffArgs { counters: chain.counters, index: 0, wait_blocks: 0, zero_count: chain.capacity, poll_sleep_ns: 0 });
         }
-        let tail = self.capture_tail()?;
+        let tail = self.capture()?.flatten();
         let wait_blocks = match chain.prev.take() {
             Some((node, blocks)) if tail == Some(node) => blocks,
             _ => 0,
@@ -510,7 +510,7 @@ impl Gpu {
 
     /// After a launch that bumps its counter: it is the capture's last node, for the next one.
     fn chain_launched(&self, cfg: &LaunchConfig) -> Result<(), CudaError> {
-        let tail = self.capture_tail()?;
+        let tail = self.capture()?.flatten();
         let blocks = cfg.grid_dim.0 * cfg.grid_dim.1 * cfg.grid_dim.2;
         if let Some(chain) = self.counter_chain.lock().unwrap_or_else(|p| p.into_inner()).as_mut() {
             chain.prev = tail.map(|node| (node, blocks));
@@ -518,13 +518,14 @@ impl Gpu {
         Ok(())
     }
 
-    /// The node the stream's next captured operation depends on, when it is exactly one (None
-    /// when not capturing, or several or none).
-    fn capture_tail(&self) -> Result<Option<usize>, CudaError> {
+    /// `None` when the stream is not being captured; else the node its next captured operation
+    /// depends on, when that is exactly one node (`Some(None)`: none yet, or several).
+    fn capture(&self) -> Result<Option<Option<usize>>, CudaError> {
         let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
         let mut deps: *const sys::CUgraphNode = std::ptr::null();
         let mut edges: *const sys::CUgraphEdgeData = std::ptr::null();
         let mut n = 0usize;
+        self.ctx.bind_to_thread().context(|| "binding the context".into())?;
         unsafe {
             sys::cuStreamGetCaptureInfo_v3(
                 self.stream.cu_stream(),
@@ -538,10 +539,10 @@ impl Gpu {
         }
         .result()
         .context(|| "querying the stream's capture".into())?;
-        if status != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_ACTIVE || n != 1 || deps.is_null() {
+        if status != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_ACTIVE {
             return Ok(None);
         }
-        Ok(Some(unsafe { *deps } as usize))
+        Ok(Some((n == 1 && !deps.is_null()).then(|| unsafe { *deps } as usize)))
     }
 
     /// `cfg` on this GPU's stream with `attributes`, for `cuLaunchKernelEx` and occupancy queries.
