@@ -472,6 +472,11 @@ impl Gpu {
         Ok(true)
     }
 
+    /// Whether captures may chain their kernels through counters ([`Self::open_counter_chain`]).
+    pub fn counter_handoff(&self) -> bool {
+        self.counter_handoff
+    }
+
     /// How many launches captured so far wait for their predecessor's counter (tests check that
     /// a chain ran at all).
     pub fn counter_waits(&self) -> u64 {

@@ -815,16 +815,17 @@ impl CudaExecutor {
     fn capture_ops(&mut self, n: usize) -> anyhow::Result<Option<CapturedStep>> {
         let stream = Arc::clone(self.gpu.stream());
         let scratch_generation = self.gpu.scratch_generation();
-        let mut counters = self.gpu.alloc_zeros::<u32>(chain_counters(self.model.graph.ops.len()))?;
+        // Counters only where the switch lets a chain open (allocated before the capture).
+        let mut counters = if self.gpu.counter_handoff() { Some(self.gpu.alloc_zeros::<u32>(chain_counters(self.model.graph.ops.len()))?) } else { None };
         stream.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED).map_err(CudaError::from)?;
-        let chained = self.gpu.open_counter_chain(&mut counters);
+        let chained = counters.as_mut().map_or(Ok(false), |c| self.gpu.open_counter_chain(c));
         let recorded = chained.map_err(anyhow::Error::from).and_then(|chained| self.run_ops(n).map(|()| chained));
         self.gpu.close_counter_chain();
         // End the capture even when an op failed, so the stream is usable again.
         let graph = stream.end_capture(CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_USE_NODE_PRIORITY).map_err(CudaError::from);
         let chained = recorded.with_context(|| format!("capturing a {n}-row step as a CUDA graph"))?;
         let graph = graph?.ok_or_else(|| anyhow!("capturing a {n}-row step produced no CUDA graph"))?;
-        let _counters = chained.then_some(counters);
+        let _counters = counters.filter(|_| chained);
         Ok((self.gpu.scratch_generation() == scratch_generation).then_some(CapturedStep { graph, scratch_generation, _counters }))
     }
 

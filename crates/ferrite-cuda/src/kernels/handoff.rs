@@ -49,8 +49,8 @@ device_params! {
 /// body's early returns must be block-uniform, or followed by no block barrier.
 pub const HANDOFF: &str = r#"
 // One lane of each group of converged lanes polls with an acquire load (the kernels call this
-// from divergent code, so no block barrier; one request per group keeps the polling off the
-// counter's L2 slice); the group's other lanes are ordered after it by the warp barrier. A
+// from divergent code, so no block barrier; one request per group, not per lane, eases the load
+// on the counter's L2 slice); the group's other lanes are ordered after it by the warp barrier. A
 // counter that never arrives (a bug) traps after 2 s instead of hanging the device.
 __device__ __forceinline__ void handoff_wait(const HandoffArgs& h) {
   if (h.wait_blocks == 0) {
