@@ -28,7 +28,7 @@ for m in "${models[@]}"; do
     echo "== A/B: prefill with FERRITE_CUDA_EXPAND_WEIGHTS=off"
     FERRITE_CUDA_EXPAND_WEIGHTS=off .device/ferrite bench --model "$f" --backend cuda -p 512 -n 0 -r 3 2>&1 | grep -E 'pp512|error' || status=1
     # A/B pairs: each switch against the default, decode only, back to back.
-    for ab in FERRITE_CUDA_COUNTER_HANDOFF=1 FERRITE_DISABLE_INT8_HANDOFF=1 FERRITE_DISABLE_KV_STORE_FUSION=1 FERRITE_DISABLE_CUDA_GRAPH=1 FERRITE_DISABLE_CUDA_PDL=1 FERRITE_CUDA_GEMV_ACTIVATIONS=f32 FERRITE_SPLIT_ATTENTION=0; do
+    for ab in FERRITE_DISABLE_INT8_HANDOFF=1 FERRITE_DISABLE_KV_STORE_FUSION=1 FERRITE_DISABLE_CUDA_GRAPH=1 FERRITE_DISABLE_CUDA_PDL=1 FERRITE_CUDA_GEMV_ACTIVATIONS=f32 FERRITE_SPLIT_ATTENTION=0; do
         echo "== A/B: decode with $ab"
         env "$ab" .device/ferrite bench --model "$f" --backend cuda -p 0 -n 128 -r 5 2>&1 | grep -E 'tg128|error' || status=1
     done

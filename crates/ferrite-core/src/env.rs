@@ -161,11 +161,6 @@ switches! {
     /// Programmatic dependent launch on sm_90+.
     DISABLE_CUDA_PDL = ("FERRITE_DISABLE_CUDA_PDL", "0", AbTest,
         "1 launches CUDA kernels without programmatic dependent launch (each kernel then starts only after the previous one has finished, instead of overlapping its start-up and weight loads).");
-    /// Captured CUDA steps hand over between kernels through counters.
-    CUDA_COUNTER_HANDOFF = ("FERRITE_CUDA_COUNTER_HANDOFF", "0", AbTest,
-        "1: in captured CUDA steps (decode graphs), a chained kernel (kernels/handoff.rs) whose predecessor is a chained kernel waits for a counter that each of the predecessor's blocks bumps after its last store, instead of griddepcontrol.wait (which waits for the whole grid to exit); needs dependent launch.");
-    CUDA_COUNTER_POLL_NS = ("FERRITE_CUDA_COUNTER_POLL_NS", "0", AbTest,
-        "Nanoseconds a chained CUDA kernel sleeps between polls of its predecessor's counter (FERRITE_CUDA_COUNTER_HANDOFF=1): fewer requests on the counter's L2 slice while the predecessor runs, at up to that much later a start.");
     /// RoPE applied inside the attention op.
     DISABLE_ROPE_FUSION = ("FERRITE_DISABLE_ROPE_FUSION", "0", AbTest,
         "1 rotates Q and K with a separate in-place RoPE op before attention, instead of inside the attention op as it stores K in the cache and reads Q (CUDA: one kernel fewer per layer).");

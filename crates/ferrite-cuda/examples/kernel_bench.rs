@@ -5,7 +5,7 @@
 //!   cargo run -p ferrite-cuda --release --example kernel_bench [SECTION ...]
 //!   (or the binary from scripts/gpu-build.sh, on the GPU machine: .device/kernel_bench)
 //!
-//! Sections: gemv, decode, chain, handoff, cluster, layer, prefill, batched, tilings, mma64, attention, gdn, moe, sampling (default: all).
+//! Sections: gemv, decode, chain, cluster, layer, prefill, batched, tilings, mma64, attention, gdn, moe, sampling (default: all).
 
 use ferrite_cuda::kernels::gdn::{GdnChunkVariant, GdnDeltaVariant};
 use ferrite_cuda::kernels::gemm::GemmMmaVariant;
@@ -50,11 +50,10 @@ fn main() -> Result<(), CudaError> {
     );
     // `kernel_bench [SECTION ...]` runs only the named sections.
     let wanted: Vec<String> = std::env::args().skip(1).collect();
-    let sections: [(&str, Section); 15] = [
+    let sections: [(&str, Section); 14] = [
         ("gemv", gemv),
         ("decode", decode),
         ("chain", chain),
-        ("handoff", handoff),
         ("cluster", cluster),
         ("layer", layer),
         ("prefill", prefill),
@@ -177,21 +176,10 @@ fn decode(gpu: &Gpu) -> Result<(), CudaError> {
 /// Mean seconds per launch of `launches` dependent launches enqueued by `f`, captured once as a
 /// CUDA graph and replayed (as a decode step runs).
 fn time_graph(gpu: &Gpu, launches: usize, f: &mut dyn FnMut() -> Result<(), CudaError>) -> Result<f64, CudaError> {
-    time_graph_chained(gpu, launches, None, f)
-}
-
-/// [`time_graph`] with the capture's chained kernels handing over through `counters` (when
-/// `FERRITE_CUDA_COUNTER_HANDOFF` lets the GPU open a counter chain).
-fn time_graph_chained(gpu: &Gpu, launches: usize, counters: Option<&mut CudaSlice<u32>>, f: &mut dyn FnMut() -> Result<(), CudaError>) -> Result<f64, CudaError> {
     let stream = gpu.stream();
     f()?; // load the modules outside the capture
     stream.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)?;
-    let chained = match counters {
-        Some(c) => gpu.open_counter_chain(c),
-        None => Ok(false),
-    };
-    let recorded = chained.and_then(|_| f());
-    gpu.close_counter_chain();
+    let recorded = f();
     let graph = stream.end_capture(CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_USE_NODE_PRIORITY)?;
     recorded?;
     let graph = graph.expect("captured launches");
@@ -244,67 +232,6 @@ dependent launch chains (150 launches, graph replay): us per launch");
             }
         }
         println!("{line}");
-    }
-    Ok(())
-}
-
-fn handoff(_: &Gpu) -> Result<(), CudaError> {
-    // What a dependent kernel's wait costs: 150 launches, each reading all of its predecessor's
-    // output (probe launches, then int8 GEMVs), waiting with griddepcontrol.wait or
-    // (FERRITE_CUDA_COUNTER_HANDOFF) on a counter its predecessor's blocks bump after their last
-    // store; graph replay. Both chains must leave
-    // the same bits, or a counter let a launch read too early.
-    const LAUNCHES: usize = 150;
-    println!("\ndependent hand-offs (150 launches of 256-thread blocks, graph replay): us per launch");
-    let gpus = [false, true].map(|counter_handoff| Gpu::with_options(0, GpuOptions { counter_handoff, ..GpuOptions::from_env() }));
-    for n in [576usize, 2048] {
-        for blocks in [18usize, 48, 132, 264] {
-            let mut line = format!("  {n} values, {blocks:3} blocks");
-            let mut results = Vec::new();
-            for (gpu, name) in gpus.iter().zip(["griddepcontrol.wait", "counters"]) {
-                let gpu = gpu.as_ref().map_err(|e| CudaError::NoDevice(e.to_string()))?;
-                let mut bufs = [gpu.upload(&ramp(n), "x")?, gpu.alloc_zeros::<f32>(n)?];
-                let mut counters = gpu.alloc_zeros::<u32>(LAUNCHES + 1)?;
-                let mut run = || {
-                    (0..LAUNCHES).try_for_each(|k| {
-                        let [a, b] = &mut bufs;
-                        let (x, y) = if k % 2 == 0 { (&*a, b) } else { (&*b, a) };
-                        ops::handoff_probe(gpu, x, y, blocks)
-                    })
-                };
-                let s = time_graph_chained(gpu, LAUNCHES, Some(&mut counters), &mut run)?;
-                line += &format!(" | {name}: {:.2}", s * 1e6);
-                // Both ran the chain as often: the same bits are expected.
-                results.push(gpu.download(&bufs[0])?);
-            }
-            let same = results[0].iter().zip(&results[1]).all(|(a, b)| a.to_bits() == b.to_bits());
-            println!("{line} | same bits: {}", if same { "yes" } else { "NO" });
-        }
-    }
-    // The decode GEMVs' own chain (as `chain`): each hands its int8 output to the next.
-    for (dtype, rows, cols) in [(GgmlType::Q4_1, 576usize, 576usize), (GgmlType::Q4_0, 2048, 2048), (GgmlType::Q4_0, 4096, 4096)] {
-        let mut line = format!("  gemv {dtype} {rows}x{cols}");
-        let mut results = Vec::new();
-        for (gpu, name) in gpus.iter().zip(["griddepcontrol.wait", "counters"]) {
-            let gpu = gpu.as_ref().map_err(|e| CudaError::NoDevice(e.to_string()))?;
-            let w = gpu.upload_weight(dtype, rows, cols, &quantize(dtype, &ramp(rows * cols)).expect("quantize"))?;
-            let mut q8 = [ops::Q8Activations::new(gpu, cols)?, ops::Q8Activations::new(gpu, cols)?];
-            ops::quantize_q8(gpu, &gpu.upload(&ramp(cols), "x")?, 1, cols, None, &mut q8[0])?;
-            let mut out = gpu.alloc_zeros::<f32>(rows)?;
-            let mut counters = gpu.alloc_zeros::<u32>(LAUNCHES + 1)?;
-            let mut run = || {
-                (0..LAUNCHES).try_for_each(|i| {
-                    let [a, b] = &mut q8;
-                    let (src, dst) = if i % 2 == 0 { (&*a, b) } else { (&*b, a) };
-                    ops::linear_q8(gpu, &w, src, 1, &mut out, rows, 0, &ops::Epilogue::default(), Some(ops::Q8Emit { dst, norm: None }))
-                })
-            };
-            let s = time_graph_chained(gpu, LAUNCHES, Some(&mut counters), &mut run)?;
-            line += &format!(" | {name}: {:.2}", s * 1e6);
-            results.push(gpu.download(&out)?);
-        }
-        let same = results[0].iter().zip(&results[1]).all(|(a, b)| a.to_bits() == b.to_bits());
-        println!("{line} | same bits: {}", if same { "yes" } else { "NO" });
     }
     Ok(())
 }

@@ -4,7 +4,6 @@ use crate::cache::{CacheStats, DiskCache, KernelInfo, ModuleCache};
 use crate::compile::{nvrtc_version, require_nvrtc, supported_archs};
 use crate::error::{Context, CudaError};
 use crate::kernels::common::{ERR_EXPERT_ID, ERR_POSITION, ERR_TOKEN_ID};
-use crate::kernels::handoff::HandoffArgs;
 use crate::kernels::KernelVariant;
 use crate::timeline::Timeline;
 use crate::ops::{AttentionGroups, AttentionPath, GdnPath, LinearOptions, MoePath};
@@ -12,23 +11,11 @@ use crate::blas_lt::BlasLt;
 use cudarc::cublas::CudaBlas;
 use cudarc::driver::sys::{self, CUdevice_attribute};
 use cudarc::driver::{
-    CudaContext, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig, PushKernelArg, ValidAsZeroBits,
+    CudaContext, CudaSlice, CudaStream, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg, ValidAsZeroBits,
 };
 use ferrite_core::env;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
-
-/// An open counter chain (see `kernels/handoff.rs`, [`Gpu::open_counter_chain`]).
-struct CounterChain {
-    /// Device address of the counters.
-    counters: u64,
-    capacity: u32,
-    /// The next chained launch's counter.
-    next: u32,
-    /// The last chained launch that bumps its counter, while it was the capture's last node:
-    /// (its graph node, its blocks).
-    prev: Option<(usize, u32)>,
-}
 
 /// Check that the CUDA libraries load and a device exists, without creating a context.
 /// Tests print `skipped: <this error>` when it fails.
@@ -109,12 +96,6 @@ pub struct GpuOptions {
     /// Record every kernel's start on the GPU's timer and print the table when the `Gpu` is
     /// dropped (`FERRITE_CUDA_TIMELINE`, see `timeline.rs`).
     pub timeline: bool,
-    /// Let captured steps chain their kernels through counters (`FERRITE_CUDA_COUNTER_HANDOFF`,
-    /// see `kernels/handoff.rs`); needs dependent launch.
-    pub counter_handoff: bool,
-    /// Nanoseconds between a chained kernel's polls of its predecessor's counter
-    /// (`FERRITE_CUDA_COUNTER_POLL_NS`).
-    pub counter_poll_ns: u32,
 }
 
 impl GpuOptions {
@@ -129,8 +110,6 @@ impl GpuOptions {
             attention_max_group: env::CUDA_ATTENTION_MAX_GROUP.parse(8usize).clamp(1, 8),
             moe_path: MoePath::forced_by(env::CUDA_MOE_PATH.get().as_deref()),
             timeline: env::CUDA_TIMELINE.flag(),
-            counter_handoff: env::CUDA_COUNTER_HANDOFF.flag(),
-            counter_poll_ns: env::CUDA_COUNTER_POLL_NS.parse(0u32).min(1_000_000),
         }
     }
 }
@@ -157,11 +136,6 @@ pub struct Gpu {
     scratch_generation: std::sync::atomic::AtomicU64,
     linear: LinearOptions,
     dependent_launch: bool,
-    counter_handoff: bool,
-    counter_poll_ns: u32,
-    counter_chain: Mutex<Option<CounterChain>>,
-    /// Chained launches captured to poll their predecessor's counter (see `counter_waits`).
-    counter_waits: std::sync::atomic::AtomicU64,
     gdn_path: Option<GdnPath>,
     attention_path: Option<AttentionPath>,
     attention_groups: AttentionGroups,
@@ -236,10 +210,6 @@ impl Gpu {
             scratch_generation: Default::default(),
             linear: options.linear,
             dependent_launch: options.dependent_launch && major >= 9,
-            counter_handoff: options.counter_handoff && options.dependent_launch && major >= 9,
-            counter_poll_ns: options.counter_poll_ns,
-            counter_chain: Mutex::new(None),
-            counter_waits: Default::default(),
             gdn_path: options.gdn_path,
             attention_path: options.attention_path,
             attention_groups: options.attention_groups,
@@ -419,15 +389,9 @@ impl Gpu {
         };
         let cluster = variant.cluster_size();
         allow_launch(function, &cfg, cluster).context(what)?;
-        // A chained entry point takes its place in the open counter chain as a second parameter.
-        let chained = V::CHAINED.contains(&entry);
-        let handoff = if chained { self.chain_handoff()? } else { HandoffArgs::default() };
         if !self.dependent_launch && cluster == 1 {
             let mut builder = self.stream.launch_builder(function);
             builder.arg(params);
-            if chained {
-                builder.arg(&handoff);
-            }
             unsafe { builder.launch(cfg) }.context(what)?;
             return Ok(());
         }
@@ -445,109 +409,13 @@ impl Gpu {
         ];
         let used = if cluster > 1 { 2 } else { 1 };
         let config = self.launch_config_ex(&cfg, &mut attributes[..used]);
-        // The parameter struct, passed by value, and a chained kernel's hand-off.
-        let mut args = [params as *const P as *mut std::ffi::c_void, &handoff as *const HandoffArgs as *mut std::ffi::c_void];
+        // One kernel argument: the parameter struct, passed by value.
+        let mut args = [params as *const P as *mut std::ffi::c_void];
         self.ctx.bind_to_thread().context(what)?;
         unsafe { sys::cuLaunchKernelEx(&config, function.cu_function(), args.as_mut_ptr(), std::ptr::null_mut()) }
             .result()
             .context(what)?;
-        if handoff.index != 0 {
-            self.chain_launched(&cfg)?;
-        }
         Ok(())
-    }
-
-    /// Chain the chained kernels captured from now on through `counters` (one per launch; the
-    /// launches past them wait as usual), until [`Self::close_counter_chain`]. Returns whether
-    /// a chain was opened: only with `FERRITE_CUDA_COUNTER_HANDOFF` on, dependent launch, and
-    /// the stream capturing (a launch polls its predecessor's counter only when that launch is
-    /// the capture's last node, which only a capture can tell). See `kernels/handoff.rs`.
-    pub fn open_counter_chain(&self, counters: &mut CudaSlice<u32>) -> Result<bool, CudaError> {
-        if !self.counter_handoff || counters.len() < 2 || self.capture()?.is_none() {
-            return Ok(false);
-        }
-        let (address, _) = counters.device_ptr_mut(&self.stream);
-        let chain = CounterChain { counters: address, capacity: counters.len().min(u32::MAX as usize) as u32, next: 0, prev: None };
-        *self.counter_chain.lock().unwrap_or_else(|p| p.into_inner()) = Some(chain);
-        Ok(true)
-    }
-
-    /// Whether captures may chain their kernels through counters ([`Self::open_counter_chain`]).
-    pub fn counter_handoff(&self) -> bool {
-        self.counter_handoff
-    }
-
-    /// How many launches captured so far wait for their predecessor's counter (tests check that
-    /// a chain ran at all).
-    pub fn counter_waits(&self) -> u64 {
-        self.counter_waits.load(std::sync::atomic::Ordering::Relaxed)
-    }
-
-    /// Ends the chain opened by [`Self::open_counter_chain`] (the counters must live as long as
-    /// the graph captured meanwhile).
-    pub fn close_counter_chain(&self) {
-        *self.counter_chain.lock().unwrap_or_else(|p| p.into_inner()) = None;
-    }
-
-    /// The next chained launch's hand-off (all zero without an open chain, or past its counters).
-    fn chain_handoff(&self) -> Result<HandoffArgs, CudaError> {
-        let mut guard = self.counter_chain.lock().unwrap_or_else(|p| p.into_inner());
-        let Some(chain) = guard.as_mut() else { return Ok(HandoffArgs::default()) };
-        if chain.next >= chain.capacity {
-            return Ok(HandoffArgs::default());
-        }
-        let index = chain.next;
-        chain.next += 1;
-        if index == 0 {
-            // Waits as usual; zeroes the counters the later launches bump.
-            return Ok(HandoffArgs { counters: chain.counters, index: 0, wait_blocks: 0, zero_count: chain.capacity, poll_sleep_ns: 0 });
-        }
-        let tail = self.capture()?.flatten();
-        let wait_blocks = match chain.prev.take() {
-            Some((node, blocks)) if tail == Some(node) => blocks,
-            _ => 0,
-        };
-        if wait_blocks > 0 {
-            self.counter_waits.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        }
-        Ok(HandoffArgs { counters: chain.counters, index, wait_blocks, zero_count: 0, poll_sleep_ns: self.counter_poll_ns })
-    }
-
-    /// After a launch that bumps its counter: it is the capture's last node, for the next one.
-    fn chain_launched(&self, cfg: &LaunchConfig) -> Result<(), CudaError> {
-        let tail = self.capture()?.flatten();
-        let blocks = cfg.grid_dim.0 * cfg.grid_dim.1 * cfg.grid_dim.2;
-        if let Some(chain) = self.counter_chain.lock().unwrap_or_else(|p| p.into_inner()).as_mut() {
-            chain.prev = tail.map(|node| (node, blocks));
-        }
-        Ok(())
-    }
-
-    /// `None` when the stream is not being captured; else the node its next captured operation
-    /// depends on, when that is exactly one node (`Some(None)`: none yet, or several).
-    fn capture(&self) -> Result<Option<Option<usize>>, CudaError> {
-        let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
-        let mut deps: *const sys::CUgraphNode = std::ptr::null();
-        let mut edges: *const sys::CUgraphEdgeData = std::ptr::null();
-        let mut n = 0usize;
-        self.ctx.bind_to_thread().context(|| "binding the context".into())?;
-        unsafe {
-            sys::cuStreamGetCaptureInfo_v3(
-                self.stream.cu_stream(),
-                &mut status,
-                std::ptr::null_mut(),
-                std::ptr::null_mut(),
-                &mut deps,
-                &mut edges,
-                &mut n,
-            )
-        }
-        .result()
-        .context(|| "querying the stream's capture".into())?;
-        if status != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_ACTIVE {
-            return Ok(None);
-        }
-        Ok(Some((n == 1 && !deps.is_null()).then(|| unsafe { *deps } as usize)))
     }
 
     /// `cfg` on this GPU's stream with `attributes`, for `cuLaunchKernelEx` and occupancy queries.

@@ -419,14 +419,6 @@ enum DecodeGraph {
 struct CapturedStep {
     graph: CudaGraph,
     scratch_generation: u64,
-    /// The counters its chained kernels hand over through (`Gpu::open_counter_chain`), if any.
-    _counters: Option<CudaSlice<u32>>,
-}
-
-/// Counters of a captured step's chain: one per chained launch, as many as a step of this many
-/// ops could make (a few launches per op, at most); the launches past them wait as usual.
-fn chain_counters(ops: usize) -> usize {
-    4 * ops + 16
 }
 
 /// Batched decode steps (one token per sequence) replayed as CUDA graphs, one per step shape:
@@ -646,12 +638,6 @@ impl CudaExecutor {
         self.buf.mlp_layer.iter().filter(|&&m| m).count()
     }
 
-    /// Launches of the captured steps so far that wait for their predecessor's counter
-    /// (`FERRITE_CUDA_COUNTER_HANDOFF`, see `kernels/handoff.rs`).
-    pub fn counter_waits(&self) -> u64 {
-        self.gpu.counter_waits()
-    }
-
     /// Why the MLP of decoder layer `layer` cannot run as one launch (`ops::mlp_q8`), or `None`.
     /// Its output projection then writes the layer's output, the fused launch adds the MLP into
     /// it, and the op after the layer, a linear, quantizes that f32 row itself.
@@ -815,18 +801,13 @@ impl CudaExecutor {
     fn capture_ops(&mut self, n: usize) -> anyhow::Result<Option<CapturedStep>> {
         let stream = Arc::clone(self.gpu.stream());
         let scratch_generation = self.gpu.scratch_generation();
-        // Counters only where the switch lets a chain open (allocated before the capture).
-        let mut counters = if self.gpu.counter_handoff() { Some(self.gpu.alloc_zeros::<u32>(chain_counters(self.model.graph.ops.len()))?) } else { None };
         stream.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED).map_err(CudaError::from)?;
-        let chained = counters.as_mut().map_or(Ok(false), |c| self.gpu.open_counter_chain(c));
-        let recorded = chained.map_err(anyhow::Error::from).and_then(|chained| self.run_ops(n).map(|()| chained));
-        self.gpu.close_counter_chain();
+        let recorded = self.run_ops(n);
         // End the capture even when an op failed, so the stream is usable again.
         let graph = stream.end_capture(CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_USE_NODE_PRIORITY).map_err(CudaError::from);
-        let chained = recorded.with_context(|| format!("capturing a {n}-row step as a CUDA graph"))?;
+        recorded.with_context(|| format!("capturing a {n}-row step as a CUDA graph"))?;
         let graph = graph?.ok_or_else(|| anyhow!("capturing a {n}-row step produced no CUDA graph"))?;
-        let _counters = counters.filter(|_| chained);
-        Ok((self.gpu.scratch_generation() == scratch_generation).then_some(CapturedStep { graph, scratch_generation, _counters }))
+        Ok((self.gpu.scratch_generation() == scratch_generation).then_some(CapturedStep { graph, scratch_generation }))
     }
 
     /// Enqueue a batched decode step of `key.0` sequences (the paged buffers swapped in):

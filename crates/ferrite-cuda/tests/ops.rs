@@ -724,71 +724,6 @@ fn int8_handoffs_chain_gemvs_like_separate_quantize_launches() {
     }
 }
 
-/// Kernels captured in a counter chain (`FERRITE_CUDA_COUNTER_HANDOFF`, kernels/handoff.rs:
-/// each polls a counter its predecessor's blocks bump) leave the same bits as the same capture
-/// waiting with `griddepcontrol.wait`, over replays that feed each step's output to the next:
-/// quantize, three int8 GEMVs handing over in int8 (the emitting tiling, a GLU), a kernel
-/// outside the chain (`add`, which the next chained launch must wait for as usual) and probe
-/// launches of 18 to 264 blocks.
-#[test]
-fn counter_chained_steps_match_waiting_ones() {
-    if gpu().is_none() {
-        return;
-    }
-    let (d, ff) = (576, 1536);
-    let mut results = Vec::new();
-    for counter_handoff in [false, true] {
-        let gpu = Gpu::with_options(0, GpuOptions { counter_handoff, ..GpuOptions::from_env() }).expect("open GPU");
-        let gpu = &gpu;
-        let mut rng = Rng(91);
-        let weight = |rng: &mut Rng, rows, cols| {
-            let (bytes, _) = random_weight(rng, GgmlType::Q4_1, rows, cols);
-            gpu.upload_weight(GgmlType::Q4_1, rows, cols, &bytes).unwrap()
-        };
-        let (wo, wgu, wd) = (weight(&mut rng, d, d), weight(&mut rng, 2 * ff, d), weight(&mut rng, d, ff));
-        let g = upload(gpu, &rng.vec(d, 0.5, 1.5));
-        let mut x = upload(gpu, &rng.vec(d, -1.0, 1.0));
-        let mut h = poisoned(gpu, d);
-        let mut m = poisoned(gpu, ff);
-        let mut y = poisoned(gpu, d);
-        let (mut q_a, mut q_b) = (ops::Q8Activations::new(gpu, ff).unwrap(), ops::Q8Activations::new(gpu, ff).unwrap());
-        let mut step = || -> Result<(), ferrite_cuda::CudaError> {
-            ops::quantize_q8(gpu, &x, 1, d, None, &mut q_a)?;
-            let with_x = ops::Epilogue { residual: Some(&x), ..Default::default() };
-            let norm = Some(ops::NormPrologue { weight: &g, eps: 1e-5, add_one: false });
-            ops::linear_q8(gpu, &wo, &q_a, 1, &mut h, d, 0, &with_x, Some(ops::Q8Emit { dst: &mut q_b, norm }))?;
-            let swiglu = ops::Epilogue { glu: Some(ops::Glu::SwiGlu), ..Default::default() };
-            ops::linear_q8(gpu, &wgu, &q_b, 1, &mut m, ff, 0, &swiglu, Some(ops::Q8Emit { dst: &mut q_a, norm: None }))?;
-            ops::add(gpu, &mut h, &x, d)?;
-            let with_h = ops::Epilogue { residual: Some(&h), ..Default::default() };
-            ops::linear_q8(gpu, &wd, &q_a, 1, &mut y, d, 0, &with_h, None)?;
-            for blocks in [18, 48, 132, 264] {
-                ops::handoff_probe(gpu, &y, &mut x, blocks)?;
-                ops::handoff_probe(gpu, &x, &mut y, blocks)?;
-            }
-            ops::handoff_probe(gpu, &y, &mut x, 48)
-        };
-        step().unwrap();
-        let stream = gpu.stream();
-        let mut counters = gpu.alloc_zeros::<u32>(64).unwrap();
-        stream.begin_capture(cudarc::driver::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED).unwrap();
-        let opened = gpu.open_counter_chain(&mut counters).unwrap();
-        step().unwrap();
-        gpu.close_counter_chain();
-        let graph = stream.end_capture(cudarc::driver::sys::CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_USE_NODE_PRIORITY).unwrap().unwrap();
-        let sm90 = gpu.compute_capability().0 >= 9;
-        assert_eq!(opened, counter_handoff && sm90, "a counter chain opens when asked for, on sm_90");
-        // Every chained launch but the first and the one after `add` polls its predecessor.
-        assert_eq!(gpu.counter_waits(), if opened { 10 } else { 0 }, "launches waiting on counters");
-        for _ in 0..5 {
-            graph.launch().unwrap();
-        }
-        results.push(download(gpu, &x));
-    }
-    assert!(results[0].iter().zip(&results[1]).all(|(a, b)| a.to_bits() == b.to_bits()), "counter hand-offs changed the results");
-    println!("| {:<10} | {:<44} | {:>9} | {:>9} | {:>6} |", "handoff", "counter chain = griddepcontrol.wait, 5 replays", "0", "0", "0");
-}
-
 /// The fused MLP (`mlp_q8`: gate/up with SwiGLU on a norm-pending int8 hand-off, each block's
 /// outputs quantized and multiplied by their columns of the down projection, added into the
 /// stream) is as close to the stream plus the exact down projection of the separate gated GEMV's
@@ -3181,7 +3116,6 @@ fn every_kernel_variant_compiles_for_sm90() {
     }
     let mut jobs: Vec<(String, Job)> = Vec::new();
     let mut check = |name: String, job: Job| jobs.push((name, job));
-    check("HandoffProbeVariant".into(), job(&ferrite_cuda::kernels::handoff::HandoffProbeVariant));
     for cluster in [1, 8, 16] {
         let v = ferrite_cuda::kernels::cluster::ClusterPhasesVariant { cluster };
         check(format!("{v:?}"), job(&v));

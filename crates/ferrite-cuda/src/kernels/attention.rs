@@ -13,7 +13,6 @@
 //! captured decode graph serves every position.
 
 use super::common::HEADER;
-use super::handoff::{HandoffArgs, HANDOFF};
 use super::quantize::Q8_BLOCK;
 use super::rope::ROPE_ANGLE;
 use super::{blocks_for, device_params, KernelVariant};
@@ -426,7 +425,7 @@ __device__ __forceinline__ void prefetch_kv(const AttentionParams& p, const kv_t
 // projection. The warps' states are merged through shared memory at the end.
 // With SPLIT, each block stores its merged state; the last block of a query to arrive (an
 // atomic counter) merges the shares and writes the output, so no second kernel is needed.
-__device__ __forceinline__ void attention_body(const AttentionParams& p, const HandoffArgs& h) {
+extern "C" __global__ void __launch_bounds__(NWARPS * 32) attention(const AttentionParams p) {
   __shared__ __align__(16) float s_q[GROUP][HEAD_DIM];
   __shared__ float s_m[NWARPS][GROUP], s_l[NWARPS][GROUP], s_acc[NWARPS][GROUP][HEAD_DIM];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -460,7 +459,7 @@ __device__ __forceinline__ void attention_body(const AttentionParams& p, const H
   qkv_pair_angle(threadIdx.x, pos, p.rot_dim, p.theta, p.freq_scale, &rope_c, &rope_s);
 #endif
   if (!bad_pos) prefetch_kv(p, kc, vc, row, tok, begin, end);
-  handoff_wait(h);
+  KERNEL_ENTRY();
   if (bad_pos) {  // block-uniform, before any barrier; every share of the query returns
     if (threadIdx.x == 0 && blockIdx.z == 0) report_error(p.error_flag, ERR_POSITION, pos_in);
     if (blockIdx.z == 0)
@@ -706,9 +705,6 @@ __device__ __forceinline__ void attention_body(const AttentionParams& p, const H
   for (int g = 0; g < GROUP; ++g)
     for (int d = threadIdx.x; d < HEAD_DIM; d += NWARPS * 32) store_output(p, qrow + g * HEAD_DIM, d, block_acc(g, d) / l_all[g]);
 }
-
-// The body's returns are block-uniform.
-CHAINED_KERNEL(__launch_bounds__(NWARPS * 32), attention, AttentionParams)
 "#;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -764,9 +760,8 @@ impl AttentionVariant {
 
 impl KernelVariant for AttentionVariant {
     const FAMILY: &'static str = "attention";
-    const SOURCES: &'static [&'static str] = &[HEADER, HandoffArgs::C_DECL, HANDOFF, Q8_BLOCK, KV, ROPE_ANGLE, QKV_PAIR, AttentionParams::C_DECL, ATTENTION_OUTPUT, ATTENTION];
+    const SOURCES: &'static [&'static str] = &[HEADER, Q8_BLOCK, KV, ROPE_ANGLE, QKV_PAIR, AttentionParams::C_DECL, ATTENTION_OUTPUT, ATTENTION];
     const ENTRY_POINTS: &'static [&'static str] = &["attention"];
-    const CHAINED: &'static [&'static str] = &["attention"];
 
     fn macros(&self) -> Vec<(&'static str, String)> {
         vec![

@@ -1,7 +1,6 @@
 //! Embedding lookup: one block per token decodes the token's table row to f32.
 
 use super::common::{HEADER, QUANT};
-use super::handoff::{HandoffArgs, HANDOFF};
 use super::dequant::ROW;
 use super::{device_params, KernelVariant};
 use cudarc::driver::LaunchConfig;
@@ -25,8 +24,8 @@ device_params! {
 }
 
 const SOURCE: &str = r#"
-__device__ __forceinline__ void embed_body(const EmbedParams& p, const HandoffArgs& h) {
-  handoff_wait(h);
+extern "C" __global__ void embed(const EmbedParams p) {
+  KERNEL_ENTRY();
   const WeightRef w = {(const u8*)p.w0, (const u8*)p.w1, (const u8*)p.w2, (const u8*)p.w3, (i64)p.dim};
   const i64 t = blockIdx.x;
   const u32 id = reinterpret_cast<const u32*>(p.ids)[t];
@@ -44,8 +43,6 @@ __device__ __forceinline__ void embed_body(const EmbedParams& p, const HandoffAr
     dequant_row(w, (i64)id, threadIdx.x, blockDim.x, [&](i64 c, float v) { out[c] = v * scale; });
   }
 }
-// A block returns whole (one row per block).
-CHAINED_KERNEL(, embed, EmbedParams)
 "#;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -61,9 +58,8 @@ impl EmbedVariant {
 
 impl KernelVariant for EmbedVariant {
     const FAMILY: &'static str = "embedding";
-    const SOURCES: &'static [&'static str] = &[HEADER, HandoffArgs::C_DECL, HANDOFF, QUANT, ROW, EmbedParams::C_DECL, SOURCE];
+    const SOURCES: &'static [&'static str] = &[HEADER, QUANT, ROW, EmbedParams::C_DECL, SOURCE];
     const ENTRY_POINTS: &'static [&'static str] = &["embed"];
-    const CHAINED: &'static [&'static str] = &["embed"];
 
     fn macros(&self) -> Vec<(&'static str, String)> {
         vec![("WTYPE", (self.wtype as u32).to_string())]

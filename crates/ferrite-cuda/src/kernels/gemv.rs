@@ -31,7 +31,6 @@
 //! `pair / x_div` and writes output row `pair`.
 
 use super::common::{HEADER, QUANT};
-use super::handoff::{HandoffArgs, HANDOFF};
 use super::moe::GROUP_TILE;
 use super::quantize::Q8_BLOCK;
 use super::{blocks_for, device_params, KernelVariant};
@@ -390,7 +389,7 @@ __device__ __forceinline__ void down_red(const GemvQ8Params& p, const Unit (&dw)
 }
 #endif
 
-__device__ __forceinline__ void gemv_q8_body(const GemvQ8Params& p, const HandoffArgs& h) {
+extern "C" __global__ void __launch_bounds__(SLICE_THREADS * KSPLIT) gemv_q8(const GemvQ8Params p) {
   // Slice `slice` of the block takes every KSPLIT-th batch of units of the block's rows.
   const int tid = threadIdx.x % SLICE_THREADS, slice = threadIdx.x / SLICE_THREADS, k = tid % TPR, group = tid / TPR;
   const i64 row0 = ((i64)blockIdx.x * (NWARPS * 32 / TPR) + group) * ROWS;
@@ -435,7 +434,8 @@ __device__ __forceinline__ void gemv_q8_body(const GemvQ8Params& p, const Handof
 #endif
   bool waited = false;
   const auto wait_then_prefetch = [&]() {
-    handoff_wait(h);
+    pdl_wait();
+    pdl_release();
     waited = true;
 #if IN_F32
     quantize_input(p, reinterpret_cast<u32*>(s_xq), s_xs, s_ss);
@@ -591,9 +591,6 @@ __device__ __forceinline__ void gemv_q8_body(const GemvQ8Params& p, const Handof
   down_red(p, dw, s_hq, s_hs);
 #endif
 }
-
-// The body's returns are block-uniform.
-CHAINED_KERNEL(__launch_bounds__(SLICE_THREADS * KSPLIT), gemv_q8, GemvQ8Params)
 "#;
 
 
@@ -968,9 +965,8 @@ impl GemvQ8Variant {
 
 impl KernelVariant for GemvQ8Variant {
     const FAMILY: &'static str = "gemv_q8";
-    const SOURCES: &'static [&'static str] = &[HEADER, HandoffArgs::C_DECL, HANDOFF, QUANT, Q8_BLOCK, GemvQ8Params::C_DECL, SOURCE_Q8];
+    const SOURCES: &'static [&'static str] = &[HEADER, QUANT, Q8_BLOCK, GemvQ8Params::C_DECL, SOURCE_Q8];
     const ENTRY_POINTS: &'static [&'static str] = &["gemv_q8"];
-    const CHAINED: &'static [&'static str] = &["gemv_q8"];
 
     fn macros(&self) -> Vec<(&'static str, String)> {
         vec![

@@ -24,7 +24,6 @@ pub mod flash_attention;
 pub mod gdn;
 pub mod gemm;
 pub mod gemv;
-pub mod handoff;
 pub mod moe;
 pub mod norm;
 pub mod quantize;
@@ -42,10 +41,6 @@ pub trait KernelVariant: Copy + Eq + Hash + Debug + Send + Sync + 'static {
     const SOURCES: &'static [&'static str];
     /// `extern "C"` kernels of the module.
     const ENTRY_POINTS: &'static [&'static str];
-    /// The entry points that take a second parameter, [`handoff::HandoffArgs`]: they wait for
-    /// their predecessor and signal their successor through a counter chain when one is open
-    /// (see `kernels/handoff.rs`).
-    const CHAINED: &'static [&'static str] = &[];
     /// The macro dictionary: every `-D NAME=VALUE` this variant compiles with.
     fn macros(&self) -> Vec<(&'static str, String)>;
     /// Whether the variant uses instructions of the device's arch-specific target (`sm_90a`:
@@ -128,27 +123,20 @@ pub(crate) mod tests {
         let given: BTreeSet<String> = variant.macros().iter().map(|(n, _)| n.to_string()).collect();
         assert_eq!(required, given, "family {}: source #ifndef/#error set vs macro dictionary", V::FAMILY);
         for entry in V::ENTRY_POINTS {
-            let chained = V::CHAINED.contains(entry);
-            let defined = if chained {
-                source.contains(&format!(", {entry}, ")) && source.contains(&format!("void {entry}_body("))
-            } else {
-                source.contains(&format!("void {entry}(")) || source.contains(&format!(") {entry}("))
-            };
-            assert!(defined, "family {}: entry point {entry} not found in the source (chained: {chained})", V::FAMILY);
-        }
-        for entry in V::CHAINED {
-            assert!(V::ENTRY_POINTS.contains(entry), "family {}: chained {entry} is not an entry point", V::FAMILY);
+            assert!(
+                source.contains(&format!("void {entry}(")) || source.contains(&format!(") {entry}(")),
+                "family {}: entry point {entry} not found in the source",
+                V::FAMILY
+            );
         }
     }
 
     /// Every kernel waits for its predecessor (programmatic dependent launch, see `pdl_wait` in
     /// the common header): its body calls `KERNEL_ENTRY()` or `pdl_wait()` (after the loads it
-    /// may issue early), or, defined by `CHAINED_KERNEL` (kernels/handoff.rs), its `_body`
-    /// calls `handoff_wait(h)`.
+    /// may issue early).
     #[test]
     fn every_kernel_waits_for_the_previous_one() {
-        let families: [(&str, &[&str]); 24] = [
-            (handoff::HandoffProbeVariant::FAMILY, handoff::HandoffProbeVariant::SOURCES),
+        let families: [(&str, &[&str]); 23] = [
             (chain::ChainVariant::FAMILY, chain::ChainVariant::SOURCES),
             (cluster::ClusterPhasesVariant::FAMILY, cluster::ClusterPhasesVariant::SOURCES),
             (cluster::ClusterLayerVariant::FAMILY, cluster::ClusterLayerVariant::SOURCES),
@@ -179,21 +167,9 @@ pub(crate) mod tests {
             for (start, _) in source.match_indices("__global__") {
                 let body = &source[start..];
                 let open = body.find('{').expect("kernel body");
-                if body[..open].contains("BOUNDS NAME(") {
-                    continue; // the CHAINED_KERNEL macro itself
-                }
                 let kernel = &body[..body.find("\n}\n").unwrap_or(body.len())];
                 let waits = kernel.contains("KERNEL_ENTRY();") || kernel.contains("pdl_wait();");
                 assert!(waits, "family {family}: kernel at {:?} does not wait for its predecessor", &body[..open]);
-                kernels += 1;
-            }
-            for (start, _) in source.match_indices("\nCHAINED_KERNEL(") {
-                let args = &source[start + "\nCHAINED_KERNEL(".len()..];
-                let name = args.split(',').nth(1).expect("CHAINED_KERNEL(BOUNDS, NAME, PARAMS)").trim();
-                let at = source.find(&format!("void {name}_body(")).unwrap_or_else(|| panic!("family {family}: {name}_body not found"));
-                let body = &source[at..];
-                let kernel = &body[..body.find("\n}\n").unwrap_or(body.len())];
-                assert!(kernel.contains("handoff_wait(h);"), "family {family}: chained kernel {name} does not wait for its predecessor");
                 kernels += 1;
             }
         }

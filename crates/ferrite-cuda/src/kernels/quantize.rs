@@ -10,7 +10,6 @@
 //! a norm-folded linear, so normalisation and quantization are one launch).
 
 use super::common::HEADER;
-use super::handoff::{HandoffArgs, HANDOFF};
 use super::{blocks_for, device_params, KernelVariant};
 use cudarc::driver::LaunchConfig;
 
@@ -83,8 +82,8 @@ const SOURCE: &str = r#"
 // quantizes one 32-value block (lane l: element l). With the norm, every block first sums the
 // squares of its whole row itself: rows are short enough that re-reading them from L2 is
 // cheaper than a second launch.
-__device__ __forceinline__ void quantize_q8_body(const QuantizeParams& p, const HandoffArgs& h) {
-  handoff_wait(h);
+extern "C" __global__ void __launch_bounds__(BLOCK_SIZE) quantize_q8(const QuantizeParams p) {
+  KERNEL_ENTRY();
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const i64 row = blockIdx.y;
   const float* x = reinterpret_cast<const float*>(p.x) + row * p.x_ld;
@@ -104,8 +103,6 @@ __device__ __forceinline__ void quantize_q8_body(const QuantizeParams& p, const 
   quantize_block_warp(v, lane, reinterpret_cast<i8*>(p.xq) + row * p.cols + 32 * b,
                       reinterpret_cast<uint2*>(p.xs) + row * units + b);
 }
-// A warp past the row returns after the block-wide sum, before no other barrier.
-CHAINED_KERNEL(__launch_bounds__(BLOCK_SIZE), quantize_q8, QuantizeParams)
 "#;
 
 /// Prologue applied to each row before quantizing.
@@ -139,9 +136,8 @@ impl QuantizeVariant {
 
 impl KernelVariant for QuantizeVariant {
     const FAMILY: &'static str = "quantize";
-    const SOURCES: &'static [&'static str] = &[HEADER, HandoffArgs::C_DECL, HANDOFF, Q8_BLOCK, QuantizeParams::C_DECL, SOURCE];
+    const SOURCES: &'static [&'static str] = &[HEADER, Q8_BLOCK, QuantizeParams::C_DECL, SOURCE];
     const ENTRY_POINTS: &'static [&'static str] = &["quantize_q8"];
-    const CHAINED: &'static [&'static str] = &["quantize_q8"];
 
     fn macros(&self) -> Vec<(&'static str, String)> {
         vec![("BLOCK_SIZE", self.block_size.to_string()), ("PROLOGUE", (self.prologue as u32).to_string())]

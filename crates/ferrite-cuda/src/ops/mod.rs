@@ -17,7 +17,6 @@ mod attention;
 mod chain;
 mod cluster;
 mod gdn;
-mod handoff;
 mod linear;
 mod moe;
 mod sampling;
@@ -28,7 +27,6 @@ pub use attention::{
 };
 pub use cluster::{cluster_layer, cluster_layer_plan, cluster_layer_variant, cluster_phases, ClusterLayerConfig, ClusterLayerWeights, MAX_CLUSTER};
 pub use crate::kernels::cluster::LayerDims;
-pub use handoff::handoff_probe;
 pub use chain::{chain_variant, linear_chain, ChainBarrier, ChainLink, ChainShape, DeviceView};
 pub use linear::{
     expand_weight, expanded_bytes, glu_fuses, linear, linear_mma, linear_plan, linear_fused, linear_q8, linear_q8_f32_row, linear_q8_gated_pair, linear_q8_retiled, mlp_q8, MLP_MAX_ADDS, Retile, linear_with, linear_glu_staged, linear_staged, StagedActivations, StagedLayout, quantize_q8, MMA_OVER_RESIDENT_MAX_TOKENS, Epilogue, GemvActivations, Glu, LinearOptions,
