@@ -147,6 +147,9 @@ switches! {
     /// In-kernel timeline of the CUDA stream.
     CUDA_TIMELINE = ("FERRITE_CUDA_TIMELINE", "0", Diagnostic,
         "1 compiles every CUDA kernel to note the GPU timer as it starts (after waiting for its predecessor) and prints, when the device is closed, the time each kernel adds to the stream with graph replay and dependent launch left on (FERRITE_PROFILE's events serialise the ops). Profiled numbers are NOT optimisation targets.");
+    /// Machine code of every compiled CUDA kernel, for inspection.
+    KERNEL_DUMP = ("FERRITE_KERNEL_DUMP", "", Diagnostic,
+        "A directory: every CUDA module NVRTC compiles is also written there as <family><-D macros>.cubin (scripts/kernel-sass.sh disassembles them: instructions, registers, spills and the loads issued before the dependent-launch wait of each variant).");
     /// Force a CUDA linear-layer path.
     CUDA_LINEAR = ("FERRITE_CUDA_LINEAR", "auto", AbTest,
         "auto|gemv|gemm: gemv takes the quantized GEMV at every token count (float weights with cols % 32 != 0 still use GEMM), gemm takes dequantize + cuBLAS.");

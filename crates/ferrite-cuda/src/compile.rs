@@ -74,7 +74,20 @@ pub(crate) fn compile_cubin(family: &'static str, source: &str, options: &[Strin
     unsafe { sys::nvrtcGetCUBIN(program.0, cubin.as_mut_ptr() as *mut c_char) }
         .result()
         .context(|| format!("nvrtcGetCUBIN for {family}"))?;
+    if let Some(dir) = ferrite_core::env::KERNEL_DUMP.get() {
+        dump_cubin(&dir, family, options, &cubin);
+    }
     Ok(cubin)
+}
+
+/// `FERRITE_KERNEL_DUMP`: the module as `DIR/<family><-D macros>.cubin` (best effort: a
+/// diagnostic must not fail a compile).
+fn dump_cubin(dir: &str, family: &str, options: &[String], cubin: &[u8]) {
+    let macros: String = options.iter().filter(|o| o.starts_with("-D")).map(String::as_str).collect();
+    let path = std::path::Path::new(dir).join(format!("{family}{macros}.cubin"));
+    if let Err(e) = std::fs::create_dir_all(dir).and_then(|()| std::fs::write(&path, cubin)) {
+        eprintln!("warning: FERRITE_KERNEL_DUMP: writing {}: {e}", path.display());
+    }
 }
 
 fn program_log(program: &Program) -> Result<String, CudaError> {
