@@ -8,7 +8,7 @@
 #
 #   scripts/kernel-sass.sh [FAMILY_PREFIX] > now.tsv      # e.g. gemv_q8
 #   git stash; scripts/kernel-sass.sh gemv_q8 > before.tsv; git stash pop
-#   join -t$'\t' before.tsv now.tsv | awk -F'\t' '$2 != $6'   # the variants a change moved
+#   join -t$'\t' <(sort before.tsv) <(sort now.tsv) | awk -F'\t' '$2 != $6'   # the variants a change moved
 #
 # Static only: a kernel change still needs a tg128 A/B on a GPU before it lands (docs/perf.md,
 # stop 39: a change that left the weight loads in place still cost 48% on SmolLM2).
