@@ -99,7 +99,25 @@ pub(crate) fn repack(dtype: GgmlType, rows: usize, cols: usize, data: &[u8]) -> 
             dst.copy_from_slice(&block[field.offset..field.offset + field.size]);
         }
     }
+    if dtype == GgmlType::Q4_K {
+        bytes[..128 * n_blocks].chunks_exact_mut(128).for_each(q4k_units_apart);
+    }
     Ok(Repacked { bytes, plane_offsets })
+}
+
+/// A Q4_K block's 128 quant bytes, rearranged so that each 32-weight unit's nibbles are 16
+/// bytes of their own, laid out as Q4_0's (unit `s` at `16 s`: element `l` in the low nibble of
+/// byte `l` for `l < 16`, in the high nibble of byte `l - 16` after). GGML keeps units `2n` and
+/// `2n + 1` in the low and high nibbles of the same 32 bytes, so a unit cost two 16-byte loads
+/// and a shift (`kernels::common::QUANT`).
+fn q4k_units_apart(qs: &mut [u8]) {
+    let ggml: [u8; 128] = qs.try_into().expect("a Q4_K block has 128 quant bytes");
+    let code = |s: usize, l: usize| (ggml[32 * (s / 2) + l] >> (4 * (s % 2))) & 15;
+    for (s, unit) in qs.chunks_exact_mut(16).enumerate() {
+        for (l, byte) in unit.iter_mut().enumerate() {
+            *byte = code(s, l) | (code(s, l + 16) << 4);
+        }
+    }
 }
 
 /// A weight matrix (`rows` outputs x `cols` inputs, row-major like GGUF) in device memory.
@@ -187,6 +205,32 @@ mod tests {
         let d = r.plane_offsets[1];
         assert_eq!(d % PLANE_ALIGN, 0);
         assert_eq!(&r.bytes[d..d + 4], &[0xd0, 0xe0, 0xd1, 0xe0]);
+    }
+
+    #[test]
+    fn q4k_units_decode_as_ggml_dequantizes() {
+        // Two Q4_K blocks of arbitrary bytes, with d and dmin set to finite f16 values.
+        let mut data: Vec<u8> = (0..2 * 144).map(|i| (i * 37 + 11) as u8).collect();
+        for block in data.chunks_exact_mut(144) {
+            block[..4].copy_from_slice(&[0x00, 0x3c, 0x00, 0x38]); // d = 1.0, dmin = 0.5
+        }
+        let mut want = vec![0f32; 512];
+        ferrite_gguf::quant::dequantize(GgmlType::Q4_K, &data, &mut want).unwrap();
+        let r = repack(GgmlType::Q4_K, 1, 512, &data).unwrap();
+        let meta = &r.bytes[r.plane_offsets[1]..];
+        for (i, &w) in want.iter().enumerate() {
+            let (blk, s, l) = (i / 256, i % 256 / 32, i % 32);
+            // The kernel's decode: the code from the unit's own 16 bytes, the 6-bit scale and
+            // minimum of sub-block s picked from the meta words by shifts (`kquant_scales`).
+            let code = (r.bytes[blk * 128 + 16 * s + l % 16] >> (4 * (l / 16))) & 15;
+            let m = &meta[blk * 16..blk * 16 + 16];
+            let (d, dmin) = (half::f16::from_le_bytes([m[0], m[1]]).to_f32(), half::f16::from_le_bytes([m[2], m[3]]).to_f32());
+            let word = |k: usize| u32::from_le_bytes(m[4 * k..4 * k + 4].try_into().unwrap()) >> (8 * (s % 4));
+            let (y, z, x) = (word(1), word(2), word(3));
+            let (sc, mn) = if s < 4 { (y & 63, z & 63) } else { ((x & 15) | ((y >> 2) & 48), ((x >> 4) & 15) | ((z >> 2) & 48)) };
+            let got = d * sc as f32 * code as f32 - dmin * mn as f32;
+            assert_eq!(got, w, "weight {i} (block {blk}, unit {s}, element {l})");
+        }
     }
 
     #[test]

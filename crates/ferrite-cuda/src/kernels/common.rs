@@ -386,57 +386,61 @@ __device__ __forceinline__ u32 unit_word(const Unit& o, int i) {
 }
 
 #elif WTYPE == GGML_Q4_K || WTYPE == GGML_Q5_K
-// Q4_K planes: p0 = qs[128], p1 = meta[16] = (d, dmin, scales[12])
-// Q5_K planes: p0 = qs[128], p1 = qh[32], p2 = meta[16]
-// Unit s: byte l at 32*(s/2), nibble s%2 (+ 16 * bit s of qh[l]); 6-bit scale/min s.
+// Q4_K planes: p0 = qs[128] repacked per unit (weight.rs: unit s's 16 bytes at 16 s, element l
+//   in nibble l / 16 of byte l % 16, as Q4_0's), p1 = meta[16] = (d, dmin, scales[12])
+// Q5_K planes: p0 = qs[128], p1 = qh[32], p2 = meta[16]; unit s: byte l at 32*(s/2), nibble
+//   s%2 (+ 16 * bit s of qh[l]).
+// Both: 6-bit scale/min s.
 #define QK 256
 #define HAS_MIN 1
-#if WTYPE == GGML_Q5_K
-struct Unit { uint4 lo, hi, hlo, hhi; int shift, sub; SCALES; };
+// The scales of sub-block `sub` of a block's meta: a = d * scale, b = -dmin * min.
+__device__ __forceinline__ void kquant_scales(const uint4& meta, int sub, float& a, float& b) {
+  const float d = f16_to_f32((u16)meta.x), dmin = f16_to_f32((u16)(meta.x >> 16));
+  // scales[k] is byte 4 + k of meta: sub-block j < 4 has its 6 bits in scales[j] (scale) and
+  // scales[4 + j] (min); j >= 4 has 4 bits in each nibble of scales[4 + j] and its top 2 bits in
+  // the top bits of scales[j - 4] and scales[j]. Bytes picked by shifts, not a run-time index.
+  const u32 sh = 8 * (sub & 3), y = meta.y >> sh, z = meta.z >> sh, x = meta.w >> sh;
+  const u32 sc = sub < 4 ? y & 63u : (x & 15u) | ((y >> 2) & 48u);
+  const u32 mn = sub < 4 ? z & 63u : ((x >> 4) & 15u) | ((z >> 2) & 48u);
+  a = d * (float)sc;
+  b = -dmin * (float)mn;
+}
+#if WTYPE == GGML_Q4_K
+struct Unit { uint4 qs; SCALES; };
+__device__ __forceinline__ void load_block_unit(const WeightRef& w, i64 blk, int sub, Unit& o) {
+  o.qs = ld_u128(w.p0 + blk * 128 + 16 * sub);
+  float a, b;
+  kquant_scales(ld_u128(w.p1 + blk * 16), sub, a, b);
+  set_scales(o, a, b, a, b);
+}
+__device__ __forceinline__ float unit_q(const Unit& o, int l) {
+  return code_f((byte_of(o.qs, l & 15) >> (l < 16 ? 0 : 4)) & 15u, 0.f);
+}
+__device__ __forceinline__ u32 unit_word(const Unit& o, int i) { return (word_of(o.qs, i & 3) >> (i < 4 ? 0 : 4)) & 0x0F0F0F0Fu; }
 #else
-struct Unit { uint4 lo, hi; int shift; SCALES; };
-#endif
+struct Unit { uint4 lo, hi, hlo, hhi; int shift, sub; SCALES; };
 __device__ __forceinline__ void load_block_unit(const WeightRef& w, i64 blk, int sub, Unit& o) {
   const u8* q = w.p0 + blk * 128 + 32 * (sub >> 1);
   o.lo = ld_u128(q);
   o.hi = ld_u128(q + 16);
   o.shift = 4 * (sub & 1);
-#if WTYPE == GGML_Q5_K
   o.hlo = ld_u128(w.p1 + blk * 32);
   o.hhi = ld_u128(w.p1 + blk * 32 + 16);
   o.sub = sub;
-  const uint4 meta = ld_u128(w.p2 + blk * 16);
-#else
-  const uint4 meta = ld_u128(w.p1 + blk * 16);
-#endif
-  const float d = f16_to_f32((u16)meta.x), dmin = f16_to_f32((u16)(meta.x >> 16));
-  // scales[k] is byte 4 + k of meta.
-  u32 sc, mn;
-  if (sub < 4) {
-    sc = byte_of(meta, 4 + sub) & 63u;
-    mn = byte_of(meta, 8 + sub) & 63u;
-  } else {
-    sc = (byte_of(meta, 8 + sub) & 15u) | ((byte_of(meta, sub) >> 6) << 4);
-    mn = (byte_of(meta, 8 + sub) >> 4) | ((byte_of(meta, 4 + sub) >> 6) << 4);
-  }
-  const float a = d * (float)sc, b = -dmin * (float)mn;
+  float a, b;
+  kquant_scales(ld_u128(w.p2 + blk * 16), sub, a, b);
   set_scales(o, a, b, a, b);
 }
 __device__ __forceinline__ float unit_q(const Unit& o, int l) {
-  u32 v = (byte_of2(o.lo, o.hi, l) >> o.shift) & 15u;
-#if WTYPE == GGML_Q5_K
-  v |= ((byte_of2(o.hlo, o.hhi, l) >> o.sub) & 1u) << 4;
-#endif
-  return code_f(v, 0.f);
+  const u32 v = (byte_of2(o.lo, o.hi, l) >> o.shift) & 15u;
+  return code_f(v | (((byte_of2(o.hlo, o.hhi, l) >> o.sub) & 1u) << 4), 0.f);
 }
-#define W_OFFSET 0
 __device__ __forceinline__ u32 unit_word(const Unit& o, int i) {
-  u32 v = (word_of2(o.lo, o.hi, i) >> o.shift) & 0x0F0F0F0Fu;
-#if WTYPE == GGML_Q5_K
-  v |= ((word_of2(o.hlo, o.hhi, i) >> o.sub) & 0x01010101u) << 4;
-#endif
-  return v;
+  const u32 v = (word_of2(o.lo, o.hi, i) >> o.shift) & 0x0F0F0F0Fu;
+  return v | (((word_of2(o.hlo, o.hhi, i) >> o.sub) & 0x01010101u) << 4);
 }
+#endif
+#define W_OFFSET 0
 
 #elif WTYPE == GGML_Q6_K
 // planes: p0 = ql[128], p1 = qh[64], p2 = scales[16] (int8), p3 = d
