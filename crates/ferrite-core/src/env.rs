@@ -167,6 +167,9 @@ switches! {
     /// RoPE applied inside the attention op.
     DISABLE_ROPE_FUSION = ("FERRITE_DISABLE_ROPE_FUSION", "0", AbTest,
         "1 rotates Q and K with a separate in-place RoPE op before attention, instead of inside the attention op as it stores K in the cache and reads Q (CUDA: one kernel fewer per layer).");
+    /// QK-norm applied inside the attention op.
+    DISABLE_HEAD_NORM_FUSION = ("FERRITE_DISABLE_HEAD_NORM_FUSION", "0", AbTest,
+        "1 normalises each Q and K head (Qwen3's and Gemma 3's QK-norm) with two separate in-place ops before attention, instead of inside the attention op before its RoPE (CUDA: two kernels fewer per layer). Needs the RoPE fusion.");
     /// Producers leave int8 activations for the next int8 GEMV (CUDA).
     DISABLE_INT8_HANDOFF = ("FERRITE_DISABLE_INT8_HANDOFF", "0", AbTest,
         "1 drops the int8 hand-offs declared at load: each int8 GEMV quantizes its input (and applies its RMSNorm) in a launch of its own, instead of the attention or the previous GEMV leaving it quantized (CUDA: up to four kernels fewer per layer).");

@@ -668,7 +668,7 @@ impl CpuExecutor {
                         }
                     }
                 }
-                Op::Attention { layer, qkv, window, ref rope, .. } => {
+                Op::Attention { layer, qkv, window, ref rope, qk_norm, .. } => {
                     let a = graph.attention;
                     let rope = rope.as_ref().map(|r| self.rope(r));
                     let (qw, kvw, hd) = (a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim, a.head_dim);
@@ -682,16 +682,28 @@ impl CpuExecutor {
                         window,
                         softcap: None,
                     };
-                    // Each row's Q rotated into scratch and its K into scratch2, in f32 (before
-                    // the cache rounds K); then K and V into each row's cache row, sequence by
-                    // sequence; then attention over every row at once.
+                    // Each row's Q (normalised per head with a QK-norm, then rotated) into
+                    // scratch and its K into scratch2, in f32 (before the cache rounds K); then K
+                    // and V into each row's cache row, sequence by sequence; then attention over
+                    // every row at once.
                     let n_rows = n;
                     let rope = rope.map(|r| (r, rope_table(&mut buf.rope_tables, r, positions)));
                     let (q, k, tables) = (&mut buf.scratch, &mut buf.scratch2, &buf.rope_tables);
                     q.resize(n_rows * qw, 0.0);
                     k.resize(n_rows * kvw, 0.0);
+                    let norms = qk_norm.map(|n| (self.f32_weight(n.q.weight), n.q.eps, self.f32_weight(n.k.weight), n.k.eps));
                     let rotate = |t: usize, q: &mut [f32], k: &mut [f32]| {
                         let (q_in, k_in) = (&src[t * w..][..qw], &src[t * w + qw..][..kvw]);
+                        if let Some((qn, q_eps, kn, k_eps)) = norms {
+                            // The same values as two HeadNorm ops, then the rotation in place.
+                            norm::rms_norm(q_in, qn, q_eps, q);
+                            norm::rms_norm(k_in, kn, k_eps, k);
+                            if let Some((rope, table)) = &rope {
+                                rope.apply_table(q, a.n_heads, &tables[*table].1, t);
+                                rope.apply_table(k, a.n_kv_heads, &tables[*table].1, t);
+                            }
+                            return;
+                        }
                         match &rope {
                             // The same rotation as a separate Rope op, read from the qkv row.
                             Some((rope, table)) => {

@@ -527,7 +527,7 @@ fn attention(gpu: &Gpu) -> Result<(), CudaError> {
     let qkv = gpu.upload(&vec![0.1f32; 8192 * 960], "qkv")?;
     let all: Vec<u32> = (0..8192).collect();
     let mut q_all = gpu.alloc_zeros::<f32>(8192 * 576)?;
-    ops::store_qkv(gpu, &mut cache, &qkv, 960, 8192, 9, &gpu.upload(&all, "positions")?, None, &mut q_all)?;
+    ops::store_qkv(gpu, &mut cache, &qkv, 960, 8192, 9, &gpu.upload(&all, "positions")?, None, None, &mut q_all)?;
     let q = gpu.upload(&vec![0.1f32; 576], "q")?;
     let mut out = gpu.alloc_zeros::<f32>(576)?;
     let cfg = AttentionConfig { n_heads: 9, scale: 0.125, window: None, softcap: None };
@@ -555,8 +555,8 @@ fn attention(gpu: &Gpu) -> Result<(), CudaError> {
             let p = gpu.upload(&[pos], "pos")?;
             // The layout the executor would take at this position.
             let ops::DecodeLayout { group, splits } = layouts.layout(layouts.is_long(pos as usize + 1));
-            let s = time(gpu, 200, || ops::store_and_attend(gpu, &mut cache, &qkv, &p, &cfg, Some(&rope), None, group, &mut out, None))?;
-            let split = time(gpu, 200, || ops::store_and_attend(gpu, &mut cache, &qkv, &p, &cfg, Some(&rope), Some((splits, &mut scratch)), group, &mut out, None))?;
+            let s = time(gpu, 200, || ops::store_and_attend(gpu, &mut cache, &qkv, &p, &cfg, Some(&rope), None, None, group, &mut out, None))?;
+            let split = time(gpu, 200, || ops::store_and_attend(gpu, &mut cache, &qkv, &p, &cfg, Some(&rope), None, Some((splits, &mut scratch)), group, &mut out, None))?;
             // K and V rows read per launch (each query head's block reads its group's rows).
             let gbs = (n_heads * (pos as usize + 1) * head_dim * 2 * 2) as f64 / split / 1e9;
             println!("  kv_len={:<5} {group} heads per block {:>9.2} us, split in {splits}: {:>9.2} us ({gbs:.0} GB/s of K/V rows per query head)", pos + 1, s * 1e6, split * 1e6);
@@ -580,7 +580,7 @@ fn attention(gpu: &Gpu) -> Result<(), CudaError> {
         let mut out = gpu.alloc_zeros::<f32>(seqs * n_heads * head_dim)?;
         let cfg = AttentionConfig { n_heads, scale: 1.0 / (head_dim as f32).sqrt(), window: None, softcap: None };
         let rope = ops::RopeConfig { n_heads, head_dim, rot_dim: head_dim, theta: 500_000.0, freq_scale: 1.0, neox: true };
-        let store = time(gpu, 200, || ops::store_qkv_paged(gpu, &mut cache, &qkv, row, seqs, n_heads, &positions, Some(&rope), &paging, &mut q))?;
+        let store = time(gpu, 200, || ops::store_qkv_paged(gpu, &mut cache, &qkv, row, seqs, n_heads, &positions, Some(&rope), None, &paging, &mut q))?;
         let attend = time(gpu, 200, || ops::attention_paged(gpu, &q, &cache, &positions, seqs, &cfg, &paging, &mut out, None))?;
         // K and V rows as each query head's block reads them (a group's heads share them via L2).
         let gbs = (seqs * n_heads * len * head_dim * 2 * 2) as f64 / attend / 1e9;

@@ -1270,10 +1270,12 @@ impl CudaExecutor {
                 // In place on x's buffer (`out`).
                 ops::head_norm(gpu, out, width(x), col, n, n_heads, graph.attention.head_dim, vector(norm.weight), norm.eps)?;
             }
-            Op::Attention { layer, qkv, window, ref rope, .. } => {
+            Op::Attention { layer, qkv, window, ref rope, qk_norm, .. } => {
                 let a = graph.attention;
                 let cfg = AttentionConfig { n_heads: a.n_heads, scale: a.scale, window, softcap: None };
                 let rope = rope.as_ref().map(|r| rope_config(r, a.n_heads, a.head_dim));
+                let qk_norm = qk_norm.map(|n| ops::QkNorm { q: vector(n.q.weight), k: vector(n.k.weight), q_eps: n.q.eps, k_eps: n.k.eps });
+                let qk_norm = qk_norm.as_ref();
                 let cache = &mut buf.kv[layer];
                 // The output projection takes no norm: the int8 hand-off is the plain
                 // quantization; a staged one is the 16-bit copy of the rows.
@@ -1290,10 +1292,10 @@ impl CudaExecutor {
                     let decode = n == pg.n_seqs && n <= ops::FUSED_PAGED_STORE_MAX_SEQS;
                     if buf.fused_kv_store && decode && stride == (a.n_heads + 2 * cache.n_kv_heads) * a.head_dim {
                         // A decode step: each row stores its own K/V inside its attention.
-                        ops::store_and_attend_paged(gpu, cache, qkv, n, &buf.positions, &cfg, rope.as_ref(), &paging, out, emit)?;
+                        ops::store_and_attend_paged(gpu, cache, qkv, n, &buf.positions, &cfg, rope.as_ref(), qk_norm, &paging, out, emit)?;
                         return Ok(());
                     }
-                    ops::store_qkv_paged(gpu, cache, qkv, stride, n, a.n_heads, &buf.positions, rope.as_ref(), &paging, &mut buf.scratch_a)?;
+                    ops::store_qkv_paged(gpu, cache, qkv, stride, n, a.n_heads, &buf.positions, rope.as_ref(), qk_norm, &paging, &mut buf.scratch_a)?;
                     let q = buf.scratch_a.slice(0..n * a.n_heads * a.head_dim);
                     ops::attention_paged(gpu, &q, cache, &buf.positions, n, &cfg, &paging, out, emit)?;
                     return Ok(());
@@ -1305,11 +1307,11 @@ impl CudaExecutor {
                         1 => None,
                         splits => Some((splits, &mut buf.split_scratch)),
                     };
-                    ops::store_and_attend(gpu, cache, input(qkv), &buf.positions, &cfg, rope.as_ref(), split, layout.group, out, emit)?;
+                    ops::store_and_attend(gpu, cache, input(qkv), &buf.positions, &cfg, rope.as_ref(), qk_norm, split, layout.group, out, emit)?;
                     return Ok(());
                 }
                 // One kernel splits the rows: rotated Q to scratch, rotated K and V into the cache.
-                ops::store_qkv(gpu, cache, input(qkv), width(qkv), n, a.n_heads, &buf.positions, rope.as_ref(), &mut buf.scratch_a)?;
+                ops::store_qkv(gpu, cache, input(qkv), width(qkv), n, a.n_heads, &buf.positions, rope.as_ref(), qk_norm, &mut buf.scratch_a)?;
                 let q = buf.scratch_a.slice(0..n * a.n_heads * a.head_dim);
                 match buf.attention_splits[n] {
                     1 => ops::attention(gpu, &q, cache, &buf.positions, n, &cfg, out, emit)?,

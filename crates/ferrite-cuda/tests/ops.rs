@@ -1106,7 +1106,7 @@ fn store(gpu: &Gpu, cache: &mut KvCache, q: &[f32], k: &[f32], v: &[f32], n_head
         row[qw + kvw..qw + 2 * kvw].copy_from_slice(&v[t * kvw..(t + 1) * kvw]);
     }
     let mut q_out = poisoned(gpu, q.len());
-    ops::store_qkv(gpu, cache, &upload(gpu, &rows), stride, n, n_heads, pos, None, &mut q_out).unwrap();
+    ops::store_qkv(gpu, cache, &upload(gpu, &rows), stride, n, n_heads, pos, None, None, &mut q_out).unwrap();
     assert_eq!(download(gpu, &q_out), q, "store_qkv copies Q unchanged without RoPE");
     q_out
 }
@@ -1285,7 +1285,7 @@ fn attention_reports_positions_beyond_the_cache() {
     let kv = upload(&gpu, &[1f32; 32]);
     let qkv = upload(&gpu, &[1f32; 96]);
     let mut q_out = poisoned(&gpu, 32);
-    ops::store_qkv(&gpu, &mut cache, &qkv, 96, 1, 1, &pos, None, &mut q_out).unwrap();
+    ops::store_qkv(&gpu, &mut cache, &qkv, 96, 1, 1, &pos, None, None, &mut q_out).unwrap();
     let err = gpu.check_device().unwrap_err().to_string();
     assert!(err.contains("position 4"), "{err}");
     let mut out = poisoned(&gpu, hd);
@@ -1309,7 +1309,7 @@ fn attention_reports_positions_beyond_the_cache() {
     let err = ops::attention_split(&gpu, &kv, &cache, &pos, 1, &cfg, 5, &mut scratch, &mut out, None).unwrap_err().to_string();
     assert!(err.contains("cannot hold 1 x 5"), "{err}");
     let zero_window = AttentionConfig { window: Some(0), ..cfg };
-    let err = ops::store_qkv(&gpu, &mut cache2, &qkv, 96, 1, 1, &pos, None, &mut q_out).unwrap_err().to_string();
+    let err = ops::store_qkv(&gpu, &mut cache2, &qkv, 96, 1, 1, &pos, None, None, &mut q_out).unwrap_err().to_string();
     assert!(err.contains("row stride 96 is shorter than the 160 values"), "{err}");
     assert!(ops::attention(&gpu, &kv, &cache, &pos, 1, &zero_window, &mut out, None).is_err());
 }
@@ -1333,7 +1333,7 @@ fn store_qkv_rotates_like_rope() {
         let mut cache = KvCache::new(gpu, kv_dtype, max_seq, n_kv, hd).unwrap();
         let cfg = RopeConfig { n_heads, head_dim: hd, rot_dim, theta: 500_000.0, freq_scale: 0.5, neox };
         let mut q_out = poisoned(gpu, n * qw);
-        ops::store_qkv(gpu, &mut cache, &upload(gpu, &rows), stride, n, n_heads, &pos, Some(&cfg), &mut q_out).unwrap();
+        ops::store_qkv(gpu, &mut cache, &upload(gpu, &rows), stride, n, n_heads, &pos, Some(&cfg), None, &mut q_out).unwrap();
         // Unfused: the rope kernel on Q and K heads of the same rows.
         let mut qk: Vec<f32> = rows.chunks(stride).flat_map(|r| r[..qw + kvw].to_vec()).collect();
         let mut qk_dev = upload(gpu, &qk);
@@ -1385,7 +1385,7 @@ fn store_and_attend_matches_store_then_attention_on(gpu: &Gpu) {
         let pos = upload(gpu, &(0..9).collect::<Vec<u32>>());
         let mut q = poisoned(gpu, 9 * qw);
         for cache in [&mut fused, &mut twin] {
-            ops::store_qkv(gpu, cache, &prefill, row, 9, n_heads, &pos, rope.as_ref(), &mut q).unwrap();
+            ops::store_qkv(gpu, cache, &prefill, row, 9, n_heads, &pos, rope.as_ref(), None, &mut q).unwrap();
         }
         for p in 9..14u32 {
             let name = format!("rope {:?} h{n_heads}/{n_kv} d{hd} {kv_dtype:?} w{window:?} cap{softcap:?} pos{p}", rope.map(|r| (r.neox, r.rot_dim)));
@@ -1394,9 +1394,9 @@ fn store_and_attend_matches_store_then_attention_on(gpu: &Gpu) {
             let (mut out, mut want) = (poisoned(gpu, qw), poisoned(gpu, qw));
             let mut emitted = ops::Q8Activations::new(gpu, qw).unwrap();
             let group = ops::DecodeLayouts::new(gpu, n_heads, n_kv, hd, max_seq, false).short.group;
-            ops::store_and_attend(gpu, &mut fused, &qkv, &pos, &cfg, rope.as_ref(), None, group, &mut out, Some(ops::AttentionEmit::Q8(&mut emitted))).unwrap();
+            ops::store_and_attend(gpu, &mut fused, &qkv, &pos, &cfg, rope.as_ref(), None, None, group, &mut out, Some(ops::AttentionEmit::Q8(&mut emitted))).unwrap();
             let mut q = poisoned(gpu, qw);
-            ops::store_qkv(gpu, &mut twin, &qkv, row, 1, n_heads, &pos, rope.as_ref(), &mut q).unwrap();
+            ops::store_qkv(gpu, &mut twin, &qkv, row, 1, n_heads, &pos, rope.as_ref(), None, &mut q).unwrap();
             ops::attention(gpu, &q, &twin, &pos, 1, &cfg, &mut want, None).unwrap();
             let atol = 2e-6 + softcap.map_or(0.0, |cap| cap as f64 * 2.4e-7 * 2.0);
             close("store+attn", &name, &download(gpu, &out), &download(gpu, &want), 1e-5, atol);
@@ -1433,7 +1433,7 @@ fn split_store_and_attend_matches_one_block_on(gpu: &Gpu) {
             let pos = upload(gpu, &(0..prefill as u32).collect::<Vec<u32>>());
             let mut q = poisoned(gpu, prefill * n_heads * hd);
             for cache in [&mut split, &mut one] {
-                ops::store_qkv(gpu, cache, &rows, row, prefill, n_heads, &pos, Some(&rope), &mut q).unwrap();
+                ops::store_qkv(gpu, cache, &rows, row, prefill, n_heads, &pos, Some(&rope), None, &mut q).unwrap();
             }
         }
         let mut scratch = ops::SplitScratch::new(gpu, n_heads, splits, hd).unwrap();
@@ -1444,15 +1444,15 @@ fn split_store_and_attend_matches_one_block_on(gpu: &Gpu) {
             let (mut got, mut want) = (poisoned(gpu, n_heads * hd), poisoned(gpu, n_heads * hd));
             let mut emitted = ops::Q8Activations::new(gpu, n_heads * hd).unwrap();
             let group = ops::DecodeLayouts::new(gpu, n_heads, n_kv, hd, max_seq, true).short.group;
-            ops::store_and_attend(gpu, &mut split, &qkv, &pos, &cfg, Some(&rope), Some((splits, &mut scratch)), group, &mut got, Some(ops::AttentionEmit::Q8(&mut emitted))).unwrap();
-            ops::store_and_attend(gpu, &mut one, &qkv, &pos, &cfg, Some(&rope), None, group, &mut want, None).unwrap();
+            ops::store_and_attend(gpu, &mut split, &qkv, &pos, &cfg, Some(&rope), None, Some((splits, &mut scratch)), group, &mut got, Some(ops::AttentionEmit::Q8(&mut emitted))).unwrap();
+            ops::store_and_attend(gpu, &mut one, &qkv, &pos, &cfg, Some(&rope), None, None, group, &mut want, None).unwrap();
             close("store+attn split", &name, &download(gpu, &got), &download(gpu, &want), 1e-5, 2e-6);
             assert_handoff_is_quantize(gpu, &emitted, &got, 1, n_heads * hd, &name);
         }
         assert_eq!(split.download(gpu).unwrap(), one.download(gpu).unwrap(), "cache rows written by the split kernel");
         let (qkv, pos, mut out) = (upload(gpu, &vec![0.0; row]), upload(gpu, &[0u32]), poisoned(gpu, n_heads * hd));
         let bad = n_heads / n_kv + 1;
-        let err = ops::store_and_attend(gpu, &mut split, &qkv, &pos, &cfg, Some(&rope), None, bad, &mut out, None).unwrap_err().to_string();
+        let err = ops::store_and_attend(gpu, &mut split, &qkv, &pos, &cfg, Some(&rope), None, None, bad, &mut out, None).unwrap_err().to_string();
         assert!(err.contains("query heads per block"), "{err}");
     }
 }
@@ -1504,24 +1504,24 @@ fn paged_attention_matches_contiguous_per_sequence() {
             let paging = ops::Paging { tables: &tab_d, row_seq: &seq_d, n_seqs: seqs.len(), max_blocks, block_size };
             let rows_d = upload(gpu, &rows);
             let mut q = poisoned(gpu, n * qw);
-            ops::store_qkv_paged(gpu, &mut paged, &rows_d, row, n, n_heads, &pos_d, Some(&rope), &paging, &mut q).unwrap();
+            ops::store_qkv_paged(gpu, &mut paged, &rows_d, row, n, n_heads, &pos_d, Some(&rope), None, &paging, &mut q).unwrap();
             let mut got = poisoned(gpu, n * qw);
             ops::attention_paged(gpu, &q, &paged, &pos_d, n, &cfg, &paging, &mut got, None).unwrap();
             let got = download(gpu, &got);
             if n == seqs.len() {
                 let mut out = poisoned(gpu, n * qw);
-                ops::store_and_attend_paged(gpu, &mut fused, &rows_d, n, &pos_d, &cfg, Some(&rope), &paging, &mut out, None).unwrap();
+                ops::store_and_attend_paged(gpu, &mut fused, &rows_d, n, &pos_d, &cfg, Some(&rope), None, &paging, &mut out, None).unwrap();
                 let name = format!("h{n_heads}/{n_kv} d{hd} {kv_dtype:?} w{window:?} decode {seqs:?}");
                 close("attn_paged_store", &name, &download(gpu, &out), &got, 1e-5, 2e-6);
             } else {
-                ops::store_qkv_paged(gpu, &mut fused, &rows_d, row, n, n_heads, &pos_d, Some(&rope), &paging, &mut poisoned(gpu, n * qw)).unwrap();
+                ops::store_qkv_paged(gpu, &mut fused, &rows_d, row, n, n_heads, &pos_d, Some(&rope), None, &paging, &mut poisoned(gpu, n * qw)).unwrap();
             }
             let mut first = 0;
             for &s in &seqs {
                 let m = step[s];
                 let pos_s = upload(gpu, &positions[first..first + m]);
                 let mut q_s = poisoned(gpu, m * qw);
-                ops::store_qkv(gpu, &mut own[s], &upload(gpu, &rows[first * row..(first + m) * row]), row, m, n_heads, &pos_s, Some(&rope), &mut q_s).unwrap();
+                ops::store_qkv(gpu, &mut own[s], &upload(gpu, &rows[first * row..(first + m) * row]), row, m, n_heads, &pos_s, Some(&rope), None, &mut q_s).unwrap();
                 let mut want = poisoned(gpu, m * qw);
                 // The paged cache takes the one-query kernel at every batch size: compare with it.
                 ops::attention_on(gpu, ops::AttentionPath::Simt, &q_s, &own[s], &pos_s, m, &cfg, &mut want, None).unwrap();
@@ -1542,6 +1542,82 @@ fn paged_attention_matches_contiguous_per_sequence() {
                 assert_eq!(pk[phys * kvw..(phys + 1) * kvw], ok[p * kvw..(p + 1) * kvw], "sequence {s} position {p}: K row");
             }
         }
+    }
+}
+
+/// QK-norm inside the K/V store (`store_qkv`, contiguous and paged) and inside the fused decode
+/// kernels (`store_and_attend`, split or not, and `store_and_attend_paged`) against `head_norm`
+/// in place on the Q and K columns of a copy of the rows, then the same ops without the norm:
+/// the same queries, cache rows and outputs up to the order of the sums of squares.
+#[test]
+fn qk_norm_inside_the_store_matches_head_norm_first() {
+    let Some(gpu) = gpu() else { return };
+    let mut rng = Rng(31);
+    for (n_heads, n_kv, hd, kv_dtype, neox) in [(8, 2, 128, KvDtype::F32, true), (9, 3, 64, KvDtype::F16, false), (4, 4, 256, KvDtype::F32, true)] {
+        let (qw, kvw) = (n_heads * hd, n_kv * hd);
+        let row = qw + 2 * kvw;
+        let rope = RopeConfig { n_heads, head_dim: hd, rot_dim: hd, theta: 1e6, freq_scale: 1.0, neox };
+        let cfg = AttentionConfig { n_heads, scale: 1.0 / (hd as f32).sqrt(), window: None, softcap: None };
+        let (q_w, k_w) = (upload(gpu, &rng.vec(hd, 0.5, 1.5)), upload(gpu, &rng.vec(hd, 0.5, 1.5)));
+        let (q_eps, k_eps) = (1e-6, 1e-5);
+        let norm = ops::QkNorm { q: &q_w, k: &k_w, q_eps, k_eps };
+        // Rows with the norms applied in place, as two HeadNorm ops would.
+        let normed = |rows: &[f32], n: usize| {
+            let mut d = upload(gpu, rows);
+            ops::head_norm(gpu, &mut d, row, 0, n, n_heads, hd, &q_w, q_eps).unwrap();
+            ops::head_norm(gpu, &mut d, row, qw, n, n_kv, hd, &k_w, k_eps).unwrap();
+            d
+        };
+        let (rtol, atol) = if kv_dtype == KvDtype::F16 { (2e-3, 2e-3) } else { (1e-5, 1e-5) };
+        let name = format!("h{n_heads}/{n_kv} d{hd} {kv_dtype:?}");
+        let same_caches = |what: &str, a: &KvCache, b: &KvCache| {
+            let ((ak, av), (bk, bv)) = (a.download(gpu).unwrap(), b.download(gpu).unwrap());
+            close("qk_norm store", &format!("{name} {what} K"), &ak, &bk, rtol, atol);
+            close("qk_norm store", &format!("{name} {what} V"), &av, &bv, 0.0, 0.0);
+        };
+        // A 9-token prefill, then decode steps through the fused kernel (one block, then split).
+        let max_seq = 64;
+        let (mut got_c, mut want_c) = (KvCache::new(gpu, kv_dtype, max_seq, n_kv, hd).unwrap(), KvCache::new(gpu, kv_dtype, max_seq, n_kv, hd).unwrap());
+        let rows = rng.vec(9 * row, -2.0, 2.0);
+        let pos = upload(gpu, &(0..9).collect::<Vec<u32>>());
+        let (mut got_q, mut want_q) = (poisoned(gpu, 9 * qw), poisoned(gpu, 9 * qw));
+        ops::store_qkv(gpu, &mut got_c, &upload(gpu, &rows), row, 9, n_heads, &pos, Some(&rope), Some(&norm), &mut got_q).unwrap();
+        ops::store_qkv(gpu, &mut want_c, &normed(&rows, 9), row, 9, n_heads, &pos, Some(&rope), None, &mut want_q).unwrap();
+        close("qk_norm store", &format!("{name} prefill q"), &download(gpu, &got_q), &download(gpu, &want_q), 1e-5, 1e-5);
+        same_caches("prefill", &got_c, &want_c);
+        let mut scratch = ops::SplitScratch::new(gpu, n_heads, 4, hd).unwrap();
+        for p in 9..13u32 {
+            let rows = rng.vec(row, -2.0, 2.0);
+            let pos = upload(gpu, &[p]);
+            let (mut got, mut want) = (poisoned(gpu, qw), poisoned(gpu, qw));
+            let split = (p % 2 == 1).then_some((4, &mut scratch));
+            ops::store_and_attend(gpu, &mut got_c, &upload(gpu, &rows), &pos, &cfg, Some(&rope), Some(&norm), split, 1, &mut got, None).unwrap();
+            ops::store_and_attend(gpu, &mut want_c, &normed(&rows, 1), &pos, &cfg, Some(&rope), None, None, 1, &mut want, None).unwrap();
+            close("qk_norm attn", &format!("{name} decode pos{p}"), &download(gpu, &got), &download(gpu, &want), 1e-4, 1e-5);
+        }
+        same_caches("decode", &got_c, &want_c);
+        // Three sequences on a paged cache: a prefill of each through store_qkv_paged, then a
+        // batched decode step through store_and_attend_paged.
+        let (block_size, max_blocks) = (16, 2);
+        let (mut got_c, mut want_c) = (KvCache::new(gpu, kv_dtype, 6 * block_size, n_kv, hd).unwrap(), KvCache::new(gpu, kv_dtype, 6 * block_size, n_kv, hd).unwrap());
+        let tables = upload(gpu, &[4u32, 1, 0, 5, 3, 2]);
+        for (positions, row_seq) in [(vec![0u32, 1, 2, 0, 1, 0, 1, 2, 3], vec![0u32, 0, 0, 1, 1, 2, 2, 2, 2]), (vec![3, 2, 4], vec![0, 1, 2])] {
+            let n = positions.len();
+            let (pos_d, seq_d) = (upload(gpu, &positions), upload(gpu, &row_seq));
+            let paging = ops::Paging { tables: &tables, row_seq: &seq_d, n_seqs: 3, max_blocks, block_size };
+            let rows = rng.vec(n * row, -2.0, 2.0);
+            let (mut got, mut want) = (poisoned(gpu, n * qw), poisoned(gpu, n * qw));
+            if n == 3 {
+                ops::store_and_attend_paged(gpu, &mut got_c, &upload(gpu, &rows), n, &pos_d, &cfg, Some(&rope), Some(&norm), &paging, &mut got, None).unwrap();
+                ops::store_and_attend_paged(gpu, &mut want_c, &normed(&rows, n), n, &pos_d, &cfg, Some(&rope), None, &paging, &mut want, None).unwrap();
+                close("qk_norm attn", &format!("{name} paged decode"), &download(gpu, &got), &download(gpu, &want), 1e-4, 1e-5);
+            } else {
+                ops::store_qkv_paged(gpu, &mut got_c, &upload(gpu, &rows), row, n, n_heads, &pos_d, Some(&rope), Some(&norm), &paging, &mut got).unwrap();
+                ops::store_qkv_paged(gpu, &mut want_c, &normed(&rows, n), row, n, n_heads, &pos_d, Some(&rope), None, &paging, &mut want).unwrap();
+                close("qk_norm store", &format!("{name} paged prefill q"), &download(gpu, &got), &download(gpu, &want), 1e-5, 1e-5);
+            }
+        }
+        same_caches("paged", &got_c, &want_c);
     }
 }
 
@@ -3226,8 +3302,10 @@ fn every_kernel_variant_compiles_for_sm90() {
     }
     for kv in [KvDtype::F16, KvDtype::F32] {
         for rope in [RopeStyle::None, RopeStyle::Normal, RopeStyle::Neox] {
-            let v = StoreQkvVariant { kv, head_dim: 128, rope, paged: rope == RopeStyle::Normal };
-            check(format!("{v:?}"), job(&v));
+            for qk_norm in [false, true] {
+                let v = StoreQkvVariant { kv, head_dim: 128, rope, paged: rope == RopeStyle::Normal, qk_norm };
+                check(format!("{v:?}"), job(&v));
+            }
         }
         for hd in [32, 64, 128, 256] {
             for split in [false, true] {
@@ -3239,14 +3317,19 @@ fn every_kernel_variant_compiles_for_sm90() {
                 for group in [1, 4] {
                     let v = AttentionVariant::storing(hd, kv, rope, split, group);
                     check(format!("{v:?}"), job(&v));
+                    // Qwen3's QK-norm fused in.
+                    let v = AttentionVariant { qk_norm: true, ..v };
+                    check(format!("{v:?}"), job(&v));
                 }
             }
             for group in [1, 3, 4, 8] {
                 let v = AttentionVariant::paged(hd, kv, group);
                 check(format!("{v:?}"), job(&v));
                 // Batched decode steps: the K/V store fused into the paged kernel.
-                let v = AttentionVariant { paged: true, ..AttentionVariant::storing(hd, kv, rope, false, group) };
-                check(format!("{v:?}"), job(&v));
+                for qk_norm in [false, true] {
+                    let v = AttentionVariant { paged: true, qk_norm, ..AttentionVariant::storing(hd, kv, rope, false, group) };
+                    check(format!("{v:?}"), job(&v));
+                }
             }
         }
     }

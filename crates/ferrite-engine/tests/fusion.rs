@@ -81,6 +81,45 @@ fn qwen2_biases_fuse_bit_identically() {
     assert!(a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits()), "fused and unfused Qwen2 logits differ");
 }
 
+/// QK-norm inside the attention op (`head_norm_into_attention`): Qwen3, Gemma 3 and Qwen3.5's
+/// gated attention, each on its tiny fixture, give bit-identical logits with and without it
+/// (a prompt in one chunk, then two decode steps), and the graph trades two `HeadNorm` ops per
+/// attention layer for the op's own norm.
+#[test]
+fn qk_norm_inside_attention_is_bit_identical() {
+    use ferrite_model::Model;
+    use std::sync::Arc;
+    let without = FusionOptions { head_norm_into_attention: false, ..FusionOptions::ALL };
+    for name in ["qwen3.gguf", "gemma3.gguf", "qwen35.gguf"] {
+        let path = common::workspace_root().join("fixtures/tiny").join(name);
+        let load = |fusion| Arc::new(Model::load(&path, fusion).unwrap());
+        let (fused, unfused) = (load(FusionOptions::ALL), load(without));
+        let count = |m: &Model, f: fn(&Op) -> bool| m.graph.ops.iter().filter(|o| f(o)).count();
+        let head_norm = |o: &Op| matches!(o, Op::HeadNorm { .. });
+        let normed_attention = |o: &Op| matches!(o, Op::Attention { qk_norm: Some(_), .. });
+        let layers = fused.graph.attention_layers().len();
+        assert!(layers > 0, "{name}: no attention layer");
+        assert_eq!((count(&fused, head_norm), count(&fused, normed_attention)), (0, layers), "{name}: fused graph");
+        assert_eq!((count(&unfused, head_norm), count(&unfused, normed_attention)), (2 * layers, 0), "{name}: unfused graph");
+        for precision in [CpuPrecision::Reference, CpuPrecision::Quantized] {
+            let logits = |model: Arc<Model>| {
+                let mut exec = CpuExecutor::new(model, precision, ExecutorOptions { max_batch: 8, context_len: 32, trace: false, progress: None }).unwrap();
+                let mut all = Vec::new();
+                exec.forward(&[3, 77, 100, 42, 9, 12], 0).unwrap();
+                all.extend(exec.logits().unwrap());
+                for (i, t) in [5u32, 61].into_iter().enumerate() {
+                    exec.forward(&[t], 6 + i).unwrap();
+                    all.extend(exec.logits().unwrap());
+                }
+                all
+            };
+            let (a, b) = (logits(Arc::clone(&fused)), logits(Arc::clone(&unfused)));
+            assert!(a.iter().all(|v| v.is_finite()), "{name} {precision:?}: non-finite logits");
+            assert!(a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits()), "{name} {precision:?}: QK-norm inside attention changed the logits");
+        }
+    }
+}
+
 /// The bench's per-token work on SmolLM2: every quantized matrix read once (the tied embedding
 /// table serves as the output head), FLOPs = 2 per weight; a prompt pays the output head once.
 #[test]

@@ -20,6 +20,9 @@ pub struct FusionOptions {
     /// RoPE of Q and K applied by the attention op as it stores K and reads Q, instead of a
     /// separate in-place op.
     pub rope_into_attention: bool,
+    /// QK-norm (per-head RMSNorm of Q and K) applied by the attention op before its RoPE, instead
+    /// of two separate in-place `HeadNorm` ops (needs `rope_into_attention`: the norm comes first).
+    pub head_norm_into_attention: bool,
     /// Declare int8 hand-offs ([`crate::graph::Handoff`]): the op feeding a linear may leave
     /// that linear's quantized input (a backend hint; the CPU executor ignores it).
     pub int8_handoff: bool,
@@ -41,6 +44,7 @@ impl FusionOptions {
         residual_into_linear: true,
         glu_into_linear: true,
         rope_into_attention: true,
+        head_norm_into_attention: true,
         int8_handoff: true,
         linear_chain: true,
         decoder_layer: true,
@@ -52,6 +56,7 @@ impl FusionOptions {
         residual_into_linear: false,
         glu_into_linear: false,
         rope_into_attention: false,
+        head_norm_into_attention: false,
         int8_handoff: false,
         linear_chain: false,
         decoder_layer: false,
@@ -66,6 +71,7 @@ impl FusionOptions {
             residual_into_linear: !env::DISABLE_RESIDUAL_FUSION.flag(),
             glu_into_linear: !env::DISABLE_GLU_FUSION.flag(),
             rope_into_attention: !env::DISABLE_ROPE_FUSION.flag(),
+            head_norm_into_attention: !env::DISABLE_HEAD_NORM_FUSION.flag(),
             int8_handoff: !env::DISABLE_INT8_HANDOFF.flag(),
             linear_chain: !env::DISABLE_CHAIN_FUSION.flag(),
             decoder_layer: !env::DISABLE_LAYER_FUSION.flag(),
@@ -154,7 +160,7 @@ pub fn linear_chains(graph: &Graph) -> Vec<LinearChain> {
 pub fn decoder_layer_at(graph: &Graph, first: usize) -> Option<[ValueId; 6]> {
     let ops = graph.ops.get(first..first + DecoderLayer::LEN)?;
     let values = match *ops {
-        [Op::Linear { x, norm: Some(_), bias: None, residual: None, out: qkv, out_col: 0, .. }, Op::Attention { qkv: q2, out: att, window: None, rope: Some(_), .. }, Op::Linear { x: a2, norm: None, bias: None, residual: Some(r1), out: mid, out_col: 0, .. }, Op::GatedLinear { x: m2, norm: Some(_), act: GatedActivation::Silu, out: act, .. }, Op::Linear { x: act2, norm: None, bias: None, residual: Some(r2), out, out_col: 0, .. }]
+        [Op::Linear { x, norm: Some(_), bias: None, residual: None, out: qkv, out_col: 0, .. }, Op::Attention { qkv: q2, out: att, window: None, rope: Some(_), qk_norm: None, .. }, Op::Linear { x: a2, norm: None, bias: None, residual: Some(r1), out: mid, out_col: 0, .. }, Op::GatedLinear { x: m2, norm: Some(_), act: GatedActivation::Silu, out: act, .. }, Op::Linear { x: act2, norm: None, bias: None, residual: Some(r2), out, out_col: 0, .. }]
             if q2 == qkv && a2 == att && r1 == x && m2 == mid && act2 == act && r2 == mid =>
         {
             [x, qkv, att, mid, act, out]

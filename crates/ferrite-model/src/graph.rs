@@ -64,6 +64,14 @@ pub struct NormSpec {
     pub eps: f32,
 }
 
+/// The per-head RMSNorms of Q and K (Qwen3's and Gemma 3's QK-norm) applied by the attention op:
+/// each `head_dim` wide, one weight shared by all heads of its kind.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct QkNorm {
+    pub q: NormSpec,
+    pub k: NormSpec,
+}
+
 /// Shapes of a Gated DeltaNet layer (Qwen3.5 / Qwen3-Next linear attention).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct GdnShape {
@@ -191,8 +199,10 @@ pub enum Op {
     /// Writes the K and V columns of `qkv` into layer `layer`'s cache at the batch positions, then
     /// causal GQA attention of the Q columns over the cache. `out` is `n_heads * head_dim` wide.
     /// With `rope` (declared by the `rope_into_attention` fusion) Q and K are rotated on the way
-    /// into the cache and the attention; `qkv` itself is left as it was.
-    Attention { layer: usize, qkv: ValueId, out: ValueId, window: Option<usize>, rope: Option<RopeConfig> },
+    /// into the cache and the attention; with `qk_norm` (the `head_norm_into_attention` fusion)
+    /// each Q and K head is RMS-normalised first, as a `HeadNorm` op would; `qkv` itself is left
+    /// as it was.
+    Attention { layer: usize, qkv: ValueId, out: ValueId, window: Option<usize>, rope: Option<RopeConfig>, qk_norm: Option<QkNorm> },
     /// `out = silu(x[:, ..w]) * x[:, w..]` where `x` is `[gate | up]`, `2w` wide.
     SwiGlu { x: ValueId, out: ValueId },
     /// `out = gelu_tanh(x[:, ..w]) * x[:, w..]` where `x` is `[gate | up]`, `2w` wide (Gemma).

@@ -312,6 +312,7 @@ impl WeightSet {
             match op {
                 Op::Embed { table, .. } => ids.push(*table),
                 Op::RmsNorm { norm, .. } | Op::HeadNorm { norm, .. } => ids.push(norm.weight),
+                Op::Attention { qk_norm: Some(n), .. } => ids.extend([n.q.weight, n.k.weight]),
                 Op::Linear { norm, w, bias, .. } => {
                     ids.push(*w);
                     ids.extend(norm.map(|n| n.weight));

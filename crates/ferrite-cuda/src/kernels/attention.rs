@@ -100,11 +100,16 @@ device_params! {
         pub row_seq: u64,
         pub max_blocks: u32,
         pub block_size: u32,
+        /// QK_NORM only: the per-head RMSNorm weights of Q and K (`head_dim` each) and their eps.
+        pub q_norm: u64,
+        pub k_norm: u64,
+        pub q_norm_eps: f32,
+        pub k_norm_eps: f32,
     }
 }
 
-/// Reading one value pair of a head of a `q | k | v` row, rotated (RoPE) for Q and K heads:
-/// shared by `store_qkv` and the attention kernel's fused K/V store.
+/// Reading one value pair of a head of a `q | k | v` row, normalised (QK-norm) and rotated (RoPE)
+/// for Q and K heads: shared by `store_qkv` and the attention kernel's fused K/V store.
 const QKV_PAIR: &str = r#"
 #ifndef ROPE_STYLE
 #error "ROPE_STYLE (0: no RoPE, 1: rotate pairs (2i, 2i + 1), 2: pairs (i, i + rot_dim/2) (NeoX)) must come from the kernel variant"
@@ -112,30 +117,46 @@ const QKV_PAIR: &str = r#"
 #ifndef HEAD_DIM
 #error "HEAD_DIM must come from the kernel variant"
 #endif
+#ifndef QK_NORM
+#error "QK_NORM (1: each Q and K head RMS-normalised before RoPE, as Qwen3's QK-norm; 0: as read) must come from the kernel variant"
+#endif
 // Pair `pair` of head `head` of the row `src` (Q heads, then K, then V): its element indices
-// (a, b) within the head and its values, turned by the angle (c, s) of the pair at the token's
+// (a, b) within the head and its values, with QK_NORM times `inv * norm[a]` (`inv`: the head's
+// 1 / rms; `norm` null for V heads), turned by the angle (c, s) of the pair at the token's
 // position when head < rotated_heads and pair < rot_dim/2 (pairs past that, partial RoPE, and V
 // pairs are plain copies). The angle depends on the position only, so a kernel may compute it
 // before its inputs are ready.
 __device__ __forceinline__ void qkv_pair_turned(const float* src, u32 head, u32 pair, u32 rotated_heads, u32 rot_dim, float c, float s,
-                                                u32* a, u32* b, float* x0, float* x1) {
+                                                const float* norm, float inv, u32* a, u32* b, float* x0, float* x1) {
   const float* h = src + (i64)head * HEAD_DIM;
   *a = 2 * pair;
   *b = 2 * pair + 1;
 #if ROPE_STYLE
-  if (head < rotated_heads && pair < rot_dim / 2) {
+  const bool turned = head < rotated_heads && pair < rot_dim / 2;
 #if ROPE_STYLE == 2
+  if (turned) {
     *a = pair;
     *b = pair + rot_dim / 2;
-#endif
-    *x0 = h[*a];
-    *x1 = h[*b];
-    rope_rotate(x0, x1, c, s);
-    return;
   }
+#endif
 #endif
   *x0 = h[*a];
   *x1 = h[*b];
+#if QK_NORM
+  if (norm) {
+    *x0 = *x0 * inv * norm[*a];
+    *x1 = *x1 * inv * norm[*b];
+  }
+#endif
+#if ROPE_STYLE
+  if (turned) rope_rotate(x0, x1, c, s);
+#endif
+}
+// 1 / sqrt(mean(x^2) + eps) of the head at `h`, summed by the 32 lanes of a warp (all must call).
+__device__ __forceinline__ float head_rms_inv_warp(const float* h, float eps) {
+  float ss = 0.f;
+  for (u32 d = threadIdx.x & 31; d < HEAD_DIM; d += 32) ss += h[d] * h[d];
+  return 1.f / sqrtf(warp_sum(ss) / (float)HEAD_DIM + eps);
 }
 // The angle of `pair` at `pos` (unused for pairs that are not rotated).
 __device__ __forceinline__ void qkv_pair_angle(u32 pair, u32 pos, u32 rot_dim, float theta, float freq_scale, float* c, float* s) {
@@ -149,43 +170,55 @@ __device__ __forceinline__ void qkv_pair_angle(u32 pair, u32 pos, u32 rot_dim, f
 
 const STORE_QKV: &str = r#"
 // Splits each token's `q | k | v` row: Q heads to q_out ([n_tokens, n_heads, HEAD_DIM]), K and
-// V heads to cache row positions[t]; Q and K rotated on the way (ROPE_STYLE). One thread per
-// pair of values of one head; pairs past rot_dim/2 (partial RoPE) and V pairs are copied.
+// V heads to cache row positions[t]; Q and K normalised (QK_NORM) and rotated (ROPE_STYLE) on
+// the way. One warp per head of a token, a lane per pair of values (and the next pairs 32 on);
+// pairs past rot_dim/2 (partial RoPE) and V pairs are copied.
 extern "C" __global__ void store_qkv(const StoreQkvParams p) {
   KERNEL_ENTRY();
   constexpr u32 HALF = HEAD_DIM / 2;
   const u32 heads = p.n_heads + 2 * p.n_kv_heads;
-  const i64 total = (i64)p.n_tokens * heads * HALF;
+  const i64 total = (i64)p.n_tokens * heads;
   const float* qkv = reinterpret_cast<const float*>(p.qkv);
   float* q_out = reinterpret_cast<float*>(p.q_out);
   kv_t* kc = reinterpret_cast<kv_t*>(p.k_cache);
   kv_t* vc = reinterpret_cast<kv_t*>(p.v_cache);
-  for (i64 idx = (i64)blockIdx.x * blockDim.x + threadIdx.x; idx < total; idx += (i64)gridDim.x * blockDim.x) {
-    const u32 pair = (u32)(idx % HALF);
-    const u32 head = (u32)(idx / HALF % heads);
-    const u32 tok = (u32)(idx / HALF / heads);
+  const u32 lane = threadIdx.x & 31;
+  // Warp-uniform: every lane of a warp takes the same heads (the norm sums over the warp).
+  for (i64 item = ((i64)blockIdx.x * blockDim.x + threadIdx.x) / 32; item < total; item += (i64)gridDim.x * blockDim.x / 32) {
+    const u32 head = (u32)(item % heads);
+    const u32 tok = (u32)(item / heads);
     const u32 pos = reinterpret_cast<const u32*>(p.positions)[tok];
-    u32 a, b;
-    float x0, x1, c = 1.f, s = 0.f;
+    const float* src = qkv + (i64)tok * p.stride;
     const u32 rotated = p.n_heads + p.n_kv_heads;
-    if (head < rotated) qkv_pair_angle(pair, pos, p.rot_dim, p.theta, p.freq_scale, &c, &s);
-    qkv_pair_turned(qkv + (i64)tok * p.stride, head, pair, rotated, p.rot_dim, c, s, &a, &b, &x0, &x1);
-    if (head < p.n_heads) {
-      float* dst = q_out + ((i64)tok * p.n_heads + head) * HEAD_DIM;
-      dst[a] = x0;
-      dst[b] = x1;
+    const bool is_q = head < p.n_heads, is_k = !is_q && head < rotated;
+    const float* norm = nullptr;
+    float inv = 1.f;
+#if QK_NORM
+    if (head < rotated) {
+      norm = reinterpret_cast<const float*>(is_q ? p.q_norm : p.k_norm);
+      inv = head_rms_inv_warp(src + (i64)head * HEAD_DIM, is_q ? p.q_norm_eps : p.k_norm_eps);
+    }
+#endif
+    if (!is_q && pos >= p.max_seq) {
+      if (lane == 0 && head == p.n_heads) report_error(p.error_flag, ERR_POSITION, pos);
       continue;
     }
-    if (pos >= p.max_seq) {
-      if (pair == 0 && head == p.n_heads) report_error(p.error_flag, ERR_POSITION, pos);
-      continue;
-    }
-    const bool is_k = head < p.n_heads + p.n_kv_heads;
     const u32 kv_head = (head - p.n_heads) % p.n_kv_heads;
-    const i64 crow = cache_row(p.block_tables, p.row_seq, p.max_blocks, p.block_size, tok, pos);
-    kv_t* dst = (is_k ? kc : vc) + (crow * p.n_kv_heads + kv_head) * HEAD_DIM;
-    kv_store(dst, a, x0);
-    kv_store(dst, b, x1);
+    kv_t* dst_kv = is_q ? nullptr : (is_k ? kc : vc) + (cache_row(p.block_tables, p.row_seq, p.max_blocks, p.block_size, tok, pos) * p.n_kv_heads + kv_head) * HEAD_DIM;
+    for (u32 pair = lane; pair < HALF; pair += 32) {
+      u32 a, b;
+      float x0, x1, c = 1.f, s = 0.f;
+      if (head < rotated) qkv_pair_angle(pair, pos, p.rot_dim, p.theta, p.freq_scale, &c, &s);
+      qkv_pair_turned(src, head, pair, rotated, p.rot_dim, c, s, norm, inv, &a, &b, &x0, &x1);
+      if (is_q) {
+        float* dst = q_out + ((i64)tok * p.n_heads + head) * HEAD_DIM;
+        dst[a] = x0;
+        dst[b] = x1;
+      } else {
+        kv_store(dst_kv, a, x0);
+        kv_store(dst_kv, b, x1);
+      }
+    }
   }
 }
 "#;
@@ -218,12 +251,15 @@ pub struct StoreQkvVariant {
     pub rope: RopeStyle,
     /// Cache rows through block tables.
     pub paged: bool,
+    /// Q and K heads RMS-normalised before RoPE (`QK_NORM`).
+    pub qk_norm: bool,
 }
 
 impl StoreQkvVariant {
-    pub fn launch_config(&self, pairs: usize) -> LaunchConfig {
+    /// A warp per head of a token: `heads` (Q, K and V) over all tokens.
+    pub fn launch_config(&self, heads: usize) -> LaunchConfig {
         LaunchConfig {
-            grid_dim: (blocks_for(pairs, 256).clamp(1, 65535), 1, 1),
+            grid_dim: (blocks_for(heads.saturating_mul(32), 256).clamp(1, 65535), 1, 1),
             block_dim: (256, 1, 1),
             shared_mem_bytes: 0,
         }
@@ -241,6 +277,7 @@ impl KernelVariant for StoreQkvVariant {
             ("KV_F16", u32::from(self.kv == KvDtype::F16).to_string()),
             ("ROPE_STYLE", self.rope.macro_value().to_string()),
             ("PAGED", u32::from(self.paged).to_string()),
+            ("QK_NORM", u32::from(self.qk_norm).to_string()),
         ]
     }
 }
@@ -284,6 +321,11 @@ device_params! {
         pub row_seq: u64,
         pub max_blocks: u32,
         pub block_size: u32,
+        /// STORE with QK_NORM: as in [`StoreQkvParams`].
+        pub q_norm: u64,
+        pub k_norm: u64,
+        pub q_norm_eps: f32,
+        pub k_norm_eps: f32,
     }
 }
 
@@ -478,22 +520,37 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32) attention(const Attent
     const float* src = reinterpret_cast<const float*>(p.qkv) + (i64)tok * (p.n_heads + 2 * p.n_kv_heads) * HEAD_DIM;
     const bool writer = head % (p.n_heads / p.n_kv_heads) == 0 && blockIdx.z == 0;
     const i64 new_row = ((i64)cache_row(p.block_tables, p.row_seq, p.max_blocks, p.block_size, tok, pos) * p.n_kv_heads + kv_head) * HEAD_DIM;
+    const u32 rotated = p.n_heads + p.n_kv_heads;
+#if QK_NORM
+    // The QK-norm's 1 / rms of the block's Q heads (0 .. GROUP) and of its K head (GROUP), a warp each.
+    __shared__ float s_inv[GROUP + 1];
+    for (int g = warp; g <= GROUP; g += NWARPS) {
+      const float inv = head_rms_inv_warp(src + (i64)(g < GROUP ? head + g : p.n_heads + kv_head) * HEAD_DIM, g < GROUP ? p.q_norm_eps : p.k_norm_eps);
+      if (lane == 0) s_inv[g] = inv;
+    }
+    __syncthreads();
+    const float* q_norm = reinterpret_cast<const float*>(p.q_norm);
+    const float* k_norm = reinterpret_cast<const float*>(p.k_norm);
+#else
+    const float* q_norm = nullptr;
+    const float* k_norm = nullptr;
+    const float s_inv[GROUP + 1] = {};  // unread: no norm weights
+#endif
     const u32 pair = threadIdx.x;
     if (pair < HEAD_DIM / 2) {
-      const u32 rotated = p.n_heads + p.n_kv_heads;
       u32 a, b;
       float x0, x1;
 #pragma unroll
       for (int g = 0; g < GROUP; ++g) {
-        qkv_pair_turned(src, head + g, pair, rotated, p.rot_dim, rope_c, rope_s, &a, &b, &x0, &x1);
+        qkv_pair_turned(src, head + g, pair, rotated, p.rot_dim, rope_c, rope_s, q_norm, s_inv[g], &a, &b, &x0, &x1);
         s_q[g][a] = x0 * p.scale;
         s_q[g][b] = x1 * p.scale;
       }
-      qkv_pair_turned(src, p.n_heads + kv_head, pair, rotated, p.rot_dim, rope_c, rope_s, &a, &b, &x0, &x1);
+      qkv_pair_turned(src, p.n_heads + kv_head, pair, rotated, p.rot_dim, rope_c, rope_s, k_norm, s_inv[GROUP], &a, &b, &x0, &x1);
       s_k[a] = kv_round(x0);
       s_k[b] = kv_round(x1);
       if (writer) { kv_store((kv_t*)p.k_cache + new_row, a, x0); kv_store((kv_t*)p.k_cache + new_row, b, x1); }
-      qkv_pair_turned(src, rotated + kv_head, pair, rotated, p.rot_dim, rope_c, rope_s, &a, &b, &x0, &x1);
+      qkv_pair_turned(src, rotated + kv_head, pair, rotated, p.rot_dim, rope_c, rope_s, nullptr, 1.f, &a, &b, &x0, &x1);
       s_v[a] = kv_round(x0);
       s_v[b] = kv_round(x1);
       if (writer) { kv_store((kv_t*)p.v_cache + new_row, a, x0); kv_store((kv_t*)p.v_cache + new_row, b, x1); }
@@ -721,6 +778,8 @@ pub struct AttentionVariant {
     pub paged: bool,
     /// Query heads per block (`GROUP`): heads of one KV group that share each K/V row load.
     pub group: u32,
+    /// With `store`: Q and K heads RMS-normalised before RoPE (`QK_NORM`).
+    pub qk_norm: bool,
 }
 
 impl AttentionVariant {
@@ -728,7 +787,7 @@ impl AttentionVariant {
     pub const MAX_GROUP: usize = 8;
 
     pub fn new(head_dim: usize, kv: KvDtype, split: bool) -> Self {
-        AttentionVariant { head_dim: head_dim as u32, kv, nwarps: 4, split, store: None, paged: false, group: 1 }
+        AttentionVariant { head_dim: head_dim as u32, kv, nwarps: 4, split, store: None, paged: false, group: 1, qk_norm: false }
     }
 
     /// The one-block kernel reading a paged cache, `group` query heads per block (1, or a
@@ -773,6 +832,7 @@ impl KernelVariant for AttentionVariant {
             ("ROPE_STYLE", self.store.map_or(0, RopeStyle::macro_value).to_string()),
             ("PAGED", u32::from(self.paged).to_string()),
             ("GROUP", self.group.to_string()),
+            ("QK_NORM", u32::from(self.store.is_some() && self.qk_norm).to_string()),
         ]
     }
 }
@@ -789,11 +849,12 @@ mod tests {
 
     #[test]
     fn macros_match_source() {
-        crate::kernels::tests::assert_macros_match(StoreQkvVariant { kv: KvDtype::F32, head_dim: 64, rope: RopeStyle::Neox, paged: true });
+        crate::kernels::tests::assert_macros_match(StoreQkvVariant { kv: KvDtype::F32, head_dim: 64, rope: RopeStyle::Neox, paged: true, qk_norm: true });
         crate::kernels::tests::assert_macros_match(AttentionVariant::new(64, KvDtype::F16, true));
         crate::kernels::tests::assert_macros_match(AttentionVariant::storing(128, KvDtype::F16, RopeStyle::Neox, true, 4));
         crate::kernels::tests::assert_macros_match(AttentionVariant::paged(128, KvDtype::F16, 4));
         crate::kernels::tests::assert_macros_match(AttentionVariant { paged: true, ..AttentionVariant::storing(128, KvDtype::F16, RopeStyle::Neox, false, 4) });
+        crate::kernels::tests::assert_macros_match(AttentionVariant { qk_norm: true, ..AttentionVariant::storing(128, KvDtype::F16, RopeStyle::Neox, true, 2) });
     }
 
     #[test]

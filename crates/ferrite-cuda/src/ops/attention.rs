@@ -85,9 +85,10 @@ pub fn store_qkv(
     n_heads: usize,
     positions: &impl DevicePtr<u32>,
     rope: Option<&RopeConfig>,
+    qk_norm: Option<&QkNorm>,
     q_out: &mut impl DevicePtrMut<f32>,
 ) -> Result<(), CudaError> {
-    store_qkv_with(gpu, cache, qkv, stride, n_tokens, n_heads, positions, rope, None, q_out)
+    store_qkv_with(gpu, cache, qkv, stride, n_tokens, n_heads, positions, rope, qk_norm, None, q_out)
 }
 
 /// Where a batch's tokens find their rows in a paged cache (serving): the sequences' block
@@ -127,10 +128,11 @@ pub fn store_qkv_paged(
     n_heads: usize,
     positions: &impl DevicePtr<u32>,
     rope: Option<&RopeConfig>,
+    qk_norm: Option<&QkNorm>,
     paging: &Paging,
     q_out: &mut impl DevicePtrMut<f32>,
 ) -> Result<(), CudaError> {
-    store_qkv_with(gpu, cache, qkv, stride, n_tokens, n_heads, positions, rope, Some(paging), q_out)
+    store_qkv_with(gpu, cache, qkv, stride, n_tokens, n_heads, positions, rope, qk_norm, Some(paging), q_out)
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -143,6 +145,7 @@ fn store_qkv_with(
     n_heads: usize,
     positions: &impl DevicePtr<u32>,
     rope: Option<&RopeConfig>,
+    qk_norm: Option<&QkNorm>,
     paging: Option<&Paging>,
     q_out: &mut impl DevicePtrMut<f32>,
 ) -> Result<(), CudaError> {
@@ -163,12 +166,14 @@ fn store_qkv_with(
     check_len(OP, "qkv", qkv.len(), elems(OP, &[n_tokens - 1, stride])? + row)?;
     check_len(OP, "q_out", q_out.len(), elems(OP, &[n_tokens, n_heads, cache.head_dim])?)?;
     check_len(OP, "positions", positions.len(), n_tokens)?;
-    let pairs = elems(OP, &[n_tokens, row / 2])?;
+    let heads = elems(OP, &[n_tokens, n_heads + 2 * cache.n_kv_heads])?;
     let max_seq = match paging {
         Some(pg) => pg.check(OP, cache, n_tokens)?,
         None => cache.max_seq,
     };
-    let variant = StoreQkvVariant { kv: cache.dtype, head_dim: cache.head_dim as u32, rope: rope_style(rope), paged: paging.is_some() };
+    let norm = QkNorm::params(gpu, OP, qk_norm, cache)?;
+    let variant =
+        StoreQkvVariant { kv: cache.dtype, head_dim: cache.head_dim as u32, rope: rope_style(rope), paged: paging.is_some(), qk_norm: qk_norm.is_some() };
     let params = StoreQkvParams {
         qkv: addr(gpu, qkv),
         q_out: addr_mut(gpu, q_out),
@@ -188,9 +193,42 @@ fn store_qkv_with(
         row_seq: paging.map_or(0, |pg| addr(gpu, pg.row_seq)),
         max_blocks: paging.map_or(0, |pg| pg.max_blocks as u32),
         block_size: paging.map_or(0, |pg| pg.block_size as u32),
+        q_norm: norm.q,
+        k_norm: norm.k,
+        q_norm_eps: norm.q_eps,
+        k_norm_eps: norm.k_eps,
     };
-    as_u32(OP, "pairs", pairs)?;
-    gpu.launch(&variant, "store_qkv", variant.launch_config(pairs), &params)
+    as_u32(OP, "heads", heads)?;
+    gpu.launch(&variant, "store_qkv", variant.launch_config(heads), &params)
+}
+
+/// QK-norm (Qwen3, Gemma 3) applied by [`store_qkv`] and the fused decode store before RoPE:
+/// each Q head RMS-normalised with the `head_dim` weights `q` (eps `q_eps`), each K head with
+/// `k`, as an in-place [`super::head_norm`] on the Q and K columns would (up to the order of the
+/// sums of squares).
+pub struct QkNorm<'a> {
+    pub q: &'a CudaSlice<f32>,
+    pub k: &'a CudaSlice<f32>,
+    pub q_eps: f32,
+    pub k_eps: f32,
+}
+
+/// [`QkNorm`]'s kernel parameters: the weights' addresses (0 without a norm).
+#[derive(Default)]
+struct QkNormParams {
+    q: u64,
+    k: u64,
+    q_eps: f32,
+    k_eps: f32,
+}
+
+impl QkNorm<'_> {
+    fn params(gpu: &Gpu, op: &'static str, norm: Option<&QkNorm>, cache: &KvCache) -> Result<QkNormParams, CudaError> {
+        let Some(n) = norm else { return Ok(QkNormParams::default()) };
+        check_len(op, "q_norm weight", n.q.len(), cache.head_dim)?;
+        check_len(op, "k_norm weight", n.k.len(), cache.head_dim)?;
+        Ok(QkNormParams { q: addr(gpu, n.q), k: addr(gpu, n.k), q_eps: n.q_eps, k_eps: n.k_eps })
+    }
 }
 
 /// One decode token's attention with its K/V store fused in: `qkv` is the token's
@@ -210,6 +248,7 @@ pub fn store_and_attend(
     positions: &impl DevicePtr<u32>,
     cfg: &AttentionConfig,
     rope: Option<&RopeConfig>,
+    qk_norm: Option<&QkNorm>,
     split: Option<(usize, &mut SplitScratch)>,
     group: usize,
     out: &mut impl DevicePtrMut<f32>,
@@ -226,8 +265,9 @@ pub fn store_and_attend(
     if let Some((splits, scratch)) = &split {
         scratch.check(OP, *splits, cfg.n_heads, cache.head_dim)?;
     }
+    let norm = QkNorm::params(gpu, OP, qk_norm, cache)?;
     let Some(mut params) = attention_params(gpu, qkv, cache, positions, 1, cfg, out, emit)? else { return Ok(()) };
-    set_store(gpu, &mut params, cache, rope);
+    set_store(gpu, &mut params, cache, rope, norm);
     let splits = match split {
         Some((splits, scratch)) => {
             params.partials = addr_mut(gpu, &mut scratch.partials);
@@ -236,7 +276,7 @@ pub fn store_and_attend(
         }
         None => 1,
     };
-    let variant = AttentionVariant::storing(cache.head_dim, cache.dtype, rope_style(rope), splits > 1, group);
+    let variant = AttentionVariant { qk_norm: qk_norm.is_some(), ..AttentionVariant::storing(cache.head_dim, cache.dtype, rope_style(rope), splits > 1, group) };
     gpu.launch(&variant, "attention", variant.launch_config(cfg.n_heads, 1, splits), &params)
 }
 
@@ -324,6 +364,7 @@ pub fn store_and_attend_paged(
     positions: &impl DevicePtr<u32>,
     cfg: &AttentionConfig,
     rope: Option<&RopeConfig>,
+    qk_norm: Option<&QkNorm>,
     paging: &Paging,
     out: &mut impl DevicePtrMut<f32>,
     emit: Option<AttentionEmit>,
@@ -336,11 +377,13 @@ pub fn store_and_attend_paged(
     check_len(OP, "qkv", qkv.len(), elems(OP, &[n_tokens, row])?)?;
     check_rope(OP, rope, cache)?;
     let max_seq = paging.check(OP, cache, n_tokens)?;
+    let norm = QkNorm::params(gpu, OP, qk_norm, cache)?;
     let Some(mut params) = attention_params(gpu, qkv, cache, positions, n_tokens, cfg, out, emit)? else { return Ok(()) };
-    set_store(gpu, &mut params, cache, rope);
+    set_store(gpu, &mut params, cache, rope, norm);
     set_paging(gpu, &mut params, cfg, paging, max_seq);
     let group = attention_group(gpu, cfg.n_heads, cache.n_kv_heads);
-    let variant = AttentionVariant { paged: true, ..AttentionVariant::storing(cache.head_dim, cache.dtype, rope_style(rope), false, group) };
+    let variant =
+        AttentionVariant { paged: true, qk_norm: qk_norm.is_some(), ..AttentionVariant::storing(cache.head_dim, cache.dtype, rope_style(rope), false, group) };
     gpu.launch(&variant, "attention", variant.launch_config(cfg.n_heads, n_tokens, 1), &params)
 }
 
@@ -355,9 +398,10 @@ fn check_rope(op: &'static str, rope: Option<&RopeConfig>, cache: &KvCache) -> R
 }
 
 /// The fused K/V store's parameters: `q | k | v` rows where the query was, the caches written,
-/// the RoPE.
-fn set_store(gpu: &Gpu, params: &mut AttentionParams, cache: &mut KvCache, rope: Option<&RopeConfig>) {
+/// the RoPE and the QK-norm.
+fn set_store(gpu: &Gpu, params: &mut AttentionParams, cache: &mut KvCache, rope: Option<&RopeConfig>, norm: QkNormParams) {
     (params.qkv, params.q) = (params.q, 0);
+    (params.q_norm, params.k_norm, params.q_norm_eps, params.k_norm_eps) = (norm.q, norm.k, norm.q_eps, norm.k_eps);
     params.k_cache = addr_mut(gpu, &mut cache.k);
     params.v_cache = addr_mut(gpu, &mut cache.v);
     params.rot_dim = rope.map_or(0, |r| r.rot_dim as u32);
@@ -717,6 +761,10 @@ fn attention_params(
         row_seq: 0,
         max_blocks: 0,
         block_size: 0,
+        q_norm: 0,
+        k_norm: 0,
+        q_norm_eps: 0.0,
+        k_norm_eps: 0.0,
         q: addr(gpu, q),
         k_cache: addr(gpu, &cache.k),
         v_cache: addr(gpu, &cache.v),

@@ -5,7 +5,7 @@
 
 use crate::config::RopeConfig;
 pub use crate::graph::GatedActivation;
-use crate::graph::{AttentionShape, GraphBuilder, NormSpec, Op, Rows, ValueId, WeightId};
+use crate::graph::{AttentionShape, GraphBuilder, NormSpec, Op, QkNorm, Rows, ValueId, WeightId};
 use crate::{FusionOptions, Graph, ModelConfig, ModelError, WeightSet};
 use ferrite_gguf::GgufFile;
 
@@ -55,17 +55,31 @@ pub(super) fn projection_group(g: &mut GraphBuilder, ws: &mut WeightSet, group: 
     }
 }
 
-/// Push an `Attention` op carrying its layer's RoPE: kept inside the op under the
-/// `rope_into_attention` fusion, else a separate in-place `Rope` op on the adjacent Q and K heads
-/// (they rotate alike) goes first.
+/// Push an `Attention` op carrying its layer's QK-norm and RoPE: kept inside the op under the
+/// `head_norm_into_attention` and `rope_into_attention` fusions, else separate in-place ops go
+/// first: `HeadNorm` on the Q heads and on the K heads, then one `Rope` on the adjacent Q and K
+/// heads (they rotate alike). The norm comes before the rotation, so it stays inside the op only
+/// with the rotation.
 pub(super) fn rope_attention(g: &mut GraphBuilder, fusion: FusionOptions, cfg: &ModelConfig, attention: Op) {
-    match attention {
-        Op::Attention { layer, qkv, out, window, rope: Some(rope) } if !fusion.rope_into_attention => {
-            g.push(Op::Rope { x: qkv, col: 0, n_heads: cfg.n_heads + cfg.n_kv_heads, rope });
-            g.push(Op::Attention { layer, qkv, out, window, rope: None });
-        }
-        op => g.push(op),
+    let Op::Attention { layer, qkv, out, window, mut rope, mut qk_norm } = attention else {
+        unreachable!("rope_attention pushes attention ops")
+    };
+    if let Some(QkNorm { q, k }) = qk_norm.filter(|_| !(fusion.head_norm_into_attention && fusion.rope_into_attention)) {
+        g.push(Op::HeadNorm { x: qkv, col: 0, n_heads: cfg.n_heads, norm: q });
+        g.push(Op::HeadNorm { x: qkv, col: cfg.q_width(), n_heads: cfg.n_kv_heads, norm: k });
+        qk_norm = None;
     }
+    if let Some(r) = rope.filter(|_| !fusion.rope_into_attention) {
+        g.push(Op::Rope { x: qkv, col: 0, n_heads: cfg.n_heads + cfg.n_kv_heads, rope: r });
+        rope = None;
+    }
+    g.push(Op::Attention { layer, qkv, out, window, rope, qk_norm });
+}
+
+/// The QK-norm weights of layer `l` (`blk.{l}.attn_q_norm.weight`, `attn_k_norm`), `head_dim` wide.
+pub(super) fn qk_norm(ws: &mut WeightSet, file: &GgufFile, cfg: &ModelConfig, l: usize, eps: f32) -> Result<QkNorm, ModelError> {
+    let mut norm = |name: &str| Ok::<_, ModelError>(NormSpec { weight: ws.add(file, &format!("blk.{l}.{name}.weight"), 1, cfg.head_dim)?, eps });
+    Ok(QkNorm { q: norm("attn_q_norm")?, k: norm("attn_k_norm")? })
 }
 
 /// `out = residual + W · x`, fused into the linear's epilogue or as a separate add.
@@ -248,15 +262,10 @@ pub fn build(cfg: &ModelConfig, file: &GgufFile, fusion: FusionOptions, opts: De
         let fold = fusion.norm_into_linear;
         let group = ProjectionGroup { x: h, norm: attn_norm, parts: &qkv_parts, out: qkv, normed_name: &t("attn_norm") };
         projection_group(&mut g, &mut ws, group, fusion.qkv, fold);
-        if opts.qk_norm {
-            for (name, col, n_heads) in [("attn_q_norm", 0, cfg.n_heads), ("attn_k_norm", qw, cfg.n_kv_heads)] {
-                let weight = ws.add(file, &t(&format!("{name}.weight")), 1, cfg.head_dim)?;
-                g.push(Op::HeadNorm { x: qkv, col, n_heads, norm: NormSpec { weight, eps: cfg.norm_eps } });
-            }
-        }
+        let qk_norm = if opts.qk_norm { Some(qk_norm(&mut ws, file, cfg, l, cfg.norm_eps)?) } else { None };
         let LayerAttention { window, rope } = opts.layers[l];
         let attn = g.value(t("attn"), qw, Rows::Tokens);
-        rope_attention(&mut g, fusion, cfg, Op::Attention { layer: l, qkv, out: attn, window, rope: Some(rope) });
+        rope_attention(&mut g, fusion, cfg, Op::Attention { layer: l, qkv, out: attn, window, rope: Some(rope), qk_norm });
         let wo = ws.add(file, &t("attn_output.weight"), d, qw)?;
         h = if opts.post_norms {
             let norm = NormSpec { weight: ws.add(file, &t("post_attention_norm.weight"), 1, d)?, eps: cfg.norm_eps };

@@ -120,12 +120,9 @@ pub(super) fn build_hybrid(
                 g.push(Op::Linear { x: xn, norm: None, w, bias: None, residual: None, out: qkv, out_col: col });
                 col += ws.spec(w).rows;
             }
-            for (name, col, n_heads) in [("attn_q_norm", 0, cfg.n_heads), ("attn_k_norm", qw, cfg.n_kv_heads)] {
-                let weight = ws.add(file, &t(&format!("{name}.weight")), 1, hd)?;
-                g.push(Op::HeadNorm { x: qkv, col, n_heads, norm: NormSpec { weight, eps } });
-            }
+            let qk_norm = Some(decoder::qk_norm(&mut ws, file, cfg, l, eps)?);
             let attn = g.value(t("attn"), qw, Rows::Tokens);
-            let attention = Op::Attention { layer: l, qkv, out: attn, window: None, rope: Some(cfg.rope) };
+            let attention = Op::Attention { layer: l, qkv, out: attn, window: None, rope: Some(cfg.rope), qk_norm };
             decoder::rope_attention(&mut g, fusion, cfg, attention);
             let gated = g.value(t("attn_gated"), qw, Rows::Tokens);
             g.push(Op::SigmoidGate { x: attn, gate: qg, n_heads: cfg.n_heads, head_dim: hd, out: gated });
