@@ -99,8 +99,14 @@ pub(crate) fn repack(dtype: GgmlType, rows: usize, cols: usize, data: &[u8]) -> 
             dst.copy_from_slice(&block[field.offset..field.offset + field.size]);
         }
     }
-    if dtype == GgmlType::Q4_K {
-        bytes[..128 * n_blocks].chunks_exact_mut(128).for_each(q4k_units_apart);
+    match dtype {
+        GgmlType::Q4_K => bytes[..128 * n_blocks].chunks_exact_mut(128).for_each(q4k_units_apart),
+        GgmlType::Q6_K => {
+            bytes[..128 * n_blocks].chunks_exact_mut(128).for_each(q6k_lows_apart);
+            let qh = plane_offsets[1];
+            bytes[qh..qh + 64 * n_blocks].chunks_exact_mut(64).for_each(q6k_highs_apart);
+        }
+        _ => {}
     }
     Ok(Repacked { bytes, plane_offsets })
 }
@@ -117,6 +123,35 @@ fn q4k_units_apart(qs: &mut [u8]) {
         for (l, byte) in unit.iter_mut().enumerate() {
             *byte = code(s, l) | (code(s, l + 16) << 4);
         }
+    }
+}
+
+/// A Q6_K block's 128 low-nibble bytes (`ql`), rearranged as [`q4k_units_apart`] does Q4_K's:
+/// unit `s` (elements `32 s ..`) at `16 s` in Q4_0's nibble layout. GGML packs element
+/// `128 n + 32 r + l` in nibble `r / 2` of byte `64 n + 32 (r % 2) + l`, so a unit took two
+/// 16-byte loads of bytes it shares with another unit.
+fn q6k_lows_apart(ql: &mut [u8]) {
+    let ggml: [u8; 128] = ql.try_into().expect("a Q6_K block has 128 low-nibble bytes");
+    let code = |s: usize, l: usize| (ggml[64 * (s / 4) + 32 * (s % 2) + l] >> (4 * (s % 4 / 2))) & 15;
+    for (s, unit) in ql.chunks_exact_mut(16).enumerate() {
+        for (l, byte) in unit.iter_mut().enumerate() {
+            *byte = code(s, l) | (code(s, l + 16) << 4);
+        }
+    }
+}
+
+/// A Q6_K block's 64 high-bit bytes (`qh`, 2 bits per element), rearranged unit-major: unit `s`
+/// at `8 s`, element `l`'s bits in byte `4 (l / 16) + l % 4` at bit `2 ((l % 16) / 4)`, so that
+/// one shift of a 32-bit word lines up four consecutive elements' bits with their bytes (the
+/// kernels' `unit_word`). GGML keeps element `128 n + 32 r + l`'s bits in byte `32 n + l` at bit
+/// `2 r`: four units shared 32 bytes.
+fn q6k_highs_apart(qh: &mut [u8]) {
+    let ggml: [u8; 64] = qh.try_into().expect("a Q6_K block has 64 high-bit bytes");
+    qh.fill(0);
+    for e in 0..256 {
+        let (s, l) = (e / 32, e % 32);
+        let bits = (ggml[32 * (s / 4) + l] >> (2 * (s % 4))) & 3;
+        qh[8 * s + 4 * (l / 16) + l % 4] |= bits << (2 * (l % 16 / 4));
     }
 }
 
@@ -230,6 +265,35 @@ mod tests {
             let (sc, mn) = if s < 4 { (y & 63, z & 63) } else { ((x & 15) | ((y >> 2) & 48), ((x >> 4) & 15) | ((z >> 2) & 48)) };
             let got = d * sc as f32 * code as f32 - dmin * mn as f32;
             assert_eq!(got, w, "weight {i} (block {blk}, unit {s}, element {l})");
+        }
+    }
+
+    #[test]
+    fn q6k_units_decode_as_ggml_dequantizes() {
+        // Two Q6_K blocks of arbitrary bytes, with d set to a finite f16 value.
+        let mut data: Vec<u8> = (0..2 * 210).map(|i| (i * 53 + 7) as u8).collect();
+        for block in data.chunks_exact_mut(210) {
+            block[208..].copy_from_slice(&[0x00, 0x3c]); // d = 1.0
+        }
+        let mut want = vec![0f32; 512];
+        ferrite_gguf::quant::dequantize(GgmlType::Q6_K, &data, &mut want).unwrap();
+        let r = repack(GgmlType::Q6_K, 1, 512, &data).unwrap();
+        let (qh, scales) = (&r.bytes[r.plane_offsets[1]..], &r.bytes[r.plane_offsets[2]..]);
+        for (i, &w) in want.iter().enumerate() {
+            let (blk, s, l) = (i / 256, i % 256 / 32, i % 32);
+            // The kernel's decode (`unit_q`): the low nibble from the unit's 16 bytes, the high
+            // bits from its 8, scale 2 s + l / 16.
+            let low = (r.bytes[blk * 128 + 16 * s + l % 16] >> (4 * (l / 16))) & 15;
+            let high = (qh[blk * 64 + 8 * s + 4 * (l / 16) + l % 4] >> (2 * (l % 16 / 4))) & 3;
+            let scale = scales[blk * 16 + 2 * s + l / 16] as i8;
+            let got = scale as f32 * ((low | (high << 4)) as f32 - 32.0);
+            assert_eq!(got, w, "weight {i} (block {blk}, unit {s}, element {l})");
+            // The int8 path's decode (`unit_word`): word l / 4 holds this code in byte l % 4.
+            let word = |bytes: &[u8], k: usize| u32::from_le_bytes(bytes[4 * k..4 * k + 4].try_into().unwrap());
+            let (unit_ql, unit_qh) = (&r.bytes[blk * 128 + 16 * s..], &qh[blk * 64 + 8 * s..]);
+            let j = l / 4;
+            let packed = ((word(unit_ql, j % 4) >> (if j < 4 { 0 } else { 4 })) & 0x0F0F_0F0F) | (((word(unit_qh, j / 4) >> (2 * (j % 4))) & 0x0303_0303) << 4);
+            assert_eq!((packed >> (8 * (l % 4))) & 0xff, (low | (high << 4)) as u32, "word of weight {i}");
         }
     }
 

@@ -443,33 +443,29 @@ __device__ __forceinline__ u32 unit_word(const Unit& o, int i) {
 #define W_OFFSET 0
 
 #elif WTYPE == GGML_Q6_K
-// planes: p0 = ql[128], p1 = qh[64], p2 = scales[16] (int8), p3 = d
-// Unit s (n = s/4, r = s%4): ql byte 64n + 32(r&1) + l nibble r/2, qh byte 32n + l bits 2r..2r+1,
-// scale 8n + 2r + l/16.
+// planes: p0 = ql[128], p1 = qh[64], both repacked per unit (weight.rs), p2 = scales[16] (int8),
+// p3 = d. Unit s: its low nibbles at ql 16 s as Q4_0's (element l in nibble l / 16 of byte
+// l % 16); its 2-bit highs at qh 8 s, two words: element l in word l / 16, byte l % 4, bits
+// 2 ((l % 16) / 4), so that one shift gives four consecutive elements' bits; scales 2 s, 2 s + 1.
 #define QK 256
 #define HAS_MIN 0
-struct Unit { uint4 llo, lhi, hlo, hhi; int lshift, hshift; SCALES; };
+struct Unit { uint4 ql; uint2 qh; SCALES; };
 __device__ __forceinline__ void load_block_unit(const WeightRef& w, i64 blk, int sub, Unit& o) {
-  const int n = sub >> 2, r = sub & 3;
-  const u8* ql = w.p0 + blk * 128 + 64 * n + 32 * (r & 1);
-  const u8* qh = w.p1 + blk * 64 + 32 * n;
-  o.llo = ld_u128(ql);
-  o.lhi = ld_u128(ql + 16);
-  o.hlo = ld_u128(qh);
-  o.hhi = ld_u128(qh + 16);
-  o.lshift = 4 * (r >> 1);
-  o.hshift = 2 * r;
-  const u32 sc = ld_u16(w.p2 + blk * 16 + 8 * n + 2 * r);
+  o.ql = ld_u128(w.p0 + blk * 128 + 16 * sub);
+  o.qh = *reinterpret_cast<const uint2*>(w.p1 + blk * 64 + 8 * sub);
+  const u32 sc = ld_u16(w.p2 + blk * 16 + 2 * sub);
   const float d = f16_to_f32(ld_u16(w.p3 + blk * 2));
   set_scales(o, d * (float)(i8)(sc & 0xffu), 0.f, d * (float)(i8)(sc >> 8), 0.f);
 }
 __device__ __forceinline__ float unit_q(const Unit& o, int l) {
-  const u32 v = ((byte_of2(o.llo, o.lhi, l) >> o.lshift) & 15u) | (((byte_of2(o.hlo, o.hhi, l) >> o.hshift) & 3u) << 4);
-  return code_f(v, 32.f);
+  const u32 low = (byte_of(o.ql, l & 15) >> (l < 16 ? 0 : 4)) & 15u;
+  const u32 high = ((l < 16 ? o.qh.x : o.qh.y) >> (8 * (l & 3) + 2 * ((l >> 2) & 3))) & 3u;
+  return code_f(low | (high << 4), 32.f);
 }
 #define W_OFFSET 32
 __device__ __forceinline__ u32 unit_word(const Unit& o, int i) {
-  return ((word_of2(o.llo, o.lhi, i) >> o.lshift) & 0x0F0F0F0Fu) | (((word_of2(o.hlo, o.hhi, i) >> o.hshift) & 0x03030303u) << 4);
+  const u32 low = (word_of(o.ql, i & 3) >> (i < 4 ? 0 : 4)) & 0x0F0F0F0Fu;
+  return low | ((((i < 4 ? o.qh.x : o.qh.y) >> (2 * (i & 3))) & 0x03030303u) << 4);
 }
 
 #else
