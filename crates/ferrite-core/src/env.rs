@@ -118,7 +118,7 @@ switches! {
     DISABLE_NORM_FUSION = ("FERRITE_DISABLE_NORM_FUSION", "0", AbTest,
         "1 runs RMSNorm as its own op instead of folding it into the next projection's prologue.");
     DISABLE_RESIDUAL_FUSION = ("FERRITE_DISABLE_RESIDUAL_FUSION", "0", AbTest,
-        "1 runs the residual add as its own op instead of the output/down projection's epilogue.");
+        "1 runs the residual add as its own op instead of the output/down projection's epilogue (or, after Gemma's post-norms, the norm's).");
     /// Fusion of the MLP activation into the gate/up linear.
     DISABLE_GLU_FUSION = ("FERRITE_DISABLE_GLU_FUSION", "0", AbTest,
         "1 keeps SwiGLU/GeGLU as a separate op after the fused gate/up projection instead of its epilogue.");

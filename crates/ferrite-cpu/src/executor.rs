@@ -600,7 +600,14 @@ impl CpuExecutor {
                         dst.iter_mut().for_each(|v| *v *= scale);
                     }
                 }
-                Op::RmsNorm { x, norm, .. } => self.rms_norm(norm, input(x), &mut out[..rows(x) * width(x)]),
+                Op::RmsNorm { x, norm, residual, .. } => {
+                    let out = &mut out[..rows(x) * width(x)];
+                    self.rms_norm(norm, input(x), out);
+                    // The same sums as a separate `Add` of the residual and the normed value.
+                    if let Some(res) = residual {
+                        activation::add_inplace(out, &input(res)[..out.len()]);
+                    }
+                }
                 Op::Linear { x, norm, w, bias, residual, out_col, .. } => {
                     let spec = model.weights.spec(w);
                     let (r, ow) = (rows(x), width(out_id));

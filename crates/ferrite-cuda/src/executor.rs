@@ -1202,7 +1202,10 @@ impl CudaExecutor {
         };
         match *op {
             Op::Embed { table, scale, .. } => ops::embed_scaled(gpu, matrix(table), &buf.ids, n, scale, out)?,
-            Op::RmsNorm { x, norm, .. } => ops::rms_norm(gpu, input(x), vector(norm.weight), norm.eps, rows(x), width(x), false, out)?,
+            Op::RmsNorm { x, norm, residual: None, .. } => ops::rms_norm(gpu, input(x), vector(norm.weight), norm.eps, rows(x), width(x), false, out)?,
+            Op::RmsNorm { x, norm, residual: Some(res), .. } => {
+                ops::rms_norm_add(gpu, input(x), vector(norm.weight), norm.eps, input(res), rows(x), width(x), out)?
+            }
             Op::Linear { x, norm, w, bias, residual, out_col, .. }
                 if ops::linear_plan(matrix(w).dtype, width(x), rows(x), &gpu.linear_options()) == ops::LinearPlan::GemvQ8 =>
             {

@@ -214,6 +214,29 @@ fn rms_norm_matches_cpu() {
     }
 }
 
+/// Gemma's post-norm with its residual add in one launch: the same bits as `rms_norm` then
+/// `add` (the add's order and rounding), and its sizes checked.
+#[test]
+fn rms_norm_add_is_norm_then_add() {
+    let Some(gpu) = gpu() else { return };
+    let mut rng = Rng(22);
+    for (rows, dim) in [(1, 640), (7, 1152), (2, 33)] {
+        let (x, w, r) = (rng.vec(rows * dim, -3.0, 3.0), rng.vec(dim, -1.5, 1.5), rng.vec(rows * dim, -20.0, 20.0));
+        let (xd, wd, rd) = (upload(gpu, &x), upload(gpu, &w), upload(gpu, &r));
+        let mut got = poisoned(gpu, rows * dim);
+        ops::rms_norm_add(gpu, &xd, &wd, 1e-6, &rd, rows, dim, &mut got).unwrap();
+        let mut want = poisoned(gpu, rows * dim);
+        ops::rms_norm(gpu, &xd, &wd, 1e-6, rows, dim, false, &mut want).unwrap();
+        let mut sum = upload(gpu, &r);
+        ops::add(gpu, &mut sum, &want, rows * dim).unwrap();
+        let (got, sum) = (download(gpu, &got), download(gpu, &sum));
+        assert!(got.iter().zip(&sum).all(|(a, b)| a.to_bits() == b.to_bits()), "{rows}x{dim}: rms_norm_add differs from rms_norm + add");
+        println!("| {:<10} | {:<44} | {:>9} | {:>9} | {:>6} |", "norm_add", format!("{rows}x{dim}"), "exact", "exact", 0);
+    }
+    let err = ops::rms_norm_add(gpu, &upload(gpu, &[1f32; 64]), &upload(gpu, &[1f32; 32]), 1e-6, &upload(gpu, &[1f32; 32]), 2, 32, &mut poisoned(gpu, 64)).unwrap_err().to_string();
+    assert!(err.contains("residual"), "{err}");
+}
+
 /// QK-norm in place on a column range of wider rows: each head exactly as `rms_norm` of the
 /// gathered heads, every other column untouched.
 #[test]

@@ -120,6 +120,35 @@ fn qk_norm_inside_attention_is_bit_identical() {
     }
 }
 
+/// Gemma's post-norms with their residual adds folded in (`residual_into_linear`): the Gemma 3
+/// fixture's logits are the same bits, and the graph has no `Add` op left.
+#[test]
+fn gemma_post_norm_adds_fold_bit_identically() {
+    use ferrite_model::Model;
+    use std::sync::Arc;
+    let path = common::workspace_root().join("fixtures/tiny/gemma3.gguf");
+    let load = |fusion| Arc::new(Model::load(&path, fusion).unwrap());
+    let (fused, unfused) = (load(FusionOptions::ALL), load(FusionOptions { residual_into_linear: false, ..FusionOptions::ALL }));
+    let count = |m: &Model, f: fn(&Op) -> bool| m.graph.ops.iter().filter(|o| f(o)).count();
+    let (add, norm_add) = (|o: &Op| matches!(o, Op::Add { .. }), |o: &Op| matches!(o, Op::RmsNorm { residual: Some(_), .. }));
+    let layers = fused.config.n_layers;
+    assert_eq!((count(&fused, add), count(&fused, norm_add)), (0, 2 * layers));
+    assert_eq!((count(&unfused, add), count(&unfused, norm_add)), (2 * layers, 0));
+    for precision in [CpuPrecision::Reference, CpuPrecision::Quantized] {
+        let logits = |model: Arc<Model>| {
+            let mut exec = CpuExecutor::new(model, precision, ExecutorOptions { max_batch: 8, context_len: 32, trace: false, progress: None }).unwrap();
+            exec.forward(&[3, 77, 100, 42, 9, 12], 0).unwrap();
+            let mut all = exec.logits().unwrap();
+            exec.forward(&[5], 6).unwrap();
+            all.extend(exec.logits().unwrap());
+            all
+        };
+        let (a, b) = (logits(Arc::clone(&fused)), logits(Arc::clone(&unfused)));
+        assert!(a.iter().all(|v| v.is_finite()));
+        assert!(a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits()), "{precision:?}: folded post-norm adds changed the logits");
+    }
+}
+
 /// The bench's per-token work on SmolLM2: every quantized matrix read once (the tied embedding
 /// table serves as the output head), FLOPs = 2 per weight; a prompt pays the output head once.
 #[test]

@@ -12,7 +12,8 @@ pub struct FusionOptions {
     /// RMSNorm folded into the prologue of the (fused) projection that consumes it. Only applied
     /// when that projection is a single linear: an unfused group would recompute the norm.
     pub norm_into_linear: bool,
-    /// Residual add folded into the epilogue of the output/down projections.
+    /// Residual add folded into the op that produces the added value: the epilogue of the
+    /// output/down projections, or Gemma's post-norm after them.
     pub residual_into_linear: bool,
     /// The MLP's gate activation (SwiGLU/GeGLU) folded into the epilogue of the fused gate/up
     /// linear (needs `gate_up`).

@@ -177,8 +177,9 @@ pub struct MoeShape {
 pub enum Op {
     /// `out[t] = table[tokens[t]] * scale` (`scale` is 1 except for Gemma's `sqrt(n_embd)`).
     Embed { table: WeightId, out: ValueId, scale: f32 },
-    /// `out = x / rms(x) * weight`.
-    RmsNorm { x: ValueId, norm: NormSpec, out: ValueId },
+    /// `out = x / rms(x) * weight`, plus `residual` when given (Gemma's post-norm and its
+    /// residual add in one op, declared by the `residual_into_linear` fusion).
+    RmsNorm { x: ValueId, norm: NormSpec, residual: Option<ValueId>, out: ValueId },
     /// `out[:, out_col .. out_col + w.rows] = norm?(x) · wᵀ + bias + residual`.
     /// With `out_col > 0` several linears fill column ranges of one value (unfused QKV, gate/up).
     Linear {
@@ -263,8 +264,8 @@ impl Op {
     pub fn reads(&self) -> Vec<ValueId> {
         match *self {
             Op::Embed { .. } => vec![],
-            Op::RmsNorm { x, .. }
-            | Op::SwiGlu { x, .. }
+            Op::RmsNorm { x, residual, .. } => std::iter::once(x).chain(residual).collect(),
+            Op::SwiGlu { x, .. }
             | Op::GeGlu { x, .. }
             | Op::LastRow { x, .. }
             | Op::Rope { x, .. }
@@ -302,6 +303,7 @@ impl Op {
     pub fn kind(&self) -> &'static str {
         match self {
             Op::Embed { .. } => "embed",
+            Op::RmsNorm { residual: Some(_), .. } => "rms_norm+add",
             Op::RmsNorm { .. } => "rms_norm",
             Op::Linear { norm: Some(_), .. } => "norm+linear",
             Op::Linear { .. } => "linear",

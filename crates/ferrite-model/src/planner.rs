@@ -170,7 +170,7 @@ mod tests {
             g.push(match kind % 3 {
                 0 => Op::Add { a, b, out },
                 1 => Op::Linear { x: a, norm: None, w: WeightId(0), bias: None, residual: Some(b), out, out_col: 0 },
-                _ => Op::RmsNorm { x: a, norm: NormSpec { weight: WeightId(0), eps: 1e-5 }, out },
+                _ => Op::RmsNorm { x: a, norm: NormSpec { weight: WeightId(0), eps: 1e-5 }, residual: None, out },
             });
             vals.push(out);
         }

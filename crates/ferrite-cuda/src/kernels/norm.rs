@@ -1,4 +1,5 @@
-//! RMSNorm: `out = x / sqrt(mean(x^2) + eps) * w` (or `* (1 + w)`), one block per row. A row
+//! RMSNorm: `out = x / sqrt(mean(x^2) + eps) * w` (or `* (1 + w)`; plus a residual row: Gemma's
+//! post-norm and its add), one block per row. A row
 //! can also be one head of a wider token row (`heads` per token, `ld` apart, from column `col`):
 //! Qwen3's QK-norm in place on the Q and K columns of `q | k | v`. The output may be f16/bf16
 //! (`OUT_TYPE`): the GEMM input of a norm-folded linear, written in one launch with the norm,
@@ -26,6 +27,9 @@ device_params! {
         /// per tile.
         pub order: u32,
         pub tile_tokens: u32,
+        /// 0, or `[rows, dim]` f32 added to the f32 natural-order output (Gemma's post-norm and
+        /// its residual add: [`crate::ops::rms_norm_add`]).
+        pub residual: u64,
     }
 }
 
@@ -61,9 +65,12 @@ extern "C" __global__ void __launch_bounds__(BLOCK_SIZE) rms_norm(const RmsNormP
     return;
   }
 #endif
+  const float* res = reinterpret_cast<const float*>(p.residual);
   for (u32 i = threadIdx.x; i < p.dim; i += BLOCK_SIZE) {
     const float g = p.add_one ? 1.f + wt[i] : wt[i];
-    store_out(p.out, p.order ? mma_index(blockIdx.x, i, p.dim, p.order, p.tile_tokens) : start + i, x[i] * inv * g);
+    const float v = x[i] * inv * g;
+    // (__fadd_rn: never contracted into the products, so the sum is a separate add's.)
+    store_out(p.out, p.order ? mma_index(blockIdx.x, i, p.dim, p.order, p.tile_tokens) : start + i, res ? __fadd_rn(res[start + i], v) : v);
   }
 }
 "#;

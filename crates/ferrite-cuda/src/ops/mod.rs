@@ -178,6 +178,51 @@ pub fn rms_norm(
     norm_rows(gpu, addr(gpu, x), &norm, n_rows, dim, addr_mut(gpu, out), OutType::F32, MmaOrder::Natural)
 }
 
+/// [`rms_norm`] plus `residual` (`n_rows x dim`): `out = residual + x / rms(x) * w`, Gemma's
+/// post-norm and its residual add in one launch, bit-identical to [`rms_norm`] then [`add`].
+#[allow(clippy::too_many_arguments)]
+pub fn rms_norm_add(
+    gpu: &Gpu,
+    x: &impl DevicePtr<f32>,
+    weight: &impl DevicePtr<f32>,
+    eps: f32,
+    residual: &impl DevicePtr<f32>,
+    n_rows: usize,
+    dim: usize,
+    out: &mut impl DevicePtrMut<f32>,
+) -> Result<(), CudaError> {
+    const OP: &str = "rms_norm_add";
+    if n_rows == 0 {
+        return Ok(());
+    }
+    if dim == 0 {
+        return Err(CudaError::invalid(OP, "dim is 0"));
+    }
+    let n = elems(OP, &[n_rows, dim])?;
+    check_len(OP, "x", x.len(), n)?;
+    check_len(OP, "weight", weight.len(), dim)?;
+    check_len(OP, "residual", residual.len(), n)?;
+    check_len(OP, "out", out.len(), n)?;
+    let dim32 = as_u32(OP, "dim", dim)?;
+    as_u32(OP, "n_rows", n_rows)?;
+    let variant = NormVariant::for_dim(dim);
+    let params = RmsNormParams {
+        x: addr(gpu, x),
+        weight: addr(gpu, weight),
+        out: addr_mut(gpu, out),
+        dim: dim32,
+        eps,
+        add_one: 0,
+        heads: 1,
+        ld: dim32,
+        col: 0,
+        order: MmaOrder::Natural.code(),
+        tile_tokens: 1,
+        residual: addr(gpu, residual),
+    };
+    gpu.launch(&variant, "rms_norm", variant.launch_config(n_rows), &params)
+}
+
 /// An RMSNorm's weight (device address), epsilon and `(1 + w)` convention.
 pub(crate) struct RowNorm {
     pub weight: u64,
@@ -216,6 +261,7 @@ pub(crate) fn norm_rows(
         col: 0,
         order: order.code(),
         tile_tokens: order.tile_tokens(),
+        residual: 0,
     };
     gpu.launch(&variant, "rms_norm", variant.launch_config(n_rows), &params)
 }
@@ -258,6 +304,7 @@ pub fn head_norm(
         col: as_u32(OP, "col", col)?,
         order: MmaOrder::Natural.code(),
         tile_tokens: 1,
+        residual: 0,
     };
     gpu.launch(&variant, "rms_norm", variant.launch_config(blocks as usize), &params)
 }

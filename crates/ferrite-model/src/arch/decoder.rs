@@ -41,7 +41,7 @@ pub(super) fn projection_group(g: &mut GraphBuilder, ws: &mut WeightSet, group: 
         }
         _ => {
             let xn = g.value(normed_name, g.width(x), Rows::Tokens);
-            g.push(Op::RmsNorm { x, norm, out: xn });
+            g.push(Op::RmsNorm { x, norm, residual: None, out: xn });
             let list: Vec<(WeightId, Option<WeightId>)> = match single {
                 Some(p) => vec![p],
                 None => parts.to_vec(),
@@ -96,7 +96,8 @@ pub(super) fn residual_linear(g: &mut GraphBuilder, x: ValueId, w: WeightId, res
 }
 
 /// `out = residual + post_norm(W · x)`: Gemma's norm on a block's output before the residual
-/// add. The norm sits between the linear and the add, so the add cannot be folded into the linear.
+/// add. The norm sits between the linear and the add, so the add cannot be folded into the
+/// linear; the `residual_into_linear` fusion folds it into the norm instead.
 struct PostNormResidual<'a> {
     x: ValueId,
     w: WeightId,
@@ -106,13 +107,17 @@ struct PostNormResidual<'a> {
     width: usize,
 }
 
-fn post_norm_residual(g: &mut GraphBuilder, p: PostNormResidual) -> ValueId {
+fn post_norm_residual(g: &mut GraphBuilder, p: PostNormResidual, fuse: bool) -> ValueId {
     let proj = g.value(format!("{}.proj", p.name), p.width, Rows::Tokens);
     g.push(Op::Linear { x: p.x, norm: None, w: p.w, bias: None, residual: None, out: proj, out_col: 0 });
-    let normed = g.value(format!("{}.post_norm", p.name), p.width, Rows::Tokens);
-    g.push(Op::RmsNorm { x: proj, norm: p.norm, out: normed });
     let out = g.value(p.name, p.width, Rows::Tokens);
-    g.push(Op::Add { a: p.residual, b: normed, out });
+    if fuse {
+        g.push(Op::RmsNorm { x: proj, norm: p.norm, residual: Some(p.residual), out });
+    } else {
+        let normed = g.value(format!("{}.post_norm", p.name), p.width, Rows::Tokens);
+        g.push(Op::RmsNorm { x: proj, norm: p.norm, residual: None, out: normed });
+        g.push(Op::Add { a: p.residual, b: normed, out });
+    }
     out
 }
 
@@ -182,7 +187,7 @@ pub(super) fn mlp_block(
             (h, Some(ffn_norm))
         } else {
             let xn = g.value(t(norm_name), d, Rows::Tokens);
-            g.push(Op::RmsNorm { x: h, norm: ffn_norm, out: xn });
+            g.push(Op::RmsNorm { x: h, norm: ffn_norm, residual: None, out: xn });
             (xn, None)
         };
         g.push(Op::GatedLinear { x, norm, w, act: opts.activation, out: act });
@@ -198,7 +203,7 @@ pub(super) fn mlp_block(
     let down = ws.add(file, &t("ffn_down.weight"), d, ff)?;
     let h = if opts.post_norms {
         let norm = NormSpec { weight: ws.add(file, &t("post_ffw_norm.weight"), 1, d)?, eps: cfg.norm_eps };
-        post_norm_residual(g, PostNormResidual { x: act, w: down, norm, residual: h, name: &t("out"), width: d })
+        post_norm_residual(g, PostNormResidual { x: act, w: down, norm, residual: h, name: &t("out"), width: d }, fusion.residual_into_linear)
     } else {
         residual_linear(g, act, down, h, fusion.residual_into_linear, &t("out"), d)
     };
@@ -230,7 +235,7 @@ pub(super) fn output_head(
         g.push(Op::Linear { x: last, norm: Some(out_norm), w: head, bias: None, residual: None, out: logits, out_col: 0 });
     } else {
         let normed = g.value("output_norm", d, Rows::Last);
-        g.push(Op::RmsNorm { x: last, norm: out_norm, out: normed });
+        g.push(Op::RmsNorm { x: last, norm: out_norm, residual: None, out: normed });
         g.push(Op::Linear { x: normed, norm: None, w: head, bias: None, residual: None, out: logits, out_col: 0 });
     }
     g.trace(logits);
@@ -269,7 +274,7 @@ pub fn build(cfg: &ModelConfig, file: &GgufFile, fusion: FusionOptions, opts: De
         let wo = ws.add(file, &t("attn_output.weight"), d, qw)?;
         h = if opts.post_norms {
             let norm = NormSpec { weight: ws.add(file, &t("post_attention_norm.weight"), 1, d)?, eps: cfg.norm_eps };
-            post_norm_residual(&mut g, PostNormResidual { x: attn, w: wo, norm, residual: h, name: &t("attn_out"), width: d })
+            post_norm_residual(&mut g, PostNormResidual { x: attn, w: wo, norm, residual: h, name: &t("attn_out"), width: d }, fusion.residual_into_linear)
         } else {
             residual_linear(&mut g, attn, wo, h, fusion.residual_into_linear, &t("attn_out"), d)
         };

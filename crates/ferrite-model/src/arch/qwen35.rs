@@ -106,7 +106,7 @@ pub(super) fn build_hybrid(
         let (mixed, wo) = if is_full {
             // Every projection reads the normed input: the norm runs once, as its own op.
             let xn = g.value(t("attn_norm"), d, Rows::Tokens);
-            g.push(Op::RmsNorm { x: h, norm: attn_norm, out: xn });
+            g.push(Op::RmsNorm { x: h, norm: attn_norm, residual: None, out: xn });
             let wq = ws.add(file, &t("attn_q.weight"), 2 * qw, d)?;
             let qg = g.value(t("q_gate"), 2 * qw, Rows::Tokens);
             g.push(Op::Linear { x: xn, norm: None, w: wq, bias: None, residual: None, out: qg, out_col: 0 });
@@ -194,7 +194,7 @@ fn moe_block(
         (h, Some(norm))
     } else {
         let xn = g.value(t("post_attention_norm"), d, Rows::Tokens);
-        g.push(Op::RmsNorm { x: h, norm, out: xn });
+        g.push(Op::RmsNorm { x: h, norm, residual: None, out: xn });
         (xn, None)
     };
     let out = g.value(t("out"), d, Rows::Tokens);
