@@ -121,31 +121,44 @@ const RUN_PREFETCH_BYTES: usize = 512;
 /// results do not depend on the thread count.
 const SPLIT_KEYS: usize = 512;
 
-/// Attention of the query rows of `q` whose keys are `keys[t] = (first, end)`, in parallel over
-/// (row, query heads of a call, part of the keys). `runs_of(t, h, begin, end)` gives the cache
-/// runs of row t's keys `begin..end` for KV head `h` ([`Run`]s).
-#[allow(clippy::too_many_arguments)]
-fn attend_rows<T: KvElem, R: AsRef<[Run]>>(
-    level: SimdLevel,
-    p: &AttentionParams,
-    q: &[f32],
-    k: &[T],
-    v: &[T],
-    block_size: usize,
-    keys: &[(usize, usize)],
-    runs_of: &(impl Fn(usize, usize, usize, usize) -> R + Sync),
-    out: &mut [f32],
-) {
-    let (nh, hd) = (p.n_heads, p.head_dim);
+/// One query row of a paged attention call: its sequence's block table and its keys
+/// `first..end` (positions).
+struct RowKeys<'a> {
+    blocks: &'a [u32],
+    first: usize,
+    end: usize,
+}
+
+/// The cache runs ([`Run`]s) of keys `begin..end` of KV head `h` through the block table
+/// `blocks`: consecutive positions inside one block each; allocated once at their final size
+/// (growing it cost a sixth of the op).
+fn runs_of(p: &AttentionParams, bs: usize, blocks: &[u32], h: usize, begin: usize, end: usize) -> Vec<Run> {
+    let mut runs = Vec::with_capacity((end - begin) / bs + 2);
+    let mut r = begin;
+    while r < end {
+        let (b, off) = (r / bs, r % bs);
+        let len = (bs - off).min(end - r);
+        let block = blocks[b] as usize;
+        runs.push((r - begin, paged_key_offset(p, bs, block, off, h), paged_offset(p, bs, block, off, h), len));
+        r += len;
+    }
+    runs
+}
+
+/// Attention of the query rows of `q` over their keys (`rows`), in parallel over (row, query
+/// heads of a call, part of the keys).
+fn attend_rows<T: KvElem>(level: SimdLevel, p: &AttentionParams, q: &[f32], kv: &PagedKv<'_, T>, rows: &[RowKeys], out: &mut [f32]) {
+    let (nh, hd, bs) = (p.n_heads, p.head_dim, kv.block_size);
     let (qw, group) = (nh * hd, nh / p.n_kv_heads);
+    let keys: Vec<(usize, usize)> = rows.iter().map(|r| (r.first, r.end)).collect();
     let parts: Vec<usize> = keys.iter().map(|&(first, end)| (end - first).div_ceil(SPLIT_KEYS)).collect();
     let total_parts: usize = parts.iter().sum();
     let heads = heads_per_task(total_parts, nh, group);
     let calls = nh / heads; // calls per row (and per part)
     // The query heads h.. of row t over its keys begin..end.
     let call = |t: usize, h: usize, begin: usize, end: usize, out: &mut [f32], state: Option<&mut [(f32, f32)]>| {
-        let runs = runs_of(t, h / group, begin, end);
-        attend(level, p, &q[t * qw + h * hd..][..heads * hd], k, v, block_size, runs.as_ref(), out, state);
+        let runs = runs_of(p, bs, rows[t].blocks, h / group, begin, end);
+        attend(level, p, &q[t * qw + h * hd..][..heads * hd], kv.k, kv.v, bs, &runs, out, state);
     };
     if total_parts == keys.len() {
         out.par_chunks_mut(heads * hd).enumerate().for_each(|(i, out)| {
@@ -363,34 +376,19 @@ pub(crate) fn attention_paged_at<T: KvElem>(level: SimdLevel, p: &AttentionParam
     assert_eq!(q.len(), n_rows * qw, "attention: q has {} values, expected {n_rows} x {qw}", q.len());
     assert_eq!(out.len(), n_rows * qw, "attention: out has {} values, expected {n_rows} x {qw}", out.len());
     let block_elems = bs * kvw;
-    // Each row's sequence and position.
+    // Each row's block table and keys.
     let mut rows = Vec::with_capacity(n_rows);
-    for (i, s) in seqs.iter().enumerate() {
+    for s in seqs {
         let kv_len = s.start_pos + s.n_tokens;
         assert!(s.blocks.len() * bs >= kv_len, "attention: {} blocks of {bs} cannot hold {kv_len} rows", s.blocks.len());
         for &b in &s.blocks[..kv_len.div_ceil(bs)] {
             let end = (b as usize + 1) * block_elems;
             assert!(end <= kv.k.len() && end <= kv.v.len(), "attention: block {b} is outside the cache");
         }
-        rows.extend((s.start_pos..kv_len).map(|pos| (i, pos)));
+        let first = |pos: usize| p.window.map_or(0, |w| (pos + 1).saturating_sub(w));
+        rows.extend((s.start_pos..kv_len).map(|pos| RowKeys { blocks: s.blocks, first: first(pos), end: pos + 1 }));
     }
-    let keys: Vec<(usize, usize)> = rows.iter().map(|&(_, pos)| (p.window.map_or(0, |w| (pos + 1).saturating_sub(w)), pos + 1)).collect();
-    // Runs of consecutive rows inside one block: (key index, offset in the cache, length);
-    // allocated once at their final size (growing it cost a sixth of the op).
-    let runs = |t: usize, h: usize, begin: usize, end: usize| {
-        let blocks = seqs[rows[t].0].blocks;
-        let mut runs = Vec::with_capacity((end - begin) / bs + 2);
-        let mut r = begin;
-        while r < end {
-            let (b, off) = (r / bs, r % bs);
-            let len = (bs - off).min(end - r);
-            let block = blocks[b] as usize;
-            runs.push((r - begin, paged_key_offset(p, bs, block, off, h), paged_offset(p, bs, block, off, h), len));
-            r += len;
-        }
-        runs
-    };
-    attend_rows(level, p, q, kv.k, kv.v, bs, &keys, &runs, out);
+    attend_rows(level, p, q, kv, &rows, out);
 }
 
 /// The two inner loops over the rows of a run, for the query heads of one call (their rows
