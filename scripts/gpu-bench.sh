@@ -14,7 +14,7 @@ cd "$(dirname "$0")/.."
 source scripts/gpu-env.sh >/dev/null
 models=("$@")
 [ ${#models[@]} -gt 0 ] || models=(smollm2-135m:Q4_1 llama-3.2-1b:Q4_0 llama-3.2-1b:Q4_K llama-3.1-8b:Q4_0 llama-3.1-8b:Q8_0 llama-3.1-8b:Q4_K
-    llama-3.1-8b:Q6_K llama-3.1-8b:F16 qwen3-8b:Q4_0)
+    llama-3.1-8b:Q6_K llama-3.1-8b:F16 qwen3-8b:Q4_0 gemma3-270m:Q8_0 qwen3.5-9b:Q4_0)
 read -ra bench_args <<< "${BENCH_ARGS:--p 512 -n 128 -r 5}"
 dir=${FERRITE_MODEL_DIR:-/tmp/ferrite-models}
 mkdir -p "$dir"
