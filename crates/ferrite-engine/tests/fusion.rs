@@ -94,6 +94,12 @@ fn qk_norm_inside_attention_is_bit_identical() {
         let path = common::workspace_root().join("fixtures/tiny").join(name);
         let load = |fusion| Arc::new(Model::load(&path, fusion).unwrap());
         let (fused, unfused) = (load(FusionOptions::ALL), load(without));
+        // Without the RoPE fusion the norms cannot stay inside (they come before the rotation):
+        // the two HeadNorm ops, then the Rope op, then the attention.
+        let no_rope = load(FusionOptions { rope_into_attention: false, ..FusionOptions::ALL });
+        let kinds: Vec<&str> = no_rope.graph.ops.iter().map(|o| o.kind()).collect();
+        let at = kinds.iter().position(|k| *k == "attention").expect("an attention op");
+        assert_eq!(kinds[at - 3..=at], ["head_norm", "head_norm", "rope", "attention"], "{name}: ops before the first attention");
         let count = |m: &Model, f: fn(&Op) -> bool| m.graph.ops.iter().filter(|o| f(o)).count();
         let head_norm = |o: &Op| matches!(o, Op::HeadNorm { .. });
         let normed_attention = |o: &Op| matches!(o, Op::Attention { qk_norm: Some(_), .. });
@@ -113,9 +119,10 @@ fn qk_norm_inside_attention_is_bit_identical() {
                 }
                 all
             };
-            let (a, b) = (logits(Arc::clone(&fused)), logits(Arc::clone(&unfused)));
+            let (a, b, c) = (logits(Arc::clone(&fused)), logits(Arc::clone(&unfused)), logits(Arc::clone(&no_rope)));
             assert!(a.iter().all(|v| v.is_finite()), "{name} {precision:?}: non-finite logits");
             assert!(a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits()), "{name} {precision:?}: QK-norm inside attention changed the logits");
+            assert!(a.iter().zip(&c).all(|(x, y)| x.to_bits() == y.to_bits()), "{name} {precision:?}: separate QK-norm and RoPE ops changed the logits");
         }
     }
 }
