@@ -30,15 +30,24 @@ trap 'rm -rf "$dump"' EXIT
 echo "compiling every kernel variant with NVRTC (a few minutes)..." >&2
 FERRITE_KERNEL_DUMP=$dump LD_LIBRARY_PATH="$PWD/$tools/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" \
     cargo test -p ferrite-cuda --release --test ops every_kernel_variant_compiles_for_sm90 >&2
-printf 'variant\tinstructions\tregisters\tstack_bytes\tloads_before_wait\n'
-for f in "$dump"/"$prefix"*.cubin; do
-    [ -e "$f" ] || { echo "error: no variant of '$prefix' was compiled" >&2; exit 1; }
-    # The module cache's files carry a header; these are plain ELF.
+# One variant's line; run on every core (xargs), sorted by name.
+stats() {
+    local f=$1 sass usage
+    # (The module cache's files carry a header; these are plain ELF.)
     sass=$("$tools/bin/nvdisasm" -c "$f")
     usage=$("$tools/bin/cuobjdump" -res-usage "$f")
-    instructions=$(grep -cE '/\*[0-9a-f]{4}\*/' <<< "$sass" || true)
+    # Every instruction carries its byte offset as a comment (4 hex digits, more past 64 KB).
+    local instructions registers spills before
+    instructions=$(grep -cE '/\*[0-9a-f]{4,}\*/' <<< "$sass" || true)
     registers=$(grep -oE 'REG:[0-9]+' <<< "$usage" | head -n1 | cut -d: -f2)
     spills=$(grep -oE 'STACK:[0-9]+' <<< "$usage" | head -n1 | cut -d: -f2)
     before=$(awk '/ACQBULK/ { exit } /LDG/ { n++ } END { print n + 0 }' <<< "$sass")
     printf '%s\t%s\t%s\t%s\t%s\n' "$(basename "$f" .cubin)" "$instructions" "${registers:-?}" "${spills:-?}" "$before"
-done
+}
+export -f stats
+export tools
+printf 'variant\tinstructions\tregisters\tstack_bytes\tloads_before_wait\n'
+shopt -s nullglob
+cubins=("$dump"/"$prefix"*.cubin)
+[ ${#cubins[@]} -gt 0 ] || { echo "error: no variant of '$prefix' was compiled" >&2; exit 1; }
+printf '%s\0' "${cubins[@]}" | xargs -0 -n 1 -P "$(nproc)" bash -c 'stats "$0"' | sort
