@@ -346,7 +346,7 @@ fn linear_at(
     } else {
         let (normed, len) = norm_scratch.ok_or_else(|| CudaError::invalid(op, "a norm on this path needs an f32 scratch"))?;
         check_len(op, "norm scratch", len, elems(op, &[n_tokens, w.cols])?)?;
-        norm_rows(gpu, x, &row_norm, n_tokens, w.cols, normed, OutType::F32, MmaOrder::Natural)?;
+        norm_rows(gpu, x, &row_norm, n_tokens, w.cols, normed, OutType::F32, MmaOrder::Natural, 0)?;
         run_plan(gpu, w, plan, Input { x: normed, norm: None }, n_tokens, out, residual)?;
     }
     Ok(plan)
@@ -1193,7 +1193,7 @@ fn convert_activations(
     order: MmaOrder,
 ) -> Result<(), CudaError> {
     if let Some(norm) = input.norm {
-        return norm_rows(gpu, input.x, norm, n_tokens, cols, dst, precision.out_type(), order);
+        return norm_rows(gpu, input.x, norm, n_tokens, cols, dst, precision.out_type(), order, 0);
     }
     let count = n_tokens * cols;
     let variant = ConvertVariant { out: precision.out_type() };

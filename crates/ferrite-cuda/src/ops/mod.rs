@@ -163,19 +163,8 @@ pub fn rms_norm(
     add_one: bool,
     out: &mut impl DevicePtrMut<f32>,
 ) -> Result<(), CudaError> {
-    const OP: &str = "rms_norm";
-    if n_rows == 0 {
-        return Ok(());
-    }
-    if dim == 0 {
-        return Err(CudaError::invalid(OP, "dim is 0"));
-    }
-    let n = elems(OP, &[n_rows, dim])?;
-    check_len(OP, "x", x.len(), n)?;
-    check_len(OP, "weight", weight.len(), dim)?;
-    check_len(OP, "out", out.len(), n)?;
     let norm = RowNorm { weight: addr(gpu, weight), eps, add_one };
-    norm_rows(gpu, addr(gpu, x), &norm, n_rows, dim, addr_mut(gpu, out), OutType::F32, MmaOrder::Natural)
+    norm_rows_checked("rms_norm", gpu, x, (&norm, weight.len()), None, n_rows, dim, out)
 }
 
 /// [`rms_norm`] plus `residual` (`n_rows x dim`): `out = residual + x / rms(x) * w`, Gemma's
@@ -191,36 +180,38 @@ pub fn rms_norm_add(
     dim: usize,
     out: &mut impl DevicePtrMut<f32>,
 ) -> Result<(), CudaError> {
-    const OP: &str = "rms_norm_add";
+    let norm = RowNorm { weight: addr(gpu, weight), eps, add_one: false };
+    norm_rows_checked("rms_norm_add", gpu, x, (&norm, weight.len()), Some((addr(gpu, residual), residual.len())), n_rows, dim, out)
+}
+
+/// The public norms' checks (lengths of `x`, the weight (`norm.1` values), the residual (address,
+/// length) and `out`), then [`norm_rows`] in f32 and natural order.
+#[allow(clippy::too_many_arguments)]
+fn norm_rows_checked(
+    op: &'static str,
+    gpu: &Gpu,
+    x: &impl DevicePtr<f32>,
+    norm: (&RowNorm, usize),
+    residual: Option<(u64, usize)>,
+    n_rows: usize,
+    dim: usize,
+    out: &mut impl DevicePtrMut<f32>,
+) -> Result<(), CudaError> {
     if n_rows == 0 {
         return Ok(());
     }
     if dim == 0 {
-        return Err(CudaError::invalid(OP, "dim is 0"));
+        return Err(CudaError::invalid(op, "dim is 0"));
     }
-    let n = elems(OP, &[n_rows, dim])?;
-    check_len(OP, "x", x.len(), n)?;
-    check_len(OP, "weight", weight.len(), dim)?;
-    check_len(OP, "residual", residual.len(), n)?;
-    check_len(OP, "out", out.len(), n)?;
-    let dim32 = as_u32(OP, "dim", dim)?;
-    as_u32(OP, "n_rows", n_rows)?;
-    let variant = NormVariant::for_dim(dim);
-    let params = RmsNormParams {
-        x: addr(gpu, x),
-        weight: addr(gpu, weight),
-        out: addr_mut(gpu, out),
-        dim: dim32,
-        eps,
-        add_one: 0,
-        heads: 1,
-        ld: dim32,
-        col: 0,
-        order: MmaOrder::Natural.code(),
-        tile_tokens: 1,
-        residual: addr(gpu, residual),
-    };
-    gpu.launch(&variant, "rms_norm", variant.launch_config(n_rows), &params)
+    let n = elems(op, &[n_rows, dim])?;
+    check_len(op, "x", x.len(), n)?;
+    check_len(op, "weight", norm.1, dim)?;
+    if let Some((_, len)) = residual {
+        check_len(op, "residual", len, n)?;
+    }
+    check_len(op, "out", out.len(), n)?;
+    let residual = residual.map_or(0, |(at, _)| at);
+    norm_rows(gpu, addr(gpu, x), norm.0, n_rows, dim, addr_mut(gpu, out), OutType::F32, MmaOrder::Natural, residual)
 }
 
 /// An RMSNorm's weight (device address), epsilon and `(1 + w)` convention.
@@ -230,8 +221,9 @@ pub(crate) struct RowNorm {
     pub add_one: bool,
 }
 
-/// RMSNorm of `n_rows` rows of `dim` at `x` into `out` as `out_type`, in column order `order`
-/// (lengths checked by the caller; `dim > 0`).
+/// RMSNorm of `n_rows` rows of `dim` at `x` into `out` as `out_type`, in column order `order`,
+/// plus the rows at `residual` unless 0 (f32 natural order only; lengths checked by the caller;
+/// `dim > 0`).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn norm_rows(
     gpu: &Gpu,
@@ -242,6 +234,7 @@ pub(crate) fn norm_rows(
     out: u64,
     out_type: OutType,
     order: MmaOrder,
+    residual: u64,
 ) -> Result<(), CudaError> {
     const OP: &str = "rms_norm";
     as_u32(OP, "n_rows", n_rows)?;
@@ -261,7 +254,7 @@ pub(crate) fn norm_rows(
         col: 0,
         order: order.code(),
         tile_tokens: order.tile_tokens(),
-        residual: 0,
+        residual,
     };
     gpu.launch(&variant, "rms_norm", variant.launch_config(n_rows), &params)
 }
