@@ -120,6 +120,9 @@ device_params! {
         pub d1: u64,
         pub d2: u64,
         pub d3: u64,
+        /// Not 0: one token's output row is also stored here (`copy[row]`), as the fused MLP
+        /// reads its input from a buffer it does not add into.
+        pub copy: u64,
     }
 }
 
@@ -287,6 +290,7 @@ __device__ __forceinline__ float store_q8(const GemvQ8Params& p, const Prefetche
   s += f.res[r][t];
 #endif
   reinterpret_cast<float*>(p.out)[(i64)tok * p.out_ld + p.out_col + row] = s;
+  if (p.copy) reinterpret_cast<float*>(p.copy)[row] = s;
   return s;
 }
 
@@ -318,25 +322,32 @@ __device__ __forceinline__ void emit_q8(const GemvQ8Params& p, const Prefetched&
 #if IN_F32
 #define IN_F32_GROUPS (SLICE_THREADS * KSPLIT / 8)
 #define IN_F32_UNITS (IN_F32 * IN_F32_GROUPS)
-// After the wait: the consumer makes its own int8 hand-off. The block's groups of 8 lanes
-// quantize the 32-value blocks of the token's f32 row (times the norm's weight, each block's sum
-// of squares beside it, as `emit_q8` does), group i the blocks i, i + groups, ..., into shared
-// memory; every load is issued first.
-__device__ __forceinline__ void quantize_input(const GemvQ8Params& p, u32* s_q, uint2* s_s, float* s_ss) {
-  const int lane = threadIdx.x & 31, group = threadIdx.x >> 3, units = (int)(p.cols / 32);
-  float4 x[IN_F32], g[IN_F32];
+// The four values of the row thread `threadIdx.x` quantizes in its r-th 32-value block.
+__device__ __forceinline__ int in_f32_index(int r, int units) {
+  return 8 * min((int)(threadIdx.x >> 3) + r * IN_F32_GROUPS, units - 1) + (threadIdx.x & 7);
+}
+// Before the wait: the norm's weight at those values (a weight: no earlier kernel writes it).
+__device__ __forceinline__ void prefetch_in_norm(const GemvQ8Params& p, float4 (&g)[IN_F32]) {
 #pragma unroll
   for (int r = 0; r < IN_F32; ++r) {
-    const int i = 8 * min(group + r * IN_F32_GROUPS, units - 1) + (lane & 7);
-    x[r] = reinterpret_cast<const float4*>(p.x32)[i];
 #if IN_NORM
-    const float4 w = reinterpret_cast<const float4*>(p.in_norm_w)[i];
+    const float4 w = reinterpret_cast<const float4*>(p.in_norm_w)[in_f32_index(r, (int)(p.cols / 32))];
     const float one = p.in_add_one ? 1.f : 0.f;
     g[r] = make_float4(one + w.x, one + w.y, one + w.z, one + w.w);
 #else
     g[r] = make_float4(1.f, 1.f, 1.f, 1.f);
 #endif
   }
+}
+// After the wait: the consumer makes its own int8 hand-off. The block's groups of 8 lanes
+// quantize the 32-value blocks of the token's f32 row (times the norm's weight `g`, each block's
+// sum of squares beside it, as `emit_q8` does), group i the blocks i, i + groups, ..., into
+// shared memory; every load is issued first.
+__device__ __forceinline__ void quantize_input(const GemvQ8Params& p, const float4 (&g)[IN_F32], u32* s_q, uint2* s_s, float* s_ss) {
+  const int lane = threadIdx.x & 31, group = threadIdx.x >> 3, units = (int)(p.cols / 32);
+  float4 x[IN_F32];
+#pragma unroll
+  for (int r = 0; r < IN_F32; ++r) x[r] = reinterpret_cast<const float4*>(p.x32)[in_f32_index(r, units)];
 #pragma unroll
   for (int r = 0; r < IN_F32; ++r) {
     const int u = group + r * IN_F32_GROUPS;
@@ -432,13 +443,17 @@ extern "C" __global__ void __launch_bounds__(SLICE_THREADS * KSPLIT) gemv_q8(con
   Unit dw[DOWN][DOWN_UNITS];
   prefetch_down(p, dw);
 #endif
+#if IN_F32
+  float4 in_g[IN_F32];
+  prefetch_in_norm(p, in_g);
+#endif
   bool waited = false;
   const auto wait_then_prefetch = [&]() {
     pdl_wait();
     pdl_release();
     waited = true;
 #if IN_F32
-    quantize_input(p, reinterpret_cast<u32*>(s_xq), s_xs, s_ss);
+    quantize_input(p, in_g, reinterpret_cast<u32*>(s_xq), s_xs, s_ss);
 #endif
     prefetch_inputs(p, pre, row0, tok0, k == 0 && slice == 0, slice == 0, in_partials);
   };
@@ -1088,6 +1103,10 @@ mod tests {
         assert_eq!((v.rows_per_block(), v.threads(), v.down, v.in_f32), (32, 256, 3, 0));
         assert_eq!(v.launch_config(1536, 1).grid_dim, (48, 1, 1));
         crate::kernels::tests::assert_macros_match(v);
+        // The same MLP quantizing its f32 input row itself: 18 blocks over 32 groups of 8 lanes.
+        let f = v.with_f32_input(576);
+        assert_eq!((f.in_f32, f.down, f.launch_config(1536, 1).grid_dim), (1, 3, (48, 1, 1)));
+        crate::kernels::tests::assert_macros_match(f);
         // SmolLM2's QKV reading the f32 stream: 18 blocks of 32 values over 16 groups of 8 lanes.
         let q = GemvQ8Variant::for_shape(GgmlType::Q4_1, 960, 576, 1, 132).with_f32_input(576);
         assert_eq!((q.threads(), q.in_f32, q.down), (128, 2, 0));
