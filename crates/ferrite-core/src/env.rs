@@ -191,9 +191,6 @@ switches! {
     /// The MLP of a declared decoder layer as one int8 GEMV launch (CUDA).
     CUDA_FUSED_MLP = ("FERRITE_CUDA_FUSED_MLP", "1", AbTest,
         "1: in untraced one-token CUDA steps, the gate/up and down projections of each decoder layer declared at load run as one launch (ops::mlp_q8: each block quantizes its SwiGLU outputs, multiplies them by their columns of the down projection and adds the products into the residual stream with atomic adds, so the logits' last bits vary from run to run), and the next layer's QKV projection quantizes that stream itself; only where the adds stay few (ops::MLP_MAX_ADDS: SmolLM2-sized layers; +4% tg128 there, measured on the H100, docs/perf.md stop 35); a note at load names layers it cannot run. 0: two launches, bit-reproducible.");
-    /// What the fused MLP reads (CUDA).
-    CUDA_MLP_INPUT = ("FERRITE_CUDA_MLP_INPUT", "q8", AbTest,
-        "q8: the fused MLP (FERRITE_CUDA_FUSED_MLP) reads the output projection's int8 hand-off (an emitting GEMV: blocks of 32 rows, quantizing after a barrier). f32: the output projection stores its row plainly (the plain GEMV's tiling, more blocks) into the layer's output and a copy, and every block of the MLP quantizes the copy itself.");
     /// Declared linear chains run as one persistent launch (CUDA, experimental).
     CUDA_LINEAR_CHAIN = ("FERRITE_CUDA_LINEAR_CHAIN", "0", AbTest,
         "1 runs each linear chain declared at load (a layer's output projection, gate/up, down and the next QKV) as one persistent launch in one-token CUDA steps (kernels/chain.rs), instead of four int8 GEMV launches. Off by default: it is still 2-2.5x slower per layer (docs/perf.md, stop 28); a note at load names chains it cannot run.");

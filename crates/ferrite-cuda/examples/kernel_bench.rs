@@ -175,25 +175,24 @@ fn decode(gpu: &Gpu) -> Result<(), CudaError> {
 }
 
 fn inputs(gpu: &Gpu) -> Result<(), CudaError> {
-    // How a one-token int8 GEMV gets its input: the producer's int8 hand-off, or the f32 row it
-    // quantizes itself (every block, a prologue after the dependency wait, with or without a
-    // folded norm); how an output projection leaves its output: an int8 hand-off (the emitting
-    // tiling) or the f32 row plus a copy (the plain tiling); and the fused MLP on either input.
-    // 60 dependent launches replayed from a graph, rotating over weight copies beyond the L2.
-    println!("\none-token int8 GEMV inputs and outputs, graph replay: us per launch");
-    for (name, dtype, d, ff, qkv) in [("SmolLM2", GgmlType::Q4_1, 576usize, 1536usize, 960usize), ("1B", GgmlType::Q4_0, 2048, 8192, 3072)] {
+    // How a one-token int8 GEMV gets its input: the producer's int8 hand-off (plain, or with
+    // the norm pending), or the f32 row it quantizes itself (every block, a prologue after the
+    // dependency wait, with or without a folded norm). 60 dependent launches replayed from a
+    // graph, rotating over weight copies beyond the L2.
+    println!("\none-token int8 GEMV inputs, graph replay: us per launch (QKV shape)");
+    for (name, dtype, d, qkv) in [("SmolLM2", GgmlType::Q4_1, 576usize, 960usize), ("1B", GgmlType::Q4_0, 2048, 3072)] {
         let copies_of = |rows: usize, cols: usize| -> Result<Vec<_>, CudaError> {
             let packed = quantize(dtype, &ramp(rows * cols)).expect("quantize");
             (0..(150_000_000 / packed.len()).max(1) + 1).map(|_| gpu.upload_weight(dtype, rows, cols, &packed)).collect()
         };
-        let (wq, wo, wgu, wd) = (copies_of(qkv, d)?, copies_of(d, d)?, copies_of(2 * ff, d)?, copies_of(d, ff)?);
+        let (wq, wo) = (copies_of(qkv, d)?, copies_of(d, d)?);
         let x: Vec<f32> = (0..d).map(|i| ((i * 31) % 97) as f32 / 97.0 - 0.5).collect();
         let x = gpu.upload(&x, "x")?;
         let (res, g) = (gpu.upload(&vec![0.25f32; d], "residual")?, gpu.upload(&vec![1.0f32; d], "norm")?);
         let mut q8 = ops::Q8Activations::new(gpu, d)?;
         ops::quantize_q8(gpu, &x, 1, d, None, &mut q8)?;
-        let (mut emitted, mut emitted2) = (ops::Q8Activations::new(gpu, d)?, ops::Q8Activations::new(gpu, d)?);
-        let (mut y, mut h, mut copy) = (gpu.alloc_zeros::<f32>(qkv)?, gpu.alloc_zeros::<f32>(d)?, gpu.alloc_zeros::<f32>(d)?);
+        let mut emitted = ops::Q8Activations::new(gpu, d)?;
+        let (mut y, mut h) = (gpu.alloc_zeros::<f32>(qkv)?, gpu.alloc_zeros::<f32>(d)?);
         let norm = Some(ops::NormPrologue { weight: &g, eps: 1e-5, add_one: false });
         let plain = ops::Epilogue::default();
         let with_res = ops::Epilogue { residual: Some(&res), ..Default::default() };
@@ -208,18 +207,6 @@ fn inputs(gpu: &Gpu) -> Result<(), CudaError> {
         cell("q8+norm in", time_graph(gpu, 60, &mut || (0..60).try_for_each(|i| ops::linear_q8(gpu, &wq[i % wq.len()], &emitted, 1, &mut y, qkv, 0, &plain, None))));
         cell("f32 in", time_graph(gpu, 60, &mut || (0..60).try_for_each(|i| ops::linear_q8_f32_row(gpu, &wq[i % wq.len()], &x, None, &mut y, qkv, 0, &plain, None))));
         cell("f32+norm in", time_graph(gpu, 60, &mut || (0..60).try_for_each(|i| ops::linear_q8_f32_row(gpu, &wq[i % wq.len()], &x, norm, &mut y, qkv, 0, &plain, None))));
-        cell("out emitting", time_graph(gpu, 60, &mut || {
-            (0..60).try_for_each(|i| ops::linear_q8(gpu, &wo[i % wo.len()], &q8, 1, &mut h, d, 0, &with_res, Some(ops::Q8Emit { dst: &mut emitted2, norm })))
-        }));
-        cell("out + copy", time_graph(gpu, 60, &mut || (0..60).try_for_each(|i| ops::linear_q8_copied(gpu, &wo[i % wo.len()], &q8, &mut h, &mut copy, &with_res))));
-        if ff * d <= ops::MLP_MAX_ADDS * 32 {
-            cell("mlp q8 in", time_graph(gpu, 60, &mut || {
-                (0..60).try_for_each(|i| ops::mlp_q8(gpu, &wgu[i % wgu.len()], &wd[i % wd.len()], ops::MlpInput::Q8(&q8), ops::Glu::SwiGlu, &mut h))
-            }));
-            cell("mlp f32+norm in", time_graph(gpu, 60, &mut || {
-                (0..60).try_for_each(|i| ops::mlp_q8(gpu, &wgu[i % wgu.len()], &wd[i % wd.len()], ops::MlpInput::F32Row(&x, norm), ops::Glu::SwiGlu, &mut h))
-            }));
-        }
         println!("{line}");
     }
     Ok(())

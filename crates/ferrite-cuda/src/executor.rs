@@ -187,12 +187,6 @@ struct Buffers {
     mlp_fused: Vec<bool>,
     writes_into: Vec<Option<ValueId>>,
     f32_row_in: Vec<bool>,
-    /// Per op, for the batch being run: it also stores its own value while writing
-    /// `writes_into` (an output projection before a fused MLP that reads its f32 row,
-    /// `FERRITE_CUDA_MLP_INPUT=f32`).
-    copies_own: Vec<bool>,
-    /// `FERRITE_CUDA_MLP_INPUT=f32`.
-    mlp_f32_input: bool,
     kv: PerLayer<KvCache>,
     gdn: PerLayer<GdnState>,
     /// Working memory of the MoE FFN ops, one per distinct shape.
@@ -372,8 +366,6 @@ impl Buffers {
             mlp_fused: vec![false; graph.ops.len()],
             writes_into: vec![None; graph.ops.len()],
             f32_row_in: vec![false; graph.ops.len()],
-            copies_own: vec![false; graph.ops.len()],
-            mlp_f32_input: mlp_f32_input(),
             ids: gpu.alloc_zeros(rows)?,
             positions: gpu.alloc_zeros(rows)?,
             token: gpu.alloc_zeros(1)?,
@@ -481,19 +473,6 @@ fn kv_dtype() -> KvDtype {
         Some(other) => {
             eprintln!("warning: FERRITE_CUDA_KV_DTYPE={other:?} is not f16 or f32; using f16");
             KvDtype::F16
-        }
-    }
-}
-
-/// `FERRITE_CUDA_MLP_INPUT`: whether a fused MLP reads its input as an f32 row (`f32`) rather
-/// than as the output projection's int8 hand-off (`q8`).
-fn mlp_f32_input() -> bool {
-    match env::CUDA_MLP_INPUT.get().as_deref() {
-        Some("f32") => true,
-        Some("q8") | None => false,
-        Some(other) => {
-            eprintln!("warning: FERRITE_CUDA_MLP_INPUT={other:?} is not q8 or f32; using q8");
-            false
         }
     }
 }
@@ -923,14 +902,8 @@ impl CudaExecutor {
             }
             let out_slot = self.plan.slot(self.buf.writes_into[i].unwrap_or(op.writes()));
             let mut out = self.buf.slots[out_slot].take().expect("slot in use");
-            // Its own value's buffer, when it writes another's and copies its own (`plan_mlps`).
-            let own_slot = self.buf.copies_own[i].then(|| self.plan.slot(op.writes()));
-            let mut own = own_slot.map(|s| self.buf.slots[s].take().expect("slot in use"));
-            let result = self.run_op(i, op, &mut out, own.as_mut(), n);
+            let result = self.run_op(i, op, &mut out, n);
             self.buf.slots[out_slot] = Some(out);
-            if let (Some(s), Some(own)) = (own_slot, own) {
-                self.buf.slots[s] = Some(own);
-            }
             result.with_context(|| format!("op {} writing `{}`", op.kind(), model.graph.value(op.writes()).name))?;
             if let Some(start) = start {
                 // Kind and written value without the layer prefix ("linear attn_out"): the
@@ -1159,7 +1132,7 @@ impl CudaExecutor {
     /// after the layer takes the int8 GEMV (it quantizes the f32 row itself; the down
     /// projection's hand-off to it is dropped).
     fn plan_mlps(&mut self, n: usize) {
-        self.buf.mlp_fused.iter_mut().chain(self.buf.f32_row_in.iter_mut()).chain(self.buf.copies_own.iter_mut()).for_each(|m| *m = false);
+        self.buf.mlp_fused.iter_mut().chain(self.buf.f32_row_in.iter_mut()).for_each(|m| *m = false);
         self.buf.writes_into.iter_mut().for_each(|w| *w = None);
         if !self.untraced_one_row(n) {
             return;
@@ -1171,7 +1144,7 @@ impl CudaExecutor {
             if !self.buf.mlp_layer[f] || (f + 2..=f + DecoderLayer::LEN).any(|i| self.buf.in_chain[i]) {
                 continue;
             }
-            let Some([_, _, att, h, _, out]) = ferrite_model::fusion::decoder_layer_at(graph, f) else { continue };
+            let Some([_, _, att, _, _, out]) = ferrite_model::fusion::decoder_layer_at(graph, f) else { continue };
             let Op::Linear { x, w, .. } = graph.ops[f + DecoderLayer::LEN] else { continue };
             let next_int8 = as_matrix(&self.weights[w.0 as usize]).is_some_and(|m| ops::linear_plan(m.dtype, graph.value(x).width, 1, &opts) == ops::LinearPlan::GemvQ8);
             let shares_att = self.plan.slot(out) == self.plan.slot(att) && self.buf.handoff_in[f + 2].is_none();
@@ -1181,16 +1154,6 @@ impl CudaExecutor {
             self.buf.mlp_fused[f + 3] = true;
             self.buf.writes_into[f + 2] = Some(out);
             self.buf.f32_row_in[f + DecoderLayer::LEN] = true;
-            // The MLP may read the output projection's f32 row: a copy in the projection's own
-            // value (never the layer output's buffer it adds into, as the down projection reads
-            // it), instead of its int8 hand-off.
-            let whole_row = matches!(graph.ops[f + 2], Op::Linear { out_col: 0, .. });
-            if self.buf.mlp_f32_input && whole_row && self.plan.slot(h) != self.plan.slot(out) {
-                self.buf.copies_own[f + 2] = true;
-                self.buf.f32_row_in[f + 3] = true;
-                self.buf.handoff_out[f + 2] = None;
-                self.buf.handoff_in[f + 3] = None;
-            }
             // The gate/up -> down and down -> next hand-offs do not run.
             for i in [f + 4, f + DecoderLayer::LEN] {
                 self.buf.handoff_in[i] = None;
@@ -1204,28 +1167,20 @@ impl CudaExecutor {
     /// residual's producer wrote there.
     fn run_mlp(&mut self, index: usize) -> anyhow::Result<()> {
         let graph = &self.model.graph;
-        let (Op::GatedLinear { w: gate_up, act, x, norm, .. }, Op::Linear { w: down, out, .. }) = (&graph.ops[index], &graph.ops[index + 1]) else {
+        let (Op::GatedLinear { w: gate_up, act, .. }, Op::Linear { w: down, out, .. }) = (&graph.ops[index], &graph.ops[index + 1]) else {
             bail!("op {index}: not a gate/up and down projection");
         };
         let glu = glu_of(*act);
+        let h = self.buf.handoff_in[index].ok_or_else(|| anyhow!("op {index}: the fused MLP has no int8 hand-off"))?;
         let Self { gpu, weights, plan, buf, .. } = self;
         let slot = plan.slot(*out);
         let mut stream = buf.slots[slot].take().expect("slot in use");
-        let input = if buf.f32_row_in[index] {
-            let row = buf.slots[plan.slot(*x)].as_ref().expect("the MLP's input row never shares the stream's slot");
-            ops::MlpInput::F32Row(row, norm.map(|nm| ops::NormPrologue { weight: vector_of(weights, nm.weight), eps: nm.eps, add_one: false }))
-        } else {
-            let h = buf.handoff_in[index].ok_or_else(|| anyhow!("op {index}: the fused MLP has no int8 hand-off"))?;
-            ops::MlpInput::Q8(&buf.q8_handoff[h % 2])
-        };
-        let result = ops::mlp_q8(gpu, matrix_of(weights, *gate_up), matrix_of(weights, *down), input, glu, &mut stream);
+        let result = ops::mlp_q8(gpu, matrix_of(weights, *gate_up), matrix_of(weights, *down), &buf.q8_handoff[h % 2], glu, &mut stream);
         buf.slots[slot] = Some(stream);
         Ok(result?)
     }
 
-    /// `own`: the buffer of the op's own value when it writes another's and copies its own
-    /// (`plan_mlps`).
-    fn run_op(&mut self, index: usize, op: &Op, out: &mut CudaSlice<f32>, own: Option<&mut CudaSlice<f32>>, n: usize) -> anyhow::Result<()> {
+    fn run_op(&mut self, index: usize, op: &Op, out: &mut CudaSlice<f32>, n: usize) -> anyhow::Result<()> {
         let graph = &self.model.graph;
         let width = |v: ValueId| graph.value(v).width;
         let n_seqs = self.buf.paging.as_ref().map_or(1, |pg| pg.n_seqs);
@@ -1267,13 +1222,6 @@ impl CudaExecutor {
                 if buf.f32_row_in[index] {
                     // After a fused MLP (`plan_mlps`): one row, quantized by the GEMV's blocks.
                     ops::linear_q8_f32_row(gpu, matrix(w), input(x), norm.map(norm_prologue), out, ow, out_col, &epilogue, emit)?;
-                } else if let Some(own) = own {
-                    // Before a fused MLP reading its f32 row (`plan_mlps`): the layer's output
-                    // and that row.
-                    if quantize {
-                        ops::quantize_q8(gpu, input(x), r, xw, norm.map(norm_prologue), q8)?;
-                    }
-                    ops::linear_q8_copied(gpu, matrix(w), q8, out, own, &epilogue)?;
                 } else {
                     if quantize {
                         ops::quantize_q8(gpu, input(x), r, xw, norm.map(norm_prologue), q8)?;

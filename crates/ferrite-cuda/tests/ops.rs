@@ -789,35 +789,13 @@ fn fused_mlp_and_f32_row_inputs_match_separate_launches() {
         ops::linear_q8(gpu, &wgu, &q_a, 1, &mut m, ff, 0, &ops::Epilogue { glu: Some(ops::Glu::SwiGlu), ..Default::default() }, None).unwrap();
         let m = download(gpu, &m);
         let stream_before = download(gpu, &stream);
-        ops::mlp_q8(gpu, &wgu, &wd, ops::MlpInput::Q8(&q_a), ops::Glu::SwiGlu, &mut stream).unwrap();
+        ops::mlp_q8(gpu, &wgu, &wd, &q_a, ops::Glu::SwiGlu, &mut stream).unwrap();
         let got = download(gpu, &stream);
+        let mag: Vec<f64> = (0..d).map(|r| (0..ff).map(|c| (wd_f[r * ff + c] * m[c]).abs() as f64).sum::<f64>() + stream_before[r].abs() as f64).collect();
+        let want: Vec<f32> = (0..d).map(|r| ((0..ff).map(|c| wd_f[r * ff + c] as f64 * m[c] as f64).sum::<f64>() + stream_before[r] as f64) as f32).collect();
         // The down projection reads the block's outputs quantized, as from a gated GEMV's hand-off.
-        let check_mlp = |what: &str, got: &[f32], m: &[f32], stream_before: &[f32]| {
-            let mag: Vec<f64> = (0..d).map(|r| (0..ff).map(|c| (wd_f[r * ff + c] * m[c]).abs() as f64).sum::<f64>() + stream_before[r].abs() as f64).collect();
-            let want: Vec<f32> = (0..d).map(|r| ((0..ff).map(|c| wd_f[r * ff + c] as f64 * m[c] as f64).sum::<f64>() + stream_before[r] as f64) as f32).collect();
-            let step = q8_steps(m, ff);
-            check("mlp_q8", &format!("{case} {what}"), got, &want, |r| q8_bound(&wd_f[r * ff..(r + 1) * ff], &step) + 2e-5 * mag[r] + 1e-6);
-        };
-        check_mlp("fused MLP", &got, &m, &stream_before);
-
-        // The output projection without a hand-off, accumulating into the layer's output and
-        // storing a copy of it (the same bits); the fused MLP quantizes that copy itself (norm
-        // folded) and adds into the output: as close to the gated GEMV's f32 output on the
-        // same f32 row, times the exact down projection, as above.
-        let mut out2 = upload(gpu, &res);
-        let mut copy = poisoned(gpu, d);
-        ops::linear_q8_copied(gpu, &wo, &q_x, &mut out2, &mut copy, &accumulate).unwrap();
-        let (out2_h, copy_h) = (download(gpu, &out2), download(gpu, &copy));
-        assert!(out2_h.iter().zip(&copy_h).all(|(a, b)| a.to_bits() == b.to_bits()), "{case}: the copy differs from the output");
-        close("linear_q8_copied", &format!("{case} accumulating output projection"), &out2_h, &h1, 1e-5, 1e-5);
-        let norm1 = ops::NormPrologue { weight: &g1, eps: 1e-5, add_one: false };
-        let mut m2 = poisoned(gpu, ff);
-        let swiglu = ops::Epilogue { glu: Some(ops::Glu::SwiGlu), ..Default::default() };
-        ops::linear_q8_f32_row(gpu, &wgu, &copy, Some(norm1), &mut m2, ff, 0, &swiglu, None).unwrap();
-        let m2 = download(gpu, &m2);
-        ops::mlp_q8(gpu, &wgu, &wd, ops::MlpInput::F32Row(&copy, Some(norm1)), ops::Glu::SwiGlu, &mut out2).unwrap();
-        check_mlp("fused MLP on an f32 row", &download(gpu, &out2), &m2, &out2_h);
-        assert_eq!(download(gpu, &copy), copy_h, "{case}: the MLP wrote its input row");
+        let step = q8_steps(&m, ff);
+        check("mlp_q8", &format!("{case} fused MLP"), &got, &want, |r| q8_bound(&wd_f[r * ff..(r + 1) * ff], &step) + 2e-5 * mag[r] + 1e-6);
 
         // The next projection reads the f32 stream and quantizes it itself (norm folded or not).
         let stream_f = got;
@@ -3317,11 +3295,10 @@ fn every_kernel_variant_compiles_for_sm90() {
                     check(format!("{grouped:?}"), job(&grouped));
                 }
             }
-            // The fused MLP on an int8 hand-off or on an f32 row it quantizes itself (norm folded),
-            // and a plain GEMV quantizing its f32 row (SmolLM2's shapes).
+            // The fused MLP, and a plain GEMV quantizing its f32 row (SmolLM2's shapes).
             let mlp = GemvQ8Variant { emit: 0, in_norm: true, ..GemvQ8Variant::for_gated(dtype, 1536, 576, 1, 132, 1).emitting(2) }.with_down(576);
             let f32_row = GemvQ8Variant { in_norm: true, ..GemvQ8Variant::for_shape(dtype, 960, 576, 1, 132).with_f32_input(576) };
-            for v in [mlp, mlp.with_f32_input(576), f32_row] {
+            for v in [mlp, f32_row] {
                 check(format!("{v:?}"), job(&v));
             }
             for n in [1, 3, 8] {

@@ -120,9 +120,6 @@ device_params! {
         pub d1: u64,
         pub d2: u64,
         pub d3: u64,
-        /// Not 0: one token's output row is also stored here (`copy[row]`), as the fused MLP
-        /// reads its input from a buffer it does not add into.
-        pub copy: u64,
     }
 }
 
@@ -290,7 +287,6 @@ __device__ __forceinline__ float store_q8(const GemvQ8Params& p, const Prefetche
   s += f.res[r][t];
 #endif
   reinterpret_cast<float*>(p.out)[(i64)tok * p.out_ld + p.out_col + row] = s;
-  if (p.copy) reinterpret_cast<float*>(p.copy)[row] = s;
   return s;
 }
 
@@ -1103,10 +1099,6 @@ mod tests {
         assert_eq!((v.rows_per_block(), v.threads(), v.down, v.in_f32), (32, 256, 3, 0));
         assert_eq!(v.launch_config(1536, 1).grid_dim, (48, 1, 1));
         crate::kernels::tests::assert_macros_match(v);
-        // The same MLP quantizing its f32 input row itself: 18 blocks over 32 groups of 8 lanes.
-        let f = v.with_f32_input(576);
-        assert_eq!((f.in_f32, f.down, f.launch_config(1536, 1).grid_dim), (1, 3, (48, 1, 1)));
-        crate::kernels::tests::assert_macros_match(f);
         // SmolLM2's QKV reading the f32 stream: 18 blocks of 32 values over 16 groups of 8 lanes.
         let q = GemvQ8Variant::for_shape(GgmlType::Q4_1, 960, 576, 1, 132).with_f32_input(576);
         assert_eq!((q.threads(), q.in_f32, q.down), (128, 2, 0));

@@ -893,30 +893,7 @@ pub fn linear_q8_retiled(
             format!("activations hold {} x {}, the weight needs {n_tokens} x {}", x.rows, x.cols, w.cols),
         ));
     }
-    linear_q8_input(gpu, w, x.input(gpu), n_tokens, (out, out_ld, out_col), epilogue, emit, retile, None)
-}
-
-/// [`linear_q8`] of one token that also stores its output row in `copy` (`w.rows` values): the
-/// output projection before a fused MLP that reads its input as an f32 row ([`MlpInput::F32Row`])
-/// writes the layer's output, which the MLP adds into, and this copy, which it reads.
-pub fn linear_q8_copied(
-    gpu: &Gpu,
-    w: &DeviceWeight,
-    x: &Q8Activations,
-    out: &mut impl DevicePtrMut<f32>,
-    copy: &mut impl DevicePtrMut<f32>,
-    epilogue: &Epilogue,
-) -> Result<(), CudaError> {
-    const OP: &str = "linear_q8_copied";
-    if x.cols != w.cols || x.rows < 1 {
-        return Err(CudaError::invalid(OP, format!("activations hold {} x {}, the weight needs 1 x {}", x.rows, x.cols, w.cols)));
-    }
-    if epilogue.glu.is_some() {
-        return Err(CudaError::invalid(OP, "a gated epilogue writes half the rows; nothing to copy whole"));
-    }
-    check_len(OP, "copy", copy.len(), w.rows)?;
-    let copy = addr_mut(gpu, copy);
-    linear_q8_input(gpu, w, x.input(gpu), 1, (out, w.rows, 0), epilogue, None, None, Some(copy))
+    linear_q8_input(gpu, w, x.input(gpu), n_tokens, out, out_ld, out_col, epilogue, emit, retile)
 }
 
 /// [`linear_q8`] for one token whose activations are an f32 row `x` (`w.cols` values): every
@@ -935,8 +912,20 @@ pub fn linear_q8_f32_row(
     emit: Option<Q8Emit>,
 ) -> Result<(), CudaError> {
     const OP: &str = "linear_q8_f32_row";
-    let input = Q8Input::f32_row(OP, gpu, w, x, norm)?;
-    linear_q8_input(gpu, w, input, 1, (out, out_ld, out_col), epilogue, emit, None, None)
+    if !w.cols.is_multiple_of(32) || w.cols == 0 {
+        return Err(CudaError::invalid(OP, format!("{} columns are not whole 32-value blocks", w.cols)));
+    }
+    check_len(OP, "x", x.len(), w.cols)?;
+    if let Some(nm) = &norm {
+        check_len(OP, "norm weight", nm.weight.len(), w.cols)?;
+    }
+    let input = Q8Input {
+        xq: 0,
+        xs: 0,
+        norm: norm.map(|nm| (0, nm.eps)),
+        f32_row: Some((addr(gpu, x), norm.map(|nm| (addr(gpu, nm.weight), nm.add_one)))),
+    };
+    linear_q8_input(gpu, w, input, 1, out, out_ld, out_col, epilogue, emit, None)
 }
 
 /// Most atomic adds per token (down rows x 32-channel units) for which [`mlp_q8`] is chosen:
@@ -944,20 +933,11 @@ pub fn linear_q8_f32_row(
 /// units) made the step 17% slower; SmolLM2's 27 648 (576 x 48) left it 4.5% faster.
 pub const MLP_MAX_ADDS: usize = 1 << 16;
 
-/// The input of a fused MLP ([`mlp_q8`]).
-pub enum MlpInput<'a> {
-    /// The int8 hand-off of the normalised stream (its producer's norm-pending codes).
-    Q8(&'a Q8Activations),
-    /// The stream's f32 row, normalised with `norm` and quantized by every block itself (the
-    /// producer stored it with [`linear_q8_copied`]); never the `stream` the MLP adds into.
-    F32Row(&'a CudaSlice<f32>, Option<NormPrologue<'a>>),
-}
-
 /// The fused MLP of one token: `stream += down · act(x gate^T) * (x up^T)` in one int8 GEMV
-/// launch, `gate_up` being the fused `[gate; up]` weight and `x` the normalised stream. Each
-/// block adds its share of the down projection into `stream` with atomic adds, so the last bits
-/// of the sum vary from run to run.
-pub fn mlp_q8(gpu: &Gpu, gate_up: &DeviceWeight, down: &DeviceWeight, x: MlpInput, glu: Glu, stream: &mut impl DevicePtrMut<f32>) -> Result<(), CudaError> {
+/// launch, `gate_up` being the fused `[gate; up]` weight and `x` the int8 hand-off of the
+/// normalised stream. Each block adds its share of the down projection into `stream` with
+/// atomic adds, so the last bits of the sum vary from run to run.
+pub fn mlp_q8(gpu: &Gpu, gate_up: &DeviceWeight, down: &DeviceWeight, x: &Q8Activations, glu: Glu, stream: &mut impl DevicePtrMut<f32>) -> Result<(), CudaError> {
     const OP: &str = "mlp_q8";
     let hidden = gate_up.rows / 2;
     if gate_up.dtype != down.dtype || down.cols != hidden || !hidden.is_multiple_of(32) || !gate_up.rows.is_multiple_of(2) {
@@ -966,17 +946,13 @@ pub fn mlp_q8(gpu: &Gpu, gate_up: &DeviceWeight, down: &DeviceWeight, x: MlpInpu
             format!("gate/up ({} {}x{}) and down ({} {}x{}) must be one quantized type, down reading the gate/up's {hidden} outputs (whole 32-value units)", gate_up.dtype, gate_up.rows, gate_up.cols, down.dtype, down.rows, down.cols),
         ));
     }
-    let input = match x {
-        MlpInput::Q8(x) if x.cols != gate_up.cols || x.rows != 1 => {
-            return Err(CudaError::invalid(OP, format!("activations hold {} x {}, the fused MLP takes 1 x {}", x.rows, x.cols, gate_up.cols)));
-        }
-        MlpInput::Q8(x) => x.input(gpu),
-        MlpInput::F32Row(x, norm) => Q8Input::f32_row(OP, gpu, gate_up, x, norm)?,
-    };
+    if x.cols != gate_up.cols || x.rows != 1 {
+        return Err(CudaError::invalid(OP, format!("activations hold {} x {}, the fused MLP takes 1 x {}", x.rows, x.cols, gate_up.cols)));
+    }
     check_len(OP, "stream", stream.len(), down.rows)?;
     let epilogue = Epilogue { glu: Some(glu), down: Some(down), ..Default::default() };
     let rows = down.rows;
-    linear_q8_input(gpu, gate_up, input, 1, (stream, rows, 0), &epilogue, None, None, None)
+    linear_q8_input(gpu, gate_up, x.input(gpu), 1, stream, rows, 0, &epilogue, None, None)
 }
 
 /// The checks and the hand-off of [`linear_q8_retiled`] and [`linear_q8_f32_row`] (the input's
@@ -987,11 +963,12 @@ fn linear_q8_input(
     w: &DeviceWeight,
     input: Q8Input,
     n_tokens: usize,
-    (out, out_ld, out_col): (&mut impl DevicePtrMut<f32>, usize, usize),
+    out: &mut impl DevicePtrMut<f32>,
+    out_ld: usize,
+    out_col: usize,
     epilogue: &Epilogue,
     emit: Option<Q8Emit>,
     retile: Option<Retile>,
-    copy: Option<u64>,
 ) -> Result<(), CudaError> {
     const OP: &str = "linear_q8";
     if weight::planes(w.dtype).is_none() {
@@ -1044,8 +1021,7 @@ fn linear_q8_input(
         None => None,
     };
     let gemv_rows = if epilogue.down.is_some() { w.rows / 2 } else { out_rows };
-    let out = GemvOut { addr: addr_mut(gpu, out), ld: out_ld, col: out_col, copy: copy.unwrap_or(0) };
-    gemv_q8(gpu, w, None, None, input, n_tokens, gemv_rows, out, epilogue, emit, retile)
+    gemv_q8(gpu, w, None, None, input, n_tokens, gemv_rows, (addr_mut(gpu, out), out_ld, out_col), epilogue, emit, retile)
 }
 
 /// A gated linear whose gate and up rows are two weights of the same quantized type (a shared
@@ -1090,42 +1066,6 @@ pub(super) struct Q8Input {
     f32_row: Option<(u64, Option<(u64, bool)>)>,
 }
 
-impl Q8Input {
-    /// One token's f32 row `x` (`w.cols` values), normalised with `norm`, that the GEMV over `w`
-    /// quantizes itself.
-    fn f32_row(op: &'static str, gpu: &Gpu, w: &DeviceWeight, x: &impl DevicePtr<f32>, norm: Option<NormPrologue>) -> Result<Self, CudaError> {
-        if !w.cols.is_multiple_of(32) || w.cols == 0 {
-            return Err(CudaError::invalid(op, format!("{} columns are not whole 32-value blocks", w.cols)));
-        }
-        check_len(op, "x", x.len(), w.cols)?;
-        if let Some(nm) = &norm {
-            check_len(op, "norm weight", nm.weight.len(), w.cols)?;
-        }
-        Ok(Q8Input {
-            xq: 0,
-            xs: 0,
-            norm: norm.map(|nm| (0, nm.eps)),
-            f32_row: Some((addr(gpu, x), norm.map(|nm| (addr(gpu, nm.weight), nm.add_one)))),
-        })
-    }
-}
-
-/// Where [`gemv_q8`] stores token t's output row r: `addr[t * ld + col + r]`, and with `copy`
-/// (not 0; one token) also `copy[r]`.
-#[derive(Clone, Copy)]
-pub(super) struct GemvOut {
-    pub addr: u64,
-    pub ld: usize,
-    pub col: usize,
-    pub copy: u64,
-}
-
-impl From<(u64, usize, usize)> for GemvOut {
-    fn from((addr, ld, col): (u64, usize, usize)) -> Self {
-        GemvOut { addr, ld, col, copy: 0 }
-    }
-}
-
 /// Device side of a [`Q8Emit`]: codes, scales, sums of squares, and the norm weight (+ add_one).
 #[derive(Clone, Copy)]
 pub(super) struct Q8Output {
@@ -1146,16 +1086,12 @@ pub(super) fn gemv_q8(
     x: Q8Input,
     n_tokens: usize,
     out_rows: usize,
-    out: impl Into<GemvOut>,
+    (out, out_ld, out_col): (u64, usize, usize),
     epilogue: &Epilogue,
     emit: Option<Q8Output>,
     retile: Option<Retile>,
 ) -> Result<(), CudaError> {
     const OP: &str = "linear_q8";
-    let GemvOut { addr: out, ld: out_ld, col: out_col, copy } = out.into();
-    if copy != 0 && n_tokens != 1 {
-        return Err(CudaError::invalid(OP, format!("a copy of the output row needs one token, not {n_tokens}")));
-    }
     let glu = epilogue.glu.map_or(0, |g| g as u32);
     let groups = experts.and_then(|e| e.groups);
     // Tokens grid y covers: with grouped experts, the worst case of moe_group's tile list.
@@ -1235,7 +1171,6 @@ pub(super) fn gemv_q8(
         d1,
         d2,
         d3,
-        copy,
     };
     let cfg = variant.launch_config(out_rows, grid_tokens);
     if cfg.grid_dim.1 > 65535 {
