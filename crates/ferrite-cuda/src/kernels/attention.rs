@@ -120,15 +120,10 @@ const QKV_PAIR: &str = r#"
 #ifndef QK_NORM
 #error "QK_NORM (1: each Q and K head RMS-normalised before RoPE, as Qwen3's QK-norm; 0: as read) must come from the kernel variant"
 #endif
-// Pair `pair` of head `head` of the row `src` (Q heads, then K, then V): its element indices
-// (a, b) within the head and its values, with QK_NORM times `inv * norm[a]` (`inv`: the head's
-// 1 / rms; `norm` null for V heads), turned by the angle (c, s) of the pair at the token's
-// position when head < rotated_heads and pair < rot_dim/2 (pairs past that, partial RoPE, and V
-// pairs are plain copies). The angle depends on the position only, so a kernel may compute it
-// before its inputs are ready.
-__device__ __forceinline__ void qkv_pair_turned(const float* src, u32 head, u32 pair, u32 rotated_heads, u32 rot_dim, float c, float s,
-                                                const float* norm, float inv, u32* a, u32* b, float* x0, float* x1) {
-  const float* h = src + (i64)head * HEAD_DIM;
+// The element indices (a, b) within the head of pair `pair` of head `head` (Q heads, then K,
+// then V), and whether RoPE turns it: head < rotated_heads and pair < rot_dim/2 (pairs past
+// that, partial RoPE, and V pairs are plain copies).
+__device__ __forceinline__ bool qkv_pair_at(u32 head, u32 pair, u32 rotated_heads, u32 rot_dim, u32* a, u32* b) {
   *a = 2 * pair;
   *b = 2 * pair + 1;
 #if ROPE_STYLE
@@ -139,14 +134,24 @@ __device__ __forceinline__ void qkv_pair_turned(const float* src, u32 head, u32 
     *b = pair + rot_dim / 2;
   }
 #endif
+  return turned;
+#else
+  return false;
 #endif
-  *x0 = h[*a];
-  *x1 = h[*b];
+}
+// The values (a, b) of head `head` of the row `src`, with QK_NORM times `inv` (the head's
+// 1 / rms) and the norm's weights at a and b (ga, gb; 1 and 1 for V heads, an exact no-op),
+// turned by the angle (c, s) of the pair at the token's position when `turned`. The indices,
+// angle and weights depend on the position only, so a kernel may have them before its inputs
+// are ready.
+__device__ __forceinline__ void qkv_pair_turned(const float* src, u32 head, u32 a, u32 b, bool turned, float c, float s, float ga, float gb, float inv,
+                                                float* x0, float* x1) {
+  const float* h = src + (i64)head * HEAD_DIM;
+  *x0 = h[a];
+  *x1 = h[b];
 #if QK_NORM
-  if (norm) {
-    *x0 = *x0 * inv * norm[*a];
-    *x1 = *x1 * inv * norm[*b];
-  }
+  *x0 = *x0 * inv * ga;
+  *x1 = *x1 * inv * gb;
 #endif
 #if ROPE_STYLE
   if (turned) rope_rotate(x0, x1, c, s);
@@ -191,7 +196,7 @@ extern "C" __global__ void store_qkv(const StoreQkvParams p) {
     const float* src = qkv + (i64)tok * p.stride;
     const u32 rotated = p.n_heads + p.n_kv_heads;
     const bool is_q = head < p.n_heads, is_k = !is_q && head < rotated;
-    const float* norm = nullptr;
+    const float* norm = nullptr;  // the head's QK-norm weights (none for V heads)
     float inv = 1.f;
 #if QK_NORM
     if (head < rotated) {
@@ -209,7 +214,8 @@ extern "C" __global__ void store_qkv(const StoreQkvParams p) {
       u32 a, b;
       float x0, x1, c = 1.f, s = 0.f;
       if (head < rotated) qkv_pair_angle(pair, pos, p.rot_dim, p.theta, p.freq_scale, &c, &s);
-      qkv_pair_turned(src, head, pair, rotated, p.rot_dim, c, s, norm, inv, &a, &b, &x0, &x1);
+      const bool turned = qkv_pair_at(head, pair, rotated, p.rot_dim, &a, &b);
+      qkv_pair_turned(src, head, a, b, turned, c, s, norm ? norm[a] : 1.f, norm ? norm[b] : 1.f, inv, &x0, &x1);
       if (is_q) {
         float* dst = q_out + ((i64)tok * p.n_heads + head) * HEAD_DIM;
         dst[a] = x0;
@@ -499,6 +505,23 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32) attention(const Attent
   if (!bad_pos && base < end) load_batch(p, kc, vc, row, tok, base, end, lane, batch);
   float rope_c, rope_s;
   qkv_pair_angle(threadIdx.x, pos, p.rot_dim, p.theta, p.freq_scale, &rope_c, &rope_s);
+  // Thread `pair`'s elements of the Q and K heads (one layout: all are rotated) and of the V
+  // head, and the QK-norm's weights there (weights: no earlier kernel writes them).
+  const u32 rotated = p.n_heads + p.n_kv_heads;
+  u32 qk_a, qk_b, v_a, v_b;
+  const bool qk_turned = qkv_pair_at(0, threadIdx.x, rotated, p.rot_dim, &qk_a, &qk_b);
+  qkv_pair_at(rotated, threadIdx.x, rotated, p.rot_dim, &v_a, &v_b);
+  float gq_a = 1.f, gq_b = 1.f, gk_a = 1.f, gk_b = 1.f;
+#if QK_NORM
+  if (threadIdx.x < HEAD_DIM / 2) {
+    const float* q_norm = reinterpret_cast<const float*>(p.q_norm);
+    const float* k_norm = reinterpret_cast<const float*>(p.k_norm);
+    gq_a = q_norm[qk_a];
+    gq_b = q_norm[qk_b];
+    gk_a = k_norm[qk_a];
+    gk_b = k_norm[qk_b];
+  }
+#endif
 #endif
   if (!bad_pos) prefetch_kv(p, kc, vc, row, tok, begin, end);
   KERNEL_ENTRY();
@@ -520,7 +543,6 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32) attention(const Attent
     const float* src = reinterpret_cast<const float*>(p.qkv) + (i64)tok * (p.n_heads + 2 * p.n_kv_heads) * HEAD_DIM;
     const bool writer = head % (p.n_heads / p.n_kv_heads) == 0 && blockIdx.z == 0;
     const i64 new_row = ((i64)cache_row(p.block_tables, p.row_seq, p.max_blocks, p.block_size, tok, pos) * p.n_kv_heads + kv_head) * HEAD_DIM;
-    const u32 rotated = p.n_heads + p.n_kv_heads;
 #if QK_NORM
     // The QK-norm's 1 / rms of the block's Q heads (0 .. GROUP) and of its K head (GROUP), a warp each.
     __shared__ float s_inv[GROUP + 1];
@@ -529,31 +551,25 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32) attention(const Attent
       if (lane == 0) s_inv[g] = inv;
     }
     __syncthreads();
-    const float* q_norm = reinterpret_cast<const float*>(p.q_norm);
-    const float* k_norm = reinterpret_cast<const float*>(p.k_norm);
 #else
-    const float* q_norm = nullptr;
-    const float* k_norm = nullptr;
-    const float s_inv[GROUP + 1] = {};  // unread: no norm weights
+    const float s_inv[GROUP + 1] = {};  // unread: no norm
 #endif
-    const u32 pair = threadIdx.x;
-    if (pair < HEAD_DIM / 2) {
-      u32 a, b;
+    if (threadIdx.x < HEAD_DIM / 2) {
       float x0, x1;
 #pragma unroll
       for (int g = 0; g < GROUP; ++g) {
-        qkv_pair_turned(src, head + g, pair, rotated, p.rot_dim, rope_c, rope_s, q_norm, s_inv[g], &a, &b, &x0, &x1);
-        s_q[g][a] = x0 * p.scale;
-        s_q[g][b] = x1 * p.scale;
+        qkv_pair_turned(src, head + g, qk_a, qk_b, qk_turned, rope_c, rope_s, gq_a, gq_b, s_inv[g], &x0, &x1);
+        s_q[g][qk_a] = x0 * p.scale;
+        s_q[g][qk_b] = x1 * p.scale;
       }
-      qkv_pair_turned(src, p.n_heads + kv_head, pair, rotated, p.rot_dim, rope_c, rope_s, k_norm, s_inv[GROUP], &a, &b, &x0, &x1);
-      s_k[a] = kv_round(x0);
-      s_k[b] = kv_round(x1);
-      if (writer) { kv_store((kv_t*)p.k_cache + new_row, a, x0); kv_store((kv_t*)p.k_cache + new_row, b, x1); }
-      qkv_pair_turned(src, rotated + kv_head, pair, rotated, p.rot_dim, rope_c, rope_s, nullptr, 1.f, &a, &b, &x0, &x1);
-      s_v[a] = kv_round(x0);
-      s_v[b] = kv_round(x1);
-      if (writer) { kv_store((kv_t*)p.v_cache + new_row, a, x0); kv_store((kv_t*)p.v_cache + new_row, b, x1); }
+      qkv_pair_turned(src, p.n_heads + kv_head, qk_a, qk_b, qk_turned, rope_c, rope_s, gk_a, gk_b, s_inv[GROUP], &x0, &x1);
+      s_k[qk_a] = kv_round(x0);
+      s_k[qk_b] = kv_round(x1);
+      if (writer) { kv_store((kv_t*)p.k_cache + new_row, qk_a, x0); kv_store((kv_t*)p.k_cache + new_row, qk_b, x1); }
+      qkv_pair_turned(src, rotated + kv_head, v_a, v_b, false, rope_c, rope_s, 1.f, 1.f, 1.f, &x0, &x1);
+      s_v[v_a] = kv_round(x0);
+      s_v[v_b] = kv_round(x1);
+      if (writer) { kv_store((kv_t*)p.v_cache + new_row, v_a, x0); kv_store((kv_t*)p.v_cache + new_row, v_b, x1); }
     }
   }
 #else
