@@ -37,13 +37,20 @@ const SOURCE: &str = r#"
 #ifndef BLOCK_SIZE
 #error "BLOCK_SIZE (threads per row) must come from the kernel variant"
 #endif
+// Weights per thread loaded before the dependency wait (for_dim gives about four elements per
+// thread): a weight, written by no earlier kernel, that would otherwise miss L2 after it.
+#define W_PRE 4
 // In place (out == x) is allowed: each thread reads an element before writing it.
 extern "C" __global__ void __launch_bounds__(BLOCK_SIZE) rms_norm(const RmsNormParams p) {
+  const float* wt = reinterpret_cast<const float*>(p.weight);
+  const auto weight = [&](u32 i) { return p.add_one ? 1.f + wt[i] : wt[i]; };
+  float g_pre[W_PRE];
+#pragma unroll
+  for (int k = 0; k < W_PRE; ++k) g_pre[k] = threadIdx.x + k * BLOCK_SIZE < p.dim ? weight(threadIdx.x + k * BLOCK_SIZE) : 0.f;
   KERNEL_ENTRY();
   __shared__ float scratch[32];
   const i64 start = (i64)(blockIdx.x / p.heads) * p.ld + p.col + (i64)(blockIdx.x % p.heads) * p.dim;
   const float* x = reinterpret_cast<const float*>(p.x) + start;
-  const float* wt = reinterpret_cast<const float*>(p.weight);
   const float inv = row_rms_inv(x, p.dim, p.eps, scratch);
 #if OUT_TYPE != 0
   // The wgmma order 16 values per thread where the addresses allow it (store_wgmma16); the
@@ -66,12 +73,17 @@ extern "C" __global__ void __launch_bounds__(BLOCK_SIZE) rms_norm(const RmsNormP
   }
 #endif
   const float* res = reinterpret_cast<const float*>(p.residual);
-  for (u32 i = threadIdx.x; i < p.dim; i += BLOCK_SIZE) {
-    const float g = p.add_one ? 1.f + wt[i] : wt[i];
+  const auto norm_one = [&](u32 i, float g) {
     const float v = x[i] * inv * g;
     // (__fadd_rn: never contracted into the products, so the sum is a separate add's.)
     store_out(p.out, p.order ? mma_index(blockIdx.x, i, p.dim, p.order, p.tile_tokens) : start + i, res ? __fadd_rn(res[start + i], v) : v);
+  };
+#pragma unroll
+  for (int k = 0; k < W_PRE; ++k) {
+    const u32 i = threadIdx.x + k * BLOCK_SIZE;
+    if (i < p.dim) norm_one(i, g_pre[k]);
   }
+  for (u32 i = threadIdx.x + W_PRE * BLOCK_SIZE; i < p.dim; i += BLOCK_SIZE) norm_one(i, weight(i));
 }
 "#;
 
