@@ -194,11 +194,13 @@ __device__ __forceinline__ float column_sum(float v) {
 // Threads past the last column (blockDim is whole warps) hold zeros and only join the sums.
 // Per token: L2-normalise q (times q_scale) and k, decay S, predict Sᵀk, rank-1 update with
 // beta (v - Sᵀk), read o = Sᵀq, then out = rmsnorm(o) * norm * silu(z) over the head.
+// The weights, and the state (written by this kernel in earlier steps, or by launches that are
+// not dependent launches), are loaded before the wait for the conv: they stream in while it
+// and the projection before it still run.
 extern "C" __global__ void __launch_bounds__(THREADS) gdn_delta(const GdnDeltaParams p) {
-  KERNEL_ENTRY();
   __shared__ float sq[K_DIM], sk[K_DIM], scratch[32];
   const GdnSeq seq = gdn_seq(p.seq_rows, p.seq_slots, p.n_tokens);
-  if (p.skip_from && seq.n >= p.skip_from) return;
+  if (p.skip_from && seq.n >= p.skip_from) return;  // block-uniform: this block writes nothing
   const u32 h = blockIdx.x, kh = gdn_key_head(h, p.n_k_heads, p.v_group);
   const u32 j = threadIdx.x / KSPLIT, s = threadIdx.x % KSPLIT, lane = threadIdx.x & 31;
   const bool owner = j < V_DIM;
@@ -218,6 +220,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) gdn_delta(const GdnDeltaPa
     const u32 i = s + KSPLIT * m;
     S[m] = (owner && i < K_DIM) ? st[(i64)i * V_DIM + j] : 0.f;
   }
+  KERNEL_ENTRY();
   for (u32 t = 0; t < seq.n; ++t) {
     const float* row = qkv + t * conv_width;
     const float* xrow = x + (i64)t * p.x_width;
