@@ -465,7 +465,8 @@ __device__ __forceinline__ void prefetch_kv(const AttentionParams& p, const kv_t
 // One block per (GROUP query heads of one KV group, query token, key share). Warps take turns
 // on batches of 32 keys of the block's share: each lane scores one key (a whole K row in 16-byte
 // loads against each head's q in shared memory), the warp updates each head's online softmax
-// (running max m, sum l) once per batch, then accumulates the batch's V rows (see V_LANES) into
+// once per batch (the running max m in one `redux.sync`; each lane keeps its share of the sum l,
+// added up once at the end), then accumulates the batch's V rows (see V_LANES) into
 // each head's sums. A head's arithmetic is the same at every GROUP (bit-identical outputs); the
 // group only shares the K/V loads. The batch's K and V loads are all issued
 // before any is used (load_batch), so a warp waits for memory once per batch, not once per key;
@@ -621,10 +622,10 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32) attention(const Attent
     float pj[GROUP];
 #pragma unroll
     for (int g = 0; g < GROUP; ++g) {
-      const float m_new = fmaxf(m[g], warp_max(s[g]));  // finite: key `base` (lane 0) is in the share
+      const float m_new = fmaxf(m[g], warp_max_redux(s[g]));  // finite: key `base` (lane 0) is in the share
       const float corr = expf(m[g] - m_new);
       pj[g] = j < end ? expf(s[g] - m_new) : 0.f;
-      l[g] = l[g] * corr + warp_sum(pj[g]);
+      l[g] = l[g] * corr + pj[g];  // the lane's share of the sum (m is the warp's): summed once at the end
 #pragma unroll
       for (int i = 0; i < V_DIMS; ++i) acc[g][i] *= corr;
       m[g] = m_new;
@@ -670,7 +671,7 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32) attention(const Attent
       const float s = p.softcap > 0.f ? p.softcap * tanhf(dot / p.softcap) : dot;
       const float m_new = fmaxf(m[g], s);
       const float corr = expf(m[g] - m_new), pj = expf(s - m_new);
-      l[g] = l[g] * corr + pj;
+      l[g] = l[g] * corr + (lane == 0 ? pj : 0.f);
 #pragma unroll
       for (int i = 0; i < V_DIMS; ++i) acc[g][i] = acc[g][i] * corr + pj * s_v[dc * V_DIMS + i];
       m[g] = m_new;
@@ -679,6 +680,7 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32) attention(const Attent
 #endif
 #pragma unroll
   for (int g = 0; g < GROUP; ++g) {
+    l[g] = warp_sum(l[g]);
     if (lane == 0) { s_m[warp][g] = m[g]; s_l[warp][g] = l[g]; }
     if (rg == 0)
 #pragma unroll

@@ -56,6 +56,17 @@ __device__ __forceinline__ float warp_max(float v) {
   for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(FULL_MASK, v, o));
   return v;
 }
+// The warp's largest value in one `redux.sync` instead of five dependent shuffles: floats
+// mapped to ints of the same order (a negative float's magnitude bits flipped). Unlike
+// `warp_max`, a NaN is not skipped (a +NaN wins, a -NaN loses): for values that are not NaN, or
+// whose NaN the caller handles apart.
+__device__ __forceinline__ float warp_max_redux(float v) {
+  int i = __float_as_int(v);
+  i ^= (i >> 31) & 0x7fffffff;
+  int m = __reduce_max_sync(FULL_MASK, i);
+  m ^= (m >> 31) & 0x7fffffff;
+  return __int_as_float(m);
+}
 
 // Sum over the whole block, returned to every thread, in a fixed order (deterministic).
 // All threads must call it; `scratch` holds at least 32 floats.

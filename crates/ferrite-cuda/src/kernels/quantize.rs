@@ -21,14 +21,12 @@ pub const Q8_BLOCK: &str = r#"
 // block makes the scale NaN.
 __device__ __forceinline__ void quantize_block_warp(float v, int lane, i8* q, uint2* scale) {
   const bool nan = __any_sync(FULL_MASK, v != v);
-  const float amax = warp_max(fabsf(v));
+  const float amax = warp_max_redux(fabsf(v));  // unread with a NaN
   const float inv_d = amax > 0.f ? 127.f / amax : 0.f;
   const int c = nan ? 0 : __float2int_rn(v * inv_d);
   q[lane] = (i8)c;
-  int s = c;  // code sums of each half: lanes 0..15 and 16..31
-#pragma unroll
-  for (int o = 8; o > 0; o >>= 1) s += __shfl_xor_sync(FULL_MASK, s, o);
-  const int s_hi = __shfl_sync(FULL_MASK, s, 16);
+  // Code sums of each half (lanes 0..15 and 16..31), each one `redux.sync`.
+  const int s = __reduce_add_sync(FULL_MASK, lane < 16 ? c : 0), s_hi = __reduce_add_sync(FULL_MASK, c) - s;
   if (lane == 0) *scale = make_uint2(__float_as_uint(nan ? QNAN : amax / 127.f), ((u32)s & 0xffffu) | ((u32)s_hi << 16));
 }
 
