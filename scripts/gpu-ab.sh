@@ -5,11 +5,26 @@
 #
 #   scripts/gpu-ab.sh BASE NEW [SHAPE:DTYPE ...]
 #   BENCH_ARGS="-p 0 -n 128 -r 3" scripts/gpu-ab.sh .device/ferrite-base .device/ferrite llama-3.1-8b:Q4_0
+#
+# A binary named *.gz (`gzip -k`: ~4 of its ~11 MB, so that two or three fit in one call's 64 MiB
+# carry beside the test executables) is unpacked into a temporary file first.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source scripts/gpu-env.sh >/dev/null
 [ $# -ge 2 ] || { echo "usage: scripts/gpu-ab.sh BASE NEW [SHAPE:DTYPE ...]" >&2; exit 2; }
-base=$1 new=$2
+unpacked=$(mktemp -d)
+trap 'rm -rf "$unpacked"' EXIT
+# The runnable path of a binary argument (a .gz unpacked once).
+runnable() {
+    case "$1" in
+        *.gz) local out
+              out="$unpacked/$(echo "$1" | tr '/' '_' | sed 's/\.gz$//')"
+              gunzip -c "$1" > "$out" && chmod +x "$out" && echo "$out" ;;
+        *) echo "$1" ;;
+    esac
+}
+base=$(runnable "$1") new=$(runnable "$2")
+[ -x "$base" ] && [ -x "$new" ] || { echo "error: $1 or $2 is not a runnable binary" >&2; exit 2; }
 shift 2
 models=("$@")
 [ ${#models[@]} -gt 0 ] || models=(smollm2-135m:Q4_1 llama-3.2-1b:Q4_0 llama-3.1-8b:Q4_0)
