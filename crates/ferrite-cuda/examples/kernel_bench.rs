@@ -11,20 +11,31 @@ use ferrite_cuda::kernels::gdn::{GdnChunkVariant, GdnDeltaVariant};
 use ferrite_cuda::kernels::gemm::GemmMmaVariant;
 use ferrite_cuda::kernels::gemv::{GemvQ8Variant, GemvVariant};
 use ferrite_cuda::ops::{self, AttentionConfig, GdnPath, GdnState, GdnWeights, KvCache, KvDtype, LinearOptions, LinearPath, MoePath, SamplingConfig};
-use ferrite_cuda::{CudaError, CudaSlice, Gpu, GpuOptions};
+use ferrite_cuda::{CudaError, CudaSlice, DeviceWeight, Gpu, GpuOptions};
 use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
 use ferrite_gguf::quant::quantize;
 use ferrite_gguf::GgmlType;
 use ferrite_model::graph::{GdnShape, ValueHeadOrder};
 use std::time::Instant;
 
-/// Mean seconds per call of `f` over `iters` calls, after a warm-up call.
 /// `n` values spread over [-1, 1) in a fixed, unsorted order: weights and activations for the
 /// timings.
 fn ramp(n: usize) -> Vec<f32> {
     (0..n).map(|i| ((i * 7919) % 2001) as f32 / 1000.0 - 1.0).collect()
 }
 
+/// One token's activations of `n` values in [-0.5, 0.5).
+fn activation_row(n: usize) -> Vec<f32> {
+    (0..n).map(|i| ((i * 31) % 97) as f32 / 97.0 - 0.5).collect()
+}
+
+/// Enough copies of one packed weight to fill more than the L2 (150 MB), so that launches
+/// rotating over them read DRAM as a model's step does.
+fn weight_copies(gpu: &Gpu, dtype: GgmlType, rows: usize, cols: usize, packed: &[u8]) -> Result<Vec<DeviceWeight>, CudaError> {
+    (0..(150_000_000 / packed.len()).max(1) + 1).map(|_| gpu.upload_weight(dtype, rows, cols, packed)).collect()
+}
+
+/// Mean seconds per call of `f` over `iters` calls, after a warm-up call.
 fn time(gpu: &Gpu, iters: usize, mut f: impl FnMut() -> Result<(), CudaError>) -> Result<f64, CudaError> {
     f()?;
     gpu.synchronize()?;
@@ -136,10 +147,9 @@ fn decode(gpu: &Gpu) -> Result<(), CudaError> {
     for (name, rows, cols, gated, adds, emits) in shapes {
         let values = ramp(rows * cols);
         let packed = quantize(GgmlType::Q4_0, &values).expect("quantize");
-        let copies = (150_000_000 / packed.len()).max(1) + 1;
-        let weights = (0..copies).map(|_| gpu.upload_weight(GgmlType::Q4_0, rows, cols, &packed)).collect::<Result<Vec<_>, _>>()?;
+        let weights = weight_copies(gpu, GgmlType::Q4_0, rows, cols, &packed)?;
         let out_rows = if gated { rows / 2 } else { rows };
-        let x: Vec<f32> = (0..cols).map(|i| ((i * 31) % 97) as f32 / 97.0 - 0.5).collect();
+        let x = activation_row(cols);
         let mut q8 = ops::Q8Activations::new(gpu, cols)?;
         ops::quantize_q8(gpu, &gpu.upload(&x, "x")?, 1, cols, None, &mut q8)?;
         let residual = gpu.upload(&vec![0.25f32; out_rows], "residual")?;
@@ -158,7 +168,7 @@ fn decode(gpu: &Gpu) -> Result<(), CudaError> {
             let result = time_graph(gpu, 60, &mut || {
                 (0..60).try_for_each(|i| {
                     let emit = emits.then_some(ops::Q8Emit { dst: &mut emitted, norm: Some(ops::NormPrologue { weight: &norm, eps: 1e-5, add_one: false }) });
-                    ops::linear_q8_retiled(gpu, &weights[i % copies], &q8, 1, &mut out, out_rows, 0, &epilogue, emit, Some(&retile))
+                    ops::linear_q8_retiled(gpu, &weights[i % weights.len()], &q8, 1, &mut out, out_rows, 0, &epilogue, emit, Some(&retile))
                 })
             });
             let Some(v) = chosen.get() else { continue };
@@ -181,12 +191,9 @@ fn inputs(gpu: &Gpu) -> Result<(), CudaError> {
     // graph, rotating over weight copies beyond the L2.
     println!("\none-token int8 GEMV inputs, graph replay: us per launch (QKV shape)");
     for (name, dtype, d, qkv) in [("SmolLM2", GgmlType::Q4_1, 576usize, 960usize), ("1B", GgmlType::Q4_0, 2048, 3072)] {
-        let copies_of = |rows: usize, cols: usize| -> Result<Vec<_>, CudaError> {
-            let packed = quantize(dtype, &ramp(rows * cols)).expect("quantize");
-            (0..(150_000_000 / packed.len()).max(1) + 1).map(|_| gpu.upload_weight(dtype, rows, cols, &packed)).collect()
-        };
+        let copies_of = |rows: usize, cols: usize| weight_copies(gpu, dtype, rows, cols, &quantize(dtype, &ramp(rows * cols)).expect("quantize"));
         let (wq, wo) = (copies_of(qkv, d)?, copies_of(d, d)?);
-        let x: Vec<f32> = (0..d).map(|i| ((i * 31) % 97) as f32 / 97.0 - 0.5).collect();
+        let x = activation_row(d);
         let x = gpu.upload(&x, "x")?;
         let (res, g) = (gpu.upload(&vec![0.25f32; d], "residual")?, gpu.upload(&vec![1.0f32; d], "norm")?);
         let mut q8 = ops::Q8Activations::new(gpu, d)?;
@@ -246,7 +253,7 @@ dependent launch chains (150 launches, graph replay): us per launch");
             let values = ramp(rows * cols);
             let w = gpu.upload_weight(dtype, rows, cols, &quantize(dtype, &values).expect("quantize"))?;
             let mut q8 = [ops::Q8Activations::new(gpu, cols)?, ops::Q8Activations::new(gpu, cols)?];
-            let x: Vec<f32> = (0..cols).map(|i| ((i * 31) % 97) as f32 / 97.0 - 0.5).collect();
+            let x = activation_row(cols);
             for q in &mut q8 {
                 ops::quantize_q8(gpu, &gpu.upload(&x, "x")?, 1, cols, None, q)?;
             }
@@ -360,7 +367,7 @@ fn layer(gpu: &Gpu) -> Result<(), CudaError> {
             ws.push([weight(d, d)?, weight(2 * ff, d)?, weight(d, ff)?, weight(qkv, d)?]);
         }
         let bytes: usize = [d * d, 2 * ff * d, d * ff, qkv * d].iter().sum::<usize>() * dtype.type_size() / dtype.block_size();
-        let x: Vec<f32> = (0..d).map(|i| ((i * 31) % 97) as f32 / 97.0 - 0.5).collect();
+        let x = activation_row(d);
         let (x, res, g) = (gpu.upload(&x, "x")?, gpu.upload(&vec![0.25f32; d], "residual")?, gpu.upload(&vec![1.0f32; d], "norm")?);
         let (mut h1, mut m, mut h2, mut y) = (gpu.alloc_zeros::<f32>(d)?, gpu.alloc_zeros::<f32>(ff)?, gpu.alloc_zeros::<f32>(d)?, gpu.alloc_zeros::<f32>(qkv)?);
         let mut q_x = ops::Q8Activations::new(gpu, ff)?;
