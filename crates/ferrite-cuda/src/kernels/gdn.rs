@@ -200,7 +200,10 @@ __device__ __forceinline__ float column_sum(float v) {
 extern "C" __global__ void __launch_bounds__(THREADS) gdn_delta(const GdnDeltaParams p) {
   __shared__ float sq[K_DIM], sk[K_DIM], scratch[32];
   const GdnSeq seq = gdn_seq(p.seq_rows, p.seq_slots, p.n_tokens);
-  if (p.skip_from && seq.n >= p.skip_from) return;  // block-uniform: this block writes nothing
+  // Block-uniform: this block writes nothing. It leaves without waiting for its predecessor,
+  // which is safe only because ops launches this kernel when some sequence is not skipped: a
+  // block that waits keeps the grid from finishing (and its dependents from starting) early.
+  if (p.skip_from && seq.n >= p.skip_from) return;
   const u32 h = blockIdx.x, kh = gdn_key_head(h, p.n_k_heads, p.v_group);
   const u32 j = threadIdx.x / KSPLIT, s = threadIdx.x % KSPLIT, lane = threadIdx.x & 31;
   const bool owner = j < V_DIM;
