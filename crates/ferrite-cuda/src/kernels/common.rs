@@ -82,10 +82,8 @@ __device__ float block_sum(float v, float* scratch) {
 __device__ __forceinline__ float silu(float x) { return x / (1.f + expf(-x)); }
 // GELU, tanh approximation (PyTorch's approximate="tanh", used by Gemma's GeGLU), written as
 // x * sigmoid(2z) = x * (1 + tanh z) / 2: no cancellation in 1 + tanh z for negative x.
-__device__ __forceinline__ float gelu_tanh(float x) {
-  const float z2 = 1.5957691216057308f * (x + 0.044715f * x * x * x);
-  return x / (1.f + expf(-z2));
-}
+__device__ __forceinline__ float gelu_tanh_z(float x) { return 1.5957691216057308f * (x + 0.044715f * x * x * x); }
+__device__ __forceinline__ float gelu_tanh(float x) { return x / (1.f + expf(-gelu_tanh_z(x))); }
 
 // FERRITE_CUDA_TIMELINE (see timeline.rs; the module cache defines TIMELINE=1 then): block
 // (0, 0, 0) of every kernel appends (%globaltimer, the module's tag) to the process's timeline

@@ -221,7 +221,7 @@ __device__ __forceinline__ i64 weight_row(const GemvQ8Params& p, i64 ebase, i64 
 // The epilogue's and the norm's inputs, requested as soon as they may be read (see gemv_q8) so
 // that their loads overlap the main loop's instead of adding round trips after the reduction.
 // Only the lanes that use them load them (bias and residual: lane k == 0 of slice 0; the norm
-// sums: every lane of slice 0; the next norm's weight: every lane).
+// sums and the next norm's weight: every lane).
 #define NORM_PARTS (NTOK == 1 ? 4 : 1)
 struct Prefetched {
   float bias[ROWS];         // BIAS: the rows' biases
@@ -243,7 +243,7 @@ __device__ __forceinline__ void prefetch_weights(const GemvQ8Params& p, Prefetch
 }
 
 // After the wait: what earlier kernels wrote (the residual, the norm's sums) and the bias.
-__device__ __forceinline__ void prefetch_inputs(const GemvQ8Params& p, Prefetched& f, i64 row0, int tok0, bool epilogue_lane, bool first_slice, const float* in_partials) {
+__device__ __forceinline__ void prefetch_inputs(const GemvQ8Params& p, Prefetched& f, i64 row0, int tok0, bool epilogue_lane, const float* in_partials) {
 #if BIAS || RESIDUAL
   if (epilogue_lane) {
 #pragma unroll
@@ -263,7 +263,7 @@ __device__ __forceinline__ void prefetch_inputs(const GemvQ8Params& p, Prefetche
   }
 #endif
 #if IN_NORM
-  if (first_slice) {
+  {
     const int lane = threadIdx.x & 31, units = (int)(p.cols / 32);
 #pragma unroll
     for (int t = 0; t < NTOK; ++t)
@@ -292,26 +292,40 @@ __device__ __forceinline__ float store_q8(const GemvQ8Params& p, const Prefetche
 
 #if EMIT
 // The int8 hand-off: the block's outputs (staged in shared memory) become the next GEMV's int8
-// activations, one 32-row block per warp turn. With EMIT == 2 the codes are of the output times
-// the next RMSNorm's weight, and each block's sum of squares goes out beside them: quantization
-// is scale-invariant, so the consumer applies 1 / rms once to its dot products (IN_NORM).
+// activations, one 32-row block (a job) per warp turn. With EMIT == 2 the codes are of the output
+// times the next RMSNorm's weight, and each block's sum of squares goes out beside them:
+// quantization is scale-invariant, so the consumer applies 1 / rms once to its dot products
+// (IN_NORM). The sums are taken by the warps half the block further on than the codes, so the
+// two chains of a job run side by side (up to half as many jobs as warps).
+__device__ __forceinline__ i64 emit_block(const GemvQ8Params& p, int job, int tok0) {
+  const int t = job / (ROWS_PER_BLOCK / 32), c = job % (ROWS_PER_BLOCK / 32);
+  const i64 row0 = (i64)blockIdx.x * ROWS_PER_BLOCK + 32 * c;
+  return tok0 + t >= (int)p.n_tokens || row0 >= p.rows ? -1 : (i64)(tok0 + t) * (p.rows / 32) + row0 / 32;
+}
 __device__ __forceinline__ void emit_q8(const GemvQ8Params& p, const Prefetched& f, const float (*staged)[ROWS_PER_BLOCK], int tok0) {
+  constexpr int jobs = NTOK * (ROWS_PER_BLOCK / 32), warps = NWARPS * KSPLIT;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const u32 blocks = p.rows / 32;
-  for (int job = warp; job < NTOK * (ROWS_PER_BLOCK / 32); job += NWARPS * KSPLIT) {
-    const int t = job / (ROWS_PER_BLOCK / 32), c = job % (ROWS_PER_BLOCK / 32);
-    const i64 row0 = (i64)blockIdx.x * ROWS_PER_BLOCK + 32 * c;
-    if (tok0 + t >= (int)p.n_tokens || row0 >= p.rows) continue;  // warp-uniform
-    const i64 blk = (i64)(tok0 + t) * blocks + row0 / 32;
-    float v = staged[t][32 * c + lane];
+#define STAGED(job) staged[(job) / (ROWS_PER_BLOCK / 32)][32 * ((job) % (ROWS_PER_BLOCK / 32)) + lane]
 #if EMIT == 2
+  for (int job = (warp + warps / 2) % warps; job < jobs; job += warps) {
+    const i64 blk = emit_block(p, job, tok0);
+    if (blk < 0) continue;  // warp-uniform
+    const float v = STAGED(job);
     const float ss = warp_sum(v * v);
     if (lane == 0) reinterpret_cast<float*>(p.emit_partials)[blk] = ss;
-    const float g = f.emit_g[c];
+  }
+#endif
+  for (int job = warp; job < jobs; job += warps) {
+    const i64 blk = emit_block(p, job, tok0);
+    if (blk < 0) continue;  // warp-uniform
+    float v = STAGED(job);
+#if EMIT == 2
+    const float g = f.emit_g[job % (ROWS_PER_BLOCK / 32)];
     v *= p.emit_add_one ? 1.f + g : g;
 #endif
     quantize_block_warp(v, lane, reinterpret_cast<i8*>(p.emit_q) + blk * 32, reinterpret_cast<uint2*>(p.emit_s) + blk);
   }
+#undef STAGED
 }
 #endif
 
@@ -451,7 +465,7 @@ extern "C" __global__ void __launch_bounds__(SLICE_THREADS * KSPLIT) gemv_q8(con
 #if IN_F32
     quantize_input(p, in_g, reinterpret_cast<u32*>(s_xq), s_xs, s_ss);
 #endif
-    prefetch_inputs(p, pre, row0, tok0, k == 0 && slice == 0, slice == 0, in_partials);
+    prefetch_inputs(p, pre, row0, tok0, k == 0 && slice == 0, in_partials);
   };
   i64 ebase = 0;
 #if EXPERTS
@@ -516,14 +530,36 @@ extern "C" __global__ void __launch_bounds__(SLICE_THREADS * KSPLIT) gemv_q8(con
 
   if (!waited) wait_then_prefetch();
 
+#if IN_NORM
+  // The producer's RMSNorm is finished below from its per-block sums of squares: the lanes' shares
+  // are summed over the warp (in the same order by every warp) in the shuffle rounds of the dot
+  // products, two independent chains side by side instead of one after the other.
+  float ss[NTOK];
+#pragma unroll
+  for (int t = 0; t < NTOK; ++t) {
+    ss[t] = 0.f;
+#pragma unroll
+    for (int k = 0; k < NORM_PARTS; ++k) ss[t] += pre.ss[t][k];  // 0 past the sums (exact)
+    if (tok0 + t < (int)p.n_tokens)
+      for (int i = (tid & 31) + 32 * NORM_PARTS; i < units; i += 32) ss[t] += in_partials[(i64)(tok0 + t) * units + i];
+  }
+#pragma unroll
+  for (int o = 16; o >= TPR; o >>= 1)  // the rounds across lane groups (TPR < 32)
+#pragma unroll
+    for (int t = 0; t < NTOK; ++t) ss[t] += __shfl_xor_sync(FULL_MASK, ss[t], o);
+#endif
   // A group is TPR consecutive lanes of one warp: xor offsets below TPR stay inside it.
 #pragma unroll
-  for (int r = 0; r < WROWS; ++r)
+  for (int o = TPR / 2; o > 0; o >>= 1) {
 #pragma unroll
-    for (int t = 0; t < NTOK; ++t) {
+    for (int r = 0; r < WROWS; ++r)
 #pragma unroll
-      for (int o = TPR / 2; o > 0; o >>= 1) acc[r][t] += __shfl_xor_sync(FULL_MASK, acc[r][t], o);
-    }
+      for (int t = 0; t < NTOK; ++t) acc[r][t] += __shfl_xor_sync(FULL_MASK, acc[r][t], o);
+#if IN_NORM
+#pragma unroll
+    for (int t = 0; t < NTOK; ++t) ss[t] += __shfl_xor_sync(FULL_MASK, ss[t], o);
+#endif
+  }
 #if KSPLIT > 1
   // The other slices' sums, added by slice 0 in slice order (deterministic).
   __shared__ float s_part[KSPLIT - 1][SLICE_THREADS / TPR][WROWS][NTOK];
@@ -541,22 +577,15 @@ extern "C" __global__ void __launch_bounds__(SLICE_THREADS * KSPLIT) gemv_q8(con
         for (int t = 0; t < NTOK; ++t) acc[r][t] += s_part[s][group][r][t];
 #endif
 #if IN_NORM
-  // Finish the producer's RMSNorm: 1 / rms per token from its per-block sums of squares, summed
-  // in the same order by every warp (of slice 0, which holds the sums: warp-uniform).
-  if (slice == 0) {
-    const int lane = tid & 31;
+  // 1 / rms per token (slice 0 holds the sums: warp-uniform), in approximate arithmetic: no
+  // slow-path branches in the chain, and 2 ulp are far below the int8 codes' error.
+  if (slice == 0)
 #pragma unroll
     for (int t = 0; t < NTOK; ++t) {
-      float ss = 0.f;
-#pragma unroll
-      for (int k = 0; k < NORM_PARTS; ++k) ss += pre.ss[t][k];  // 0 past the sums (exact)
-      if (tok0 + t < (int)p.n_tokens)
-        for (int i = lane + 32 * NORM_PARTS; i < units; i += 32) ss += in_partials[(i64)(tok0 + t) * units + i];
-      const float inv = 1.f / sqrtf(warp_sum(ss) / (float)p.cols + p.in_eps);
+      const float inv = rsqrtf(__fdividef(ss[t], (float)p.cols) + p.in_eps);
 #pragma unroll
       for (int r = 0; r < WROWS; ++r) acc[r][t] *= inv;
     }
-  }
 #endif
 #if EMIT
   __shared__ float staged[NTOK][ROWS_PER_BLOCK];
@@ -569,10 +598,10 @@ extern "C" __global__ void __launch_bounds__(SLICE_THREADS * KSPLIT) gemv_q8(con
     for (int r = 0; r < ROWS; ++r)
 #pragma unroll
       for (int t = 0; t < NTOK; ++t) {
-#if GLU == 1
-        float v = silu(acc[r][t]) * acc[ROWS + r][t];
-#elif GLU == 2
-        float v = gelu_tanh(acc[r][t]) * acc[ROWS + r][t];
+#if GLU
+        // x / (1 + e^-z) with an approximate division, as the norm above: no branch per row.
+        const float x = acc[r][t];
+        float v = __fdividef(x, 1.f + expf(GLU == 1 ? -x : -gelu_tanh_z(x))) * acc[ROWS + r][t];
 #else
         float v = acc[r][t];
 #endif
