@@ -352,24 +352,37 @@ __device__ __forceinline__ void prefetch_in_norm(const GemvQ8Params& p, float4 (
 // After the wait: the consumer makes its own int8 hand-off. The block's groups of 8 lanes
 // quantize the 32-value blocks of the token's f32 row (times the norm's weight `g`, each block's
 // sum of squares beside it, as `emit_q8` does), group i the blocks i, i + groups, ..., into
-// shared memory; every load is issued first.
+// shared memory; every load is issued first, and a lane's blocks share the shuffle steps.
 __device__ __forceinline__ void quantize_input(const GemvQ8Params& p, const float4 (&g)[IN_F32], u32* s_q, uint2* s_s, float* s_ss) {
   const int lane = threadIdx.x & 31, group = threadIdx.x >> 3, units = (int)(p.cols / 32);
-  float4 x[IN_F32];
+  float4 x[IN_F32], q[IN_F32];
 #pragma unroll
   for (int r = 0; r < IN_F32; ++r) x[r] = reinterpret_cast<const float4*>(p.x32)[in_f32_index(r, units)];
 #pragma unroll
+  for (int r = 0; r < IN_F32; ++r) q[r] = make_float4(x[r].x * g[r].x, x[r].y * g[r].y, x[r].z * g[r].z, x[r].w * g[r].w);
+  u32 word[IN_F32];
+  uint2 scale[IN_F32];
+  quantize_blocks_group8(q, lane, word, scale);
+#if IN_NORM
+  float ss[IN_F32];
+#pragma unroll
+  for (int r = 0; r < IN_F32; ++r) ss[r] = x[r].x * x[r].x + x[r].y * x[r].y + x[r].z * x[r].z + x[r].w * x[r].w;
+#pragma unroll
+  for (int o = 1; o < 8; o <<= 1)
+#pragma unroll
+    for (int r = 0; r < IN_F32; ++r) ss[r] += __shfl_xor_sync(FULL_MASK, ss[r], o);
+#endif
+#pragma unroll
   for (int r = 0; r < IN_F32; ++r) {
     const int u = group + r * IN_F32_GROUPS;
-    const float4 v = x[r];
+    if (u >= units) continue;
+    s_q[8 * u + (lane & 7)] = word[r];
+    if ((lane & 7) == 0) {
+      s_s[u] = scale[r];
 #if IN_NORM
-    float ss = v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
-#pragma unroll
-    for (int o = 1; o < 8; o <<= 1) ss += __shfl_xor_sync(FULL_MASK, ss, o);
-    if (u < units && (lane & 7) == 0) s_ss[u] = ss;
+      s_ss[u] = ss[r];
 #endif
-    const float4 q = make_float4(v.x * g[r].x, v.y * g[r].y, v.z * g[r].z, v.w * g[r].w);
-    quantize_block_group8(q, lane, s_q + 8 * u, s_s + u, u < units);
+    }
   }
   __syncthreads();
 }

@@ -30,28 +30,43 @@ __device__ __forceinline__ void quantize_block_warp(float v, int lane, i8* q, ui
   if (lane == 0) *scale = make_uint2(__float_as_uint(nan ? QNAN : amax / 127.f), ((u32)s & 0xffffu) | ((u32)s_hi << 16));
 }
 
-// `quantize_block_warp` for a block held by an aligned group of 8 lanes, 4 consecutive values
-// each (group lane j: values 4j..4j+3): the same codes, scale and sums in three shuffle steps
-// instead of five, four blocks per warp at once. With `store`, lane j writes code word j to
-// q[j] and lane 0 the scale. Every lane of the warp must call it.
-__device__ __forceinline__ void quantize_block_group8(float4 v, int lane, u32* q, uint2* scale, bool store) {
-  float amax = fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w)));
-  int nan = v.x != v.x || v.y != v.y || v.z != v.z || v.w != v.w;
+// `quantize_block_warp` for N blocks, each held by an aligned group of 8 lanes, 4 consecutive
+// values each (group lane j: values 4j..4j+3): the same codes, scales and sums, the N blocks in
+// the same three shuffle steps (side by side, not one block's chain after another's), the NaN
+// check in one ballot. Returns group lane j's code word j of each block and, valid in group lane
+// 0, its scale. Every lane of the warp must call it.
+template <int N>
+__device__ __forceinline__ void quantize_blocks_group8(const float4 (&v)[N], int lane, u32 (&word)[N], uint2 (&scale)[N]) {
+  float amax[N];
+  bool nan[N];
+  int s[N];
 #pragma unroll
-  for (int o = 1; o < 8; o <<= 1) {
-    amax = fmaxf(amax, __shfl_xor_sync(FULL_MASK, amax, o));
-    nan |= __shfl_xor_sync(FULL_MASK, nan, o);
+  for (int r = 0; r < N; ++r) {
+    amax[r] = fmaxf(fmaxf(fabsf(v[r].x), fabsf(v[r].y)), fmaxf(fabsf(v[r].z), fabsf(v[r].w)));
+    const bool mine = v[r].x != v[r].x || v[r].y != v[r].y || v[r].z != v[r].z || v[r].w != v[r].w;
+    nan[r] = (__ballot_sync(FULL_MASK, mine) >> (lane & ~7)) & 0xffu;
   }
-  const float inv_d = amax > 0.f ? 127.f / amax : 0.f;
-  const int c0 = nan ? 0 : __float2int_rn(v.x * inv_d), c1 = nan ? 0 : __float2int_rn(v.y * inv_d);
-  const int c2 = nan ? 0 : __float2int_rn(v.z * inv_d), c3 = nan ? 0 : __float2int_rn(v.w * inv_d);
-  int s = c0 + c1 + c2 + c3;  // code sums of each half: group lanes 0..3 and 4..7
-  s += __shfl_xor_sync(FULL_MASK, s, 1);
-  s += __shfl_xor_sync(FULL_MASK, s, 2);
-  const int s_hi = __shfl_sync(FULL_MASK, s, (lane & ~7) + 4);
-  if (!store) return;
-  q[lane & 7] = (u32)(c0 & 0xff) | ((u32)(c1 & 0xff) << 8) | ((u32)(c2 & 0xff) << 16) | ((u32)c3 << 24);
-  if ((lane & 7) == 0) *scale = make_uint2(__float_as_uint(nan ? QNAN : amax / 127.f), ((u32)s & 0xffffu) | ((u32)s_hi << 16));
+#pragma unroll
+  for (int o = 1; o < 8; o <<= 1)
+#pragma unroll
+    for (int r = 0; r < N; ++r) amax[r] = fmaxf(amax[r], __shfl_xor_sync(FULL_MASK, amax[r], o));
+#pragma unroll
+  for (int r = 0; r < N; ++r) {
+    const float inv_d = amax[r] > 0.f ? 127.f / amax[r] : 0.f;
+    const int c0 = nan[r] ? 0 : __float2int_rn(v[r].x * inv_d), c1 = nan[r] ? 0 : __float2int_rn(v[r].y * inv_d);
+    const int c2 = nan[r] ? 0 : __float2int_rn(v[r].z * inv_d), c3 = nan[r] ? 0 : __float2int_rn(v[r].w * inv_d);
+    word[r] = (u32)(c0 & 0xff) | ((u32)(c1 & 0xff) << 8) | ((u32)(c2 & 0xff) << 16) | ((u32)c3 << 24);
+    s[r] = c0 + c1 + c2 + c3;  // code sums of each half: group lanes 0..3 and 4..7
+  }
+#pragma unroll
+  for (int o = 1; o < 4; o <<= 1)
+#pragma unroll
+    for (int r = 0; r < N; ++r) s[r] += __shfl_xor_sync(FULL_MASK, s[r], o);
+#pragma unroll
+  for (int r = 0; r < N; ++r) {
+    const int s_hi = __shfl_sync(FULL_MASK, s[r], (lane & ~7) + 4);
+    scale[r] = make_uint2(__float_as_uint(nan[r] ? QNAN : amax[r] / 127.f), ((u32)s[r] & 0xffffu) | ((u32)s_hi << 16));
+  }
 }
 "#;
 
