@@ -493,8 +493,9 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32) attention(const Attent
   // leave at once, and a lone share writes the output itself, without the merge.
   const u32 active = (len + share - 1) / share;
   if (blockIdx.z >= active) return;  // block-uniform, before any barrier
-  // With STORE the cached keys end before pos; the new key comes after the loop.
-  const u32 begin = first + blockIdx.z * share, end = min(pos + 1 - STORE, begin + share);
+  // With STORE the new key (pos) is scored in the loop like the cached ones, its K and V rows
+  // taken from shared memory in place of what was loaded for them.
+  const u32 begin = first + blockIdx.z * share, end = min(pos + 1, begin + share);
   const i64 row = (i64)p.n_kv_heads * HEAD_DIM;
   const kv_t* kc = reinterpret_cast<const kv_t*>(p.k_cache) + (i64)kv_head * HEAD_DIM;
   const kv_t* vc = reinterpret_cast<const kv_t*>(p.v_cache) + (i64)kv_head * HEAD_DIM;
@@ -536,9 +537,10 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32) attention(const Attent
 #if STORE
   // One decode token with its K/V store fused in: the block rotates its Q heads and their
   // group's new K row and reads the new V row from q | k | v itself (rounded as the cache stores
-  // them), and the block of the group's first head writes them to cache row pos. The new key is
-  // folded in after the cached ones, so no block reads a row that another block is writing.
-  __shared__ __align__(16) float s_k[HEAD_DIM], s_v[HEAD_DIM];
+  // them), and the block of the group's first head writes them to cache row pos. Every block
+  // keeps the new rows in shared memory (as the cache stores them) and uses those in place of
+  // what it loaded for row pos, so no block depends on a row that another block is writing.
+  __shared__ __align__(16) kv_t s_knew[HEAD_DIM], s_vnew[HEAD_DIM];
   {
     // (PAGED: a batched decode step, one token of each sequence, q | k | v rows back to back.)
     const float* src = reinterpret_cast<const float*>(p.qkv) + (i64)tok * (p.n_heads + 2 * p.n_kv_heads) * HEAD_DIM;
@@ -564,12 +566,12 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32) attention(const Attent
         s_q[g][qk_b] = x1 * p.scale;
       }
       qkv_pair_turned(src, p.n_heads + kv_head, qk_a, qk_b, qk_turned, rope_c, rope_s, gk_a, gk_b, s_inv[GROUP], &x0, &x1);
-      s_k[qk_a] = kv_round(x0);
-      s_k[qk_b] = kv_round(x1);
+      kv_store(s_knew, qk_a, x0);
+      kv_store(s_knew, qk_b, x1);
       if (writer) { kv_store((kv_t*)p.k_cache + new_row, qk_a, x0); kv_store((kv_t*)p.k_cache + new_row, qk_b, x1); }
       qkv_pair_turned(src, rotated + kv_head, v_a, v_b, false, rope_c, rope_s, 1.f, 1.f, 1.f, &x0, &x1);
-      s_v[v_a] = kv_round(x0);
-      s_v[v_b] = kv_round(x1);
+      kv_store(s_vnew, v_a, x0);
+      kv_store(s_vnew, v_b, x1);
       if (writer) { kv_store((kv_t*)p.v_cache + new_row, v_a, x0); kv_store((kv_t*)p.v_cache + new_row, v_b, x1); }
     }
   }
@@ -595,6 +597,12 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32) attention(const Attent
   }
   for (; base < end; base += 32 * NWARPS) {
     const u32 j = base + lane;
+#if STORE
+    // The new key's K row: what was loaded for it (maybe before it was written) is replaced.
+    if (j == pos)
+#pragma unroll
+      for (int c = 0; c < K_PRE; ++c) batch.k[c] = reinterpret_cast<const uint4*>(s_knew)[c];
+#endif
     float s[GROUP];
 #pragma unroll
     for (int g = 0; g < GROUP; ++g) s[g] = NEG_INF;
@@ -605,7 +613,11 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32) attention(const Attent
 #pragma unroll
       for (int c = 0; c < K_VECS; ++c) {
         float k[KV_VEC];
-        kv_unpack(c < K_PRE ? batch.k[c] : krow[c], k);
+        uint4 kv = c < K_PRE ? batch.k[c] : krow[c];
+#if STORE
+        if (c >= K_PRE && j == pos) kv = reinterpret_cast<const uint4*>(s_knew)[c];
+#endif
+        kv_unpack(kv, k);
 #pragma unroll
         for (int g = 0; g < GROUP; ++g)
 #pragma unroll
@@ -637,6 +649,12 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32) attention(const Attent
       if (g > 0) load_v_group(p, vc, row, tok, base, count, g, lane, batch.v);
 #pragma unroll
       for (int st = 0; st < V_STEPS; ++st) {
+#if STORE
+        // The new key's V row, as for its K row (rows past the batch re-read its last one).
+        if (base + min(g + st * V_RPI + rg, count - 1) == pos)
+#pragma unroll
+          for (int e = 0; e < V_VECS; ++e) batch.v[st * V_VECS + e] = reinterpret_cast<const uint4*>(s_vnew)[dc * V_VECS + e];
+#endif
         float w[GROUP];
 #pragma unroll
         for (int h = 0; h < GROUP; ++h) w[h] = __shfl_sync(FULL_MASK, pj[h], g + st * V_RPI + rg);
@@ -661,23 +679,6 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32) attention(const Attent
     for (int g = 0; g < GROUP; ++g)
 #pragma unroll
       for (int i = 0; i < V_DIMS; ++i) acc[g][i] += __shfl_xor_sync(FULL_MASK, acc[g][i], o);
-#if STORE
-  if (warp == 0 && blockIdx.z == active - 1) {  // the new key (in the last share), from shared memory
-#pragma unroll
-    for (int g = 0; g < GROUP; ++g) {
-      float part = 0.f;
-      for (int d = lane; d < HEAD_DIM; d += 32) part += s_q[g][d] * s_k[d];
-      const float dot = warp_sum(part);
-      const float s = p.softcap > 0.f ? p.softcap * tanhf(dot / p.softcap) : dot;
-      const float m_new = fmaxf(m[g], s);
-      const float corr = expf(m[g] - m_new), pj = expf(s - m_new);
-      l[g] = l[g] * corr + (lane == 0 ? pj : 0.f);
-#pragma unroll
-      for (int i = 0; i < V_DIMS; ++i) acc[g][i] = acc[g][i] * corr + pj * s_v[dc * V_DIMS + i];
-      m[g] = m_new;
-    }
-  }
-#endif
 #pragma unroll
   for (int g = 0; g < GROUP; ++g) {
     l[g] = warp_sum(l[g]);
