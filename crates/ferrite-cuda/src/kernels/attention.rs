@@ -772,14 +772,16 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32) attention(const Attent
         }
       }
 #pragma unroll
-      for (int c = 0; c < HEAD_DIM / 32; ++c) store_output(p, qrow + g * HEAD_DIM, 32 * c + lane, o[c] / l_sum);
+      for (int c = 0; c < HEAD_DIM / 32; ++c) store_output(p, qrow + g * HEAD_DIM, 32 * c + lane, __fdividef(o[c], l_sum));
     }
     return;
   }
 #endif
+  // (The softmax sums are at least 1, the maximum's own term, and at most the keys' count: the
+  // approximate division is within 2 ulp there, with no slow-path branch.)
 #pragma unroll
   for (int g = 0; g < GROUP; ++g)
-    for (int d = threadIdx.x; d < HEAD_DIM; d += NWARPS * 32) store_output(p, qrow + g * HEAD_DIM, d, block_acc(g, d) / l_all[g]);
+    for (int d = threadIdx.x; d < HEAD_DIM; d += NWARPS * 32) store_output(p, qrow + g * HEAD_DIM, d, __fdividef(block_acc(g, d), l_all[g]));
 }
 "#;
 
