@@ -353,7 +353,7 @@ pub const FUSED_PAGED_STORE_MAX_SEQS: usize = 16;
 /// rows of `n_tokens` sequences, one token each, back to back) has its K/V rotated and stored
 /// at `positions[t]` of its sequence and attends to its sequence's keys, the new one included;
 /// the cache rows [`store_qkv_paged`] writes and the output of [`attention_paged`] after it up
-/// to rounding (the new key is folded in last; op test). A step with a
+/// to rounding (the new key's rows come from shared memory; op test). A step with a
 /// sequence of several rows needs those two: its rows read each other's new keys.
 #[allow(clippy::too_many_arguments)]
 pub fn store_and_attend_paged(
