@@ -552,7 +552,7 @@ extern "C" __global__ void __launch_bounds__(SLICE_THREADS * KSPLIT) gemv_q8(con
   for (int t = 0; t < NTOK; ++t) {
     ss[t] = 0.f;
 #pragma unroll
-    for (int k = 0; k < NORM_PARTS; ++k) ss[t] += pre.ss[t][k];  // 0 past the sums (exact)
+    for (int part = 0; part < NORM_PARTS; ++part) ss[t] += pre.ss[t][part];  // 0 past the sums (exact)
     if (tok0 + t < (int)p.n_tokens)
       for (int i = (tid & 31) + 32 * NORM_PARTS; i < units; i += 32) ss[t] += in_partials[(i64)(tok0 + t) * units + i];
   }
