@@ -371,7 +371,7 @@ fn check_linear_run(
     let step = q8_steps(&x, cols);
     let bound = |i: usize| {
         let (t, r) = (i / rows, i % rows);
-        let mag: f64 = (0..cols).map(|c| (w[r * cols + c] * x[t * cols + c]).abs() as f64).sum();
+        let mag = abs_dot(&w[r * cols..(r + 1) * cols], &x[t * cols..(t + 1) * cols]);
         let q8 = if plan == LinearPlan::GemvQ8 { q8_bound(&w[r * cols..(r + 1) * cols], &step[t * cols..(t + 1) * cols]) } else { 0.0 };
         rtol * mag + q8 + 1e-30
     };
@@ -593,7 +593,7 @@ fn linear_q8_fuses_norm_bias_and_residual() {
         let step = q8_steps(&normed, cols);
         check("linear_q8", &format!("{dtype} {rows}x{cols} n={n} norm+bias+res"), &got, &want, |i| {
             let (t, r) = (i / rows, i % rows);
-            let mag: f64 = (0..cols).map(|c| (w[r * cols + c] * normed[t * cols + c]).abs() as f64).sum();
+            let mag = abs_dot(&w[r * cols..(r + 1) * cols], &normed[t * cols..(t + 1) * cols]);
             q8_bound(&w[r * cols..(r + 1) * cols], &step[t * cols..(t + 1) * cols]) + 2e-5 * (mag + 4.0)
         });
     }
@@ -659,14 +659,20 @@ fn assert_handoff_is_quantize(gpu: &Gpu, emitted: &ops::Q8Activations, out: &Cud
     assert!(a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits()), "{case}: the int8 hand-off differs from quantize_q8 of the output");
 }
 
-/// The bound on element (t, r) of two f32 sums of `res + W x` (rows x `x.len() / n` weights, `res`
-/// n x rows) that add the same terms in different orders: rounding scales with the terms' absolute
-/// sum, not with the result, which may cancel.
+/// Σ |w_c x_c| over a weight row and an input row (f32 products, summed in f64): the magnitude
+/// that a dot product's rounding scales with.
+fn abs_dot(w: &[f32], x: &[f32]) -> f64 {
+    w.iter().zip(x).map(|(&a, &b)| (a * b).abs() as f64).sum()
+}
+
+/// The bound on element i = (t, r) of two f32 sums of `res + W x` (`W`: `rows` rows, `x` and
+/// `res`: token-major) that add the same terms in different orders: rounding scales with the
+/// terms' absolute sum, not with the result, which may cancel.
 fn reordered_sum_bound<'a>(w: &'a [f32], x: &'a [f32], res: &'a [f32], rows: usize) -> impl Fn(usize) -> f64 + 'a {
     let cols = w.len() / rows;
     move |i| {
         let (t, r) = (i / rows, i % rows);
-        let mag: f64 = (0..cols).map(|c| (w[r * cols + c] * x[t * cols + c]).abs() as f64).sum::<f64>() + res[i].abs() as f64;
+        let mag = abs_dot(&w[r * cols..(r + 1) * cols], &x[t * cols..(t + 1) * cols]) + res[i].abs() as f64;
         1e-6 + 4e-6 * mag
     }
 }
@@ -755,7 +761,7 @@ fn int8_handoffs_chain_gemvs_like_separate_quantize_launches() {
         let step = q8_steps(&n2, d);
         check("handoff", &format!("{case} norm -> linear"), &download(gpu, &y), &want, |i| {
             let (t, r) = (i / 96, i % 96);
-            let mag: f64 = (0..d).map(|c| (wq_f[r * d + c] * n2[t * d + c]).abs() as f64).sum();
+            let mag = abs_dot(&wq_f[r * d..(r + 1) * d], &n2[t * d..(t + 1) * d]);
             q8_bound(&wq_f[r * d..(r + 1) * d], &step[t * d..(t + 1) * d]) + 2e-5 * (mag + 4.0)
         });
     }
@@ -805,7 +811,7 @@ fn fused_mlp_and_f32_row_inputs_match_separate_launches() {
         let stream_before = download(gpu, &stream);
         ops::mlp_q8(gpu, &wgu, &wd, &q_a, ops::Glu::SwiGlu, &mut stream).unwrap();
         let got = download(gpu, &stream);
-        let mag: Vec<f64> = (0..d).map(|r| (0..ff).map(|c| (wd_f[r * ff + c] * m[c]).abs() as f64).sum::<f64>() + stream_before[r].abs() as f64).collect();
+        let mag: Vec<f64> = (0..d).map(|r| abs_dot(&wd_f[r * ff..(r + 1) * ff], &m) + stream_before[r].abs() as f64).collect();
         let want: Vec<f32> = (0..d).map(|r| ((0..ff).map(|c| wd_f[r * ff + c] as f64 * m[c] as f64).sum::<f64>() + stream_before[r] as f64) as f32).collect();
         // The down projection reads the block's outputs quantized, as from a gated GEMV's hand-off.
         let step = q8_steps(&m, ff);
@@ -823,7 +829,7 @@ fn fused_mlp_and_f32_row_inputs_match_separate_launches() {
             matmul_f32(&wq_f, 96, d, &input, 1, &mut want);
             let step = q8_steps(&input, d);
             check("linear_q8_f32_row", &format!("{case} norm={with_norm}"), &download(gpu, &y), &want, |r| {
-                let mag: f64 = (0..d).map(|c| (wq_f[r * d + c] * input[c]).abs() as f64).sum();
+                let mag = abs_dot(&wq_f[r * d..(r + 1) * d], &input);
                 q8_bound(&wq_f[r * d..(r + 1) * d], &step) + 2e-5 * (mag + 4.0)
             });
         }
@@ -879,7 +885,7 @@ fn gemv_chain_matches_exact_products() {
             matmul_f32(w, rows, cols, input, 1, &mut want);
             want.iter_mut().zip(add).for_each(|(v, a)| *v += a);
             check("chain", &format!("{case} {name}"), got, &want, |r| {
-                let mag: f64 = (0..cols).map(|c| (w[r * cols + c] * input[c]).abs() as f64).sum();
+                let mag = abs_dot(&w[r * cols..(r + 1) * cols], input);
                 q8_bound(&w[r * cols..(r + 1) * cols], &step) + 2e-5 * (mag + add[r].abs() as f64) + 1e-6
             });
         };
