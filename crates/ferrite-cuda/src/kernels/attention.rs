@@ -144,11 +144,14 @@ __device__ __forceinline__ bool qkv_pair_at(u32 head, u32 pair, u32 rotated_head
 // turned by the angle (c, s) of the pair at the token's position when `turned`. The indices,
 // angle and weights depend on the position only, so a kernel may have them before its inputs
 // are ready.
-__device__ __forceinline__ void qkv_pair_turned(const float* src, u32 head, u32 a, u32 b, bool turned, float c, float s, float ga, float gb, float inv,
-                                                float* x0, float* x1) {
+// (Split in two: `qkv_pair_load`, then `qkv_pair_finish`, so that a kernel can request all of its
+// values before working on any.)
+__device__ __forceinline__ void qkv_pair_load(const float* src, u32 head, u32 a, u32 b, float* x0, float* x1) {
   const float* h = src + (i64)head * HEAD_DIM;
   *x0 = h[a];
   *x1 = h[b];
+}
+__device__ __forceinline__ void qkv_pair_finish(bool turned, float c, float s, float ga, float gb, float inv, float* x0, float* x1) {
 #if QK_NORM
   *x0 = *x0 * inv * ga;
   *x1 = *x1 * inv * gb;
@@ -156,6 +159,11 @@ __device__ __forceinline__ void qkv_pair_turned(const float* src, u32 head, u32 
 #if ROPE_STYLE
   if (turned) rope_rotate(x0, x1, c, s);
 #endif
+}
+__device__ __forceinline__ void qkv_pair_turned(const float* src, u32 head, u32 a, u32 b, bool turned, float c, float s, float ga, float gb, float inv,
+                                                float* x0, float* x1) {
+  qkv_pair_load(src, head, a, b, x0, x1);
+  qkv_pair_finish(turned, c, s, ga, gb, inv, x0, x1);
 }
 // 1 / sqrt(mean(x^2) + eps) of the head at `h`, summed by the 32 lanes of a warp (all must call).
 __device__ __forceinline__ float head_rms_inv_warp(const float* h, float eps) {
@@ -524,6 +532,9 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32) attention(const Attent
     gk_b = k_norm[qk_b];
   }
 #endif
+  // Which block writes the new rows, and where (positions and block tables are the host's).
+  const bool writer = head % (p.n_heads / p.n_kv_heads) == 0 && blockIdx.z == 0;
+  const i64 new_row = ((i64)cache_row(p.block_tables, p.row_seq, p.max_blocks, p.block_size, tok, pos) * p.n_kv_heads + kv_head) * HEAD_DIM;
 #endif
   if (!bad_pos) prefetch_kv(p, kc, vc, row, tok, begin, end);
   KERNEL_ENTRY();
@@ -544,8 +555,16 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32) attention(const Attent
   {
     // (PAGED: a batched decode step, one token of each sequence, q | k | v rows back to back.)
     const float* src = reinterpret_cast<const float*>(p.qkv) + (i64)tok * (p.n_heads + 2 * p.n_kv_heads) * HEAD_DIM;
-    const bool writer = head % (p.n_heads / p.n_kv_heads) == 0 && blockIdx.z == 0;
-    const i64 new_row = ((i64)cache_row(p.block_tables, p.row_seq, p.max_blocks, p.block_size, tok, pos) * p.n_kv_heads + kv_head) * HEAD_DIM;
+    // The thread's values of the row, all requested before any is used or anything is stored
+    // (a store to the cache could alias the row for the compiler): one round trip, where
+    // loading each head as it was turned took the K head's, then the Q and V heads'.
+    float xq[GROUP][2], xk[2], xv[2];
+    if (threadIdx.x < HEAD_DIM / 2) {
+#pragma unroll
+      for (int g = 0; g < GROUP; ++g) qkv_pair_load(src, head + g, qk_a, qk_b, &xq[g][0], &xq[g][1]);
+      qkv_pair_load(src, p.n_heads + kv_head, qk_a, qk_b, &xk[0], &xk[1]);
+      qkv_pair_load(src, rotated + kv_head, v_a, v_b, &xv[0], &xv[1]);
+    }
 #if QK_NORM
     // The QK-norm's 1 / rms of the block's Q heads (0 .. GROUP) and of its K head (GROUP), a warp each.
     __shared__ float s_inv[GROUP + 1];
@@ -558,21 +577,23 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32) attention(const Attent
     const float s_inv[GROUP + 1] = {};  // unread: no norm
 #endif
     if (threadIdx.x < HEAD_DIM / 2) {
-      float x0, x1;
 #pragma unroll
       for (int g = 0; g < GROUP; ++g) {
-        qkv_pair_turned(src, head + g, qk_a, qk_b, qk_turned, rope_c, rope_s, gq_a, gq_b, s_inv[g], &x0, &x1);
-        s_q[g][qk_a] = x0 * p.scale;
-        s_q[g][qk_b] = x1 * p.scale;
+        qkv_pair_finish(qk_turned, rope_c, rope_s, gq_a, gq_b, s_inv[g], &xq[g][0], &xq[g][1]);
+        s_q[g][qk_a] = xq[g][0] * p.scale;
+        s_q[g][qk_b] = xq[g][1] * p.scale;
       }
-      qkv_pair_turned(src, p.n_heads + kv_head, qk_a, qk_b, qk_turned, rope_c, rope_s, gk_a, gk_b, s_inv[GROUP], &x0, &x1);
-      kv_store(s_knew, qk_a, x0);
-      kv_store(s_knew, qk_b, x1);
-      if (writer) { kv_store((kv_t*)p.k_cache + new_row, qk_a, x0); kv_store((kv_t*)p.k_cache + new_row, qk_b, x1); }
-      qkv_pair_turned(src, rotated + kv_head, v_a, v_b, false, rope_c, rope_s, 1.f, 1.f, 1.f, &x0, &x1);
-      kv_store(s_vnew, v_a, x0);
-      kv_store(s_vnew, v_b, x1);
-      if (writer) { kv_store((kv_t*)p.v_cache + new_row, v_a, x0); kv_store((kv_t*)p.v_cache + new_row, v_b, x1); }
+      qkv_pair_finish(qk_turned, rope_c, rope_s, gk_a, gk_b, s_inv[GROUP], &xk[0], &xk[1]);
+      kv_store(s_knew, qk_a, xk[0]);
+      kv_store(s_knew, qk_b, xk[1]);
+      kv_store(s_vnew, v_a, xv[0]);  // V: as read (no norm, not turned)
+      kv_store(s_vnew, v_b, xv[1]);
+      if (writer) {
+        kv_store((kv_t*)p.k_cache + new_row, qk_a, xk[0]);
+        kv_store((kv_t*)p.k_cache + new_row, qk_b, xk[1]);
+        kv_store((kv_t*)p.v_cache + new_row, v_a, xv[0]);
+        kv_store((kv_t*)p.v_cache + new_row, v_b, xv[1]);
+      }
     }
   }
 #else
