@@ -221,7 +221,8 @@ __device__ __forceinline__ i64 weight_row(const GemvQ8Params& p, i64 ebase, i64 
 // The epilogue's and the norm's inputs, requested as soon as they may be read (see gemv_q8) so
 // that their loads overlap the main loop's instead of adding round trips after the reduction.
 // Only the lanes that use them load them (bias and residual: lane k == 0 of slice 0; the norm
-// sums and the next norm's weight: every lane).
+// sums: every lane of slice 0, the only one that finishes the norm; the next norm's weight:
+// every lane).
 #define NORM_PARTS (NTOK == 1 ? 4 : 1)
 struct Prefetched {
   float bias[ROWS];         // BIAS: the rows' biases
@@ -243,7 +244,7 @@ __device__ __forceinline__ void prefetch_weights(const GemvQ8Params& p, Prefetch
 }
 
 // After the wait: what earlier kernels wrote (the residual, the norm's sums) and the bias.
-__device__ __forceinline__ void prefetch_inputs(const GemvQ8Params& p, Prefetched& f, i64 row0, int tok0, bool epilogue_lane, const float* in_partials) {
+__device__ __forceinline__ void prefetch_inputs(const GemvQ8Params& p, Prefetched& f, i64 row0, int tok0, bool epilogue_lane, bool norm_lane, const float* in_partials) {
 #if BIAS || RESIDUAL
   if (epilogue_lane) {
 #pragma unroll
@@ -270,7 +271,7 @@ __device__ __forceinline__ void prefetch_inputs(const GemvQ8Params& p, Prefetche
 #pragma unroll
       for (int k = 0; k < NORM_PARTS; ++k) {
         const int i = lane + 32 * k;
-        f.ss[t][k] = tok0 + t < (int)p.n_tokens && i < units ? in_partials[(i64)(tok0 + t) * units + i] : 0.f;
+        f.ss[t][k] = norm_lane && tok0 + t < (int)p.n_tokens && i < units ? in_partials[(i64)(tok0 + t) * units + i] : 0.f;
       }
   }
 #endif
@@ -478,7 +479,7 @@ extern "C" __global__ void __launch_bounds__(SLICE_THREADS * KSPLIT) gemv_q8(con
 #if IN_F32
     quantize_input(p, in_g, reinterpret_cast<u32*>(s_xq), s_xs, s_ss);
 #endif
-    prefetch_inputs(p, pre, row0, tok0, k == 0 && slice == 0, in_partials);
+    prefetch_inputs(p, pre, row0, tok0, k == 0 && slice == 0, slice == 0, in_partials);
   };
   i64 ebase = 0;
 #if EXPERTS
@@ -553,7 +554,7 @@ extern "C" __global__ void __launch_bounds__(SLICE_THREADS * KSPLIT) gemv_q8(con
     ss[t] = 0.f;
 #pragma unroll
     for (int part = 0; part < NORM_PARTS; ++part) ss[t] += pre.ss[t][part];  // 0 past the sums (exact)
-    if (tok0 + t < (int)p.n_tokens)
+    if (slice == 0 && tok0 + t < (int)p.n_tokens)
       for (int i = (tid & 31) + 32 * NORM_PARTS; i < units; i += 32) ss[t] += in_partials[(i64)(tok0 + t) * units + i];
   }
 #pragma unroll
