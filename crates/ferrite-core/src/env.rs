@@ -164,6 +164,9 @@ switches! {
     /// Programmatic dependent launch on sm_90+.
     DISABLE_CUDA_PDL = ("FERRITE_DISABLE_CUDA_PDL", "0", AbTest,
         "1 launches CUDA kernels without programmatic dependent launch (each kernel then starts only after the previous one has finished, instead of overlapping its start-up and weight loads).");
+    /// Projections around attention releasing the next launch before their wait (CUDA).
+    DISABLE_CUDA_EARLY_RELEASE = ("FERRITE_DISABLE_CUDA_EARLY_RELEASE", "0", AbTest,
+        "1: every CUDA kernel releases the next launch only after waiting for its predecessor; by default the int8 GEMVs into and out of attention in one-token steps release it before (the attention and the MLP then become resident and request their cached rows and weights one kernel sooner).");
     /// RoPE applied inside the attention op.
     DISABLE_ROPE_FUSION = ("FERRITE_DISABLE_ROPE_FUSION", "0", AbTest,
         "1 rotates Q and K with a separate in-place RoPE op before attention, instead of inside the attention op as it stores K in the cache and reads Q (CUDA: one kernel fewer per layer).");

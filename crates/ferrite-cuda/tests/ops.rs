@@ -3315,10 +3315,13 @@ fn every_kernel_variant_compiles_for_sm90() {
                     check(format!("{grouped:?}"), job(&grouped));
                 }
             }
-            // The fused MLP, and a plain GEMV quantizing its f32 row (SmolLM2's shapes).
+            // The fused MLP, and a plain GEMV quantizing its f32 row (SmolLM2's shapes); the
+            // projections into and out of attention releasing the next launch early.
             let mlp = GemvQ8Variant { emit: 0, in_norm: true, ..GemvQ8Variant::for_gated(dtype, 1536, 576, 1, 132, 1).emitting(2) }.with_down(576);
             let f32_row = GemvQ8Variant { in_norm: true, ..GemvQ8Variant::for_shape(dtype, 960, 576, 1, 132).with_f32_input(576) };
-            for v in [mlp, f32_row] {
+            let qkv = GemvQ8Variant { early_release: true, ..f32_row };
+            let output = GemvQ8Variant { residual: true, early_release: true, ..GemvQ8Variant::for_shape(dtype, 576, 576, 1, 132).emitting(2) };
+            for v in [mlp, f32_row, qkv, output] {
                 check(format!("{v:?}"), job(&v));
             }
             for n in [1, 3, 8] {

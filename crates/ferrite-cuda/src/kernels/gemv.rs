@@ -169,6 +169,9 @@ const SOURCE_Q8: &str = r#"
 #ifndef DOWN
 #error "DOWN (0, or the down-projection rows per thread: the fused MLP, see down_red) must come from the kernel variant"
 #endif
+#ifndef EARLY_RELEASE
+#error "EARLY_RELEASE (1: release the next launch before waiting for the previous one, see gemv_q8) must come from the kernel variant"
+#endif
 #define ROWS_PER_BLOCK (NWARPS * 32 / TPR * ROWS)
 #define SLICE_THREADS (NWARPS * 32)
 #if IN_F32 && (NTOK != 1 || EXPERTS)
@@ -472,9 +475,17 @@ extern "C" __global__ void __launch_bounds__(SLICE_THREADS * KSPLIT) gemv_q8(con
   prefetch_in_norm(p, in_g);
 #endif
   bool waited = false;
+#if EARLY_RELEASE
+  // The next launch may be scheduled now, before this one waits: its blocks become resident and
+  // load their weights while this kernel's predecessor finishes (the launch plan never lets two
+  // such kernels follow each other, so at most three grids are resident at once).
+  pdl_release();
+#endif
   const auto wait_then_prefetch = [&]() {
     pdl_wait();
+#if !EARLY_RELEASE
     pdl_release();
+#endif
     waited = true;
 #if IN_F32
     quantize_input(p, in_g, reinterpret_cast<u32*>(s_xq), s_xs, s_ss);
@@ -832,6 +843,10 @@ pub struct GemvQ8Variant {
     /// The fused MLP: 0, or the down-projection rows each thread multiplies (see
     /// [`Self::with_down`]).
     pub down: u32,
+    /// Release the next launch before waiting for the previous one ([`Epilogue::early_release`]).
+    ///
+    /// [`Epilogue::early_release`]: crate::ops::Epilogue::early_release
+    pub early_release: bool,
 }
 
 /// What grid y of the int8 GEMV walks (the `EXPERTS` macro).
@@ -883,6 +898,7 @@ impl GemvQ8Variant {
             experts: ExpertGrid::Off,
             in_f32: 0,
             down: 0,
+            early_release: false,
         }
     }
 
@@ -1040,6 +1056,7 @@ impl KernelVariant for GemvQ8Variant {
             ("EXPERTS", (self.experts as u32).to_string()),
             ("IN_F32", self.in_f32.to_string()),
             ("DOWN", self.down.to_string()),
+            ("EARLY_RELEASE", u32::from(self.early_release).to_string()),
         ]
     }
 }

@@ -794,6 +794,12 @@ pub struct Epilogue<'a> {
     pub accumulate: bool,
     pub glu: Option<Glu>,
     pub down: Option<&'a DeviceWeight>,
+    /// Let the next launch be scheduled before this one waits for its predecessor (programmatic
+    /// dependent launch): its blocks become resident and request their weights while this
+    /// kernel's predecessor still runs. Only for a launch whose neighbours release after their
+    /// wait (the decode plan's QKV and output projections), so that at most three grids wait at
+    /// once and a kernel's reads before its wait stay two launches behind.
+    pub early_release: bool,
 }
 
 /// Quantize `n_rows` rows of `cols` f32 values (`cols % 32 == 0`) into `dst`, normalising each
@@ -1121,6 +1127,7 @@ pub(super) fn gemv_q8(
         bias: epilogue.bias.is_some(),
         in_norm: x.norm.is_some(),
         up_split: up.is_some(),
+        early_release: epilogue.early_release,
         ..tiling
     };
     let [w0, w1, w2, w3] = w.plane_ptrs(gpu);
