@@ -7,7 +7,9 @@
 //! `pdl_wait` (see the common header). A kernel passes that wait when its predecessor has
 //! finished, so the gap from one entry to the next is what the earlier kernel adds to the
 //! critical path: its own run after the wait, its tail, and the hand-over to the next one.
-//! The cost is one L2 atomic on one thread per launch. Like every profile, the numbers explain
+//! The cost is one L2 atomic on one thread per launch, a round trip on that kernel's critical
+//! path (before the atomic the mark also read its buffer's address and slot count after the
+//! wait: SmolLM2 ran at 55% of its rate with the timeline on, docs/perf.md stop 44). Like every profile, the numbers explain
 //! where the time goes and are never optimisation targets (those come from `ferrite bench`
 //! without the switch).
 
@@ -29,7 +31,8 @@ pub(crate) struct ModuleLabel {
     pub macros: Vec<(String, String)>,
 }
 
-/// The device buffer (`[count: u32, slots: u32], then (time ns, tag) per entry`) and the
+/// The device buffer (the entry count in the low half of word 0, then (time ns, tag) per
+/// entry; the kernels know its slot count from their `ferrite_timeline` global) and the
 /// labels of the modules that write to it, indexed by tag.
 pub(crate) struct Timeline {
     stream: Arc<CudaStream>,
@@ -39,12 +42,9 @@ pub(crate) struct Timeline {
 
 impl Timeline {
     pub(crate) fn new(stream: Arc<CudaStream>) -> Result<Self, CudaError> {
-        let mut buffer = stream
+        let buffer = stream
             .alloc_zeros::<u64>(2 + 2 * SLOTS as usize)
             .context(|| "allocating the timeline buffer".into())?;
-        stream
-            .memcpy_htod(&[u64::from(SLOTS) << 32], &mut buffer.slice_mut(0..1))
-            .context(|| "initialising the timeline buffer".into())?;
         Ok(Timeline { stream, buffer, labels: Mutex::default() })
     }
 
@@ -56,11 +56,11 @@ impl Timeline {
         let mut global = module
             .get_global("ferrite_timeline", &self.stream)
             .context(|| format!("finding the timeline global of kernel family {}", label.family))?;
-        // SAFETY: the global is `u64 ferrite_timeline[2]` in the common header.
-        let mut words = unsafe { global.transmute_mut::<u64>(2) }
-            .ok_or_else(|| CudaError::DeviceCheck(format!("kernel family {}: ferrite_timeline is not two u64s", label.family)))?;
+        // SAFETY: the global is `u64 ferrite_timeline[3]` in the common header.
+        let mut words = unsafe { global.transmute_mut::<u64>(3) }
+            .ok_or_else(|| CudaError::DeviceCheck(format!("kernel family {}: ferrite_timeline is not three u64s", label.family)))?;
         self.stream
-            .memcpy_htod(&[address, tag], &mut words)
+            .memcpy_htod(&[address, tag, u64::from(SLOTS)], &mut words)
             .context(|| format!("writing the timeline global of kernel family {}", label.family))?;
         labels.push(label);
         Ok(())

@@ -87,24 +87,31 @@ __device__ __forceinline__ float gelu_tanh(float x) { return x / (1.f + expf(-ge
 
 // FERRITE_CUDA_TIMELINE (see timeline.rs; the module cache defines TIMELINE=1 then): block
 // (0, 0, 0) of every kernel appends (%globaltimer, the module's tag) to the process's timeline
-// buffer as it passes the wait. `ferrite_timeline` holds the buffer's address and the tag; the
-// host writes both when it loads the module. Costs thread 0 one L2 atomic per launch.
+// buffer as it passes the wait. `ferrite_timeline` holds the buffer's address, the tag and the
+// buffer's slot count; the host writes them when it loads the module, so thread 0 reads them
+// before the wait and the mark costs it one L2 atomic (a round trip) per launch.
 #ifndef TIMELINE
 #define TIMELINE 0
 #endif
 #if TIMELINE
-extern "C" __device__ u64 ferrite_timeline[2];
-__device__ __forceinline__ void timeline_mark() {
-  if ((threadIdx.x | threadIdx.y | threadIdx.z | blockIdx.x | blockIdx.y | blockIdx.z) != 0) return;
-  u64* buf = reinterpret_cast<u64*>(ferrite_timeline[0]);
-  if (buf == nullptr) return;
+extern "C" __device__ u64 ferrite_timeline[3];
+struct TimelineRef {
+  u64* buf;
+  u64 tag, slots;
+};
+__device__ __forceinline__ bool timeline_marker() { return (threadIdx.x | threadIdx.y | threadIdx.z | blockIdx.x | blockIdx.y | blockIdx.z) == 0; }
+__device__ __forceinline__ TimelineRef timeline_ref() {
+  if (!timeline_marker()) return {nullptr, 0, 0};
+  return {reinterpret_cast<u64*>(ferrite_timeline[0]), ferrite_timeline[1], ferrite_timeline[2]};
+}
+__device__ __forceinline__ void timeline_mark(const TimelineRef& t) {
+  if (t.buf == nullptr) return;
   u64 now;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
-  const u32 i = atomicAdd(reinterpret_cast<u32*>(buf), 1u);
-  const u32 slots = reinterpret_cast<const u32*>(buf)[1];
-  if (i < slots) {
-    buf[2 + 2 * (u64)i] = now;
-    buf[3 + 2 * (u64)i] = ferrite_timeline[1];
+  const u32 i = atomicAdd(reinterpret_cast<u32*>(t.buf), 1u);
+  if (i < t.slots) {
+    t.buf[2 + 2 * (u64)i] = now;
+    t.buf[3 + 2 * (u64)i] = t.tag;
   }
 }
 #endif
@@ -114,11 +121,14 @@ __device__ __forceinline__ void timeline_mark() {
 // or writes anything (weights, which nothing writes, may be loaded before). `pdl_release` then
 // lets the next kernel be scheduled early. Both are no-ops for an ordinary launch.
 __device__ __forceinline__ void pdl_wait() {
+#if TIMELINE
+  const TimelineRef timeline = timeline_ref();
+#endif
 #if __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
 #if TIMELINE
-  timeline_mark();
+  timeline_mark(timeline);
 #endif
 }
 __device__ __forceinline__ void pdl_release() {
