@@ -797,8 +797,9 @@ pub struct Epilogue<'a> {
     /// Let the next launch be scheduled before this one waits for its predecessor (programmatic
     /// dependent launch): its blocks become resident and request their weights while this
     /// kernel's predecessor still runs. Only for a launch whose neighbours release after their
-    /// wait (the decode plan's QKV and output projections), so that at most three grids wait at
-    /// once and a kernel's reads before its wait stay two launches behind.
+    /// wait (the decode plan's QKV and output projections), so that at most three grids are
+    /// resident at once and what a kernel reads before its wait was written three or more
+    /// launches back.
     pub early_release: bool,
 }
 
