@@ -5,6 +5,10 @@
 #
 #   scripts/gpu-ab.sh BASE NEW [SHAPE:DTYPE ...]
 #   BENCH_ARGS="-p 0 -n 128 -r 3" scripts/gpu-ab.sh .device/ferrite-base .device/ferrite llama-3.1-8b:Q4_0
+#   BASE_ENV="FERRITE_DISABLE_CUDA_EARLY_RELEASE=1" scripts/gpu-ab.sh .device/ferrite .device/ferrite
+#
+# BASE_ENV / NEW_ENV (space-separated NAME=VALUE) are set for the BASE / NEW runs only: a switch's
+# A/B with one binary.
 #
 # A binary named *.gz (`gzip -k`: ~4 of its ~11 MB, so that two or three fit in one call's 64 MiB
 # carry beside the test executables) is unpacked into a temporary file first.
@@ -37,9 +41,10 @@ for m in "${models[@]}"; do
     f="$dir/$shape-$dtype.gguf"
     [ -f "$f" ] || "$new" synth --shape "$shape" --dtype "$dtype" -o "$f" >/dev/null || { status=1; continue; }
     for round in 1 2; do
-        for bin in "$base" "$new"; do
-            echo "== $shape $dtype round $round: $bin bench ${bench_args[*]}"
-            "$bin" bench --model "$f" --backend cuda "${bench_args[@]}" 2>&1 | grep -E '^\| (synthetic|pp|tg)|error' || status=1
+        for side in base new; do
+            if [ $side = base ]; then bin=$base; read -ra vars <<< "${BASE_ENV:-}"; else bin=$new; read -ra vars <<< "${NEW_ENV:-}"; fi
+            echo "== $shape $dtype round $round: ${vars[*]} $bin bench ${bench_args[*]}"
+            env "${vars[@]}" "$bin" bench --model "$f" --backend cuda "${bench_args[@]}" 2>&1 | grep -E '^\| (synthetic|pp|tg)|error' || status=1
         done
     done
 done
