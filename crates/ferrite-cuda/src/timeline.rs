@@ -8,10 +8,10 @@
 //! finished, so the gap from one entry to the next is what the earlier kernel adds to the
 //! critical path: its own run after the wait, its tail, and the hand-over to the next one.
 //! The cost is one L2 atomic on one thread per launch, a round trip on that kernel's critical
-//! path (before the atomic the mark also read its buffer's address and slot count after the
-//! wait: SmolLM2 ran at 55% of its rate with the timeline on, docs/perf.md stop 44). Like every profile, the numbers explain
-//! where the time goes and are never optimisation targets (those come from `ferrite bench`
-//! without the switch).
+//! path (when the mark also read its buffer's address and slot count after the wait, SmolLM2
+//! ran at 55% of its rate with the timeline on: docs/perf.md, stop 44). Like every profile,
+//! the numbers explain where the time goes and are never optimisation targets (those come from
+//! `ferrite bench` without the switch).
 
 use crate::error::{Context, CudaError};
 use cudarc::driver::{CudaModule, CudaSlice, CudaStream, DevicePtr};
