@@ -1171,12 +1171,8 @@ impl CudaExecutor {
     }
 
     /// Which int8 GEMVs of a one-token step let the next launch be scheduled before they wait
-    /// (`Epilogue::early_release`): the projections into and out of attention, whose neighbours
-    /// (attention, the MLP's first launch) release after their wait, so that the attention and
-    /// the MLP get resident and request their cached rows and weights one kernel sooner.
-    /// Measured on the H100 (tg128, docs/perf.md stop 44): SmolLM2 +2.7%, Gemma 3 270M +5.4%,
-    /// 1B +0.9%, 8B +0.4%. Never two such launches in a row: when a kernel starts, every launch
-    /// before its predecessor's predecessor has finished (what it may read before its wait).
+    /// (`Epilogue::early_release`; see [`early_release_ops`]). Measured on the H100 (tg128,
+    /// docs/perf.md stop 44): SmolLM2 +2.7%, Gemma 3 270M +5.4%, 1B +0.9%, 8B +0.4%.
     fn plan_early_releases(&mut self, n: usize) {
         self.buf.early_release.iter_mut().for_each(|e| *e = false);
         if n != 1 || !self.buf.early_release_on {
@@ -1184,15 +1180,12 @@ impl CudaExecutor {
         }
         let graph = &self.model.graph;
         let opts = self.gpu.linear_options();
-        for (i, op) in graph.ops.iter().enumerate() {
-            let Op::Linear { x, w, out, .. } = *op else { continue };
-            let one_launch = !self.buf.in_chain[i] && !self.buf.copy_skipped[i];
+        let alone = |i: usize| {
+            let Op::Linear { x, w, .. } = graph.ops[i] else { return false };
             let int8_gemv = as_matrix(&self.weights[w.0 as usize]).is_some_and(|m| ops::linear_plan(m.dtype, graph.value(x).width, 1, &opts) == ops::LinearPlan::GemvQ8);
-            let into_attention = matches!(graph.ops.get(i + 1), Some(Op::Attention { qkv, .. }) if *qkv == out);
-            let out_of_attention = i > 0 && matches!(graph.ops[i - 1], Op::Attention { out: att, .. } if att == x);
-            let after_early = i > 0 && self.buf.early_release[i - 1];
-            self.buf.early_release[i] = one_launch && int8_gemv && (into_attention || out_of_attention) && !after_early;
-        }
+            int8_gemv && !self.buf.in_chain[i] && !self.buf.copy_skipped[i]
+        };
+        self.buf.early_release = early_release_ops(graph, alone);
     }
 
     /// Enqueue the gate/up op `index` and the down projection after it (planned by
@@ -1838,6 +1831,25 @@ impl Drop for CudaExecutor {
     }
 }
 
+/// The linears of `graph` that release the next launch before their wait in a one-token step:
+/// those that run as one int8 GEMV launch of their own (`alone`) and feed an attention op (the
+/// QKV projection) or read its output (the output projection). Their neighbours (attention, the
+/// MLP's first launch) release after their wait, so that the attention and the MLP get resident
+/// and request their cached rows and weights one kernel sooner. Never two such launches in a
+/// row: when a kernel starts, every launch before its predecessor's predecessor has finished
+/// (what it may read before its wait).
+fn early_release_ops(graph: &Graph, alone: impl Fn(usize) -> bool) -> Vec<bool> {
+    let mut early = vec![false; graph.ops.len()];
+    for (i, op) in graph.ops.iter().enumerate() {
+        let Op::Linear { x, out, .. } = *op else { continue };
+        let into_attention = matches!(graph.ops.get(i + 1), Some(Op::Attention { qkv, .. }) if *qkv == out);
+        let out_of_attention = i > 0 && matches!(graph.ops[i - 1], Op::Attention { out: att, .. } if att == x);
+        let after_early = i > 0 && early[i - 1];
+        early[i] = (into_attention || out_of_attention) && !after_early && alone(i);
+    }
+    early
+}
+
 fn rope_config(rope: &ferrite_model::RopeConfig, n_heads: usize, head_dim: usize) -> RopeConfig {
     RopeConfig {
         n_heads,
@@ -1932,4 +1944,35 @@ pub fn open_executor(model: Arc<Model>, options: ExecutorOptions) -> anyhow::Res
     check_supported(&model.graph)?;
     crate::cuda_available()?;
     Ok(Box::new(CudaExecutor::new(model, options)?))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ferrite_model::FusionOptions;
+
+    fn tiny(name: &str) -> Model {
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/tiny").join(name);
+        Model::load(&path, FusionOptions::default()).unwrap_or_else(|e| panic!("{name}: {e}"))
+    }
+
+    #[test]
+    fn projections_around_attention_release_early_never_two_in_a_row() {
+        for (name, gated) in [("llama.gguf", false), ("qwen3.gguf", false), ("gemma3.gguf", false), ("qwen35.gguf", true)] {
+            let model = tiny(name);
+            let graph = &model.graph;
+            let early = early_release_ops(graph, |_| true);
+            let attention: Vec<usize> = (0..graph.ops.len()).filter(|&i| matches!(graph.ops[i], Op::Attention { .. })).collect();
+            assert!(!attention.is_empty(), "{name}");
+            // Llama, Qwen3, Gemma 3: the QKV projection right before each attention op and the
+            // output projection right after it. Qwen3.5's gated attention: the K/V projection
+            // (its query's comes before the split), not the output projection (after the gate).
+            let want: Vec<usize> = attention.iter().flat_map(|&a| if gated { vec![a - 1] } else { vec![a - 1, a + 1] }).collect();
+            let got: Vec<usize> = (0..early.len()).filter(|&i| early[i]).collect();
+            assert_eq!(got, want, "{name}");
+            assert!(early.windows(2).all(|w| !(w[0] && w[1])), "{name}: two in a row");
+            // Only linears that run alone are marked.
+            assert!(early_release_ops(graph, |_| false).iter().all(|e| !e), "{name}");
+        }
+    }
 }
