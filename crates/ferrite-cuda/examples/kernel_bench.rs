@@ -276,6 +276,17 @@ dependent launch chains (150 launches, graph replay): us per launch");
                     Err(_) => line += &format!(" | gemv {dtype} {rows}x{cols} {tiling}: -"),
                 }
             }
+            // The dispatched tiling with every other launch releasing the next one before its
+            // wait (`EARLY_RELEASE`, as the decode plan's projections around attention do).
+            let s = time_graph(gpu, 150, &mut || {
+                (0..150).try_for_each(|i| {
+                    let [a, b] = &mut q8;
+                    let (src, dst) = if i % 2 == 0 { (&*a, b) } else { (&*b, a) };
+                    let alternate = |v: GemvQ8Variant| GemvQ8Variant { early_release: i % 2 == 0, ..v };
+                    ops::linear_q8_retiled(gpu, &w, src, 1, &mut out, rows, 0, &ops::Epilogue::default(), Some(ops::Q8Emit { dst, norm: None }), Some(&alternate))
+                })
+            })?;
+            line += &format!(" | gemv {dtype} {rows}x{cols} every other early: {:.2}", s * 1e6);
         }
         println!("{line}");
     }
