@@ -82,6 +82,11 @@ fn as_matrix(w: &Option<GpuWeight>) -> Option<&DeviceWeight> {
 }
 
 /// Weight `id` as the graph uses it: a matrix of a linear, or a vector (norm weight, bias).
+/// Whether the linear of weight `w` on input `x` takes the int8 GEMV for a batch of `n` rows.
+fn takes_int8_gemv(weights: &[Option<GpuWeight>], graph: &Graph, opts: &ops::LinearOptions, w: WeightId, x: ValueId, n: usize) -> bool {
+    as_matrix(&weights[w.0 as usize]).is_some_and(|m| ops::linear_plan(m.dtype, graph.value(x).width, n, opts) == ops::LinearPlan::GemvQ8)
+}
+
 fn matrix_of(weights: &[Option<GpuWeight>], id: WeightId) -> &DeviceWeight {
     as_matrix(&weights[id.0 as usize]).expect("matrix weights are uploaded as matrices")
 }
@@ -1064,9 +1069,8 @@ impl CudaExecutor {
         let graph = &self.model.graph;
         let opts = self.gpu.linear_options();
         let matrix = |w: WeightId| as_matrix(&self.weights[w.0 as usize]);
-        let int8_gemv = |w: WeightId, x: ValueId| matrix(w).is_some_and(|m| ops::linear_plan(m.dtype, graph.value(x).width, n, &opts) == ops::LinearPlan::GemvQ8);
         let runs_int8 = |op: &Op| match *op {
-            Op::Linear { w, x, .. } | Op::GatedLinear { w, x, .. } => int8_gemv(w, x),
+            Op::Linear { w, x, .. } | Op::GatedLinear { w, x, .. } => takes_int8_gemv(&self.weights, graph, &opts, w, x, n),
             _ => false,
         };
         self.buf.handoff_in.iter_mut().chain(self.buf.handoff_out.iter_mut()).for_each(|h| *h = None);
@@ -1154,7 +1158,7 @@ impl CudaExecutor {
             }
             let Some([_, _, att, _, _, out]) = ferrite_model::fusion::decoder_layer_at(graph, f) else { continue };
             let Op::Linear { x, w, .. } = graph.ops[f + DecoderLayer::LEN] else { continue };
-            let next_int8 = as_matrix(&self.weights[w.0 as usize]).is_some_and(|m| ops::linear_plan(m.dtype, graph.value(x).width, 1, &opts) == ops::LinearPlan::GemvQ8);
+            let next_int8 = takes_int8_gemv(&self.weights, graph, &opts, w, x, 1);
             let shares_att = self.plan.slot(out) == self.plan.slot(att) && self.buf.handoff_in[f + 2].is_none();
             if self.buf.handoff_in[f + 3].is_none() || shares_att || !next_int8 {
                 continue;
@@ -1182,8 +1186,7 @@ impl CudaExecutor {
         let opts = self.gpu.linear_options();
         let alone = |i: usize| {
             let Op::Linear { x, w, .. } = graph.ops[i] else { return false };
-            let int8_gemv = as_matrix(&self.weights[w.0 as usize]).is_some_and(|m| ops::linear_plan(m.dtype, graph.value(x).width, 1, &opts) == ops::LinearPlan::GemvQ8);
-            int8_gemv && !self.buf.in_chain[i] && !self.buf.copy_skipped[i]
+            takes_int8_gemv(&self.weights, graph, &opts, w, x, 1) && !self.buf.in_chain[i] && !self.buf.copy_skipped[i]
         };
         self.buf.early_release = early_release_ops(graph, alone);
     }
