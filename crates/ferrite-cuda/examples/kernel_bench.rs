@@ -260,33 +260,31 @@ dependent launch chains (150 launches, graph replay): us per launch");
             let mut out = gpu.alloc_zeros::<f32>(rows)?;
             // The dispatcher's tiling, then blocks of 32 rows from 256 to 1 024 threads: whether
             // a kernel that fills an SM's register file (so the next one's blocks land only as
-            // its own leave) raises the floor.
-            for (nwarps, r, k_split) in [(0, 0, 0), (8, 4, 1), (8, 4, 2), (8, 4, 4), (16, 2, 1), (32, 1, 1)] {
-                let retile = |v: GemvQ8Variant| if nwarps == 0 { v } else { GemvQ8Variant { nwarps, rows: r, unroll: 1, k_split, ..v } };
+            // its own leave) raises the floor; last, the dispatcher's tiling with every other
+            // launch releasing the next one before its wait (`EARLY_RELEASE`, as the decode
+            // plan's projections around attention do).
+            for (nwarps, r, k_split, early) in [(0, 0, 0, false), (8, 4, 1, false), (8, 4, 2, false), (8, 4, 4, false), (16, 2, 1, false), (32, 1, 1, false), (0, 0, 0, true)] {
                 let s = time_graph(gpu, 150, &mut || {
                     (0..150).try_for_each(|i| {
                         let [a, b] = &mut q8;
                         let (src, dst) = if i % 2 == 0 { (&*a, b) } else { (&*b, a) };
+                        let retile = |v: GemvQ8Variant| {
+                            let v = GemvQ8Variant { early_release: early && i % 2 == 0, ..v };
+                            if nwarps == 0 { v } else { GemvQ8Variant { nwarps, rows: r, unroll: 1, k_split, ..v } }
+                        };
                         ops::linear_q8_retiled(gpu, &w, src, 1, &mut out, rows, 0, &ops::Epilogue::default(), Some(ops::Q8Emit { dst, norm: None }), Some(&retile))
                     })
                 });
-                let tiling = if nwarps == 0 { "dispatched".to_string() } else { format!("{nwarps}x{r}x{k_split}") };
+                let tiling = match (nwarps, early) {
+                    (0, false) => "dispatched".to_string(),
+                    (0, true) => "dispatched, every other early".to_string(),
+                    _ => format!("{nwarps}x{r}x{k_split}"),
+                };
                 match s {
                     Ok(s) => line += &format!(" | gemv {dtype} {rows}x{cols} {tiling}: {:.2}", s * 1e6),
                     Err(_) => line += &format!(" | gemv {dtype} {rows}x{cols} {tiling}: -"),
                 }
             }
-            // The dispatched tiling with every other launch releasing the next one before its
-            // wait (`EARLY_RELEASE`, as the decode plan's projections around attention do).
-            let s = time_graph(gpu, 150, &mut || {
-                (0..150).try_for_each(|i| {
-                    let [a, b] = &mut q8;
-                    let (src, dst) = if i % 2 == 0 { (&*a, b) } else { (&*b, a) };
-                    let alternate = |v: GemvQ8Variant| GemvQ8Variant { early_release: i % 2 == 0, ..v };
-                    ops::linear_q8_retiled(gpu, &w, src, 1, &mut out, rows, 0, &ops::Epilogue::default(), Some(ops::Q8Emit { dst, norm: None }), Some(&alternate))
-                })
-            })?;
-            line += &format!(" | gemv {dtype} {rows}x{cols} every other early: {:.2}", s * 1e6);
         }
         println!("{line}");
     }
