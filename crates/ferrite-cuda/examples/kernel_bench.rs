@@ -140,10 +140,30 @@ fn decode(gpu: &Gpu) -> Result<(), CudaError> {
         ("1b out", 2048, 2048, false, true, true),
         ("1b g/u", 16384, 2048, true, false, true),
         ("1b down", 2048, 8192, false, true, true),
+        // Without the hand-off (the next GEMV would quantize the f32 row itself), a block may own
+        // fewer than 32 rows: up to 256 blocks instead of the emitting tiling's 64.
+        ("down f32", 4096, 14336, false, true, false),
+        ("1b out f32", 2048, 2048, false, true, false),
+        ("1b dn f32", 2048, 8192, false, true, false),
     ];
     // (nwarps, rows, unroll, k_split); the first entry is the dispatcher's own.
-    let tilings: [(u32, u32, u32, u32); 12] =
-        [(0, 0, 0, 0), (4, 1, 4, 1), (4, 2, 2, 1), (4, 4, 2, 1), (8, 4, 2, 1), (8, 4, 1, 2), (8, 4, 1, 4), (16, 2, 2, 1), (16, 2, 4, 1), (16, 2, 2, 2), (16, 2, 1, 2), (32, 1, 4, 1)];
+    let tilings: [(u32, u32, u32, u32); 15] = [
+        (0, 0, 0, 0),
+        (4, 1, 4, 1),
+        (4, 2, 2, 1),
+        (4, 4, 2, 1),
+        (8, 4, 2, 1),
+        (8, 4, 1, 2),
+        (8, 4, 1, 4),
+        (16, 2, 2, 1),
+        (16, 2, 4, 1),
+        (16, 2, 2, 2),
+        (16, 2, 1, 2),
+        (32, 1, 4, 1),
+        (8, 2, 1, 4),
+        (8, 1, 1, 4),
+        (4, 1, 2, 4),
+    ];
     for (name, rows, cols, gated, adds, emits) in shapes {
         let values = ramp(rows * cols);
         let packed = quantize(GgmlType::Q4_0, &values).expect("quantize");

@@ -197,6 +197,8 @@ struct Buffers {
     /// `FERRITE_DISABLE_CUDA_EARLY_RELEASE=1`.
     early_release: Vec<bool>,
     early_release_on: bool,
+    /// Whether `plan_row_spreads` may drop hand-offs (`FERRITE_DISABLE_CUDA_SPREAD_ROWS=1`: no).
+    spread_rows_on: bool,
     kv: PerLayer<KvCache>,
     gdn: PerLayer<GdnState>,
     /// Working memory of the MoE FFN ops, one per distinct shape.
@@ -378,6 +380,7 @@ impl Buffers {
             f32_row_in: vec![false; graph.ops.len()],
             early_release: vec![false; graph.ops.len()],
             early_release_on: !env::DISABLE_CUDA_EARLY_RELEASE.flag(),
+            spread_rows_on: !env::DISABLE_CUDA_SPREAD_ROWS.flag(),
             ids: gpu.alloc_zeros(rows)?,
             positions: gpu.alloc_zeros(rows)?,
             token: gpu.alloc_zeros(1)?,
@@ -686,6 +689,13 @@ impl CudaExecutor {
         (self.buf.handoff_in.iter().flatten().count(), self.buf.copy_skipped.iter().filter(|&&s| s).count())
     }
 
+    /// Linears of the last forward that quantized their f32 input row themselves: after a fused
+    /// MLP (`plan_mlps`), or in place of a hand-off from a producer that spread its rows
+    /// (`plan_row_spreads`).
+    pub fn f32_rows_in(&self) -> usize {
+        self.buf.f32_row_in.iter().filter(|&&f| f).count()
+    }
+
     /// Linear chains that one-token steps run as one launch (of those the graph declares; none
     /// unless `FERRITE_CUDA_LINEAR_CHAIN=1`).
     pub fn chains_run(&self) -> usize {
@@ -875,6 +885,7 @@ impl CudaExecutor {
         self.plan_chains(n);
         self.plan_handoffs(n);
         self.plan_mlps(n);
+        self.plan_row_spreads(n);
         self.plan_early_releases(n);
         self.buf.staged_runs += self.buf.staged_out.iter().flatten().count() as u64;
         let mut chained_until = 0;
@@ -1170,6 +1181,28 @@ impl CudaExecutor {
             for i in [f + 4, f + DecoderLayer::LEN] {
                 self.buf.handoff_in[i] = None;
                 self.buf.handoff_out[i - 1] = None;
+            }
+        }
+    }
+
+    /// Which int8 hand-offs of a one-token step give way to f32 rows: a linear whose 32-row
+    /// blocks would leave half the SMs idle (`ops::gemv_spreads_rows`: the 1B shape's down
+    /// projection, 64 blocks) writes its f32 row on twice as many blocks instead, and its
+    /// consumer, a linear, quantizes the row itself (`f32_row_in`, as after a fused MLP).
+    fn plan_row_spreads(&mut self, n: usize) {
+        if !self.buf.spread_rows_on || !self.untraced_one_row(n) {
+            return;
+        }
+        let graph = &self.model.graph;
+        for (i, h) in graph.handoffs.iter().enumerate() {
+            if h.last_row.is_some() || self.buf.handoff_out[h.producer] != Some(i) {
+                continue;
+            }
+            let (Op::Linear { w, .. }, Op::Linear { .. }) = (&graph.ops[h.producer], &graph.ops[h.consumer]) else { continue };
+            if as_matrix(&self.weights[w.0 as usize]).is_some_and(|m| ops::gemv_spreads_rows(&self.gpu, m)) {
+                self.buf.handoff_out[h.producer] = None;
+                self.buf.handoff_in[h.consumer] = None;
+                self.buf.f32_row_in[h.consumer] = true;
             }
         }
     }

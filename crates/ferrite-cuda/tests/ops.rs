@@ -559,7 +559,9 @@ fn check_mma_tiling(gpu: &Gpu, rng: &mut Rng, dtype: GgmlType, shape: (usize, us
 fn linear_q8_fuses_norm_bias_and_residual() {
     let Some(gpu) = gpu() else { return };
     let mut rng = Rng(41);
-    for (dtype, rows, cols, n) in [(GgmlType::Q4_0, 96, 576, 1), (GgmlType::Q4_1, 200, 2048, 1), (GgmlType::Q8_0, 200, 2048, 3), (GgmlType::Q6_K, 64, 1024, 8)] {
+    // 520 x 4096 Q4_0: 17 blocks of 32 rows would leave most SMs idle, so the rows spread over
+    // 16-row blocks of 4 slices (`GemvQ8Variant::split_k`), the last block half full.
+    for (dtype, rows, cols, n) in [(GgmlType::Q4_0, 96, 576, 1), (GgmlType::Q4_1, 200, 2048, 1), (GgmlType::Q4_0, 520, 4096, 1), (GgmlType::Q8_0, 200, 2048, 3), (GgmlType::Q6_K, 64, 1024, 8)] {
         let (bytes, w) = random_weight(&mut rng, dtype, rows, cols);
         let weight = gpu.upload_weight(dtype, rows, cols, &bytes).unwrap();
         let x = rng.vec(n * cols, -3.0, 3.0);
@@ -3296,6 +3298,11 @@ fn every_kernel_variant_compiles_for_sm90() {
                 let split = handoff.split_k(rows / 8, cols, n, 132);
                 if split.k_split > 1 {
                     check(format!("{split:?}"), job(&split));
+                }
+                // A plain GEMV spreading its rows (no hand-off, few blocks, long rows).
+                let spread = v.wide_rows(cols).split_k(rows / 2, cols, n, 132);
+                if spread.rows_per_block() < 32 && spread.k_split > 1 {
+                    check(format!("{spread:?}"), job(&spread));
                 }
             }
             // MoE: the expert GEMVs (down; gate/up with a fused or a split bank) at the

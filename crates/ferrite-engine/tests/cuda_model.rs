@@ -336,7 +336,8 @@ fn cuda_fp32_matches_cpu_reference_on_real_shapes() {
     // Untraced one-token steps hand the last layer's output to the output head in int8 and
     // skip the copy of the last row: the logits stay as close to the fp32 reference as the CPU's
     // quantized path, and every declared hand-off runs (without the fused MLP, on by default,
-    // which drops two per layer: below).
+    // which drops two per layer: below), but those whose producer spreads its rows instead (the
+    // 1B shape's down projections on a GPU of 128+ SMs; the next QKV quantizes the f32 row).
     std::env::set_var("FERRITE_CUDA_FUSED_MLP", "0");
     for (shape, dtype) in [("smollm2-135m", GgmlType::Q4_1), ("llama-3.2-1b", GgmlType::Q4_0)] {
         let model = synthetic(synth::shape(shape).unwrap(), dtype);
@@ -350,7 +351,10 @@ fn cuda_fp32_matches_cpu_reference_on_real_shapes() {
         gpu.forward(&[5, 7, 11], 0).unwrap();
         assert_eq!(gpu.handoffs_run().1, 0, "{shape} {dtype}: a three-token forward skipped the copy of its last row");
         gpu.forward(&[13], 3).unwrap();
-        assert_eq!(gpu.handoffs_run(), (model.graph.handoffs.len(), 1), "{shape} {dtype}: hand-offs of a one-token step");
+        let spread = gpu.f32_rows_in();
+        println!("{shape} {dtype}: {spread} hand-offs gave way to spread f32 rows");
+        assert_eq!(gpu.handoffs_run(), (model.graph.handoffs.len() - spread, 1), "{shape} {dtype}: hand-offs of a one-token step");
+        assert!(spread == 0 || shape == "llama-3.2-1b", "{shape} {dtype}: {spread} spread rows");
     }
     // The MLP as one launch adding into the stream (FERRITE_CUDA_FUSED_MLP=1): every SmolLM2
     // layer but the last (whose output feeds the head through a copy) runs it in untraced

@@ -903,6 +903,13 @@ pub fn linear_q8_retiled(
     linear_q8_input(gpu, w, x.input(gpu), n_tokens, out, out_ld, out_col, epilogue, emit, retile)
 }
 
+/// Whether [`linear_q8`] of one token over `w` without a hand-off (`emit: None`) spreads its
+/// rows over more blocks than a hand-off's 32-row blocks allow ([`GemvQ8Variant::split_k`]):
+/// then the decode plan lets it write its f32 row for a consumer that quantizes it itself.
+pub fn gemv_spreads_rows(gpu: &Gpu, w: &DeviceWeight) -> bool {
+    gpu.linear_options().gemv_split_k && GemvQ8Variant::spreads_rows(w.dtype, w.rows, w.cols, gpu.sm_count())
+}
+
 /// [`linear_q8`] for one token whose activations are an f32 row `x` (`w.cols` values): every
 /// block of the GEMV quantizes the row, normalised with `norm`, into its shared memory (no
 /// quantize launch, no producer's hand-off).

@@ -29,7 +29,7 @@ pub use cluster::{cluster_layer, cluster_layer_plan, cluster_layer_variant, clus
 pub use crate::kernels::cluster::LayerDims;
 pub use chain::{chain_variant, linear_chain, ChainBarrier, ChainLink, ChainShape, DeviceView};
 pub use linear::{
-    expand_weight, expanded_bytes, glu_fuses, linear, linear_mma, linear_plan, linear_fused, linear_q8, linear_q8_f32_row, linear_q8_gated_pair, linear_q8_retiled, mlp_q8, MLP_MAX_ADDS, Retile, linear_with, linear_glu_staged, linear_staged, StagedActivations, StagedLayout, quantize_q8, MMA_OVER_RESIDENT_MAX_TOKENS, Epilogue, GemvActivations, Glu, LinearOptions,
+    expand_weight, expanded_bytes, gemv_spreads_rows, glu_fuses, linear, linear_mma, linear_plan, linear_fused, linear_q8, linear_q8_f32_row, linear_q8_gated_pair, linear_q8_retiled, mlp_q8, MLP_MAX_ADDS, Retile, linear_with, linear_glu_staged, linear_staged, StagedActivations, StagedLayout, quantize_q8, MMA_OVER_RESIDENT_MAX_TOKENS, Epilogue, GemvActivations, Glu, LinearOptions,
     LinearFusion, LinearPath, LinearPlan, NormPrologue, Precision, Q8Activations, Q8Emit,
 };
 pub use moe::{
