@@ -197,7 +197,7 @@ struct Buffers {
     /// `FERRITE_DISABLE_CUDA_EARLY_RELEASE=1`.
     early_release: Vec<bool>,
     early_release_on: bool,
-    /// Whether `plan_row_spreads` may drop hand-offs (`FERRITE_DISABLE_CUDA_SPREAD_ROWS=1`: no).
+    /// Whether `plan_row_spreads` may drop hand-offs (`FERRITE_CUDA_SPREAD_ROWS=1`; off by default).
     spread_rows_on: bool,
     kv: PerLayer<KvCache>,
     gdn: PerLayer<GdnState>,
@@ -380,7 +380,7 @@ impl Buffers {
             f32_row_in: vec![false; graph.ops.len()],
             early_release: vec![false; graph.ops.len()],
             early_release_on: !env::DISABLE_CUDA_EARLY_RELEASE.flag(),
-            spread_rows_on: !env::DISABLE_CUDA_SPREAD_ROWS.flag(),
+            spread_rows_on: env::CUDA_SPREAD_ROWS.flag(),
             ids: gpu.alloc_zeros(rows)?,
             positions: gpu.alloc_zeros(rows)?,
             token: gpu.alloc_zeros(1)?,
