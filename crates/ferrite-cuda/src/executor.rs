@@ -197,8 +197,6 @@ struct Buffers {
     /// `FERRITE_DISABLE_CUDA_EARLY_RELEASE=1`.
     early_release: Vec<bool>,
     early_release_on: bool,
-    /// Whether `plan_row_spreads` may drop hand-offs (`FERRITE_CUDA_SPREAD_ROWS=1`; off by default).
-    spread_rows_on: bool,
     kv: PerLayer<KvCache>,
     gdn: PerLayer<GdnState>,
     /// Working memory of the MoE FFN ops, one per distinct shape.
@@ -380,7 +378,6 @@ impl Buffers {
             f32_row_in: vec![false; graph.ops.len()],
             early_release: vec![false; graph.ops.len()],
             early_release_on: !env::DISABLE_CUDA_EARLY_RELEASE.flag(),
-            spread_rows_on: env::CUDA_SPREAD_ROWS.flag(),
             ids: gpu.alloc_zeros(rows)?,
             positions: gpu.alloc_zeros(rows)?,
             token: gpu.alloc_zeros(1)?,
@@ -1188,9 +1185,10 @@ impl CudaExecutor {
     /// Which int8 hand-offs of a one-token step give way to f32 rows: a linear whose 32-row
     /// blocks would leave half the SMs idle (`ops::gemv_spreads_rows`: the 1B shape's down
     /// projection, 64 blocks) writes its f32 row on twice as many blocks instead, and its
-    /// consumer, a linear, quantizes the row itself (`f32_row_in`, as after a fused MLP).
+    /// consumer, a linear, quantizes the row itself (`f32_row_in`, as after a fused MLP). Only
+    /// with `FERRITE_CUDA_SPREAD_ROWS=1` (`LinearOptions::spread_rows`).
     fn plan_row_spreads(&mut self, n: usize) {
-        if !self.buf.spread_rows_on || !self.untraced_one_row(n) {
+        if !self.untraced_one_row(n) {
             return;
         }
         let graph = &self.model.graph;

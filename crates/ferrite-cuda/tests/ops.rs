@@ -9,6 +9,7 @@
 // Skip notes go straight to stderr, past the test harness capture, so CI logs show them.
 use std::io::Write as _;
 use ferrite_cpu::kernels::{activation, attention, embedding, gdn, matmul_f32, moe, norm, rope, WeightView};
+use ferrite_cuda::kernels::gemv::GemvQ8Variant;
 use ferrite_cuda::kernels::moe::{group_max_tiles, GROUP_TILE};
 use ferrite_cuda::ops::{
     self, AttentionConfig, GatedQuery, GdnPath, GdnState, GdnWeights, GemvActivations, KvCache, KvDtype, LinearOptions, LinearPath, LinearPlan,
@@ -559,8 +560,9 @@ fn check_mma_tiling(gpu: &Gpu, rng: &mut Rng, dtype: GgmlType, shape: (usize, us
 fn linear_q8_fuses_norm_bias_and_residual() {
     let Some(gpu) = gpu() else { return };
     let mut rng = Rng(41);
-    // 520 x 4096 Q4_0: 17 blocks of 32 rows would leave most SMs idle, so the rows spread over
-    // 16-row blocks of 4 slices (`GemvQ8Variant::split_k`), the last block half full.
+    // 520 x 4096 Q4_0: 17 blocks of 32 rows would leave most SMs idle; it also runs with its rows
+    // spread over 16-row blocks of 4 slices (`GemvQ8Variant::spread_rows`, what
+    // FERRITE_CUDA_SPREAD_ROWS=1 dispatches), the last block half full.
     for (dtype, rows, cols, n) in [(GgmlType::Q4_0, 96, 576, 1), (GgmlType::Q4_1, 200, 2048, 1), (GgmlType::Q4_0, 520, 4096, 1), (GgmlType::Q8_0, 200, 2048, 3), (GgmlType::Q6_K, 64, 1024, 8)] {
         let (bytes, w) = random_weight(&mut rng, dtype, rows, cols);
         let weight = gpu.upload_weight(dtype, rows, cols, &bytes).unwrap();
@@ -574,30 +576,36 @@ fn linear_q8_fuses_norm_bias_and_residual() {
         let mut prod = vec![0f32; n * rows];
         matmul_f32(&w, rows, cols, &normed, n, &mut prod);
         // The output starts as NaN: the range must be written, the columns around it not.
-        let mut out = upload(gpu, &vec![f32::NAN; n * ld]);
         let mut q8 = ops::Q8Activations::new(gpu, n * cols).unwrap();
         let prologue = ops::NormPrologue { weight: &upload(gpu, &g), eps: 1e-5, add_one: false };
         ops::quantize_q8(gpu, &upload(gpu, &x), n, cols, Some(prologue), &mut q8).unwrap();
         let (bias_d, res_d) = (upload(gpu, &bias), upload(gpu, &res));
         let epilogue = ops::Epilogue { bias: Some(&bias_d), residual: Some(&res_d), ..Default::default() };
-        ops::linear_q8(gpu, &weight, &q8, n, &mut out, ld, col, &epilogue, None).unwrap();
-        let got_all = download(gpu, &out);
-        let mut got = Vec::new();
-        let mut want = Vec::new();
-        for t in 0..n {
-            for r in 0..rows {
-                got.push(got_all[t * ld + col + r]);
-                want.push(prod[t * rows + r] + bias[r] + res[t * ld + col + r]);
+        let spread = |v: GemvQ8Variant| v.spread_rows(rows, cols, gpu.sm_count());
+        let spreads = spread(GemvQ8Variant::for_shape(dtype, rows, cols, n, gpu.sm_count()).wide_rows(cols)).rows_per_block() < 32;
+        for retile in [None, Some(&spread as ops::Retile)].into_iter().take(1 + spreads as usize) {
+            let mut out = upload(gpu, &vec![f32::NAN; n * ld]);
+            ops::linear_q8_retiled(gpu, &weight, &q8, n, &mut out, ld, col, &epilogue, None, retile).unwrap();
+            let got_all = download(gpu, &out);
+            let mut got = Vec::new();
+            let mut want = Vec::new();
+            for t in 0..n {
+                for r in 0..rows {
+                    got.push(got_all[t * ld + col + r]);
+                    want.push(prod[t * rows + r] + bias[r] + res[t * ld + col + r]);
+                }
+                assert!(got_all[t * ld..t * ld + col].iter().all(|v| v.is_nan()), "wrote left of the column range");
+                assert!(got_all[t * ld + col + rows..(t + 1) * ld].iter().all(|v| v.is_nan()), "wrote right of the range");
             }
-            assert!(got_all[t * ld..t * ld + col].iter().all(|v| v.is_nan()), "wrote left of the column range");
-            assert!(got_all[t * ld + col + rows..(t + 1) * ld].iter().all(|v| v.is_nan()), "wrote right of the range");
+            let step = q8_steps(&normed, cols);
+            let what = format!("{dtype} {rows}x{cols} n={n} norm+bias+res{}", if retile.is_some() { " spread" } else { "" });
+            check("linear_q8", &what, &got, &want, |i| {
+                let (t, r) = (i / rows, i % rows);
+                let mag = abs_dot(&w[r * cols..(r + 1) * cols], &normed[t * cols..(t + 1) * cols]);
+                q8_bound(&w[r * cols..(r + 1) * cols], &step[t * cols..(t + 1) * cols]) + 2e-5 * (mag + 4.0)
+            });
         }
-        let step = q8_steps(&normed, cols);
-        check("linear_q8", &format!("{dtype} {rows}x{cols} n={n} norm+bias+res"), &got, &want, |i| {
-            let (t, r) = (i / rows, i % rows);
-            let mag = abs_dot(&w[r * cols..(r + 1) * cols], &normed[t * cols..(t + 1) * cols]);
-            q8_bound(&w[r * cols..(r + 1) * cols], &step[t * cols..(t + 1) * cols]) + 2e-5 * (mag + 4.0)
-        });
+        assert_eq!(spreads, (rows, cols) == (520, 4096) && gpu.sm_count() >= 34, "{dtype} {rows}x{cols}: whether the rows spread");
     }
 }
 
@@ -3300,8 +3308,8 @@ fn every_kernel_variant_compiles_for_sm90() {
                     check(format!("{split:?}"), job(&split));
                 }
                 // A plain GEMV spreading its rows (no hand-off, few blocks, long rows).
-                let spread = v.wide_rows(cols).split_k(rows / 2, cols, n, 132);
-                if spread.rows_per_block() < 32 && spread.k_split > 1 {
+                let spread = v.wide_rows(cols).split_k(rows / 2, cols, n, 132).spread_rows(rows / 2, cols, 132);
+                if spread.rows_per_block() < 32 {
                     check(format!("{spread:?}"), job(&spread));
                 }
             }

@@ -986,20 +986,10 @@ impl GemvQ8Variant {
     /// A one-token emitting GEMV of Q4-family units then loads one unit per row and batch, so
     /// that up to 4 slices of 1 024 threads fit (`kernel_bench decode`: 8B down 10.9 -> 9.8 us,
     /// 1B output 2.5 -> 2.3 us, 1B down 5.7 -> 5.6 us; 8B output unchanged).
-    ///
-    /// A plain one-token GEMV of such units (no hand-off, so a block need not own 32 rows) whose
-    /// grid would leave half the SMs idle takes 16-row blocks of 4 slices of 8 warps, one unit
-    /// per lane and batch, when its rows have at least [`Self::SPREAD_MIN_UNITS`] units (see
-    /// [`Self::spreads_rows`]): the 1B down projection 5.7 -> 4.0 us on twice the SMs
-    /// (`kernel_bench decode`, H100; 8 rows per block 4.2).
     pub fn split_k(self, rows: usize, cols: usize, n_tokens: usize, sm_count: u32) -> Self {
         let blocks = rows.div_ceil(self.rows_per_block()) * n_tokens.max(1).div_ceil(self.ntok as usize);
         if blocks > sm_count as usize {
             return GemvQ8Variant { k_split: 1, ..self };
-        }
-        let plain = self.emit == 0 && self.glu == 0 && self.ntok == 1 && self.experts == ExpertGrid::Off && self.down == 0;
-        if plain && self.tpr == 32 && self.rows_per_block() > 16 && Self::spreads_rows(self.wtype, rows, cols, sm_count) {
-            return GemvQ8Variant { nwarps: 8, rows: 2, unroll: 1, k_split: 4, ..self };
         }
         let one_unit = self.emit > 0 && self.glu == 0 && self.ntok == 1 && Self::unit_budget(self.wtype) == 8;
         let (v, max_threads) = if one_unit { (GemvQ8Variant { unroll: 1, ..self }, Self::MAX_SPLIT_THREADS_ONE_UNIT) } else { (self, Self::MAX_SPLIT_THREADS) };
@@ -1011,10 +1001,24 @@ impl GemvQ8Variant {
         GemvQ8Variant { k_split: k_split as u32, ..v }
     }
 
+    /// A plain one-token GEMV of Q4-family units (no hand-off, so a block need not own 32 rows)
+    /// whose 32-row blocks would leave half the SMs idle takes 16-row blocks of 4 slices of 8
+    /// warps, one unit per lane and batch, when its rows have at least
+    /// [`Self::SPREAD_MIN_UNITS`] units ([`Self::spreads_rows`]); other tilings are returned
+    /// unchanged. Measured (`kernel_bench decode`, H100): the 1B down projection 5.7 -> 4.0 us
+    /// on twice the SMs (8 rows per block 4.2).
+    pub fn spread_rows(self, rows: usize, cols: usize, sm_count: u32) -> Self {
+        let plain = self.emit == 0 && self.glu == 0 && self.ntok == 1 && self.experts == ExpertGrid::Off && self.down == 0;
+        if plain && self.tpr == 32 && self.rows_per_block() > 16 && Self::spreads_rows(self.wtype, rows, cols, sm_count) {
+            return GemvQ8Variant { nwarps: 8, rows: 2, unroll: 1, k_split: 4, ..self };
+        }
+        self
+    }
+
     /// Whether a plain one-token GEMV of Q4-family units over `rows x cols` spreads its rows
-    /// ([`Self::split_k`]): 32-row blocks would fill at most half of `sm_count` SMs and its rows
-    /// are long enough for 4 slices of full warps. The decode plan drops an int8 hand-off from
-    /// such a producer (a block must own 32 rows to quantize them), so that it spreads.
+    /// ([`Self::spread_rows`]): 32-row blocks would fill at most half of `sm_count` SMs and its
+    /// rows are long enough for 4 slices of full warps. The decode plan drops an int8 hand-off
+    /// from such a producer (a block must own 32 rows to quantize them), so that it spreads.
     pub fn spreads_rows(wtype: GgmlType, rows: usize, cols: usize, sm_count: u32) -> bool {
         Self::unit_budget(wtype) == 8 && 2 * rows.div_ceil(32) <= sm_count as usize && cols / 32 >= Self::SPREAD_MIN_UNITS
     }
@@ -1206,13 +1210,16 @@ mod tests {
         assert_eq!(v.k_split, 1);
         // 1B down projection without a hand-off: 64 blocks of 32 rows would leave half the SMs
         // idle -> 128 blocks of 16 rows, 4 slices of 8 warps, one unit per lane and batch.
-        let v = GemvQ8Variant::for_shape(GgmlType::Q4_0, 2048, 8192, 1, 132).wide_rows(8192).split_k(2048, 8192, 1, 132);
+        let v = GemvQ8Variant::for_shape(GgmlType::Q4_0, 2048, 8192, 1, 132).wide_rows(8192).split_k(2048, 8192, 1, 132).spread_rows(2048, 8192, 132);
         assert_eq!((v.nwarps, v.rows, v.unroll, v.k_split, v.rows_per_block()), (8, 2, 1, 4, 16));
         assert_eq!(v.launch_config(2048, 1).grid_dim, (128, 1, 1));
         crate::kernels::tests::assert_macros_match(v);
         // Not with the hand-off (a block owns 32 rows), nor over short rows (1B output), nor when
-        // 32-row blocks fill more than half the SMs (8B down).
-        assert!(GemvQ8Variant::for_shape(GgmlType::Q4_0, 2048, 8192, 1, 132).emitting(2).split_k(2048, 8192, 1, 132).rows_per_block() == 32);
+        // 32-row blocks fill more than half the SMs (8B down), nor already narrow blocks.
+        let emitting = GemvQ8Variant::for_shape(GgmlType::Q4_0, 2048, 8192, 1, 132).emitting(2).split_k(2048, 8192, 1, 132);
+        assert_eq!(emitting.spread_rows(2048, 8192, 132), emitting);
+        let narrow = GemvQ8Variant::for_shape(GgmlType::Q4_0, 64, 16384, 1, 132);
+        assert_eq!(narrow.spread_rows(64, 16384, 132), narrow);
         assert!(!GemvQ8Variant::spreads_rows(GgmlType::Q4_0, 2048, 2048, 132) && !GemvQ8Variant::spreads_rows(GgmlType::Q4_0, 4096, 14336, 132));
         assert!(!GemvQ8Variant::spreads_rows(GgmlType::Q6_K, 2048, 8192, 132));
         // Four warps of short groups: up to 4 slices.

@@ -83,6 +83,10 @@ pub struct LinearOptions {
     pub activations: GemvActivations,
     /// Let the int8 GEMV split rows' units over slices of a block ([`GemvQ8Variant::split_k`]).
     pub gemv_split_k: bool,
+    /// Let a one-token int8 GEMV without a hand-off that would leave half the SMs idle spread
+    /// its rows over 16-row blocks ([`GemvQ8Variant::spread_rows`]; the decode plan then drops
+    /// such producers' hand-offs, [`gemv_spreads_rows`]).
+    pub spread_rows: bool,
     /// Largest token count that takes the small-batch tensor-core GEMM in [`LinearPath::Auto`]
     /// (quantized weights above `gemv_max_tokens`; 0 never).
     pub mma_max_tokens: usize,
@@ -105,6 +109,7 @@ impl Default for LinearOptions {
             gemv_max_tokens: 8,
             activations: GemvActivations::Q8,
             gemv_split_k: true,
+            spread_rows: false,
             mma_max_tokens: 64,
             wgmma: true,
             gemm_glu: true,
@@ -145,11 +150,12 @@ impl LinearOptions {
             _ => d.activations,
         };
         let gemv_split_k = !env::DISABLE_GEMV_SPLIT_K.flag();
+        let spread_rows = env::CUDA_SPREAD_ROWS.flag();
         let mma_max_tokens = env::CUDA_MMA_MAX_TOKENS.parse(d.mma_max_tokens);
         let wgmma = !env::DISABLE_CUDA_WGMMA.flag();
         let gemm_glu = !env::DISABLE_CUDA_GEMM_GLU.flag();
         let staged_handoff = !env::DISABLE_CUDA_STAGED_HANDOFF.flag();
-        LinearOptions { path, precision, gemv_max_tokens, activations, gemv_split_k, mma_max_tokens, wgmma, gemm_glu, staged_handoff }
+        LinearOptions { path, precision, gemv_max_tokens, activations, gemv_split_k, spread_rows, mma_max_tokens, wgmma, gemm_glu, staged_handoff }
     }
 }
 
@@ -904,10 +910,12 @@ pub fn linear_q8_retiled(
 }
 
 /// Whether [`linear_q8`] of one token over `w` without a hand-off (`emit: None`) spreads its
-/// rows over more blocks than a hand-off's 32-row blocks allow ([`GemvQ8Variant::split_k`]):
-/// then the decode plan lets it write its f32 row for a consumer that quantizes it itself.
+/// rows over more blocks than a hand-off's 32-row blocks allow ([`GemvQ8Variant::spread_rows`],
+/// `FERRITE_CUDA_SPREAD_ROWS=1`): then the decode plan lets it write its f32 row for a consumer
+/// that quantizes it itself.
 pub fn gemv_spreads_rows(gpu: &Gpu, w: &DeviceWeight) -> bool {
-    gpu.linear_options().gemv_split_k && GemvQ8Variant::spreads_rows(w.dtype, w.rows, w.cols, gpu.sm_count())
+    let opts = gpu.linear_options();
+    opts.gemv_split_k && opts.spread_rows && GemvQ8Variant::spreads_rows(w.dtype, w.rows, w.cols, gpu.sm_count())
 }
 
 /// [`linear_q8`] for one token whose activations are an f32 row `x` (`w.cols` values): every
@@ -1122,8 +1130,10 @@ pub(super) fn gemv_q8(
         (Some(e), None) => tiling.emitting(if e.norm.is_some() { 2 } else { 1 }),
         (None, None) => tiling.wide_rows(w.cols),
     };
-    let split = gpu.linear_options().gemv_split_k && epilogue.down.is_none();
+    let opts = gpu.linear_options();
+    let split = opts.gemv_split_k && epilogue.down.is_none();
     let tiling = if split { tiling.split_k(out_rows, w.cols, grid_tokens, gpu.sm_count()) } else { tiling };
+    let tiling = if split && opts.spread_rows { tiling.spread_rows(out_rows, w.cols, gpu.sm_count()) } else { tiling };
     let tiling = retile.map_or(tiling, |f| f(tiling));
     let tiling = match epilogue.down {
         Some(d) => tiling.with_down(d.rows),
