@@ -1182,26 +1182,21 @@ impl CudaExecutor {
         }
     }
 
-    /// Which int8 hand-offs of a one-token step give way to f32 rows: a linear whose 32-row
-    /// blocks would leave half the SMs idle (`ops::gemv_spreads_rows`: the 1B shape's down
-    /// projection, 64 blocks) writes its f32 row on twice as many blocks instead, and its
-    /// consumer, a linear, quantizes the row itself (`f32_row_in`, as after a fused MLP). Only
-    /// with `FERRITE_CUDA_SPREAD_ROWS=1` (`LinearOptions::spread_rows`).
+    /// Which int8 hand-offs of a one-token step give way to f32 rows (`row_spread_handoffs`):
+    /// the producer writes its f32 row on twice as many blocks, and the consumer quantizes the
+    /// row itself (`f32_row_in`, as after a fused MLP). Only with `FERRITE_CUDA_SPREAD_ROWS=1`
+    /// (`LinearOptions::spread_rows`, which `ops::gemv_spreads_rows` checks).
     fn plan_row_spreads(&mut self, n: usize) {
         if !self.untraced_one_row(n) {
             return;
         }
         let graph = &self.model.graph;
-        for (i, h) in graph.handoffs.iter().enumerate() {
-            if h.last_row.is_some() || self.buf.handoff_out[h.producer] != Some(i) {
-                continue;
-            }
-            let (Op::Linear { w, .. }, Op::Linear { .. }) = (&graph.ops[h.producer], &graph.ops[h.consumer]) else { continue };
-            if as_matrix(&self.weights[w.0 as usize]).is_some_and(|m| ops::gemv_spreads_rows(&self.gpu, m)) {
-                self.buf.handoff_out[h.producer] = None;
-                self.buf.handoff_in[h.consumer] = None;
-                self.buf.f32_row_in[h.consumer] = true;
-            }
+        let spreads = |w: WeightId| as_matrix(&self.weights[w.0 as usize]).is_some_and(|m| ops::gemv_spreads_rows(&self.gpu, m));
+        for i in row_spread_handoffs(graph, &self.buf.handoff_out, spreads) {
+            let h = &graph.handoffs[i];
+            self.buf.handoff_out[h.producer] = None;
+            self.buf.handoff_in[h.consumer] = None;
+            self.buf.f32_row_in[h.consumer] = true;
         }
     }
 
@@ -1884,6 +1879,21 @@ fn early_release_ops(graph: &Graph, alone: impl Fn(usize) -> bool) -> Vec<bool> 
     early
 }
 
+/// The running int8 hand-offs (`running`: the hand-off each op produces) from a linear whose
+/// weight spreads its rows without one (`spreads`: the 1B shape's down projection, whose 32-row
+/// blocks would leave half the SMs idle) to another linear, which can quantize an f32 row itself.
+/// Not those through the copy of the last row (the head's input).
+fn row_spread_handoffs(graph: &Graph, running: &[Option<usize>], spreads: impl Fn(WeightId) -> bool) -> Vec<usize> {
+    let linear_weight = |op: &Op| if let Op::Linear { w, .. } = *op { Some(w) } else { None };
+    (0..graph.handoffs.len())
+        .filter(|&i| {
+            let h = &graph.handoffs[i];
+            let from = linear_weight(&graph.ops[h.producer]);
+            h.last_row.is_none() && running[h.producer] == Some(i) && linear_weight(&graph.ops[h.consumer]).is_some() && from.is_some_and(&spreads)
+        })
+        .collect()
+}
+
 fn rope_config(rope: &ferrite_model::RopeConfig, n_heads: usize, head_dim: usize) -> RopeConfig {
     RopeConfig {
         n_heads,
@@ -2008,5 +2018,29 @@ mod tests {
             // Only linears that run alone are marked.
             assert!(early_release_ops(graph, |_| false).iter().all(|e| !e), "{name}");
         }
+    }
+
+    #[test]
+    fn only_down_projections_into_the_next_qkv_give_their_handoffs_way() {
+        let model = tiny("llama.gguf");
+        let graph = &model.graph;
+        let mut running = vec![None; graph.ops.len()];
+        for (i, h) in graph.handoffs.iter().enumerate() {
+            running[h.producer] = Some(i);
+        }
+        // Every linear spreading: of the declared hand-offs (attention -> output projection ->
+        // gate/up -> down -> next QKV, the last down -> head through the last row's copy) only
+        // down -> next QKV goes (a linear into a linear, not through the copy).
+        let dropped = row_spread_handoffs(graph, &running, |_| true);
+        let layers = graph.layers.len();
+        assert!(layers > 1 && dropped.len() == layers - 1, "{dropped:?} of {layers} layers");
+        for &i in &dropped {
+            let h = &graph.handoffs[i];
+            assert!(matches!(graph.ops[h.producer - 1], Op::GatedLinear { .. }), "producer of {i}: not a down projection");
+            assert!(matches!(graph.ops[h.consumer + 1], Op::Attention { .. }), "consumer of {i}: not a QKV projection");
+        }
+        // Nothing when no weight spreads, or when the hand-offs do not run.
+        assert!(row_spread_handoffs(graph, &running, |_| false).is_empty());
+        assert!(row_spread_handoffs(graph, &vec![None; graph.ops.len()], |_| true).is_empty());
     }
 }
