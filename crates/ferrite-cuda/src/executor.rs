@@ -81,12 +81,12 @@ fn as_matrix(w: &Option<GpuWeight>) -> Option<&DeviceWeight> {
     }
 }
 
-/// Weight `id` as the graph uses it: a matrix of a linear, or a vector (norm weight, bias).
 /// Whether the linear of weight `w` on input `x` takes the int8 GEMV for a batch of `n` rows.
 fn takes_int8_gemv(weights: &[Option<GpuWeight>], graph: &Graph, opts: &ops::LinearOptions, w: WeightId, x: ValueId, n: usize) -> bool {
     as_matrix(&weights[w.0 as usize]).is_some_and(|m| ops::linear_plan(m.dtype, graph.value(x).width, n, opts) == ops::LinearPlan::GemvQ8)
 }
 
+/// Weight `id` as the graph uses it: a matrix of a linear, or a vector (norm weight, bias).
 fn matrix_of(weights: &[Option<GpuWeight>], id: WeightId) -> &DeviceWeight {
     as_matrix(&weights[id.0 as usize]).expect("matrix weights are uploaded as matrices")
 }

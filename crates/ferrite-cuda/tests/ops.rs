@@ -583,6 +583,7 @@ fn linear_q8_fuses_norm_bias_and_residual() {
         let epilogue = ops::Epilogue { bias: Some(&bias_d), residual: Some(&res_d), ..Default::default() };
         let spread = |v: GemvQ8Variant| v.spread_rows(rows, cols, gpu.sm_count());
         let spreads = spread(GemvQ8Variant::for_shape(dtype, rows, cols, n, gpu.sm_count()).wide_rows(cols)).rows_per_block() < 32;
+        let step = q8_steps(&normed, cols);
         for retile in [None, Some(&spread as ops::Retile)].into_iter().take(1 + spreads as usize) {
             let mut out = upload(gpu, &vec![f32::NAN; n * ld]);
             ops::linear_q8_retiled(gpu, &weight, &q8, n, &mut out, ld, col, &epilogue, None, retile).unwrap();
@@ -597,7 +598,6 @@ fn linear_q8_fuses_norm_bias_and_residual() {
                 assert!(got_all[t * ld..t * ld + col].iter().all(|v| v.is_nan()), "wrote left of the column range");
                 assert!(got_all[t * ld + col + rows..(t + 1) * ld].iter().all(|v| v.is_nan()), "wrote right of the range");
             }
-            let step = q8_steps(&normed, cols);
             let what = format!("{dtype} {rows}x{cols} n={n} norm+bias+res{}", if retile.is_some() { " spread" } else { "" });
             check("linear_q8", &what, &got, &want, |i| {
                 let (t, r) = (i / rows, i % rows);
