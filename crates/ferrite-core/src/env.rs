@@ -168,8 +168,8 @@ switches! {
     DISABLE_CUDA_EARLY_RELEASE = ("FERRITE_DISABLE_CUDA_EARLY_RELEASE", "0", AbTest,
         "1: every CUDA kernel releases the next launch only after waiting for its predecessor; by default the int8 GEMVs into and out of attention in one-token steps release it before (the attention and the MLP then become resident and request their cached rows and weights one kernel sooner).");
     /// One-token GEMVs that would leave half the SMs idle write f32 rows on more blocks (CUDA).
-    CUDA_SPREAD_ROWS = ("FERRITE_CUDA_SPREAD_ROWS", "0", AbTest,
-        "1: in one-token steps a GEMV producer whose 32-row blocks would fill at most half the SMs over rows of 128+ Q4-family units (the 1B shape's down projection) writes its f32 row on a grid of 16-row blocks instead of an int8 hand-off, and the next GEMV quantizes that row itself. Off until measured end to end on a GPU (kernel_bench: the 1B down projection 5.7 -> 4.0 us on the H100).");
+    DISABLE_CUDA_SPREAD_ROWS = ("FERRITE_DISABLE_CUDA_SPREAD_ROWS", "0", AbTest,
+        "1 keeps the int8 hand-off of every one-token GEMV producer; by default one whose 32-row blocks would fill at most half the SMs over rows of 128+ Q4-family units (the 1B shape's down projection) writes its f32 row on a grid of 16-row blocks instead, and the next GEMV quantizes that row itself (H100, 1B Q4_0 tg128: +4.7%).");
     /// RoPE applied inside the attention op.
     DISABLE_ROPE_FUSION = ("FERRITE_DISABLE_ROPE_FUSION", "0", AbTest,
         "1 rotates Q and K with a separate in-place RoPE op before attention, instead of inside the attention op as it stores K in the cache and reads Q (CUDA: one kernel fewer per layer).");

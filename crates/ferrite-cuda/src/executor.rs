@@ -1184,7 +1184,7 @@ impl CudaExecutor {
 
     /// Which int8 hand-offs of a one-token step give way to f32 rows (`row_spread_handoffs`):
     /// the producer writes its f32 row on twice as many blocks, and the consumer quantizes the
-    /// row itself (`f32_row_in`, as after a fused MLP). Only with `FERRITE_CUDA_SPREAD_ROWS=1`
+    /// row itself (`f32_row_in`, as after a fused MLP). Not with `FERRITE_DISABLE_CUDA_SPREAD_ROWS=1`
     /// (`LinearOptions::spread_rows`, which `ops::gemv_spreads_rows` checks).
     fn plan_row_spreads(&mut self, n: usize) {
         if !self.untraced_one_row(n) {

@@ -561,8 +561,8 @@ fn linear_q8_fuses_norm_bias_and_residual() {
     let Some(gpu) = gpu() else { return };
     let mut rng = Rng(41);
     // 520 x 4096 Q4_0: 17 blocks of 32 rows would leave most SMs idle; it also runs with its rows
-    // spread over 16-row blocks of 4 slices (`GemvQ8Variant::spread_rows`, what
-    // FERRITE_CUDA_SPREAD_ROWS=1 dispatches), the last block half full.
+    // spread over 16-row blocks of 4 slices (`GemvQ8Variant::spread_rows`, what a one-token
+    // step without a hand-off dispatches), the last block half full.
     for (dtype, rows, cols, n) in [(GgmlType::Q4_0, 96, 576, 1), (GgmlType::Q4_1, 200, 2048, 1), (GgmlType::Q4_0, 520, 4096, 1), (GgmlType::Q8_0, 200, 2048, 3), (GgmlType::Q6_K, 64, 1024, 8)] {
         let (bytes, w) = random_weight(&mut rng, dtype, rows, cols);
         let weight = gpu.upload_weight(dtype, rows, cols, &bytes).unwrap();
@@ -582,7 +582,9 @@ fn linear_q8_fuses_norm_bias_and_residual() {
         let (bias_d, res_d) = (upload(gpu, &bias), upload(gpu, &res));
         let epilogue = ops::Epilogue { bias: Some(&bias_d), residual: Some(&res_d), ..Default::default() };
         let spread = |v: GemvQ8Variant| v.spread_rows(rows, cols, gpu.sm_count());
-        let spreads = spread(GemvQ8Variant::for_shape(dtype, rows, cols, n, gpu.sm_count()).wide_rows(cols)).rows_per_block() < 32;
+        // The tiling `linear_q8` hands a retile (split_k is on by default).
+        let dispatched = GemvQ8Variant::for_shape(dtype, rows, cols, n, gpu.sm_count()).wide_rows(cols).split_k(rows, cols, n, gpu.sm_count());
+        let spreads = spread(dispatched) != dispatched;
         let step = q8_steps(&normed, cols);
         for retile in [None, Some(&spread as ops::Retile)].into_iter().take(1 + spreads as usize) {
             let mut out = upload(gpu, &vec![f32::NAN; n * ld]);

@@ -337,10 +337,9 @@ fn cuda_fp32_matches_cpu_reference_on_real_shapes() {
     // skip the copy of the last row: the logits stay as close to the fp32 reference as the CPU's
     // quantized path, and every declared hand-off runs (without the fused MLP, on by default,
     // which drops two per layer: below), but those whose producer spreads its rows instead
-    // (`FERRITE_CUDA_SPREAD_ROWS=1`, off by default: the 1B shape's down projections on a GPU
-    // of 128+ SMs; the next QKV quantizes the f32 row).
+    // (the 1B shape's down projections on a GPU of 128+ SMs, unless
+    // FERRITE_DISABLE_CUDA_SPREAD_ROWS=1; the next QKV quantizes the f32 row).
     std::env::set_var("FERRITE_CUDA_FUSED_MLP", "0");
-    std::env::set_var("FERRITE_CUDA_SPREAD_ROWS", "1");
     for (shape, dtype) in [("smollm2-135m", GgmlType::Q4_1), ("llama-3.2-1b", GgmlType::Q4_0)] {
         let model = synthetic(synth::shape(shape).unwrap(), dtype);
         let reference = CpuExecutor::new(Arc::clone(&model), CpuPrecision::Reference, opts(16)).unwrap();
@@ -358,7 +357,6 @@ fn cuda_fp32_matches_cpu_reference_on_real_shapes() {
         assert_eq!(gpu.handoffs_run(), (model.graph.handoffs.len() - spread, 1), "{shape} {dtype}: hand-offs of a one-token step");
         assert!(spread == 0 || shape == "llama-3.2-1b", "{shape} {dtype}: {spread} spread rows");
     }
-    std::env::remove_var("FERRITE_CUDA_SPREAD_ROWS");
     // The MLP as one launch adding into the stream (FERRITE_CUDA_FUSED_MLP=1): every SmolLM2
     // layer but the last (whose output feeds the head through a copy) runs it in untraced
     // one-token steps, whose logits stay as close to the fp32 reference as the CPU's quantized

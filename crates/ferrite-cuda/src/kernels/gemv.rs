@@ -1222,6 +1222,11 @@ mod tests {
         assert_eq!(narrow.spread_rows(64, 16384, 132), narrow);
         assert!(!GemvQ8Variant::spreads_rows(GgmlType::Q4_0, 2048, 2048, 132) && !GemvQ8Variant::spreads_rows(GgmlType::Q4_0, 4096, 14336, 132));
         assert!(!GemvQ8Variant::spreads_rows(GgmlType::Q6_K, 2048, 8192, 132));
+        // The op test's shapes as `linear_q8` tiles them before a retile: 520 x 4096 spreads,
+        // 96 x 576 (18 units a row) does not.
+        let dispatched = |rows, cols| GemvQ8Variant::for_shape(GgmlType::Q4_0, rows, cols, 1, 132).wide_rows(cols).split_k(rows, cols, 1, 132);
+        assert_eq!(dispatched(520, 4096).spread_rows(520, 4096, 132).rows_per_block(), 16);
+        assert_eq!(dispatched(96, 576).spread_rows(96, 576, 132), dispatched(96, 576));
         // Four warps of short groups: up to 4 slices.
         let v = GemvQ8Variant::for_shape(GgmlType::Q4_0, 64, 16384, 1, 132).split_k(64, 16384, 1, 132);
         assert_eq!((v.nwarps, v.k_split), (4, 4));

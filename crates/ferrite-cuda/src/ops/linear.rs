@@ -109,7 +109,7 @@ impl Default for LinearOptions {
             gemv_max_tokens: 8,
             activations: GemvActivations::Q8,
             gemv_split_k: true,
-            spread_rows: false,
+            spread_rows: true,
             mma_max_tokens: 64,
             wgmma: true,
             gemm_glu: true,
@@ -150,7 +150,7 @@ impl LinearOptions {
             _ => d.activations,
         };
         let gemv_split_k = !env::DISABLE_GEMV_SPLIT_K.flag();
-        let spread_rows = env::CUDA_SPREAD_ROWS.flag();
+        let spread_rows = !env::DISABLE_CUDA_SPREAD_ROWS.flag();
         let mma_max_tokens = env::CUDA_MMA_MAX_TOKENS.parse(d.mma_max_tokens);
         let wgmma = !env::DISABLE_CUDA_WGMMA.flag();
         let gemm_glu = !env::DISABLE_CUDA_GEMM_GLU.flag();
@@ -911,7 +911,7 @@ pub fn linear_q8_retiled(
 
 /// Whether [`linear_q8`] of one token over `w` without a hand-off (`emit: None`) spreads its
 /// rows over more blocks than a hand-off's 32-row blocks allow ([`GemvQ8Variant::spread_rows`],
-/// `FERRITE_CUDA_SPREAD_ROWS=1`): then the decode plan lets it write its f32 row for a consumer
+/// unless `FERRITE_DISABLE_CUDA_SPREAD_ROWS=1`): then the decode plan lets it write its f32 row for a consumer
 /// that quantizes it itself.
 pub fn gemv_spreads_rows(gpu: &Gpu, w: &DeviceWeight) -> bool {
     let opts = gpu.linear_options();
