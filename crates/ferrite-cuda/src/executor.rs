@@ -405,16 +405,27 @@ pub struct CudaExecutor {
     /// Decode-step replay: the whole one-token op sequence captured once as a CUDA graph per
     /// attention layout (`DecodeLayouts`: short and long contexts). Every per-token input (token
     /// id, position, hence KV length) is read from device buffers at fixed addresses, so the same
-    /// graph serves every position of its layout without re-capture.
-    decode_graphs: [DecodeGraph; 2],
+    /// graph serves every position of its layout without re-capture. Indexed by
+    /// [whether the step ends with its own greedy draw][layout].
+    decode_graphs: [[DecodeGraph; 2]; 2],
     /// Batched serving (`init_paged`): the paged cache and its buffers.
     paged: Option<PagedState>,
     /// Token ids, positions and block tables go to the device through this ring.
     staging: StagingRing,
-    /// Sampled tokens come back through this (`[token, error flag, detail, tag]`), tagged with
-    /// the count of draws so far.
+    /// Sampled tokens come back through this (`[token, error flag, detail, tag]`): slot 0 tagged
+    /// with the count of draws so far (`mail_tag`), slots 1 and 2 from the draws that end
+    /// decode steps (`Mail::Advancing`: tagged with the next position, whose parity picks the
+    /// slot).
     mailbox: Mailbox,
     mail_tag: u32,
+    /// `FERRITE_CUDA_STEP_DRAWS`: a greedy one-token step enqueued ahead ends with its own
+    /// draw (inside its graph), so that the next step follows it without a launch between.
+    step_draws: bool,
+    /// The position whose token the last enqueued step drew itself (then in mailbox slot
+    /// `1 + position % 2`, and in `ids`/`positions` for the step at that position).
+    drawn_ahead: Option<usize>,
+    /// Draws served by a step's own draw (`drawn_ahead`) so far.
+    step_drawn_tokens: u64,
     /// Candidate lists of two-stage draws (`None`: `FERRITE_DISABLE_SAMPLE_CANDIDATES`).
     sample_scratch: Option<ops::SampleScratch>,
 }
@@ -573,17 +584,19 @@ impl CudaExecutor {
         let decode = ops::DecodeLayouts::new(&gpu, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, options.context_len, split_attention);
         let buf = Buffers::new(&gpu, &model, &plan, max_batch, kv, gdn, attention_splits, decode)?;
         let decode_graphs = std::array::from_fn(|_| {
-            if env::DISABLE_CUDA_GRAPH.flag() || buf.profile.is_some() {
-                DecodeGraph::Disabled
-            } else {
-                DecodeGraph::NotYet { warmed_up: false }
-            }
+            std::array::from_fn(|_| {
+                if env::DISABLE_CUDA_GRAPH.flag() || buf.profile.is_some() {
+                    DecodeGraph::Disabled
+                } else {
+                    DecodeGraph::NotYet { warmed_up: false }
+                }
+            })
         });
         let options = ExecutorOptions { max_batch, ..options };
         let expanded = expand_batched_weights(&gpu, graph, &mut weights, max_batch)?;
         // Each chunk stages two copies (ids, positions), a batched step four: 8 slots never wait.
         let staging = StagingRing::new(&gpu, 8, max_batch)?;
-        let mailbox = Mailbox::new(&gpu, 4)?;
+        let mailbox = Mailbox::new(&gpu, 3)?;
         let vocab = graph.value(graph.logits).width;
         let sample_scratch = if env::DISABLE_SAMPLE_CANDIDATES.flag() { None } else { Some(ops::SampleScratch::new(&gpu, vocab)?) };
         let mut executor = Self {
@@ -601,6 +614,9 @@ impl CudaExecutor {
             staging,
             mailbox,
             mail_tag: 0,
+            step_draws: env::CUDA_STEP_DRAWS.flag(),
+            drawn_ahead: None,
+            step_drawn_tokens: 0,
             sample_scratch,
         };
         let refusals = if executor.buf.chains_on { executor.chain_refusals() } else { Vec::new() };
@@ -693,6 +709,11 @@ impl CudaExecutor {
         self.buf.f32_row_in.iter().filter(|&&f| f).count()
     }
 
+    /// Tokens handed out that the step before had drawn itself (`FERRITE_CUDA_STEP_DRAWS`).
+    pub fn step_drawn_tokens(&self) -> u64 {
+        self.step_drawn_tokens
+    }
+
     /// Linear chains that one-token steps run as one launch (of those the graph declares; none
     /// unless `FERRITE_CUDA_LINEAR_CHAIN=1`).
     pub fn chains_run(&self) -> usize {
@@ -727,41 +748,58 @@ impl CudaExecutor {
         let positions: Vec<u32> = (start_pos..start_pos + n).map(|p| p as u32).collect();
         self.staging.copy(&self.gpu, ids, &mut self.buf.ids.slice_mut(0..n))?;
         self.staging.copy(&self.gpu, &positions, &mut self.buf.positions.slice_mut(0..n))?;
-        self.launch_step(n, start_pos)
+        self.launch_step(n, start_pos, false)
     }
 
     /// Enqueue a forward pass of the `n` tokens from `start_pos` whose ids and positions are in
     /// the device buffers: one-token steps replay the decode graph of their attention layout
-    /// (captured at the second step of that layout).
-    fn launch_step(&mut self, n: usize, start_pos: usize) -> anyhow::Result<()> {
+    /// (captured at the second step of that layout). With `draws` (one token), the step ends
+    /// with a greedy draw from its logits for the step after it ([`Self::launch_step_draw`]).
+    fn launch_step(&mut self, n: usize, start_pos: usize, draws: bool) -> anyhow::Result<()> {
         self.last_rows = n;
         if n == 1 {
             self.buf.decode_long = self.buf.decode.is_long(start_pos + 1);
             let layout = usize::from(self.buf.decode_long);
             let generation = self.gpu.scratch_generation();
-            match &self.decode_graphs[layout] {
+            match &self.decode_graphs[usize::from(draws)][layout] {
                 DecodeGraph::Ready(step) if step.scratch_generation == generation => {
                     return Ok(step.graph.launch().map_err(CudaError::from)?);
                 }
-                DecodeGraph::Ready(_) | DecodeGraph::NotYet { warmed_up: true } => match self.capture_ops(1) {
+                DecodeGraph::Ready(_) | DecodeGraph::NotYet { warmed_up: true } => match self.capture_ops(1, draws) {
                     Ok(Some(step)) => {
                         step.graph.launch().map_err(CudaError::from)?;
-                        self.decode_graphs[layout] = DecodeGraph::Ready(step);
+                        self.decode_graphs[usize::from(draws)][layout] = DecodeGraph::Ready(step);
                         return Ok(());
                     }
                     // The scratch moved while capturing: run eagerly, capture next time.
-                    Ok(None) => self.decode_graphs[layout] = DecodeGraph::NotYet { warmed_up: true },
+                    Ok(None) => self.decode_graphs[usize::from(draws)][layout] = DecodeGraph::NotYet { warmed_up: true },
                     Err(e) => {
                         // Explicit fallback: say why, then launch ops one by one from now on.
                         eprintln!("warning: decode graph capture failed, launching ops individually: {e:#}");
-                        self.decode_graphs = std::array::from_fn(|_| DecodeGraph::Disabled);
+                        self.decode_graphs = std::array::from_fn(|_| std::array::from_fn(|_| DecodeGraph::Disabled));
                     }
                 },
-                DecodeGraph::NotYet { warmed_up: false } => self.decode_graphs[layout] = DecodeGraph::NotYet { warmed_up: true },
+                DecodeGraph::NotYet { warmed_up: false } => self.decode_graphs[usize::from(draws)][layout] = DecodeGraph::NotYet { warmed_up: true },
                 DecodeGraph::Disabled => {}
             }
         }
-        self.run_ops(n)
+        self.run_ops(n)?;
+        if draws {
+            self.launch_step_draw()?;
+        }
+        Ok(())
+    }
+
+    /// The greedy draw that ends a one-token step: from the step's logits into the next step's
+    /// inputs (at the step's position + 1, read on the device) and mailbox slot 1 + its parity.
+    fn launch_step_draw(&mut self) -> Result<(), CudaError> {
+        let g = &self.model.graph;
+        let width = g.value(g.logits).width;
+        let logits = self.buf.slots[self.plan.slot(g.logits)].as_ref().expect("logits slot");
+        let greedy = SamplingConfig { temperature: 0.0, top_k: 1, top_p: 1.0, min_p: 0.0, seed: 0 };
+        let next_step = Some((&mut self.buf.ids, &mut self.buf.positions));
+        let delivery = ops::TokenDelivery { next_step, mail: ops::Mail::Advancing { mailbox: &self.mailbox, pair: 1 } };
+        ops::sample_delivering(&self.gpu, &logits.slice(0..width), width, &greedy, 0, None, &mut self.buf.token, Some(delivery), self.sample_scratch.as_mut())
     }
 
     /// Checks a forward of `n` tokens at `start_pos` before anything is enqueued, and resets the
@@ -781,33 +819,51 @@ impl CudaExecutor {
 
     /// Draw a token from the current logits on the device; it reaches the host through the
     /// mailbox and, with `next_pos`, the next step's input buffers, and that step is enqueued
-    /// before the host waits for the token.
+    /// before the host waits for the token. A greedy draw whose logits came from a step that
+    /// drew itself (`drawn_ahead`, `FERRITE_CUDA_STEP_DRAWS`) launches nothing for the draw:
+    /// the token is in the mailbox and the next step's inputs already.
     fn draw(&mut self, p: &DeviceSampling, next_pos: Option<usize>) -> anyhow::Result<u32> {
+        let greedy = p.temperature <= 0.0 || p.top_k == 1;
+        let drawn = self.drawn_ahead.take().filter(|&at| greedy && next_pos.is_none_or(|pos| pos == at));
         if let Some(pos) = next_pos {
             self.begin_forward(1, pos)?;
         }
         let g = &self.model.graph;
         let width = g.value(g.logits).width;
-        let logits = self.buf.slots[self.plan.slot(g.logits)].as_ref().expect("logits slot");
-        let cfg = SamplingConfig { temperature: p.temperature, top_k: p.top_k, top_p: p.top_p, min_p: p.min_p, seed: p.seed };
-        self.mail_tag = self.mail_tag.wrapping_add(1);
-        let next_step = next_pos.map(|pos| (&mut self.buf.ids, &mut self.buf.positions, pos as u32));
-        let delivery = ops::TokenDelivery { next_step, mailbox: &self.mailbox, tag: self.mail_tag };
-        let scratch = self.sample_scratch.as_mut();
-        ops::sample_delivering(&self.gpu, &logits.slice(0..width), width, &cfg, p.step, None, &mut self.buf.token, Some(delivery), scratch)?;
-        self.mailbox.post(&self.gpu)?;
+        let (slot, want_tag) = match drawn {
+            Some(at) => {
+                self.step_drawn_tokens += 1;
+                (1 + at % 2, at as u32)
+            }
+            None => {
+                let logits = self.buf.slots[self.plan.slot(g.logits)].as_ref().expect("logits slot");
+                let cfg = SamplingConfig { temperature: p.temperature, top_k: p.top_k, top_p: p.top_p, min_p: p.min_p, seed: p.seed };
+                self.mail_tag = self.mail_tag.wrapping_add(1);
+                let next_step = next_pos.map(|_| (&mut self.buf.ids, &mut self.buf.positions));
+                let mail = ops::Mail::Tagged { mailbox: &self.mailbox, slot: 0, tag: self.mail_tag, next_pos: next_pos.unwrap_or(0) as u32 };
+                let delivery = ops::TokenDelivery { next_step, mail };
+                let scratch = self.sample_scratch.as_mut();
+                ops::sample_delivering(&self.gpu, &logits.slice(0..width), width, &cfg, p.step, None, &mut self.buf.token, Some(delivery), scratch)?;
+                self.mailbox.post(&self.gpu, 0)?;
+                (0, self.mail_tag)
+            }
+        };
         if let Some(pos) = next_pos {
-            let stepped = self.launch_step(1, pos);
+            let draws = self.step_draws && greedy;
+            let stepped = self.launch_step(1, pos, draws);
             self.state_pos.finish(pos + 1);
             stepped?;
+            if draws {
+                self.mailbox.post(&self.gpu, 1 + (pos + 1) % 2)?;
+                self.drawn_ahead = Some(pos + 1);
+            }
         }
-        let mail = self.mailbox.read()?;
-        let (token, flag, tag) = (mail[0], mail[1], mail[3]);
+        let [token, flag, _, tag] = self.mailbox.read(slot)?;
         if flag != 0 {
             self.gpu.check_device()?;
         }
-        if tag != self.mail_tag {
-            bail!("the device sampler delivered no token (mailbox tag {tag}, expected {})", self.mail_tag);
+        if tag != want_tag {
+            bail!("the device sampler delivered no token (mailbox slot {slot} tag {tag}, expected {want_tag})");
         }
         if token as usize >= width {
             bail!("the device sampler drew token id {token}, outside the vocabulary ({width})");
@@ -817,11 +873,14 @@ impl CudaExecutor {
 
     /// Record the op sequence of an `n`-row step into a graph (capture enqueues nothing).
     /// `None` when the GEMM scratch moved meanwhile: the graph would hold a freed address.
-    fn capture_ops(&mut self, n: usize) -> anyhow::Result<Option<CapturedStep>> {
+    fn capture_ops(&mut self, n: usize, draws: bool) -> anyhow::Result<Option<CapturedStep>> {
         let stream = Arc::clone(self.gpu.stream());
         let scratch_generation = self.gpu.scratch_generation();
         stream.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED).map_err(CudaError::from)?;
-        let recorded = self.run_ops(n);
+        let recorded = match self.run_ops(n) {
+            Ok(()) if draws => self.launch_step_draw().map_err(anyhow::Error::from),
+            other => other,
+        };
         // End the capture even when an op failed, so the stream is usable again.
         let graph = stream.end_capture(CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_USE_NODE_PRIORITY).map_err(CudaError::from);
         recorded.with_context(|| format!("capturing a {n}-row step as a CUDA graph"))?;
@@ -851,7 +910,7 @@ impl CudaExecutor {
             }
             Some(_) => {}
         }
-        match self.capture_ops(n) {
+        match self.capture_ops(n, false) {
             Ok(Some(step)) => {
                 step.graph.launch().map_err(CudaError::from)?;
                 graphs.replays += 1;
@@ -1487,6 +1546,8 @@ impl CudaExecutor {
         if sample.len() != batch.len() {
             bail!("{} sampling requests for a batch of {} sequences", sample.len(), batch.len());
         }
+        // Batched steps swap their own buffers in: a draw after them starts afresh.
+        self.drawn_ahead = None;
         if let Some(a) = ahead {
             if a.len() != batch.len() {
                 bail!("{} sequences ahead for a batch of {}", a.len(), batch.len());
@@ -1650,6 +1711,7 @@ impl Executor for CudaExecutor {
         if let Some(bad) = tokens.iter().find(|&&t| t as usize >= vocab) {
             bail!("token id {bad} is outside the vocabulary ({vocab})");
         }
+        self.drawn_ahead = None;
         self.begin_forward(tokens.len(), start_pos)?;
         let step = self.options.max_batch;
         for (i, chunk) in tokens.chunks(step).enumerate() {
@@ -1702,6 +1764,7 @@ impl Executor for CudaExecutor {
 
     fn init_paged(&mut self, config: PagedKvConfig) -> anyhow::Result<()> {
         let PagedKvConfig { n_blocks, block_size, max_seqs, max_tokens, state_snapshots } = config;
+        self.drawn_ahead = None;
         if n_blocks == 0 || block_size == 0 || max_seqs == 0 || max_tokens == 0 {
             bail!("paged kv cache: every size must be positive, got {config:?}");
         }

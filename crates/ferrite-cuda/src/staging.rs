@@ -67,18 +67,22 @@ impl StagingRing {
     }
 }
 
-/// A few `u32` words of page-locked host memory that kernels write through a device mapping.
-/// The host reads them once the event [`Mailbox::post`] recorded after the writing kernel has
-/// fired.
+/// Slots of [`Mailbox::SLOT_WORDS`] `u32` words of page-locked host memory that kernels write
+/// through a device mapping. The host reads a slot once the event [`Mailbox::post`] recorded
+/// for it after the writing kernel has fired.
 pub struct Mailbox {
     host: PinnedHostSlice<u32>,
     device_addr: u64,
-    posted: CudaEvent,
+    posted: Vec<CudaEvent>,
 }
 
 impl Mailbox {
-    pub fn new(gpu: &Gpu, words: usize) -> Result<Self, CudaError> {
-        let what = || format!("allocating a {words}-word device-mapped host mailbox");
+    /// Words of a slot: token, the device error flag's two words, tag.
+    pub const SLOT_WORDS: usize = 4;
+
+    pub fn new(gpu: &Gpu, slots: usize) -> Result<Self, CudaError> {
+        let words = slots * Self::SLOT_WORDS;
+        let what = || format!("allocating a {slots}-slot device-mapped host mailbox");
         let ctx = gpu.context();
         // SAFETY: zeroed below before any use.
         let mut host = unsafe { ctx.alloc_pinned_with_flags::<u32>(words, sys::CU_MEMHOSTALLOC_DEVICEMAP) }.context(what)?;
@@ -88,26 +92,29 @@ impl Mailbox {
         let mut device_addr: sys::CUdeviceptr = 0;
         // SAFETY: `ptr` is the start of a live allocation made with CU_MEMHOSTALLOC_DEVICEMAP.
         unsafe { sys::cuMemHostGetDevicePointer_v2(&mut device_addr, ptr.cast(), 0) }.result().context(what)?;
-        let posted = ctx.new_event(None).context(what)?;
+        let posted = (0..slots).map(|_| ctx.new_event(None)).collect::<Result<_, _>>().context(what)?;
         Ok(Self { host, device_addr, posted })
     }
 
-    /// The address kernels write to.
-    pub fn device_addr(&self) -> u64 {
-        self.device_addr
+    /// The address kernels write slot `slot` at (`op` names the caller in the error).
+    pub fn slot_addr(&self, op: &'static str, slot: usize) -> Result<u64, CudaError> {
+        if slot >= self.posted.len() {
+            return Err(CudaError::invalid(op, format!("mailbox slot {slot} of {}", self.posted.len())));
+        }
+        Ok(self.device_addr + (slot * Self::SLOT_WORDS * 4) as u64)
     }
 
-    /// Mark the end of the kernels that write the mailbox (call right after enqueueing them).
-    pub fn post(&self, gpu: &Gpu) -> Result<(), CudaError> {
-        self.posted.record(gpu.stream()).context(|| "recording the mailbox event".into())
+    /// Mark the end of the kernels that write `slot` (call right after enqueueing them).
+    pub fn post(&self, gpu: &Gpu, slot: usize) -> Result<(), CudaError> {
+        self.posted[slot].record(gpu.stream()).context(|| "recording the mailbox event".into())
     }
 
-    /// Wait for the last [`Self::post`], then read the words.
-    pub fn read(&self) -> Result<Vec<u32>, CudaError> {
-        self.posted.synchronize().context(|| "waiting for the mailbox".into())?;
+    /// Wait for `slot`'s last [`Self::post`], then read its words.
+    pub fn read(&self, slot: usize) -> Result<[u32; Self::SLOT_WORDS], CudaError> {
+        self.posted[slot].synchronize().context(|| "waiting for the mailbox".into())?;
         let words = self.host.as_slice().context(|| "reading the mailbox".into())?;
         // Volatile: the device wrote these behind the compiler's back.
-        Ok(words.iter().map(|w| unsafe { std::ptr::read_volatile(w) }).collect())
+        Ok(std::array::from_fn(|i| unsafe { std::ptr::read_volatile(&words[slot * Self::SLOT_WORDS + i]) }))
     }
 }
 

@@ -3065,37 +3065,59 @@ fn two_stage_sample_draws_the_one_block_token() {
 
 /// A token delivered to the next step's inputs and to the host's mailbox (with the tag and the
 /// device error flag), greedy and sampled; without a step, only the mailbox and `out` change.
+/// An advancing delivery (a draw replayed at the end of a decode step) takes the next position
+/// from the step's own, tags with it and writes the slot of its parity, greedy and two-stage.
 #[test]
 fn sample_delivers_to_the_next_step_and_the_mailbox() {
     let Some(gpu) = own_gpu(KernelCacheDir::from_env()) else { return };
     let mut rng = Rng(12);
     let values = rng.vec(3000, -3.0, 3.0);
     let logits = upload(&gpu, &values);
-    let mailbox = ferrite_cuda::Mailbox::new(&gpu, 4).unwrap();
+    let mailbox = ferrite_cuda::Mailbox::new(&gpu, 3).unwrap();
     let sampled = SamplingConfig { temperature: 0.8, top_k: 40, top_p: 0.95, min_p: 0.0, seed: 3 };
-    for (tag, cfg) in [(1u32, SamplingConfig { temperature: 0.0, ..sampled }), (2, sampled)] {
+    let greedy = SamplingConfig { temperature: 0.0, ..sampled };
+    for (tag, cfg) in [(1u32, greedy), (2, sampled)] {
         let want = device_sample(&gpu, &logits, 3000, &cfg, 4);
         let (mut ids, mut positions, mut out) = (upload(&gpu, &[7u32, 8]), upload(&gpu, &[9u32, 10]), upload(&gpu, &[u32::MAX]));
-        let delivery = ops::TokenDelivery { next_step: Some((&mut ids, &mut positions, 123)), mailbox: &mailbox, tag };
+        let mail = ops::Mail::Tagged { mailbox: &mailbox, slot: 0, tag, next_pos: 123 };
+        let delivery = ops::TokenDelivery { next_step: Some((&mut ids, &mut positions)), mail };
         ops::sample_delivering(&gpu, &logits, 3000, &cfg, 4, None, &mut out, Some(delivery), None).unwrap();
-        mailbox.post(&gpu).unwrap();
-        assert_eq!(mailbox.read().unwrap(), vec![want, 0, 0, tag], "{cfg:?}");
+        mailbox.post(&gpu, 0).unwrap();
+        assert_eq!(mailbox.read(0).unwrap(), [want, 0, 0, tag], "{cfg:?}");
         assert_eq!((download(&gpu, &out), download(&gpu, &ids), download(&gpu, &positions)), (vec![want], vec![want, 8], vec![123, 10]));
     }
+    let mut scratch = ops::SampleScratch::new(&gpu, 3000).unwrap();
+    let (mut ids, mut positions) = (upload(&gpu, &[7u32]), upload(&gpu, &[40u32]));
+    for (pos, two_stage) in [(40u32, false), (41, true), (42, true)] {
+        let mut out = upload(&gpu, &[u32::MAX]);
+        let delivery = ops::TokenDelivery { next_step: Some((&mut ids, &mut positions)), mail: ops::Mail::Advancing { mailbox: &mailbox, pair: 1 } };
+        let scratch = two_stage.then_some(&mut scratch);
+        ops::sample_delivering(&gpu, &logits, 3000, &greedy, 0, None, &mut out, Some(delivery), scratch).unwrap();
+        let slot = 1 + (pos as usize + 1) % 2;
+        mailbox.post(&gpu, slot).unwrap();
+        assert_eq!(mailbox.read(slot).unwrap(), [host_argmax(&values), 0, 0, pos + 1], "advancing from {pos}");
+        assert_eq!((download(&gpu, &ids), download(&gpu, &positions)), (vec![host_argmax(&values)], vec![pos + 1]));
+    }
+    let delivery = ops::TokenDelivery { next_step: None, mail: ops::Mail::Advancing { mailbox: &mailbox, pair: 1 } };
+    assert!(ops::sample_delivering(&gpu, &logits, 3000, &greedy, 0, None, &mut upload(&gpu, &[0u32]), Some(delivery), None).is_err(), "advancing without a step");
+    let delivery = ops::TokenDelivery { next_step: Some((&mut ids, &mut positions)), mail: ops::Mail::Advancing { mailbox: &mailbox, pair: 2 } };
+    assert!(ops::sample_delivering(&gpu, &logits, 3000, &greedy, 0, None, &mut upload(&gpu, &[0u32]), Some(delivery), None).is_err(), "a pair past the slots");
     // No next step: only the mailbox and out.
-    let (mut out, delivery) = (upload(&gpu, &[u32::MAX]), ops::TokenDelivery { next_step: None, mailbox: &mailbox, tag: 3 });
-    ops::sample_delivering(&gpu, &logits, 3000, &SamplingConfig { temperature: 0.0, ..sampled }, 0, None, &mut out, Some(delivery), None).unwrap();
-    mailbox.post(&gpu).unwrap();
-    assert_eq!(mailbox.read().unwrap(), vec![host_argmax(&values), 0, 0, 3]);
+    let mail = ops::Mail::Tagged { mailbox: &mailbox, slot: 0, tag: 3, next_pos: 0 };
+    let (mut out, delivery) = (upload(&gpu, &[u32::MAX]), ops::TokenDelivery { next_step: None, mail });
+    ops::sample_delivering(&gpu, &logits, 3000, &greedy, 0, None, &mut out, Some(delivery), None).unwrap();
+    mailbox.post(&gpu, 0).unwrap();
+    assert_eq!(mailbox.read(0).unwrap(), [host_argmax(&values), 0, 0, 3]);
     // A device error recorded earlier in the stream reaches the mailbox (an embedding of an id
     // past the table).
     let table = gpu.upload_weight(GgmlType::F32, 4, 64, bytemuck::cast_slice(&[0.5f32; 4 * 64])).unwrap();
     let mut embedded = poisoned(&gpu, 64);
     ops::embed(&gpu, &table, &upload(&gpu, &[99u32]), 1, &mut embedded).unwrap();
-    let (mut out, delivery) = (upload(&gpu, &[u32::MAX]), ops::TokenDelivery { next_step: None, mailbox: &mailbox, tag: 4 });
+    let mail = ops::Mail::Tagged { mailbox: &mailbox, slot: 0, tag: 4, next_pos: 0 };
+    let (mut out, delivery) = (upload(&gpu, &[u32::MAX]), ops::TokenDelivery { next_step: None, mail });
     ops::sample_delivering(&gpu, &logits, 3000, &sampled, 0, None, &mut out, Some(delivery), None).unwrap();
-    mailbox.post(&gpu).unwrap();
-    let mail = mailbox.read().unwrap();
+    mailbox.post(&gpu, 0).unwrap();
+    let mail = mailbox.read(0).unwrap();
     assert_eq!((mail[1], mail[2], mail[3]), (1, 99, 4), "error flag (bad token id 99) and tag: {mail:?}");
     assert!(gpu.check_device().is_err());
     println!("| {:<10} | {:<44} | {:>9} | {:>9} | {:>6} |", "sample", "delivered to next step + mailbox, error flag", "exact", "exact", "0");

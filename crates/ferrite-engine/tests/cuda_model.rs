@@ -633,12 +633,16 @@ fn batched_decode_ahead_matches_step_by_step() {
 /// handed from the sampler to the step on the device) against reading each token back first:
 /// the same tokens, cache and logits, bit for bit, greedy and sampled, with and without
 /// recurrent state; stopping at an end token leaves that token in the cache only when run ahead.
+/// Also with greedy steps drawing their own next token inside their graphs
+/// (`FERRITE_CUDA_STEP_DRAWS=1`).
 fn decode_ahead_matches_step_by_step() {
     use ferrite_engine::{SamplerParams, Session, StopReason};
     let sampled = SamplerParams { temperature: 0.8, top_k: 40, top_p: 0.95, min_p: 0.05, seed: 5, ..SamplerParams::DEFAULT };
-    for model in [synthetic(synth::shape("smollm2-135m").unwrap(), GgmlType::Q4_1), synthetic(&QWEN35_SMALL, GgmlType::Q8_0)] {
-        let arch = model.config.arch.name();
-        let gpu = ferrite_cuda::CudaExecutor::new(Arc::clone(&model), opts(16)).unwrap();
+    let models = [synthetic(synth::shape("smollm2-135m").unwrap(), GgmlType::Q4_1), synthetic(&QWEN35_SMALL, GgmlType::Q8_0)];
+    for (model, step_draws) in models.iter().flat_map(|m| [(m, "0"), (m, "1")]) {
+        let arch = format!("{} step draws {step_draws}", model.config.arch.name());
+        std::env::set_var("FERRITE_CUDA_STEP_DRAWS", step_draws);
+        let gpu = ferrite_cuda::CudaExecutor::new(Arc::clone(model), opts(16)).unwrap();
         let mut session = Session::new(Box::new(gpu));
         let prompt: Vec<u32> = (0..PROMPT as u32).map(|i| (i * 977 + 5) % model.config.vocab_size as u32).collect();
         let mut run = |ahead: bool, params: &SamplerParams, end: Option<u32>| {
@@ -668,8 +672,21 @@ fn decode_ahead_matches_step_by_step() {
         assert_eq!(ahead.0, behind.0, "{arch}: tokens before the end token");
         assert_eq!(&ahead.2[PROMPT..], &greedy[..first + 1], "{arch}: run ahead, the end token is in the cache");
         assert_eq!(&behind.2[PROMPT..], &greedy[..first], "{arch}: read back first, it is not");
+        // The executor's own record: with step draws, every greedy token drawn ahead but the
+        // first of a generation (after its prefill) came from the step before.
+        let mut gpu = ferrite_cuda::CudaExecutor::new(Arc::clone(model), opts(16)).unwrap();
+        gpu.forward(&prompt, 0).unwrap();
+        let greedy_draw = DeviceSampling::GREEDY;
+        let mut drawn = Vec::new();
+        for pos in PROMPT..PROMPT + 10 {
+            drawn.push(gpu.sample_and_step(&greedy_draw, Some(pos)).unwrap().unwrap());
+        }
+        drawn.push(gpu.sample_on_device(&greedy_draw).unwrap().unwrap());
+        assert_eq!(drawn, greedy[..11], "{arch}: tokens drawn by the executor");
+        assert_eq!(gpu.step_drawn_tokens(), if step_draws == "1" { 10 } else { 0 }, "{arch}: tokens the steps drew");
     }
-    println!("decode ahead: same tokens, cache and logits as reading each token back, greedy and sampled, with recurrent state");
+    std::env::remove_var("FERRITE_CUDA_STEP_DRAWS");
+    println!("decode ahead: same tokens, cache and logits as reading each token back, greedy and sampled, with recurrent state, with and without steps drawing their next token");
 }
 
 /// Recurrent state on the GPU follows the executor rules: position 0 resets it, the consumed

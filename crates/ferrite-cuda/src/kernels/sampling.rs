@@ -35,7 +35,8 @@ device_params! {
         pub seed: u64,
         pub step: u64,
         /// 0, or the next decode step's inputs: the token goes to `feed_ids[0]`, and
-        /// `next_pos` to `feed_pos[0]` (see `ops::TokenDelivery`).
+        /// `next_pos` to `feed_pos[0]` (with `advance`: `feed_pos[0] + 1`; see
+        /// `ops::TokenDelivery`).
         pub feed_ids: u64,
         pub feed_pos: u64,
         /// 0, or a device-mapped host `u32 [4]`: token, the device error flag's two words, `tag`.
@@ -55,6 +56,12 @@ device_params! {
         pub min_p: f32,
         pub next_pos: u32,
         pub tag: u32,
+        /// 1: a draw replayed at the end of a decode step's graph, whose position only the device
+        /// knows: the next position is `feed_pos[0] + 1`, it is also the tag, and the mailbox is a
+        /// pair of 4-word slots, the next position's parity picking one (the host reads the other
+        /// while the next step runs).
+        pub advance: u32,
+        pub pad: u32,
     }
 }
 
@@ -278,18 +285,24 @@ struct Mine {
 // a mailbox holding this call's tag holds this call's token.
 __device__ __forceinline__ void deliver(const SampleParams& p, u32 token) {
   reinterpret_cast<u32*>(p.out)[0] = token;
+  u32 next_pos = p.next_pos, tag = p.tag;
+  volatile u32* m = reinterpret_cast<volatile u32*>(p.mailbox);
+  if (p.advance) {
+    next_pos = reinterpret_cast<const u32*>(p.feed_pos)[0] + 1u;
+    tag = next_pos;
+    m += 4u * (next_pos & 1u);
+  }
   if (p.feed_ids) {
     reinterpret_cast<u32*>(p.feed_ids)[0] = token;
-    reinterpret_cast<u32*>(p.feed_pos)[0] = p.next_pos;
+    reinterpret_cast<u32*>(p.feed_pos)[0] = next_pos;
   }
   if (p.mailbox) {
-    volatile u32* m = reinterpret_cast<volatile u32*>(p.mailbox);
     const volatile u32* flag = reinterpret_cast<const volatile u32*>(p.error_flag);
     m[0] = token;
     m[1] = flag[0];
     m[2] = flag[1];
     __threadfence_system();
-    m[3] = p.tag;
+    m[3] = tag;
   }
 }
 

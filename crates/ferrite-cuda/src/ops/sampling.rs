@@ -40,12 +40,21 @@ pub struct SamplingConfig {
 /// Where [`sample_delivering`] sends the token besides `out`, so that a decode loop neither
 /// copies it back nor waits for it before the next step.
 pub struct TokenDelivery<'a> {
-    /// The next one-token step's inputs: the token becomes `ids[0]` and the position
+    /// The next one-token step's inputs: the token becomes `ids[0]` and the next position
     /// `positions[0]`, so the step can be enqueued before the host has seen the token.
-    pub next_step: Option<(&'a mut CudaSlice<u32>, &'a mut CudaSlice<u32>, u32)>,
-    /// Receives `[token, error flag, error detail, tag]` (see [`Mailbox`]).
-    pub mailbox: &'a Mailbox,
-    pub tag: u32,
+    pub next_step: Option<(&'a mut CudaSlice<u32>, &'a mut CudaSlice<u32>)>,
+    pub mail: Mail<'a>,
+}
+
+/// How a delivered token reaches the host: `[token, error flag, error detail, tag]` in a slot of
+/// a [`Mailbox`].
+pub enum Mail<'a> {
+    /// In `mailbox`'s `slot`, tagged `tag`; the next step (if delivered) is at `next_pos`.
+    Tagged { mailbox: &'a Mailbox, slot: usize, tag: u32, next_pos: u32 },
+    /// A draw at the end of a replayed decode step, whose position only the device knows: the
+    /// next position is the step's own (`positions[0]`) + 1 and is also the tag; its parity
+    /// picks slot `pair + parity`. Needs `next_step`.
+    Advancing { mailbox: &'a Mailbox, pair: usize },
 }
 
 /// Draw a token from `logits[0..vocab]` and write its id to `out[0]`: keep the top-k, then the
@@ -113,14 +122,23 @@ pub fn sample_delivering(
         check_len(OP, "counter", c.len(), 1)?;
     }
     let variant = SamplingVariant::DEFAULT;
-    let (mut feed_ids, mut feed_pos, mut next_pos, mut mailbox, mut tag) = (0, 0, 0, 0, 0);
+    let (mut feed_ids, mut feed_pos, mut next_pos, mut mailbox, mut tag, mut advance) = (0, 0, 0, 0, 0, 0);
     if let Some(d) = delivery {
-        if let Some((ids, positions, pos)) = d.next_step {
+        if let Some((ids, positions)) = d.next_step {
             check_len(OP, "next step ids", ids.len(), 1)?;
             check_len(OP, "next step positions", positions.len(), 1)?;
-            (feed_ids, feed_pos, next_pos) = (addr_mut(gpu, ids), addr_mut(gpu, positions), pos);
+            (feed_ids, feed_pos) = (addr_mut(gpu, ids), addr_mut(gpu, positions));
         }
-        (mailbox, tag) = (d.mailbox.device_addr(), d.tag);
+        match d.mail {
+            Mail::Tagged { mailbox: m, slot, tag: t, next_pos: p } => (mailbox, tag, next_pos) = (m.slot_addr(OP, slot)?, t, p),
+            Mail::Advancing { mailbox: m, pair } => {
+                if feed_pos == 0 {
+                    return Err(CudaError::invalid(OP, "an advancing delivery needs the next step's inputs"));
+                }
+                m.slot_addr(OP, pair + 1)?;
+                (mailbox, advance) = (m.slot_addr(OP, pair)?, 1);
+            }
+        }
     }
     let block = variant.block_size as usize;
     let (greedy, k) = (cfg.temperature <= 0.0 || cfg.top_k == 1, cfg.top_k);
@@ -154,6 +172,8 @@ pub fn sample_delivering(
         min_p: cfg.min_p,
         next_pos,
         tag,
+        advance,
+        pad: 0,
     };
     if greedy && n_chunks > 0 {
         return gpu.launch(&variant, "argmax_chunks", variant.rows_launch_config(n_chunks), &params);
