@@ -770,5 +770,21 @@ fn sampling(gpu: &Gpu) -> Result<(), CudaError> {
         let two = time(gpu, 200, || ops::sample_delivering(gpu, &logits, 49152, &cfg, 0, None, &mut token, None, Some(&mut scratch)))?;
         println!("  {name:<24} one block {:>8.2} us | with chunk candidates {:>8.2} us", one * 1e6, two * 1e6);
     }
+    // What a decode loop's draw adds: the next step's inputs and the host's mailbox (a
+    // device-mapped page-locked slot written through the system, tag last).
+    let mailbox = ferrite_cuda::Mailbox::new(gpu, 3)?;
+    let (mut ids, mut positions) = (gpu.alloc_zeros::<u32>(1)?, gpu.alloc_zeros::<u32>(1)?);
+    let mut tag = 0;
+    let tagged = time(gpu, 200, || {
+        tag += 1;
+        let mail = ops::Mail::Tagged { mailbox: &mailbox, slot: 0, tag, next_pos: 7 };
+        let delivery = ops::TokenDelivery { next_step: Some((&mut ids, &mut positions)), mail };
+        ops::sample_delivering(gpu, &logits, 49152, &greedy, 0, None, &mut token, Some(delivery), Some(&mut scratch))
+    })?;
+    let advancing = time(gpu, 200, || {
+        let delivery = ops::TokenDelivery { next_step: Some((&mut ids, &mut positions)), mail: ops::Mail::Advancing { mailbox: &mailbox, pair: 1 } };
+        ops::sample_delivering(gpu, &logits, 49152, &greedy, 0, None, &mut token, Some(delivery), Some(&mut scratch))
+    })?;
+    println!("  greedy delivered to the next step and the mailbox: tagged {:>8.2} us | advancing {:>8.2} us", tagged * 1e6, advancing * 1e6);
     Ok(())
 }
