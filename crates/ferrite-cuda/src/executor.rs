@@ -418,7 +418,7 @@ pub struct CudaExecutor {
     /// slot).
     mailbox: Mailbox,
     mail_tag: u32,
-    /// `FERRITE_CUDA_STEP_DRAWS`: a greedy one-token step enqueued ahead ends with its own
+    /// Unless `FERRITE_DISABLE_CUDA_STEP_DRAWS=1`: a greedy one-token step enqueued ahead ends with its own
     /// draw (inside its graph), so that the next step follows it without a launch between.
     step_draws: bool,
     /// The position whose token the last enqueued step drew itself (then in mailbox slot
@@ -614,7 +614,7 @@ impl CudaExecutor {
             staging,
             mailbox,
             mail_tag: 0,
-            step_draws: env::CUDA_STEP_DRAWS.flag(),
+            step_draws: !env::DISABLE_CUDA_STEP_DRAWS.flag(),
             drawn_ahead: None,
             step_drawn_tokens: 0,
             sample_scratch,
@@ -709,7 +709,7 @@ impl CudaExecutor {
         self.buf.f32_row_in.iter().filter(|&&f| f).count()
     }
 
-    /// Tokens handed out that the step before had drawn itself (`FERRITE_CUDA_STEP_DRAWS`).
+    /// Tokens handed out that the step before had drawn itself (not with `FERRITE_DISABLE_CUDA_STEP_DRAWS=1`).
     pub fn step_drawn_tokens(&self) -> u64 {
         self.step_drawn_tokens
     }
@@ -820,7 +820,7 @@ impl CudaExecutor {
     /// Draw a token from the current logits on the device; it reaches the host through the
     /// mailbox and, with `next_pos`, the next step's input buffers, and that step is enqueued
     /// before the host waits for the token. A greedy draw whose logits came from a step that
-    /// drew itself (`drawn_ahead`, `FERRITE_CUDA_STEP_DRAWS`) launches nothing for the draw:
+    /// drew itself (`drawn_ahead`; not with `FERRITE_DISABLE_CUDA_STEP_DRAWS=1`) launches nothing for the draw:
     /// the token is in the mailbox and the next step's inputs already.
     fn draw(&mut self, p: &DeviceSampling, next_pos: Option<usize>) -> anyhow::Result<u32> {
         let greedy = p.temperature <= 0.0 || p.top_k == 1;
