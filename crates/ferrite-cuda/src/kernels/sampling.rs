@@ -39,7 +39,8 @@ device_params! {
         /// `ops::TokenDelivery`).
         pub feed_ids: u64,
         pub feed_pos: u64,
-        /// 0, or a device-mapped host `u32 [4]`: token, the device error flag's two words, `tag`.
+        /// 0, or a device-mapped host `u32 [4]` (with `advance`, two of them): token, the device
+        /// error flag's two words, `tag`.
         pub mailbox: u64,
         pub error_flag: u64,
         /// 0, or `topk_candidates`' output for these logits: per chunk of `BLOCK_SIZE` logits the
@@ -290,7 +291,7 @@ __device__ __forceinline__ void deliver(const SampleParams& p, u32 token) {
   if (p.advance) {
     next_pos = reinterpret_cast<const u32*>(p.feed_pos)[0] + 1u;
     tag = next_pos;
-    m += 4u * (next_pos & 1u);
+    m += 4u * (next_pos & 1u);  // Mailbox::SLOT_WORDS
   }
   if (p.feed_ids) {
     reinterpret_cast<u32*>(p.feed_ids)[0] = token;
