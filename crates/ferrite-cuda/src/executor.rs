@@ -418,8 +418,9 @@ pub struct CudaExecutor {
     /// slot).
     mailbox: Mailbox,
     mail_tag: u32,
-    /// Unless `FERRITE_DISABLE_CUDA_STEP_DRAWS=1`: a greedy one-token step enqueued ahead ends with its own
-    /// draw (inside its graph), so that the next step follows it without a launch between.
+    /// Unless `FERRITE_DISABLE_CUDA_STEP_DRAWS=1`: a greedy one-token step enqueued ahead ends
+    /// with its own draw (inside its graph), so that the next step follows it without a launch
+    /// between.
     step_draws: bool,
     /// The position whose token the last enqueued step drew itself (then in mailbox slot
     /// `1 + position % 2`, and in `ids`/`positions` for the step at that position).
@@ -709,7 +710,8 @@ impl CudaExecutor {
         self.buf.f32_row_in.iter().filter(|&&f| f).count()
     }
 
-    /// Tokens handed out that the step before had drawn itself (not with `FERRITE_DISABLE_CUDA_STEP_DRAWS=1`).
+    /// Tokens handed out that the step before had drawn itself (none with
+    /// `FERRITE_DISABLE_CUDA_STEP_DRAWS=1`).
     pub fn step_drawn_tokens(&self) -> u64 {
         self.step_drawn_tokens
     }
@@ -761,25 +763,26 @@ impl CudaExecutor {
             self.buf.decode_long = self.buf.decode.is_long(start_pos + 1);
             let layout = usize::from(self.buf.decode_long);
             let generation = self.gpu.scratch_generation();
-            match &self.decode_graphs[usize::from(draws)][layout] {
+            let kind = usize::from(draws);
+            match &self.decode_graphs[kind][layout] {
                 DecodeGraph::Ready(step) if step.scratch_generation == generation => {
                     return Ok(step.graph.launch().map_err(CudaError::from)?);
                 }
                 DecodeGraph::Ready(_) | DecodeGraph::NotYet { warmed_up: true } => match self.capture_ops(1, draws) {
                     Ok(Some(step)) => {
                         step.graph.launch().map_err(CudaError::from)?;
-                        self.decode_graphs[usize::from(draws)][layout] = DecodeGraph::Ready(step);
+                        self.decode_graphs[kind][layout] = DecodeGraph::Ready(step);
                         return Ok(());
                     }
                     // The scratch moved while capturing: run eagerly, capture next time.
-                    Ok(None) => self.decode_graphs[usize::from(draws)][layout] = DecodeGraph::NotYet { warmed_up: true },
+                    Ok(None) => self.decode_graphs[kind][layout] = DecodeGraph::NotYet { warmed_up: true },
                     Err(e) => {
                         // Explicit fallback: say why, then launch ops one by one from now on.
                         eprintln!("warning: decode graph capture failed, launching ops individually: {e:#}");
                         self.decode_graphs = std::array::from_fn(|_| std::array::from_fn(|_| DecodeGraph::Disabled));
                     }
                 },
-                DecodeGraph::NotYet { warmed_up: false } => self.decode_graphs[usize::from(draws)][layout] = DecodeGraph::NotYet { warmed_up: true },
+                DecodeGraph::NotYet { warmed_up: false } => self.decode_graphs[kind][layout] = DecodeGraph::NotYet { warmed_up: true },
                 DecodeGraph::Disabled => {}
             }
         }
@@ -796,10 +799,9 @@ impl CudaExecutor {
         let g = &self.model.graph;
         let width = g.value(g.logits).width;
         let logits = self.buf.slots[self.plan.slot(g.logits)].as_ref().expect("logits slot");
-        let greedy = SamplingConfig { temperature: 0.0, top_k: 1, top_p: 1.0, min_p: 0.0, seed: 0 };
         let next_step = Some((&mut self.buf.ids, &mut self.buf.positions));
         let delivery = ops::TokenDelivery { next_step, mail: ops::Mail::Advancing { mailbox: &self.mailbox, pair: 1 } };
-        ops::sample_delivering(&self.gpu, &logits.slice(0..width), width, &greedy, 0, None, &mut self.buf.token, Some(delivery), self.sample_scratch.as_mut())
+        ops::sample_delivering(&self.gpu, &logits.slice(0..width), width, &sampling_config(&DeviceSampling::GREEDY), 0, None, &mut self.buf.token, Some(delivery), self.sample_scratch.as_mut())
     }
 
     /// Checks a forward of `n` tokens at `start_pos` before anything is enqueued, and resets the
@@ -820,10 +822,10 @@ impl CudaExecutor {
     /// Draw a token from the current logits on the device; it reaches the host through the
     /// mailbox and, with `next_pos`, the next step's input buffers, and that step is enqueued
     /// before the host waits for the token. A greedy draw whose logits came from a step that
-    /// drew itself (`drawn_ahead`; not with `FERRITE_DISABLE_CUDA_STEP_DRAWS=1`) launches nothing for the draw:
-    /// the token is in the mailbox and the next step's inputs already.
+    /// drew itself (`drawn_ahead`; not with `FERRITE_DISABLE_CUDA_STEP_DRAWS=1`) launches
+    /// nothing for the draw: the token is in the mailbox and the next step's inputs already.
     fn draw(&mut self, p: &DeviceSampling, next_pos: Option<usize>) -> anyhow::Result<u32> {
-        let greedy = p.temperature <= 0.0 || p.top_k == 1;
+        let greedy = p.is_greedy();
         let drawn = self.drawn_ahead.take().filter(|&at| greedy && next_pos.is_none_or(|pos| pos == at));
         if let Some(pos) = next_pos {
             self.begin_forward(1, pos)?;
@@ -837,7 +839,7 @@ impl CudaExecutor {
             }
             None => {
                 let logits = self.buf.slots[self.plan.slot(g.logits)].as_ref().expect("logits slot");
-                let cfg = SamplingConfig { temperature: p.temperature, top_k: p.top_k, top_p: p.top_p, min_p: p.min_p, seed: p.seed };
+                let cfg = sampling_config(p);
                 self.mail_tag = self.mail_tag.wrapping_add(1);
                 let next_step = next_pos.map(|_| (&mut self.buf.ids, &mut self.buf.positions));
                 let mail = ops::Mail::Tagged { mailbox: &self.mailbox, slot: 0, tag: self.mail_tag, next_pos: next_pos.unwrap_or(0) as u32 };
@@ -1653,7 +1655,7 @@ impl CudaExecutor {
         }
         for (i, p) in sample.iter().enumerate() {
             if let Some(p) = p.filter(|p| !p.is_greedy()) {
-                let cfg = SamplingConfig { temperature: p.temperature, top_k: p.top_k, top_p: p.top_p, min_p: p.min_p, seed: p.seed };
+                let cfg = sampling_config(&p);
                 // One draw after another in stream order, so they share the candidate scratch.
                 let (row, scratch) = (logits.slice(i * w..(i + 1) * w), self.sample_scratch.as_mut());
                 ops::sample_delivering(&self.gpu, &row, w, &cfg, p.step, None, &mut paged.tokens.slice_mut(i..i + 1), None, scratch)?;
@@ -1955,6 +1957,11 @@ fn row_spread_handoffs(graph: &Graph, running: &[Option<usize>], spreads: impl F
             h.last_row.is_none() && running[h.producer] == Some(i) && linear_weight(&graph.ops[h.consumer]).is_some() && from.is_some_and(&spreads)
         })
         .collect()
+}
+
+/// The device sampler's settings for a draw.
+fn sampling_config(p: &DeviceSampling) -> SamplingConfig {
+    SamplingConfig { temperature: p.temperature, top_k: p.top_k, top_p: p.top_p, min_p: p.min_p, seed: p.seed }
 }
 
 fn rope_config(rope: &ferrite_model::RopeConfig, n_heads: usize, head_dim: usize) -> RopeConfig {
