@@ -45,10 +45,13 @@ device_params! {
         pub error_flag: u64,
         /// 0, or `topk_candidates`' output for these logits: per chunk of `BLOCK_SIZE` logits the
         /// indices of its candidates (`[n_chunks, BLOCK_SIZE]`) and their count (`[n_chunks]`).
-        /// `argmax_chunks` keeps each chunk's best (key, index) in `cand[2c..]` and its arrival
-        /// counter in `cand_counts[n_chunks]`.
+        /// `argmax_chunks` keeps its arrival counter in `cand_counts[n_chunks]`.
         pub cand: u64,
         pub cand_counts: u64,
+        /// `argmax_chunks`' running best, a `u64` (zero between launches): the ordered key of
+        /// the logit above the complement of its index, so the larger packed value is the larger
+        /// logit, then the smaller index.
+        pub best: u64,
         pub n_chunks: u32,
         pub n: u32,
         pub top_k: u32,
@@ -302,38 +305,31 @@ __device__ __forceinline__ void deliver(const SampleParams& p, u32 token) {
     m[0] = token;
     m[1] = flag[0];
     m[2] = flag[1];
-    __threadfence_system();
-    m[3] = tag;
+    m[3] = tag;  // the host reads after an event behind this kernel: no system fence needed
   }
 }
 
 // A greedy draw over many chunks in one launch: block b finds the best (key, index) of chunk b
-// of BLOCK_SIZE logits and publishes it in cand[2b], cand[2b + 1]; the last block to arrive
-// (counter cand_counts[n_chunks], zero between launches) takes the best of the chunks' bests
-// and delivers it. Ties go to the smaller index, as in block_argmax.
+// of BLOCK_SIZE logits and folds it into the running best (`best`, one packed atomicMax); the
+// last block to arrive (counter cand_counts[n_chunks]) takes the best, resets both to zero for
+// the next launch and delivers it, from one thread: no second reduction. Ties go to the smaller
+// index, as in block_argmax.
 extern "C" __global__ void __launch_bounds__(BLOCK_SIZE) argmax_chunks(const SampleParams p) {
   KERNEL_ENTRY();
   __shared__ u32 s_key[32], s_idx[32];
-  __shared__ bool s_last;
   const u32 base = blockIdx.x * BLOCK_SIZE;
   const Elements chunk = {reinterpret_cast<const float*>(p.logits) + base, nullptr, min((u32)BLOCK_SIZE, p.n - base)};
   const u32 e = block_argmax(chunk, s_key, s_idx);
-  u32* pairs = reinterpret_cast<u32*>(p.cand);
-  if (threadIdx.x == 0) {
-    pairs[2 * blockIdx.x] = order_key(chunk.logits[e]);
-    pairs[2 * blockIdx.x + 1] = base + e;
-    __threadfence();
-    u32* counter = reinterpret_cast<u32*>(p.cand_counts) + p.n_chunks;
-    s_last = atomicAdd(counter, 1u) == p.n_chunks - 1;
-    if (s_last) *counter = 0u;  // every chunk has arrived: ready for the next launch
-  }
-  __syncthreads();
-  if (!s_last) return;  // block-uniform
+  if (threadIdx.x != 0) return;
+  u64* best = reinterpret_cast<u64*>(p.best);
+  atomicMax(best, ((u64)order_key(chunk.logits[e]) << 32) | (u64)~(base + e));
   __threadfence();
-  u32 key = 0u, idx = NO_INDEX;
-  for (u32 c = threadIdx.x; c < p.n_chunks; c += BLOCK_SIZE) keep_better(key, idx, __ldcg(pairs + 2 * c), __ldcg(pairs + 2 * c + 1));
-  const u32 best = block_best(key, idx, s_key, s_idx);
-  if (threadIdx.x == 0) deliver(p, best);
+  u32* counter = reinterpret_cast<u32*>(p.cand_counts) + p.n_chunks;
+  if (atomicAdd(counter, 1u) != p.n_chunks - 1) return;
+  // Every chunk has arrived (each folded its best in before its arrival).
+  __threadfence();
+  *counter = 0u;
+  deliver(p, ~(u32)atomicExch(best, 0ull));
 }
 
 extern "C" __global__ void __launch_bounds__(BLOCK_SIZE) sample(const SampleParams p) {

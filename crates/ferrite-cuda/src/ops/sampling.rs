@@ -79,6 +79,7 @@ pub fn sample(
 pub struct SampleScratch {
     cand: CudaSlice<u32>,
     counts: CudaSlice<u32>,
+    best: CudaSlice<u64>,
     vocab: usize,
 }
 
@@ -86,7 +87,7 @@ impl SampleScratch {
     pub fn new(gpu: &Gpu, vocab: usize) -> Result<Self, CudaError> {
         let chunks = vocab.div_ceil(SamplingVariant::DEFAULT.block_size as usize).max(1);
         // counts: one per chunk, then `argmax_chunks`' arrival counter.
-        Ok(Self { cand: gpu.alloc_zeros(chunks * SamplingVariant::DEFAULT.block_size as usize)?, counts: gpu.alloc_zeros(chunks + 1)?, vocab })
+        Ok(Self { cand: gpu.alloc_zeros(chunks * SamplingVariant::DEFAULT.block_size as usize)?, counts: gpu.alloc_zeros(chunks + 1)?, best: gpu.alloc_zeros(1)?, vocab })
     }
 }
 
@@ -94,9 +95,9 @@ impl SampleScratch {
 /// 1024 logits: a draw with top-k up to 1024 runs in two stages, a block per chunk of 1024
 /// logits keeping the chunk's own top-k (`topk_candidates`), then the single sampling block
 /// looking at those candidates only (they hold every token the top-k keeps, so the token is the
-/// same); a greedy draw is one launch of a block per chunk, the last to finish taking the best
-/// of the chunks' bests (`argmax_chunks`). Other draws (top-k off or larger, no scratch) read
-/// the whole vocabulary in one block.
+/// same); a greedy draw is one launch of a block per chunk, each folding its chunk's best into
+/// one packed `atomicMax`, the last to arrive delivering it (`argmax_chunks`). Other draws
+/// (top-k off or larger, no scratch) read the whole vocabulary in one block.
 #[allow(clippy::too_many_arguments)]
 pub fn sample_delivering(
     gpu: &Gpu,
@@ -143,10 +144,10 @@ pub fn sample_delivering(
     let block = variant.block_size as usize;
     let (greedy, k) = (cfg.temperature <= 0.0 || cfg.top_k == 1, cfg.top_k);
     let chunks = vocab.div_ceil(block);
-    let (mut cand, mut cand_counts, mut n_chunks) = (0, 0, 0);
+    let (mut cand, mut cand_counts, mut best, mut n_chunks) = (0, 0, 0, 0);
     let staged = scratch.filter(|s| (greedy || (1..=block).contains(&k)) && vocab > block && chunks <= block && s.vocab >= vocab);
     if let Some(s) = staged {
-        (cand, cand_counts, n_chunks) = (addr_mut(gpu, &mut s.cand), addr_mut(gpu, &mut s.counts), chunks as u32);
+        (cand, cand_counts, best, n_chunks) = (addr_mut(gpu, &mut s.cand), addr_mut(gpu, &mut s.counts), addr_mut(gpu, &mut s.best), chunks as u32);
         if !greedy {
             let params = CandidateParams { logits: addr(gpu, logits), cand, cand_counts, n: vocab as u32, top_k: k as u32 };
             gpu.launch(&variant, "topk_candidates", variant.rows_launch_config(n_chunks), &params)?;
@@ -164,6 +165,7 @@ pub fn sample_delivering(
         error_flag: gpu.error_flag_ptr(),
         cand,
         cand_counts,
+        best,
         n_chunks,
         n: as_u32(OP, "vocab", vocab)?,
         top_k: u32::try_from(cfg.top_k).unwrap_or(u32::MAX),
