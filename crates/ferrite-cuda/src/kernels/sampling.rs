@@ -79,6 +79,69 @@ device_params! {
     }
 }
 
+/// Device code shared by the draws here and the int8 GEMV that folds a greedy draw into its
+/// epilogue (`gemv_q8`'s `ARGMAX`, see `ops::FoldedDraw`): a logit's ordered key, the packed
+/// running best the blocks of a launch fold their bests into, and the token's delivery.
+pub const DRAW: &str = r#"
+// Monotone map of floats to u32 (larger float -> larger key); NaN maps to 0, below -inf.
+__device__ __forceinline__ u32 order_key(float f) {
+  if (f != f) return 0u;
+  const u32 b = __float_as_uint(f);
+  return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+}
+
+// A logit and its index as one u64 whose larger value is the larger logit, then the smaller
+// index (its complement below the key).
+__device__ __forceinline__ u64 pack_best(float logit, u32 index) { return ((u64)order_key(logit) << 32) | (u64)~index; }
+
+// One thread per block of a launch of `blocks`: folds the block's packed best into *best (a
+// u64, zero between launches) and arrives at *arrivals (likewise); the last to arrive resets
+// both and returns true with the best's index in `token`.
+__device__ __forceinline__ bool fold_best(u64 best_addr, u64 arrivals_addr, u32 blocks, u64 mine, u32& token) {
+  u64* best = reinterpret_cast<u64*>(best_addr);
+  u32* arrivals = reinterpret_cast<u32*>(arrivals_addr);
+  atomicMax(best, mine);
+  __threadfence();
+  if (atomicAdd(arrivals, 1u) != blocks - 1u) return false;
+  // Every block has arrived (each folded its best in before its arrival).
+  __threadfence();
+  *arrivals = 0u;
+  token = ~(u32)atomicExch(best, 0ull);
+  return true;
+}
+
+// Where a drawn token goes (SampleParams' fields of the same names).
+struct Delivery {
+  u64 out, feed_ids, feed_pos, mailbox, error_flag;
+  u32 next_pos, tag, advance;
+};
+
+// The chosen token (one thread): to out[0] and, when asked, on to the next decode step (its
+// input id and position) and to the host's mailbox with the error flag. The tag goes last, so
+// a mailbox holding this call's tag holds this call's token.
+__device__ __forceinline__ void deliver_token(const Delivery& d, u32 token) {
+  reinterpret_cast<u32*>(d.out)[0] = token;
+  u32 next_pos = d.next_pos, tag = d.tag;
+  volatile u32* m = reinterpret_cast<volatile u32*>(d.mailbox);
+  if (d.advance) {
+    next_pos = reinterpret_cast<const u32*>(d.feed_pos)[0] + 1u;
+    tag = next_pos;
+    m += 4u * (next_pos & 1u);  // Mailbox::SLOT_WORDS
+  }
+  if (d.feed_ids) {
+    reinterpret_cast<u32*>(d.feed_ids)[0] = token;
+    reinterpret_cast<u32*>(d.feed_pos)[0] = next_pos;
+  }
+  if (d.mailbox) {
+    const volatile u32* flag = reinterpret_cast<const volatile u32*>(d.error_flag);
+    m[0] = token;
+    m[1] = flag[0];
+    m[2] = flag[1];
+    m[3] = tag;  // the host reads after an event behind this kernel: no system fence needed
+  }
+}
+"#;
+
 const SOURCE: &str = r#"
 #ifndef BLOCK_SIZE
 #error "BLOCK_SIZE (threads of a sampling block, and logits per candidate chunk) must come from the kernel variant"
@@ -86,13 +149,6 @@ const SOURCE: &str = r#"
 #define NO_INDEX 0xffffffffu
 // Most candidates `sample` gathers into shared memory from `topk_candidates`' output.
 #define CAND_CAP 4096u
-
-// Monotone map of floats to u32 (larger float -> larger key); NaN maps to 0, below -inf.
-__device__ __forceinline__ u32 order_key(float f) {
-  if (f != f) return 0u;
-  const u32 b = __float_as_uint(f);
-  return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
-}
 
 // (key, index) pairs: larger key wins, then smaller index.
 __device__ __forceinline__ void keep_better(u32& key, u32& idx, u32 k2, u32 i2) {
@@ -284,52 +340,23 @@ struct Mine {
   }
 };
 
-// The chosen token (one thread): to out[0] and, when asked, on to the next decode step (its
-// input id and position) and to the host's mailbox with the error flag. The tag goes last, so
-// a mailbox holding this call's tag holds this call's token.
+// The chosen token to where this launch's parameters send it (one thread).
 __device__ __forceinline__ void deliver(const SampleParams& p, u32 token) {
-  reinterpret_cast<u32*>(p.out)[0] = token;
-  u32 next_pos = p.next_pos, tag = p.tag;
-  volatile u32* m = reinterpret_cast<volatile u32*>(p.mailbox);
-  if (p.advance) {
-    next_pos = reinterpret_cast<const u32*>(p.feed_pos)[0] + 1u;
-    tag = next_pos;
-    m += 4u * (next_pos & 1u);  // Mailbox::SLOT_WORDS
-  }
-  if (p.feed_ids) {
-    reinterpret_cast<u32*>(p.feed_ids)[0] = token;
-    reinterpret_cast<u32*>(p.feed_pos)[0] = next_pos;
-  }
-  if (p.mailbox) {
-    const volatile u32* flag = reinterpret_cast<const volatile u32*>(p.error_flag);
-    m[0] = token;
-    m[1] = flag[0];
-    m[2] = flag[1];
-    m[3] = tag;  // the host reads after an event behind this kernel: no system fence needed
-  }
+  deliver_token({p.out, p.feed_ids, p.feed_pos, p.mailbox, p.error_flag, p.next_pos, p.tag, p.advance}, token);
 }
 
 // A greedy draw over many chunks in one launch: block b finds the best (key, index) of chunk b
-// of BLOCK_SIZE logits and folds it into the running best (`best`, one packed atomicMax); the
-// last block to arrive (counter cand_counts[n_chunks]) takes the best, resets both to zero for
-// the next launch and delivers it, from one thread: no second reduction. Ties go to the smaller
-// index, as in block_argmax.
+// of BLOCK_SIZE logits and folds it into the running best (`best`; fold_best, arrivals counted
+// in cand_counts[n_chunks]); the last block to arrive delivers it, from one thread: no second
+// reduction. Ties go to the smaller index, as in block_argmax.
 extern "C" __global__ void __launch_bounds__(BLOCK_SIZE) argmax_chunks(const SampleParams p) {
   KERNEL_ENTRY();
   __shared__ u32 s_key[32], s_idx[32];
   const u32 base = blockIdx.x * BLOCK_SIZE;
   const Elements chunk = {reinterpret_cast<const float*>(p.logits) + base, nullptr, min((u32)BLOCK_SIZE, p.n - base)};
   const u32 e = block_argmax(chunk, s_key, s_idx);
-  if (threadIdx.x != 0) return;
-  u64* best = reinterpret_cast<u64*>(p.best);
-  atomicMax(best, ((u64)order_key(chunk.logits[e]) << 32) | (u64)~(base + e));
-  __threadfence();
-  u32* counter = reinterpret_cast<u32*>(p.cand_counts) + p.n_chunks;
-  if (atomicAdd(counter, 1u) != p.n_chunks - 1) return;
-  // Every chunk has arrived (each folded its best in before its arrival).
-  __threadfence();
-  *counter = 0u;
-  deliver(p, ~(u32)atomicExch(best, 0ull));
+  u32 token;
+  if (threadIdx.x == 0 && fold_best(p.best, p.cand_counts + 4ull * p.n_chunks, p.n_chunks, pack_best(chunk.logits[e], base + e), token)) deliver(p, token);
 }
 
 extern "C" __global__ void __launch_bounds__(BLOCK_SIZE) sample(const SampleParams p) {
@@ -449,7 +476,7 @@ impl SamplingVariant {
 
 impl KernelVariant for SamplingVariant {
     const FAMILY: &'static str = "sampling";
-    const SOURCES: &'static [&'static str] = &[HEADER, ArgmaxParams::C_DECL, SampleParams::C_DECL, CandidateParams::C_DECL, SOURCE];
+    const SOURCES: &'static [&'static str] = &[HEADER, DRAW, ArgmaxParams::C_DECL, SampleParams::C_DECL, CandidateParams::C_DECL, SOURCE];
     const ENTRY_POINTS: &'static [&'static str] = &["argmax", "sample", "topk_candidates", "argmax_chunks"];
 
     fn macros(&self) -> Vec<(&'static str, String)> {

@@ -80,6 +80,8 @@ pub struct SampleScratch {
     cand: CudaSlice<u32>,
     counts: CudaSlice<u32>,
     best: CudaSlice<u64>,
+    /// A folded draw's arrival counter ([`FoldedDraw`]; zero between launches).
+    arrivals: CudaSlice<u32>,
     vocab: usize,
 }
 
@@ -87,7 +89,7 @@ impl SampleScratch {
     pub fn new(gpu: &Gpu, vocab: usize) -> Result<Self, CudaError> {
         let chunks = vocab.div_ceil(SamplingVariant::DEFAULT.block_size as usize).max(1);
         // counts: one per chunk, then `argmax_chunks`' arrival counter.
-        Ok(Self { cand: gpu.alloc_zeros(chunks * SamplingVariant::DEFAULT.block_size as usize)?, counts: gpu.alloc_zeros(chunks + 1)?, best: gpu.alloc_zeros(1)?, vocab })
+        Ok(Self { cand: gpu.alloc_zeros(chunks * SamplingVariant::DEFAULT.block_size as usize)?, counts: gpu.alloc_zeros(chunks + 1)?, best: gpu.alloc_zeros(1)?, arrivals: gpu.alloc_zeros(1)?, vocab })
     }
 }
 
@@ -123,24 +125,7 @@ pub fn sample_delivering(
         check_len(OP, "counter", c.len(), 1)?;
     }
     let variant = SamplingVariant::DEFAULT;
-    let (mut feed_ids, mut feed_pos, mut next_pos, mut mailbox, mut tag, mut advance) = (0, 0, 0, 0, 0, 0);
-    if let Some(d) = delivery {
-        if let Some((ids, positions)) = d.next_step {
-            check_len(OP, "next step ids", ids.len(), 1)?;
-            check_len(OP, "next step positions", positions.len(), 1)?;
-            (feed_ids, feed_pos) = (addr_mut(gpu, ids), addr_mut(gpu, positions));
-        }
-        match d.mail {
-            Mail::Tagged { mailbox: m, slot, tag: t, next_pos: p } => (mailbox, tag, next_pos) = (m.slot_addr(OP, slot)?, t, p),
-            Mail::Advancing { mailbox: m, pair } => {
-                if feed_pos == 0 {
-                    return Err(CudaError::invalid(OP, "an advancing delivery needs the next step's inputs"));
-                }
-                m.slot_addr(OP, pair + 1)?;
-                (mailbox, advance) = (m.slot_addr(OP, pair)?, 1);
-            }
-        }
-    }
+    let DeliveryAddrs { feed_ids, feed_pos, mailbox, next_pos, tag, advance } = delivery_addrs(OP, gpu, delivery)?;
     let block = variant.block_size as usize;
     let (greedy, k) = (cfg.temperature <= 0.0 || cfg.top_k == 1, cfg.top_k);
     let chunks = vocab.div_ceil(block);
@@ -181,4 +166,65 @@ pub fn sample_delivering(
         return gpu.launch(&variant, "argmax_chunks", variant.rows_launch_config(n_chunks), &params);
     }
     gpu.launch(&variant, "sample", variant.launch_config(), &params)
+}
+
+/// A token delivery's device addresses and words, as the kernels take them (all zero without
+/// one).
+#[derive(Clone, Copy, Debug, Default)]
+pub(super) struct DeliveryAddrs {
+    pub feed_ids: u64,
+    pub feed_pos: u64,
+    pub mailbox: u64,
+    pub next_pos: u32,
+    pub tag: u32,
+    pub advance: u32,
+}
+
+/// [`DeliveryAddrs`] of `delivery`, checked (for op `op`'s errors).
+fn delivery_addrs(op: &'static str, gpu: &Gpu, delivery: Option<TokenDelivery<'_>>) -> Result<DeliveryAddrs, CudaError> {
+    let mut a = DeliveryAddrs::default();
+    let Some(d) = delivery else { return Ok(a) };
+    if let Some((ids, positions)) = d.next_step {
+        check_len(op, "next step ids", ids.len(), 1)?;
+        check_len(op, "next step positions", positions.len(), 1)?;
+        (a.feed_ids, a.feed_pos) = (addr_mut(gpu, ids), addr_mut(gpu, positions));
+    }
+    match d.mail {
+        Mail::Tagged { mailbox, slot, tag, next_pos } => (a.mailbox, a.tag, a.next_pos) = (mailbox.slot_addr(op, slot)?, tag, next_pos),
+        Mail::Advancing { mailbox, pair } => {
+            if a.feed_pos == 0 {
+                return Err(CudaError::invalid(op, "an advancing delivery needs the next step's inputs"));
+            }
+            mailbox.slot_addr(op, pair + 1)?;
+            (a.mailbox, a.advance) = (mailbox.slot_addr(op, pair)?, 1);
+        }
+    }
+    Ok(a)
+}
+
+/// A greedy draw folded into the epilogue of the one-token int8 GEMV that writes the logits
+/// ([`super::Epilogue::draw`]): every block folds the best of its rows into the scratch's
+/// running best, and the last block to arrive delivers the token as [`sample_delivering`]
+/// would (the first index of the largest logit; NaN never wins over a number). No draw launch
+/// follows the GEMV and nothing reloads the logits. Made by [`fold_greedy_draw`].
+#[derive(Clone, Copy, Debug, Default)]
+pub struct FoldedDraw {
+    pub(super) best: u64,
+    pub(super) arrivals: u64,
+    pub(super) out: u64,
+    pub(super) delivery: DeliveryAddrs,
+}
+
+/// The greedy draw of the next GEMV that takes it as [`super::Epilogue::draw`]: the token to
+/// `out[0]` and on to `delivery`, the running best in `scratch` (one such launch at a time
+/// per scratch, in stream order).
+pub fn fold_greedy_draw(gpu: &Gpu, out: &mut impl DevicePtrMut<u32>, delivery: Option<TokenDelivery<'_>>, scratch: &mut SampleScratch) -> Result<FoldedDraw, CudaError> {
+    const OP: &str = "fold_greedy_draw";
+    check_len(OP, "out", out.len(), 1)?;
+    Ok(FoldedDraw {
+        best: addr_mut(gpu, &mut scratch.best),
+        arrivals: addr_mut(gpu, &mut scratch.arrivals),
+        out: addr_mut(gpu, out),
+        delivery: delivery_addrs(OP, gpu, delivery)?,
+    })
 }
