@@ -428,8 +428,8 @@ pub struct CudaExecutor {
     /// with its own draw (inside its graph), so that the next step follows it without a launch
     /// between.
     step_draws: bool,
-    /// Unless `FERRITE_DISABLE_CUDA_HEAD_DRAWS=1`: such a step's draw is folded into its output
-    /// head's int8 GEMV (`ops::FoldedDraw`) where that GEMV can take it.
+    /// With `FERRITE_CUDA_HEAD_DRAWS=1`: such a step's draw is folded into its output head's
+    /// int8 GEMV (`ops::FoldedDraw`) where that GEMV can take it.
     head_draws: bool,
     /// The position whose token the last enqueued step drew itself (then in mailbox slot
     /// `1 + position % 2`, and in `ids`/`positions` for the step at that position).
@@ -625,7 +625,7 @@ impl CudaExecutor {
             mailbox,
             mail_tag: 0,
             step_draws: !env::DISABLE_CUDA_STEP_DRAWS.flag(),
-            head_draws: !env::DISABLE_CUDA_HEAD_DRAWS.flag(),
+            head_draws: env::CUDA_HEAD_DRAWS.flag(),
             drawn_ahead: None,
             step_drawn_tokens: 0,
             sample_scratch,
@@ -727,7 +727,7 @@ impl CudaExecutor {
     }
 
     /// Whether the last greedy step that drew its own token (launched or captured) drew it in
-    /// its output head's GEMV (never with `FERRITE_DISABLE_CUDA_HEAD_DRAWS=1`).
+    /// its output head's GEMV (only with `FERRITE_CUDA_HEAD_DRAWS=1`).
     pub fn head_drew(&self) -> bool {
         self.buf.head_drew
     }

@@ -634,8 +634,8 @@ fn batched_decode_ahead_matches_step_by_step() {
 /// the same tokens, cache and logits, bit for bit, greedy and sampled, with and without
 /// recurrent state; stopping at an end token leaves that token in the cache only when run ahead.
 /// Also with greedy steps drawing their own next token inside their graphs, launched after the
-/// output head or folded into its GEMV (the default; `FERRITE_DISABLE_CUDA_STEP_DRAWS=1` and
-/// `FERRITE_DISABLE_CUDA_HEAD_DRAWS=1` turn them off).
+/// output head (the default; `FERRITE_DISABLE_CUDA_STEP_DRAWS=1` turns them off) or folded into
+/// its GEMV (`FERRITE_CUDA_HEAD_DRAWS=1`).
 fn decode_ahead_matches_step_by_step() {
     use ferrite_engine::{SamplerParams, Session, StopReason};
     let sampled = SamplerParams { temperature: 0.8, top_k: 40, top_p: 0.95, min_p: 0.05, seed: 5, ..SamplerParams::DEFAULT };
@@ -643,7 +643,7 @@ fn decode_ahead_matches_step_by_step() {
     for (model, step_draws, head_draws) in models.iter().flat_map(|m| [(m, false, false), (m, true, false), (m, true, true)]) {
         let arch = format!("{} step draws {step_draws} head draws {head_draws}", model.config.arch.name());
         std::env::set_var("FERRITE_DISABLE_CUDA_STEP_DRAWS", if step_draws { "0" } else { "1" });
-        std::env::set_var("FERRITE_DISABLE_CUDA_HEAD_DRAWS", if head_draws { "0" } else { "1" });
+        std::env::set_var("FERRITE_CUDA_HEAD_DRAWS", if head_draws { "1" } else { "0" });
         let gpu = ferrite_cuda::CudaExecutor::new(Arc::clone(model), opts(16)).unwrap();
         let mut session = Session::new(Box::new(gpu));
         let prompt: Vec<u32> = (0..PROMPT as u32).map(|i| (i * 977 + 5) % model.config.vocab_size as u32).collect();
@@ -690,7 +690,7 @@ fn decode_ahead_matches_step_by_step() {
         assert_eq!(gpu.head_drew(), head_draws, "{arch}: the output head drew the token");
     }
     std::env::remove_var("FERRITE_DISABLE_CUDA_STEP_DRAWS");
-    std::env::remove_var("FERRITE_DISABLE_CUDA_HEAD_DRAWS");
+    std::env::remove_var("FERRITE_CUDA_HEAD_DRAWS");
     println!("decode ahead: same tokens, cache and logits as reading each token back, greedy and sampled, with recurrent state, with and without steps drawing their next token (launched or in the output head)");
 }
 
