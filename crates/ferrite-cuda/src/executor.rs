@@ -440,6 +440,10 @@ pub struct CudaExecutor {
     sample_scratch: Option<ops::SampleScratch>,
 }
 
+/// The first of the two mailbox slots that the draws ending decode steps write (slot 0 takes
+/// the tagged draws between steps).
+const STEP_DRAW_SLOTS: usize = 1;
+
 enum DecodeGraph {
     Disabled,
     /// Enabled; captured at the second one-token step (the first loads every kernel module).
@@ -606,7 +610,7 @@ impl CudaExecutor {
         let expanded = expand_batched_weights(&gpu, graph, &mut weights, max_batch)?;
         // Each chunk stages two copies (ids, positions), a batched step four: 8 slots never wait.
         let staging = StagingRing::new(&gpu, 8, max_batch)?;
-        let mailbox = Mailbox::new(&gpu, 3)?;
+        let mailbox = Mailbox::new(&gpu, STEP_DRAW_SLOTS + 2)?;
         let vocab = graph.value(graph.logits).width;
         let sample_scratch = if env::DISABLE_SAMPLE_CANDIDATES.flag() { None } else { Some(ops::SampleScratch::new(&gpu, vocab)?) };
         let mut executor = Self {
@@ -827,7 +831,7 @@ impl CudaExecutor {
         let width = g.value(g.logits).width;
         let logits = self.buf.slots[self.plan.slot(g.logits)].as_ref().expect("logits slot");
         let next_step = Some((&mut self.buf.ids, &mut self.buf.positions));
-        let delivery = ops::TokenDelivery { next_step, mail: ops::Mail::Advancing { mailbox: &self.mailbox, pair: 1 } };
+        let delivery = ops::TokenDelivery { next_step, mail: ops::Mail::Advancing { mailbox: &self.mailbox, pair: STEP_DRAW_SLOTS } };
         ops::sample_delivering(&self.gpu, &logits.slice(0..width), width, &sampling_config(&DeviceSampling::GREEDY), 0, None, &mut self.buf.token, Some(delivery), self.sample_scratch.as_mut())
     }
 
@@ -862,7 +866,7 @@ impl CudaExecutor {
         let (slot, want_tag) = match drawn {
             Some(at) => {
                 self.step_drawn_tokens += 1;
-                (1 + at % 2, at as u32)
+                (STEP_DRAW_SLOTS + at % 2, at as u32)
             }
             None => {
                 let logits = self.buf.slots[self.plan.slot(g.logits)].as_ref().expect("logits slot");
@@ -1361,7 +1365,7 @@ impl CudaExecutor {
                 let draw = match sample_scratch.as_mut() {
                     Some(scratch) if buf.draw_in_head && r == 1 && op.writes() == graph.logits && emit.is_none() => {
                         buf.head_drew = true;
-                        let delivery = ops::TokenDelivery { next_step: Some((&mut buf.ids, &mut buf.positions)), mail: ops::Mail::Advancing { mailbox, pair: 1 } };
+                        let delivery = ops::TokenDelivery { next_step: Some((&mut buf.ids, &mut buf.positions)), mail: ops::Mail::Advancing { mailbox, pair: STEP_DRAW_SLOTS } };
                         Some(ops::fold_greedy_draw(gpu, &mut buf.token, Some(delivery), scratch)?)
                     }
                     _ => None,

@@ -45,13 +45,12 @@ device_params! {
         pub error_flag: u64,
         /// 0, or `topk_candidates`' output for these logits: per chunk of `BLOCK_SIZE` logits the
         /// indices of its candidates (`[n_chunks, BLOCK_SIZE]`) and their count (`[n_chunks]`).
-        /// `argmax_chunks` keeps its arrival counter in `cand_counts[n_chunks]`.
         pub cand: u64,
         pub cand_counts: u64,
-        /// `argmax_chunks`' running best, a `u64` (zero between launches): the ordered key of
-        /// the logit above the complement of its index, so the larger packed value is the larger
-        /// logit, then the smaller index.
+        /// `argmax_chunks`' running best, a `u64`, and its blocks' arrival counter, a `u32`
+        /// (`fold_best`; both zero between launches).
         pub best: u64,
+        pub arrivals: u64,
         pub n_chunks: u32,
         pub n: u32,
         pub top_k: u32,
@@ -346,9 +345,8 @@ __device__ __forceinline__ void deliver(const SampleParams& p, u32 token) {
 }
 
 // A greedy draw over many chunks in one launch: block b finds the best (key, index) of chunk b
-// of BLOCK_SIZE logits and folds it into the running best (`best`; fold_best, arrivals counted
-// in cand_counts[n_chunks]); the last block to arrive delivers it, from one thread: no second
-// reduction. Ties go to the smaller index, as in block_argmax.
+// of BLOCK_SIZE logits and folds it into the running best (fold_best); the last block to
+// arrive delivers it, from one thread: no second reduction. Ties go to the smaller index, as in block_argmax.
 extern "C" __global__ void __launch_bounds__(BLOCK_SIZE) argmax_chunks(const SampleParams p) {
   KERNEL_ENTRY();
   __shared__ u32 s_key[32], s_idx[32];
@@ -356,7 +354,7 @@ extern "C" __global__ void __launch_bounds__(BLOCK_SIZE) argmax_chunks(const Sam
   const Elements chunk = {reinterpret_cast<const float*>(p.logits) + base, nullptr, min((u32)BLOCK_SIZE, p.n - base)};
   const u32 e = block_argmax(chunk, s_key, s_idx);
   u32 token;
-  if (threadIdx.x == 0 && fold_best(p.best, p.cand_counts + 4ull * p.n_chunks, p.n_chunks, pack_best(chunk.logits[e], base + e), token)) deliver(p, token);
+  if (threadIdx.x == 0 && fold_best(p.best, p.arrivals, p.n_chunks, pack_best(chunk.logits[e], base + e), token)) deliver(p, token);
 }
 
 extern "C" __global__ void __launch_bounds__(BLOCK_SIZE) sample(const SampleParams p) {

@@ -79,8 +79,9 @@ pub fn sample(
 pub struct SampleScratch {
     cand: CudaSlice<u32>,
     counts: CudaSlice<u32>,
+    /// The running best and arrival counter of a greedy draw over many blocks (`argmax_chunks`,
+    /// [`FoldedDraw`]; zero between launches).
     best: CudaSlice<u64>,
-    /// A folded draw's arrival counter ([`FoldedDraw`]; zero between launches).
     arrivals: CudaSlice<u32>,
     vocab: usize,
 }
@@ -88,8 +89,7 @@ pub struct SampleScratch {
 impl SampleScratch {
     pub fn new(gpu: &Gpu, vocab: usize) -> Result<Self, CudaError> {
         let chunks = vocab.div_ceil(SamplingVariant::DEFAULT.block_size as usize).max(1);
-        // counts: one per chunk, then `argmax_chunks`' arrival counter.
-        Ok(Self { cand: gpu.alloc_zeros(chunks * SamplingVariant::DEFAULT.block_size as usize)?, counts: gpu.alloc_zeros(chunks + 1)?, best: gpu.alloc_zeros(1)?, arrivals: gpu.alloc_zeros(1)?, vocab })
+        Ok(Self { cand: gpu.alloc_zeros(chunks * SamplingVariant::DEFAULT.block_size as usize)?, counts: gpu.alloc_zeros(chunks)?, best: gpu.alloc_zeros(1)?, arrivals: gpu.alloc_zeros(1)?, vocab })
     }
 }
 
@@ -129,10 +129,10 @@ pub fn sample_delivering(
     let block = variant.block_size as usize;
     let (greedy, k) = (cfg.temperature <= 0.0 || cfg.top_k == 1, cfg.top_k);
     let chunks = vocab.div_ceil(block);
-    let (mut cand, mut cand_counts, mut best, mut n_chunks) = (0, 0, 0, 0);
+    let (mut cand, mut cand_counts, mut best, mut arrivals, mut n_chunks) = (0, 0, 0, 0, 0);
     let staged = scratch.filter(|s| (greedy || (1..=block).contains(&k)) && vocab > block && chunks <= block && s.vocab >= vocab);
     if let Some(s) = staged {
-        (cand, cand_counts, best, n_chunks) = (addr_mut(gpu, &mut s.cand), addr_mut(gpu, &mut s.counts), addr_mut(gpu, &mut s.best), chunks as u32);
+        (cand, cand_counts, best, arrivals, n_chunks) = (addr_mut(gpu, &mut s.cand), addr_mut(gpu, &mut s.counts), addr_mut(gpu, &mut s.best), addr_mut(gpu, &mut s.arrivals), chunks as u32);
         if !greedy {
             let params = CandidateParams { logits: addr(gpu, logits), cand, cand_counts, n: vocab as u32, top_k: k as u32 };
             gpu.launch(&variant, "topk_candidates", variant.rows_launch_config(n_chunks), &params)?;
@@ -151,6 +151,7 @@ pub fn sample_delivering(
         cand,
         cand_counts,
         best,
+        arrivals,
         n_chunks,
         n: as_u32(OP, "vocab", vocab)?,
         top_k: u32::try_from(cfg.top_k).unwrap_or(u32::MAX),
