@@ -337,6 +337,16 @@ struct Mine {
       for (u32 e = begin; e < end; ++e) f(el.logit(e), el.index(e));
     }
   }
+  // Call f(logit) for each, strided over the threads so that a warp's loads are coalesced: for
+  // sums that need no index order (a thread's contiguous chunk is a load per lane and cache line).
+  template <typename F>
+  __device__ void each_strided(F&& f) const {
+    if (gathered) {
+      if (threadIdx.x < kept) f(c_logit[threadIdx.x]);
+    } else {
+      for (u32 e = threadIdx.x; e < el.m; e += BLOCK_SIZE) f(el.logit(e));
+    }
+  }
 };
 
 // The chosen token to where this launch's parameters send it (one thread).
@@ -404,7 +414,8 @@ extern "C" __global__ void __launch_bounds__(BLOCK_SIZE) sample(const SamplePara
   }
   __syncthreads();
   const Mine mine = {gathered, kept, c_logit, c_index, el, begin, end};
-  // This thread's unnormalised probability mass at temperature 1/inv_t over keys >= t.
+  // This thread's unnormalised probability mass at temperature 1/inv_t over keys >= t: of its
+  // contiguous chunk (the draw's, in index order), or strided (the top-p passes').
   auto mass = [&](u32 t, float inv_t) {
     float m = 0.f;
     mine.each([&](float l, u32) {
@@ -412,14 +423,21 @@ extern "C" __global__ void __launch_bounds__(BLOCK_SIZE) sample(const SamplePara
     });
     return m;
   };
+  auto mass_strided = [&](u32 t) {
+    float m = 0.f;
+    mine.each_strided([&](float l) {
+      if (order_key(l) >= t) m += expf(l - max_logit);
+    });
+    return m;
+  };
 
   // top-p: the largest threshold whose kept mass still reaches top_p of the top-k mass.
   if (p.top_p > 0.f && p.top_p < 1.f) {
-    const float target = p.top_p * block_sum(mass(th, 1.f), scratch);
+    const float target = p.top_p * block_sum(mass_strided(th), scratch);
     u32 tp = 0u;
     for (int bit = 31; bit >= 0; --bit) {
       const u32 cand = tp | (1u << bit);
-      if (block_sum(mass(max(cand, th), 1.f), scratch) >= target) tp = cand;
+      if (block_sum(mass_strided(max(cand, th)), scratch) >= target) tp = cand;
     }
     th = max(th, tp);
   }
