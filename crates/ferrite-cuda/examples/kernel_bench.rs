@@ -765,7 +765,7 @@ fn sampling(gpu: &Gpu) -> Result<(), CudaError> {
     println!("  argmax (one block) {:>9.2} us", s * 1e6);
     let greedy = SamplingConfig { temperature: 0.0, top_k: 40, top_p: 0.95, min_p: 0.05, seed: 1 };
     let cfg = SamplingConfig { temperature: 0.8, ..greedy };
-    for (name, cfg) in [("greedy", greedy), ("top-k 40/top-p/min-p", cfg), ("top-k off, top-p 0.95", SamplingConfig { top_k: 0, ..cfg })] {
+    for (name, cfg) in [("greedy", greedy), ("top-k 40/top-p/min-p", cfg), ("top-k off, top-p 0.95", SamplingConfig { top_k: 0, ..cfg }), ("top-k off, top-p off", SamplingConfig { top_k: 0, top_p: 1.0, min_p: 0.0, ..cfg })] {
         let one = time(gpu, 200, || ops::sample(gpu, &logits, 49152, &cfg, 0, None, &mut token))?;
         let two = time(gpu, 200, || ops::sample_delivering(gpu, &logits, 49152, &cfg, 0, None, &mut token, None, Some(&mut scratch)))?;
         println!("  {name:<24} one block {:>8.2} us | with chunk candidates {:>8.2} us", one * 1e6, two * 1e6);

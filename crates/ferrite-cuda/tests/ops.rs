@@ -2964,7 +2964,8 @@ fn sample_matches_the_reference_chain() {
     let Some(gpu) = gpu() else { return };
     let mut rng = Rng(8);
     // Up to 1024 tokens that survive top-k are gathered into shared memory; more are filtered
-    // in place over the whole vocabulary. Both paths are covered.
+    // in place over the whole vocabulary. Both paths are covered, the second also over
+    // SmolLM2's vocabulary (top-p's cut found by digits over it).
     let configs = [
         SamplingConfig { temperature: 0.8, top_k: 40, top_p: 0.95, min_p: 0.05, seed: 1 },
         SamplingConfig { temperature: 1.0, top_k: 0, top_p: 1.0, min_p: 0.0, seed: 2 },
@@ -2972,8 +2973,10 @@ fn sample_matches_the_reference_chain() {
         SamplingConfig { temperature: 0.7, top_k: 0, top_p: 0.9, min_p: 0.1, seed: 4 },
         SamplingConfig { temperature: 3.0, top_k: 999, top_p: 0.99, min_p: 0.0, seed: 5 },
         SamplingConfig { temperature: 1.2, top_k: 1500, top_p: 0.8, min_p: 0.0, seed: 6 },
+        // top-p alone (an OpenAI request's usual setting): away from a boundary on all vocabularies.
+        SamplingConfig { temperature: 1.0, top_k: 0, top_p: 0.7, min_p: 0.0, seed: 7 },
     ];
-    for vocab in [1000, 5000] {
+    for vocab in [1000, 5000, 49_152] {
         let logits = rng.vec(vocab, -4.0, 4.0);
         let dev = upload(gpu, &logits);
         let (mut compared, mut ambiguous) = (0, 0);

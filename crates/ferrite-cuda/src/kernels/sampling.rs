@@ -299,6 +299,29 @@ __device__ T block_scan(T v, T* s) {
   return s[threadIdx.x];
 }
 
+// Each of 16 bins summed over the block, returned to every thread in `bins`: warp sums, then
+// thread d < 16 adds bin d over the warps in order (a fixed order: deterministic). `s` holds
+// 16 floats per warp (BLOCK_SIZE / 2).
+__device__ void block_sum_bins(float (&bins)[16], float* s) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+#pragma unroll
+  for (int d = 0; d < 16; ++d) bins[d] = warp_sum(bins[d]);
+  __syncthreads();  // an earlier user of s may still be reading it
+  if (lane == 0) {
+#pragma unroll
+    for (int d = 0; d < 16; ++d) s[warp * 16 + d] = bins[d];
+  }
+  __syncthreads();
+  float total = 0.f;
+  if (threadIdx.x < 16) {
+    for (int w = 0; w < BLOCK_SIZE / 32; ++w) total += s[w * 16 + threadIdx.x];
+    s[threadIdx.x] = total;  // only this thread read it
+  }
+  __syncthreads();
+#pragma unroll
+  for (int d = 0; d < 16; ++d) bins[d] = s[d];
+}
+
 // The candidates of `topk_candidates` gathered into s_cand in index order (warp w copies chunks
 // w, w + 32, ...); false (nothing gathered) when more than CAND_CAP (ties) or no candidate list.
 __device__ bool gather_candidates(const SampleParams& p, u32* s_cand, u32* s_uscan, u32* m) {
@@ -370,7 +393,6 @@ extern "C" __global__ void __launch_bounds__(BLOCK_SIZE) argmax_chunks(const Sam
 extern "C" __global__ void __launch_bounds__(BLOCK_SIZE) sample(const SampleParams p) {
   KERNEL_ENTRY();
   __shared__ u32 s_key[32], s_idx[32], s_radix[2], s_hist[256];
-  __shared__ float scratch[32];
   __shared__ float s_fscan[BLOCK_SIZE];
   __shared__ u32 s_uscan[BLOCK_SIZE];
   __shared__ float c_logit[BLOCK_SIZE];
@@ -414,8 +436,7 @@ extern "C" __global__ void __launch_bounds__(BLOCK_SIZE) sample(const SamplePara
   }
   __syncthreads();
   const Mine mine = {gathered, kept, c_logit, c_index, el, begin, end};
-  // This thread's unnormalised probability mass at temperature 1/inv_t over keys >= t: of its
-  // contiguous chunk (the draw's, in index order), or strided (the top-p passes').
+  // This thread's unnormalised probability mass at temperature 1/inv_t over keys >= t.
   auto mass = [&](u32 t, float inv_t) {
     float m = 0.f;
     mine.each([&](float l, u32) {
@@ -423,23 +444,41 @@ extern "C" __global__ void __launch_bounds__(BLOCK_SIZE) sample(const SamplePara
     });
     return m;
   };
-  auto mass_strided = [&](u32 t) {
-    float m = 0.f;
-    mine.each_strided([&](float l) {
-      if (order_key(l) >= t) m += expf(l - max_logit);
-    });
-    return m;
-  };
 
-  // top-p: the largest threshold whose kept mass still reaches top_p of the top-k mass.
+  // top-p: the largest key t whose mass (keys >= max(t, th)) still reaches top_p of the top-k
+  // mass, found a digit of four bits per pass from the top (8 passes, not 32 of bisection).
+  // A pass sums the masses of the keys under the digits found so far into 16 bins by their next
+  // digit; the cut's digit is the largest whose bins from the top, with the mass above them,
+  // still reach the target. Each thread's bins stay in registers (added strided, coalesced)
+  // and the block adds them in a fixed order: the same logits always give the same cut.
   if (p.top_p > 0.f && p.top_p < 1.f) {
-    const float target = p.top_p * block_sum(mass_strided(th), scratch);
-    u32 tp = 0u;
-    for (int bit = 31; bit >= 0; --bit) {
-      const u32 cand = tp | (1u << bit);
-      if (block_sum(mass_strided(max(cand, th)), scratch) >= target) tp = cand;
+    float target = 0.f, above = 0.f;  // above: the mass of the keys above the current bucket
+    u32 prefix = 0u, mask = 0u;
+    for (int shift = 28; shift >= 0; shift -= 4) {
+      float bins[16];
+#pragma unroll
+      for (int d = 0; d < 16; ++d) bins[d] = 0.f;
+      mine.each_strided([&](float l) {
+        const u32 key = order_key(l);
+        if (key < th || (key & mask) != prefix) return;
+        const u32 digit = (key >> shift) & 15u;
+        const float w = expf(l - max_logit);
+#pragma unroll
+        for (int d = 0; d < 16; ++d) bins[d] += digit == (u32)d ? w : 0.f;
+      });
+      block_sum_bins(bins, s_fscan);
+      if (shift == 28) {
+        float total = 0.f;
+#pragma unroll
+        for (int d = 0; d < 16; ++d) total += bins[d];
+        target = p.top_p * total;
+      }
+      int digit = 15;
+      for (; digit > 0 && above + bins[digit] < target; --digit) above += bins[digit];
+      prefix |= (u32)digit << shift;
+      mask |= 15u << shift;
     }
-    th = max(th, tp);
+    th = max(th, prefix);
   }
   // min-p: p_i >= min_p * p_max  <=>  l_i >= max + ln(min_p); the top token always stays.
   if (p.min_p > 0.f) th = max(th, min(order_key(max_logit + logf(p.min_p)), order_key(max_logit)));
