@@ -112,6 +112,8 @@ fn truncated_and_corrupt_files_give_clear_errors() {
         assert!(out.contains("ceilings measured in this run: read of") && out.contains("% of the matrix rate") && out.contains("% of the bandwidth"), "{out}");
     }
     assert_clean_error(&ferrite(&["bench", "--seqs", "0", "--model", hf.to_str().unwrap()]), "--seqs");
+    assert_clean_error(&ferrite(&["bench", "--seqs", "2", "--seq-top-p", "1.5", "--model", hf.to_str().unwrap()]), "--seq-top-p");
+    assert_clean_error(&ferrite(&["bench", "--seqs", "2", "--seq-temp=-1", "--model", hf.to_str().unwrap()]), "--seq-temp");
     assert_clean_error(&ferrite(&["bench", "-p", "0", "-n", "0", "--model", hf.to_str().unwrap()]), "nothing to measure");
     // At a depth (llama-bench's --n-depth): the tests say so and the context grows to fit.
     let o = ferrite(&["bench", "-p", "8", "-n", "4", "-d", "0,40", "-r", "1", "--model", hf.to_str().unwrap()]);

@@ -215,6 +215,9 @@ switches! {
     /// Two-stage device sampling (chunk candidates, then one block over them).
     DISABLE_SAMPLE_CANDIDATES = ("FERRITE_DISABLE_SAMPLE_CANDIDATES", "0", AbTest,
         "1: CUDA draws read the whole vocabulary in one block; by default a block per 1024 logits works on its chunk first (top-k up to 1024: keeps the chunk's top-k for the one sampling block, about 6x faster for top-k 40 over 49152 logits; greedy: the chunk's best, the last block to finish picks the best of those). The same token either way.");
+    /// One launch for all of a batched step's sampled draws (CUDA).
+    DISABLE_CUDA_ROW_DRAWS = ("FERRITE_DISABLE_CUDA_ROW_DRAWS", "0", AbTest,
+        "1: a batched step's sampled (non-greedy) sequences draw one launch after another, as a single sequence does; by default one launch draws them all side by side, a block per sequence (and one launch keeps the chunk candidates of all those with top-k up to 1024). The same tokens either way.");
     /// Split-KV (flash-decoding) attention for decode on CUDA.
     SPLIT_ATTENTION = ("FERRITE_SPLIT_ATTENTION", "1", AbTest,
         "1 runs CUDA decode attention on caches over 256 positions split-KV: each query's keys cut into shares of at least 128 computed by separate blocks (as many as the position needs), merged by the last to finish; 0 gives each query one block.");

@@ -757,8 +757,8 @@ fn moe(gpu: &Gpu) -> Result<(), CudaError> {
 
 fn sampling(gpu: &Gpu) -> Result<(), CudaError> {
     println!("\nsampling over 49152 logits (spread like a model's: a hash of the index, -8..8)");
-    let logits: Vec<f32> = (0..49152u64).map(|i| ((i.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 40) % 16001) as f32 / 1000.0 - 8.0).collect();
-    let logits = gpu.upload(&logits, "logits")?;
+    let host_logits: Vec<f32> = (0..49152u64).map(|i| ((i.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 40) % 16001) as f32 / 1000.0 - 8.0).collect();
+    let logits = gpu.upload(&host_logits, "logits")?;
     let mut token = gpu.alloc_zeros::<u32>(1)?;
     let mut scratch = ops::SampleScratch::new(gpu, 49152)?;
     let s = time(gpu, 200, || ops::argmax(gpu, &logits, 49152, &mut token))?;
@@ -769,6 +769,26 @@ fn sampling(gpu: &Gpu) -> Result<(), CudaError> {
         let one = time(gpu, 200, || ops::sample(gpu, &logits, 49152, &cfg, 0, None, &mut token))?;
         let two = time(gpu, 200, || ops::sample_delivering(gpu, &logits, 49152, &cfg, 0, None, &mut token, None, Some(&mut scratch)))?;
         println!("  {name:<24} one block {:>8.2} us | with chunk candidates {:>8.2} us", one * 1e6, two * 1e6);
+    }
+    // A batched step's sampled sequences (64 rows of these logits): a launch per row, or one
+    // launch drawing them all side by side (`sample_rows`).
+    let rows = 64;
+    let many = gpu.upload(&(0..rows).flat_map(|_| host_logits.iter().copied()).collect::<Vec<_>>(), "logits rows")?;
+    let mut outs = gpu.alloc_zeros::<u32>(rows)?;
+    let mut row_scratch = ops::SampleScratch::for_draws(gpu, 49152, rows)?;
+    let mut words = gpu.alloc_zeros::<u32>(rows * ops::ROW_DRAW_WORDS)?;
+    let mut ring = ferrite_cuda::StagingRing::new(gpu, 4, rows * ops::ROW_DRAW_WORDS)?;
+    for (name, cfg) in [("top-k 40/top-p/min-p", cfg), ("top-k off, top-p 0.95", SamplingConfig { top_k: 0, ..cfg }), ("top-k off, top-p off", SamplingConfig { top_k: 0, top_p: 1.0, min_p: 0.0, ..cfg })] {
+        let each = time(gpu, 20, || {
+            for r in 0..rows {
+                let row = many.slice(r * 49152..(r + 1) * 49152);
+                ops::sample_delivering(gpu, &row, 49152, &cfg, 0, None, &mut outs.slice_mut(r..r + 1), None, Some(&mut scratch))?;
+            }
+            Ok(())
+        })?;
+        let draws: Vec<ops::RowSample> = (0..rows).map(|row| ops::RowSample { row, cfg, step: row as u64 }).collect();
+        let one = time(gpu, 20, || ops::sample_rows(gpu, &mut ring, &mut words, &many, 49152, rows, &draws, &mut outs, Some(&mut row_scratch)))?;
+        println!("  {rows} rows, {name:<24} a launch each {:>8.1} us | one launch {:>8.1} us", each * 1e6, one * 1e6);
     }
     // What a decode loop's draw adds: the next step's inputs and the host's mailbox (a
     // device-mapped page-locked slot written through the system, tag last).

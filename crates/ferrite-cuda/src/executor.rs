@@ -263,6 +263,10 @@ struct PagedState {
     buf: Buffers,
     /// The sequences' tokens drawn on the device (`max_seqs`).
     tokens: CudaSlice<u32>,
+    /// The sampled draws of a step in one launch (`ops::sample_rows`; None with
+    /// FERRITE_DISABLE_CUDA_ROW_DRAWS=1): their settings on the device and the candidates'
+    /// scratch (None with FERRITE_DISABLE_SAMPLE_CANDIDATES=1).
+    row_draws: Option<(CudaSlice<u32>, Option<ops::SampleScratch>)>,
     /// Their host copy, then the device error flag's (`max_seqs + 2` words).
     readback: Readback,
     graphs: BatchGraphs,
@@ -1690,12 +1694,14 @@ impl CudaExecutor {
         if sample.iter().flatten().any(DeviceSampling::is_greedy) {
             ops::argmax_rows(&self.gpu, &logits.slice(0..n_seqs * w), w, n_seqs, &mut paged.tokens)?;
         }
-        for (i, p) in sample.iter().enumerate() {
-            if let Some(p) = p.filter(|p| !p.is_greedy()) {
-                let cfg = sampling_config(&p);
+        let draws: Vec<ops::RowSample> = sample.iter().enumerate().filter_map(|(row, p)| p.filter(|p| !p.is_greedy()).map(|p| ops::RowSample { row, cfg: sampling_config(&p), step: p.step })).collect();
+        if let Some((words, scratch)) = paged.row_draws.as_mut() {
+            ops::sample_rows(&self.gpu, &mut self.staging, words, &logits.slice(0..n_seqs * w), w, n_seqs, &draws, &mut paged.tokens, scratch.as_mut())?;
+        } else {
+            for d in &draws {
                 // One draw after another in stream order, so they share the candidate scratch.
-                let (row, scratch) = (logits.slice(i * w..(i + 1) * w), self.sample_scratch.as_mut());
-                ops::sample_delivering(&self.gpu, &row, w, &cfg, p.step, None, &mut paged.tokens.slice_mut(i..i + 1), None, scratch)?;
+                let (row, scratch) = (logits.slice(d.row * w..(d.row + 1) * w), self.sample_scratch.as_mut());
+                ops::sample_delivering(&self.gpu, &row, w, &d.cfg, d.step, None, &mut paged.tokens.slice_mut(d.row..d.row + 1), None, scratch)?;
             }
         }
         let flag_at = paged.config.max_seqs;
@@ -1856,10 +1862,17 @@ impl Executor for CudaExecutor {
             uploaded_gdn_slots: Vec::new(),
         });
         let tokens = self.gpu.alloc_zeros(max_seqs)?;
+        let row_draws = if env::DISABLE_CUDA_ROW_DRAWS.flag() {
+            None
+        } else {
+            let vocab = self.model.graph.value(self.model.graph.logits).width;
+            let scratch = if env::DISABLE_SAMPLE_CANDIDATES.flag() { None } else { Some(ops::SampleScratch::for_draws(&self.gpu, vocab, max_seqs)?) };
+            Some((self.gpu.alloc_zeros(max_seqs * ops::ROW_DRAW_WORDS)?, scratch))
+        };
         let readback = Readback::new(&self.gpu, max_seqs + 2)?;
         let mut graphs = BatchGraphs::new();
         graphs.enabled &= buf.profile.is_none();
-        self.paged = Some(PagedState { config, plan, buf, tokens, readback, graphs, ahead: None, ahead_taken: 0, cursors: vec![RecurrentCursor::default(); state_slots] });
+        self.paged = Some(PagedState { config, plan, buf, tokens, row_draws, readback, graphs, ahead: None, ahead_taken: 0, cursors: vec![RecurrentCursor::default(); state_slots] });
         Ok(())
     }
 

@@ -3066,6 +3066,68 @@ fn two_stage_sample_draws_the_one_block_token() {
     println!("| {:<10} | {:<44} | {:>9} | {:>9} | {:>6} |", "sample", format!("two-stage = one block: {draws} draws"), "exact", "exact", "0");
 }
 
+/// One launch drawing from several rows of logits (a batched step's sampled sequences) gives
+/// each row the token its own launch would: greedy, top-k (two-stage and, over 1 024, one
+/// block), top-p alone, all filters, with and without the candidates' scratch; a row left out
+/// keeps its `out`. Rows outside the logits, drawn twice, or a NaN setting are refused.
+#[test]
+fn sample_rows_draws_each_rows_own_token() {
+    let Some(gpu) = gpu() else { return };
+    let mut rng = Rng(21);
+    let base = SamplingConfig { temperature: 0.8, top_k: 40, top_p: 0.95, min_p: 0.05, seed: 5 };
+    let configs = [
+        base,
+        SamplingConfig { temperature: 0.0, ..base },
+        SamplingConfig { top_k: 0, top_p: 0.9, min_p: 0.0, temperature: 1.0, seed: 6 },
+        SamplingConfig { top_k: 2000, top_p: 0.8, min_p: 0.0, temperature: 1.2, seed: 7 },
+        SamplingConfig { top_k: 1, ..base },
+        SamplingConfig { top_k: 0, top_p: 1.0, min_p: 0.0, temperature: 1.0, seed: 8 },
+        SamplingConfig { top_k: 1024, top_p: 0.9, min_p: 0.0, temperature: 0.7, seed: 9 },
+    ];
+    let mut ring = ferrite_cuda::StagingRing::new(gpu, 3, 8).unwrap();
+    let mut draws_compared = 0;
+    for vocab in [5000usize, 49_152] {
+        let rows = configs.len() + 1; // the last row is not drawn
+        let mut values = rng.vec(rows * vocab, -6.0, 6.0);
+        values[vocab + 17] = f32::NAN;
+        values[2 * vocab + 3] = f32::NEG_INFINITY;
+        let logits = upload(gpu, &values);
+        let mut words = gpu.alloc_zeros::<u32>(rows * ops::ROW_DRAW_WORDS).unwrap();
+        let mut one_scratch = ops::SampleScratch::new(gpu, vocab).unwrap();
+        let mut row_scratch = ops::SampleScratch::for_draws(gpu, vocab, rows).unwrap();
+        for step in 0..4u64 {
+            // Drawn in a rotated order, so that a draw's block is not its row.
+            let draws: Vec<ops::RowSample> = (0..configs.len()).map(|i| (i + step as usize) % configs.len()).map(|row| ops::RowSample { row, cfg: configs[row], step: step * 10 + row as u64 }).collect();
+            let want: Vec<u32> = draws
+                .iter()
+                .map(|d| {
+                    let mut out = upload(gpu, &[u32::MAX]);
+                    let row = logits.slice(d.row * vocab..(d.row + 1) * vocab);
+                    ops::sample_delivering(gpu, &row, vocab, &d.cfg, d.step, None, &mut out, None, Some(&mut one_scratch)).unwrap();
+                    download(gpu, &out)[0]
+                })
+                .collect();
+            for scratch in [Some(&mut row_scratch), None] {
+                let with_scratch = scratch.is_some();
+                let mut out = upload(gpu, &vec![u32::MAX; rows]);
+                ops::sample_rows(gpu, &mut ring, &mut words, &logits, vocab, rows, &draws, &mut out, scratch).unwrap();
+                let got = download(gpu, &out);
+                for (d, want) in draws.iter().zip(&want) {
+                    assert_eq!(got[d.row], *want, "vocab {vocab} step {step} row {} {:?} scratch {with_scratch}", d.row, d.cfg);
+                    draws_compared += 1;
+                }
+                assert_eq!(got[rows - 1], u32::MAX, "the row left out");
+            }
+        }
+        let mut out = upload(gpu, &vec![0u32; rows]);
+        let draw = |row, cfg| ops::RowSample { row, cfg, step: 0 };
+        for bad in [vec![draw(rows, base)], vec![draw(0, base), draw(0, base)], vec![draw(1, SamplingConfig { top_p: f32::NAN, ..base })]] {
+            assert!(ops::sample_rows(gpu, &mut ring, &mut words, &logits, vocab, rows, &bad, &mut out, None).is_err(), "{bad:?}");
+        }
+    }
+    println!("| {:<10} | {:<44} | {:>9} | {:>9} | {:>6} |", "sample", format!("rows in one launch = one each: {draws_compared}"), "exact", "exact", "0");
+}
+
 /// A token delivered to the next step's inputs and to the host's mailbox (with the tag and the
 /// device error flag), greedy and sampled; without a step, only the mailbox and `out` change.
 /// An advancing delivery (a draw replayed at the end of a decode step) takes the next position

@@ -157,7 +157,10 @@ pub fn bench_tg(session: &mut Session, n: usize, depth: usize, reps: Reps, vocab
 /// greedy sampling (on the device where the backend can, else on the host: the server's per-step
 /// work), each step enqueued before the last one's tokens are read back where the backend can
 /// ([`Executor::forward_paged_ahead`]). Samples are aggregate tokens per second over the `n` steps.
-pub fn bench_batched(session: &mut Session, seqs: usize, prompt: usize, n: usize, reps: Reps, vocab: usize) -> Result<BenchResult> {
+/// Each step draws every sequence's token on the device with `sampling` (greedy, or sampled as
+/// a server's requests are: each sequence its own seed); sampled runs are named "... sampled".
+#[allow(clippy::too_many_arguments)]
+pub fn bench_batched(session: &mut Session, seqs: usize, prompt: usize, n: usize, reps: Reps, vocab: usize, sampling: DeviceSampling) -> Result<BenchResult> {
     const BLOCK: usize = 16;
     let blocks_per_seq = (prompt + n).div_ceil(BLOCK);
     let exec = session.executor();
@@ -179,7 +182,7 @@ pub fn bench_batched(session: &mut Session, seqs: usize, prompt: usize, n: usize
             let ids = next.clone();
             let batch: Vec<SeqChunk> =
                 tables.iter().zip(&ids).enumerate().map(|(s, (table, tok))| SeqChunk { tokens: std::slice::from_ref(tok), start_pos: prompt + step, block_table: table, state_slot: s }).collect();
-            let sample = vec![Some(DeviceSampling { step: step as u64, ..DeviceSampling::GREEDY }); seqs];
+            let sample: Vec<_> = (0..seqs).map(|s| Some(DeviceSampling { step: step as u64, seed: s as u64, ..sampling })).collect();
             // As the server's scheduler runs it: the next step enqueued before the tokens are
             // read back (where the backend can), but for the last step.
             let outputs = if step + 1 < n && ahead_on {
@@ -202,7 +205,8 @@ pub fn bench_batched(session: &mut Session, seqs: usize, prompt: usize, n: usize
             samples.push(tps);
         }
     }
-    Ok(BenchResult { test: format!("tg{n} x{seqs}"), tokens: n, seqs, start: prompt, samples })
+    let test = if sampling.is_greedy() { format!("tg{n} x{seqs}") } else { format!("tg{n} x{seqs} sampled") };
+    Ok(BenchResult { test, tokens: n, seqs, start: prompt, samples })
 }
 
 /// The least work a token costs, for expressing speed as a fraction of the hardware limit.

@@ -2,6 +2,7 @@ use super::common::{load_model, ModelArgs};
 use anyhow::Result;
 use clap::Args;
 use ferrite_engine::bench::{batch_speedups, bench_batched, bench_pp, bench_tg, BenchResult, Reps, TokenWork};
+use ferrite_model::DeviceSampling;
 
 #[derive(Args)]
 pub struct BenchArgs {
@@ -25,6 +26,16 @@ pub struct BenchArgs {
     /// Prompt tokens of each sequence of a --seqs run (prefilled before the timed steps).
     #[arg(long = "seq-prompt", default_value_t = 32)]
     pub seq_prompt: usize,
+    /// Temperature of the --seqs runs' draws (0: greedy), drawn on the device as a server's are
+    /// (CUDA; the CPU backend returns logits, which the run reduces by argmax).
+    #[arg(long = "seq-temp", default_value_t = 0.0)]
+    pub seq_temp: f32,
+    /// top-k of the --seqs runs' draws (0: off, as an OpenAI request without `top_k`).
+    #[arg(long = "seq-top-k", default_value_t = 0)]
+    pub seq_top_k: usize,
+    /// top-p of the --seqs runs' draws (1: off).
+    #[arg(long = "seq-top-p", default_value_t = 1.0)]
+    pub seq_top_p: f32,
     /// Bracket the timed part of each test's last repetition with a profiler range (CUDA:
     /// cuProfilerStart/Stop), so that `ncu --profile-from-start off` records only those kernels
     /// (scripts/gpu-kernel-times.sh --range).
@@ -35,8 +46,6 @@ pub struct BenchArgs {
 }
 
 pub fn run(args: BenchArgs) -> Result<()> {
-    let loaded = load_model(&args.model)?;
-    let vocab = loaded.model.config.vocab_size;
     let deepest = args.depth.iter().copied().max().unwrap_or(0);
     let longest = deepest + args.n_prompt.iter().chain(&args.n_gen).copied().max().unwrap_or(0);
     if args.n_prompt.iter().chain(&args.n_gen).all(|&n| n == 0) {
@@ -45,6 +54,15 @@ pub fn run(args: BenchArgs) -> Result<()> {
     if args.seqs.contains(&0) {
         anyhow::bail!("--seqs counts sequences: each value must be at least 1");
     }
+    if !(args.seq_temp.is_finite() && args.seq_temp >= 0.0) {
+        anyhow::bail!("--seq-temp must be 0 or more, got {}", args.seq_temp);
+    }
+    if !(args.seq_top_p > 0.0 && args.seq_top_p <= 1.0) {
+        anyhow::bail!("--seq-top-p must be in (0, 1], got {}", args.seq_top_p);
+    }
+    let seq_sampling = DeviceSampling { temperature: args.seq_temp, top_k: args.seq_top_k, top_p: args.seq_top_p, min_p: 0.0, seed: 0, step: 0 };
+    let loaded = load_model(&args.model)?;
+    let vocab = loaded.model.config.vocab_size;
     let mut margs = args.model.clone();
     if margs.ctx_size != 0 {
         margs.ctx_size = margs.ctx_size.max(longest + 1);
@@ -63,7 +81,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
     }
     for &n in args.n_gen.iter().filter(|&&n| n > 0) {
         for &seqs in &args.seqs {
-            results.push(bench_batched(&mut session, seqs, args.seq_prompt.max(1), n, reps, vocab)?);
+            results.push(bench_batched(&mut session, seqs, args.seq_prompt.max(1), n, reps, vocab, seq_sampling)?);
         }
     }
     let m = &loaded.model;

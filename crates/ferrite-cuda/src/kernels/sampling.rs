@@ -3,14 +3,16 @@
 //! `argmax`: first index of the largest logit (NaN counts as smallest).
 //! `sample`: llama.cpp's chain, as ferrite-engine's host sampler runs it: top-k, then top-p and
 //! min-p judged on temperature-1 probabilities, then temperature on the survivors and one draw
-//! from a counter-based RNG keyed by (seed, step). Thresholds are found by bisection over the
-//! logits' ordered bit patterns with fixed-order block reductions, and the draw walks the
+//! from a counter-based RNG keyed by (seed, step). Thresholds are found over the logits' ordered
+//! bit patterns (top-p's four bits per pass) with fixed-order block reductions, and the draw walks the
 //! vocabulary in index order, so the same (logits, seed, step) always gives the same token.
 //! top-k is a radix select (4 histogram passes); when at most 1024 tokens survive it, they are
 //! gathered into shared memory and the later filters run on them alone. With a candidate list
 //! (`topk_candidates`, a block per chunk of 1024 logits, for top-k up to 1024)
 //! the single `sample` block looks only at the chunks' own top-k, which hold the vocabulary's:
 //! the same token, from a few thousand logits instead of the whole vocabulary.
+//! With a list of draws (`RowDraw`), one launch draws from many rows (a batched step's
+//! sequences), a block per draw, each as a launch of its own would.
 //! [`sampling_uniform`] reproduces the draw on the host.
 
 use super::common::HEADER;
@@ -51,6 +53,10 @@ device_params! {
         /// (`fold_best`; both zero between launches).
         pub best: u64,
         pub arrivals: u64,
+        /// 0, or a draw per block (`RowDraw[gridDim.x]`): block b draws from row `rows[b].row` of
+        /// `n` logits with that draw's settings (the ones below are ignored), writes `out[row]`
+        /// and keeps its candidates in part b of the scratch (`[n_chunks * BLOCK_SIZE]` each).
+        pub rows: u64,
         pub n_chunks: u32,
         pub n: u32,
         pub top_k: u32,
@@ -69,10 +75,27 @@ device_params! {
 }
 
 device_params! {
+    /// One draw of a multi-row `sample` launch: its logits row and settings (as `SampleParams`').
+    pub struct RowDraw {
+        pub seed: u64,
+        pub step: u64,
+        pub temperature: f32,
+        pub top_p: f32,
+        pub min_p: f32,
+        pub top_k: u32,
+        pub row: u32,
+        pub pad: u32,
+    }
+}
+
+device_params! {
     pub struct CandidateParams {
         pub logits: u64,
         pub cand: u64,
         pub cand_counts: u64,
+        /// 0, or `SampleParams::rows`: grid row y keeps the candidates of draw y's logits row
+        /// (with its top-k) in part y of `cand` / `cand_counts`; draws that take none return.
+        pub rows: u64,
         pub n: u32,
         pub top_k: u32,
     }
@@ -236,19 +259,32 @@ __device__ u32 block_kth_key(u32 m, u32 k, K key_of, u32* s_hist, u32* s_radix) 
   return prefix;
 }
 
+// Whether a draw of a multi-row launch takes the two-stage path (as the host decides for one).
+__device__ __forceinline__ bool draws_candidates(const RowDraw& d) { return d.temperature > 0.f && d.top_k >= 2u && d.top_k <= BLOCK_SIZE; }
+
 // Stage 1 of a top-k draw over a large vocabulary: block b takes the BLOCK_SIZE logits of chunk
 // b, finds the chunk's top_k-th largest key and writes the indices of the logits at or above it
 // (ascending) to cand[b * BLOCK_SIZE ...] and their count to counts[b]. The chunk's k-th key is
 // at most the vocabulary's, so every token a top-k keeps (ties included) is a candidate.
+// With `rows`, grid row y does so for draw y, in part y of cand and counts.
 extern "C" __global__ void __launch_bounds__(BLOCK_SIZE) topk_candidates(const CandidateParams p) {
   KERNEL_ENTRY();
   __shared__ u32 s_hist[256], s_radix[2], s_count[32];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const float* logits = reinterpret_cast<const float*>(p.logits) + (u64)blockIdx.x * BLOCK_SIZE;
+  u32 top_k = p.top_k;
+  u64 row = 0;
+  if (p.rows) {
+    const RowDraw d = reinterpret_cast<const RowDraw*>(p.rows)[blockIdx.y];
+    if (!draws_candidates(d)) return;  // block-uniform
+    top_k = d.top_k;
+    row = d.row;
+  }
+  const u64 chunk = (u64)blockIdx.y * gridDim.x + blockIdx.x;  // this block's part of cand / counts
+  const float* logits = reinterpret_cast<const float*>(p.logits) + row * p.n + (u64)blockIdx.x * BLOCK_SIZE;
   const u32 m = min((u32)BLOCK_SIZE, p.n - blockIdx.x * BLOCK_SIZE);
   const u32 key = threadIdx.x < m ? order_key(logits[threadIdx.x]) : 0u;
   u32 th = 0u;
-  if (p.top_k < m) th = block_kth_key(m, p.top_k, [&](u32 e) { return order_key(logits[e]); }, s_hist, s_radix);
+  if (top_k < m) th = block_kth_key(m, top_k, [&](u32 e) { return order_key(logits[e]); }, s_hist, s_radix);
   const bool keep = threadIdx.x < m && key >= th;
   // The candidate's place: earlier warps' counts, then earlier lanes'.
   const u32 ballot = __ballot_sync(FULL_MASK, keep);
@@ -259,8 +295,8 @@ extern "C" __global__ void __launch_bounds__(BLOCK_SIZE) topk_candidates(const C
     before += w < warp ? s_count[w] : 0u;
     total += s_count[w];
   }
-  if (keep) reinterpret_cast<u32*>(p.cand)[(u64)blockIdx.x * BLOCK_SIZE + before + __popc(ballot & ((1u << lane) - 1u))] = blockIdx.x * BLOCK_SIZE + threadIdx.x;
-  if (threadIdx.x == 0) reinterpret_cast<u32*>(p.cand_counts)[blockIdx.x] = total;
+  if (keep) reinterpret_cast<u32*>(p.cand)[chunk * BLOCK_SIZE + before + __popc(ballot & ((1u << lane) - 1u))] = blockIdx.x * BLOCK_SIZE + threadIdx.x;
+  if (threadIdx.x == 0) reinterpret_cast<u32*>(p.cand_counts)[chunk] = total;
 }
 
 // One block per row of n logits (a batched step's sequences): out[row] = its argmax.
@@ -390,8 +426,32 @@ extern "C" __global__ void __launch_bounds__(BLOCK_SIZE) argmax_chunks(const Sam
   if (threadIdx.x == 0 && fold_best(p.best, p.arrivals, p.n_chunks, pack_best(chunk.logits[e], base + e), token)) deliver(p, token);
 }
 
-extern "C" __global__ void __launch_bounds__(BLOCK_SIZE) sample(const SampleParams p) {
+// This block's draw: the launch's, or with `rows` its own row's (logits, out, settings and part
+// of the candidate scratch; the candidates only if stage 1 kept them for it).
+__device__ SampleParams block_draw(const SampleParams& launch) {
+  SampleParams p = launch;
+  if (!launch.rows) return p;
+  const RowDraw d = reinterpret_cast<const RowDraw*>(launch.rows)[blockIdx.x];
+  p.logits += 4ull * d.row * launch.n;
+  p.out += 4ull * d.row;
+  p.seed = d.seed;
+  p.step = d.step;
+  p.temperature = d.temperature;
+  p.top_p = d.top_p;
+  p.min_p = d.min_p;
+  p.top_k = d.top_k;
+  if (launch.cand && draws_candidates(d)) {
+    p.cand += 4ull * blockIdx.x * launch.n_chunks * BLOCK_SIZE;
+    p.cand_counts += 4ull * blockIdx.x * launch.n_chunks;
+  } else {
+    p.cand = 0;
+  }
+  return p;
+}
+
+extern "C" __global__ void __launch_bounds__(BLOCK_SIZE) sample(const SampleParams launch) {
   KERNEL_ENTRY();
+  const SampleParams p = block_draw(launch);
   __shared__ u32 s_key[32], s_idx[32], s_radix[2], s_hist[256];
   __shared__ float s_fscan[BLOCK_SIZE];
   __shared__ u32 s_uscan[BLOCK_SIZE];
@@ -525,13 +585,18 @@ impl SamplingVariant {
 
     /// `argmax` over `rows` rows: a block per row.
     pub fn rows_launch_config(&self, rows: u32) -> LaunchConfig {
-        LaunchConfig { grid_dim: (rows, 1, 1), block_dim: (self.block_size, 1, 1), shared_mem_bytes: 0 }
+        self.grid_launch_config(rows, 1)
+    }
+
+    /// `topk_candidates` over `chunks` chunks of each of `draws` rows.
+    pub fn grid_launch_config(&self, chunks: u32, draws: u32) -> LaunchConfig {
+        LaunchConfig { grid_dim: (chunks, draws, 1), block_dim: (self.block_size, 1, 1), shared_mem_bytes: 0 }
     }
 }
 
 impl KernelVariant for SamplingVariant {
     const FAMILY: &'static str = "sampling";
-    const SOURCES: &'static [&'static str] = &[HEADER, DRAW, ArgmaxParams::C_DECL, SampleParams::C_DECL, CandidateParams::C_DECL, SOURCE];
+    const SOURCES: &'static [&'static str] = &[HEADER, DRAW, ArgmaxParams::C_DECL, SampleParams::C_DECL, RowDraw::C_DECL, CandidateParams::C_DECL, SOURCE];
     const ENTRY_POINTS: &'static [&'static str] = &["argmax", "sample", "topk_candidates", "argmax_chunks"];
 
     fn macros(&self) -> Vec<(&'static str, String)> {

@@ -2,8 +2,8 @@
 
 use super::{addr, addr_mut, as_u32, check_len};
 use crate::error::CudaError;
-use crate::kernels::sampling::{ArgmaxParams, CandidateParams, SampleParams, SamplingVariant};
-use crate::staging::Mailbox;
+use crate::kernels::sampling::{ArgmaxParams, CandidateParams, RowDraw, SampleParams, SamplingVariant};
+use crate::staging::{Mailbox, StagingRing};
 use crate::Gpu;
 use cudarc::driver::{CudaSlice, CudaView, DevicePtr, DevicePtrMut};
 
@@ -75,8 +75,10 @@ pub fn sample(
     sample_delivering(gpu, logits, vocab, cfg, step, counter, out, None, None)
 }
 
-/// Working memory of the two-stage draw (see [`sample_delivering`]) over up to `vocab` logits.
+/// Working memory of the two-stage draw (see [`sample_delivering`]) over up to `vocab` logits,
+/// for one draw or (`for_draws`) the draws of one [`sample_rows`] launch.
 pub struct SampleScratch {
+    /// Per draw: the candidates of each chunk of logits and their count.
     cand: CudaSlice<u32>,
     counts: CudaSlice<u32>,
     /// The running best and arrival counter of a greedy draw over many blocks (`argmax_chunks`,
@@ -84,13 +86,40 @@ pub struct SampleScratch {
     best: CudaSlice<u64>,
     arrivals: CudaSlice<u32>,
     vocab: usize,
+    draws: usize,
 }
 
 impl SampleScratch {
     pub fn new(gpu: &Gpu, vocab: usize) -> Result<Self, CudaError> {
-        let chunks = vocab.div_ceil(SamplingVariant::DEFAULT.block_size as usize).max(1);
-        Ok(Self { cand: gpu.alloc_zeros(chunks * SamplingVariant::DEFAULT.block_size as usize)?, counts: gpu.alloc_zeros(chunks)?, best: gpu.alloc_zeros(1)?, arrivals: gpu.alloc_zeros(1)?, vocab })
+        Self::for_draws(gpu, vocab, 1)
     }
+
+    pub fn for_draws(gpu: &Gpu, vocab: usize, draws: usize) -> Result<Self, CudaError> {
+        let chunks = vocab.div_ceil(SamplingVariant::DEFAULT.block_size as usize).max(1);
+        let draws = draws.max(1);
+        Ok(Self {
+            cand: gpu.alloc_zeros(draws * chunks * SamplingVariant::DEFAULT.block_size as usize)?,
+            counts: gpu.alloc_zeros(draws * chunks)?,
+            best: gpu.alloc_zeros(1)?,
+            arrivals: gpu.alloc_zeros(1)?,
+            vocab,
+            draws,
+        })
+    }
+}
+
+/// The checks every draw's settings pass before a launch.
+fn check_config(op: &'static str, cfg: &SamplingConfig) -> Result<(), CudaError> {
+    if cfg.temperature.is_nan() || cfg.top_p.is_nan() || cfg.min_p.is_nan() {
+        return Err(CudaError::invalid(op, format!("NaN in {cfg:?}")));
+    }
+    Ok(())
+}
+
+/// Whether a draw takes the two-stage path given a scratch: top-k up to one chunk (the
+/// device's `draws_candidates` for a row of [`sample_rows`]).
+fn draws_candidates(cfg: &SamplingConfig, block: usize) -> bool {
+    cfg.temperature > 0.0 && (2..=block).contains(&cfg.top_k)
 }
 
 /// [`sample`], also delivering the token where `delivery` says. With `scratch`, over more than
@@ -116,9 +145,7 @@ pub fn sample_delivering(
     if vocab == 0 {
         return Err(CudaError::invalid(OP, "no logits"));
     }
-    if cfg.temperature.is_nan() || cfg.top_p.is_nan() || cfg.min_p.is_nan() {
-        return Err(CudaError::invalid(OP, format!("NaN in {cfg:?}")));
-    }
+    check_config(OP, cfg)?;
     check_len(OP, "logits", logits.len(), vocab)?;
     check_len(OP, "out", out.len(), 1)?;
     if let Some(c) = counter {
@@ -134,7 +161,7 @@ pub fn sample_delivering(
     if let Some(s) = staged {
         (cand, cand_counts, best, arrivals, n_chunks) = (addr_mut(gpu, &mut s.cand), addr_mut(gpu, &mut s.counts), addr_mut(gpu, &mut s.best), addr_mut(gpu, &mut s.arrivals), chunks as u32);
         if !greedy {
-            let params = CandidateParams { logits: addr(gpu, logits), cand, cand_counts, n: vocab as u32, top_k: k as u32 };
+            let params = CandidateParams { logits: addr(gpu, logits), cand, cand_counts, rows: 0, n: vocab as u32, top_k: k as u32 };
             gpu.launch(&variant, "topk_candidates", variant.rows_launch_config(n_chunks), &params)?;
         }
     }
@@ -152,6 +179,7 @@ pub fn sample_delivering(
         cand_counts,
         best,
         arrivals,
+        rows: 0,
         n_chunks,
         n: as_u32(OP, "vocab", vocab)?,
         top_k: u32::try_from(cfg.top_k).unwrap_or(u32::MAX),
@@ -167,6 +195,98 @@ pub fn sample_delivering(
         return gpu.launch(&variant, "argmax_chunks", variant.rows_launch_config(n_chunks), &params);
     }
     gpu.launch(&variant, "sample", variant.launch_config(), &params)
+}
+
+/// One draw of [`sample_rows`]: from logits row `row`, with `cfg` at `step`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct RowSample {
+    pub row: usize,
+    pub cfg: SamplingConfig,
+    pub step: u64,
+}
+
+/// [`sample`] from several of `rows` rows of `vocab` logits (`logits[row * vocab..]`) in one
+/// launch, a block per draw, each writing `out[row]`: the token a launch of its own would draw
+/// (the blocks run side by side instead of one after another). The draws' settings reach the
+/// device through `staging`, into `draw_words` ([`ROW_DRAW_WORDS`] a draw). With `scratch`
+/// (for at least `draws.len()` draws) the draws with top-k up to 1 024 take the two-stage
+/// path, all of their first stages in one `topk_candidates` launch.
+#[allow(clippy::too_many_arguments)]
+pub fn sample_rows(
+    gpu: &Gpu,
+    staging: &mut StagingRing,
+    draw_words: &mut CudaSlice<u32>,
+    logits: &impl DevicePtr<f32>,
+    vocab: usize,
+    rows: usize,
+    draws: &[RowSample],
+    out: &mut impl DevicePtrMut<u32>,
+    scratch: Option<&mut SampleScratch>,
+) -> Result<(), CudaError> {
+    const OP: &str = "sample_rows";
+    if vocab == 0 || rows == 0 {
+        return Err(CudaError::invalid(OP, "no logits"));
+    }
+    check_len(OP, "logits", logits.len(), super::elems(OP, &[vocab, rows])?)?;
+    check_len(OP, "out", out.len(), rows)?;
+    if draws.is_empty() {
+        return Ok(());
+    }
+    check_len(OP, "draw words", draw_words.len(), super::elems(OP, &[draws.len(), ROW_DRAW_WORDS])?)?;
+    let mut drawn = vec![false; rows];
+    let mut words = Vec::with_capacity(draws.len() * ROW_DRAW_WORDS);
+    for d in draws {
+        check_config(OP, &d.cfg)?;
+        if d.row >= rows || std::mem::replace(&mut drawn[d.row], true) {
+            return Err(CudaError::invalid(OP, format!("row {} is outside the {rows} rows or drawn twice", d.row)));
+        }
+        let draw = RowDraw {
+            seed: d.cfg.seed,
+            step: d.step,
+            temperature: d.cfg.temperature,
+            top_p: d.cfg.top_p,
+            min_p: d.cfg.min_p,
+            top_k: u32::try_from(d.cfg.top_k).unwrap_or(u32::MAX),
+            row: d.row as u32,
+            pad: 0,
+        };
+        words.extend_from_slice(&draw.words());
+    }
+    staging.copy(gpu, &words, &mut draw_words.slice_mut(0..words.len()))?;
+    let variant = SamplingVariant::DEFAULT;
+    let block = variant.block_size as usize;
+    let (n, n_draws, chunks) = (as_u32(OP, "vocab", vocab)?, as_u32(OP, "draws", draws.len())?, vocab.div_ceil(block));
+    let rows_addr = addr(gpu, draw_words);
+    let (mut cand, mut cand_counts, mut n_chunks) = (0, 0, 0);
+    let staged = scratch.filter(|s| vocab > block && chunks <= block && s.vocab >= vocab && s.draws >= draws.len());
+    if let Some(s) = staged.filter(|_| draws.iter().any(|d| draws_candidates(&d.cfg, block))) {
+        (cand, cand_counts, n_chunks) = (addr_mut(gpu, &mut s.cand), addr_mut(gpu, &mut s.counts), chunks as u32);
+        let params = CandidateParams { logits: addr(gpu, logits), cand, cand_counts, rows: rows_addr, n, top_k: 0 };
+        gpu.launch(&variant, "topk_candidates", variant.grid_launch_config(n_chunks, n_draws), &params)?;
+    }
+    let params = SampleParams {
+        logits: addr(gpu, logits),
+        out: addr_mut(gpu, out),
+        error_flag: gpu.error_flag_ptr(),
+        cand,
+        cand_counts,
+        rows: rows_addr,
+        n_chunks,
+        n,
+        ..Default::default()
+    };
+    gpu.launch(&variant, "sample", variant.rows_launch_config(n_draws), &params)
+}
+
+/// `u32` words of one [`RowDraw`] on the device.
+pub const ROW_DRAW_WORDS: usize = std::mem::size_of::<RowDraw>() / 4;
+
+impl RowDraw {
+    /// The draw as the device reads it (little-endian `repr(C)`: the `u64`s low word first).
+    fn words(&self) -> [u32; ROW_DRAW_WORDS] {
+        let [seed_lo, seed_hi, step_lo, step_hi] = [self.seed as u32, (self.seed >> 32) as u32, self.step as u32, (self.step >> 32) as u32];
+        [seed_lo, seed_hi, step_lo, step_hi, self.temperature.to_bits(), self.top_p.to_bits(), self.min_p.to_bits(), self.top_k, self.row, self.pad]
+    }
 }
 
 /// A token delivery's device addresses and words, as the kernels take them (all zero without
