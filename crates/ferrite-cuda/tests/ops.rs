@@ -3003,6 +3003,26 @@ fn sample_matches_the_reference_chain() {
             assert_eq!(device_sample(gpu, &dev, vocab, cfg, 9), host_argmax(&logits));
         }
         assert_eq!(device_sample(gpu, &dev, vocab, &configs[3], 77), device_sample(gpu, &dev, vocab, &configs[3], 77));
+        // A NaN logit is never drawn and weighs nothing: the same tokens as with -inf in its
+        // place (whose weight is an exact 0), the top logit's NaN included. (Over 1 024 logits
+        // the survivors of top-k off keep their places; gathered, the -inf ones would take
+        // slots and move the others to other threads' sums.)
+        if vocab <= 1024 {
+            continue;
+        }
+        let top = host_argmax(&logits) as usize;
+        let (mut nan, mut inf) = (logits.clone(), logits.clone());
+        for i in [top, vocab / 2, vocab - 1] {
+            (nan[i], inf[i]) = (f32::NAN, f32::NEG_INFINITY);
+        }
+        let (nan, inf) = (upload(gpu, &nan), upload(gpu, &inf));
+        for cfg in &configs {
+            for step in 0..8 {
+                let got = device_sample(gpu, &nan, vocab, cfg, step);
+                assert_eq!(got, device_sample(gpu, &inf, vocab, cfg, step), "vocab {vocab} {cfg:?} step {step}");
+                assert!(![top, vocab / 2, vocab - 1].contains(&(got as usize)), "a NaN drawn: {cfg:?} step {step}");
+            }
+        }
     }
 }
 

@@ -283,8 +283,8 @@ extern "C" __global__ void __launch_bounds__(BLOCK_SIZE) topk_candidates(const C
   const float* logits = reinterpret_cast<const float*>(p.logits) + row * p.n + (u64)blockIdx.x * BLOCK_SIZE;
   const u32 m = min((u32)BLOCK_SIZE, p.n - blockIdx.x * BLOCK_SIZE);
   const u32 key = threadIdx.x < m ? order_key(logits[threadIdx.x]) : 0u;
-  u32 th = 0u;
-  if (top_k < m) th = block_kth_key(m, top_k, [&](u32 e) { return order_key(logits[e]); }, s_hist, s_radix);
+  u32 th = 1u;  // key 0 is NaN's alone: never a candidate
+  if (top_k < m) th = max(1u, block_kth_key(m, top_k, [&](u32 e) { return order_key(logits[e]); }, s_hist, s_radix));
   const bool keep = threadIdx.x < m && key >= th;
   // The candidate's place: earlier warps' counts, then earlier lanes'.
   const u32 ballot = __ballot_sync(FULL_MASK, keep);
@@ -469,9 +469,10 @@ extern "C" __global__ void __launch_bounds__(BLOCK_SIZE) sample(const SamplePara
     return;
   }
 
-  // top-k: every token with key >= th stays (ties at the cut are all kept).
-  u32 th = 0u;
-  if (p.top_k > 0u && p.top_k < el.m) th = block_kth_key(el.m, p.top_k, [&](u32 e) { return order_key(el.logit(e)); }, s_hist, s_radix);
+  // top-k: every token with key >= th stays (ties at the cut are all kept). Key 0 is NaN's
+  // alone: a NaN logit is never drawn and weighs nothing.
+  u32 th = 1u;
+  if (p.top_k > 0u && p.top_k < el.m) th = max(1u, block_kth_key(el.m, p.top_k, [&](u32 e) { return order_key(el.logit(e)); }, s_hist, s_radix));
 
   // Thread t owns the contiguous chunk [begin, end) of the elements. When at most BLOCK_SIZE
   // tokens survive top-k they are gathered (in index order) into shared memory, one per
