@@ -209,9 +209,6 @@ switches! {
     /// Greedy decode steps that draw their own next token inside their graph (CUDA).
     DISABLE_CUDA_STEP_DRAWS = ("FERRITE_DISABLE_CUDA_STEP_DRAWS", "0", AbTest,
         "1 launches every CUDA draw on its own between two decode steps' graphs; by default a greedy one-token step enqueued ahead of the host (FERRITE_DECODE_AHEAD) ends with its own draw, captured in its graph: the token goes to the next step's inputs (at the step's position + 1, read on the device) and to one of two mailbox slots by parity, so no launch sits between two steps (H100, SmolLM2 tg128 +0.6%, 1B +0.3%).");
-    /// Greedy step draws folded into the output head's GEMV (CUDA).
-    CUDA_HEAD_DRAWS = ("FERRITE_CUDA_HEAD_DRAWS", "0", AbTest,
-        "1: a greedy step's own draw (FERRITE_DISABLE_CUDA_STEP_DRAWS) happens in the epilogue of the step's output head where the head runs on the int8 GEMV: each block folds its rows' best into one packed 64-bit maximum and the last block to finish delivers the token, so no draw launch follows and nothing reloads the logits; 0 (the default until measured on a GPU) launches the draw after the head, as for heads off that path (f16/bf16/f32 weights) and with FERRITE_DISABLE_SAMPLE_CANDIDATES=1.");
     /// Two-stage device sampling (chunk candidates, then one block over them).
     DISABLE_SAMPLE_CANDIDATES = ("FERRITE_DISABLE_SAMPLE_CANDIDATES", "0", AbTest,
         "1: CUDA draws read the whole vocabulary in one block; by default a block per 1024 logits works on its chunk first (top-k up to 1024: keeps the chunk's top-k for the one sampling block, about 6x faster for top-k 40 over 49152 logits; greedy: the chunk's best, the last block to finish picks the best of those). The same token either way.");

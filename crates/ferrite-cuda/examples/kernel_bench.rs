@@ -806,31 +806,5 @@ fn sampling(gpu: &Gpu) -> Result<(), CudaError> {
         ops::sample_delivering(gpu, &logits, 49152, &greedy, 0, None, &mut token, Some(delivery), Some(&mut scratch))
     })?;
     println!("  greedy delivered to the next step and the mailbox: tagged {:>8.2} us | advancing {:>8.2} us", tagged * 1e6, advancing * 1e6);
-    // A greedy step's tail: SmolLM2's output head (Q4_1 49 152 x 576, from the f32 row with its
-    // norm) and its advancing draw, launched after the head or folded into its epilogue
-    // (`Epilogue::draw`, FERRITE_CUDA_HEAD_DRAWS=1); dependent launches replayed from a graph,
-    // the weights rotated beyond the L2.
-    let (rows, cols) = (49152, 576);
-    let heads = weight_copies(gpu, GgmlType::Q4_1, rows, cols, &quantize(GgmlType::Q4_1, &ramp(rows * cols)).expect("quantize"))?;
-    let (x, g) = (gpu.upload(&activation_row(cols), "x")?, gpu.upload(&vec![1f32; cols], "norm")?);
-    let norm = || Some(ops::NormPrologue { weight: &g, eps: 1e-5, add_one: false });
-    let mut head_out = gpu.alloc_zeros::<f32>(rows)?;
-    let launched = time_graph(gpu, heads.len(), &mut || {
-        for w in &heads {
-            ops::linear_q8_f32_row(gpu, w, &x, norm(), &mut head_out, rows, 0, &ops::Epilogue::default(), None)?;
-            let delivery = ops::TokenDelivery { next_step: Some((&mut ids, &mut positions)), mail: ops::Mail::Advancing { mailbox: &mailbox, pair: 1 } };
-            ops::sample_delivering(gpu, &head_out, rows, &greedy, 0, None, &mut token, Some(delivery), Some(&mut scratch))?;
-        }
-        Ok(())
-    })?;
-    let folded = time_graph(gpu, heads.len(), &mut || {
-        for w in &heads {
-            let delivery = ops::TokenDelivery { next_step: Some((&mut ids, &mut positions)), mail: ops::Mail::Advancing { mailbox: &mailbox, pair: 1 } };
-            let draw = ops::fold_greedy_draw(gpu, &mut token, Some(delivery), &mut scratch)?;
-            ops::linear_q8_f32_row(gpu, w, &x, norm(), &mut head_out, rows, 0, &ops::Epilogue { draw: Some(draw), ..Default::default() }, None)?;
-        }
-        Ok(())
-    })?;
-    println!("  SmolLM2 output head + advancing greedy draw: draw launched {:>8.2} us | folded into the head {:>8.2} us", launched * 1e6, folded * 1e6);
     Ok(())
 }

@@ -197,10 +197,6 @@ struct Buffers {
     /// `FERRITE_DISABLE_CUDA_EARLY_RELEASE=1`.
     early_release: Vec<bool>,
     early_release_on: bool,
-    /// For the step being run (`run_step_ops`): its greedy draw goes into the output head's
-    /// int8 GEMV where that GEMV can take it, and whether it did.
-    draw_in_head: bool,
-    head_drew: bool,
     kv: PerLayer<KvCache>,
     gdn: PerLayer<GdnState>,
     /// Working memory of the MoE FFN ops, one per distinct shape.
@@ -386,8 +382,6 @@ impl Buffers {
             f32_row_in: vec![false; graph.ops.len()],
             early_release: vec![false; graph.ops.len()],
             early_release_on: !env::DISABLE_CUDA_EARLY_RELEASE.flag(),
-            draw_in_head: false,
-            head_drew: false,
             ids: gpu.alloc_zeros(rows)?,
             positions: gpu.alloc_zeros(rows)?,
             token: gpu.alloc_zeros(1)?,
@@ -432,9 +426,6 @@ pub struct CudaExecutor {
     /// with its own draw (inside its graph), so that the next step follows it without a launch
     /// between.
     step_draws: bool,
-    /// With `FERRITE_CUDA_HEAD_DRAWS=1`: such a step's draw is folded into its output head's
-    /// int8 GEMV (`ops::FoldedDraw`) where that GEMV can take it.
-    head_draws: bool,
     /// The position whose token the last enqueued step drew itself (then in mailbox slot
     /// `1 + position % 2`, and in `ids`/`positions` for the step at that position).
     drawn_ahead: Option<usize>,
@@ -633,7 +624,6 @@ impl CudaExecutor {
             mailbox,
             mail_tag: 0,
             step_draws: !env::DISABLE_CUDA_STEP_DRAWS.flag(),
-            head_draws: env::CUDA_HEAD_DRAWS.flag(),
             drawn_ahead: None,
             step_drawn_tokens: 0,
             sample_scratch,
@@ -734,12 +724,6 @@ impl CudaExecutor {
         self.step_drawn_tokens
     }
 
-    /// Whether the last greedy step that drew its own token (launched or captured) drew it in
-    /// its output head's GEMV (only with `FERRITE_CUDA_HEAD_DRAWS=1`).
-    pub fn head_drew(&self) -> bool {
-        self.buf.head_drew
-    }
-
     /// Linear chains that one-token steps run as one launch (of those the graph declares; none
     /// unless `FERRITE_CUDA_LINEAR_CHAIN=1`).
     pub fn chains_run(&self) -> usize {
@@ -810,19 +794,8 @@ impl CudaExecutor {
                 DecodeGraph::Disabled => {}
             }
         }
-        self.run_step_ops(n, draws)
-    }
-
-    /// The ops of a step and, with `draws`, its greedy draw: folded into the output head's int8
-    /// GEMV where the head runs on that path (`head_draws`; the draw needs the sampling
-    /// scratch), else launched after the step's last op.
-    fn run_step_ops(&mut self, n: usize, draws: bool) -> anyhow::Result<()> {
-        self.buf.draw_in_head = draws && self.head_draws;
-        self.buf.head_drew = false;
-        let ran = self.run_ops(n);
-        self.buf.draw_in_head = false;
-        ran?;
-        if draws && !self.buf.head_drew {
+        self.run_ops(n)?;
+        if draws {
             self.launch_step_draw()?;
         }
         Ok(())
@@ -914,7 +887,10 @@ impl CudaExecutor {
         let stream = Arc::clone(self.gpu.stream());
         let scratch_generation = self.gpu.scratch_generation();
         stream.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED).map_err(CudaError::from)?;
-        let recorded = self.run_step_ops(n, draws);
+        let recorded = match self.run_ops(n) {
+            Ok(()) if draws => self.launch_step_draw().map_err(anyhow::Error::from),
+            other => other,
+        };
         // End the capture even when an op failed, so the stream is usable again.
         let graph = stream.end_capture(CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_USE_NODE_PRIORITY).map_err(CudaError::from);
         recorded.with_context(|| format!("capturing a {n}-row step as a CUDA graph"))?;
@@ -1333,7 +1309,7 @@ impl CudaExecutor {
         let width = |v: ValueId| graph.value(v).width;
         let n_seqs = self.buf.paging.as_ref().map_or(1, |pg| pg.n_seqs);
         let rows = |v: ValueId| graph.value(v).rows_for(n, n_seqs);
-        let Self { gpu, weights, plan, buf, mailbox, sample_scratch, .. } = self;
+        let Self { gpu, weights, plan, buf, .. } = self;
         let gpu = &*gpu;
         let matrix = |id: WeightId| matrix_of(weights, id);
         let vector = |id: WeightId| vector_of(weights, id);
@@ -1365,16 +1341,7 @@ impl CudaExecutor {
                 // layer's output before a fused MLP (`plan_mlps`), whose input shares it.
                 let in_place = residual.is_some_and(|r| buf.writes_into[index].is_some_and(|o| plan.slot(o) == plan.slot(r)));
                 let residual = if in_place { None } else { residual.map(input) };
-                // The step's greedy draw, in the epilogue of the GEMV that writes the logits.
-                let draw = match sample_scratch.as_mut() {
-                    Some(scratch) if buf.draw_in_head && r == 1 && op.writes() == graph.logits && emit.is_none() => {
-                        buf.head_drew = true;
-                        let delivery = ops::TokenDelivery { next_step: Some((&mut buf.ids, &mut buf.positions)), mail: ops::Mail::Advancing { mailbox, pair: STEP_DRAW_SLOTS } };
-                        Some(ops::fold_greedy_draw(gpu, &mut buf.token, Some(delivery), scratch)?)
-                    }
-                    _ => None,
-                };
-                let epilogue = ops::Epilogue { bias: bias.map(vector), residual, accumulate: in_place, early_release: buf.early_release[index], draw, ..Default::default() };
+                let epilogue = ops::Epilogue { bias: bias.map(vector), residual, accumulate: in_place, early_release: buf.early_release[index], ..Default::default() };
                 let emit = emit.map(|dst| ops::Q8Emit { dst, norm: handoff_norm(index).map(norm_prologue) });
                 if buf.f32_row_in[index] {
                     // After a fused MLP (`plan_mlps`): one row, quantized by the GEMV's blocks.

@@ -3208,80 +3208,6 @@ fn sample_delivers_to_the_next_step_and_the_mailbox() {
     println!("| {:<10} | {:<44} | {:>9} | {:>9} | {:>6} |", "sample", "delivered to next step + mailbox, error flag", "exact", "exact", "0");
 }
 
-/// A greedy draw folded into the epilogue of the GEMV that writes the logits (`Epilogue::draw`)
-/// picks the first index of the largest stored logit (residual included; NaN never wins),
-/// delivers it as an advancing draw does, leaves the logits as a GEMV without the draw stores
-/// them, and leaves its running best and counter ready for the next launch: int8 and f32-row
-/// inputs, the dispatched tilings of two shapes (one with a partial last block), and ties.
-#[test]
-fn gemv_folds_the_greedy_draw() {
-    let Some(gpu) = own_gpu(KernelCacheDir::from_env()) else { return };
-    let mut rng = Rng(77);
-    let mailbox = ferrite_cuda::Mailbox::new(&gpu, 3).unwrap();
-    let mut scratch = ops::SampleScratch::new(&gpu, 49152).unwrap();
-    let (mut ids, mut positions, mut token) = (upload(&gpu, &[7u32]), upload(&gpu, &[40u32]), upload(&gpu, &[u32::MAX]));
-    let mut pos = 40u32;
-    let zero = |dtype: GgmlType, rows: usize, cols: usize| gpu.upload_weight(dtype, rows, cols, &quantize(dtype, &vec![0f32; rows * cols]).unwrap()).unwrap();
-    for (dtype, rows, cols) in [(GgmlType::Q4_1, 49152, 576), (GgmlType::Q4_0, 3001, 2048)] {
-        let (bytes, _) = random_weight(&mut rng, dtype, rows, cols);
-        let w = gpu.upload_weight(dtype, rows, cols, &bytes).unwrap();
-        let x = upload(&gpu, &rng.vec(cols, -2.0, 2.0));
-        let norm_w = upload(&gpu, &rng.vec(cols, 0.5, 1.5));
-        let mut q = ops::Q8Activations::new(&gpu, cols).unwrap();
-        ops::quantize_q8(&gpu, &x, 1, cols, None, &mut q).unwrap();
-        // Random weights; then a zero weight, so that the logits are the residual exactly: ties
-        // (the first of two equal maxima wins), NaN and -inf.
-        let mut ties = rng.vec(rows, -3.0, 3.0);
-        let first = rows / 3;
-        (ties[first], ties[rows - 2], ties[0], ties[1]) = (5.0, 5.0, f32::NAN, f32::NEG_INFINITY);
-        let zero_w = zero(dtype, rows, cols);
-        for (tied, weight, residual) in [(false, &w, rng.vec(rows, -1.0, 1.0)), (true, &zero_w, ties)] {
-            let residual = upload(&gpu, &residual);
-            for f32_row in [false, true] {
-                let case = format!("{dtype} {rows}x{cols} f32 row {f32_row}");
-                let run = |logits: &mut CudaSlice<f32>, draw: Option<ops::FoldedDraw>| {
-                    let epilogue = ops::Epilogue { residual: Some(&residual), draw, ..Default::default() };
-                    if f32_row {
-                        let norm = Some(ops::NormPrologue { weight: &norm_w, eps: 1e-5, add_one: false });
-                        ops::linear_q8_f32_row(&gpu, weight, &x, norm, logits, rows, 0, &epilogue, None).unwrap();
-                    } else {
-                        ops::linear_q8(&gpu, weight, &q, 1, logits, rows, 0, &epilogue, None).unwrap();
-                    }
-                };
-                let mut plain = poisoned(&gpu, rows);
-                run(&mut plain, None);
-                let delivery = ops::TokenDelivery { next_step: Some((&mut ids, &mut positions)), mail: ops::Mail::Advancing { mailbox: &mailbox, pair: 1 } };
-                let draw = ops::fold_greedy_draw(&gpu, &mut token, Some(delivery), &mut scratch).unwrap();
-                let mut logits = poisoned(&gpu, rows);
-                run(&mut logits, Some(draw));
-                let slot = 1 + (pos as usize + 1) % 2;
-                mailbox.post(&gpu, slot).unwrap();
-                let logits = download(&gpu, &logits);
-                assert_eq!(logits.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), download(&gpu, &plain).iter().map(|v| v.to_bits()).collect::<Vec<_>>(), "{case}: logits");
-                let want = host_argmax(&logits);
-                assert_eq!(mailbox.read(slot).unwrap(), [want, 0, 0, pos + 1], "{case}: mailbox after position {pos}");
-                assert_eq!((download(&gpu, &token), download(&gpu, &ids), download(&gpu, &positions)), (vec![want], vec![want], vec![pos + 1]), "{case}");
-                if tied {
-                    assert_eq!(want, first as u32, "{case}: the first of two tied maxima");
-                }
-                pos += 1;
-            }
-        }
-    }
-    // The draw takes one token's plain output row only.
-    let w = zero(GgmlType::Q8_0, 64, 64);
-    let mut q = ops::Q8Activations::new(&gpu, 64).unwrap();
-    ops::quantize_q8(&gpu, &upload(&gpu, &[1f32; 128]), 2, 64, None, &mut q).unwrap();
-    let delivery = ops::TokenDelivery { next_step: Some((&mut ids, &mut positions)), mail: ops::Mail::Advancing { mailbox: &mailbox, pair: 1 } };
-    let draw = ops::fold_greedy_draw(&gpu, &mut token, Some(delivery), &mut scratch).unwrap();
-    let epilogue = ops::Epilogue { draw: Some(draw), ..Default::default() };
-    assert!(ops::linear_q8(&gpu, &w, &q, 2, &mut poisoned(&gpu, 128), 64, 0, &epilogue, None).is_err(), "two tokens");
-    let mut handoff = ops::Q8Activations::new(&gpu, 64).unwrap();
-    let emit = Some(ops::Q8Emit { dst: &mut handoff, norm: None });
-    assert!(ops::linear_q8(&gpu, &w, &q, 1, &mut poisoned(&gpu, 64), 64, 0, &epilogue, emit).is_err(), "with a hand-off");
-    println!("| {:<10} | {:<44} | {:>9} | {:>9} | {:>6} |", "gemv_q8", "greedy draw folded into the epilogue, ties", "exact", "exact", "0");
-}
-
 /// Host-to-device copies through the staging ring land in stream order, including when a copy
 /// outgrows the slots and when the ring wraps many times without the host waiting.
 #[test]
@@ -3519,11 +3445,7 @@ fn every_kernel_variant_compiles_for_sm90() {
             let f32_row = GemvQ8Variant { in_norm: true, ..GemvQ8Variant::for_shape(dtype, 960, 576, 1, 132).with_f32_input(576) };
             let qkv = GemvQ8Variant { early_release: true, ..f32_row };
             let output = GemvQ8Variant { residual: true, early_release: true, ..GemvQ8Variant::for_shape(dtype, 576, 576, 1, 132).emitting(2) };
-            // Output heads drawing the greedy token in their epilogue, from an f32 row and
-            // (split rows) from int8 codes.
-            let head = GemvQ8Variant { in_norm: true, argmax: true, ..GemvQ8Variant::for_shape(dtype, 49152, 576, 1, 132).wide_rows(576).with_f32_input(576) };
-            let split_head = GemvQ8Variant { residual: true, argmax: true, ..GemvQ8Variant::for_shape(dtype, 3001, 2048, 1, 132).wide_rows(2048).split_k(3001, 2048, 1, 132) };
-            for v in [mlp, f32_row, qkv, output, head, split_head] {
+            for v in [mlp, f32_row, qkv, output] {
                 check(format!("{v:?}"), job(&v));
             }
             for n in [1, 3, 8] {

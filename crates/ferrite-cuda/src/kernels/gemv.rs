@@ -33,7 +33,6 @@
 use super::common::{HEADER, QUANT};
 use super::moe::GROUP_TILE;
 use super::quantize::Q8_BLOCK;
-use super::sampling::DRAW;
 use super::{blocks_for, device_params, KernelVariant};
 use cudarc::driver::LaunchConfig;
 use ferrite_gguf::GgmlType;
@@ -121,19 +120,6 @@ device_params! {
         pub d1: u64,
         pub d2: u64,
         pub d3: u64,
-        /// `ARGMAX`: a greedy draw folded into the epilogue (`ops::FoldedDraw`): the running best
-        /// and the blocks' arrival counter (`fold_best`), then where the token goes, as in
-        /// [`super::sampling::SampleParams`].
-        pub draw_best: u64,
-        pub draw_arrivals: u64,
-        pub draw_out: u64,
-        pub draw_feed_ids: u64,
-        pub draw_feed_pos: u64,
-        pub draw_mailbox: u64,
-        pub draw_next_pos: u32,
-        pub draw_tag: u32,
-        pub draw_advance: u32,
-        pub draw_pad: u32,
     }
 }
 
@@ -186,9 +172,6 @@ const SOURCE_Q8: &str = r#"
 #ifndef EARLY_RELEASE
 #error "EARLY_RELEASE (1: release the next launch before waiting for the previous one, see gemv_q8) must come from the kernel variant"
 #endif
-#ifndef ARGMAX
-#error "ARGMAX (1: fold a greedy draw over the output rows into the epilogue, see draw_best) must come from the kernel variant"
-#endif
 #define ROWS_PER_BLOCK (NWARPS * 32 / TPR * ROWS)
 #define SLICE_THREADS (NWARPS * 32)
 #if IN_F32 && (NTOK != 1 || EXPERTS)
@@ -202,9 +185,6 @@ const SOURCE_Q8: &str = r#"
 #endif
 #if UP_SPLIT && !GLU
 #error "UP_SPLIT needs GLU"
-#endif
-#if ARGMAX && (NTOK != 1 || GLU || EMIT || EXPERTS)
-#error "ARGMAX draws one token from one plain output row"
 #endif
 #if EXPERTS == 1 && NTOK != 1
 #error "EXPERTS == 1 runs one pair per grid-y tile"
@@ -638,9 +618,6 @@ extern "C" __global__ void __launch_bounds__(SLICE_THREADS * KSPLIT) gemv_q8(con
 #if DOWN
   __shared__ float s_h[ROWS_PER_BLOCK];
 #endif
-#if ARGMAX
-  u64 best = 0ull;  // this lane's rows' best (pack_best), 0 below any row's
-#endif
   if (k == 0 && slice == 0) {
 #pragma unroll
     for (int r = 0; r < ROWS; ++r)
@@ -663,9 +640,6 @@ extern "C" __global__ void __launch_bounds__(SLICE_THREADS * KSPLIT) gemv_q8(con
 #if EMIT
         staged[t][group * ROWS + r] = stored;
 #endif
-#if ARGMAX
-        if (row0 + r < p.rows) best = max(best, pack_best(stored, (u32)(row0 + r)));
-#endif
 #endif
       }
   }
@@ -680,22 +654,6 @@ extern "C" __global__ void __launch_bounds__(SLICE_THREADS * KSPLIT) gemv_q8(con
   for (int c = threadIdx.x >> 5; c < DOWN_UNITS; c += NWARPS * KSPLIT) quantize_block_warp(s_h[32 * c + (threadIdx.x & 31)], threadIdx.x & 31, reinterpret_cast<i8*>(s_hq) + 32 * c, s_hs + c);
   __syncthreads();
   down_red(p, dw, s_hq, s_hs);
-#endif
-#if ARGMAX
-  // The greedy draw over the stored rows: the block's best (a warp maximum, then thread 0 over
-  // the warps') is folded into the running best, and the last block to arrive delivers the
-  // token, so no draw launch follows and nothing reloads the logits.
-  __shared__ u64 s_best[NWARPS * KSPLIT];
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) best = max(best, __shfl_xor_sync(FULL_MASK, best, o));
-  if ((threadIdx.x & 31) == 0) s_best[threadIdx.x >> 5] = best;
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    for (int w = 1; w < NWARPS * KSPLIT; ++w) best = max(best, s_best[w]);
-    u32 token;
-    if (fold_best(p.draw_best, p.draw_arrivals, gridDim.x * gridDim.y, best, token))
-      deliver_token({p.draw_out, p.draw_feed_ids, p.draw_feed_pos, p.draw_mailbox, p.error_flag, p.draw_next_pos, p.draw_tag, p.draw_advance}, token);
-  }
 #endif
 }
 "#;
@@ -889,10 +847,6 @@ pub struct GemvQ8Variant {
     ///
     /// [`Epilogue::early_release`]: crate::ops::Epilogue::early_release
     pub early_release: bool,
-    /// Fold a greedy draw over the output row into the epilogue ([`Epilogue::draw`]).
-    ///
-    /// [`Epilogue::draw`]: crate::ops::Epilogue::draw
-    pub argmax: bool,
 }
 
 /// What grid y of the int8 GEMV walks (the `EXPERTS` macro).
@@ -945,7 +899,6 @@ impl GemvQ8Variant {
             in_f32: 0,
             down: 0,
             early_release: false,
-            argmax: false,
         }
     }
 
@@ -1107,7 +1060,7 @@ impl GemvQ8Variant {
 
 impl KernelVariant for GemvQ8Variant {
     const FAMILY: &'static str = "gemv_q8";
-    const SOURCES: &'static [&'static str] = &[HEADER, QUANT, Q8_BLOCK, DRAW, GemvQ8Params::C_DECL, SOURCE_Q8];
+    const SOURCES: &'static [&'static str] = &[HEADER, QUANT, Q8_BLOCK, GemvQ8Params::C_DECL, SOURCE_Q8];
     const ENTRY_POINTS: &'static [&'static str] = &["gemv_q8"];
 
     fn macros(&self) -> Vec<(&'static str, String)> {
@@ -1129,7 +1082,6 @@ impl KernelVariant for GemvQ8Variant {
             ("IN_F32", self.in_f32.to_string()),
             ("DOWN", self.down.to_string()),
             ("EARLY_RELEASE", u32::from(self.early_release).to_string()),
-            ("ARGMAX", u32::from(self.argmax).to_string()),
         ]
     }
 }

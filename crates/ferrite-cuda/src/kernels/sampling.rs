@@ -101,9 +101,8 @@ device_params! {
     }
 }
 
-/// Device code shared by the draws here and the int8 GEMV that folds a greedy draw into its
-/// epilogue (`gemv_q8`'s `ARGMAX`, see `ops::FoldedDraw`): a logit's ordered key, the packed
-/// running best the blocks of a launch fold their bests into, and the token's delivery.
+/// Device code of the draws: a logit's ordered key, the packed running best the blocks of a
+/// launch fold their bests into, and the token's delivery.
 pub const DRAW: &str = r#"
 // Monotone map of floats to u32 (larger float -> larger key); NaN maps to 0, below -inf.
 __device__ __forceinline__ u32 order_key(float f) {

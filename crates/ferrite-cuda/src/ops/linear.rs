@@ -807,9 +807,6 @@ pub struct Epilogue<'a> {
     /// resident at once and what a kernel reads before its wait was written three or more
     /// launches back.
     pub early_release: bool,
-    /// Draw the greedy token from the stored output row in the epilogue (one token, int8 GEMV
-    /// of a plain output: no GLU, hand-off or experts).
-    pub draw: Option<super::FoldedDraw>,
 }
 
 /// Quantize `n_rows` rows of `cols` f32 values (`cols % 32 == 0`) into `dst`, normalising each
@@ -1133,9 +1130,6 @@ pub(super) fn gemv_q8(
         (Some(e), None) => tiling.emitting(if e.norm.is_some() { 2 } else { 1 }),
         (None, None) => tiling.wide_rows(w.cols),
     };
-    if epilogue.draw.is_some() && (n_tokens != 1 || glu != 0 || emit.is_some() || experts.is_some()) {
-        return Err(CudaError::invalid(OP, format!("a folded draw needs one token's plain output row, not {n_tokens} tokens (GLU {glu}, hand-off {}, experts {})", emit.is_some(), experts.is_some())));
-    }
     let opts = gpu.linear_options();
     let split = opts.gemv_split_k && epilogue.down.is_none();
     let tiling = if split { tiling.split_k(out_rows, w.cols, grid_tokens, gpu.sm_count()) } else { tiling };
@@ -1152,14 +1146,12 @@ pub(super) fn gemv_q8(
         in_norm: x.norm.is_some(),
         up_split: up.is_some(),
         early_release: epilogue.early_release,
-        argmax: epilogue.draw.is_some(),
         ..tiling
     };
     let [w0, w1, w2, w3] = w.plane_ptrs(gpu);
     let [u0, u1, u2, u3] = up.map_or([0; 4], |u| u.plane_ptrs(gpu));
     let [d0, d1, d2, d3] = epilogue.down.map_or([0; 4], |d| d.plane_ptrs(gpu));
     let (expert_rows, expert_off, n_experts, x_div) = ExpertRows::fields(experts, OP)?;
-    let draw = epilogue.draw.unwrap_or_default();
     let params = GemvQ8Params {
         w0,
         w1,
@@ -1204,16 +1196,6 @@ pub(super) fn gemv_q8(
         d1,
         d2,
         d3,
-        draw_best: draw.best,
-        draw_arrivals: draw.arrivals,
-        draw_out: draw.out,
-        draw_feed_ids: draw.delivery.feed_ids,
-        draw_feed_pos: draw.delivery.feed_pos,
-        draw_mailbox: draw.delivery.mailbox,
-        draw_next_pos: draw.delivery.next_pos,
-        draw_tag: draw.delivery.tag,
-        draw_advance: draw.delivery.advance,
-        draw_pad: 0,
     };
     let cfg = variant.launch_config(out_rows, grid_tokens);
     if cfg.grid_dim.1 > 65535 {

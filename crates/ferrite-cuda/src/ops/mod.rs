@@ -36,7 +36,7 @@ pub use moe::{
     check_moe_shape, moe_ffn, moe_ffn_with, moe_group, moe_plan, moe_route, ExpertGateUp, ExpertGemv, MoeDims, MoeGroups, MoePath, MoePlan, MoeScratch, MoeWeights,
     SharedExpert,
 };
-pub use sampling::{argmax, argmax_rows, fold_greedy_draw, sample, sample_delivering, sample_rows, FoldedDraw, Mail, RowSample, SampleScratch, SamplingConfig, TokenDelivery, ROW_DRAW_WORDS};
+pub use sampling::{argmax, argmax_rows, sample, sample_delivering, sample_rows, Mail, RowSample, SampleScratch, SamplingConfig, TokenDelivery, ROW_DRAW_WORDS};
 pub use gdn::{
     check_gdn_shape, gated_delta_net, gated_delta_net_batch, gated_delta_net_with, gdn_chunked, gdn_conv, gdn_delta, gdn_plan, gdn_scratch_len, GdnBatch, GdnPath, GdnSeq, GdnState,
     GdnWeights, GDN_CHUNKED_MIN_TOKENS,

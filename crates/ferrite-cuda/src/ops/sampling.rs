@@ -81,8 +81,8 @@ pub struct SampleScratch {
     /// Per draw: the candidates of each chunk of logits and their count.
     cand: CudaSlice<u32>,
     counts: CudaSlice<u32>,
-    /// The running best and arrival counter of a greedy draw over many blocks (`argmax_chunks`,
-    /// [`FoldedDraw`]; zero between launches).
+    /// The running best and arrival counter of a greedy draw over many blocks (`argmax_chunks`;
+    /// zero between launches).
     best: CudaSlice<u64>,
     arrivals: CudaSlice<u32>,
     vocab: usize,
@@ -321,31 +321,4 @@ fn delivery_addrs(op: &'static str, gpu: &Gpu, delivery: Option<TokenDelivery<'_
         }
     }
     Ok(a)
-}
-
-/// A greedy draw folded into the epilogue of the one-token int8 GEMV that writes the logits
-/// ([`super::Epilogue::draw`]): every block folds the best of its rows into the scratch's
-/// running best, and the last block to arrive delivers the token as [`sample_delivering`]
-/// would (the first index of the largest logit; NaN never wins over a number). No draw launch
-/// follows the GEMV and nothing reloads the logits. Made by [`fold_greedy_draw`].
-#[derive(Clone, Copy, Debug, Default)]
-pub struct FoldedDraw {
-    pub(super) best: u64,
-    pub(super) arrivals: u64,
-    pub(super) out: u64,
-    pub(super) delivery: DeliveryAddrs,
-}
-
-/// The greedy draw of the next GEMV that takes it as [`super::Epilogue::draw`]: the token to
-/// `out[0]` and on to `delivery`, the running best in `scratch` (one such launch at a time
-/// per scratch, in stream order).
-pub fn fold_greedy_draw(gpu: &Gpu, out: &mut impl DevicePtrMut<u32>, delivery: Option<TokenDelivery<'_>>, scratch: &mut SampleScratch) -> Result<FoldedDraw, CudaError> {
-    const OP: &str = "fold_greedy_draw";
-    check_len(OP, "out", out.len(), 1)?;
-    Ok(FoldedDraw {
-        best: addr_mut(gpu, &mut scratch.best),
-        arrivals: addr_mut(gpu, &mut scratch.arrivals),
-        out: addr_mut(gpu, out),
-        delivery: delivery_addrs(OP, gpu, delivery)?,
-    })
 }
