@@ -427,7 +427,7 @@ pub struct CudaExecutor {
     /// between.
     step_draws: bool,
     /// The position whose token the last enqueued step drew itself (then in mailbox slot
-    /// `1 + position % 2`, and in `ids`/`positions` for the step at that position).
+    /// `STEP_DRAW_SLOTS + position % 2`, and in `ids`/`positions` for the step at that position).
     drawn_ahead: Option<usize>,
     /// Draws served by a step's own draw (`drawn_ahead`) so far.
     step_drawn_tokens: u64,

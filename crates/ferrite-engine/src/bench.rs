@@ -154,11 +154,11 @@ pub fn bench_tg(session: &mut Session, n: usize, depth: usize, reps: Reps, vocab
 /// sequences on the executor's paged cache, each prefilled with `prompt` tokens (one batched
 /// step per sequence), then `n` steps that each decode one token of every sequence in one
 /// [`Executor::forward_paged_sampled`](ferrite_model::Executor::forward_paged_sampled) call with
-/// greedy sampling (on the device where the backend can, else on the host: the server's per-step
-/// work), each step enqueued before the last one's tokens are read back where the backend can
-/// ([`Executor::forward_paged_ahead`]). Samples are aggregate tokens per second over the `n` steps.
-/// Each step draws every sequence's token on the device with `sampling` (greedy, or sampled as
-/// a server's requests are: each sequence its own seed); sampled runs are named "... sampled".
+/// `sampling` (greedy, or sampled as a server's requests are, each sequence its own seed;
+/// sampled runs are named "... sampled"), drawn on the device where the backend can (else the
+/// logits come back and are reduced by argmax), each step enqueued before the last one's tokens
+/// are read back where the backend can ([`Executor::forward_paged_ahead`]). Samples are
+/// aggregate tokens per second over the `n` steps.
 #[allow(clippy::too_many_arguments)]
 pub fn bench_batched(session: &mut Session, seqs: usize, prompt: usize, n: usize, reps: Reps, vocab: usize, sampling: DeviceSampling) -> Result<BenchResult> {
     const BLOCK: usize = 16;

@@ -116,8 +116,8 @@ fn check_config(op: &'static str, cfg: &SamplingConfig) -> Result<(), CudaError>
     Ok(())
 }
 
-/// Whether a draw takes the two-stage path given a scratch: top-k up to one chunk (the
-/// device's `draws_candidates` for a row of [`sample_rows`]).
+/// Whether a draw takes the two-stage path given a scratch: sampled, with top-k 2 up to one
+/// chunk (the device's `draws_candidates` decides the same for a row of [`sample_rows`]).
 fn draws_candidates(cfg: &SamplingConfig, block: usize) -> bool {
     cfg.temperature > 0.0 && (2..=block).contains(&cfg.top_k)
 }
@@ -157,7 +157,7 @@ pub fn sample_delivering(
     let (greedy, k) = (cfg.temperature <= 0.0 || cfg.top_k == 1, cfg.top_k);
     let chunks = vocab.div_ceil(block);
     let (mut cand, mut cand_counts, mut best, mut arrivals, mut n_chunks) = (0, 0, 0, 0, 0);
-    let staged = scratch.filter(|s| (greedy || (1..=block).contains(&k)) && vocab > block && chunks <= block && s.vocab >= vocab);
+    let staged = scratch.filter(|s| (greedy || draws_candidates(cfg, block)) && vocab > block && chunks <= block && s.vocab >= vocab);
     if let Some(s) = staged {
         (cand, cand_counts, best, arrivals, n_chunks) = (addr_mut(gpu, &mut s.cand), addr_mut(gpu, &mut s.counts), addr_mut(gpu, &mut s.best), addr_mut(gpu, &mut s.arrivals), chunks as u32);
         if !greedy {
