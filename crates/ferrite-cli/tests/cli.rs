@@ -112,8 +112,11 @@ fn truncated_and_corrupt_files_give_clear_errors() {
         assert!(out.contains("ceilings measured in this run: read of") && out.contains("% of the matrix rate") && out.contains("% of the bandwidth"), "{out}");
     }
     assert_clean_error(&ferrite(&["bench", "--seqs", "0", "--model", hf.to_str().unwrap()]), "--seqs");
-    assert_clean_error(&ferrite(&["bench", "--seqs", "2", "--seq-top-p", "1.5", "--model", hf.to_str().unwrap()]), "--seq-top-p");
-    assert_clean_error(&ferrite(&["bench", "--seqs", "2", "--seq-temp=-1", "--model", hf.to_str().unwrap()]), "--seq-temp");
+    assert_clean_error(&ferrite(&["bench", "--seqs", "2", "--top-p", "1.5", "--model", hf.to_str().unwrap()]), "top-p must be in (0, 1]");
+    assert_clean_error(&ferrite(&["bench", "--seqs", "2", "--seq-temp=-1", "--model", hf.to_str().unwrap()]), "temperature must be >= 0");
+    // Sampled draws (the old --seq-* names still accepted) name their tests so, batch 1 too.
+    let o = ferrite(&["bench", "-p", "0", "-n", "4", "-r", "1", "--seqs", "2", "--temp", "0.8", "--seq-top-k", "40", "--min-p", "0.05", "--model", hf.to_str().unwrap()]);
+    assert!(o.status.success() && text(&o).0.contains("| tg4 sampled |") && text(&o).0.contains("| tg4 x2 sampled | tg4 sampled |"), "{:?}", text(&o));
     assert_clean_error(&ferrite(&["bench", "-p", "0", "-n", "0", "--model", hf.to_str().unwrap()]), "nothing to measure");
     // At a depth (llama-bench's --n-depth): the tests say so and the context grows to fit.
     let o = ferrite(&["bench", "-p", "8", "-n", "4", "-d", "0,40", "-r", "1", "--model", hf.to_str().unwrap()]);

@@ -41,15 +41,16 @@ impl BenchResult {
     }
 }
 
-/// Each batched decode result (`tg N xS`) beside the batch-1 decode of the same length from an
-/// empty context (`tg N`), if that ran: (batched test, batch-1 test, aggregate / batch-1 rate).
+/// Each batched decode result (`tg N xS`, or `tg N xS sampled`) beside the batch-1 decode of
+/// the same length and draws from an empty context (`tg N`, `tg N sampled`), if that ran: (batched test, batch-1 test, aggregate / batch-1 rate).
 /// Issue #6's serving target compares these two.
 pub fn batch_speedups(results: &[BenchResult]) -> Vec<(&str, &str, f64)> {
     results
         .iter()
         .filter(|r| r.seqs > 1)
         .filter_map(|r| {
-            let base_test = format!("tg{}", r.tokens);
+            let sampled = if r.test.ends_with(" sampled") { " sampled" } else { "" };
+            let base_test = format!("tg{}{sampled}", r.tokens);
             let base = results.iter().find(|b| b.seqs == 1 && b.start == 0 && b.test == base_test)?;
             Some((r.test.as_str(), base.test.as_str(), r.median() / base.median().max(1e-12)))
         })
@@ -121,12 +122,12 @@ pub fn bench_pp(session: &mut Session, n: usize, depth: usize, reps: Reps, vocab
 }
 
 /// Token generation: `n` single-token steps after `depth` cached positions (prefilled untimed),
-/// each followed by greedy sampling (on the device where the backend can), as a generation
-/// loop does (`Session::generate`: without a host round trip between steps where the backend
+/// each followed by a draw with `sampling` (on the device where the backend can; a sampled test
+/// is named "tgN sampled"), as a generation loop does (`Session::generate`: without a host round trip between steps where the backend
 /// samples on the device).
-pub fn bench_tg(session: &mut Session, n: usize, depth: usize, reps: Reps, vocab: usize) -> Result<BenchResult> {
+pub fn bench_tg(session: &mut Session, n: usize, depth: usize, reps: Reps, vocab: usize, sampling: &SamplerParams) -> Result<BenchResult> {
     let mut samples = Vec::new();
-    let mut sampler = Sampler::new(SamplerParams::greedy());
+    let mut sampler = Sampler::new(sampling.clone());
     for rep in 0..=reps.count {
         session.reset();
         prefill_depth(session, &bench_tokens(depth, vocab))?;
@@ -147,7 +148,8 @@ pub fn bench_tg(session: &mut Session, n: usize, depth: usize, reps: Reps, vocab
             samples.push(tps);
         }
     }
-    Ok(BenchResult { test: at_depth(format!("tg{n}"), depth), tokens: n, seqs: 1, start: depth, samples })
+    let test = if sampling.is_greedy() || sampling.top_k == 1 { format!("tg{n}") } else { format!("tg{n} sampled") };
+    Ok(BenchResult { test: at_depth(test, depth), tokens: n, seqs: 1, start: depth, samples })
 }
 
 /// Batched decode, as a server's continuous batching runs it without the HTTP side: `seqs`

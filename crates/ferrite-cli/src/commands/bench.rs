@@ -2,6 +2,7 @@ use super::common::{load_model, ModelArgs};
 use anyhow::Result;
 use clap::Args;
 use ferrite_engine::bench::{batch_speedups, bench_batched, bench_pp, bench_tg, BenchResult, Reps, TokenWork};
+use ferrite_engine::sampling::SamplerParams;
 use ferrite_model::DeviceSampling;
 
 #[derive(Args)]
@@ -26,16 +27,20 @@ pub struct BenchArgs {
     /// Prompt tokens of each sequence of a --seqs run (prefilled before the timed steps).
     #[arg(long = "seq-prompt", default_value_t = 32)]
     pub seq_prompt: usize,
-    /// Temperature of the --seqs runs' draws (0: greedy), drawn on the device as a server's are
-    /// (CUDA; the CPU backend returns logits, which the run reduces by argmax).
-    #[arg(long = "seq-temp", default_value_t = 0.0)]
-    pub seq_temp: f32,
-    /// top-k of the --seqs runs' draws (0: off, as an OpenAI request without `top_k`).
-    #[arg(long = "seq-top-k", default_value_t = 0)]
-    pub seq_top_k: usize,
-    /// top-p of the --seqs runs' draws (1: off).
-    #[arg(long = "seq-top-p", default_value_t = 1.0)]
-    pub seq_top_p: f32,
+    /// Temperature of the tg and --seqs runs' draws (0: greedy), drawn on the device where the
+    /// backend can, as `run` and `serve` draw (the CPU backend's --seqs runs return logits,
+    /// which the run reduces by argmax). Sampled tests are named "... sampled".
+    #[arg(long = "temp", alias = "seq-temp", default_value_t = 0.0)]
+    pub temp: f32,
+    /// top-k of the sampled draws (0: off, as an OpenAI request without `top_k`).
+    #[arg(long = "top-k", alias = "seq-top-k", default_value_t = 0)]
+    pub top_k: usize,
+    /// top-p of the sampled draws (1: off).
+    #[arg(long = "top-p", alias = "seq-top-p", default_value_t = 1.0)]
+    pub top_p: f32,
+    /// min-p of the sampled draws (0: off).
+    #[arg(long = "min-p", default_value_t = 0.0)]
+    pub min_p: f32,
     /// Bracket the timed part of each test's last repetition with a profiler range (CUDA:
     /// cuProfilerStart/Stop), so that `ncu --profile-from-start off` records only those kernels
     /// (scripts/gpu-kernel-times.sh --range).
@@ -54,13 +59,9 @@ pub fn run(args: BenchArgs) -> Result<()> {
     if args.seqs.contains(&0) {
         anyhow::bail!("--seqs counts sequences: each value must be at least 1");
     }
-    if !(args.seq_temp.is_finite() && args.seq_temp >= 0.0) {
-        anyhow::bail!("--seq-temp must be 0 or more, got {}", args.seq_temp);
-    }
-    if !(args.seq_top_p > 0.0 && args.seq_top_p <= 1.0) {
-        anyhow::bail!("--seq-top-p must be in (0, 1], got {}", args.seq_top_p);
-    }
-    let seq_sampling = DeviceSampling { temperature: args.seq_temp, top_k: args.seq_top_k, top_p: args.seq_top_p, min_p: 0.0, seed: 0, step: 0 };
+    let sampling = SamplerParams { temperature: args.temp, top_k: args.top_k, top_p: args.top_p, min_p: args.min_p, seed: 0, ..SamplerParams::greedy() };
+    sampling.validate().map_err(|e| anyhow::anyhow!("bad sampling settings: {e}"))?;
+    let seq_sampling = DeviceSampling { temperature: args.temp, top_k: args.top_k, top_p: args.top_p, min_p: args.min_p, seed: 0, step: 0 };
     let loaded = load_model(&args.model)?;
     let vocab = loaded.model.config.vocab_size;
     let mut margs = args.model.clone();
@@ -76,7 +77,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
             results.push(bench_pp(&mut session, n, depth, reps, vocab)?);
         }
         for &n in args.n_gen.iter().filter(|&&n| n > 0) {
-            results.push(bench_tg(&mut session, n, depth, reps, vocab)?);
+            results.push(bench_tg(&mut session, n, depth, reps, vocab, &sampling)?);
         }
     }
     for &n in args.n_gen.iter().filter(|&&n| n > 0) {

@@ -170,6 +170,9 @@ const SOURCE: &str = r#"
 #define NO_INDEX 0xffffffffu
 // Most candidates `sample` gathers into shared memory from `topk_candidates`' output.
 #define CAND_CAP 4096u
+// Most survivors of top-k whose draw one warp finishes (`finish_in_warp`): top-k 40 or 50 and
+// their ties, without a block barrier after the gather.
+#define FINISH_CAP 64u
 
 // (key, index) pairs: larger key wins, then smaller index.
 __device__ __forceinline__ void keep_better(u32& key, u32& idx, u32 k2, u32 i2) {
@@ -318,20 +321,35 @@ __device__ __forceinline__ float uniform01(u64 seed, u64 step) {
   return (float)(mix64(seed ^ mix64(step)) >> 40) * (1.0f / 16777216.0f);
 }
 
-// Inclusive prefix sum over the block (Hillis-Steele, fixed order). `s` holds BLOCK_SIZE
-// values; afterwards s[t] is thread t's inclusive sum, valid until the next scan.
+// Exclusive prefix over the warps of a warp-uniform value (`count`, lane 0's counts), summed
+// in warp order by every thread (a fixed order: deterministic for floats), and the block's
+// total. `s` holds 32 values.
 template <typename T>
-__device__ T block_scan(T v, T* s) {
-  __syncthreads();  // an earlier scan's results may still be being read
-  s[threadIdx.x] = v;
+__device__ T warp_offsets(T v, T* s, T& total) {
+  const int warp = threadIdx.x >> 5;
+  __syncthreads();  // an earlier call may still be reading s
+  if ((threadIdx.x & 31) == 0) s[warp] = v;
   __syncthreads();
-  for (int off = 1; off < BLOCK_SIZE; off <<= 1) {
-    const T add = threadIdx.x >= off ? s[threadIdx.x - off] : T(0);
-    __syncthreads();
-    s[threadIdx.x] += add;
-    __syncthreads();
+  T before = T(0);
+  total = T(0);
+  for (int w = 0; w < BLOCK_SIZE / 32; ++w) {
+    const T t = s[w];
+    before += w < warp ? t : T(0);
+    total += t;
   }
-  return s[threadIdx.x];
+  return before;
+}
+
+// Warp w's share of m elements: a contiguous run of whole 32-element steps, so that the warps'
+// shares in warp order, and a share's steps in turn, walk the elements in index order while
+// each step's loads are coalesced.
+struct Span {
+  u32 begin, end;
+};
+__device__ __forceinline__ Span warp_span(u32 m) {
+  const u32 per = (m + BLOCK_SIZE - 1) / BLOCK_SIZE * 32u;
+  const u32 begin = min(m, (u32)(threadIdx.x >> 5) * per);
+  return {begin, min(m, begin + per)};
 }
 
 // Each of 16 bins summed over the block, returned to every thread in `bins`: warp sums, then
@@ -359,18 +377,25 @@ __device__ void block_sum_bins(float (&bins)[16], float* s) {
 
 // The candidates of `topk_candidates` gathered into s_cand in index order (warp w copies chunks
 // w, w + 32, ...); false (nothing gathered) when more than CAND_CAP (ties) or no candidate list.
-__device__ bool gather_candidates(const SampleParams& p, u32* s_cand, u32* s_uscan, u32* m) {
+__device__ bool gather_candidates(const SampleParams& p, u32* s_cand, u32* s_end, u32* s_warp, u32* m) {
   if (!p.cand || p.n_chunks > BLOCK_SIZE) return false;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const u32* counts = reinterpret_cast<const u32*>(p.cand_counts);
   const u32 mine = threadIdx.x < p.n_chunks ? counts[threadIdx.x] : 0u;
-  block_scan(mine, s_uscan);
-  __syncthreads();
-  const u32 total = s_uscan[BLOCK_SIZE - 1];
+  u32 end = mine;  // inclusive scan: the warp's, then the earlier warps' total
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const u32 x = __shfl_up_sync(FULL_MASK, end, o);
+    if (lane >= o) end += x;
+  }
+  u32 total;
+  end += warp_offsets(__shfl_sync(FULL_MASK, end, 31), s_warp, total);
   if (total == 0u || total > CAND_CAP) return false;  // block-uniform
+  s_end[threadIdx.x] = end;
+  __syncthreads();
   const u32* cand = reinterpret_cast<const u32*>(p.cand);
   for (u32 c = warp; c < p.n_chunks; c += BLOCK_SIZE / 32) {
-    const u32 end = s_uscan[c], count = counts[c];
+    const u32 end = s_end[c], count = counts[c];
     for (u32 j = lane; j < count; j += 32) s_cand[end - count + j] = cand[(u64)c * BLOCK_SIZE + j];
   }
   __syncthreads();
@@ -378,32 +403,21 @@ __device__ bool gather_candidates(const SampleParams& p, u32* s_cand, u32* s_usc
   return true;
 }
 
-// A thread's tokens after top-k: one gathered survivor, or its chunk of the elements.
-struct Mine {
+// The tokens that survive top-k, in index order: gathered into shared memory (c_logit,
+// c_index) or in place among the elements.
+struct Survivors {
   bool gathered;
-  u32 kept;
+  u32 m;
   const float* c_logit;
   const u32* c_index;
   Elements el;
-  u32 begin, end;
-  // Call f(logit, token) for each, in index order.
-  template <typename F>
-  __device__ void each(F&& f) const {
-    if (gathered) {
-      if (threadIdx.x < kept) f(c_logit[threadIdx.x], c_index[threadIdx.x]);
-    } else {
-      for (u32 e = begin; e < end; ++e) f(el.logit(e), el.index(e));
-    }
-  }
+  __device__ __forceinline__ float logit(u32 e) const { return gathered ? c_logit[e] : el.logit(e); }
+  __device__ __forceinline__ u32 index(u32 e) const { return gathered ? c_index[e] : el.index(e); }
   // Call f(logit) for each, strided over the threads so that a warp's loads are coalesced: for
-  // sums that need no index order (a thread's contiguous chunk is a load per lane and cache line).
+  // sums that need no index order.
   template <typename F>
   __device__ void each_strided(F&& f) const {
-    if (gathered) {
-      if (threadIdx.x < kept) f(c_logit[threadIdx.x]);
-    } else {
-      for (u32 e = threadIdx.x; e < el.m; e += BLOCK_SIZE) f(el.logit(e));
-    }
+    for (u32 e = threadIdx.x; e < m; e += BLOCK_SIZE) f(logit(e));
   }
 };
 
@@ -448,17 +462,66 @@ __device__ SampleParams block_draw(const SampleParams& launch) {
   return p;
 }
 
+// The rest of a draw over at most FINISH_CAP gathered survivors (index order in c_logit /
+// c_index, every key >= th), by warp 0 alone, with no block barrier: top-p keeps the survivors
+// whose key's mass (theirs and the larger keys') reaches the target, the largest such key
+// being the cut; then min-p and the draw. Every sum runs over the survivors in index order on
+// one thread: the same survivors always give the same token.
+__device__ void finish_in_warp(const SampleParams& p, const float* c_logit, const u32* c_index, u32 m, u32 th, float max_logit, float* s_w, u32* s_k) {
+  const int lane = threadIdx.x & 31;
+  for (u32 e = lane; e < m; e += 32) {
+    s_k[e] = order_key(c_logit[e]);
+    s_w[e] = expf(c_logit[e] - max_logit);
+  }
+  __syncwarp();
+  if (p.top_p > 0.f && p.top_p < 1.f) {
+    float total = 0.f;
+    for (u32 j = 0; j < m; ++j) total += s_w[j];
+    const float target = p.top_p * total;
+    u32 cut = 0u;
+    for (u32 e = lane; e < m; e += 32) {
+      float mass = 0.f;
+      for (u32 j = 0; j < m; ++j) mass += s_k[j] >= s_k[e] ? s_w[j] : 0.f;
+      if (mass >= target) cut = max(cut, s_k[e]);
+    }
+    th = max(th, __reduce_max_sync(FULL_MASK, cut));
+  }
+  if (p.min_p > 0.f) th = max(th, min(order_key(max_logit + logf(p.min_p)), order_key(max_logit)));
+  const float inv_t = 1.f / p.temperature;
+  __syncwarp();  // every lane has read the temperature-1 weights
+  for (u32 e = lane; e < m; e += 32) s_w[e] = s_k[e] >= th ? expf((c_logit[e] - max_logit) * inv_t) : 0.f;
+  __syncwarp();
+  if (lane != 0) return;
+  float total = 0.f;
+  for (u32 j = 0; j < m; ++j) total += s_w[j];
+  const u64 step = p.step + (p.step_ptr ? (u64)reinterpret_cast<const u32*>(p.step_ptr)[0] : 0ull);
+  // u < 1, but u * total may round up to total: stay strictly below it.
+  const float r = fminf(uniform01(p.seed, step) * total, __uint_as_float(__float_as_uint(total) - 1u));
+  float c = 0.f;
+  u32 pick = NO_INDEX;
+  for (u32 j = 0; j < m; ++j) {
+    if (s_w[j] > 0.f) {
+      pick = c_index[j];
+      c += s_w[j];
+      if (c > r) break;
+    }
+  }
+  deliver(p, pick);
+}
+
 extern "C" __global__ void __launch_bounds__(BLOCK_SIZE) sample(const SampleParams launch) {
   KERNEL_ENTRY();
   const SampleParams p = block_draw(launch);
-  __shared__ u32 s_key[32], s_idx[32], s_radix[2], s_hist[256];
+  __shared__ u32 s_key[32], s_idx[32], s_radix[2], s_hist[256], s_uwarp[32];
+  __shared__ float s_fwarp[32];
   __shared__ float s_fscan[BLOCK_SIZE];
   __shared__ u32 s_uscan[BLOCK_SIZE];
   __shared__ float c_logit[BLOCK_SIZE];
   __shared__ u32 c_index[BLOCK_SIZE];
   __shared__ u32 s_cand[CAND_CAP];
+  const int lane = threadIdx.x & 31;
   Elements el = {reinterpret_cast<const float*>(p.logits), nullptr, p.n};
-  if (gather_candidates(p, s_cand, s_uscan, &el.m)) el.idx = s_cand;
+  if (gather_candidates(p, s_cand, s_uscan, s_uwarp, &el.m)) el.idx = s_cand;
   const u32 best_e = block_argmax(el, s_key, s_idx);
   const u32 best = el.index(best_e);
   const float max_logit = el.logit(best_e);
@@ -470,40 +533,45 @@ extern "C" __global__ void __launch_bounds__(BLOCK_SIZE) sample(const SamplePara
 
   // top-k: every token with key >= th stays (ties at the cut are all kept). Key 0 is NaN's
   // alone: a NaN logit is never drawn and weighs nothing.
+  const bool top_k = p.top_k > 0u && p.top_k < el.m;
   u32 th = 1u;
-  if (p.top_k > 0u && p.top_k < el.m) th = max(1u, block_kth_key(el.m, p.top_k, [&](u32 e) { return order_key(el.logit(e)); }, s_hist, s_radix));
+  if (top_k) th = max(1u, block_kth_key(el.m, p.top_k, [&](u32 e) { return order_key(el.logit(e)); }, s_hist, s_radix));
 
-  // Thread t owns the contiguous chunk [begin, end) of the elements. When at most BLOCK_SIZE
-  // tokens survive top-k they are gathered (in index order) into shared memory, one per
-  // thread, and the filters below touch only them; otherwise they scan the chunks.
-  const u32 chunk = (el.m + BLOCK_SIZE - 1) / BLOCK_SIZE;
-  const u32 begin = min(el.m, threadIdx.x * chunk), end = min(el.m, begin + chunk);
-  u32 my_count = 0u;
-  for (u32 e = begin; e < end; ++e) my_count += order_key(el.logit(e)) >= th ? 1u : 0u;
-  const u32 slot_end = block_scan(my_count, s_uscan);
-  const u32 kept = s_uscan[BLOCK_SIZE - 1];
-  const bool gathered = kept <= BLOCK_SIZE;
-  if (gathered) {
-    u32 slot = slot_end - my_count;
-    for (u32 e = begin; e < end; ++e) {
-      const float l = el.logit(e);
-      if (order_key(l) >= th) {
-        c_logit[slot] = l;
-        c_index[slot] = el.index(e);
-        ++slot;
+  // When at most BLOCK_SIZE tokens survive top-k they are gathered (in index order) into shared
+  // memory and the filters below touch only them; otherwise they run over the elements in
+  // place. (Without top-k over more than a block of elements, nothing is gathered.)
+  Survivors s = {false, el.m, c_logit, c_index, el};
+  if (top_k || el.m <= BLOCK_SIZE) {
+    const Span span = warp_span(el.m);
+    u32 count = 0u;
+    for (u32 e0 = span.begin; e0 < span.end; e0 += 32) {  // warp-uniform loop
+      const u32 e = e0 + lane;
+      count += __popc(__ballot_sync(FULL_MASK, e < span.end && order_key(el.logit(e)) >= th));
+    }
+    u32 kept;
+    u32 slot = warp_offsets(count, s_uwarp, kept);
+    if (kept <= BLOCK_SIZE) {  // block-uniform
+      for (u32 e0 = span.begin; e0 < span.end; e0 += 32) {
+        const u32 e = e0 + lane;
+        const float l = e < span.end ? el.logit(e) : 0.f;
+        const bool keep = e < span.end && order_key(l) >= th;
+        const u32 ballot = __ballot_sync(FULL_MASK, keep);
+        if (keep) {
+          const u32 at = slot + __popc(ballot & ((1u << lane) - 1u));
+          c_logit[at] = l;
+          c_index[at] = el.index(e);
+        }
+        slot += __popc(ballot);
+      }
+      s.gathered = true;
+      s.m = kept;
+      __syncthreads();
+      if (kept <= FINISH_CAP) {
+        if (threadIdx.x < 32) finish_in_warp(p, c_logit, c_index, kept, th, max_logit, s_fscan, s_uscan);
+        return;
       }
     }
   }
-  __syncthreads();
-  const Mine mine = {gathered, kept, c_logit, c_index, el, begin, end};
-  // This thread's unnormalised probability mass at temperature 1/inv_t over keys >= t.
-  auto mass = [&](u32 t, float inv_t) {
-    float m = 0.f;
-    mine.each([&](float l, u32) {
-      if (order_key(l) >= t) m += expf((l - max_logit) * inv_t);
-    });
-    return m;
-  };
 
   // top-p: the largest key t whose mass (keys >= max(t, th)) still reaches top_p of the top-k
   // mass, found a digit of four bits per pass from the top (8 passes, not 32 of bisection).
@@ -518,7 +586,7 @@ extern "C" __global__ void __launch_bounds__(BLOCK_SIZE) sample(const SamplePara
       float bins[16];
 #pragma unroll
       for (int d = 0; d < 16; ++d) bins[d] = 0.f;
-      mine.each_strided([&](float l) {
+      s.each_strided([&](float l) {
         const u32 key = order_key(l);
         if (key < th || (key & mask) != prefix) return;
         const u32 digit = (key >> shift) & 15u;
@@ -543,31 +611,47 @@ extern "C" __global__ void __launch_bounds__(BLOCK_SIZE) sample(const SamplePara
   // min-p: p_i >= min_p * p_max  <=>  l_i >= max + ln(min_p); the top token always stays.
   if (p.min_p > 0.f) th = max(th, min(order_key(max_logit + logf(p.min_p)), order_key(max_logit)));
 
-  // Draw: an inclusive scan of the threads' masses splits [0, total) between them in index
-  // order; the thread whose share holds r walks its tokens.
+  // Draw: each warp sums the masses of its share (coalesced steps, then a warp sum), the warps'
+  // masses in warp order split [0, total) between them in index order, and the warp whose part
+  // holds r walks its share a step at a time (a warp scan per step).
   const float inv_t = 1.f / p.temperature;
-  const float my_mass = mass(th, inv_t);
-  const float after = block_scan(my_mass, s_fscan);
-  const float total = s_fscan[BLOCK_SIZE - 1];
-  const float before = threadIdx.x ? s_fscan[threadIdx.x - 1] : 0.f;
+  const Span span = warp_span(s.m);
+  auto weight = [&](u32 e) {
+    const float l = s.logit(e);
+    return order_key(l) >= th ? expf((l - max_logit) * inv_t) : 0.f;
+  };
+  float part = 0.f;
+  for (u32 e = span.begin + lane; e < span.end; e += 32) part += weight(e);
+  float total;
+  const float before = warp_offsets(warp_sum(part), s_fwarp, total);
+  const float after = before + s_fwarp[threadIdx.x >> 5];
   const u64 step = p.step + (p.step_ptr ? (u64)reinterpret_cast<const u32*>(p.step_ptr)[0] : 0ull);
   // u < 1, but u * total may round up to total: stay strictly below it.
   const float r = fminf(uniform01(p.seed, step) * total, __uint_as_float(__float_as_uint(total) - 1u));
-  if (r >= before && r < after) {
-    float c = before;
-    u32 pick = NO_INDEX;
-    bool done = false;
-    mine.each([&](float l, u32 i) {
-      if (done || order_key(l) < th) return;
-      const float w = expf((l - max_logit) * inv_t);
-      if (w > 0.f) {
-        pick = i;
-        c += w;
-        done = c > r;
-      }
-    });
-    deliver(p, pick);
+  if (!(r >= before && r < after)) return;  // warp-uniform: one warp walks
+  float c = before;
+  u32 pick = NO_INDEX;
+  for (u32 e0 = span.begin; e0 < span.end; e0 += 32) {
+    const u32 e = e0 + lane;
+    const float w = e < span.end ? weight(e) : 0.f;
+    float incl = w;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const float x = __shfl_up_sync(FULL_MASK, incl, o);
+      if (lane >= o) incl += x;
+    }
+    const u32 positive = __ballot_sync(FULL_MASK, w > 0.f);
+    const u32 past = __ballot_sync(FULL_MASK, w > 0.f && c + incl > r);
+    // The first token whose running mass passes r; near the end of the share, rounding may
+    // leave none past it: then the last token with any mass.
+    if (past) {
+      pick = e0 + __ffs(past) - 1;
+      break;
+    }
+    if (positive) pick = e0 + 31 - __clz(positive);
+    c += __shfl_sync(FULL_MASK, incl, 31);
   }
+  if (lane == 0) deliver(p, pick == NO_INDEX ? NO_INDEX : s.index(pick));
 }
 "#;
 
