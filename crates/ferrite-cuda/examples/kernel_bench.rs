@@ -756,20 +756,26 @@ fn moe(gpu: &Gpu) -> Result<(), CudaError> {
 }
 
 fn sampling(gpu: &Gpu) -> Result<(), CudaError> {
-    println!("\nsampling over 49152 logits (spread like a model's: a hash of the index, -8..8)");
-    let host_logits: Vec<f32> = (0..49152u64).map(|i| ((i.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 40) % 16001) as f32 / 1000.0 - 8.0).collect();
-    let logits = gpu.upload(&host_logits, "logits")?;
-    let mut token = gpu.alloc_zeros::<u32>(1)?;
-    let mut scratch = ops::SampleScratch::new(gpu, 49152)?;
-    let s = time(gpu, 200, || ops::argmax(gpu, &logits, 49152, &mut token))?;
-    println!("  argmax (one block) {:>9.2} us", s * 1e6);
+    let spread = |n: u64| -> Vec<f32> { (0..n).map(|i| ((i.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 40) % 16001) as f32 / 1000.0 - 8.0).collect() };
     let greedy = SamplingConfig { temperature: 0.0, top_k: 40, top_p: 0.95, min_p: 0.05, seed: 1 };
     let cfg = SamplingConfig { temperature: 0.8, ..greedy };
-    for (name, cfg) in [("greedy", greedy), ("top-k 40/top-p/min-p", cfg), ("top-k off, top-p 0.95", SamplingConfig { top_k: 0, ..cfg }), ("top-k off, top-p off", SamplingConfig { top_k: 0, top_p: 1.0, min_p: 0.0, ..cfg })] {
-        let one = time(gpu, 200, || ops::sample(gpu, &logits, 49152, &cfg, 0, None, &mut token))?;
-        let two = time(gpu, 200, || ops::sample_delivering(gpu, &logits, 49152, &cfg, 0, None, &mut token, None, Some(&mut scratch)))?;
-        println!("  {name:<24} one block {:>8.2} us | with chunk candidates {:>8.2} us", one * 1e6, two * 1e6);
+    let mut token = gpu.alloc_zeros::<u32>(1)?;
+    // SmolLM2's vocabulary, then Llama 3's (whose 126 chunks keep more top-k candidates).
+    for vocab in [49152usize, 128256] {
+        println!("\nsampling over {vocab} logits (spread like a model's: a hash of the index, -8..8)");
+        let logits = gpu.upload(&spread(vocab as u64), "logits")?;
+        let mut scratch = ops::SampleScratch::new(gpu, vocab)?;
+        let s = time(gpu, 200, || ops::argmax(gpu, &logits, vocab, &mut token))?;
+        println!("  argmax (one block) {:>9.2} us", s * 1e6);
+        for (name, cfg) in [("greedy", greedy), ("top-k 40/top-p/min-p", cfg), ("top-k off, top-p 0.95", SamplingConfig { top_k: 0, ..cfg }), ("top-k off, top-p off", SamplingConfig { top_k: 0, top_p: 1.0, min_p: 0.0, ..cfg })] {
+            let one = time(gpu, 200, || ops::sample(gpu, &logits, vocab, &cfg, 0, None, &mut token))?;
+            let two = time(gpu, 200, || ops::sample_delivering(gpu, &logits, vocab, &cfg, 0, None, &mut token, None, Some(&mut scratch)))?;
+            println!("  {name:<24} one block {:>8.2} us | with chunk candidates {:>8.2} us", one * 1e6, two * 1e6);
+        }
     }
+    let host_logits = spread(49152);
+    let logits = gpu.upload(&host_logits, "logits")?;
+    let mut scratch = ops::SampleScratch::new(gpu, 49152)?;
     // A batched step's sampled sequences (64 rows of these logits): a launch per row, or one
     // launch drawing them all side by side (`sample_rows`).
     let rows = 64;

@@ -70,7 +70,9 @@ device_params! {
         /// pair of 4-word slots, the next position's parity picking one (the host reads the other
         /// while the next step runs).
         pub advance: u32,
-        pub pad: u32,
+        /// With `cand`: how many candidates the sampling block gathers at most (`u32`s of its
+        /// dynamic shared memory); more, and it reads the whole row instead.
+        pub cand_cap: u32,
     }
 }
 
@@ -98,6 +100,10 @@ device_params! {
         pub rows: u64,
         pub n: u32,
         pub top_k: u32,
+        /// The sampling block's `cand_cap`: a chunk may keep up to its share of it (at most twice
+        /// its top-k), so that its select can stop early.
+        pub cand_cap: u32,
+        pub pad: u32,
     }
 }
 
@@ -168,8 +174,6 @@ const SOURCE: &str = r#"
 #error "BLOCK_SIZE (threads of a sampling block, and logits per candidate chunk) must come from the kernel variant"
 #endif
 #define NO_INDEX 0xffffffffu
-// Most candidates `sample` gathers into shared memory from `topk_candidates`' output.
-#define CAND_CAP 4096u
 // Most survivors of top-k whose draw one warp finishes (`finish_in_warp`): top-k 40 or 50 and
 // their ties, without a block barrier after the gather.
 #define FINISH_CAP 64u
@@ -186,7 +190,7 @@ struct Elements {
   const u32* idx;  // nullptr: element e is token e
   u32 m;
   __device__ __forceinline__ u32 index(u32 e) const { return idx ? idx[e] : e; }
-  __device__ __forceinline__ float logit(u32 e) const { return logits[index(e)]; }
+  __device__ __forceinline__ float logit(u32 e) const { return __ldg(logits + index(e)); }
 };
 
 // The best of the threads' (key, index) pairs (keep_better), its index returned to every thread.
@@ -211,20 +215,26 @@ __device__ u32 block_best(u32 key, u32 idx, u32* s_key, u32* s_idx) {
 // The element with the largest logit (first on ties; NaN never wins), returned to every thread.
 __device__ u32 block_argmax(const Elements& el, u32* s_key, u32* s_idx) {
   u32 key = 0u, idx = NO_INDEX;
+#pragma unroll 4
   for (u32 e = threadIdx.x; e < el.m; e += BLOCK_SIZE) keep_better(key, idx, order_key(el.logit(e)), e);
   return block_best(key, idx, s_key, s_idx);
 }
 
-// The k-th largest of the keys key_of(e), e < m (k <= m), returned to every thread: a radix
-// select, 8 bits per pass from the top. Lanes adding to the same bin are merged into one shared
+// A threshold th such that at least k of the keys key_of(e), e < m (k <= m), are >= th and at
+// most max(max_kept, the keys at or above the k-th largest), returned to every thread: a radix
+// select, 8 bits per pass from the top, that stops at the first bucket whose lower edge keeps at
+// most max_kept keys (with max_kept = k: only where it keeps the same keys as the k-th largest
+// key; otherwise it runs to that key). Lanes adding to the same bin are merged into one shared
 // atomic (logits crowd into few top-byte bins), and warp 0 finds each pass's bin with a scan.
 template <typename K>
-__device__ u32 block_kth_key(u32 m, u32 k, K key_of, u32* s_hist, u32* s_radix) {
+__device__ u32 block_kth_key(u32 m, u32 k, u32 max_kept, K key_of, u32* s_hist, u32* s_radix) {
   const int lane = threadIdx.x & 31;
+  const u32 k0 = k;  // k is the rank left within the bucket; k0 - k keys lie above it
   u32 prefix = 0u, mask = 0u;
   for (int shift = 24; shift >= 0; shift -= 8) {
     for (int b = threadIdx.x; b < 256; b += BLOCK_SIZE) s_hist[b] = 0u;
     __syncthreads();
+#pragma unroll 4
     for (u32 e0 = threadIdx.x - lane; e0 < m; e0 += BLOCK_SIZE) {  // warp-uniform loop
       const u32 e = e0 + lane;
       const u32 key = e < m ? key_of(e) : 0u;
@@ -251,12 +261,14 @@ __device__ u32 block_kth_key(u32 m, u32 k, K key_of, u32* s_hist, u32* s_radix) 
         while (above + s_hist[b] < k) above += s_hist[b--];
         s_radix[0] = prefix | ((u32)b << shift);
         s_radix[1] = k - above;
+        s_radix[2] = k0 - k + above + s_hist[b] <= max_kept;  // the keys at or above bin b
       }
     }
     __syncthreads();
     prefix = s_radix[0];
     k = s_radix[1];
     mask |= 255u << shift;
+    if (s_radix[2]) break;  // block-uniform
   }
   return prefix;
 }
@@ -271,7 +283,7 @@ __device__ __forceinline__ bool draws_candidates(const RowDraw& d) { return d.te
 // With `rows`, grid row y does so for draw y, in part y of cand and counts.
 extern "C" __global__ void __launch_bounds__(BLOCK_SIZE) topk_candidates(const CandidateParams p) {
   KERNEL_ENTRY();
-  __shared__ u32 s_hist[256], s_radix[2], s_count[32];
+  __shared__ u32 s_hist[256], s_radix[3], s_count[32];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   u32 top_k = p.top_k;
   u64 row = 0;
@@ -286,7 +298,10 @@ extern "C" __global__ void __launch_bounds__(BLOCK_SIZE) topk_candidates(const C
   const u32 m = min((u32)BLOCK_SIZE, p.n - blockIdx.x * BLOCK_SIZE);
   const u32 key = threadIdx.x < m ? order_key(logits[threadIdx.x]) : 0u;
   u32 th = 1u;  // key 0 is NaN's alone: never a candidate
-  if (top_k < m) th = max(1u, block_kth_key(m, top_k, [&](u32 e) { return order_key(logits[e]); }, s_hist, s_radix));
+  // A few more candidates than top_k (up to twice, within the launch's share of the sampling
+  // block's list) spare the select its last passes; the second stage finds the exact cut.
+  const u32 max_kept = max(top_k, min(2u * top_k, p.cand_cap / gridDim.x));
+  if (top_k < m) th = max(1u, block_kth_key(m, top_k, max_kept, [&](u32 e) { return order_key(__ldg(logits + e)); }, s_hist, s_radix));
   const bool keep = threadIdx.x < m && key >= th;
   // The candidate's place: earlier warps' counts, then earlier lanes'.
   const u32 ballot = __ballot_sync(FULL_MASK, keep);
@@ -376,7 +391,7 @@ __device__ void block_sum_bins(float (&bins)[16], float* s) {
 }
 
 // The candidates of `topk_candidates` gathered into s_cand in index order (warp w copies chunks
-// w, w + 32, ...); false (nothing gathered) when more than CAND_CAP (ties) or no candidate list.
+// w, w + 32, ...); false (nothing gathered) when more than p.cand_cap or no candidate list.
 __device__ bool gather_candidates(const SampleParams& p, u32* s_cand, u32* s_end, u32* s_warp, u32* m) {
   if (!p.cand || p.n_chunks > BLOCK_SIZE) return false;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -390,7 +405,7 @@ __device__ bool gather_candidates(const SampleParams& p, u32* s_cand, u32* s_end
   }
   u32 total;
   end += warp_offsets(__shfl_sync(FULL_MASK, end, 31), s_warp, total);
-  if (total == 0u || total > CAND_CAP) return false;  // block-uniform
+  if (total == 0u || total > p.cand_cap) return false;  // block-uniform
   s_end[threadIdx.x] = end;
   __syncthreads();
   const u32* cand = reinterpret_cast<const u32*>(p.cand);
@@ -417,6 +432,7 @@ struct Survivors {
   // sums that need no index order.
   template <typename F>
   __device__ void each_strided(F&& f) const {
+#pragma unroll 4
     for (u32 e = threadIdx.x; e < m; e += BLOCK_SIZE) f(logit(e));
   }
 };
@@ -512,13 +528,13 @@ __device__ void finish_in_warp(const SampleParams& p, const float* c_logit, cons
 extern "C" __global__ void __launch_bounds__(BLOCK_SIZE) sample(const SampleParams launch) {
   KERNEL_ENTRY();
   const SampleParams p = block_draw(launch);
-  __shared__ u32 s_key[32], s_idx[32], s_radix[2], s_hist[256], s_uwarp[32];
+  __shared__ u32 s_key[32], s_idx[32], s_radix[3], s_hist[256], s_uwarp[32];
   __shared__ float s_fwarp[32];
   __shared__ float s_fscan[BLOCK_SIZE];
   __shared__ u32 s_uscan[BLOCK_SIZE];
   __shared__ float c_logit[BLOCK_SIZE];
   __shared__ u32 c_index[BLOCK_SIZE];
-  __shared__ u32 s_cand[CAND_CAP];
+  extern __shared__ u32 s_cand[];  // p.cand_cap of them (dynamic shared memory)
   const int lane = threadIdx.x & 31;
   Elements el = {reinterpret_cast<const float*>(p.logits), nullptr, p.n};
   if (gather_candidates(p, s_cand, s_uscan, s_uwarp, &el.m)) el.idx = s_cand;
@@ -535,7 +551,7 @@ extern "C" __global__ void __launch_bounds__(BLOCK_SIZE) sample(const SamplePara
   // alone: a NaN logit is never drawn and weighs nothing.
   const bool top_k = p.top_k > 0u && p.top_k < el.m;
   u32 th = 1u;
-  if (top_k) th = max(1u, block_kth_key(el.m, p.top_k, [&](u32 e) { return order_key(el.logit(e)); }, s_hist, s_radix));
+  if (top_k) th = max(1u, block_kth_key(el.m, p.top_k, p.top_k, [&](u32 e) { return order_key(el.logit(e)); }, s_hist, s_radix));
 
   // When at most BLOCK_SIZE tokens survive top-k they are gathered (in index order) into shared
   // memory and the filters below touch only them; otherwise they run over the elements in
@@ -544,6 +560,7 @@ extern "C" __global__ void __launch_bounds__(BLOCK_SIZE) sample(const SamplePara
   if (top_k || el.m <= BLOCK_SIZE) {
     const Span span = warp_span(el.m);
     u32 count = 0u;
+#pragma unroll 4
     for (u32 e0 = span.begin; e0 < span.end; e0 += 32) {  // warp-uniform loop
       const u32 e = e0 + lane;
       count += __popc(__ballot_sync(FULL_MASK, e < span.end && order_key(el.logit(e)) >= th));
@@ -621,6 +638,7 @@ extern "C" __global__ void __launch_bounds__(BLOCK_SIZE) sample(const SamplePara
     return order_key(l) >= th ? expf((l - max_logit) * inv_t) : 0.f;
   };
   float part = 0.f;
+#pragma unroll 4
   for (u32 e = span.begin + lane; e < span.end; e += 32) part += weight(e);
   float total;
   const float before = warp_offsets(warp_sum(part), s_fwarp, total);
@@ -662,9 +680,15 @@ pub struct SamplingVariant {
 
 impl SamplingVariant {
     pub const DEFAULT: SamplingVariant = SamplingVariant { block_size: 1024 };
+    /// Most candidates a `sample` block gathers from `topk_candidates` (64 KiB of dynamic shared
+    /// memory): top-k 40 over 256 chunks (Gemma 3's vocabulary), 64 over 256 KiB of logits.
+    pub const CANDIDATE_CAP: u32 = 16384;
 
-    pub fn launch_config(&self) -> LaunchConfig {
-        self.rows_launch_config(1)
+    /// `sample` drawing `draws` rows (one, or a [`RowDraw`] list), with the shared memory its
+    /// candidate list needs when there is one.
+    pub fn sample_launch_config(&self, draws: u32, candidates: bool) -> LaunchConfig {
+        let shared_mem_bytes = if candidates { Self::CANDIDATE_CAP * 4 } else { 0 };
+        LaunchConfig { shared_mem_bytes, ..self.rows_launch_config(draws) }
     }
 
     /// `argmax` over `rows` rows: a block per row.

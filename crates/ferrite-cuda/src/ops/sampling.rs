@@ -161,7 +161,7 @@ pub fn sample_delivering(
     if let Some(s) = staged {
         (cand, cand_counts, best, arrivals, n_chunks) = (addr_mut(gpu, &mut s.cand), addr_mut(gpu, &mut s.counts), addr_mut(gpu, &mut s.best), addr_mut(gpu, &mut s.arrivals), chunks as u32);
         if !greedy {
-            let params = CandidateParams { logits: addr(gpu, logits), cand, cand_counts, rows: 0, n: vocab as u32, top_k: k as u32 };
+            let params = CandidateParams { logits: addr(gpu, logits), cand, cand_counts, rows: 0, n: vocab as u32, top_k: k as u32, cand_cap: SamplingVariant::CANDIDATE_CAP, pad: 0 };
             gpu.launch(&variant, "topk_candidates", variant.rows_launch_config(n_chunks), &params)?;
         }
     }
@@ -189,12 +189,12 @@ pub fn sample_delivering(
         next_pos,
         tag,
         advance,
-        pad: 0,
+        cand_cap: SamplingVariant::CANDIDATE_CAP,
     };
     if greedy && n_chunks > 0 {
         return gpu.launch(&variant, "argmax_chunks", variant.rows_launch_config(n_chunks), &params);
     }
-    gpu.launch(&variant, "sample", variant.launch_config(), &params)
+    gpu.launch(&variant, "sample", variant.sample_launch_config(1, cand != 0), &params)
 }
 
 /// One draw of [`sample_rows`]: from logits row `row`, with `cfg` at `step`.
@@ -261,7 +261,7 @@ pub fn sample_rows(
     let staged = scratch.filter(|s| vocab > block && chunks <= block && s.vocab >= vocab && s.draws >= draws.len());
     if let Some(s) = staged.filter(|_| draws.iter().any(|d| draws_candidates(&d.cfg, block))) {
         (cand, cand_counts, n_chunks) = (addr_mut(gpu, &mut s.cand), addr_mut(gpu, &mut s.counts), chunks as u32);
-        let params = CandidateParams { logits: addr(gpu, logits), cand, cand_counts, rows: rows_addr, n, top_k: 0 };
+        let params = CandidateParams { logits: addr(gpu, logits), cand, cand_counts, rows: rows_addr, n, top_k: 0, cand_cap: SamplingVariant::CANDIDATE_CAP, pad: 0 };
         gpu.launch(&variant, "topk_candidates", variant.grid_launch_config(n_chunks, n_draws), &params)?;
     }
     let params = SampleParams {
@@ -273,9 +273,10 @@ pub fn sample_rows(
         rows: rows_addr,
         n_chunks,
         n,
+        cand_cap: SamplingVariant::CANDIDATE_CAP,
         ..Default::default()
     };
-    gpu.launch(&variant, "sample", variant.rows_launch_config(n_draws), &params)
+    gpu.launch(&variant, "sample", variant.sample_launch_config(n_draws, cand != 0), &params)
 }
 
 /// `u32` words of one [`RowDraw`] on the device.
