@@ -4,16 +4,13 @@
 //! `sample`: llama.cpp's chain, as ferrite-engine's host sampler runs it: top-k, then top-p and
 //! min-p judged on temperature-1 probabilities, then temperature on the survivors and one draw
 //! from a counter-based RNG keyed by (seed, step). Thresholds are found over the logits' ordered
-//! bit patterns (top-p's four bits per pass, over exact fixed-point sums) and every float sum
-//! runs in a fixed order, and the draw walks the vocabulary in index order (each warp a
-//! contiguous share, coalesced), so the same (logits, seed, step) always gives the same token.
-//! top-k is a radix select (up to 4 histogram passes); when at most 1024 tokens survive it, they
-//! are gathered into shared memory and the later filters run on them alone (at most 64, as after
-//! top-k 40: by one warp, without block barriers). With a candidate list (`topk_candidates`, a
-//! block per chunk of 1024 logits, for top-k up to 1024) the single `sample` block looks only at
-//! the chunks' own top-k (up to twice as many, which spares their selects a pass or two), which
-//! hold the vocabulary's: the same token, from a few thousand logits instead of the whole
-//! vocabulary (up to `CANDIDATE_CAP` of them; more, and it reads the whole row).
+//! bit patterns (top-p's four bits per pass) with fixed-order block reductions, and the draw walks the
+//! vocabulary in index order, so the same (logits, seed, step) always gives the same token.
+//! top-k is a radix select (4 histogram passes); when at most 1024 tokens survive it, they are
+//! gathered into shared memory and the later filters run on them alone. With a candidate list
+//! (`topk_candidates`, a block per chunk of 1024 logits, for top-k up to 1024)
+//! the single `sample` block looks only at the chunks' own top-k, which hold the vocabulary's:
+//! the same token, from a few thousand logits instead of the whole vocabulary.
 //! With a list of draws (`RowDraw`), one launch draws from many rows (a batched step's
 //! sequences), a block per draw, each as a launch of its own would.
 //! [`sampling_uniform`] reproduces the draw on the host.
@@ -370,6 +367,29 @@ __device__ __forceinline__ Span warp_span(u32 m) {
   return {begin, min(m, begin + per)};
 }
 
+// Each of 16 bins summed over the block, returned to every thread in `bins`: warp sums, then
+// thread d < 16 adds bin d over the warps in order (a fixed order: deterministic). `s` holds
+// 16 floats per warp (BLOCK_SIZE / 2).
+__device__ void block_sum_bins(float (&bins)[16], float* s) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+#pragma unroll
+  for (int d = 0; d < 16; ++d) bins[d] = warp_sum(bins[d]);
+  __syncthreads();  // an earlier user of s may still be reading it
+  if (lane == 0) {
+#pragma unroll
+    for (int d = 0; d < 16; ++d) s[warp * 16 + d] = bins[d];
+  }
+  __syncthreads();
+  float total = 0.f;
+  if (threadIdx.x < 16) {
+    for (int w = 0; w < BLOCK_SIZE / 32; ++w) total += s[w * 16 + threadIdx.x];
+    s[threadIdx.x] = total;  // only this thread read it
+  }
+  __syncthreads();
+#pragma unroll
+  for (int d = 0; d < 16; ++d) bins[d] = s[d];
+}
+
 // The candidates of `topk_candidates` gathered into s_cand in index order (warp w copies chunks
 // w, w + 32, ...); false (nothing gathered) when more than p.cand_cap or no candidate list.
 __device__ bool gather_candidates(const SampleParams& p, u32* s_cand, u32* s_end, u32* s_warp, u32* m) {
@@ -408,51 +428,14 @@ struct Survivors {
   Elements el;
   __device__ __forceinline__ float logit(u32 e) const { return gathered ? c_logit[e] : el.logit(e); }
   __device__ __forceinline__ u32 index(u32 e) const { return gathered ? c_index[e] : el.index(e); }
+  // Call f(logit) for each, strided over the threads so that a warp's loads are coalesced: for
+  // sums that need no index order.
+  template <typename F>
+  __device__ void each_strided(F&& f) const {
+#pragma unroll 4
+    for (u32 e = threadIdx.x; e < m; e += BLOCK_SIZE) f(logit(e));
+  }
 };
-
-// Masses in fixed point (units of 2^-40 of the top token's): integer sums are exact in any
-// order, so a block's sums never depend on how its threads add them. A weight below 2^-40 (a
-// logit over 27.7 below the top) counts as nothing toward the top-p cut.
-#define MASS_ONE 1099511627776.f
-
-// Top-p's next digit: the survivors' masses at temperature 1 whose keys lie under `prefix`
-// (the digits above `shift` found so far), summed into 16 bins by their digit at `shift` and
-// returned to every thread in `bins`. Each warp adds one digit's lanes at a time (a ballot and
-// two `redux.sync` sums of the weights' low 24 and high bits), lane d of the warp keeps bin d,
-// then thread d < 16 adds bin d over the warps. `s` holds 16 u64s per warp.
-__device__ void digit_bins(const Survivors& sv, u32 th, u32 prefix, u32 mask, int shift, float max_logit, u64 (&bins)[16], u64* s) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  u64 mine = 0ull;  // lane d < 16: bin d of this warp
-#pragma unroll 2
-  for (u32 e0 = threadIdx.x - lane; e0 < sv.m; e0 += BLOCK_SIZE) {  // warp-uniform loop
-    const u32 e = e0 + lane;
-    const float l = e < sv.m ? sv.logit(e) : 0.f;
-    const u32 key = order_key(l);
-    const bool in = e < sv.m && key >= th && (key & mask) == prefix;
-    const u32 digit = (key >> shift) & 15u;
-    const u64 w = in ? (u64)__float2ull_rz(expf(l - max_logit) * MASS_ONE) : 0ull;
-    for (u32 left = __ballot_sync(FULL_MASK, in); left;) {  // warp-uniform
-      const u32 d = __shfl_sync(FULL_MASK, digit, __ffs(left) - 1);
-      const bool same = in && digit == d;
-      const u32 lo = __reduce_add_sync(FULL_MASK, same ? (u32)(w & 0xFFFFFFull) : 0u);
-      const u32 hi = __reduce_add_sync(FULL_MASK, same ? (u32)(w >> 24) : 0u);
-      if (lane == (int)d) mine += ((u64)hi << 24) + lo;
-      left &= ~__ballot_sync(FULL_MASK, same);
-    }
-  }
-  __syncthreads();  // an earlier pass may still be reading s
-  if (lane < 16) s[warp * 16 + lane] = mine;
-  __syncthreads();
-  if (threadIdx.x < 16) {
-    u64 total = 0ull;
-    for (int w = 0; w < BLOCK_SIZE / 32; ++w) total += s[w * 16 + threadIdx.x];
-    s[threadIdx.x] = total;  // only this thread read it
-  }
-  __syncthreads();
-#pragma unroll
-  for (int d = 0; d < 16; ++d) bins[d] = s[d];
-}
-
 
 // The chosen token to where this launch's parameters send it (one thread).
 __device__ __forceinline__ void deliver(const SampleParams& p, u32 token) {
@@ -547,8 +530,7 @@ extern "C" __global__ void __launch_bounds__(BLOCK_SIZE) sample(const SamplePara
   const SampleParams p = block_draw(launch);
   __shared__ u32 s_key[32], s_idx[32], s_radix[3], s_hist[256], s_uwarp[32];
   __shared__ float s_fwarp[32];
-  __shared__ u64 s_bins[BLOCK_SIZE / 2];
-  __shared__ float s_w[FINISH_CAP];
+  __shared__ float s_fscan[BLOCK_SIZE];
   __shared__ u32 s_uscan[BLOCK_SIZE];
   __shared__ float c_logit[BLOCK_SIZE];
   __shared__ u32 c_index[BLOCK_SIZE];
@@ -602,7 +584,7 @@ extern "C" __global__ void __launch_bounds__(BLOCK_SIZE) sample(const SamplePara
       s.m = kept;
       __syncthreads();
       if (kept <= FINISH_CAP) {
-        if (threadIdx.x < 32) finish_in_warp(p, c_logit, c_index, kept, th, max_logit, s_w, s_uscan);
+        if (threadIdx.x < 32) finish_in_warp(p, c_logit, c_index, kept, th, max_logit, s_fscan, s_uscan);
         return;
       }
     }
@@ -611,19 +593,30 @@ extern "C" __global__ void __launch_bounds__(BLOCK_SIZE) sample(const SamplePara
   // top-p: the largest key t whose mass (keys >= max(t, th)) still reaches top_p of the top-k
   // mass, found a digit of four bits per pass from the top (8 passes, not 32 of bisection).
   // A pass sums the masses of the keys under the digits found so far into 16 bins by their next
-  // digit (`digit_bins`, exact fixed-point sums); the cut's digit is the largest whose bins from
-  // the top, with the mass above them, still reach the target.
+  // digit; the cut's digit is the largest whose bins from the top, with the mass above them,
+  // still reach the target. Each thread's bins stay in registers (added strided, coalesced)
+  // and the block adds them in a fixed order: the same logits always give the same cut.
   if (p.top_p > 0.f && p.top_p < 1.f) {
-    u64 target = 0ull, above = 0ull;  // above: the mass of the keys above the current bucket
+    float target = 0.f, above = 0.f;  // above: the mass of the keys above the current bucket
     u32 prefix = 0u, mask = 0u;
     for (int shift = 28; shift >= 0; shift -= 4) {
-      u64 bins[16];
-      digit_bins(s, th, prefix, mask, shift, max_logit, bins, s_bins);
+      float bins[16];
+#pragma unroll
+      for (int d = 0; d < 16; ++d) bins[d] = 0.f;
+      s.each_strided([&](float l) {
+        const u32 key = order_key(l);
+        if (key < th || (key & mask) != prefix) return;
+        const u32 digit = (key >> shift) & 15u;
+        const float w = expf(l - max_logit);
+#pragma unroll
+        for (int d = 0; d < 16; ++d) bins[d] += digit == (u32)d ? w : 0.f;
+      });
+      block_sum_bins(bins, s_fscan);
       if (shift == 28) {
-        u64 total = 0ull;
+        float total = 0.f;
 #pragma unroll
         for (int d = 0; d < 16; ++d) total += bins[d];
-        target = (u64)((double)p.top_p * (double)total);
+        target = p.top_p * total;
       }
       int digit = 15;
       for (; digit > 0 && above + bins[digit] < target; --digit) above += bins[digit];
