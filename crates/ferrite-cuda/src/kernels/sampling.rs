@@ -4,13 +4,16 @@
 //! `sample`: llama.cpp's chain, as ferrite-engine's host sampler runs it: top-k, then top-p and
 //! min-p judged on temperature-1 probabilities, then temperature on the survivors and one draw
 //! from a counter-based RNG keyed by (seed, step). Thresholds are found over the logits' ordered
-//! bit patterns (top-p's four bits per pass) with fixed-order block reductions, and the draw walks the
-//! vocabulary in index order, so the same (logits, seed, step) always gives the same token.
-//! top-k is a radix select (4 histogram passes); when at most 1024 tokens survive it, they are
-//! gathered into shared memory and the later filters run on them alone. With a candidate list
-//! (`topk_candidates`, a block per chunk of 1024 logits, for top-k up to 1024)
-//! the single `sample` block looks only at the chunks' own top-k, which hold the vocabulary's:
-//! the same token, from a few thousand logits instead of the whole vocabulary.
+//! bit patterns (top-p's four bits per pass) with fixed-order block reductions, and the draw
+//! walks the vocabulary in index order (each warp a contiguous share, coalesced), so the same
+//! (logits, seed, step) always gives the same token.
+//! top-k is a radix select (up to 4 histogram passes); when at most 1024 tokens survive it, they
+//! are gathered into shared memory and the later filters run on them alone (at most 64, as after
+//! top-k 40: by one warp, without block barriers). With a candidate list (`topk_candidates`, a
+//! block per chunk of 1024 logits, for top-k up to 1024) the single `sample` block looks only at
+//! the chunks' own top-k (up to twice as many, which spares their selects a pass or two), which
+//! hold the vocabulary's: the same token, from a few thousand logits instead of the whole
+//! vocabulary (up to `CANDIDATE_CAP` of them; more, and it reads the whole row).
 //! With a list of draws (`RowDraw`), one launch draws from many rows (a batched step's
 //! sequences), a block per draw, each as a launch of its own would.
 //! [`sampling_uniform`] reproduces the draw on the host.
@@ -190,7 +193,7 @@ struct Elements {
   const u32* idx;  // nullptr: element e is token e
   u32 m;
   __device__ __forceinline__ u32 index(u32 e) const { return idx ? idx[e] : e; }
-  __device__ __forceinline__ float logit(u32 e) const { return __ldg(logits + index(e)); }
+  __device__ __forceinline__ float logit(u32 e) const { return logits[index(e)]; }
 };
 
 // The best of the threads' (key, index) pairs (keep_better), its index returned to every thread.
@@ -215,7 +218,6 @@ __device__ u32 block_best(u32 key, u32 idx, u32* s_key, u32* s_idx) {
 // The element with the largest logit (first on ties; NaN never wins), returned to every thread.
 __device__ u32 block_argmax(const Elements& el, u32* s_key, u32* s_idx) {
   u32 key = 0u, idx = NO_INDEX;
-#pragma unroll 4
   for (u32 e = threadIdx.x; e < el.m; e += BLOCK_SIZE) keep_better(key, idx, order_key(el.logit(e)), e);
   return block_best(key, idx, s_key, s_idx);
 }
@@ -234,7 +236,6 @@ __device__ u32 block_kth_key(u32 m, u32 k, u32 max_kept, K key_of, u32* s_hist, 
   for (int shift = 24; shift >= 0; shift -= 8) {
     for (int b = threadIdx.x; b < 256; b += BLOCK_SIZE) s_hist[b] = 0u;
     __syncthreads();
-#pragma unroll 4
     for (u32 e0 = threadIdx.x - lane; e0 < m; e0 += BLOCK_SIZE) {  // warp-uniform loop
       const u32 e = e0 + lane;
       const u32 key = e < m ? key_of(e) : 0u;
@@ -301,7 +302,7 @@ extern "C" __global__ void __launch_bounds__(BLOCK_SIZE) topk_candidates(const C
   // A few more candidates than top_k (up to twice, within the launch's share of the sampling
   // block's list) spare the select its last passes; the second stage finds the exact cut.
   const u32 max_kept = max(top_k, min(2u * top_k, p.cand_cap / gridDim.x));
-  if (top_k < m) th = max(1u, block_kth_key(m, top_k, max_kept, [&](u32 e) { return order_key(__ldg(logits + e)); }, s_hist, s_radix));
+  if (top_k < m) th = max(1u, block_kth_key(m, top_k, max_kept, [&](u32 e) { return order_key(logits[e]); }, s_hist, s_radix));
   const bool keep = threadIdx.x < m && key >= th;
   // The candidate's place: earlier warps' counts, then earlier lanes'.
   const u32 ballot = __ballot_sync(FULL_MASK, keep);
@@ -432,7 +433,6 @@ struct Survivors {
   // sums that need no index order.
   template <typename F>
   __device__ void each_strided(F&& f) const {
-#pragma unroll 4
     for (u32 e = threadIdx.x; e < m; e += BLOCK_SIZE) f(logit(e));
   }
 };
@@ -560,7 +560,6 @@ extern "C" __global__ void __launch_bounds__(BLOCK_SIZE) sample(const SamplePara
   if (top_k || el.m <= BLOCK_SIZE) {
     const Span span = warp_span(el.m);
     u32 count = 0u;
-#pragma unroll 4
     for (u32 e0 = span.begin; e0 < span.end; e0 += 32) {  // warp-uniform loop
       const u32 e = e0 + lane;
       count += __popc(__ballot_sync(FULL_MASK, e < span.end && order_key(el.logit(e)) >= th));
@@ -638,7 +637,6 @@ extern "C" __global__ void __launch_bounds__(BLOCK_SIZE) sample(const SamplePara
     return order_key(l) >= th ? expf((l - max_logit) * inv_t) : 0.f;
   };
   float part = 0.f;
-#pragma unroll 4
   for (u32 e = span.begin + lane; e < span.end; e += 32) part += weight(e);
   float total;
   const float before = warp_offsets(warp_sum(part), s_fwarp, total);
