@@ -42,7 +42,8 @@ impl BenchResult {
 }
 
 /// Each batched decode result (`tg N xS`, or `tg N xS sampled`) beside the batch-1 decode of
-/// the same length and draws from an empty context (`tg N`, `tg N sampled`), if that ran: (batched test, batch-1 test, aggregate / batch-1 rate).
+/// the same length and draws from an empty context (`tg N`, `tg N sampled`), if that ran:
+/// (batched test, batch-1 test, aggregate / batch-1 rate).
 /// Issue #6's serving target compares these two.
 pub fn batch_speedups(results: &[BenchResult]) -> Vec<(&str, &str, f64)> {
     results
@@ -60,6 +61,15 @@ pub fn batch_speedups(results: &[BenchResult]) -> Vec<(&str, &str, f64)> {
 /// Deterministic token ids for benchmarking (content does not change the work done).
 fn bench_tokens(n: usize, vocab: usize) -> Vec<u32> {
     (0..n).map(|i| ((i * 7919 + 13) % vocab) as u32).collect()
+}
+
+/// A decode test's name: "... sampled" unless its draws are greedy.
+fn draws_named(test: String, greedy: bool) -> String {
+    if greedy {
+        test
+    } else {
+        format!("{test} sampled")
+    }
 }
 
 /// The name of a test at `depth` cached positions, as llama-bench writes it ("tg128 @ d2048").
@@ -123,8 +133,8 @@ pub fn bench_pp(session: &mut Session, n: usize, depth: usize, reps: Reps, vocab
 
 /// Token generation: `n` single-token steps after `depth` cached positions (prefilled untimed),
 /// each followed by a draw with `sampling` (on the device where the backend can; a sampled test
-/// is named "tgN sampled"), as a generation loop does (`Session::generate`: without a host round trip between steps where the backend
-/// samples on the device).
+/// is named "tgN sampled"), as a generation loop does (`Session::generate`: without a host round
+/// trip between steps where the backend samples on the device).
 pub fn bench_tg(session: &mut Session, n: usize, depth: usize, reps: Reps, vocab: usize, sampling: &SamplerParams) -> Result<BenchResult> {
     let mut samples = Vec::new();
     let mut sampler = Sampler::new(sampling.clone());
@@ -148,8 +158,9 @@ pub fn bench_tg(session: &mut Session, n: usize, depth: usize, reps: Reps, vocab
             samples.push(tps);
         }
     }
-    let test = if sampling.is_greedy() || sampling.top_k == 1 { format!("tg{n}") } else { format!("tg{n} sampled") };
-    Ok(BenchResult { test: at_depth(test, depth), tokens: n, seqs: 1, start: depth, samples })
+    // Named by the device's greedy rule (top-k 1 is the argmax too), as `bench_batched` names.
+    let greedy = sampling.on_device(0).is_some_and(|d| d.is_greedy());
+    Ok(BenchResult { test: at_depth(draws_named(format!("tg{n}"), greedy), depth), tokens: n, seqs: 1, start: depth, samples })
 }
 
 /// Batched decode, as a server's continuous batching runs it without the HTTP side: `seqs`
@@ -207,7 +218,7 @@ pub fn bench_batched(session: &mut Session, seqs: usize, prompt: usize, n: usize
             samples.push(tps);
         }
     }
-    let test = if sampling.is_greedy() { format!("tg{n} x{seqs}") } else { format!("tg{n} x{seqs} sampled") };
+    let test = draws_named(format!("tg{n} x{seqs}"), sampling.is_greedy());
     Ok(BenchResult { test, tokens: n, seqs, start: prompt, samples })
 }
 

@@ -3,7 +3,6 @@ use anyhow::Result;
 use clap::Args;
 use ferrite_engine::bench::{batch_speedups, bench_batched, bench_pp, bench_tg, BenchResult, Reps, TokenWork};
 use ferrite_engine::sampling::SamplerParams;
-use ferrite_model::DeviceSampling;
 
 #[derive(Args)]
 pub struct BenchArgs {
@@ -61,7 +60,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
     }
     let sampling = SamplerParams { temperature: args.temp, top_k: args.top_k, top_p: args.top_p, min_p: args.min_p, seed: 0, ..SamplerParams::greedy() };
     sampling.validate().map_err(|e| anyhow::anyhow!("bad sampling settings: {e}"))?;
-    let seq_sampling = DeviceSampling { temperature: args.temp, top_k: args.top_k, top_p: args.top_p, min_p: args.min_p, seed: 0, step: 0 };
+    let seq_sampling = sampling.on_device(0).expect("no repetition penalty: drawn on the device");
     let loaded = load_model(&args.model)?;
     let vocab = loaded.model.config.vocab_size;
     let mut margs = args.model.clone();
