@@ -3041,7 +3041,7 @@ fn sample_step_from_device_memory() {
 }
 
 /// The two-stage draw (a block per 1024 logits keeps its chunk's top-k, then one block over the
-/// candidates) gives the one-block draw's token: greedy and top-k settings, vocabularies of one
+/// candidates), and the draw at temperature alone by a block per chunk, give the one-block draw's token: greedy and top-k settings, vocabularies of one
 /// chunk and a partial one up to Qwen's, NaN and -inf logits, and logits with heavy ties (more
 /// candidates than the gathered list holds: the whole vocabulary is read instead).
 #[test]
@@ -3055,6 +3055,9 @@ fn two_stage_sample_draws_the_one_block_token() {
         base,
         SamplingConfig { top_k: 1024, top_p: 0.9, min_p: 0.0, ..base },
         SamplingConfig { top_k: 5, top_p: 1.0, min_p: 0.0, temperature: 1.5, ..base },
+        // Temperature alone: by chunks, a block each (`sample_chunks`) against one block taking
+        // them in turn.
+        SamplingConfig { top_k: 0, top_p: 1.0, min_p: 0.0, temperature: 0.9, ..base },
     ];
     let mut draws = 0;
     for (vocab, ties) in [(1500usize, false), (5000, false), (49152, false), (151936, false), (49152, true)] {

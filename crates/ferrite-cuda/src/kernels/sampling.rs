@@ -56,6 +56,8 @@ device_params! {
         /// (`fold_best`; both zero between launches).
         pub best: u64,
         pub arrivals: u64,
+        /// 0, or `sample_chunks`' chunk shares (`[3, n_chunks]` words: maxima, masses, tokens).
+        pub stats: u64,
         /// 0, or a draw per block (`RowDraw[gridDim.x]`): block b draws from row `rows[b].row` of
         /// `n` logits with that draw's settings (the ones below are ignored), writes `out[row]`
         /// and keeps its candidates in part b of the scratch (`[n_chunks * BLOCK_SIZE]` each).
@@ -525,11 +527,162 @@ __device__ void finish_in_warp(const SampleParams& p, const float* c_logit, cons
   deliver(p, pick);
 }
 
+// Draws at temperature alone (top-k, top-p and min-p off) over more than one chunk of
+// BLOCK_SIZE logits run by chunks: chunk c's largest logit m_c (and its token) and the mass of
+// its logits relative to m_c; then the chunks' masses scaled to the largest maximum, the chunk
+// holding the draw (in chunk order), and a walk inside it. A block per chunk with the last to
+// arrive finishing (`sample_chunks`), or one block taking the chunks in turn (`sample`): the
+// same sums in the same order, so the same token.
+__device__ __forceinline__ bool temperature_only(const SampleParams& p) {
+  return p.temperature > 0.f && (p.top_k == 0u || p.top_k >= p.n) && !(p.top_p > 0.f && p.top_p < 1.f) && !(p.min_p > 0.f) && p.n > BLOCK_SIZE &&
+         (p.n + BLOCK_SIZE - 1) / BLOCK_SIZE <= BLOCK_SIZE;
+}
+
+// A chunk's share: its largest logit, its first token with it, and its mass at temperature
+// 1/inv_t relative to that logit: the sums of its 32 runs of 32 logits (each a warp sum),
+// added in run order. `chunk_mass` (a block, a thread per logit) and `chunk_mass_warp` (one
+// warp, run after run) give the same bits.
+struct ChunkMass {
+  float max, mass;
+  u32 best;
+};
+__device__ ChunkMass chunk_mass(const float* logits, u32 base, u32 m, float inv_t, u32* s_key, u32* s_idx, float* s_f) {
+  const Elements el = {logits + base, nullptr, m};
+  const u32 e = block_argmax(el, s_key, s_idx);
+  const float mx = el.logits[e];
+  float w = 0.f;
+  if (threadIdx.x < m && fabsf(mx) <= 3.402823466e38f) {
+    const float l = el.logits[threadIdx.x];
+    if (order_key(l) >= 1u) w = expf((l - mx) * inv_t);
+  }
+  float mass;
+  warp_offsets(warp_sum(w), s_f, mass);
+  return {mx, mass, base + e};
+}
+
+__device__ ChunkMass chunk_mass_warp(const float* logits, u32 base, u32 m, float inv_t) {
+  const int lane = threadIdx.x & 31;
+  u32 key = 0u, idx = NO_INDEX;
+  for (u32 e = lane; e < m; e += 32) keep_better(key, idx, order_key(logits[base + e]), e);
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) keep_better(key, idx, __shfl_xor_sync(FULL_MASK, key, o), __shfl_xor_sync(FULL_MASK, idx, o));
+  const float mx = logits[base + idx];
+  float mass = 0.f;
+  if (fabsf(mx) <= 3.402823466e38f) {
+    for (u32 run = 0; run < BLOCK_SIZE / 32; ++run) {
+      const u32 e = run * 32 + lane;
+      float w = 0.f;
+      if (e < m) {
+        const float l = logits[base + e];
+        if (order_key(l) >= 1u) w = expf((l - mx) * inv_t);
+      }
+      mass += warp_sum(w);
+    }
+  }
+  return {mx, mass, base + idx};
+}
+
+// The first thread (smallest index) for which `yes` holds, or NO_INDEX, to every thread.
+__device__ __forceinline__ u32 block_first(bool yes, u32* s_key, u32* s_idx) {
+  return block_best(yes ? 1u : 0u, yes ? (u32)threadIdx.x : NO_INDEX, s_key, s_idx);
+}
+
+// The draw from the chunks' shares (`cmax`, `cmass`, `cbest` for the chunks of p.n logits, in
+// shared memory): delivers the token from one thread.
+__device__ void finish_chunks(const SampleParams& p, const float* cmax, const float* cmass, const u32* cbest, u32* s_key, u32* s_idx, float* s_f, float* s_pick) {
+  const int lane = threadIdx.x & 31;
+  const u32 nc = (p.n + BLOCK_SIZE - 1) / BLOCK_SIZE, c = threadIdx.x;
+  const float inv_t = 1.f / p.temperature;
+  const float my_max = c < nc ? cmax[c] : 0.f;
+  // The largest maximum (the first chunk on ties: the first token with it).
+  const u32 top = block_best(c < nc ? order_key(my_max) : 0u, c < nc ? c : NO_INDEX, s_key, s_idx);
+  const float M = cmax[top];
+  if (!(fabsf(M) <= 3.402823466e38f)) {  // nothing to weigh: the argmax, as `sample` does
+    if (threadIdx.x == 0) deliver(p, cbest[top]);
+    return;
+  }
+  // Each chunk's mass scaled to M, and their prefix in chunk order.
+  const float scale = c < nc ? expf((my_max - M) * inv_t) : 0.f;
+  const float s = c < nc && cmass[c] > 0.f ? cmass[c] * scale : 0.f;  // an all-NaN chunk's scale is NaN
+  float incl = s;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const float x = __shfl_up_sync(FULL_MASK, incl, o);
+    if (lane >= o) incl += x;
+  }
+  const float excl = __shfl_up_sync(FULL_MASK, incl, 1);
+  float total;
+  const float wbefore = warp_offsets(__shfl_sync(FULL_MASK, incl, 31), s_f, total);
+  const float before = wbefore + (lane ? excl : 0.f), after = wbefore + incl;
+  const u64 step = p.step + (p.step_ptr ? (u64)reinterpret_cast<const u32*>(p.step_ptr)[0] : 0ull);
+  // u < 1, but u * total may round up to total: stay strictly below it.
+  const float r = fminf(uniform01(p.seed, step) * total, __uint_as_float(__float_as_uint(total) - 1u));
+  if (r >= before && r < after) {  // one chunk: the draw, in its own units
+    s_pick[0] = __uint_as_float(c);
+    s_pick[1] = (r - before) / scale;
+  }
+  __syncthreads();
+  const u32 chunk = __float_as_uint(s_pick[0]);
+  const float rc = s_pick[1];
+  const u32 base = chunk * BLOCK_SIZE, m = min((u32)BLOCK_SIZE, p.n - base);
+  const float* logits = reinterpret_cast<const float*>(p.logits) + base;
+  const float mx = cmax[chunk];
+  float w = 0.f;
+  if (threadIdx.x < m) {
+    const float l = logits[threadIdx.x];
+    if (order_key(l) >= 1u) w = expf((l - mx) * inv_t);
+  }
+  float winc = w;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const float x = __shfl_up_sync(FULL_MASK, winc, o);
+    if (lane >= o) winc += x;
+  }
+  float chunk_total;
+  const float cum = warp_offsets(__shfl_sync(FULL_MASK, winc, 31), s_f, chunk_total) + winc;
+  // The first token whose running mass passes the draw; near the chunk's end rounding may leave
+  // none past it: then its last token with any mass.
+  u32 t = block_first(w > 0.f && cum > rc, s_key, s_idx);
+  if (t == NO_INDEX) t = BLOCK_SIZE - 1u - block_best(w > 0.f ? 1u : 0u, w > 0.f ? BLOCK_SIZE - 1u - threadIdx.x : NO_INDEX, s_key, s_idx);
+  if (threadIdx.x == 0) deliver(p, base + t);
+}
+
+// A temperature-only draw over n_chunks chunks, a block each: block b writes its chunk's share to
+// p.stats (`[3, n_chunks]`: maxima, masses, tokens) and arrives; the last to arrive finishes.
+extern "C" __global__ void __launch_bounds__(BLOCK_SIZE) sample_chunks(const SampleParams p) {
+  KERNEL_ENTRY();
+  __shared__ u32 s_key[32], s_idx[32], s_last, s_best[BLOCK_SIZE];
+  __shared__ float s_f[32], s_pick[2], s_max[BLOCK_SIZE], s_mass[BLOCK_SIZE];
+  const u32 nc = p.n_chunks, base = blockIdx.x * BLOCK_SIZE;
+  float* cmax = reinterpret_cast<float*>(p.stats);
+  const ChunkMass cm = chunk_mass(reinterpret_cast<const float*>(p.logits), base, min((u32)BLOCK_SIZE, p.n - base), 1.f / p.temperature, s_key, s_idx, s_f);
+  if (threadIdx.x == 0) {
+    cmax[blockIdx.x] = cm.max;
+    cmax[nc + blockIdx.x] = cm.mass;
+    reinterpret_cast<u32*>(cmax)[2 * nc + blockIdx.x] = cm.best;
+    __threadfence();
+    u32* arrivals = reinterpret_cast<u32*>(p.arrivals);
+    s_last = atomicAdd(arrivals, 1u) == nc - 1u;
+    if (s_last) *arrivals = 0u;  // every block has arrived: ready for the next launch
+  }
+  __syncthreads();
+  if (!s_last) return;  // block-uniform
+  __threadfence();
+  // The other blocks' shares, through L2 (this SM's L1 may hold an earlier launch's).
+  if (threadIdx.x < nc) {
+    s_max[threadIdx.x] = __ldcg(cmax + threadIdx.x);
+    s_mass[threadIdx.x] = __ldcg(cmax + nc + threadIdx.x);
+    s_best[threadIdx.x] = __ldcg(reinterpret_cast<const u32*>(cmax) + 2 * nc + threadIdx.x);
+  }
+  __syncthreads();
+  finish_chunks(p, s_max, s_mass, s_best, s_key, s_idx, s_f, s_pick);
+}
+
 extern "C" __global__ void __launch_bounds__(BLOCK_SIZE) sample(const SampleParams launch) {
   KERNEL_ENTRY();
   const SampleParams p = block_draw(launch);
   __shared__ u32 s_key[32], s_idx[32], s_radix[3], s_hist[256], s_uwarp[32];
-  __shared__ float s_fwarp[32];
+  __shared__ float s_fwarp[32], s_pick[2];
   __shared__ float s_fscan[BLOCK_SIZE];
   __shared__ u32 s_uscan[BLOCK_SIZE];
   __shared__ float c_logit[BLOCK_SIZE];
@@ -538,6 +691,21 @@ extern "C" __global__ void __launch_bounds__(BLOCK_SIZE) sample(const SamplePara
   const int lane = threadIdx.x & 31;
   Elements el = {reinterpret_cast<const float*>(p.logits), nullptr, p.n};
   if (gather_candidates(p, s_cand, s_uscan, s_uwarp, &el.m)) el.idx = s_cand;
+  if (!el.idx && temperature_only(p)) {
+    // By chunks, a warp each, as `sample_chunks` draws with a block each.
+    const u32 nc = (p.n + BLOCK_SIZE - 1) / BLOCK_SIZE;
+    for (u32 c = threadIdx.x >> 5; c < nc; c += BLOCK_SIZE / 32) {
+      const ChunkMass cm = chunk_mass_warp(el.logits, c * BLOCK_SIZE, min((u32)BLOCK_SIZE, p.n - c * BLOCK_SIZE), 1.f / p.temperature);
+      if (lane == 0) {
+        c_logit[c] = cm.max;
+        s_fscan[c] = cm.mass;
+        c_index[c] = cm.best;
+      }
+    }
+    __syncthreads();
+    finish_chunks(p, c_logit, s_fscan, c_index, s_key, s_idx, s_fwarp, s_pick);
+    return;
+  }
   const u32 best_e = block_argmax(el, s_key, s_idx);
   const u32 best = el.index(best_e);
   const float max_logit = el.logit(best_e);
@@ -703,7 +871,7 @@ impl SamplingVariant {
 impl KernelVariant for SamplingVariant {
     const FAMILY: &'static str = "sampling";
     const SOURCES: &'static [&'static str] = &[HEADER, DRAW, ArgmaxParams::C_DECL, SampleParams::C_DECL, RowDraw::C_DECL, CandidateParams::C_DECL, SOURCE];
-    const ENTRY_POINTS: &'static [&'static str] = &["argmax", "sample", "topk_candidates", "argmax_chunks"];
+    const ENTRY_POINTS: &'static [&'static str] = &["argmax", "sample", "topk_candidates", "argmax_chunks", "sample_chunks"];
 
     fn macros(&self) -> Vec<(&'static str, String)> {
         vec![("BLOCK_SIZE", self.block_size.to_string())]

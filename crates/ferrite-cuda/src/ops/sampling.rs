@@ -85,6 +85,8 @@ pub struct SampleScratch {
     /// zero between launches).
     best: CudaSlice<u64>,
     arrivals: CudaSlice<u32>,
+    /// A temperature-only draw's chunk shares (`sample_chunks`: maxima, masses, tokens).
+    stats: CudaSlice<u32>,
     vocab: usize,
     draws: usize,
 }
@@ -102,6 +104,7 @@ impl SampleScratch {
             counts: gpu.alloc_zeros(draws * chunks)?,
             best: gpu.alloc_zeros(1)?,
             arrivals: gpu.alloc_zeros(1)?,
+            stats: gpu.alloc_zeros(3 * chunks)?,
             vocab,
             draws,
         })
@@ -122,13 +125,22 @@ fn draws_candidates(cfg: &SamplingConfig, block: usize) -> bool {
     cfg.temperature > 0.0 && (2..=block).contains(&cfg.top_k)
 }
 
+/// Whether a draw over `vocab` logits is by chunks (the device's `temperature_only`): sampled,
+/// with top-k, top-p and min-p off, over 2 to `block` chunks of `block` logits.
+fn draws_by_chunks(cfg: &SamplingConfig, vocab: usize, block: usize) -> bool {
+    cfg.temperature > 0.0 && (cfg.top_k == 0 || cfg.top_k >= vocab) && !(cfg.top_p > 0.0 && cfg.top_p < 1.0) && cfg.min_p <= 0.0 && vocab > block && vocab.div_ceil(block) <= block
+}
+
 /// [`sample`], also delivering the token where `delivery` says. With `scratch`, over more than
 /// 1024 logits: a draw with top-k up to 1024 runs in two stages, a block per chunk of 1024
 /// logits keeping the chunk's own top-k (`topk_candidates`), then the single sampling block
 /// looking at those candidates only (they hold every token the top-k keeps, so the token is the
 /// same); a greedy draw is one launch of a block per chunk, each folding its chunk's best into
-/// one packed `atomicMax`, the last to arrive delivering it (`argmax_chunks`). Other draws
-/// (top-k off or larger, no scratch) read the whole vocabulary in one block.
+/// one packed `atomicMax`, the last to arrive delivering it (`argmax_chunks`); a draw at
+/// temperature alone is one launch of a block per chunk, each writing its chunk's maximum and
+/// mass, the last to arrive drawing the chunk and walking it (`sample_chunks`; the one block
+/// takes the chunks in turn, the same token). Other draws (top-k off or larger, no scratch)
+/// read the whole vocabulary in one block.
 #[allow(clippy::too_many_arguments)]
 pub fn sample_delivering(
     gpu: &Gpu,
@@ -156,11 +168,13 @@ pub fn sample_delivering(
     let block = variant.block_size as usize;
     let (greedy, k) = (cfg.temperature <= 0.0 || cfg.top_k == 1, cfg.top_k);
     let chunks = vocab.div_ceil(block);
-    let (mut cand, mut cand_counts, mut best, mut arrivals, mut n_chunks) = (0, 0, 0, 0, 0);
-    let staged = scratch.filter(|s| (greedy || draws_candidates(cfg, block)) && vocab > block && chunks <= block && s.vocab >= vocab);
+    let (mut cand, mut cand_counts, mut best, mut arrivals, mut stats, mut n_chunks) = (0, 0, 0, 0, 0, 0);
+    let by_chunks = draws_by_chunks(cfg, vocab, block);
+    let staged = scratch.filter(|s| (greedy || by_chunks || draws_candidates(cfg, block)) && vocab > block && chunks <= block && s.vocab >= vocab);
     if let Some(s) = staged {
         (cand, cand_counts, best, arrivals, n_chunks) = (addr_mut(gpu, &mut s.cand), addr_mut(gpu, &mut s.counts), addr_mut(gpu, &mut s.best), addr_mut(gpu, &mut s.arrivals), chunks as u32);
-        if !greedy {
+        stats = addr_mut(gpu, &mut s.stats);
+        if !greedy && !by_chunks {
             let params = CandidateParams { logits: addr(gpu, logits), cand, cand_counts, rows: 0, n: vocab as u32, top_k: k as u32, cand_cap: SamplingVariant::CANDIDATE_CAP, pad: 0 };
             gpu.launch(&variant, "topk_candidates", variant.rows_launch_config(n_chunks), &params)?;
         }
@@ -179,6 +193,7 @@ pub fn sample_delivering(
         cand_counts,
         best,
         arrivals,
+        stats,
         rows: 0,
         n_chunks,
         n: as_u32(OP, "vocab", vocab)?,
@@ -193,6 +208,9 @@ pub fn sample_delivering(
     };
     if greedy && n_chunks > 0 {
         return gpu.launch(&variant, "argmax_chunks", variant.rows_launch_config(n_chunks), &params);
+    }
+    if by_chunks && n_chunks > 0 {
+        return gpu.launch(&variant, "sample_chunks", variant.rows_launch_config(n_chunks), &params);
     }
     gpu.launch(&variant, "sample", variant.sample_launch_config(1, cand != 0), &params)
 }
