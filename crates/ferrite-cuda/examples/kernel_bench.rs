@@ -767,10 +767,10 @@ fn sampling(gpu: &Gpu) -> Result<(), CudaError> {
         let mut scratch = ops::SampleScratch::new(gpu, vocab)?;
         let s = time(gpu, 200, || ops::argmax(gpu, &logits, vocab, &mut token))?;
         println!("  argmax (one block) {:>9.2} us", s * 1e6);
-        for (name, cfg) in [("greedy", greedy), ("top-k 40/top-p/min-p", cfg), ("top-k off, top-p 0.95", SamplingConfig { top_k: 0, ..cfg }), ("top-k off, top-p off", SamplingConfig { top_k: 0, top_p: 1.0, min_p: 0.0, ..cfg })] {
+        for (name, cfg) in [("greedy", greedy), ("top-k 40/top-p/min-p", cfg), ("top-k off, top-p 0.95", SamplingConfig { top_k: 0, ..cfg }), ("top-k off, top-p 0.95 alone", SamplingConfig { top_k: 0, min_p: 0.0, ..cfg }), ("top-k off, min-p alone", SamplingConfig { top_k: 0, top_p: 1.0, ..cfg }), ("top-k off, top-p off", SamplingConfig { top_k: 0, top_p: 1.0, min_p: 0.0, ..cfg })] {
             let one = time(gpu, 200, || ops::sample(gpu, &logits, vocab, &cfg, 0, None, &mut token))?;
             let two = time(gpu, 200, || ops::sample_delivering(gpu, &logits, vocab, &cfg, 0, None, &mut token, None, Some(&mut scratch)))?;
-            println!("  {name:<24} one block {:>8.2} us | with chunk candidates {:>8.2} us", one * 1e6, two * 1e6);
+            println!("  {name:<27} one block {:>8.2} us | by chunks (candidates, or a block each) {:>8.2} us", one * 1e6, two * 1e6);
         }
     }
     let host_logits = spread(49152);

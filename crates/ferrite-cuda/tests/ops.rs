@@ -2959,6 +2959,43 @@ fn reference_sample(logits: &[f32], cfg: &SamplingConfig, u: f32) -> (u32, bool)
     (weights.iter().rposition(|&w| w > 0.0).unwrap() as u32, true)
 }
 
+/// `draw(cfg, step)` for `steps` steps of each configuration against the f64 reference chain:
+/// (draws equal, draws skipped at a boundary); panics on a difference.
+fn compare_with_reference(logits: &[f32], configs: &[SamplingConfig], steps: u64, mut draw: impl FnMut(&SamplingConfig, u64) -> u32) -> (usize, usize) {
+    let (mut compared, mut ambiguous) = (0, 0);
+    for cfg in configs {
+        for step in 0..steps {
+            let got = draw(cfg, step);
+            let (want, unsure) = reference_sample(logits, cfg, ops::sampling_uniform(cfg.seed, step));
+            if unsure {
+                ambiguous += 1;
+                continue;
+            }
+            assert_eq!(got, want, "vocab {} {cfg:?} step {step}", logits.len());
+            compared += 1;
+        }
+    }
+    (compared, ambiguous)
+}
+
+/// A NaN logit is never drawn and weighs nothing: `draw(logits, cfg, step)` gives the same tokens
+/// as with -inf in its place (whose weight is an exact 0), the top logit's NaN included.
+fn check_nan_weighs_nothing(gpu: &Gpu, logits: &[f32], configs: &[SamplingConfig], mut draw: impl FnMut(&CudaSlice<f32>, &SamplingConfig, u64) -> u32) {
+    let (vocab, top) = (logits.len(), host_argmax(logits) as usize);
+    let (mut nan, mut inf) = (logits.to_vec(), logits.to_vec());
+    for i in [top, vocab / 2, vocab - 1] {
+        (nan[i], inf[i]) = (f32::NAN, f32::NEG_INFINITY);
+    }
+    let (nan, inf) = (upload(gpu, &nan), upload(gpu, &inf));
+    for cfg in configs {
+        for step in 0..8 {
+            let got = draw(&nan, cfg, step);
+            assert_eq!(got, draw(&inf, cfg, step), "vocab {vocab} {cfg:?} step {step}");
+            assert!(![top, vocab / 2, vocab - 1].contains(&(got as usize)), "a NaN drawn: {cfg:?} step {step}");
+        }
+    }
+}
+
 #[test]
 fn sample_matches_the_reference_chain() {
     let Some(gpu) = gpu() else { return };
@@ -2979,19 +3016,7 @@ fn sample_matches_the_reference_chain() {
     for vocab in [1000, 5000, 49_152] {
         let logits = rng.vec(vocab, -4.0, 4.0);
         let dev = upload(gpu, &logits);
-        let (mut compared, mut ambiguous) = (0, 0);
-        for cfg in &configs {
-            for step in 0..40 {
-                let got = device_sample(gpu, &dev, vocab, cfg, step);
-                let (want, unsure) = reference_sample(&logits, cfg, ops::sampling_uniform(cfg.seed, step));
-                if unsure {
-                    ambiguous += 1;
-                    continue;
-                }
-                assert_eq!(got, want, "vocab {vocab} {cfg:?} step {step}");
-                compared += 1;
-            }
-        }
+        let (compared, ambiguous) = compare_with_reference(&logits, &configs, 40, |cfg, step| device_sample(gpu, &dev, vocab, cfg, step));
         // Ambiguity is decided per configuration (a top-p or min-p cut within float rounding
         // of a token), which then skips all its steps; most configurations must still count.
         assert!(compared >= 160, "only {compared} draws were unambiguous");
@@ -3003,25 +3028,10 @@ fn sample_matches_the_reference_chain() {
             assert_eq!(device_sample(gpu, &dev, vocab, cfg, 9), host_argmax(&logits));
         }
         assert_eq!(device_sample(gpu, &dev, vocab, &configs[3], 77), device_sample(gpu, &dev, vocab, &configs[3], 77));
-        // A NaN logit is never drawn and weighs nothing: the same tokens as with -inf in its
-        // place (whose weight is an exact 0), the top logit's NaN included. (Over 1 024 logits
-        // the survivors of top-k off keep their places; gathered, the -inf ones would take
-        // slots and move the others to other threads' sums.)
-        if vocab <= 1024 {
-            continue;
-        }
-        let top = host_argmax(&logits) as usize;
-        let (mut nan, mut inf) = (logits.clone(), logits.clone());
-        for i in [top, vocab / 2, vocab - 1] {
-            (nan[i], inf[i]) = (f32::NAN, f32::NEG_INFINITY);
-        }
-        let (nan, inf) = (upload(gpu, &nan), upload(gpu, &inf));
-        for cfg in &configs {
-            for step in 0..8 {
-                let got = device_sample(gpu, &nan, vocab, cfg, step);
-                assert_eq!(got, device_sample(gpu, &inf, vocab, cfg, step), "vocab {vocab} {cfg:?} step {step}");
-                assert!(![top, vocab / 2, vocab - 1].contains(&(got as usize)), "a NaN drawn: {cfg:?} step {step}");
-            }
+        // NaN weighs nothing. (Over 1 024 logits the survivors of top-k off keep their places;
+        // gathered, the -inf ones would take slots and move the others to other threads' sums.)
+        if vocab > 1024 {
+            check_nan_weighs_nothing(gpu, &logits, &configs, |dev, cfg, step| device_sample(gpu, dev, vocab, cfg, step));
         }
     }
 }
@@ -3087,6 +3097,47 @@ fn two_stage_sample_draws_the_one_block_token() {
         }
     }
     println!("| {:<10} | {:<44} | {:>9} | {:>9} | {:>6} |", "sample", format!("two-stage = one block: {draws} draws"), "exact", "exact", "0");
+}
+
+/// Draws with top-k off and a top-p or min-p cut over more than one chunk of logits, by a block
+/// per chunk in launches (`sample_pass` for the cut, then `sample_chunks`), match the f64
+/// reference chain (away from a boundary within float rounding), over vocabularies of a few
+/// chunks up to Qwen's; a NaN logit is never drawn and weighs nothing (the same tokens as -inf in
+/// its place, the top logit's NaN included); the same (seed, step) draws the same token.
+#[test]
+fn chunk_draws_with_a_cut_match_the_reference_chain() {
+    let Some(gpu) = gpu() else { return };
+    let mut rng = Rng(31);
+    let configs = [
+        SamplingConfig { temperature: 1.0, top_k: 0, top_p: 0.9, min_p: 0.0, seed: 1 },
+        SamplingConfig { temperature: 0.7, top_k: 0, top_p: 0.5, min_p: 0.0, seed: 2 },
+        SamplingConfig { temperature: 0.8, top_k: 0, top_p: 0.95, min_p: 0.05, seed: 3 },
+        SamplingConfig { temperature: 1.2, top_k: 0, top_p: 1.0, min_p: 0.1, seed: 4 },
+    ];
+    let draw = |dev: &CudaSlice<f32>, vocab: usize, cfg: &SamplingConfig, step: u64, scratch: &mut ops::SampleScratch| {
+        let mut out = upload(gpu, &[u32::MAX]);
+        ops::sample_delivering(gpu, dev, vocab, cfg, step, None, &mut out, None, Some(scratch)).unwrap();
+        download(gpu, &out)[0]
+    };
+    for vocab in [5000usize, 49_152, 151_936] {
+        // Like a model's: about 1% of the tokens 8 above the rest, so that the cuts fall between
+        // tokens of distinct mass (over a flat large vocabulary every cut lies within the
+        // reference's rounding margin of a token).
+        let mut logits = rng.vec(vocab, -4.0, 4.0);
+        for l in logits.iter_mut() {
+            if rng.uniform() < 0.01 {
+                *l += 8.0;
+            }
+        }
+        let dev = upload(gpu, &logits);
+        let mut scratch = ops::SampleScratch::new(gpu, vocab).unwrap();
+        let (compared, ambiguous) = compare_with_reference(&logits, &configs, 30, |cfg, step| draw(&dev, vocab, cfg, step, &mut scratch));
+        assert!(compared >= 110, "only {compared} draws were unambiguous");
+        assert_eq!(draw(&dev, vocab, &configs[2], 77, &mut scratch), draw(&dev, vocab, &configs[2], 77, &mut scratch));
+        let case = format!("by chunks, vocab {vocab}: {compared} equal, {ambiguous} at a boundary");
+        println!("| {:<10} | {:<44} | {:>9} | {:>9} | {:>6} |", "sample", case, "exact", "exact", "0");
+        check_nan_weighs_nothing(gpu, &logits, &configs, |dev, cfg, step| draw(dev, vocab, cfg, step, &mut scratch));
+    }
 }
 
 /// One launch drawing from several rows of logits (a batched step's sampled sequences) gives

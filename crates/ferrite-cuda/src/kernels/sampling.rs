@@ -14,6 +14,10 @@
 //! the chunks' own top-k (up to twice as many, which spares their selects a pass or two), which
 //! hold the vocabulary's: the same token, from a few thousand logits instead of the whole
 //! vocabulary (up to `CANDIDATE_CAP` of them; more, and it reads the whole row).
+//! With top-k off and a scratch, a draw runs a block per chunk of 1024 logits in each of a few
+//! launches: top-p's cut by digits (`sample_pass`, a launch per digit, the last block to arrive
+//! adding the chunks' bins in chunk order), then the chunks' masses under the cut, the chunk
+//! holding the draw and a walk inside it (`sample_chunks`).
 //! With a list of draws (`RowDraw`), one launch draws from many rows (a batched step's
 //! sequences), a block per draw, each as a launch of its own would.
 //! [`sampling_uniform`] reproduces the draw on the host.
@@ -56,7 +60,8 @@ device_params! {
         /// (`fold_best`; both zero between launches).
         pub best: u64,
         pub arrivals: u64,
-        /// 0, or `sample_chunks`' chunk shares (`[3, n_chunks]` words: maxima, masses, tokens).
+        /// 0, or the chunk shares of a draw by chunks (`sample_pass`, `sample_chunks`:
+        /// `[19 * n_chunks + 8]` words: maxima, masses, tokens, top-p's bins, the cut's state).
         pub stats: u64,
         /// 0, or a draw per block (`RowDraw[gridDim.x]`): block b draws from row `rows[b].row` of
         /// `n` logits with that draw's settings (the ones below are ignored), writes `out[row]`
@@ -78,6 +83,9 @@ device_params! {
         /// With `cand`: how many candidates the sampling block gathers at most (`u32`s of its
         /// dynamic shared memory); more, and it reads the whole row instead.
         pub cand_cap: u32,
+        /// A draw by chunks: this `sample_pass` launch's pass, of `passes` (0: no cut to find).
+        pub pass: u32,
+        pub passes: u32,
     }
 }
 
@@ -217,11 +225,20 @@ __device__ u32 block_best(u32 key, u32 idx, u32* s_key, u32* s_idx) {
   return s_idx[0];
 }
 
-// The element with the largest logit (first on ties; NaN never wins), returned to every thread.
-__device__ u32 block_argmax(const Elements& el, u32* s_key, u32* s_idx) {
+// Of elements base .. base + m of s, the one with the largest logit
+// (first on ties; NaN never wins), relative to base: by the block, returned to every thread, or
+// by one warp, returned to its lanes.
+__device__ u32 block_argmax(const Elements& s, u32 base, u32 m, u32* s_key, u32* s_idx) {
   u32 key = 0u, idx = NO_INDEX;
-  for (u32 e = threadIdx.x; e < el.m; e += BLOCK_SIZE) keep_better(key, idx, order_key(el.logit(e)), e);
+  for (u32 e = threadIdx.x; e < m; e += BLOCK_SIZE) keep_better(key, idx, order_key(s.logit(base + e)), e);
   return block_best(key, idx, s_key, s_idx);
+}
+__device__ u32 warp_argmax(const Elements& s, u32 base, u32 m) {
+  u32 key = 0u, idx = NO_INDEX;
+  for (u32 e = threadIdx.x & 31; e < m; e += 32) keep_better(key, idx, order_key(s.logit(base + e)), e);
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) keep_better(key, idx, __shfl_xor_sync(FULL_MASK, key, o), __shfl_xor_sync(FULL_MASK, idx, o));
+  return idx;
 }
 
 // A threshold th such that at least k of the keys key_of(e), e < m (k <= m), are >= th and at
@@ -324,7 +341,7 @@ extern "C" __global__ void __launch_bounds__(BLOCK_SIZE) argmax(const ArgmaxPara
   KERNEL_ENTRY();
   __shared__ u32 s_key[32], s_idx[32];
   const Elements el = {reinterpret_cast<const float*>(p.logits) + (u64)blockIdx.x * p.n, nullptr, p.n};
-  const u32 best = block_argmax(el, s_key, s_idx);
+  const u32 best = block_argmax(el, 0u, el.m, s_key, s_idx);
   if (threadIdx.x == 0) reinterpret_cast<u32*>(p.out)[blockIdx.x] = best;
 }
 
@@ -452,7 +469,7 @@ extern "C" __global__ void __launch_bounds__(BLOCK_SIZE) argmax_chunks(const Sam
   __shared__ u32 s_key[32], s_idx[32];
   const u32 base = blockIdx.x * BLOCK_SIZE;
   const Elements chunk = {reinterpret_cast<const float*>(p.logits) + base, nullptr, min((u32)BLOCK_SIZE, p.n - base)};
-  const u32 e = block_argmax(chunk, s_key, s_idx);
+  const u32 e = block_argmax(chunk, 0u, chunk.m, s_key, s_idx);
   u32 token;
   if (threadIdx.x == 0 && fold_best(p.best, p.arrivals, p.n_chunks, pack_best(chunk.logits[e], base + e), token)) deliver(p, token);
 }
@@ -527,59 +544,164 @@ __device__ void finish_in_warp(const SampleParams& p, const float* c_logit, cons
   deliver(p, pick);
 }
 
-// Draws at temperature alone (top-k, top-p and min-p off) over more than one chunk of
-// BLOCK_SIZE logits run by chunks: chunk c's largest logit m_c (and its token) and the mass of
-// its logits relative to m_c; then the chunks' masses scaled to the largest maximum, the chunk
-// holding the draw (in chunk order), and a walk inside it. A block per chunk with the last to
-// arrive finishing (`sample_chunks`), or one block taking the chunks in turn (`sample`): the
-// same sums in the same order, so the same token.
-__device__ __forceinline__ bool temperature_only(const SampleParams& p) {
-  return p.temperature > 0.f && (p.top_k == 0u || p.top_k >= p.n) && !(p.top_p > 0.f && p.top_p < 1.f) && !(p.min_p > 0.f) && p.n > BLOCK_SIZE &&
-         (p.n + BLOCK_SIZE - 1) / BLOCK_SIZE <= BLOCK_SIZE;
+__device__ __forceinline__ bool is_finite(float x) { return fabsf(x) <= 3.402823466e38f; }
+
+// ---- Draws by chunks ----
+// A draw with top-k off over 2 to BLOCK_SIZE chunks of BLOCK_SIZE logits runs a block per chunk
+// in each of a few launches, each chunk with its largest logit cmax and first token with it.
+// top-p's cut is found a digit of four bits per pass from the top (8 `sample_pass` launches): a
+// pass sums, per chunk, the masses (relative to cmax) of the keys under the digits found so far
+// into 16 bins by their next digit; the last block to arrive adds the chunks' bins, scaled to the
+// largest maximum M, in chunk order, and takes the largest digit whose bins from the top, with
+// the mass above them, still reach top_p of the total. min-p's cut needs M alone (one pass).
+// Then `sample_chunks`: each chunk's mass at the temperature over the keys that pass the cut,
+// the chunk holding the draw (in chunk order), and a walk inside it. At temperature alone one
+// `sample` block (rows, or no scratch) draws the same way, a warp per chunk, with the same sums
+// in the same order: the same token.
+
+#define NO_DIGIT 16u
+
+// top-p's state between passes: the cut's digits so far (`prefix` under `mask`), the mass of
+// the keys above the current bucket, and the target.
+struct TopP {
+  u32 prefix, mask;
+  float above, target;
+};
+
+__device__ __forceinline__ bool top_p_on(const SampleParams& p) { return p.top_p > 0.f && p.top_p < 1.f; }
+
+// An element's part in the pass at `shift`: its weight relative to its chunk's largest logit,
+// with its digit, or NO_DIGIT (under th, outside the bucket, or a chunk without a finite maximum).
+__device__ __forceinline__ float pass_weight(float l, float cmax, u32 th, const TopP& t, int shift, u32& digit) {
+  const u32 key = order_key(l);
+  digit = NO_DIGIT;
+  if (key < th || (key & t.mask) != t.prefix || !is_finite(cmax)) return 0.f;
+  digit = (key >> shift) & 15u;
+  return expf(l - cmax);
 }
 
-// A chunk's share: its largest logit, its first token with it, and its mass at temperature
-// 1/inv_t relative to that logit: the sums of its 32 runs of 32 logits (each a warp sum),
-// added in run order. `chunk_mass` (a block, a thread per logit) and `chunk_mass_warp` (one
-// warp, run after run) give the same bits.
-struct ChunkMass {
-  float max, mass;
-  u32 best;
-};
-__device__ ChunkMass chunk_mass(const float* logits, u32 base, u32 m, float inv_t, u32* s_key, u32* s_idx, float* s_f) {
-  const Elements el = {logits + base, nullptr, m};
-  const u32 e = block_argmax(el, s_key, s_idx);
-  const float mx = el.logits[e];
-  float w = 0.f;
-  if (threadIdx.x < m && fabsf(mx) <= 3.402823466e38f) {
-    const float l = el.logits[threadIdx.x];
-    if (order_key(l) >= 1u) w = expf((l - mx) * inv_t);
+// An element's weight added to its digit's bin (nothing for NO_DIGIT).
+__device__ __forceinline__ void add_to_bin(float (&b)[16], float w, u32 digit) {
+#pragma unroll
+  for (int d = 0; d < 16; ++d)
+    if (digit == (u32)d) b[d] += w;
+}
+
+// Each lane's 16 bins summed over the warp: lanes 2d and 2d + 1 return bin d. A reduce-scatter
+// butterfly (16 shuffles, one fixed pairing order): each step hands half of the bins still held
+// to the partner lane and adds the partner's share of its own half.
+template <int HALF>
+__device__ __forceinline__ void fold_bins(float (&b)[16]) {
+  const bool upper = threadIdx.x & (2 * HALF);
+#pragma unroll
+  for (int j = 0; j < HALF; ++j) {
+    const float give = upper ? b[j] : b[HALF + j];
+    b[j] = (upper ? b[HALF + j] : b[j]) + __shfl_xor_sync(FULL_MASK, give, 2 * HALF);
   }
+}
+__device__ __forceinline__ float reduce_bins(float (&b)[16]) {
+  fold_bins<8>(b);
+  fold_bins<4>(b);
+  fold_bins<2>(b);
+  fold_bins<1>(b);
+  return b[0] + __shfl_xor_sync(FULL_MASK, b[0], 1);
+}
+
+// Runs of 32 elements per group of a chunk's bins (BLOCK_SIZE / 32 / GROUP_RUNS groups).
+#define GROUP_RUNS 4
+
+// A chunk's 16 bins in the pass at `shift` (elements base .. base + m of s), returned to threads
+// d < 16 as bin d: each thread's weight goes through shared memory (`s_w`: BLOCK_SIZE floats,
+// `s_digit`: BLOCK_SIZE bytes); lane L of warp g adds the weights of elements L, L + 32, ... of
+// group g of GROUP_RUNS runs (in that order) to its own bins, the warp reduces them
+// (reduce_bins) into `s_group` (16 floats per group), and the groups' bins are added in order.
+__device__ float chunk_bins_block(const Elements& s, u32 base, u32 m, float cmax, u32 th, const TopP& t, int shift, float* s_w, unsigned char* s_digit, float* s_group) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  u32 digit = NO_DIGIT;
+  const float w = threadIdx.x < m ? pass_weight(s.logit(base + threadIdx.x), cmax, th, t, shift, digit) : 0.f;
+  __syncthreads();  // an earlier call may still be reading s_w, s_group
+  s_w[threadIdx.x] = w;
+  s_digit[threadIdx.x] = (unsigned char)digit;
+  __syncthreads();
+  if (warp < BLOCK_SIZE / 32 / GROUP_RUNS) {  // warp-uniform
+    float b[16];
+#pragma unroll
+    for (int d = 0; d < 16; ++d) b[d] = 0.f;
+#pragma unroll
+    for (int j = 0; j < GROUP_RUNS; ++j) {
+      const u32 e = (warp * GROUP_RUNS + j) * 32 + lane;
+      add_to_bin(b, s_w[e], s_digit[e]);
+    }
+    const float bin = reduce_bins(b);
+    if ((lane & 1) == 0) s_group[warp * 16 + (lane >> 1)] = bin;
+  }
+  __syncthreads();
+  float acc = 0.f;
+  if (threadIdx.x < 16)
+    for (u32 g = 0; g * GROUP_RUNS * 32 < m; ++g) acc += s_group[g * 16 + threadIdx.x];
+  return acc;
+}
+
+// A chunk's bin scaled to the largest maximum M: the chunks' terms are then added in chunk
+// order. (A product rounded on its own, never fused into the sum: the terms can be found side
+// by side and summed in one chain.)
+__device__ __forceinline__ float scaled_bin(float bin, float cmax, float M) {
+  return bin > 0.f ? __fmul_rn(bin, expf(cmax - M)) : 0.f;
+}
+
+// The cut extended by the digit of the pass at `shift`, from the pass's 16 bins (each thread
+// alike).
+__device__ __forceinline__ void choose_digit(TopP& t, const float* bins, int shift, float top_p) {
+  if (shift == 28) {
+    float total = 0.f;
+#pragma unroll
+    for (int d = 0; d < 16; ++d) total += bins[d];
+    t.target = top_p * total;
+  }
+  int digit = 15;
+  for (; digit > 0 && t.above + bins[digit] < t.target; --digit) t.above += bins[digit];
+  t.prefix |= (u32)digit << shift;
+  t.mask |= 15u << shift;
+}
+
+// The cut after top-p (its digits, when on) and min-p, over the largest logit M (finite).
+__device__ __forceinline__ u32 final_cut(const SampleParams& p, u32 th, const TopP& t, float M) {
+  if (top_p_on(p)) th = max(th, t.prefix);
+  // min-p: p_i >= min_p * p_max  <=>  l_i >= M + ln(min_p); the top token always stays.
+  if (p.min_p > 0.f) th = max(th, min(order_key(M + logf(p.min_p)), order_key(M)));
+  return th;
+}
+
+// An element's weight in the draw: at temperature 1 / inv_t relative to its chunk's largest
+// logit (finite), if its key passes the cut.
+__device__ __forceinline__ float draw_weight(float l, float cmax, u32 th, float inv_t) {
+  return order_key(l) >= th ? expf((l - cmax) * inv_t) : 0.f;
+}
+
+// A chunk's mass in the draw: the sums of its 32 runs of 32 elements (each a warp sum), added
+// in run order; by the block (a thread per element, returned to every thread) or by one warp,
+// run after run: the same bits.
+__device__ float chunk_mass_block(const Elements& s, u32 base, u32 m, float cmax, u32 th, float inv_t, float* s_f) {
+  const float w = threadIdx.x < m && is_finite(cmax) ? draw_weight(s.logit(base + threadIdx.x), cmax, th, inv_t) : 0.f;
   float mass;
   warp_offsets(warp_sum(w), s_f, mass);
-  return {mx, mass, base + e};
+  return mass;
+}
+__device__ float chunk_mass_warp(const Elements& s, u32 base, u32 m, float cmax, u32 th, float inv_t) {
+  const int lane = threadIdx.x & 31;
+  float mass = 0.f;
+  if (!is_finite(cmax)) return mass;
+  for (u32 run = 0; run < BLOCK_SIZE / 32; ++run) {
+    const u32 e = run * 32 + lane;
+    mass += warp_sum(e < m ? draw_weight(s.logit(base + e), cmax, th, inv_t) : 0.f);
+  }
+  return mass;
 }
 
-__device__ ChunkMass chunk_mass_warp(const float* logits, u32 base, u32 m, float inv_t) {
-  const int lane = threadIdx.x & 31;
-  u32 key = 0u, idx = NO_INDEX;
-  for (u32 e = lane; e < m; e += 32) keep_better(key, idx, order_key(logits[base + e]), e);
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) keep_better(key, idx, __shfl_xor_sync(FULL_MASK, key, o), __shfl_xor_sync(FULL_MASK, idx, o));
-  const float mx = logits[base + idx];
-  float mass = 0.f;
-  if (fabsf(mx) <= 3.402823466e38f) {
-    for (u32 run = 0; run < BLOCK_SIZE / 32; ++run) {
-      const u32 e = run * 32 + lane;
-      float w = 0.f;
-      if (e < m) {
-        const float l = logits[base + e];
-        if (order_key(l) >= 1u) w = expf((l - mx) * inv_t);
-      }
-      mass += warp_sum(w);
-    }
-  }
-  return {mx, mass, base + idx};
+// The chunk holding the largest maximum (the first on ties), to every thread.
+__device__ __forceinline__ u32 top_chunk(const float* cmax, u32 nc, u32* s_key, u32* s_idx) {
+  const u32 c = threadIdx.x;
+  return block_best(c < nc ? order_key(cmax[c]) : 0u, c < nc ? c : NO_INDEX, s_key, s_idx);
 }
 
 // The first thread (smallest index) for which `yes` holds, or NO_INDEX, to every thread.
@@ -587,24 +709,22 @@ __device__ __forceinline__ u32 block_first(bool yes, u32* s_key, u32* s_idx) {
   return block_best(yes ? 1u : 0u, yes ? (u32)threadIdx.x : NO_INDEX, s_key, s_idx);
 }
 
-// The draw from the chunks' shares (`cmax`, `cmass`, `cbest` for the chunks of p.n logits, in
-// shared memory): delivers the token from one thread.
-__device__ void finish_chunks(const SampleParams& p, const float* cmax, const float* cmass, const u32* cbest, u32* s_key, u32* s_idx, float* s_f, float* s_pick) {
+// The draw from the chunks' shares of m elements of s (`cmax`, `cmass`, `cbest`: maxima, masses
+// in the draw, tokens, in shared memory) under the cut th: delivers the token from one thread.
+__device__ void finish_chunks(const SampleParams& p, const Elements& s, u32 m, u32 th, const float* cmax, const float* cmass, const u32* cbest, u32* s_key, u32* s_idx, float* s_f, float* s_pick) {
   const int lane = threadIdx.x & 31;
-  const u32 nc = (p.n + BLOCK_SIZE - 1) / BLOCK_SIZE, c = threadIdx.x;
+  const u32 nc = (m + BLOCK_SIZE - 1) / BLOCK_SIZE, c = threadIdx.x;
   const float inv_t = 1.f / p.temperature;
-  const float my_max = c < nc ? cmax[c] : 0.f;
-  // The largest maximum (the first chunk on ties: the first token with it).
-  const u32 top = block_best(c < nc ? order_key(my_max) : 0u, c < nc ? c : NO_INDEX, s_key, s_idx);
+  const u32 top = top_chunk(cmax, nc, s_key, s_idx);
   const float M = cmax[top];
-  if (!(fabsf(M) <= 3.402823466e38f)) {  // nothing to weigh: the argmax, as `sample` does
+  if (!is_finite(M)) {  // nothing to weigh: the argmax
     if (threadIdx.x == 0) deliver(p, cbest[top]);
     return;
   }
   // Each chunk's mass scaled to M, and their prefix in chunk order.
-  const float scale = c < nc ? expf((my_max - M) * inv_t) : 0.f;
-  const float s = c < nc && cmass[c] > 0.f ? cmass[c] * scale : 0.f;  // an all-NaN chunk's scale is NaN
-  float incl = s;
+  const float scale = c < nc ? expf((cmax[c] - M) * inv_t) : 0.f;
+  const float mine = c < nc && cmass[c] > 0.f ? cmass[c] * scale : 0.f;  // an all-NaN chunk's scale is NaN
+  float incl = mine;
 #pragma unroll
   for (int o = 1; o < 32; o <<= 1) {
     const float x = __shfl_up_sync(FULL_MASK, incl, o);
@@ -624,14 +744,8 @@ __device__ void finish_chunks(const SampleParams& p, const float* cmax, const fl
   __syncthreads();
   const u32 chunk = __float_as_uint(s_pick[0]);
   const float rc = s_pick[1];
-  const u32 base = chunk * BLOCK_SIZE, m = min((u32)BLOCK_SIZE, p.n - base);
-  const float* logits = reinterpret_cast<const float*>(p.logits) + base;
-  const float mx = cmax[chunk];
-  float w = 0.f;
-  if (threadIdx.x < m) {
-    const float l = logits[threadIdx.x];
-    if (order_key(l) >= 1u) w = expf((l - mx) * inv_t);
-  }
+  const u32 base = chunk * BLOCK_SIZE, cm = min((u32)BLOCK_SIZE, m - base);
+  const float w = threadIdx.x < cm ? draw_weight(s.logit(base + threadIdx.x), cmax[chunk], th, inv_t) : 0.f;
   float winc = w;
 #pragma unroll
   for (int o = 1; o < 32; o <<= 1) {
@@ -644,38 +758,151 @@ __device__ void finish_chunks(const SampleParams& p, const float* cmax, const fl
   // none past it: then its last token with any mass.
   u32 t = block_first(w > 0.f && cum > rc, s_key, s_idx);
   if (t == NO_INDEX) t = BLOCK_SIZE - 1u - block_best(w > 0.f ? 1u : 0u, w > 0.f ? BLOCK_SIZE - 1u - threadIdx.x : NO_INDEX, s_key, s_idx);
-  if (threadIdx.x == 0) deliver(p, base + t);
+  if (threadIdx.x == 0) deliver(p, s.index(base + t));
 }
 
-// A temperature-only draw over n_chunks chunks, a block each: block b writes its chunk's share to
-// p.stats (`[3, n_chunks]`: maxima, masses, tokens) and arrives; the last to arrive finishes.
+// Whether `sample`'s one block draws at temperature alone by chunks, a warp each (top-k, top-p
+// and min-p off, over 2 to BLOCK_SIZE chunks): the same token as `sample_chunks`.
+__device__ __forceinline__ bool temperature_only(const SampleParams& p) {
+  return p.temperature > 0.f && (p.top_k == 0u || p.top_k >= p.n) && !(p.top_p > 0.f && p.top_p < 1.f) && !(p.min_p > 0.f) && p.n > BLOCK_SIZE &&
+         (p.n + BLOCK_SIZE - 1) / BLOCK_SIZE <= BLOCK_SIZE;
+}
+
+// A draw over many chunks of the vocabulary, a block each, in launches: where it was scratch
+// (`SampleParams::stats`, `[19 * n_chunks + 8]` words).
+struct ChunkStats {
+  float* cmax;   // [n_chunks]
+  float* cmass;  // [n_chunks]
+  u32* cbest;    // [n_chunks]
+  float* cbins;  // [n_chunks, 16]
+  u32* state;    // top-p's prefix, mask, above, target; M; the final cut
+};
+__device__ __forceinline__ ChunkStats chunk_stats(const SampleParams& p) {
+  float* f = reinterpret_cast<float*>(p.stats);
+  const u32 nc = p.n_chunks;
+  return {f, f + nc, reinterpret_cast<u32*>(f + 2 * nc), f + 3 * nc, reinterpret_cast<u32*>(f + 19 * nc)};
+}
+
+// Whether this block is the last of the launch's n_chunks blocks to arrive (every thread's
+// writes before the call are visible to it); the last resets the counter for the next launch.
+__device__ bool last_to_arrive(const SampleParams& p, u32* s_last) {
+  __syncthreads();  // the block's writes, then one thread's fence (a grid barrier's pattern)
+  if (threadIdx.x == 0) {
+    __threadfence();
+    u32* arrivals = reinterpret_cast<u32*>(p.arrivals);
+    *s_last = atomicAdd(arrivals, 1u) == p.n_chunks - 1u;
+    if (*s_last) {
+      *arrivals = 0u;  // every block has arrived: ready for the next launch
+      __threadfence();
+    }
+  }
+  __syncthreads();
+  return *s_last;
+}
+
+// The cut of a draw by chunks, a pass per launch (`pass` of `passes`: top-p's 8 digits, or one
+// for min-p alone), a block per chunk of the vocabulary: pass 0 writes the chunk's largest logit
+// and token, each top-p pass the chunk's 16 bins; the last block to arrive adds the chunks' bins
+// in chunk order and extends the cut, and after the last pass stores it (min-p's included) for
+// `sample_chunks`.
+extern "C" __global__ void __launch_bounds__(BLOCK_SIZE) sample_pass(const SampleParams p) {
+  KERNEL_ENTRY();
+  __shared__ u32 s_key[32], s_idx[32], s_last;
+  __shared__ float s_w[BLOCK_SIZE], s_group[BLOCK_SIZE / 2 / GROUP_RUNS], s_bins[16];
+  __shared__ unsigned char s_digit[BLOCK_SIZE];
+  const ChunkStats st = chunk_stats(p);
+  const u32 nc = p.n_chunks, c = blockIdx.x, base = c * BLOCK_SIZE, m = min((u32)BLOCK_SIZE, p.n - base);
+  const Elements el = {reinterpret_cast<const float*>(p.logits), nullptr, p.n};
+  float cmax;
+  if (p.pass == 0) {
+    const u32 e = block_argmax(el, base, m, s_key, s_idx);
+    cmax = el.logit(base + e);
+    if (threadIdx.x == 0) {
+      st.cmax[c] = cmax;
+      st.cbest[c] = base + e;
+    }
+  } else {
+    cmax = __ldcg(st.cmax + c);  // this chunk's block wrote it in pass 0
+  }
+  TopP t = {0u, 0u, 0.f, 0.f};
+  if (p.pass > 0) t = {__ldcg(st.state), __ldcg(st.state + 1), __uint_as_float(__ldcg(st.state + 2)), __uint_as_float(__ldcg(st.state + 3))};
+  const int shift = 28 - 4 * (int)p.pass;
+  const bool top_p = top_p_on(p);
+  if (top_p) {
+    const float bin = chunk_bins_block(el, base, m, cmax, 1u, t, shift, s_w, s_digit, s_group);
+    if (threadIdx.x < 16) st.cbins[c * 16 + threadIdx.x] = bin;
+  }
+  if (!last_to_arrive(p, &s_last)) return;  // block-uniform
+  float M;
+  if (p.pass == 0) {
+    const float mine = threadIdx.x < nc ? __ldcg(st.cmax + threadIdx.x) : 0.f;
+    const u32 top = block_best(threadIdx.x < nc ? order_key(mine) : 0u, threadIdx.x < nc ? threadIdx.x : NO_INDEX, s_key, s_idx);
+    M = __ldcg(st.cmax + top);
+  } else {
+    M = __uint_as_float(__ldcg(st.state + 4));
+  }
+  if (top_p) {
+    // The chunks' scaled bins side by side, BLOCK_SIZE / 16 chunks at a time, then added in
+    // chunk order.
+    float acc = 0.f;
+    for (u32 c0 = 0; c0 < nc; c0 += BLOCK_SIZE / 16) {
+      const u32 g = min((u32)BLOCK_SIZE / 16, nc - c0);
+      __syncthreads();  // the last group is read
+      if (threadIdx.x < g * 16) s_w[threadIdx.x] = scaled_bin(__ldcg(st.cbins + c0 * 16 + threadIdx.x), __ldcg(st.cmax + c0 + threadIdx.x / 16), M);
+      __syncthreads();
+      if (threadIdx.x < 16)
+        for (u32 j = 0; j < g; ++j) acc += s_w[j * 16 + threadIdx.x];
+    }
+    __syncthreads();
+    if (threadIdx.x < 16) s_bins[threadIdx.x] = acc;
+    __syncthreads();
+    choose_digit(t, s_bins, shift, p.top_p);
+  }
+  if (threadIdx.x == 0) {
+    if (top_p) {
+      st.state[0] = t.prefix;
+      st.state[1] = t.mask;
+      st.state[2] = __float_as_uint(t.above);
+      st.state[3] = __float_as_uint(t.target);
+    }
+    if (p.pass == 0) st.state[4] = __float_as_uint(M);
+    if (p.pass + 1 == p.passes) st.state[5] = is_finite(M) ? final_cut(p, 1u, t, M) : 1u;
+  }
+}
+
+// The draw over many chunks of the vocabulary, a block each: block b writes its chunk's mass
+// in the draw (under the cut of the `sample_pass` launches before, if any) and, without them,
+// its largest logit and token; the last to arrive finishes.
 extern "C" __global__ void __launch_bounds__(BLOCK_SIZE) sample_chunks(const SampleParams p) {
   KERNEL_ENTRY();
   __shared__ u32 s_key[32], s_idx[32], s_last, s_best[BLOCK_SIZE];
   __shared__ float s_f[32], s_pick[2], s_max[BLOCK_SIZE], s_mass[BLOCK_SIZE];
-  const u32 nc = p.n_chunks, base = blockIdx.x * BLOCK_SIZE;
-  float* cmax = reinterpret_cast<float*>(p.stats);
-  const ChunkMass cm = chunk_mass(reinterpret_cast<const float*>(p.logits), base, min((u32)BLOCK_SIZE, p.n - base), 1.f / p.temperature, s_key, s_idx, s_f);
-  if (threadIdx.x == 0) {
-    cmax[blockIdx.x] = cm.max;
-    cmax[nc + blockIdx.x] = cm.mass;
-    reinterpret_cast<u32*>(cmax)[2 * nc + blockIdx.x] = cm.best;
-    __threadfence();
-    u32* arrivals = reinterpret_cast<u32*>(p.arrivals);
-    s_last = atomicAdd(arrivals, 1u) == nc - 1u;
-    if (s_last) *arrivals = 0u;  // every block has arrived: ready for the next launch
+  const ChunkStats st = chunk_stats(p);
+  const u32 nc = p.n_chunks, c = blockIdx.x, base = c * BLOCK_SIZE, m = min((u32)BLOCK_SIZE, p.n - base);
+  const Elements el = {reinterpret_cast<const float*>(p.logits), nullptr, p.n};
+  float cmax;
+  if (p.passes) {
+    cmax = __ldcg(st.cmax + c);
+  } else {
+    const u32 e = block_argmax(el, base, m, s_key, s_idx);
+    cmax = el.logit(base + e);
+    if (threadIdx.x == 0) {
+      st.cmax[c] = cmax;
+      st.cbest[c] = base + e;
+    }
   }
-  __syncthreads();
-  if (!s_last) return;  // block-uniform
-  __threadfence();
+  const u32 th = p.passes ? __ldcg(st.state + 5) : 1u;
+  const float mass = chunk_mass_block(el, base, m, cmax, th, 1.f / p.temperature, s_f);
+  if (threadIdx.x == 0) st.cmass[c] = mass;
+  if (!last_to_arrive(p, &s_last)) return;  // block-uniform
   // The other blocks' shares, through L2 (this SM's L1 may hold an earlier launch's).
   if (threadIdx.x < nc) {
-    s_max[threadIdx.x] = __ldcg(cmax + threadIdx.x);
-    s_mass[threadIdx.x] = __ldcg(cmax + nc + threadIdx.x);
-    s_best[threadIdx.x] = __ldcg(reinterpret_cast<const u32*>(cmax) + 2 * nc + threadIdx.x);
+    s_max[threadIdx.x] = __ldcg(st.cmax + threadIdx.x);
+    s_mass[threadIdx.x] = __ldcg(st.cmass + threadIdx.x);
+    s_best[threadIdx.x] = __ldcg(st.cbest + threadIdx.x);
   }
   __syncthreads();
-  finish_chunks(p, s_max, s_mass, s_best, s_key, s_idx, s_f, s_pick);
+  finish_chunks(p, el, p.n, th, s_max, s_mass, s_best, s_key, s_idx, s_f, s_pick);
 }
 
 extern "C" __global__ void __launch_bounds__(BLOCK_SIZE) sample(const SampleParams launch) {
@@ -695,18 +922,20 @@ extern "C" __global__ void __launch_bounds__(BLOCK_SIZE) sample(const SamplePara
     // By chunks, a warp each, as `sample_chunks` draws with a block each.
     const u32 nc = (p.n + BLOCK_SIZE - 1) / BLOCK_SIZE;
     for (u32 c = threadIdx.x >> 5; c < nc; c += BLOCK_SIZE / 32) {
-      const ChunkMass cm = chunk_mass_warp(el.logits, c * BLOCK_SIZE, min((u32)BLOCK_SIZE, p.n - c * BLOCK_SIZE), 1.f / p.temperature);
+      const u32 base = c * BLOCK_SIZE, len = min((u32)BLOCK_SIZE, p.n - base);
+      const u32 e = base + warp_argmax(el, base, len);
+      const float mass = chunk_mass_warp(el, base, len, el.logit(e), 1u, 1.f / p.temperature);
       if (lane == 0) {
-        c_logit[c] = cm.max;
-        s_fscan[c] = cm.mass;
-        c_index[c] = cm.best;
+        c_logit[c] = el.logit(e);
+        s_fscan[c] = mass;
+        c_index[c] = e;
       }
     }
     __syncthreads();
-    finish_chunks(p, c_logit, s_fscan, c_index, s_key, s_idx, s_fwarp, s_pick);
+    finish_chunks(p, el, p.n, 1u, c_logit, s_fscan, c_index, s_key, s_idx, s_fwarp, s_pick);
     return;
   }
-  const u32 best_e = block_argmax(el, s_key, s_idx);
+  const u32 best_e = block_argmax(el, 0u, el.m, s_key, s_idx);
   const u32 best = el.index(best_e);
   const float max_logit = el.logit(best_e);
   // Greedy cases, and logits with no finite maximum (nothing to weigh).
@@ -871,7 +1100,7 @@ impl SamplingVariant {
 impl KernelVariant for SamplingVariant {
     const FAMILY: &'static str = "sampling";
     const SOURCES: &'static [&'static str] = &[HEADER, DRAW, ArgmaxParams::C_DECL, SampleParams::C_DECL, RowDraw::C_DECL, CandidateParams::C_DECL, SOURCE];
-    const ENTRY_POINTS: &'static [&'static str] = &["argmax", "sample", "topk_candidates", "argmax_chunks", "sample_chunks"];
+    const ENTRY_POINTS: &'static [&'static str] = &["argmax", "sample", "topk_candidates", "argmax_chunks", "sample_pass", "sample_chunks"];
 
     fn macros(&self) -> Vec<(&'static str, String)> {
         vec![("BLOCK_SIZE", self.block_size.to_string())]

@@ -85,7 +85,8 @@ pub struct SampleScratch {
     /// zero between launches).
     best: CudaSlice<u64>,
     arrivals: CudaSlice<u32>,
-    /// A temperature-only draw's chunk shares (`sample_chunks`: maxima, masses, tokens).
+    /// A draw by chunks' shares (`sample_pass`, `sample_chunks`: maxima, masses, tokens,
+    /// top-p's bins, the cut).
     stats: CudaSlice<u32>,
     vocab: usize,
     draws: usize,
@@ -104,7 +105,7 @@ impl SampleScratch {
             counts: gpu.alloc_zeros(draws * chunks)?,
             best: gpu.alloc_zeros(1)?,
             arrivals: gpu.alloc_zeros(1)?,
-            stats: gpu.alloc_zeros(3 * chunks)?,
+            stats: gpu.alloc_zeros(19 * chunks + 8)?,
             vocab,
             draws,
         })
@@ -125,22 +126,36 @@ fn draws_candidates(cfg: &SamplingConfig, block: usize) -> bool {
     cfg.temperature > 0.0 && (2..=block).contains(&cfg.top_k)
 }
 
-/// Whether a draw over `vocab` logits is by chunks (the device's `temperature_only`): sampled,
-/// with top-k, top-p and min-p off, over 2 to `block` chunks of `block` logits.
+/// Whether a draw over `vocab` logits runs a block per chunk: sampled with top-k off, over 2 to
+/// `block` chunks of `block` logits. (At temperature alone the one-block path, the device's
+/// `temperature_only`, draws the same token by chunks too.)
 fn draws_by_chunks(cfg: &SamplingConfig, vocab: usize, block: usize) -> bool {
-    cfg.temperature > 0.0 && (cfg.top_k == 0 || cfg.top_k >= vocab) && !(cfg.top_p > 0.0 && cfg.top_p < 1.0) && cfg.min_p <= 0.0 && vocab > block && vocab.div_ceil(block) <= block
+    cfg.temperature > 0.0 && (cfg.top_k == 0 || cfg.top_k >= vocab) && vocab > block && vocab.div_ceil(block) <= block
 }
+
+/// The `sample_pass` launches before a draw by chunks: top-p's 8 digits, one (the maxima) for
+/// min-p alone, none at temperature alone.
+fn cut_passes(cfg: &SamplingConfig) -> u32 {
+    if cfg.top_p > 0.0 && cfg.top_p < 1.0 {
+        8
+    } else {
+        u32::from(cfg.min_p > 0.0)
+    }
+}
+
 
 /// [`sample`], also delivering the token where `delivery` says. With `scratch`, over more than
 /// 1024 logits: a draw with top-k up to 1024 runs in two stages, a block per chunk of 1024
 /// logits keeping the chunk's own top-k (`topk_candidates`), then the single sampling block
 /// looking at those candidates only (they hold every token the top-k keeps, so the token is the
 /// same); a greedy draw is one launch of a block per chunk, each folding its chunk's best into
-/// one packed `atomicMax`, the last to arrive delivering it (`argmax_chunks`); a draw at
-/// temperature alone is one launch of a block per chunk, each writing its chunk's maximum and
-/// mass, the last to arrive drawing the chunk and walking it (`sample_chunks`; the one block
-/// takes the chunks in turn, the same token). Other draws (top-k off or larger, no scratch)
-/// read the whole vocabulary in one block.
+/// one packed `atomicMax`, the last to arrive delivering it (`argmax_chunks`); a draw with
+/// top-k off runs a block per chunk in each launch: top-p's 8 digit passes (or min-p's one) find
+/// the cut (`sample_pass`, the last block to arrive extending it), then each block writes its
+/// chunk's mass under the cut and the last to arrive draws the chunk and walks it
+/// (`sample_chunks`; at temperature alone the one block takes the chunks in turn with the same
+/// sums: the same token). Other draws (top-k over 1 024, no scratch) read the whole vocabulary
+/// in one block.
 #[allow(clippy::too_many_arguments)]
 pub fn sample_delivering(
     gpu: &Gpu,
@@ -205,12 +220,18 @@ pub fn sample_delivering(
         tag,
         advance,
         cand_cap: SamplingVariant::CANDIDATE_CAP,
+        pass: 0,
+        passes: 0,
     };
     if greedy && n_chunks > 0 {
         return gpu.launch(&variant, "argmax_chunks", variant.rows_launch_config(n_chunks), &params);
     }
     if by_chunks && n_chunks > 0 {
-        return gpu.launch(&variant, "sample_chunks", variant.rows_launch_config(n_chunks), &params);
+        let passes = cut_passes(cfg);
+        for pass in 0..passes {
+            gpu.launch(&variant, "sample_pass", variant.rows_launch_config(n_chunks), &SampleParams { pass, passes, ..params })?;
+        }
+        return gpu.launch(&variant, "sample_chunks", variant.rows_launch_config(n_chunks), &SampleParams { passes, ..params });
     }
     gpu.launch(&variant, "sample", variant.sample_launch_config(1, cand != 0), &params)
 }
