@@ -571,11 +571,11 @@ struct TopP {
 __device__ __forceinline__ bool top_p_on(const SampleParams& p) { return p.top_p > 0.f && p.top_p < 1.f; }
 
 // An element's part in the pass at `shift`: its weight relative to its chunk's largest logit,
-// with its digit, or NO_DIGIT (under th, outside the bucket, or a chunk without a finite maximum).
-__device__ __forceinline__ float pass_weight(float l, float cmax, u32 th, const TopP& t, int shift, u32& digit) {
+// with its digit, or NO_DIGIT (NaN, outside the bucket, or a chunk without a finite maximum).
+__device__ __forceinline__ float pass_weight(float l, float cmax, const TopP& t, int shift, u32& digit) {
   const u32 key = order_key(l);
   digit = NO_DIGIT;
-  if (key < th || (key & t.mask) != t.prefix || !is_finite(cmax)) return 0.f;
+  if (key == 0u || (key & t.mask) != t.prefix || !is_finite(cmax)) return 0.f;
   digit = (key >> shift) & 15u;
   return expf(l - cmax);
 }
@@ -615,10 +615,10 @@ __device__ __forceinline__ float reduce_bins(float (&b)[16]) {
 // `s_digit`: BLOCK_SIZE bytes); lane L of warp g adds the weights of elements L, L + 32, ... of
 // group g of GROUP_RUNS runs (in that order) to its own bins, the warp reduces them
 // (reduce_bins) into `s_group` (16 floats per group), and the groups' bins are added in order.
-__device__ float chunk_bins_block(const Elements& s, u32 base, u32 m, float cmax, u32 th, const TopP& t, int shift, float* s_w, unsigned char* s_digit, float* s_group) {
+__device__ float chunk_bins_block(const Elements& s, u32 base, u32 m, float cmax, const TopP& t, int shift, float* s_w, unsigned char* s_digit, float* s_group) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   u32 digit = NO_DIGIT;
-  const float w = threadIdx.x < m ? pass_weight(s.logit(base + threadIdx.x), cmax, th, t, shift, digit) : 0.f;
+  const float w = threadIdx.x < m ? pass_weight(s.logit(base + threadIdx.x), cmax, t, shift, digit) : 0.f;
   __syncthreads();  // an earlier call may still be reading s_w, s_group
   s_w[threadIdx.x] = w;
   s_digit[threadIdx.x] = (unsigned char)digit;
@@ -665,7 +665,8 @@ __device__ __forceinline__ void choose_digit(TopP& t, const float* bins, int shi
 }
 
 // The cut after top-p (its digits, when on) and min-p, over the largest logit M (finite).
-__device__ __forceinline__ u32 final_cut(const SampleParams& p, u32 th, const TopP& t, float M) {
+__device__ __forceinline__ u32 final_cut(const SampleParams& p, const TopP& t, float M) {
+  u32 th = 1u;  // key 0 is NaN's alone: never drawn
   if (top_p_on(p)) th = max(th, t.prefix);
   // min-p: p_i >= min_p * p_max  <=>  l_i >= M + ln(min_p); the top token always stays.
   if (p.min_p > 0.f) th = max(th, min(order_key(M + logf(p.min_p)), order_key(M)));
@@ -829,7 +830,7 @@ extern "C" __global__ void __launch_bounds__(BLOCK_SIZE) sample_pass(const Sampl
   const int shift = 28 - 4 * (int)p.pass;
   const bool top_p = top_p_on(p);
   if (top_p) {
-    const float bin = chunk_bins_block(el, base, m, cmax, 1u, t, shift, s_w, s_digit, s_group);
+    const float bin = chunk_bins_block(el, base, m, cmax, t, shift, s_w, s_digit, s_group);
     if (threadIdx.x < 16) st.cbins[c * 16 + threadIdx.x] = bin;
   }
   if (!last_to_arrive(p, &s_last)) return;  // block-uniform
@@ -866,7 +867,7 @@ extern "C" __global__ void __launch_bounds__(BLOCK_SIZE) sample_pass(const Sampl
       st.state[3] = __float_as_uint(t.target);
     }
     if (p.pass == 0) st.state[4] = __float_as_uint(M);
-    if (p.pass + 1 == p.passes) st.state[5] = is_finite(M) ? final_cut(p, 1u, t, M) : 1u;
+    if (p.pass + 1 == p.passes) st.state[5] = is_finite(M) ? final_cut(p, t, M) : 1u;
   }
 }
 
