@@ -105,7 +105,8 @@ impl SampleScratch {
             counts: gpu.alloc_zeros(draws * chunks)?,
             best: gpu.alloc_zeros(1)?,
             arrivals: gpu.alloc_zeros(1)?,
-            stats: gpu.alloc_zeros(19 * chunks + 8)?,
+            // Per chunk a maximum, a mass, a token and top-p's 16 bins; then the cut's state.
+            stats: gpu.alloc_zeros((3 + 16) * chunks + 8)?,
             vocab,
             draws,
         })
@@ -142,7 +143,6 @@ fn cut_passes(cfg: &SamplingConfig) -> u32 {
         u32::from(cfg.min_p > 0.0)
     }
 }
-
 
 /// [`sample`], also delivering the token where `delivery` says. With `scratch`, over more than
 /// 1024 logits: a draw with top-k up to 1024 runs in two stages, a block per chunk of 1024
