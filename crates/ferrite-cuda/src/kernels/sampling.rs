@@ -699,10 +699,11 @@ __device__ float chunk_mass_warp(const Elements& s, u32 base, u32 m, float cmax,
   return mass;
 }
 
-// The chunk holding the largest maximum (the first on ties), to every thread.
-__device__ __forceinline__ u32 top_chunk(const float* cmax, u32 nc, u32* s_key, u32* s_idx) {
+// The chunk holding the largest maximum (the first on ties), to every thread; thread c < nc
+// passes chunk c's maximum.
+__device__ __forceinline__ u32 top_chunk(float mine, u32 nc, u32* s_key, u32* s_idx) {
   const u32 c = threadIdx.x;
-  return block_best(c < nc ? order_key(cmax[c]) : 0u, c < nc ? c : NO_INDEX, s_key, s_idx);
+  return block_best(c < nc ? order_key(mine) : 0u, c < nc ? c : NO_INDEX, s_key, s_idx);
 }
 
 // The first thread (smallest index) for which `yes` holds, or NO_INDEX, to every thread.
@@ -716,7 +717,7 @@ __device__ void finish_chunks(const SampleParams& p, const Elements& s, u32 m, u
   const int lane = threadIdx.x & 31;
   const u32 nc = (m + BLOCK_SIZE - 1) / BLOCK_SIZE, c = threadIdx.x;
   const float inv_t = 1.f / p.temperature;
-  const u32 top = top_chunk(cmax, nc, s_key, s_idx);
+  const u32 top = top_chunk(c < nc ? cmax[c] : 0.f, nc, s_key, s_idx);
   const float M = cmax[top];
   if (!is_finite(M)) {  // nothing to weigh: the argmax
     if (threadIdx.x == 0) deliver(p, cbest[top]);
@@ -776,8 +777,11 @@ struct ChunkStats {
   float* cmass;  // [n_chunks]
   u32* cbest;    // [n_chunks]
   float* cbins;  // [n_chunks, 16]
-  u32* state;    // top-p's prefix, mask, above, target; M; the final cut
+  u32* state;    // words CUT_PREFIX .. CUT_TH
 };
+// The cut's state between launches: top-p's prefix, mask, above and target (TopP), the largest
+// maximum M (pass 0) and the final cut (the last pass).
+enum CutWord { CUT_PREFIX, CUT_MASK, CUT_ABOVE, CUT_TARGET, CUT_MAX, CUT_TH };
 __device__ __forceinline__ ChunkStats chunk_stats(const SampleParams& p) {
   float* f = reinterpret_cast<float*>(p.stats);
   const u32 nc = p.n_chunks;
@@ -826,7 +830,8 @@ extern "C" __global__ void __launch_bounds__(BLOCK_SIZE) sample_pass(const Sampl
     cmax = __ldcg(st.cmax + c);  // this chunk's block wrote it in pass 0
   }
   TopP t = {0u, 0u, 0.f, 0.f};
-  if (p.pass > 0) t = {__ldcg(st.state), __ldcg(st.state + 1), __uint_as_float(__ldcg(st.state + 2)), __uint_as_float(__ldcg(st.state + 3))};
+  if (p.pass > 0)
+    t = {__ldcg(st.state + CUT_PREFIX), __ldcg(st.state + CUT_MASK), __uint_as_float(__ldcg(st.state + CUT_ABOVE)), __uint_as_float(__ldcg(st.state + CUT_TARGET))};
   const int shift = 28 - 4 * (int)p.pass;
   const bool top_p = top_p_on(p);
   if (top_p) {
@@ -836,11 +841,10 @@ extern "C" __global__ void __launch_bounds__(BLOCK_SIZE) sample_pass(const Sampl
   if (!last_to_arrive(p, &s_last)) return;  // block-uniform
   float M;
   if (p.pass == 0) {
-    const float mine = threadIdx.x < nc ? __ldcg(st.cmax + threadIdx.x) : 0.f;
-    const u32 top = block_best(threadIdx.x < nc ? order_key(mine) : 0u, threadIdx.x < nc ? threadIdx.x : NO_INDEX, s_key, s_idx);
+    const u32 top = top_chunk(threadIdx.x < nc ? __ldcg(st.cmax + threadIdx.x) : 0.f, nc, s_key, s_idx);
     M = __ldcg(st.cmax + top);
   } else {
-    M = __uint_as_float(__ldcg(st.state + 4));
+    M = __uint_as_float(__ldcg(st.state + CUT_MAX));
   }
   if (top_p) {
     // The chunks' scaled bins side by side, BLOCK_SIZE / 16 chunks at a time, then added in
@@ -861,13 +865,13 @@ extern "C" __global__ void __launch_bounds__(BLOCK_SIZE) sample_pass(const Sampl
   }
   if (threadIdx.x == 0) {
     if (top_p) {
-      st.state[0] = t.prefix;
-      st.state[1] = t.mask;
-      st.state[2] = __float_as_uint(t.above);
-      st.state[3] = __float_as_uint(t.target);
+      st.state[CUT_PREFIX] = t.prefix;
+      st.state[CUT_MASK] = t.mask;
+      st.state[CUT_ABOVE] = __float_as_uint(t.above);
+      st.state[CUT_TARGET] = __float_as_uint(t.target);
     }
-    if (p.pass == 0) st.state[4] = __float_as_uint(M);
-    if (p.pass + 1 == p.passes) st.state[5] = is_finite(M) ? final_cut(p, t, M) : 1u;
+    if (p.pass == 0) st.state[CUT_MAX] = __float_as_uint(M);
+    if (p.pass + 1 == p.passes) st.state[CUT_TH] = is_finite(M) ? final_cut(p, t, M) : 1u;
   }
 }
 
@@ -892,7 +896,7 @@ extern "C" __global__ void __launch_bounds__(BLOCK_SIZE) sample_chunks(const Sam
       st.cbest[c] = base + e;
     }
   }
-  const u32 th = p.passes ? __ldcg(st.state + 5) : 1u;
+  const u32 th = p.passes ? __ldcg(st.state + CUT_TH) : 1u;
   const float mass = chunk_mass_block(el, base, m, cmax, th, 1.f / p.temperature, s_f);
   if (threadIdx.x == 0) st.cmass[c] = mass;
   if (!last_to_arrive(p, &s_last)) return;  // block-uniform
