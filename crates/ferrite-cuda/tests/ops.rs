@@ -3051,9 +3051,10 @@ fn sample_step_from_device_memory() {
 }
 
 /// The two-stage draw (a block per 1024 logits keeps its chunk's top-k, then one block over the
-/// candidates), and the draw at temperature alone by a block per chunk, give the one-block draw's token: greedy and top-k settings, vocabularies of one
-/// chunk and a partial one up to Qwen's, NaN and -inf logits, and logits with heavy ties (more
-/// candidates than the gathered list holds: the whole vocabulary is read instead).
+/// candidates), and the draw at temperature alone by a block per chunk, give the one-block
+/// draw's token: greedy and top-k settings, vocabularies of one chunk and a partial one up to
+/// Qwen's, NaN and -inf logits, and logits with heavy ties (more candidates than the gathered
+/// list holds: the whole vocabulary is read instead).
 #[test]
 fn two_stage_sample_draws_the_one_block_token() {
     let Some(gpu) = gpu() else { return };
