@@ -15,9 +15,9 @@
 //! hold the vocabulary's: the same token, from a few thousand logits instead of the whole
 //! vocabulary (up to `CANDIDATE_CAP` of them; more, and it reads the whole row).
 //! With top-k off and a scratch, a draw runs a block per chunk of 1024 logits in each of a few
-//! launches: top-p's cut by digits (`sample_pass`, a launch per digit, the last block to arrive
-//! adding the chunks' bins in chunk order), then the chunks' masses under the cut, the chunk
-//! holding the draw and a walk inside it (`sample_chunks`).
+//! launches: top-p's cut by digits (`sample_pass`, a launch per digit, every block adding the
+//! chunks' bins of the launch before in the same fixed order), then the chunks' masses under the
+//! cut, the chunk holding the draw and a walk inside it (`sample_chunks`).
 //! With a list of draws (`RowDraw`), one launch draws from many rows (a batched step's
 //! sequences), a block per draw, each as a launch of its own would.
 //! [`sampling_uniform`] reproduces the draw on the host.
@@ -61,7 +61,7 @@ device_params! {
         pub best: u64,
         pub arrivals: u64,
         /// 0, or the chunk shares of a draw by chunks (`sample_pass`, `sample_chunks`:
-        /// `[19 * n_chunks + 8]` words: maxima, masses, tokens, top-p's bins, the cut's state).
+        /// `[35 * n_chunks + 8]` words: maxima, masses, tokens, top-p's bins, the cut's state).
         pub stats: u64,
         /// 0, or a draw per block (`RowDraw[gridDim.x]`): block b draws from row `rows[b].row` of
         /// `n` logits with that draw's settings (the ones below are ignored), writes `out[row]`
@@ -551,9 +551,10 @@ __device__ __forceinline__ bool is_finite(float x) { return fabsf(x) <= 3.402823
 // in each of a few launches, each chunk with its largest logit cmax and first token with it.
 // top-p's cut is found a digit of four bits per pass from the top (8 `sample_pass` launches): a
 // pass sums, per chunk, the masses (relative to cmax) of the keys under the digits found so far
-// into 16 bins by their next digit; the last block to arrive adds the chunks' bins, scaled to the
-// largest maximum M, in chunk order, and takes the largest digit whose bins from the top, with
-// the mass above them, still reach top_p of the total. min-p's cut needs M alone (one pass).
+// into 16 bins by their next digit; every block of the next launch adds the chunks' bins, scaled
+// to the largest maximum M, in one fixed order (the same bits in each), and takes the largest
+// digit whose bins from the top, with the mass above them, still reach top_p of the total: no
+// block waits for another to hand the cut on. min-p's cut needs M alone (one pass).
 // Then `sample_chunks`: each chunk's mass at the temperature over the keys that pass the cut,
 // the chunk holding the draw (in chunk order), and a walk inside it. At temperature alone one
 // `sample` block (rows, or no scratch) draws the same way, a warp per chunk, with the same sums
@@ -642,9 +643,8 @@ __device__ float chunk_bins_block(const Elements& s, u32 base, u32 m, float cmax
   return acc;
 }
 
-// A chunk's bin scaled to the largest maximum M: the chunks' terms are then added in chunk
-// order. (A product rounded on its own, never fused into the sum: the terms can be found side
-// by side and summed in one chain.)
+// A chunk's bin scaled to the largest maximum M, before the chunks' terms are added (a product
+// rounded on its own, never fused into a sum: the same bits wherever the sum runs).
 __device__ __forceinline__ float scaled_bin(float bin, float cmax, float M) {
   return bin > 0.f ? __fmul_rn(bin, expf(cmax - M)) : 0.f;
 }
@@ -771,21 +771,21 @@ __device__ __forceinline__ bool temperature_only(const SampleParams& p) {
 }
 
 // A draw over many chunks of the vocabulary, a block each, in launches: where it was scratch
-// (`SampleParams::stats`, `[19 * n_chunks + 8]` words).
+// (`SampleParams::stats`, `[35 * n_chunks + 8]` words).
 struct ChunkStats {
   float* cmax;   // [n_chunks]
   float* cmass;  // [n_chunks]
   u32* cbest;    // [n_chunks]
-  float* cbins;  // [n_chunks, 16]
-  u32* state;    // words CUT_PREFIX .. CUT_TH
+  float* cbins;  // [2][n_chunks, 16]: pass k's bins in half k & 1
+  u32* state;    // [2][CUT_WORDS]: the cut after pass k's digit in half k & 1
 };
-// The cut's state between launches: top-p's prefix, mask, above and target (TopP), the largest
-// maximum M (pass 0) and the final cut (the last pass).
-enum CutWord { CUT_PREFIX, CUT_MASK, CUT_ABOVE, CUT_TARGET, CUT_MAX, CUT_TH };
+// top-p's state after a pass (TopP): the launch after pass k writes it in half k & 1 while
+// the launch's other blocks read half (k - 1) & 1.
+enum CutWord { CUT_PREFIX, CUT_MASK, CUT_ABOVE, CUT_TARGET, CUT_WORDS };
 __device__ __forceinline__ ChunkStats chunk_stats(const SampleParams& p) {
   float* f = reinterpret_cast<float*>(p.stats);
   const u32 nc = p.n_chunks;
-  return {f, f + nc, reinterpret_cast<u32*>(f + 2 * nc), f + 3 * nc, reinterpret_cast<u32*>(f + 19 * nc)};
+  return {f, f + nc, reinterpret_cast<u32*>(f + 2 * nc), f + 3 * nc, reinterpret_cast<u32*>(f + 35 * nc)};
 }
 
 // Whether this block is the last of the launch's n_chunks blocks to arrive (every thread's
@@ -805,20 +805,59 @@ __device__ bool last_to_arrive(const SampleParams& p, u32* s_last) {
   return *s_last;
 }
 
+// The largest of the chunks' maxima (written by the first launch), to every thread.
+__device__ __forceinline__ float largest_max(const ChunkStats& st, u32 nc, u32* s_key, u32* s_idx) {
+  const u32 top = top_chunk(threadIdx.x < nc ? __ldcg(st.cmax + threadIdx.x) : 0.f, nc, s_key, s_idx);
+  return __ldcg(st.cmax + top);
+}
+
+// The cut after pass k's digit, found by every block of the launch after pass k alike: the
+// chunks' bins of pass k scaled to the largest maximum M and added over the chunks in a fixed
+// tree (thread j * 16 + d adds bin d of chunks j, j + BLOCK_SIZE / 16, ..., then pairs of
+// threads, then two halves of the warps in order), then the digit chosen from them, extending
+// the cut after pass k - 1. The same bits in every block: no block has to hand it on.
+__device__ __forceinline__ TopP cut_after(const SampleParams& p, const ChunkStats& st, u32 k, float M, float* s_part, float* s_bins) {
+  TopP t = {0u, 0u, 0.f, 0.f};
+  if (k > 0) {
+    const u32* s = st.state + ((k - 1) & 1) * CUT_WORDS;
+    t = {__ldcg(s + CUT_PREFIX), __ldcg(s + CUT_MASK), __uint_as_float(__ldcg(s + CUT_ABOVE)), __uint_as_float(__ldcg(s + CUT_TARGET))};
+  }
+  const u32 nc = p.n_chunks, d = threadIdx.x & 15;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const float* bins = st.cbins + (k & 1) * 16 * nc;
+  float acc = 0.f;
+  for (u32 c = threadIdx.x >> 4; c < nc; c += BLOCK_SIZE / 16) acc += scaled_bin(__ldcg(bins + c * 16 + d), __ldcg(st.cmax + c), M);
+  acc += __shfl_xor_sync(FULL_MASK, acc, 16);
+  __syncthreads();  // an earlier call may still be reading s_part, s_bins
+  if (lane < 16) s_part[warp * 16 + lane] = acc;
+  __syncthreads();
+  if (warp == 0) {
+    constexpr int HALF = BLOCK_SIZE / 64;  // warps per half
+    float b = 0.f;
+    for (int w = (lane >> 4) * HALF; w < ((lane >> 4) + 1) * HALF; ++w) b += s_part[w * 16 + d];
+    b += __shfl_xor_sync(FULL_MASK, b, 16);
+    if (lane < 16) s_bins[lane] = b;
+  }
+  __syncthreads();
+  choose_digit(t, s_bins, 28 - 4 * (int)k, p.top_p);
+  return t;
+}
+
 // The cut of a draw by chunks, a pass per launch (`pass` of `passes`: top-p's 8 digits, or one
 // for min-p alone), a block per chunk of the vocabulary: pass 0 writes the chunk's largest logit
-// and token, each top-p pass the chunk's 16 bins; the last block to arrive adds the chunks' bins
-// in chunk order and extends the cut, and after the last pass stores it (min-p's included) for
-// `sample_chunks`.
+// and token, each top-p pass the chunk's 16 bins for its digit under the cut so far, which every
+// block of pass k > 0 first extends by pass k - 1's digit (`cut_after`; block 0 stores it for the
+// next launch). `sample_chunks` takes the last digit and min-p's cut the same way.
 extern "C" __global__ void __launch_bounds__(BLOCK_SIZE) sample_pass(const SampleParams p) {
   KERNEL_ENTRY();
-  __shared__ u32 s_key[32], s_idx[32], s_last;
-  __shared__ float s_w[BLOCK_SIZE], s_group[BLOCK_SIZE / 2 / GROUP_RUNS], s_bins[16];
+  __shared__ u32 s_key[32], s_idx[32];
+  __shared__ float s_w[BLOCK_SIZE], s_group[BLOCK_SIZE / 2 / GROUP_RUNS], s_part[BLOCK_SIZE / 2], s_bins[16];
   __shared__ unsigned char s_digit[BLOCK_SIZE];
   const ChunkStats st = chunk_stats(p);
   const u32 nc = p.n_chunks, c = blockIdx.x, base = c * BLOCK_SIZE, m = min((u32)BLOCK_SIZE, p.n - base);
   const Elements el = {reinterpret_cast<const float*>(p.logits), nullptr, p.n};
   float cmax;
+  TopP t = {0u, 0u, 0.f, 0.f};
   if (p.pass == 0) {
     const u32 e = block_argmax(el, base, m, s_key, s_idx);
     cmax = el.logit(base + e);
@@ -828,50 +867,18 @@ extern "C" __global__ void __launch_bounds__(BLOCK_SIZE) sample_pass(const Sampl
     }
   } else {
     cmax = __ldcg(st.cmax + c);  // this chunk's block wrote it in pass 0
-  }
-  TopP t = {0u, 0u, 0.f, 0.f};
-  if (p.pass > 0)
-    t = {__ldcg(st.state + CUT_PREFIX), __ldcg(st.state + CUT_MASK), __uint_as_float(__ldcg(st.state + CUT_ABOVE)), __uint_as_float(__ldcg(st.state + CUT_TARGET))};
-  const int shift = 28 - 4 * (int)p.pass;
-  const bool top_p = top_p_on(p);
-  if (top_p) {
-    const float bin = chunk_bins_block(el, base, m, cmax, t, shift, s_w, s_digit, s_group);
-    if (threadIdx.x < 16) st.cbins[c * 16 + threadIdx.x] = bin;
-  }
-  if (!last_to_arrive(p, &s_last)) return;  // block-uniform
-  float M;
-  if (p.pass == 0) {
-    const u32 top = top_chunk(threadIdx.x < nc ? __ldcg(st.cmax + threadIdx.x) : 0.f, nc, s_key, s_idx);
-    M = __ldcg(st.cmax + top);
-  } else {
-    M = __uint_as_float(__ldcg(st.state + CUT_MAX));
-  }
-  if (top_p) {
-    // The chunks' scaled bins side by side, BLOCK_SIZE / 16 chunks at a time, then added in
-    // chunk order.
-    float acc = 0.f;
-    for (u32 c0 = 0; c0 < nc; c0 += BLOCK_SIZE / 16) {
-      const u32 g = min((u32)BLOCK_SIZE / 16, nc - c0);
-      __syncthreads();  // the last group is read
-      if (threadIdx.x < g * 16) s_w[threadIdx.x] = scaled_bin(__ldcg(st.cbins + c0 * 16 + threadIdx.x), __ldcg(st.cmax + c0 + threadIdx.x / 16), M);
-      __syncthreads();
-      if (threadIdx.x < 16)
-        for (u32 j = 0; j < g; ++j) acc += s_w[j * 16 + threadIdx.x];
+    t = cut_after(p, st, p.pass - 1, largest_max(st, nc, s_key, s_idx), s_part, s_bins);
+    if (c == 0 && threadIdx.x == 0) {
+      u32* s = st.state + ((p.pass - 1) & 1) * CUT_WORDS;
+      s[CUT_PREFIX] = t.prefix;
+      s[CUT_MASK] = t.mask;
+      s[CUT_ABOVE] = __float_as_uint(t.above);
+      s[CUT_TARGET] = __float_as_uint(t.target);
     }
-    __syncthreads();
-    if (threadIdx.x < 16) s_bins[threadIdx.x] = acc;
-    __syncthreads();
-    choose_digit(t, s_bins, shift, p.top_p);
   }
-  if (threadIdx.x == 0) {
-    if (top_p) {
-      st.state[CUT_PREFIX] = t.prefix;
-      st.state[CUT_MASK] = t.mask;
-      st.state[CUT_ABOVE] = __float_as_uint(t.above);
-      st.state[CUT_TARGET] = __float_as_uint(t.target);
-    }
-    if (p.pass == 0) st.state[CUT_MAX] = __float_as_uint(M);
-    if (p.pass + 1 == p.passes) st.state[CUT_TH] = is_finite(M) ? final_cut(p, t, M) : 1u;
+  if (top_p_on(p)) {
+    const float bin = chunk_bins_block(el, base, m, cmax, t, 28 - 4 * (int)p.pass, s_w, s_digit, s_group);
+    if (threadIdx.x < 16) st.cbins[((p.pass & 1) * nc + c) * 16 + threadIdx.x] = bin;
   }
 }
 
@@ -881,7 +888,7 @@ extern "C" __global__ void __launch_bounds__(BLOCK_SIZE) sample_pass(const Sampl
 extern "C" __global__ void __launch_bounds__(BLOCK_SIZE) sample_chunks(const SampleParams p) {
   KERNEL_ENTRY();
   __shared__ u32 s_key[32], s_idx[32], s_last, s_best[BLOCK_SIZE];
-  __shared__ float s_f[32], s_pick[2], s_max[BLOCK_SIZE], s_mass[BLOCK_SIZE];
+  __shared__ float s_f[32], s_pick[2], s_max[BLOCK_SIZE], s_mass[BLOCK_SIZE], s_part[BLOCK_SIZE / 2], s_bins[16];
   const ChunkStats st = chunk_stats(p);
   const u32 nc = p.n_chunks, c = blockIdx.x, base = c * BLOCK_SIZE, m = min((u32)BLOCK_SIZE, p.n - base);
   const Elements el = {reinterpret_cast<const float*>(p.logits), nullptr, p.n};
@@ -896,7 +903,14 @@ extern "C" __global__ void __launch_bounds__(BLOCK_SIZE) sample_chunks(const Sam
       st.cbest[c] = base + e;
     }
   }
-  const u32 th = p.passes ? __ldcg(st.state + CUT_TH) : 1u;
+  // The cut (every block alike): top-p's last digit and min-p, over the largest maximum.
+  u32 th = 1u;
+  if (p.passes) {
+    const float M = largest_max(st, nc, s_key, s_idx);
+    TopP t = {0u, 0u, 0.f, 0.f};
+    if (top_p_on(p)) t = cut_after(p, st, p.passes - 1, M, s_part, s_bins);
+    if (is_finite(M)) th = final_cut(p, t, M);
+  }
   const float mass = chunk_mass_block(el, base, m, cmax, th, 1.f / p.temperature, s_f);
   if (threadIdx.x == 0) st.cmass[c] = mass;
   if (!last_to_arrive(p, &s_last)) return;  // block-uniform

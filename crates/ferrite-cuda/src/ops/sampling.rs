@@ -105,8 +105,9 @@ impl SampleScratch {
             counts: gpu.alloc_zeros(draws * chunks)?,
             best: gpu.alloc_zeros(1)?,
             arrivals: gpu.alloc_zeros(1)?,
-            // Per chunk a maximum, a mass, a token and top-p's 16 bins; then the cut's state.
-            stats: gpu.alloc_zeros((3 + 16) * chunks + 8)?,
+            // Per chunk a maximum, a mass, a token and two passes' 16 bins of top-p; then the
+            // cut's state, twice (a launch reads one while its block 0 writes the other).
+            stats: gpu.alloc_zeros((3 + 2 * 16) * chunks + 8)?,
             vocab,
             draws,
         })
@@ -151,7 +152,7 @@ fn cut_passes(cfg: &SamplingConfig) -> u32 {
 /// same); a greedy draw is one launch of a block per chunk, each folding its chunk's best into
 /// one packed `atomicMax`, the last to arrive delivering it (`argmax_chunks`); a draw with
 /// top-k off runs a block per chunk in each launch: top-p's 8 digit passes (or min-p's one) find
-/// the cut (`sample_pass`, the last block to arrive extending it), then each block writes its
+/// the cut (`sample_pass`, every block extending it alike), then each block writes its
 /// chunk's mass under the cut and the last to arrive draws the chunk and walks it
 /// (`sample_chunks`; at temperature alone the one block takes the chunks in turn with the same
 /// sums: the same token). Other draws (top-k over 1 024, no scratch) read the whole vocabulary
