@@ -760,8 +760,9 @@ fn sampling(gpu: &Gpu) -> Result<(), CudaError> {
     let greedy = SamplingConfig { temperature: 0.0, top_k: 40, top_p: 0.95, min_p: 0.05, seed: 1 };
     let cfg = SamplingConfig { temperature: 0.8, ..greedy };
     let mut token = gpu.alloc_zeros::<u32>(1)?;
-    // SmolLM2's vocabulary, then Llama 3's (whose 126 chunks keep more top-k candidates).
-    for vocab in [49152usize, 128256] {
+    // SmolLM2's vocabulary, Llama 3's (whose 126 chunks keep more top-k candidates), Gemma 3's
+    // (256 chunks: more blocks than SMs).
+    for vocab in [49152usize, 128256, 262144] {
         println!("\nsampling over {vocab} logits (spread like a model's: a hash of the index, -8..8)");
         let logits = gpu.upload(&spread(vocab as u64), "logits")?;
         let mut scratch = ops::SampleScratch::new(gpu, vocab)?;
