@@ -182,24 +182,12 @@ switches! {
     /// Threads of one-token CPU steps.
     DECODE_THREADS = ("FERRITE_DECODE_THREADS", "auto", Stable,
         "Threads that run a one-token CPU step (decode): auto = one per 16 MB of linear weights a token reads, at least 4 and at most the pool's (--threads / FERRITE_THREADS), so a small model's decode does not fork and join over every core of a large machine (SmolLM2 on 16 cores: 2-8 threads decode at the same rate, 16 a third slower); a number sets it. Prefill and batched steps use the whole pool.");
-    /// Linear chains declared at load (CUDA: one persistent launch per chain).
-    DISABLE_CHAIN_FUSION = ("FERRITE_DISABLE_CHAIN_FUSION", "0", AbTest,
-        "1 declares no linear chains at load (runs of linears each reading the previous one's output: a layer's output projection, gate/up, down and the next QKV). Declared chains change nothing unless FERRITE_CUDA_LINEAR_CHAIN=1 runs them as one CUDA launch each.");
     /// Decoder layers declared at load (CUDA: one cluster launch per layer).
     DISABLE_LAYER_FUSION = ("FERRITE_DISABLE_LAYER_FUSION", "0", AbTest,
-        "1 declares no decoder layers at load (a Llama-family layer's five ops after the other fusions: QKV, attention, output projection, gate/up, down). Declared layers change nothing unless FERRITE_CUDA_CLUSTER_LAYER=1 runs them as one CUDA launch each.");
-    /// Declared decoder layers run as one thread-block-cluster launch (CUDA, experimental).
-    CUDA_CLUSTER_LAYER = ("FERRITE_CUDA_CLUSTER_LAYER", "0", AbTest,
-        "1 runs each decoder layer declared at load as one launch of a thread-block cluster (kernels/cluster.rs: weights staged in shared memory, activations handed over through distributed shared memory) in one-token CUDA steps, instead of its five ops' launches; a note at load names layers it cannot run. Off by default: measured 2.3x slower than the separate launches on the H200 (docs/perf.md, stop 31).");
-    /// Threads per block of the cluster decoder layer (CUDA).
-    CUDA_CLUSTER_LAYER_THREADS = ("FERRITE_CUDA_CLUSTER_LAYER_THREADS", "256", AbTest,
-        "256 or 512: threads per block of the cluster decoder layer (FERRITE_CUDA_CLUSTER_LAYER): more warps share each phase's rows and the attention's keys, at half the registers per thread.");
+        "1 declares no decoder layers at load (a Llama-family layer's five ops after the other fusions: QKV, attention, output projection, gate/up, down), so that no CUDA one-token step runs a layer's MLP as one launch (FERRITE_CUDA_FUSED_MLP).");
     /// The MLP of a declared decoder layer as one int8 GEMV launch (CUDA).
     CUDA_FUSED_MLP = ("FERRITE_CUDA_FUSED_MLP", "1", AbTest,
         "1: in untraced one-token CUDA steps, the gate/up and down projections of each decoder layer declared at load run as one launch (ops::mlp_q8: each block quantizes its SwiGLU outputs, multiplies them by their columns of the down projection and adds the products into the residual stream with atomic adds, so the logits' last bits vary from run to run), and the next layer's QKV projection quantizes that stream itself; only where the adds stay few (ops::MLP_MAX_ADDS: SmolLM2-sized layers; +4% tg128 there, measured on the H100, docs/perf.md stop 35); a note at load names layers it cannot run. 0: two launches, bit-reproducible.");
-    /// Declared linear chains run as one persistent launch (CUDA, experimental).
-    CUDA_LINEAR_CHAIN = ("FERRITE_CUDA_LINEAR_CHAIN", "0", AbTest,
-        "1 runs each linear chain declared at load (a layer's output projection, gate/up, down and the next QKV) as one persistent launch in one-token CUDA steps (kernels/chain.rs), instead of four int8 GEMV launches. Off by default: it is still 2-2.5x slower per layer (docs/perf.md, stop 28); a note at load names chains it cannot run.");
     /// Decode attention stores the token's K/V itself (CUDA).
     DISABLE_KV_STORE_FUSION = ("FERRITE_DISABLE_KV_STORE_FUSION", "0", AbTest,
         "1 runs the CUDA decode steps' K/V store (and RoPE) as its own store_qkv launch before attention, instead of inside the attention kernel (one-token steps, and batched serving steps of one token per sequence).");

@@ -11,7 +11,7 @@ use ferrite_cuda::kernels::gdn::{GdnChunkVariant, GdnDeltaVariant};
 use ferrite_cuda::kernels::gemm::GemmMmaVariant;
 use ferrite_cuda::kernels::gemv::{GemvQ8Variant, GemvVariant};
 use ferrite_cuda::ops::{self, AttentionConfig, GdnPath, GdnState, GdnWeights, KvCache, KvDtype, LinearOptions, LinearPath, MoePath, SamplingConfig};
-use ferrite_cuda::{CudaError, CudaSlice, DeviceWeight, Gpu, GpuOptions};
+use ferrite_cuda::{CudaError, DeviceWeight, Gpu, GpuOptions};
 use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
 use ferrite_gguf::quant::quantize;
 use ferrite_gguf::GgmlType;
@@ -61,12 +61,11 @@ fn main() -> Result<(), CudaError> {
     );
     // `kernel_bench [SECTION ...]` runs only the named sections.
     let wanted: Vec<String> = std::env::args().skip(1).collect();
-    let sections: [(&str, Section); 15] = [
+    let sections: [(&str, Section); 14] = [
         ("gemv", gemv),
         ("decode", decode),
         ("inputs", inputs),
         ("chain", chain),
-        ("cluster", cluster),
         ("layer", layer),
         ("prefill", prefill),
         ("batched", batched),
@@ -311,81 +310,11 @@ dependent launch chains (150 launches, graph replay): us per launch");
     Ok(())
 }
 
-fn cluster(gpu: &Gpu) -> Result<(), CudaError> {
-    // What a decode step resident in one thread-block cluster would pay per dependent phase:
-    // the cluster barrier plus a hand-off of `values` floats from every block to every block
-    // through distributed shared memory (compare `chain`: a dependent kernel boundary), and the
-    // weight bytes a cluster streams per phase while it meets that often.
-    println!("\nthread-block clusters (one launch, us per phase over 1 000 / 200 phases)");
-    let data = gpu.alloc_zeros::<u8>(256 << 20)?;
-    let mut out = gpu.alloc_zeros::<f32>(ops::MAX_CLUSTER * gpu.sm_count() as usize)?;
-    let per_phase = |bytes: usize, phases: usize, values: usize, size: usize, clusters: usize, out: &mut CudaSlice<f32>| -> Result<f64, CudaError> {
-        let base = time(gpu, 20, || ops::cluster_phases(gpu, &data, bytes, 0, values, size, clusters, out))?;
-        let t = time(gpu, 20, || ops::cluster_phases(gpu, &data, bytes, phases, values, size, clusters, out))?;
-        Ok((t - base) / phases as f64)
-    };
-    for size in [2usize, 4, 8, 16] {
-        let mut line = format!("  {size:>2} blocks:");
-        for values in [64usize, 256] {
-            line += &format!(" | barrier + {values} values: {:.3}", per_phase(0, 1000, values, size, 1, &mut out)? * 1e6);
-        }
-        for kib in [16usize, 64] {
-            let s = per_phase(kib << 10, 200, 64, size, 1, &mut out)?;
-            line += &format!(" | {kib} KiB/block: {:.2} us, {:.0} GB/s", s * 1e6, (size * (kib << 10)) as f64 / s / 1e9);
-        }
-        // Every SM busy: as many clusters of this size as fit.
-        let clusters = gpu.sm_count() as usize / size;
-        let s = per_phase(64 << 10, 200, 64, size, clusters, &mut out)?;
-        line += &format!(" | {clusters} clusters, 64 KiB/block: {:.0} GB/s", (clusters * size * (64 << 10)) as f64 / s / 1e9);
-        println!("{line}");
-    }
-    // A whole decoder layer (norms, QKV, RoPE, K/V store, attention, output projection, SwiGLU
-    // MLP, residuals) as one `cluster_layer` launch, over 30 layers' distinct weights at
-    // position 128, replayed from a graph (compare `layer`: its four linears alone as int8 GEMVs).
-    let (dtype, d, heads, kv_heads, hd, ff, layers) = (GgmlType::Q4_1, 576usize, 9usize, 3usize, 64usize, 1536usize, 30usize);
-    let weight = |rows: usize, cols: usize| gpu.upload_weight(dtype, rows, cols, &quantize(dtype, &ramp(rows * cols)).expect("quantize"));
-    let qkv_rows = (heads + 2 * kv_heads) * hd;
-    let mut ws = Vec::new();
-    for _ in 0..layers {
-        ws.push([weight(qkv_rows, d)?, weight(d, heads * hd)?, weight(2 * ff, d)?, weight(d, ff)?]);
-    }
-    let g = gpu.upload(&vec![1.0f32; d], "norm")?;
-    let mut caches = (0..layers).map(|_| KvCache::new(gpu, KvDtype::F16, 256, kv_heads, hd)).collect::<Result<Vec<_>, _>>()?;
-    let positions = gpu.upload(&[128u32], "position")?;
-    let x = gpu.upload(&ramp(d), "x")?;
-    let y = gpu.alloc_zeros::<f32>(d)?;
-    let (xv, yv) = (ops::DeviceView::of(gpu, &x), ops::DeviceView::of(gpu, &y));
-    let cfg = ops::ClusterLayerConfig {
-        dims: ops::LayerDims { dim: d, n_heads: heads, n_kv_heads: kv_heads, ff },
-        head_dim: hd,
-        rope: Some(ops::RopeConfig { n_heads: heads, head_dim: hd, rot_dim: hd, theta: 10_000.0, freq_scale: 1.0, neox: false }),
-        eps: 1e-5,
-        scale: 0.125,
-        kv_rows: None,
-    };
-    for (size, threads) in [(16usize, "256"), (16, "512"), (8, "256")] {
-        std::env::set_var("FERRITE_CUDA_CLUSTER_LAYER_THREADS", threads);
-        let run = &mut || {
-            for (w, cache) in ws.iter().zip(caches.iter_mut()) {
-                let weights = ops::ClusterLayerWeights { qkv: &w[0], o: &w[1], gate: (&w[2], 0), up: (&w[2], ff), down: &w[3] };
-                ops::cluster_layer(gpu, &weights, &g, &g, &cfg, cache, &positions, size, xv, yv)?;
-            }
-            Ok(())
-        };
-        match time_graph(gpu, layers, run) {
-            Ok(s) => println!("  SmolLM2 decoder layer in one cluster of {size} x {threads} threads, position 128: {:.2} us per layer", s * 1e6),
-            Err(e) => println!("  SmolLM2 decoder layer in one cluster of {size} x {threads} threads: {e}"),
-        }
-    }
-    std::env::remove_var("FERRITE_CUDA_CLUSTER_LAYER_THREADS");
-    Ok(())
-}
-
 fn layer(gpu: &Gpu) -> Result<(), CudaError> {
     // A decode layer's four linears (output projection with the residual, gate/up with SwiGLU
     // after the MLP norm, down with the residual, the next QKV after its norm) over several
-    // layers' distinct weights, replayed from a graph: as separate int8 GEMVs with hand-offs (the
-    // model's path) and as one persistent `linear_chain` launch per layer.
+    // layers' distinct weights, as separate int8 GEMVs with hand-offs (the model's unfused-MLP
+    // path), replayed from a graph.
     println!("\ndecode layer linears, one token, graph replay: us per layer (GB/s of weights)");
     for (name, dtype, d, ff, qkv, layers) in
         [("SmolLM2", GgmlType::Q4_1, 576usize, 1536usize, 960usize, 30usize), ("1B", GgmlType::Q4_0, 2048, 8192, 3072, 8), ("8B", GgmlType::Q4_0, 4096, 14336, 6144, 4)]
@@ -412,35 +341,8 @@ fn layer(gpu: &Gpu) -> Result<(), CudaError> {
             }
             Ok(())
         })?;
-        if let Ok(v) = ops::chain_variant(gpu, &[ops::ChainShape { dtype, weight_rows: d, cols: d, gated: false }; 2]) {
-            for info in gpu.kernel_info(&v)? {
-                println!("  {name} chain kernel: {info:?}");
-            }
-        }
-        let mut barrier = ops::ChainBarrier::new(gpu)?;
-        let view = |b: &CudaSlice<f32>| ops::DeviceView::of(gpu, b);
-        let chained = time_graph(gpu, layers, &mut || {
-            for w in &ws {
-                let links = [
-                    ops::ChainLink { w: &w[0], x: view(&x), norm: None, bias: None, residual: Some(view(&res)), glu: None, out: view(&h1) },
-                    ops::ChainLink { w: &w[1], x: view(&h1), norm: norm(), bias: None, residual: None, glu: Some(ops::Glu::SwiGlu), out: view(&m) },
-                    ops::ChainLink { w: &w[2], x: view(&m), norm: None, bias: None, residual: Some(view(&h1)), glu: None, out: view(&h2) },
-                    ops::ChainLink { w: &w[3], x: view(&h2), norm: norm(), bias: None, residual: None, glu: None, out: view(&y) },
-                ];
-                ops::linear_chain(gpu, &links, &mut barrier)?;
-            }
-            Ok(())
-        })?;
         let gbs = |s: f64| bytes as f64 / s / 1e9;
-        println!(
-            "  {name:<8} {dtype} {:.1} MB/layer: separate {:.2} us ({:.0} GB/s) | chain {:.2} us ({:.0} GB/s) | {:.2}x",
-            bytes as f64 / 1e6,
-            separate * 1e6,
-            gbs(separate),
-            chained * 1e6,
-            gbs(chained),
-            separate / chained
-        );
+        println!("  {name:<8} {dtype} {:.1} MB/layer: {:.2} us ({:.0} GB/s)", bytes as f64 / 1e6, separate * 1e6, gbs(separate));
     }
     Ok(())
 }

@@ -387,9 +387,8 @@ impl Gpu {
         let what = || {
             format!("launching {}::{entry} ({variant:?}, grid {:?}, block {:?})", V::FAMILY, cfg.grid_dim, cfg.block_dim)
         };
-        let cluster = variant.cluster_size();
-        allow_launch(function, &cfg, cluster).context(what)?;
-        if !self.dependent_launch && cluster == 1 {
+        allow_launch(function, &cfg).context(what)?;
+        if !self.dependent_launch {
             let mut builder = self.stream.launch_builder(function);
             builder.arg(params);
             unsafe { builder.launch(cfg) }.context(what)?;
@@ -398,17 +397,12 @@ impl Gpu {
         // Programmatic dependent launch: the kernel may be scheduled before the previous kernel
         // in the stream has finished; every kernel waits for it (`pdl_wait` in the common
         // header) before touching activations, so only its start-up and weight loads overlap.
-        // A clustered kernel (sm_90) takes its cluster shape as a second attribute.
-        let mut attributes = [
-            sys::CUlaunchAttribute {
-                id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
-                pad: [0; 4],
-                value: sys::CUlaunchAttributeValue { programmaticStreamSerializationAllowed: self.dependent_launch as i32 },
-            },
-            cluster_attribute(cluster),
-        ];
-        let used = if cluster > 1 { 2 } else { 1 };
-        let config = self.launch_config_ex(&cfg, &mut attributes[..used]);
+        let mut attribute = sys::CUlaunchAttribute {
+            id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
+            pad: [0; 4],
+            value: sys::CUlaunchAttributeValue { programmaticStreamSerializationAllowed: 1 },
+        };
+        let config = self.launch_config_ex(&cfg, std::slice::from_mut(&mut attribute));
         // One kernel argument: the parameter struct, passed by value.
         let mut args = [params as *const P as *mut std::ffi::c_void];
         self.ctx.bind_to_thread().context(what)?;
@@ -432,23 +426,6 @@ impl Gpu {
             attrs: attributes.as_mut_ptr(),
             numAttrs: attributes.len() as u32,
         }
-    }
-
-    /// How many clusters of `variant`'s `entry` launched with `cfg` the device can run at once
-    /// (0: such a cluster cannot be placed at all, e.g. too many blocks of too much shared
-    /// memory for one GPC).
-    pub fn max_active_clusters<V: KernelVariant>(&self, variant: &V, entry: &'static str, cfg: LaunchConfig) -> Result<u32, CudaError> {
-        let module = self.modules.get(variant)?;
-        let function = module.function(entry);
-        let what = || format!("sizing clusters of {}::{entry} ({variant:?})", V::FAMILY);
-        let cluster = variant.cluster_size();
-        allow_launch(function, &cfg, cluster).context(what)?;
-        let mut attribute = cluster_attribute(cluster);
-        let config = self.launch_config_ex(&cfg, std::slice::from_mut(&mut attribute));
-        let mut clusters = 0i32;
-        self.ctx.bind_to_thread().context(what)?;
-        unsafe { sys::cuOccupancyMaxActiveClusters(&mut clusters, function.cu_function(), &config) }.result().context(what)?;
-        Ok(clusters.max(0) as u32)
     }
 
     /// Grow the scratch buffer used by the GEMM path to at least `bytes` now, so that later
@@ -485,22 +462,11 @@ impl Gpu {
 }
 
 /// Lets `function` take `cfg`: more than 48 KiB of dynamic shared memory only once the function
-/// allows it, clusters over 8 blocks only with the non-portable sizes.
-fn allow_launch(function: &cudarc::driver::CudaFunction, cfg: &LaunchConfig, cluster: u32) -> Result<(), cudarc::driver::DriverError> {
+/// allows it.
+fn allow_launch(function: &cudarc::driver::CudaFunction, cfg: &LaunchConfig) -> Result<(), cudarc::driver::DriverError> {
     if cfg.shared_mem_bytes > 48 * 1024 {
         function.set_attribute(sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, cfg.shared_mem_bytes as i32)?;
-    }
-    if cluster > 8 {
-        function.set_attribute(sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1)?;
     }
     Ok(())
 }
 
-/// The launch attribute of a 1-D thread-block cluster of `blocks` blocks.
-fn cluster_attribute(blocks: u32) -> sys::CUlaunchAttribute {
-    sys::CUlaunchAttribute {
-        id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION,
-        pad: [0; 4],
-        value: sys::CUlaunchAttributeValue { clusterDim: sys::CUlaunchAttributeValue_union__bindgen_ty_1 { x: blocks, y: 1, z: 1 } },
-    }
-}

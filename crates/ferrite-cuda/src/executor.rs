@@ -22,7 +22,7 @@ use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
 use cudarc::driver::{CudaGraph, CudaSlice};
 use ferrite_core::env;
 use ferrite_gguf::GgmlType;
-use ferrite_model::graph::{DecoderLayer, ExpertGateUp, GatedActivation, GdnShape, Graph, LinearChain, NormSpec, Op, Rows, ValueId, WeightId};
+use ferrite_model::graph::{DecoderLayer, ExpertGateUp, GatedActivation, GdnShape, Graph, NormSpec, Op, Rows, ValueId, WeightId};
 use ferrite_model::planner::{self, Plan};
 use ferrite_model::profile::OpProfile;
 use ferrite_model::{
@@ -36,41 +36,6 @@ use std::sync::Arc;
 enum GpuWeight {
     Matrix(DeviceWeight),
     Vector(CudaSlice<f32>),
-}
-
-/// A decoder layer's `cluster_layer` launch: its weights, norms, shapes, cache layer and values
-/// (input and output stream at 0 and 5, see `fusion::decoder_layer_at`).
-struct LayerLaunch<'a> {
-    weights: ops::ClusterLayerWeights<'a>,
-    norms: [&'a CudaSlice<f32>; 2],
-    cfg: ops::ClusterLayerConfig,
-    kv_layer: usize,
-    values: [ValueId; 6],
-}
-
-/// The arguments of decoder layer `layer` as one `cluster_layer`, or why it is not one.
-fn layer_launch<'a>(weights: &'a [Option<GpuWeight>], graph: &ferrite_model::graph::Graph, layer: DecoderLayer) -> Result<LayerLaunch<'a>, String> {
-    let (Some(values), &[Op::Linear { w: wqkv, norm: Some(n1), .. }, Op::Attention { layer: kv_layer, rope: Some(rope), .. }, Op::Linear { w: wo, .. }, Op::GatedLinear { w: wgu, norm: Some(n2), .. }, Op::Linear { w: wdown, .. }]) =
-        (ferrite_model::fusion::decoder_layer_at(graph, layer.first), &graph.ops[layer.ops()])
-    else {
-        return Err("not a decoder layer".into());
-    };
-    if n1.eps != n2.eps {
-        return Err(format!("RMSNorm epsilons {} and {} differ", n1.eps, n2.eps));
-    }
-    let matrix = |w: WeightId| as_matrix(&weights[w.0 as usize]).ok_or_else(|| "a weight is not a matrix".to_string());
-    let (gate_up, ff) = (matrix(wgu)?, graph.value(values[4]).width);
-    let w = ops::ClusterLayerWeights { qkv: matrix(wqkv)?, o: matrix(wo)?, gate: (gate_up, 0), up: (gate_up, ff), down: matrix(wdown)? };
-    let a = graph.attention;
-    let cfg = ops::ClusterLayerConfig {
-        dims: ops::LayerDims { dim: graph.value(values[0]).width, n_heads: a.n_heads, n_kv_heads: a.n_kv_heads, ff },
-        head_dim: a.head_dim,
-        rope: Some(rope_config(&rope, a.n_heads, a.head_dim)),
-        eps: n1.eps,
-        scale: a.scale,
-        kv_rows: None,
-    };
-    Ok(LayerLaunch { weights: w, norms: [vector_of(weights, n1.weight), vector_of(weights, n2.weight)], cfg, kv_layer, values })
 }
 
 /// The matrix in a weight slot, if it holds one.
@@ -169,19 +134,6 @@ struct Buffers {
     staged_in: Vec<bool>,
     /// Staged hand-offs enqueued by these buffers' forward passes (launched ops, not replays).
     staged_runs: u64,
-    /// Per op: the linear chain starting there that runs as one launch for the batch being run
-    /// (`plan_chains`), and whether the op belongs to such a chain.
-    chain_at: Vec<Option<LinearChain>>,
-    in_chain: Vec<bool>,
-    chain_barrier: ops::ChainBarrier,
-    /// `FERRITE_CUDA_LINEAR_CHAIN`: declared chains may run as one launch.
-    chains_on: bool,
-    /// Whether the planned decoder layers (`layer_cluster`) run as one cluster launch each for
-    /// the batch being run (`plan_chains`); their ops are marked in `in_chain` too.
-    layers_now: bool,
-    /// Per op: the cluster size of the declared decoder layer starting there, planned at load
-    /// when `FERRITE_CUDA_CLUSTER_LAYER=1` (`None`: it runs as its five ops).
-    layer_cluster: Vec<Option<usize>>,
     /// Per op: whether the declared decoder layer starting there may run its MLP as one launch
     /// (`FERRITE_CUDA_FUSED_MLP=1`, planned at load; see `mlp_refusal`).
     mlp_layer: Vec<bool>,
@@ -370,12 +322,6 @@ impl Buffers {
             staged_out: vec![None; graph.ops.len()],
             staged_in: vec![false; graph.ops.len()],
             staged_runs: 0,
-            chain_at: vec![None; graph.ops.len()],
-            in_chain: vec![false; graph.ops.len()],
-            chain_barrier: ops::ChainBarrier::new(gpu)?,
-            chains_on: env::CUDA_LINEAR_CHAIN.flag(),
-            layers_now: false,
-            layer_cluster: vec![None; graph.ops.len()],
             mlp_layer: vec![false; graph.ops.len()],
             mlp_fused: vec![false; graph.ops.len()],
             writes_into: vec![None; graph.ops.len()],
@@ -628,26 +574,6 @@ impl CudaExecutor {
             step_drawn_tokens: 0,
             sample_scratch,
         };
-        let refusals = if executor.buf.chains_on { executor.chain_refusals() } else { Vec::new() };
-        if !refusals.is_empty() {
-            eprintln!("note: decode layers run their linears as separate launches, not one chain: {}", refusals.join("; "));
-        }
-        if env::CUDA_CLUSTER_LAYER.flag() {
-            let mut reasons = Vec::new();
-            for layer in executor.model.graph.layers.clone() {
-                match executor.layer_plan(layer) {
-                    Ok(cluster) => executor.buf.layer_cluster[layer.first] = Some(cluster),
-                    Err(why) => reasons.push(why),
-                }
-            }
-            reasons.dedup();
-            if executor.model.graph.layers.is_empty() {
-                reasons.push("the graph declares no decoder layers (not a Llama-family layer, or the fusions are off)".into());
-            }
-            if !reasons.is_empty() {
-                eprintln!("note: decode layers run as separate launches, not one cluster launch each: {}", reasons.join("; "));
-            }
-        }
         if env::CUDA_FUSED_MLP.flag() {
             let mut reasons = Vec::new();
             for layer in executor.model.graph.layers.clone() {
@@ -700,12 +626,6 @@ impl CudaExecutor {
         }
     }
 
-    /// Decoder layers that one-token steps run as one cluster launch (of those the graph
-    /// declares; none unless `FERRITE_CUDA_CLUSTER_LAYER=1`).
-    pub fn layers_run(&self) -> usize {
-        self.buf.layer_cluster.iter().flatten().count()
-    }
-
     /// The int8 hand-offs the last forward pass ran, and the copies of its last row it skipped.
     pub fn handoffs_run(&self) -> (usize, usize) {
         (self.buf.handoff_in.iter().flatten().count(), self.buf.copy_skipped.iter().filter(|&&s| s).count())
@@ -722,13 +642,6 @@ impl CudaExecutor {
     /// `FERRITE_DISABLE_CUDA_STEP_DRAWS=1`).
     pub fn step_drawn_tokens(&self) -> u64 {
         self.step_drawn_tokens
-    }
-
-    /// Linear chains that one-token steps run as one launch (of those the graph declares; none
-    /// unless `FERRITE_CUDA_LINEAR_CHAIN=1`).
-    pub fn chains_run(&self) -> usize {
-        let runs = |c: &&LinearChain| self.buf.chains_on && self.chain_refusal(**c).is_none();
-        self.model.graph.chains.iter().filter(runs).count()
     }
 
     fn slot(&self, v: ValueId) -> &CudaSlice<f32> {
@@ -948,40 +861,23 @@ impl CudaExecutor {
         let model = Arc::clone(&self.model);
         let timing = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
         let mut events = Vec::new();
-        self.plan_chains(n);
         self.plan_handoffs(n);
         self.plan_mlps(n);
         self.plan_row_spreads(n);
         self.plan_early_releases(n);
         self.buf.staged_runs += self.buf.staged_out.iter().flatten().count() as u64;
-        let mut chained_until = 0;
+        let mut fused_until = 0;
         for (i, op) in model.graph.ops.iter().enumerate() {
-            if i < chained_until {
+            if i < fused_until {
                 continue;
             }
             let start = match self.buf.profile {
                 Some(_) => Some(stream.record_event(timing).map_err(CudaError::from)?),
                 None => None,
             };
-            if self.buf.layers_now && self.buf.layer_cluster[i].is_some() {
-                self.run_layer(i).with_context(|| format!("decoder layer of ops {i}..{}", i + DecoderLayer::LEN))?;
-                chained_until = i + DecoderLayer::LEN;
-                if let Some(start) = start {
-                    events.push(("cluster_layer".to_string(), start, stream.record_event(timing).map_err(CudaError::from)?));
-                }
-                continue;
-            }
-            if let Some(chain) = self.buf.chain_at[i] {
-                self.run_chain(chain).with_context(|| format!("linear chain of ops {:?}", chain.ops()))?;
-                chained_until = chain.first + chain.len;
-                if let Some(start) = start {
-                    events.push(("linear_chain".to_string(), start, stream.record_event(timing).map_err(CudaError::from)?));
-                }
-                continue;
-            }
             if self.buf.mlp_fused[i] {
                 self.run_mlp(i).with_context(|| format!("fused MLP of ops {i}..{}", i + 2))?;
-                chained_until = i + 2;
+                fused_until = i + 2;
                 if let Some(start) = start {
                     events.push(("fused mlp".to_string(), start, stream.record_event(timing).map_err(CudaError::from)?));
                 }
@@ -1015,127 +911,10 @@ impl CudaExecutor {
         Ok(())
     }
 
-    /// Which of the graph's linear chains run as one launch for a batch of `n`: with
-    /// `FERRITE_CUDA_LINEAR_CHAIN=1`, in one-token steps outside batched serving, where every link takes the int8 GEMV and `chain_variant` accepts
-    /// the shapes (see [`Self::chain_refusals`] for why a chain would not).
-    /// Decoder layers (`FERRITE_CUDA_CLUSTER_LAYER=1`, planned at load) come first; a
-    /// chain that shares an op with one runs as separate GEMVs.
-    fn plan_chains(&mut self, n: usize) {
-        self.buf.chain_at.iter_mut().for_each(|c| *c = None);
-        self.buf.in_chain.iter_mut().for_each(|c| *c = false);
-        // A traced forward reads every value, and a layer launch writes only its output.
-        self.buf.layers_now = self.untraced_one_row(n);
-        if n != 1 || self.buf.paging.is_some() {
-            return;
-        }
-        if self.buf.layers_now {
-            for layer in &self.model.graph.layers {
-                if self.buf.layer_cluster[layer.first].is_some() {
-                    layer.ops().for_each(|i| self.buf.in_chain[i] = true);
-                }
-            }
-        }
-        if !self.buf.chains_on {
-            return;
-        }
-        for chain in self.model.graph.chains.clone() {
-            if chain.ops().any(|i| self.buf.in_chain[i]) {
-                continue;
-            }
-            if self.chain_refusal(chain).is_none() {
-                self.buf.chain_at[chain.first] = Some(chain);
-                chain.ops().for_each(|i| self.buf.in_chain[i] = true);
-            }
-        }
-    }
-
-    /// Why `chain` cannot run as one launch for a one-token step, or `None` if it can.
-    fn chain_refusal(&self, chain: LinearChain) -> Option<String> {
-        let graph = &self.model.graph;
-        let opts = self.gpu.linear_options();
-        let mut shapes = Vec::new();
-        for i in chain.ops() {
-            let (Op::Linear { x, w, .. } | Op::GatedLinear { x, w, .. }) = graph.ops[i] else { return Some("not a linear".into()) };
-            let Some(m) = as_matrix(&self.weights[w.0 as usize]) else { return Some("a weight is not a matrix".into()) };
-            if ops::linear_plan(m.dtype, graph.value(x).width, 1, &opts) != ops::LinearPlan::GemvQ8 {
-                return Some(format!("a {} weight does not take the int8 GEMV", m.dtype));
-            }
-            shapes.push(ops::ChainShape { dtype: m.dtype, weight_rows: m.rows, cols: m.cols, gated: matches!(graph.ops[i], Op::GatedLinear { .. }) });
-        }
-        ops::chain_variant(&self.gpu, &shapes).err()
-    }
-
     /// Whether a forward of `n` rows is one untraced token outside batched serving: the batches
     /// whose fused launches may leave values inside them unwritten.
     fn untraced_one_row(&self, n: usize) -> bool {
         n == 1 && self.buf.paging.is_none() && !self.options.trace
-    }
-
-    /// The cluster size decoder layer `layer` runs in as one launch, or why it cannot.
-    fn layer_plan(&self, layer: DecoderLayer) -> Result<usize, String> {
-        let l = layer_launch(&self.weights, &self.model.graph, layer)?;
-        ops::cluster_layer_plan(&self.gpu, &l.weights, &l.cfg, self.buf.kv[l.kv_layer].dtype).map(|v| v.cluster as usize)
-    }
-
-    /// Enqueue the decoder layer starting at op `first` (planned by `plan_chains`) as one
-    /// launch: it reads the layer's input value and writes its output value; the values inside
-    /// are not written (nothing else reads them).
-    fn run_layer(&mut self, first: usize) -> anyhow::Result<()> {
-        let Self { gpu, weights, model, plan, buf, .. } = self;
-        let cluster = buf.layer_cluster[first].ok_or_else(|| anyhow!("op {first}: no cluster planned"))?;
-        let l = layer_launch(weights, &model.graph, DecoderLayer { first }).map_err(|why| anyhow!(why))?;
-        let view = |v: ValueId| ops::DeviceView::of(gpu, buf.slots[plan.slot(v)].as_ref().expect("slot in use"));
-        let (x, out) = (view(l.values[0]), view(l.values[5]));
-        let [attn_norm, ffn_norm] = l.norms;
-        ops::cluster_layer(gpu, &l.weights, attn_norm, ffn_norm, &l.cfg, &mut buf.kv[l.kv_layer], &buf.positions, cluster, x, out)?;
-        Ok(())
-    }
-
-    /// The reasons the graph's declared chains would run as separate launches (for a note at
-    /// load: a fallback is never silent).
-    fn chain_refusals(&self) -> Vec<String> {
-        let mut reasons: Vec<String> = self.model.graph.chains.iter().filter_map(|&c| self.chain_refusal(c)).collect();
-        reasons.dedup();
-        reasons
-    }
-
-    /// Enqueue `chain` (planned by `plan_chains`) as one launch: each link reads and writes its
-    /// op's values in place of the separate ops.
-    fn run_chain(&mut self, chain: LinearChain) -> anyhow::Result<()> {
-        let graph = &self.model.graph;
-        let Self { gpu, weights, plan, buf, .. } = self;
-        let gpu = &*gpu;
-        let matrix = |id: WeightId| matrix_of(weights, id);
-        let vector = |id: WeightId| vector_of(weights, id);
-        let slots = &buf.slots;
-        let view = |v: ValueId| ops::DeviceView::of(gpu, slots[plan.slot(v)].as_ref().expect("slot in use"));
-        let norm_prologue = |nm: NormSpec| ops::NormPrologue { weight: vector(nm.weight), eps: nm.eps, add_one: false };
-        let links: Vec<ops::ChainLink> = chain
-            .ops()
-            .map(|i| match graph.ops[i] {
-                Op::Linear { x, norm, w, bias, residual, out, out_col } => ops::ChainLink {
-                    w: matrix(w),
-                    x: view(x),
-                    norm: norm.map(norm_prologue),
-                    bias: bias.map(vector),
-                    residual: residual.map(|r| view(r).skip(out_col)),
-                    glu: None,
-                    out: view(out).skip(out_col),
-                },
-                Op::GatedLinear { x, norm, w, act, out } => ops::ChainLink {
-                    w: matrix(w),
-                    x: view(x),
-                    norm: norm.map(norm_prologue),
-                    bias: None,
-                    residual: None,
-                    glu: Some(glu_of(act)),
-                    out: view(out),
-                },
-                _ => unreachable!("chains hold linears only (Graph::validate)"),
-            })
-            .collect();
-        ops::linear_chain(gpu, &links, &mut buf.chain_barrier)?;
-        Ok(())
     }
 
     /// Which of the graph's int8 hand-offs run for a batch of `n`: those whose consumer takes
@@ -1164,9 +943,7 @@ impl CudaExecutor {
                 Op::Attention { .. } => graph.attention.head_dim.is_multiple_of(32),
                 _ => runs_int8(producer) && graph.value(producer.writes()).width.is_multiple_of(32),
             };
-            // A chain quantizes its links' inputs itself and leaves no int8 outputs.
-            let chained = self.buf.in_chain[h.producer] || self.buf.in_chain[h.consumer];
-            if emits && !chained && runs_int8(&graph.ops[h.consumer]) {
+            if emits && runs_int8(&graph.ops[h.consumer]) {
                 self.buf.handoff_out[h.producer] = Some(i);
                 self.buf.handoff_in[h.consumer] = Some(i);
                 if let Some(copy) = h.last_row {
@@ -1186,9 +963,6 @@ impl CudaExecutor {
         // projection on cuBLAS.
         for h in &graph.handoffs {
             let Op::Linear { x, w, norm: None, bias: None, out_col: 0, out, .. } = &graph.ops[h.consumer] else { continue };
-            if self.buf.in_chain[h.producer] || self.buf.in_chain[h.consumer] {
-                continue;
-            }
             let Some(w) = matrix(*w) else { continue };
             let rows = graph.value(*x).rows_for(n, 1);
             let only_reader = graph.ops.iter().filter(|op| op.reads().contains(x)).count() == 1;
@@ -1230,7 +1004,7 @@ impl CudaExecutor {
         let opts = self.gpu.linear_options();
         for layer in &graph.layers {
             let f = layer.first;
-            if !self.buf.mlp_layer[f] || (f + 2..=f + DecoderLayer::LEN).any(|i| self.buf.in_chain[i]) {
+            if !self.buf.mlp_layer[f] {
                 continue;
             }
             let Some([_, _, att, _, _, out]) = ferrite_model::fusion::decoder_layer_at(graph, f) else { continue };
@@ -1281,7 +1055,7 @@ impl CudaExecutor {
         let opts = self.gpu.linear_options();
         let alone = |i: usize| {
             let Op::Linear { x, w, .. } = graph.ops[i] else { return false };
-            takes_int8_gemv(&self.weights, graph, &opts, w, x, 1) && !self.buf.in_chain[i] && !self.buf.copy_skipped[i]
+            takes_int8_gemv(&self.weights, graph, &opts, w, x, 1) && !self.buf.copy_skipped[i]
         };
         self.buf.early_release = early_release_ops(graph, alone);
     }

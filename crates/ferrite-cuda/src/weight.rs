@@ -174,16 +174,6 @@ impl DeviceWeight {
         self.plane_offsets.map(|off| base + off as u64)
     }
 
-    /// [`Self::plane_ptrs`] advanced to row `first` (rows are contiguous in every plane).
-    pub(crate) fn row_plane_ptrs(&self, gpu: &Gpu, first: usize) -> [u64; 4] {
-        let mut ptrs = self.plane_ptrs(gpu);
-        let blocks = (first * (self.cols / self.dtype.block_size())) as u64;
-        for (ptr, field) in ptrs.iter_mut().zip(planes(self.dtype).unwrap_or(&[])) {
-            *ptr += blocks * field.size as u64;
-        }
-        ptrs
-    }
-
     /// Bytes the weight occupies on the device (with its expanded copy, if any).
     pub fn device_bytes(&self) -> usize {
         self.data.len() + self.expanded.as_ref().map_or(0, |(_, e)| e.len())

@@ -100,9 +100,9 @@ fn compare(model: Arc<Model>, steps: usize) -> (f64, usize) {
     compare_executors(&model, cpu, gpu, PROMPT, steps)
 }
 
-/// `compare` with an untraced GPU executor: launches that leave values unwritten (decoder layers
-/// in one cluster, the head's hand-off past the copy of the last row) run only in untraced
-/// forwards, so only the logits are compared.
+/// `compare` with an untraced GPU executor: launches that leave values unwritten (fused MLPs,
+/// the head's hand-off past the copy of the last row) run only in untraced forwards, so only
+/// the logits are compared.
 fn compare_untraced(model: Arc<Model>, steps: usize) -> (f64, usize) {
     let cpu = CpuExecutor::new(Arc::clone(&model), CpuPrecision::Reference, opts(16)).unwrap();
     let gpu = ferrite_cuda::CudaExecutor::new(Arc::clone(&model), ExecutorOptions { trace: false, ..opts(16) }).unwrap();
@@ -379,19 +379,13 @@ fn cuda_fp32_matches_cpu_reference_on_real_shapes() {
         assert_eq!(gpu.handoffs_run().0, model.graph.handoffs.len() - 2 * (layers - 1), "{shape} {dtype}: hand-offs of a one-token step with fused MLPs");
     }
     std::env::remove_var("FERRITE_CUDA_FUSED_MLP");
-    // Linear chains as one launch (from here on): the greedy checks and the graph-replay checks
-    // below cover the (experimental, off by default) chain kernel on every shape.
-    std::env::set_var("FERRITE_CUDA_LINEAR_CHAIN", "1");
+    // The default path's drift and greedy tokens against the fp32 reference, beside the CPU's
+    // quantized path.
     let named = |name| synth::shape(name).unwrap();
     for (shape, dtype) in
         [(named("smollm2-135m"), GgmlType::Q4_1), (named("llama-3.2-1b"), GgmlType::Q4_0), (named("smollm2-135m"), GgmlType::Q8_0), (&QWEN35_SMALL, GgmlType::Q8_0), (&QWEN35MOE_ALL_EXPERTS, GgmlType::Q4_K)]
     {
         let (model, shape) = (synthetic(shape, dtype), shape.name);
-        if shape != QWEN35_SMALL.name && shape != QWEN35MOE_ALL_EXPERTS.name {
-            // Llama layers of one weight type: every declared linear chain runs as one launch.
-            let chains = ferrite_cuda::CudaExecutor::new(Arc::clone(&model), opts(16)).unwrap().chains_run();
-            assert!(chains > 0 && chains == model.graph.chains.len(), "{shape} {dtype}: {chains} of {} chains run", model.graph.chains.len());
-        }
         let reference = || CpuExecutor::new(Arc::clone(&model), CpuPrecision::Reference, opts(16)).unwrap();
         let cpu_q8 = CpuExecutor::new(Arc::clone(&model), CpuPrecision::Quantized, opts(16)).unwrap();
         let (cpu_worst, cpu_agreed) = compare_executors(&model, reference(), cpu_q8, PROMPT, 64);
@@ -403,25 +397,6 @@ fn cuda_fp32_matches_cpu_reference_on_real_shapes() {
         assert!(worst <= 1.5 * cpu_worst, "{shape} {dtype}: relative error {worst}, the CPU quantized path has {cpu_worst}");
         assert_eq!(agreed, 65, "{shape} {dtype}: greedy tokens differ from the fp32 reference");
     }
-    // Decoder layers as one cluster launch each (experimental, off by default): where the layer
-    // fits a cluster's shared memory (SmolLM2 in Q4_1; not in Q8_0) every declared layer runs
-    // that way, drifts from the fp32 reference no more than the CPU's quantized path, and keeps
-    // its greedy tokens.
-    std::env::set_var("FERRITE_CUDA_CLUSTER_LAYER", "1");
-    {
-        let dtype = GgmlType::Q4_1;
-        let model = synthetic(named("smollm2-135m"), dtype);
-        let layers = ferrite_cuda::CudaExecutor::new(Arc::clone(&model), opts(16)).unwrap().layers_run();
-        assert!(layers == 30 && model.graph.layers.len() == 30, "smollm2-135m {dtype}: {layers} of {} layers run", model.graph.layers.len());
-        let cpu_q8 = CpuExecutor::new(Arc::clone(&model), CpuPrecision::Quantized, opts(16)).unwrap();
-        let reference = CpuExecutor::new(Arc::clone(&model), CpuPrecision::Reference, opts(16)).unwrap();
-        let (cpu_worst, _) = compare_executors(&model, reference, cpu_q8, PROMPT, 64);
-        let (worst, agreed) = compare_untraced(Arc::clone(&model), 64);
-        println!("smollm2-135m {dtype}, cluster layers vs fp32 reference: worst relative error {worst:.2e}, {agreed}/65 agree; CPU quantized {cpu_worst:.2e}");
-        assert!(worst <= 1.5 * cpu_worst, "smollm2-135m {dtype} cluster layers: relative error {worst}, the CPU quantized path has {cpu_worst}");
-        assert_eq!(agreed, 65, "smollm2-135m {dtype} cluster layers: greedy tokens differ from the fp32 reference");
-    }
-    std::env::remove_var("FERRITE_CUDA_CLUSTER_LAYER");
     // The default f16 KV cache: small drift, same greedy tokens. (One test, because the
     // switches are process-wide.)
     std::env::set_var("FERRITE_CUDA_KV_DTYPE", "f16");

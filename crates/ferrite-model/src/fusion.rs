@@ -1,6 +1,6 @@
 //! Which fusions the graph builder declares. Defaults come from the env-switch registry.
 
-use crate::graph::{DecoderLayer, GatedActivation, Graph, Handoff, LinearChain, Op, ValueId, WeightId};
+use crate::graph::{DecoderLayer, GatedActivation, Graph, Handoff, Op, ValueId, WeightId};
 use ferrite_core::env;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -27,13 +27,10 @@ pub struct FusionOptions {
     /// Declare int8 hand-offs ([`crate::graph::Handoff`]): the op feeding a linear may leave
     /// that linear's quantized input (a backend hint; the CPU executor ignores it).
     pub int8_handoff: bool,
-    /// Declare linear chains ([`crate::graph::LinearChain`]): runs of linears each reading the
-    /// previous one's output, which a backend may run as one launch per token (a backend hint;
-    /// the CPU executor ignores it).
-    pub linear_chain: bool,
     /// Declare decoder layers ([`crate::graph::DecoderLayer`]): a Llama-family layer's five ops
-    /// after the other fusions, which a backend may run as one launch per token (a backend hint;
-    /// the CPU executor ignores it). Needs the QKV, gate/up, norm, residual, GLU and RoPE fusions.
+    /// after the other fusions, whose MLP a backend may run as one launch per token (a backend
+    /// hint; the CPU executor ignores it). Needs the QKV, gate/up, norm, residual, GLU and RoPE
+    /// fusions.
     pub decoder_layer: bool,
 }
 
@@ -47,7 +44,6 @@ impl FusionOptions {
         rope_into_attention: true,
         head_norm_into_attention: true,
         int8_handoff: true,
-        linear_chain: true,
         decoder_layer: true,
     };
     pub const NONE: Self = Self {
@@ -59,7 +55,6 @@ impl FusionOptions {
         rope_into_attention: false,
         head_norm_into_attention: false,
         int8_handoff: false,
-        linear_chain: false,
         decoder_layer: false,
     };
 
@@ -74,7 +69,6 @@ impl FusionOptions {
             rope_into_attention: !env::DISABLE_ROPE_FUSION.flag(),
             head_norm_into_attention: !env::DISABLE_HEAD_NORM_FUSION.flag(),
             int8_handoff: !env::DISABLE_INT8_HANDOFF.flag(),
-            linear_chain: !env::DISABLE_CHAIN_FUSION.flag(),
             decoder_layer: !env::DISABLE_LAYER_FUSION.flag(),
         }
     }
@@ -120,39 +114,6 @@ pub fn int8_handoffs(graph: &Graph, weight_rows: impl Fn(WeightId) -> usize) -> 
         }
     }
     found
-}
-
-/// The linear chains of a graph: maximal runs of up to [`LinearChain::MAX_LEN`] consecutive
-/// linear (or gated linear) ops in which each op after the first reads the previous op's output,
-/// of two ops or more. A decoder layer's output projection, gate/up, down and the next layer's
-/// QKV form one when the norms and residual adds are folded into the linears.
-pub fn linear_chains(graph: &Graph) -> Vec<LinearChain> {
-    let mut chains = Vec::new();
-    let mut start: Option<usize> = None;
-    for (i, op) in graph.ops.iter().enumerate() {
-        let x = match *op {
-            Op::Linear { x, .. } | Op::GatedLinear { x, .. } => Some(x),
-            _ => None,
-        };
-        let extends = match (start, x) {
-            (Some(s), Some(x)) => i - s < LinearChain::MAX_LEN && graph.ops[i - 1].writes() == x,
-            _ => false,
-        };
-        if !extends {
-            if let Some(s) = start.take() {
-                if i - s >= 2 {
-                    chains.push(LinearChain { first: s, len: i - s });
-                }
-            }
-            start = x.map(|_| i);
-        }
-    }
-    if let Some(s) = start {
-        if graph.ops.len() - s >= 2 {
-            chains.push(LinearChain { first: s, len: graph.ops.len() - s });
-        }
-    }
-    chains
 }
 
 /// The values of a decoder layer starting at op `first` (see [`DecoderLayer`]): its input

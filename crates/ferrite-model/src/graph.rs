@@ -349,31 +349,12 @@ pub struct Handoff {
     pub last_row: Option<usize>,
 }
 
-/// A linear chain, declared at load by the `linear_chain` fusion: ops `first .. first + len`
-/// are linears (or gated linears), each after the first reading the previous one's output. A
-/// backend may run them as one launch for a one-token step (the CUDA persistent GEMV chain);
-/// every op still writes its own output value.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct LinearChain {
-    pub first: usize,
-    pub len: usize,
-}
-
-impl LinearChain {
-    /// Most links in a chain (a decoder layer's four linears).
-    pub const MAX_LEN: usize = 4;
-
-    pub fn ops(&self) -> std::ops::Range<usize> {
-        self.first..self.first + self.len
-    }
-}
-
 /// A decoder layer, declared at load by the `decoder_layer` fusion: ops `first .. first + 5`
 /// are the fused QKV linear (its RMSNorm folded, no bias), the attention (RoPE folded, no
 /// window), the output projection (the residual folded), the gate/up linear with SwiGLU (its
 /// RMSNorm folded) and the down projection (the residual folded), and the values between them
-/// are read by no op outside the five. A backend may run them as one launch for a one-token
-/// step (the CUDA cluster layer), writing only the last op's output.
+/// are read by no op outside the five. A backend may run the gate/up and down projections as
+/// one launch for a one-token step (the CUDA fused MLP).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct DecoderLayer {
     pub first: usize,
@@ -404,7 +385,6 @@ pub struct Graph {
     pub values: Vec<ValueInfo>,
     pub ops: Vec<Op>,
     pub handoffs: Vec<Handoff>,
-    pub chains: Vec<LinearChain>,
     pub layers: Vec<DecoderLayer>,
     /// The value holding the logits of the last token.
     pub logits: ValueId,
@@ -493,18 +473,6 @@ impl Graph {
             if s.all_reduce.windows(2).any(|w| w[0] >= w[1]) || s.all_reduce.last().is_some_and(|&i| i >= self.ops.len()) {
                 return Err("all-reduces out of order or past the last op".into());
             }
-        }
-        let mut chain_end = 0;
-        for c in &self.chains {
-            let links_ok = (2..=LinearChain::MAX_LEN).contains(&c.len)
-                && c.first >= chain_end
-                && c.first + c.len <= self.ops.len()
-                && c.ops().all(|i| matches!(self.ops[i], Op::Linear { .. } | Op::GatedLinear { .. }))
-                && c.ops().skip(1).all(|i| self.ops[i].reads().first() == Some(&self.ops[i - 1].writes()));
-            if !links_ok {
-                return Err(format!("linear chain {c:?}: not consecutive linears each reading the previous output, or overlapping"));
-            }
-            chain_end = c.first + c.len;
         }
         let mut layer_end = 0;
         for l in &self.layers {
@@ -598,7 +566,7 @@ impl GraphBuilder {
     }
 
     pub fn finish(self, logits: ValueId, n_layers: usize, attention: AttentionShape) -> Graph {
-        Graph { values: self.values, ops: self.ops, handoffs: Vec::new(), chains: Vec::new(), layers: Vec::new(), logits, n_layers, attention, shard: None }
+        Graph { values: self.values, ops: self.ops, handoffs: Vec::new(), layers: Vec::new(), logits, n_layers, attention, shard: None }
     }
 }
 

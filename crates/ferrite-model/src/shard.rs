@@ -208,7 +208,7 @@ impl ShardPlan {
         }
         let attention = crate::graph::AttentionShape { n_heads: g.attention.n_heads / n, n_kv_heads: g.attention.n_kv_heads / n, ..g.attention };
         let shard = Shard { rank, n_ranks: n, all_reduce };
-        let mut graph = Graph { values, ops, handoffs: Vec::new(), chains: Vec::new(), layers: Vec::new(), logits: g.logits, n_layers: g.n_layers, attention, shard: Some(shard) };
+        let mut graph = Graph { values, ops, handoffs: Vec::new(), layers: Vec::new(), logits: g.logits, n_layers: g.n_layers, attention, shard: Some(shard) };
         if !g.handoffs.is_empty() {
             // A producer's hand-off would skip the all-reduce after it.
             let handoffs = crate::fusion::int8_handoffs(&graph, |w| ws.spec(w).rows);

@@ -372,23 +372,6 @@ mod tests {
         assert_eq!(real.moe.map(|m| (m.n_experts, m.top_k)), Some((256, 8)));
     }
 
-    /// The linear chains declared at load: per Llama layer the output projection, gate/up, down
-    /// and the next layer's QKV (the first layer's QKV follows the embedding alone; the last
-    /// layer's down is followed by a row copy); none without the fusion, nor where norms run as
-    /// ops of their own.
-    #[test]
-    fn linear_chains_join_a_layers_linears() {
-        let llama = SynthShape { name: "tiny-llama", arch: "llama", n_layers: 3, n_embd: 64, n_heads: 4, n_kv_heads: 2, head_dim: 16, n_ff: 96, rope_theta: 1e4, context_length: 64, tied_embeddings: false, gdn: None, moe: None };
-        let path = write_temp(&llama, GgmlType::Q8_0, 8).unwrap();
-        let m = Model::load(&path, FusionOptions::ALL).unwrap();
-        let kinds = |c: &crate::graph::LinearChain| c.ops().map(|i| m.graph.ops[i].kind()).collect::<Vec<_>>();
-        let full = ["linear", "norm+gated_linear", "linear", "norm+linear"];
-        let chains: Vec<Vec<&str>> = m.graph.chains.iter().map(kinds).collect();
-        assert_eq!(chains, [full.to_vec(), full.to_vec(), full[..3].to_vec()]);
-        assert!(Model::load(&path, FusionOptions { linear_chain: false, ..FusionOptions::ALL }).unwrap().graph.chains.is_empty());
-        assert!(Model::load(&path, FusionOptions { linear_chain: true, ..FusionOptions::NONE }).unwrap().graph.chains.is_empty());
-    }
-
     /// The decoder layers declared at load: every Llama layer's five ops after the fusions; none
     /// without the fusion or the fusions it rests on, none for Qwen3 (its QK-norm runs between
     /// QKV and attention) or Gemma 3 (GeGLU, post-norms).

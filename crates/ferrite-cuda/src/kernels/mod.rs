@@ -15,8 +15,6 @@
 
 pub mod activation;
 pub mod attention;
-pub mod chain;
-pub mod cluster;
 pub mod common;
 pub mod dequant;
 pub mod embedding;
@@ -47,11 +45,6 @@ pub trait KernelVariant: Copy + Eq + Hash + Debug + Send + Sync + 'static {
     /// `wgmma`), so it compiles for that target and runs on that arch only.
     fn arch_specific(&self) -> bool {
         false
-    }
-    /// Blocks per thread-block cluster (sm_90; 1: no cluster). Over 8, the launch allows the
-    /// non-portable sizes (up to 16 on the H100/H200).
-    fn cluster_size(&self) -> u32 {
-        1
     }
 }
 
@@ -136,10 +129,7 @@ pub(crate) mod tests {
     /// may issue early).
     #[test]
     fn every_kernel_waits_for_the_previous_one() {
-        let families: [(&str, &[&str]); 23] = [
-            (chain::ChainVariant::FAMILY, chain::ChainVariant::SOURCES),
-            (cluster::ClusterPhasesVariant::FAMILY, cluster::ClusterPhasesVariant::SOURCES),
-            (cluster::ClusterLayerVariant::FAMILY, cluster::ClusterLayerVariant::SOURCES),
+        let families: [(&str, &[&str]); 20] = [
             (activation::ActivationVariant::FAMILY, activation::ActivationVariant::SOURCES),
             (attention::AttentionVariant::FAMILY, attention::AttentionVariant::SOURCES),
             (attention::StoreQkvVariant::FAMILY, attention::StoreQkvVariant::SOURCES),

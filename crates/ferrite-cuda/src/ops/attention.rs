@@ -45,11 +45,6 @@ impl KvCache {
         Ok(KvCache { k: gpu.alloc_zeros(bytes)?, v: gpu.alloc_zeros(bytes)?, dtype, max_seq, n_kv_heads, head_dim })
     }
 
-    /// Device addresses of the K and V caches, for a kernel's parameters.
-    pub(crate) fn ptrs(&mut self, gpu: &Gpu) -> (u64, u64) {
-        (addr_mut(gpu, &mut self.k), addr_mut(gpu, &mut self.v))
-    }
-
     /// Values per cache row (one position).
     pub fn row_len(&self) -> usize {
         self.n_kv_heads * self.head_dim

@@ -14,8 +14,6 @@
 //! Buffers must belong to `gpu`'s context; work on other streams must be ordered by the caller.
 
 mod attention;
-mod chain;
-mod cluster;
 mod gdn;
 mod linear;
 mod moe;
@@ -25,9 +23,6 @@ pub use attention::{
     attention, attention_group, attention_on, AttentionEmit, DecodeLayout, DecodeLayouts, AttentionGroups, attention_paged, attention_path, attention_split, attention_splits, store_and_attend, store_and_attend_paged, FUSED_PAGED_STORE_MAX_SEQS, store_qkv, store_qkv_paged, AttentionConfig, QkNorm,
     AttentionPath, KvCache, Paging, SplitScratch, FLASH_MIN_TOKENS, MAX_SPLITS,
 };
-pub use cluster::{cluster_layer, cluster_layer_plan, cluster_layer_variant, cluster_phases, ClusterLayerConfig, ClusterLayerWeights, MAX_CLUSTER};
-pub use crate::kernels::cluster::LayerDims;
-pub use chain::{chain_variant, linear_chain, ChainBarrier, ChainLink, ChainShape, DeviceView};
 pub use linear::{
     expand_weight, expanded_bytes, gemv_spreads_rows, glu_fuses, linear, linear_mma, linear_plan, linear_fused, linear_q8, linear_q8_f32_row, linear_q8_gated_pair, linear_q8_retiled, mlp_q8, MLP_MAX_ADDS, Retile, linear_with, linear_glu_staged, linear_staged, StagedActivations, StagedLayout, quantize_q8, MMA_OVER_RESIDENT_MAX_TOKENS, Epilogue, GemvActivations, Glu, LinearOptions,
     LinearFusion, LinearPath, LinearPlan, NormPrologue, Precision, Q8Activations, Q8Emit,

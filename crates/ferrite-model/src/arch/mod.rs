@@ -21,9 +21,6 @@ pub fn build(cfg: &ModelConfig, file: &GgufFile, fusion: FusionOptions) -> Resul
     if fusion.int8_handoff {
         graph.handoffs = crate::fusion::int8_handoffs(&graph, |w| weights.spec(w).rows);
     }
-    if fusion.linear_chain {
-        graph.chains = crate::fusion::linear_chains(&graph);
-    }
     if fusion.decoder_layer {
         graph.layers = crate::fusion::decoder_layers(&graph);
     }
