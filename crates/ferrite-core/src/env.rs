@@ -182,7 +182,7 @@ switches! {
     /// Threads of one-token CPU steps.
     DECODE_THREADS = ("FERRITE_DECODE_THREADS", "auto", Stable,
         "Threads that run a one-token CPU step (decode): auto = one per 16 MB of linear weights a token reads, at least 4 and at most the pool's (--threads / FERRITE_THREADS), so a small model's decode does not fork and join over every core of a large machine (SmolLM2 on 16 cores: 2-8 threads decode at the same rate, 16 a third slower); a number sets it. Prefill and batched steps use the whole pool.");
-    /// Decoder layers declared at load (CUDA: one cluster launch per layer).
+    /// Decoder layers declared at load (CUDA: the fused MLP of a one-token step).
     DISABLE_LAYER_FUSION = ("FERRITE_DISABLE_LAYER_FUSION", "0", AbTest,
         "1 declares no decoder layers at load (a Llama-family layer's five ops after the other fusions: QKV, attention, output projection, gate/up, down), so that no CUDA one-token step runs a layer's MLP as one launch (FERRITE_CUDA_FUSED_MLP).");
     /// The MLP of a declared decoder layer as one int8 GEMV launch (CUDA).

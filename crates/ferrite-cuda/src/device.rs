@@ -412,7 +412,7 @@ impl Gpu {
         Ok(())
     }
 
-    /// `cfg` on this GPU's stream with `attributes`, for `cuLaunchKernelEx` and occupancy queries.
+    /// `cfg` on this GPU's stream with `attributes`, for `cuLaunchKernelEx`.
     fn launch_config_ex(&self, cfg: &LaunchConfig, attributes: &mut [sys::CUlaunchAttribute]) -> sys::CUlaunchConfig {
         sys::CUlaunchConfig {
             gridDimX: cfg.grid_dim.0,
