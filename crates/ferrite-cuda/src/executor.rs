@@ -1634,6 +1634,28 @@ impl Executor for CudaExecutor {
         }).collect())
     }
 
+    /// A one-token forward, then the steps of a generation at positions 1-3: greedy ones that
+    /// draw their successor inside their graph, then sampled ones after a separate draw (each
+    /// kind runs eagerly once, then is captured), and the draws of the CLI's and an OpenAI
+    /// request's defaults and of top-p alone, whose sampling kernels differ.
+    fn warm_up(&mut self) -> anyhow::Result<()> {
+        if self.options.trace || self.options.context_len < 4 {
+            return Ok(());
+        }
+        let greedy = DeviceSampling::GREEDY;
+        let temperature = DeviceSampling { temperature: 1.0, top_k: 0, ..greedy };
+        self.forward(&[0], 0)?;
+        for (pos, p) in [(1, greedy), (2, greedy), (3, temperature)] {
+            self.draw(&p, Some(pos))?;
+        }
+        let cli = DeviceSampling { temperature: 0.8, top_k: 40, top_p: 0.95, min_p: 0.05, ..greedy };
+        for p in [cli, temperature, DeviceSampling { top_p: 0.95, ..temperature }] {
+            self.draw(&p, None)?;
+        }
+        self.drawn_ahead = None;
+        Ok(())
+    }
+
     /// One-token steps of 1 to `max_seqs` sequences at the batch sizes where the kernel tiling
     /// changes (int8 GEMV tiles, small-batch GEMM tiles, device argmax), then one full prefill
     /// chunk: NVRTC compiles (or loads from the disk cache) those variants now, not during the

@@ -72,6 +72,13 @@ impl Session {
         self.cached.clear();
     }
 
+    /// Warm the backend's decode path up before the first prompt ([`Executor::warm_up`]); the
+    /// cache then holds nothing reusable.
+    pub fn warm_up(&mut self) -> Result<()> {
+        self.cached.clear();
+        self.exec.warm_up()
+    }
+
     /// Make the cache hold exactly `tokens` and the logits be those of the last one. The longest
     /// common prefix with what is cached is reused (at least the last token is recomputed). With
     /// recurrent layers (Gated DeltaNet) only the whole cache can be reused, when it is a strict

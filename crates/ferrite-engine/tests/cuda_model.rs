@@ -609,7 +609,7 @@ fn batched_decode_ahead_matches_step_by_step() {
 /// the same tokens, cache and logits, bit for bit, greedy and sampled, with and without
 /// recurrent state; stopping at an end token leaves that token in the cache only when run ahead.
 /// Also with greedy steps drawing their own next token inside their graphs
-/// (the default; `FERRITE_DISABLE_CUDA_STEP_DRAWS=1` turns it off).
+/// (the default; `FERRITE_DISABLE_CUDA_STEP_DRAWS=1` turns it off), and after a warm-up.
 fn decode_ahead_matches_step_by_step() {
     use ferrite_engine::{SamplerParams, Session, StopReason};
     let sampled = SamplerParams { temperature: 0.8, top_k: 40, top_p: 0.95, min_p: 0.05, seed: 5, ..SamplerParams::DEFAULT };
@@ -638,6 +638,22 @@ fn decode_ahead_matches_step_by_step() {
             assert_eq!(ahead.0.len(), 24, "{arch}: 24 tokens");
             assert!(ahead == behind, "{arch} {params:?}: decoding ahead changes tokens, cache or logits");
             assert_eq!(ahead.2.len(), PROMPT + 23, "{arch}: every token but the last appended");
+        }
+        // A session warmed up first (`Session::warm_up`: steps and draws at positions 0-3)
+        // generates the same tokens, cache and logits.
+        let mut warm = Session::new(Box::new(ferrite_cuda::CudaExecutor::new(Arc::clone(model), opts(16)).unwrap()));
+        warm.warm_up().unwrap();
+        for params in [SamplerParams::greedy(), sampled.clone()] {
+            let mut tokens = Vec::new();
+            warm.reset();
+            warm.generate(&prompt, 24, &params, |_| false, |t| {
+                tokens.push(t);
+                true
+            })
+            .unwrap();
+            let logits: Vec<u32> = warm.executor().logits().unwrap().into_iter().map(f32::to_bits).collect();
+            let cold = run(true, &params, None);
+            assert!((&tokens, warm.cached_tokens(), &logits) == (&cold.0, &cold.2[..], &cold.3), "{arch} {params:?}: warming up changes tokens, cache or logits");
         }
         let greedy = run(false, &SamplerParams::greedy(), None).0;
         let end = greedy[7];

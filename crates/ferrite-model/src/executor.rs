@@ -336,6 +336,15 @@ pub trait Executor {
         anyhow::bail!("{} keeps no recurrent state to copy", self.describe())
     }
 
+    /// Run throw-away one-token decode steps at the first positions, as a generation runs them
+    /// (greedy and sampled draws on the device), so that kernels loaded on first use and decode
+    /// graphs captured at a step's second run are ready before the first prompt instead of
+    /// delaying its first tokens. It writes garbage into the cache there, which the first
+    /// forward from position 0 overwrites (and resets any recurrent state). By default nothing.
+    fn warm_up(&mut self) -> anyhow::Result<()> {
+        Ok(())
+    }
+
     /// Run throw-away batched steps of the shapes serving will meet (after
     /// [`Executor::init_paged`]), so that kernels compiled or loaded on first use are ready
     /// before the first request instead of stalling it. It writes garbage into cache blocks,

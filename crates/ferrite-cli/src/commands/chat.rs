@@ -1,5 +1,5 @@
 use super::common::{load_model, ModelArgs, SamplingArgs};
-use anyhow::Result;
+use anyhow::{Context, Result};
 use clap::Args;
 use ferrite_tokenizer::{Message, StreamDecoder};
 use std::io::{BufRead, Write};
@@ -27,6 +27,7 @@ pub fn run(args: ChatArgs) -> Result<()> {
         eprintln!("note: the model has no chat template; using a plain `role: text` layout");
     }
     let mut session = loaded.session(&args.model, args.model.backend, false)?;
+    session.warm_up().context("warming up the decode path")?;
     let mut messages: Vec<Message> = args.system.iter().map(|s| Message { role: "system".into(), content: s.clone() }).collect();
     eprintln!("chat with {} — /reset clears the conversation, /exit or Ctrl-D quits", loaded.model.config.name);
     let stdin = std::io::stdin();

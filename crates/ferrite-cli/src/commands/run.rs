@@ -1,5 +1,5 @@
 use super::common::{load_model, ModelArgs, SamplingArgs};
-use anyhow::{bail, Result};
+use anyhow::{bail, Context, Result};
 use clap::Args;
 use ferrite_tokenizer::{Message, StreamDecoder};
 use std::io::Write;
@@ -37,6 +37,7 @@ pub fn run(args: RunArgs) -> Result<()> {
         bail!("the prompt is empty after tokenization");
     }
     let mut session = loaded.session(&args.model, args.model.backend, false)?;
+    session.warm_up().context("warming up the decode path")?;
     if ids.len() >= session.context_len() {
         bail!("the prompt has {} tokens but the context holds {} (raise --ctx-size)", ids.len(), session.context_len());
     }
