@@ -37,10 +37,10 @@ pub fn run(args: RunArgs) -> Result<()> {
         bail!("the prompt is empty after tokenization");
     }
     let mut session = loaded.session(&args.model, args.model.backend, false)?;
-    session.warm_up().context("warming up the decode path")?;
     if ids.len() >= session.context_len() {
         bail!("the prompt has {} tokens but the context holds {} (raise --ctx-size)", ids.len(), session.context_len());
     }
+    session.warm_up().context("warming up the decode path")?;
     let mut out = std::io::stdout().lock();
     if !args.no_echo {
         write!(out, "{}", args.prompt)?;
