@@ -530,13 +530,18 @@ fn attention(gpu: &Gpu) -> Result<(), CudaError> {
         let mut scratch = ops::SplitScratch::new(gpu, n_heads, layouts.short.splits.max(layouts.long.splits), head_dim)?;
         for pos in [0u32, 31, 127, 511, 1023, 2047, 4095] {
             let p = gpu.upload(&[pos], "pos")?;
-            // The layout the executor would take at this position.
-            let ops::DecodeLayout { group, splits } = layouts.layout(layouts.is_long(pos as usize + 1));
-            let s = time(gpu, 200, || ops::store_and_attend(gpu, &mut cache, &qkv, &p, &cfg, Some(&rope), None, None, group, &mut out, None))?;
-            let split = time(gpu, 200, || ops::store_and_attend(gpu, &mut cache, &qkv, &p, &cfg, Some(&rope), None, Some((splits, &mut scratch)), group, &mut out, None))?;
-            // K and V rows read per launch (each query head's block reads its group's rows).
-            let gbs = (n_heads * (pos as usize + 1) * head_dim * 2 * 2) as f64 / split / 1e9;
-            println!("  kv_len={:<5} {group} heads per block {:>9.2} us, split in {splits}: {:>9.2} us ({gbs:.0} GB/s of K/V rows per query head)", pos + 1, s * 1e6, split * 1e6);
+            // The layout the executor would take at this position, and (one head per block) its
+            // split with other warps per block (FERRITE_CUDA_ATTENTION_WARPS).
+            let layout = layouts.layout(layouts.is_long(pos as usize + 1));
+            let one = ops::DecodeLayout::one_block(layout.group);
+            let s = time(gpu, 200, || ops::store_and_attend(gpu, &mut cache, &qkv, &p, &cfg, Some(&rope), None, one, None, &mut out, None))?;
+            let mut line = format!("  kv_len={:<5} {} heads per block {:>8.2} us", pos + 1, layout.group, s * 1e6);
+            for warps in [4, 8, 16].into_iter().filter(|&w| layout.group == 1 || w == 4) {
+                let l = ops::DecodeLayout { warps, splits: layout.splits.min((4096 / (32 * warps)).max(1)), ..layout };
+                let split = time(gpu, 200, || ops::store_and_attend(gpu, &mut cache, &qkv, &p, &cfg, Some(&rope), None, l, Some(&mut scratch), &mut out, None))?;
+                line += &format!(" | {warps} warps, up to {} shares: {:.2} us", l.splits, split * 1e6);
+            }
+            println!("{line}");
         }
     }
     // A batched decode step on the paged cache (serve, `bench --seqs`): one query per sequence,

@@ -91,6 +91,8 @@ pub struct GpuOptions {
     pub attention_groups: AttentionGroups,
     /// The most query heads such a block serves (1 to 8).
     pub attention_max_group: usize,
+    /// Warps of a one-token decode attention block with one query head (4, 8 or 16).
+    pub attention_warps: usize,
     /// The MoE expert path every batch takes (`None`: [`crate::ops::moe_plan`] decides).
     pub moe_path: Option<MoePath>,
     /// Record every kernel's start on the GPU's timer and print the table when the `Gpu` is
@@ -108,6 +110,7 @@ impl GpuOptions {
             attention_path: AttentionPath::forced_by(env::CUDA_ATTENTION_PATH.get().as_deref()),
             attention_groups: AttentionGroups::from_env(),
             attention_max_group: env::CUDA_ATTENTION_MAX_GROUP.parse(8usize).clamp(1, 8),
+            attention_warps: env::CUDA_ATTENTION_WARPS.parse(4usize).clamp(4, 16).next_power_of_two(),
             moe_path: MoePath::forced_by(env::CUDA_MOE_PATH.get().as_deref()),
             timeline: env::CUDA_TIMELINE.flag(),
         }
@@ -140,6 +143,7 @@ pub struct Gpu {
     attention_path: Option<AttentionPath>,
     attention_groups: AttentionGroups,
     attention_max_group: usize,
+    attention_warps: usize,
     moe_path: Option<MoePath>,
     props: DeviceProps,
     stream: Arc<CudaStream>,
@@ -214,6 +218,7 @@ impl Gpu {
             attention_path: options.attention_path,
             attention_groups: options.attention_groups,
             attention_max_group: options.attention_max_group,
+            attention_warps: options.attention_warps,
             moe_path: options.moe_path,
             props: DeviceProps { name, compute_capability: (major as u32, minor as u32), sm_count: sm_count as u32, smem_optin: smem_optin as u32 },
             stream,
@@ -296,6 +301,11 @@ impl Gpu {
     /// The most query heads a grouped attention block serves (`FERRITE_CUDA_ATTENTION_MAX_GROUP`).
     pub fn attention_max_group(&self) -> usize {
         self.attention_max_group
+    }
+
+    /// Warps of a one-token decode attention block with one query head (`FERRITE_CUDA_ATTENTION_WARPS`).
+    pub fn attention_warps(&self) -> usize {
+        self.attention_warps
     }
 
     /// The MoE expert path forced on this device (`FERRITE_CUDA_MOE_PATH`), if any.

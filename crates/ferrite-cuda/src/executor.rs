@@ -1204,11 +1204,8 @@ impl CudaExecutor {
                 if n == 1 && buf.fused_kv_store {
                     // Decode: one kernel stores the token's K/V and attends.
                     let layout = buf.decode.layout(buf.decode_long);
-                    let split = match layout.splits {
-                        1 => None,
-                        splits => Some((splits, &mut buf.split_scratch)),
-                    };
-                    ops::store_and_attend(gpu, cache, input(qkv), &buf.positions, &cfg, rope.as_ref(), qk_norm, split, layout.group, out, emit)?;
+                    let scratch = (layout.splits > 1).then_some(&mut buf.split_scratch);
+                    ops::store_and_attend(gpu, cache, input(qkv), &buf.positions, &cfg, rope.as_ref(), qk_norm, layout, scratch, out, emit)?;
                     return Ok(());
                 }
                 // One kernel splits the rows: rotated Q to scratch, rotated K and V into the cache.

@@ -1376,7 +1376,7 @@ fn store_and_attend_matches_store_then_attention_on(gpu: &Gpu) {
             let (mut out, mut want) = (poisoned(gpu, qw), poisoned(gpu, qw));
             let mut emitted = ops::Q8Activations::new(gpu, qw).unwrap();
             let group = ops::DecodeLayouts::new(gpu, n_heads, n_kv, hd, max_seq, false).short.group;
-            ops::store_and_attend(gpu, &mut fused, &qkv, &pos, &cfg, rope.as_ref(), None, None, group, &mut out, Some(ops::AttentionEmit::Q8(&mut emitted))).unwrap();
+            ops::store_and_attend(gpu, &mut fused, &qkv, &pos, &cfg, rope.as_ref(), None, ops::DecodeLayout::one_block(group), None, &mut out, Some(ops::AttentionEmit::Q8(&mut emitted))).unwrap();
             let mut q = poisoned(gpu, qw);
             ops::store_qkv(gpu, &mut twin, &qkv, row, 1, n_heads, &pos, rope.as_ref(), None, &mut q).unwrap();
             ops::attention(gpu, &q, &twin, &pos, 1, &cfg, &mut want, None).unwrap();
@@ -1423,19 +1423,35 @@ fn split_store_and_attend_matches_one_block_on(gpu: &Gpu) {
             let name = format!("h{n_heads}/{n_kv} d{hd} {kv_dtype:?} w{window:?} pos{p} in {splits} shares");
             let qkv = upload(gpu, &rng.vec(row, -1.0, 1.0));
             let pos = upload(gpu, &[p]);
-            let (mut got, mut want) = (poisoned(gpu, n_heads * hd), poisoned(gpu, n_heads * hd));
             let mut emitted = ops::Q8Activations::new(gpu, n_heads * hd).unwrap();
             let group = ops::DecodeLayouts::new(gpu, n_heads, n_kv, hd, max_seq, true).short.group;
-            ops::store_and_attend(gpu, &mut split, &qkv, &pos, &cfg, Some(&rope), None, Some((splits, &mut scratch)), group, &mut got, Some(ops::AttentionEmit::Q8(&mut emitted))).unwrap();
-            ops::store_and_attend(gpu, &mut one, &qkv, &pos, &cfg, Some(&rope), None, None, group, &mut want, None).unwrap();
-            close("store+attn split", &name, &download(gpu, &got), &download(gpu, &want), 1e-5, 2e-6);
-            assert_handoff_is_quantize(gpu, &emitted, &got, 1, n_heads * hd, &name);
+            let want_out = {
+                let mut want = poisoned(gpu, n_heads * hd);
+                ops::store_and_attend(gpu, &mut one, &qkv, &pos, &cfg, Some(&rope), None, ops::DecodeLayout::one_block(group), None, &mut want, None).unwrap();
+                download(gpu, &want)
+            };
+            // Blocks of one head may have 8 or 16 warps (FERRITE_CUDA_ATTENTION_WARPS): shares of
+            // at least 256 / 512 keys, so fewer of them, or one block holding every key.
+            for warps in [4, 8, 16].into_iter().filter(|&w| group == 1 || w == 4) {
+                let name = format!("{name}, {warps} warps");
+                let mut got = poisoned(gpu, n_heads * hd);
+                let layout = ops::DecodeLayout { group, splits, warps };
+                ops::store_and_attend(gpu, &mut split, &qkv, &pos, &cfg, Some(&rope), None, layout, Some(&mut scratch), &mut got, Some(ops::AttentionEmit::Q8(&mut emitted))).unwrap();
+                close("store+attn split", &name, &download(gpu, &got), &want_out, 1e-5, 2e-6);
+                assert_handoff_is_quantize(gpu, &emitted, &got, 1, n_heads * hd, &name);
+            }
         }
         assert_eq!(split.download(gpu).unwrap(), one.download(gpu).unwrap(), "cache rows written by the split kernel");
         let (qkv, pos, mut out) = (upload(gpu, &vec![0.0; row]), upload(gpu, &[0u32]), poisoned(gpu, n_heads * hd));
         let bad = n_heads / n_kv + 1;
-        let err = ops::store_and_attend(gpu, &mut split, &qkv, &pos, &cfg, Some(&rope), None, None, bad, &mut out, None).unwrap_err().to_string();
+        let err = ops::store_and_attend(gpu, &mut split, &qkv, &pos, &cfg, Some(&rope), None, ops::DecodeLayout::one_block(bad), None, &mut out, None).unwrap_err().to_string();
         assert!(err.contains("query heads per block"), "{err}");
+        let shares = ops::DecodeLayout { splits: 2, ..ops::DecodeLayout::one_block(1) };
+        let err = ops::store_and_attend(gpu, &mut split, &qkv, &pos, &cfg, Some(&rope), None, shares, None, &mut out, None).unwrap_err().to_string();
+        assert!(err.contains("without a scratch"), "{err}");
+        let odd = ops::DecodeLayout { warps: 6, ..ops::DecodeLayout::one_block(1) };
+        let err = ops::store_and_attend(gpu, &mut split, &qkv, &pos, &cfg, Some(&rope), None, odd, None, &mut out, None).unwrap_err().to_string();
+        assert!(err.contains("6 warps"), "{err}");
     }
 }
 
@@ -1572,9 +1588,10 @@ fn qk_norm_inside_the_store_matches_head_norm_first() {
             let rows = rng.vec(row, -2.0, 2.0);
             let pos = upload(gpu, &[p]);
             let (mut got, mut want) = (poisoned(gpu, qw), poisoned(gpu, qw));
-            let split = (p % 2 == 1).then_some((4, &mut scratch));
-            ops::store_and_attend(gpu, &mut got_c, &upload(gpu, &rows), &pos, &cfg, Some(&rope), Some(&norm), split, 1, &mut got, None).unwrap();
-            ops::store_and_attend(gpu, &mut want_c, &normed(&rows, 1), &pos, &cfg, Some(&rope), None, None, 1, &mut want, None).unwrap();
+            let layout = ops::DecodeLayout { splits: if p % 2 == 1 { 4 } else { 1 }, ..ops::DecodeLayout::one_block(1) };
+            let scratch = (layout.splits > 1).then_some(&mut scratch);
+            ops::store_and_attend(gpu, &mut got_c, &upload(gpu, &rows), &pos, &cfg, Some(&rope), Some(&norm), layout, scratch, &mut got, None).unwrap();
+            ops::store_and_attend(gpu, &mut want_c, &normed(&rows, 1), &pos, &cfg, Some(&rope), None, ops::DecodeLayout::one_block(1), None, &mut want, None).unwrap();
             close("qk_norm attn", &format!("{name} decode pos{p}"), &download(gpu, &got), &download(gpu, &want), 1e-4, 1e-5);
         }
         same_caches("decode", &got_c, &want_c);
@@ -3462,6 +3479,11 @@ fn every_kernel_variant_compiles_for_sm90() {
                     check(format!("{v:?}"), job(&v));
                     // Qwen3's QK-norm fused in.
                     let v = AttentionVariant { qk_norm: true, ..v };
+                    check(format!("{v:?}"), job(&v));
+                }
+                // Blocks of one head with more warps (FERRITE_CUDA_ATTENTION_WARPS).
+                for nwarps in [8, 16] {
+                    let v = AttentionVariant { nwarps, ..AttentionVariant::storing(hd, kv, rope, split, 1) };
                     check(format!("{v:?}"), job(&v));
                 }
             }

@@ -230,11 +230,12 @@ impl QkNorm<'_> {
 /// `q | k | v` row (as [`store_qkv`] reads it); the kernel rotates Q and K by `rope`, writes K
 /// and V to cache row `positions[0]` and attends over rows up to it, in one launch. Same
 /// results as [`store_qkv`] then [`attention`] (the new key's score is summed in another order).
-/// With `split = Some((splits, scratch))` the keys are cut into up to `splits` shares of
-/// separate blocks, as in [`attention_split`]: as many shares run as the position needs (one up
-/// to 128 keys, which then skips the merge), so one launch (and one captured graph) serves every
-/// context length. Each block serves `group` query heads of one KV group (1, or a divisor of the
-/// heads per KV head up to [`AttentionVariant::MAX_GROUP`]; see [`DecodeLayouts`]).
+/// With `layout.splits > 1` the keys are cut into up to that many shares of separate blocks,
+/// as in [`attention_split`], whose states `scratch` holds: as many shares run as the position
+/// needs (one up to `32 x layout.warps` keys, which then skips the merge), so one launch (and
+/// one captured graph) serves every context length. Each block serves `layout.group` query heads
+/// of one KV group (1, or a divisor of the heads per KV head up to
+/// [`AttentionVariant::MAX_GROUP`]) with `layout.warps` warps (see [`DecodeLayouts`]).
 #[allow(clippy::too_many_arguments)]
 pub fn store_and_attend(
     gpu: &Gpu,
@@ -244,12 +245,13 @@ pub fn store_and_attend(
     cfg: &AttentionConfig,
     rope: Option<&RopeConfig>,
     qk_norm: Option<&QkNorm>,
-    split: Option<(usize, &mut SplitScratch)>,
-    group: usize,
+    layout: DecodeLayout,
+    scratch: Option<&mut SplitScratch>,
     out: &mut impl DevicePtrMut<f32>,
     emit: Option<AttentionEmit>,
 ) -> Result<(), CudaError> {
     const OP: &str = "store_and_attend";
+    let DecodeLayout { group, splits, warps } = layout;
     let row = (cfg.n_heads + 2 * cache.n_kv_heads) * cache.head_dim;
     check_len(OP, "qkv", qkv.len(), row)?;
     check_rope(OP, rope, cache)?;
@@ -257,29 +259,36 @@ pub fn store_and_attend(
     if !(1..=AttentionVariant::MAX_GROUP).contains(&group) || !heads_per_kv.is_multiple_of(group) {
         return Err(CudaError::invalid(OP, format!("{group} query heads per block: not a divisor of the {heads_per_kv} heads per KV head up to {}", AttentionVariant::MAX_GROUP)));
     }
-    if let Some((splits, scratch)) = &split {
-        scratch.check(OP, *splits, cfg.n_heads, cache.head_dim)?;
+    if !matches!(warps, 4 | 8 | 16) || (group > 1 && warps != 4) {
+        return Err(CudaError::invalid(OP, format!("{warps} warps per block of {group} query heads (4, 8 or 16 with one head, 4 with several)")));
     }
     let norm = QkNorm::params(gpu, OP, qk_norm, cache)?;
     let Some(mut params) = attention_params(gpu, qkv, cache, positions, 1, cfg, out, emit)? else { return Ok(()) };
     set_store(gpu, &mut params, cache, rope, norm);
-    let splits = match split {
-        Some((splits, scratch)) => {
-            params.partials = addr_mut(gpu, &mut scratch.partials);
-            params.counters = addr_mut(gpu, &mut scratch.counters);
-            splits
-        }
-        None => 1,
-    };
-    let variant = AttentionVariant { qk_norm: qk_norm.is_some(), ..AttentionVariant::storing(cache.head_dim, cache.dtype, rope_style(rope), splits > 1, group) };
+    if splits > 1 {
+        let Some(scratch) = scratch else { return Err(CudaError::invalid(OP, format!("{splits} key shares without a scratch for their states"))) };
+        scratch.check(OP, splits, cfg.n_heads, cache.head_dim)?;
+        params.partials = addr_mut(gpu, &mut scratch.partials);
+        params.counters = addr_mut(gpu, &mut scratch.counters);
+    }
+    let variant = AttentionVariant { qk_norm: qk_norm.is_some(), nwarps: warps as u32, ..AttentionVariant::storing(cache.head_dim, cache.dtype, rope_style(rope), splits > 1, group) };
     gpu.launch(&variant, "attention", variant.launch_config(cfg.n_heads, 1, splits), &params)
 }
 
-/// A launch of the fused one-token decode kernel: query heads per block and key shares.
+/// A launch of the fused one-token decode kernel: query heads per block, key shares and warps
+/// per block.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct DecodeLayout {
     pub group: usize,
     pub splits: usize,
+    pub warps: usize,
+}
+
+impl DecodeLayout {
+    /// One block of 4 warps per `group` query heads, all keys in it.
+    pub fn one_block(group: usize) -> Self {
+        DecodeLayout { group, splits: 1, warps: 4 }
+    }
 }
 
 /// The one-token decode launches a model's steps take ([`store_and_attend`]), as
@@ -305,12 +314,19 @@ impl DecodeLayouts {
     /// (`split`).
     pub fn new(gpu: &Gpu, n_heads: usize, n_kv_heads: usize, head_dim: usize, max_seq: usize, split: bool) -> Self {
         let share_keys = env::CUDA_ATTENTION_GROUP_SHARE_VALUES.parse(16_384usize) / head_dim.max(1);
-        Self::plan(gpu.attention_groups(), kv_group(gpu, n_heads, n_kv_heads), gpu.sm_count() as usize, n_heads, max_seq, split, share_keys)
+        let blocks = DecodeBlocks { mode: gpu.attention_groups(), kv_group: kv_group(gpu, n_heads, n_kv_heads), head_warps: gpu.attention_warps() };
+        Self::plan(blocks, gpu.sm_count() as usize, n_heads, max_seq, split, share_keys)
     }
 
     /// `share_keys`: keys per share of the per-head launch from which the grouped one serves.
-    fn plan(mode: AttentionGroups, kv_group: usize, sm_count: usize, n_heads: usize, max_seq: usize, split: bool, share_keys: usize) -> Self {
-        let layout = |group: usize| DecodeLayout { group, splits: if split { attention_splits(sm_count, n_heads / group, 1, max_seq) } else { 1 } };
+    fn plan(blocks: DecodeBlocks, sm_count: usize, n_heads: usize, max_seq: usize, split: bool, share_keys: usize) -> Self {
+        let DecodeBlocks { mode, kv_group, head_warps } = blocks;
+        // A share holds at least a batch of 32 keys per warp: no more shares than that fills.
+        let layout = |group: usize| {
+            let warps = if group == 1 { head_warps } else { 4 };
+            let splits = if split { attention_splits(sm_count, n_heads / group, 1, max_seq).min((max_seq / (32 * warps)).max(1)) } else { 1 };
+            DecodeLayout { group, splits, warps }
+        };
         let (short, long) = match mode {
             AttentionGroups::Off | AttentionGroups::Paged => (layout(1), layout(1)),
             AttentionGroups::All => (layout(kv_group), layout(kv_group)),
@@ -328,6 +344,15 @@ impl DecodeLayouts {
     pub fn layout(&self, long: bool) -> DecodeLayout {
         if long { self.long } else { self.short }
     }
+}
+
+/// How the one-token decode blocks may be shaped: [`AttentionGroups`], the query heads of a KV
+/// group, and the warps of a block with one head (`FERRITE_CUDA_ATTENTION_WARPS`).
+#[derive(Clone, Copy, Debug)]
+struct DecodeBlocks {
+    mode: AttentionGroups,
+    kv_group: usize,
+    head_warps: usize,
 }
 
 /// What an attention kernel hands to the linear after it, besides its f32 output rows.
@@ -784,21 +809,27 @@ mod tests {
     /// The decode layouts of the 8B and SmolLM2 shapes on 132 SMs and a 4 096-position cache.
     #[test]
     fn decode_layouts_group_deep_in_a_context() {
-        let plan = |mode, kv_group, n_heads, split| DecodeLayouts::plan(mode, kv_group, 132, n_heads, 4096, split, 128);
+        let blocks = |mode, kv_group| DecodeBlocks { mode, kv_group, head_warps: 4 };
+        let plan = |mode, kv_group, n_heads, split| DecodeLayouts::plan(blocks(mode, kv_group), 132, n_heads, 4096, split, 128);
         let l = plan(AttentionGroups::Adaptive, 4, 32, true);
-        assert_eq!((l.short, l.long), (DecodeLayout { group: 1, splits: 9 }, DecodeLayout { group: 4, splits: 32 }));
+        assert_eq!((l.short, l.long), (DecodeLayout { group: 1, splits: 9, warps: 4 }, DecodeLayout { group: 4, splits: 32, warps: 4 }));
         assert_eq!(l.group_from_keys, 128 * 9);
         assert!(!l.is_long(1151) && l.is_long(1152));
         assert_eq!((l.layout(false).group, l.layout(true).group), (1, 4));
         // SmolLM2: 30 shares per head (and rows of 64 values: 256 keys per share), so grouping
         // starts past a 4 096-position cache.
-        let l = DecodeLayouts::plan(AttentionGroups::Adaptive, 3, 132, 9, 4096, true, 256);
+        let l = DecodeLayouts::plan(blocks(AttentionGroups::Adaptive, 3), 132, 9, 4096, true, 256);
         assert_eq!((l.short.splits, l.long.group, l.group_from_keys), (30, 3, 256 * 30));
+        // 16 warps per head: shares of at least 512 keys, 8 of them in 4 096 positions; grouped
+        // blocks keep 4 warps.
+        let wide = DecodeBlocks { head_warps: 16, ..blocks(AttentionGroups::Adaptive, 3) };
+        let l = DecodeLayouts::plan(wide, 132, 9, 4096, true, 256);
+        assert_eq!((l.short, l.long), (DecodeLayout { group: 1, splits: 8, warps: 16 }, DecodeLayout { group: 3, splits: 32, warps: 4 }));
         for mode in [AttentionGroups::Off, AttentionGroups::Paged, AttentionGroups::All] {
             let l = plan(mode, 4, 32, true);
             assert_eq!((l.short, l.group_from_keys), (l.long, usize::MAX), "{mode:?}: one layout");
         }
-        assert_eq!(plan(AttentionGroups::All, 4, 32, false).short, DecodeLayout { group: 4, splits: 1 });
+        assert_eq!(plan(AttentionGroups::All, 4, 32, false).short, DecodeLayout { group: 4, splits: 1, warps: 4 });
         assert_eq!(plan(AttentionGroups::Adaptive, 1, 32, true).group_from_keys, usize::MAX, "no KV groups to share");
     }
 }
