@@ -220,9 +220,9 @@ switches! {
     CUDA_ATTENTION_GROUP_SHARE_VALUES = ("FERRITE_CUDA_ATTENTION_GROUP_SHARE_VALUES", "16384", AbTest,
         "With FERRITE_CUDA_ATTENTION_GROUPS=adaptive: a one-token decode step whose per-head launch would give each key share this many K/V values or more (keys times head size) runs a block per KV group instead (H200: the 8B shape, 9 shares of 128-value rows, from 1 152 keys on; the 1B shape, 64-value rows, from 2 304; SmolLM2's 30 shares from 7 680).");
 
-    /// Warps of a one-token decode attention block with one query head.
-    CUDA_ATTENTION_WARPS = ("FERRITE_CUDA_ATTENTION_WARPS", "4", AbTest,
-        "4|8|16: warps of a one-token CUDA decode attention block that serves one query head (grouped blocks keep 4). Each warp scores 32 keys per batch, so a key share of split-KV attention holds at least 32 x warps keys: more warps keep longer contexts in one block per head, whose warps merge in shared memory, instead of several shares merged through global memory by the last to finish.");
+    /// Most warps of a wide one-token decode attention block.
+    CUDA_ATTENTION_WARPS = ("FERRITE_CUDA_ATTENTION_WARPS", "16", AbTest,
+        "4|8|16: the most warps of a wide CUDA decode attention block. A one-token step's attention runs a 4-warp block per query head, each warp scoring 32 keys per batch, and splits a context past 128 keys into shares merged through global memory; from 129 keys up to 32 x warps a block of more warps per head (16 for heads of 64 values, 8 for 128, none for 256) holds them all and merges its warps in shared memory, a decode graph of its own (H100, SmolLM2 tg128 at depth 256: +24%). 4: no wide blocks.");
     /// Cap on the query heads a grouped CUDA attention block serves.
     CUDA_ATTENTION_MAX_GROUP = ("FERRITE_CUDA_ATTENTION_MAX_GROUP", "8", AbTest,
         "1-8: the most query heads of one KV group that a grouped CUDA attention block (FERRITE_CUDA_ATTENTION_GROUPS) serves; the group is the largest divisor of the heads per KV head up to it. Fewer heads per block mean more blocks, each with less arithmetic, and each K/V row loaded by more blocks.");

@@ -530,9 +530,9 @@ fn attention(gpu: &Gpu) -> Result<(), CudaError> {
         let mut scratch = ops::SplitScratch::new(gpu, n_heads, layouts.short.splits.max(layouts.long.splits), head_dim)?;
         for pos in [0u32, 31, 127, 511, 1023, 2047, 4095] {
             let p = gpu.upload(&[pos], "pos")?;
-            // The layout the executor would take at this position, and (one head per block) its
-            // split with other warps per block (FERRITE_CUDA_ATTENTION_WARPS).
-            let layout = layouts.layout(layouts.is_long(pos as usize + 1));
+            // The layout the executor would take at this position, and (one head per block) the
+            // launch with other warps per block (FERRITE_CUDA_ATTENTION_WARPS).
+            let layout = layouts.layout(layouts.stage(pos as usize + 1));
             let one = ops::DecodeLayout::one_block(layout.group);
             let s = time(gpu, 200, || ops::store_and_attend(gpu, &mut cache, &qkv, &p, &cfg, Some(&rope), None, one, None, &mut out, None))?;
             let mut line = format!("  kv_len={:<5} {} heads per block {:>8.2} us", pos + 1, layout.group, s * 1e6);

@@ -91,7 +91,7 @@ pub struct GpuOptions {
     pub attention_groups: AttentionGroups,
     /// The most query heads such a block serves (1 to 8).
     pub attention_max_group: usize,
-    /// Warps of a one-token decode attention block with one query head (4, 8 or 16).
+    /// The most warps of a wide one-token decode attention block (4: none; 8 or 16).
     pub attention_warps: usize,
     /// The MoE expert path every batch takes (`None`: [`crate::ops::moe_plan`] decides).
     pub moe_path: Option<MoePath>,
@@ -110,7 +110,7 @@ impl GpuOptions {
             attention_path: AttentionPath::forced_by(env::CUDA_ATTENTION_PATH.get().as_deref()),
             attention_groups: AttentionGroups::from_env(),
             attention_max_group: env::CUDA_ATTENTION_MAX_GROUP.parse(8usize).clamp(1, 8),
-            attention_warps: env::CUDA_ATTENTION_WARPS.parse(4usize).clamp(4, 16).next_power_of_two(),
+            attention_warps: env::CUDA_ATTENTION_WARPS.parse(16usize).clamp(4, 16).next_power_of_two(),
             moe_path: MoePath::forced_by(env::CUDA_MOE_PATH.get().as_deref()),
             timeline: env::CUDA_TIMELINE.flag(),
         }
@@ -303,7 +303,7 @@ impl Gpu {
         self.attention_max_group
     }
 
-    /// Warps of a one-token decode attention block with one query head (`FERRITE_CUDA_ATTENTION_WARPS`).
+    /// The most warps of a wide one-token decode attention block (`FERRITE_CUDA_ATTENTION_WARPS`).
     pub fn attention_warps(&self) -> usize {
         self.attention_warps
     }

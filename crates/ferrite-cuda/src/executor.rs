@@ -158,7 +158,7 @@ struct Buffers {
     attention_splits: Vec<usize>,
     /// The fused one-token decode kernel's layouts, and the one this step takes.
     decode: ops::DecodeLayouts,
-    decode_long: bool,
+    decode_stage: ops::DecodeStage,
     /// One-token steps store K/V inside the (unsplit) attention kernel.
     fused_kv_store: bool,
     split_scratch: ops::SplitScratch,
@@ -308,7 +308,7 @@ impl Buffers {
             split_scratch: ops::SplitScratch::new(gpu, split_tokens * cfg.n_heads, max_splits, cfg.head_dim)?,
             attention_splits,
             decode,
-            decode_long: false,
+            decode_stage: ops::DecodeStage::Short,
             fused_kv_store: !env::DISABLE_KV_STORE_FUSION.flag(),
             scratch_a: gpu.alloc_zeros(scratch.max(gdn_scratch))?,
             scratch_b: gpu.alloc_zeros(scratch)?,
@@ -353,11 +353,11 @@ pub struct CudaExecutor {
     /// Tokens the recurrent state has consumed. Unused without recurrent layers.
     state_pos: RecurrentCursor,
     /// Decode-step replay: the whole one-token op sequence captured once as a CUDA graph per
-    /// attention layout (`DecodeLayouts`: short and long contexts). Every per-token input (token
+    /// attention layout (`DecodeLayouts`: short, wide and long). Every per-token input (token
     /// id, position, hence KV length) is read from device buffers at fixed addresses, so the same
     /// graph serves every position of its layout without re-capture. Indexed by
-    /// [whether the step ends with its own greedy draw][layout].
-    decode_graphs: [[DecodeGraph; 2]; 2],
+    /// [whether the step ends with its own greedy draw][`ops::DecodeStage`].
+    decode_graphs: [[DecodeGraph; 3]; 2],
     /// Batched serving (`init_paged`): the paged cache and its buffers.
     paged: Option<PagedState>,
     /// Token ids, positions and block tables go to the device through this ring.
@@ -535,7 +535,7 @@ impl CudaExecutor {
         let attention_splits: Vec<usize> = (0..=max_batch)
             .map(|n| if split_attention { ops::attention_splits(gpu.sm_count() as usize, cfg.n_heads, n, options.context_len) } else { 1 })
             .collect();
-        // One-token steps run the fused store + attention kernel in one of two layouts.
+        // One-token steps run the fused store + attention kernel in one of three layouts.
         let decode = ops::DecodeLayouts::new(&gpu, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, options.context_len, split_attention);
         let buf = Buffers::new(&gpu, &model, &plan, max_batch, kv, gdn, attention_splits, decode)?;
         let decode_graphs = std::array::from_fn(|_| {
@@ -681,8 +681,8 @@ impl CudaExecutor {
     fn launch_step(&mut self, n: usize, start_pos: usize, draws: bool) -> anyhow::Result<()> {
         self.last_rows = n;
         if n == 1 {
-            self.buf.decode_long = self.buf.decode.is_long(start_pos + 1);
-            let layout = usize::from(self.buf.decode_long);
+            self.buf.decode_stage = self.buf.decode.stage(start_pos + 1);
+            let layout = self.buf.decode_stage as usize;
             let generation = self.gpu.scratch_generation();
             let kind = usize::from(draws);
             match &self.decode_graphs[kind][layout] {
@@ -1203,7 +1203,7 @@ impl CudaExecutor {
                 }
                 if n == 1 && buf.fused_kv_store {
                     // Decode: one kernel stores the token's K/V and attends.
-                    let layout = buf.decode.layout(buf.decode_long);
+                    let layout = buf.decode.layout(buf.decode_stage);
                     let scratch = (layout.splits > 1).then_some(&mut buf.split_scratch);
                     ops::store_and_attend(gpu, cache, input(qkv), &buf.positions, &cfg, rope.as_ref(), qk_norm, layout, scratch, out, emit)?;
                     return Ok(());

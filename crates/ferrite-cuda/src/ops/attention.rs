@@ -301,58 +301,89 @@ impl DecodeLayout {
 /// (`FERRITE_CUDA_ATTENTION_GROUP_SHARE_VALUES`, 16 384). The host knows each step's position, so
 /// each layout is a captured graph of its own (no branch in the kernel: a kernel holding both
 /// bodies was 12% slower at short contexts, docs/perf.md stop 24).
+///
+/// Between the two, a per-head launch of 4 warps splits any context past one share of 128 keys
+/// and merges the shares through global memory (a partial state written, an atomic arrival, the
+/// last block reading every share). From 129 keys up to `wide_to_keys` a per-head block of more
+/// warps (`wide`, `FERRITE_CUDA_ATTENTION_WARPS`: 16 for heads of 64 values, 8 for 128) holds
+/// every key instead, its warps merging in shared memory (H100, SmolLM2: tg128 at depth 256
+/// +24%, at depth 0 and 1 024 such blocks were slower: docs/perf.md, stop 53).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct DecodeLayouts {
     pub short: DecodeLayout,
+    pub wide: DecodeLayout,
     pub long: DecodeLayout,
+    /// Keys of the query up to which `wide` serves, from 129 on (0: never).
+    pub wide_to_keys: usize,
     /// Keys of the query from which `long` serves (`usize::MAX`: never).
     pub group_from_keys: usize,
 }
 
+/// Which of [`DecodeLayouts`]'s launches a one-token step takes (each its own decode graph).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DecodeStage {
+    Short = 0,
+    Wide = 1,
+    Long = 2,
+}
+
 impl DecodeLayouts {
+    /// Keys one 4-warp share holds: past them the short layout merges shares.
+    const SHORT_SHARE_KEYS: usize = 128;
+
     /// For a cache of `max_seq` positions of `head_dim`-value rows on `gpu`, split-KV or not
     /// (`split`).
     pub fn new(gpu: &Gpu, n_heads: usize, n_kv_heads: usize, head_dim: usize, max_seq: usize, split: bool) -> Self {
         let share_keys = env::CUDA_ATTENTION_GROUP_SHARE_VALUES.parse(16_384usize) / head_dim.max(1);
-        let blocks = DecodeBlocks { mode: gpu.attention_groups(), kv_group: kv_group(gpu, n_heads, n_kv_heads), head_warps: gpu.attention_warps() };
-        Self::plan(blocks, gpu.sm_count() as usize, n_heads, max_seq, split, share_keys)
+        let blocks = DecodeBlocks { mode: gpu.attention_groups(), kv_group: kv_group(gpu, n_heads, n_kv_heads), wide_warps: gpu.attention_warps() };
+        Self::plan(blocks, gpu.sm_count() as usize, n_heads, head_dim, max_seq, split, share_keys)
     }
 
     /// `share_keys`: keys per share of the per-head launch from which the grouped one serves.
-    fn plan(blocks: DecodeBlocks, sm_count: usize, n_heads: usize, max_seq: usize, split: bool, share_keys: usize) -> Self {
-        let DecodeBlocks { mode, kv_group, head_warps } = blocks;
-        // A share holds at least a batch of 32 keys per warp: no more shares than that fills.
-        let layout = |group: usize| {
-            let warps = if group == 1 { head_warps } else { 4 };
-            let splits = if split { attention_splits(sm_count, n_heads / group, 1, max_seq).min((max_seq / (32 * warps)).max(1)) } else { 1 };
-            DecodeLayout { group, splits, warps }
-        };
+    fn plan(blocks: DecodeBlocks, sm_count: usize, n_heads: usize, head_dim: usize, max_seq: usize, split: bool, share_keys: usize) -> Self {
+        let DecodeBlocks { mode, kv_group, wide_warps } = blocks;
+        let layout = |group: usize| DecodeLayout { splits: if split { attention_splits(sm_count, n_heads / group, 1, max_seq) } else { 1 }, ..DecodeLayout::one_block(group) };
         let (short, long) = match mode {
             AttentionGroups::Off | AttentionGroups::Paged => (layout(1), layout(1)),
             AttentionGroups::All => (layout(kv_group), layout(kv_group)),
             AttentionGroups::Adaptive => (layout(1), layout(kv_group)),
         };
         let group_from_keys = if long == short { usize::MAX } else { share_keys.saturating_mul(short.splits) };
-        DecodeLayouts { short, long, group_from_keys }
+        // Wide blocks read at most 32 keys of 32 values per thread (16 warps for 64-value heads,
+        // 8 for 128); only where the short layout splits per head.
+        let warps = [16, 8].into_iter().find(|&w| w <= wide_warps && w * head_dim <= 1024).unwrap_or(4);
+        let wide = DecodeLayout { warps, ..DecodeLayout::one_block(1) };
+        let wide_to_keys = if split && short.group == 1 && warps > 4 { (32 * warps).min(max_seq) } else { 0 };
+        DecodeLayouts { short, wide, long, wide_to_keys, group_from_keys }
     }
 
-    /// Whether a query of `keys` keys takes the `long` layout.
-    pub fn is_long(&self, keys: usize) -> bool {
-        keys >= self.group_from_keys
+    /// The launch a query of `keys` keys takes.
+    pub fn stage(&self, keys: usize) -> DecodeStage {
+        if keys >= self.group_from_keys {
+            DecodeStage::Long
+        } else if keys > Self::SHORT_SHARE_KEYS && keys <= self.wide_to_keys {
+            DecodeStage::Wide
+        } else {
+            DecodeStage::Short
+        }
     }
 
-    pub fn layout(&self, long: bool) -> DecodeLayout {
-        if long { self.long } else { self.short }
+    pub fn layout(&self, stage: DecodeStage) -> DecodeLayout {
+        match stage {
+            DecodeStage::Short => self.short,
+            DecodeStage::Wide => self.wide,
+            DecodeStage::Long => self.long,
+        }
     }
 }
 
 /// How the one-token decode blocks may be shaped: [`AttentionGroups`], the query heads of a KV
-/// group, and the warps of a block with one head (`FERRITE_CUDA_ATTENTION_WARPS`).
+/// group, and the most warps of a wide block (`FERRITE_CUDA_ATTENTION_WARPS`).
 #[derive(Clone, Copy, Debug)]
 struct DecodeBlocks {
     mode: AttentionGroups,
     kv_group: usize,
-    head_warps: usize,
+    wide_warps: usize,
 }
 
 /// What an attention kernel hands to the linear after it, besides its f32 output rows.
@@ -809,22 +840,32 @@ mod tests {
     /// The decode layouts of the 8B and SmolLM2 shapes on 132 SMs and a 4 096-position cache.
     #[test]
     fn decode_layouts_group_deep_in_a_context() {
-        let blocks = |mode, kv_group| DecodeBlocks { mode, kv_group, head_warps: 4 };
-        let plan = |mode, kv_group, n_heads, split| DecodeLayouts::plan(blocks(mode, kv_group), 132, n_heads, 4096, split, 128);
+        let blocks = |mode, kv_group| DecodeBlocks { mode, kv_group, wide_warps: 16 };
+        let plan = |mode, kv_group, n_heads, split| DecodeLayouts::plan(blocks(mode, kv_group), 132, n_heads, 128, 4096, split, 128);
         let l = plan(AttentionGroups::Adaptive, 4, 32, true);
         assert_eq!((l.short, l.long), (DecodeLayout { group: 1, splits: 9, warps: 4 }, DecodeLayout { group: 4, splits: 32, warps: 4 }));
         assert_eq!(l.group_from_keys, 128 * 9);
-        assert!(!l.is_long(1151) && l.is_long(1152));
-        assert_eq!((l.layout(false).group, l.layout(true).group), (1, 4));
+        // Heads of 128 values: wide blocks of 8 warps, 129 to 256 keys.
+        assert_eq!((l.wide, l.wide_to_keys), (DecodeLayout { group: 1, splits: 1, warps: 8 }, 256));
+        let stages = [1, 128, 129, 256, 257, 1151, 1152].map(|k| l.stage(k));
+        use DecodeStage::*;
+        assert_eq!(stages, [Short, Short, Wide, Wide, Short, Short, Long]);
+        assert_eq!((l.layout(Short).group, l.layout(Long).group), (1, 4));
         // SmolLM2: 30 shares per head (and rows of 64 values: 256 keys per share), so grouping
         // starts past a 4 096-position cache.
-        let l = DecodeLayouts::plan(blocks(AttentionGroups::Adaptive, 3), 132, 9, 4096, true, 256);
+        // Wide blocks of 16 warps up to 512 keys.
+        let l = DecodeLayouts::plan(blocks(AttentionGroups::Adaptive, 3), 132, 9, 64, 4096, true, 256);
         assert_eq!((l.short.splits, l.long.group, l.group_from_keys), (30, 3, 256 * 30));
-        // 16 warps per head: shares of at least 512 keys, 8 of them in 4 096 positions; grouped
-        // blocks keep 4 warps.
-        let wide = DecodeBlocks { head_warps: 16, ..blocks(AttentionGroups::Adaptive, 3) };
-        let l = DecodeLayouts::plan(wide, 132, 9, 4096, true, 256);
-        assert_eq!((l.short, l.long), (DecodeLayout { group: 1, splits: 8, warps: 16 }, DecodeLayout { group: 3, splits: 32, warps: 4 }));
+        assert_eq!((l.wide.warps, l.wide_to_keys, l.stage(512), l.stage(513)), (16, 512, Wide, Short));
+        // None with FERRITE_CUDA_ATTENTION_WARPS=4, 256-value heads, without splits, or grouped
+        // short blocks; 8 warps where asked.
+        let narrow = DecodeBlocks { wide_warps: 4, ..blocks(AttentionGroups::Adaptive, 3) };
+        assert_eq!(DecodeLayouts::plan(narrow, 132, 9, 64, 4096, true, 256).stage(200), Short);
+        assert_eq!(DecodeLayouts::plan(blocks(AttentionGroups::Adaptive, 1), 132, 8, 256, 4096, true, 64).wide_to_keys, 0);
+        assert_eq!(plan(AttentionGroups::Adaptive, 4, 32, false).wide_to_keys, 0);
+        assert_eq!(plan(AttentionGroups::All, 4, 32, true).wide_to_keys, 0);
+        let eight = DecodeBlocks { wide_warps: 8, ..blocks(AttentionGroups::Adaptive, 3) };
+        assert_eq!(DecodeLayouts::plan(eight, 132, 9, 64, 4096, true, 256).wide_to_keys, 256);
         for mode in [AttentionGroups::Off, AttentionGroups::Paged, AttentionGroups::All] {
             let l = plan(mode, 4, 32, true);
             assert_eq!((l.short, l.group_from_keys), (l.long, usize::MAX), "{mode:?}: one layout");

@@ -20,7 +20,7 @@ mod moe;
 mod sampling;
 
 pub use attention::{
-    attention, attention_group, attention_on, AttentionEmit, DecodeLayout, DecodeLayouts, AttentionGroups, attention_paged, attention_path, attention_split, attention_splits, store_and_attend, store_and_attend_paged, FUSED_PAGED_STORE_MAX_SEQS, store_qkv, store_qkv_paged, AttentionConfig, QkNorm,
+    attention, attention_group, attention_on, AttentionEmit, DecodeLayout, DecodeLayouts, DecodeStage, AttentionGroups, attention_paged, attention_path, attention_split, attention_splits, store_and_attend, store_and_attend_paged, FUSED_PAGED_STORE_MAX_SEQS, store_qkv, store_qkv_paged, AttentionConfig, QkNorm,
     AttentionPath, KvCache, Paging, SplitScratch, FLASH_MIN_TOKENS, MAX_SPLITS,
 };
 pub use linear::{
