@@ -440,6 +440,45 @@ fn cuda_fp32_matches_cpu_reference_on_real_shapes() {
     decode_ahead_matches_step_by_step();
     batched_decode_ahead_matches_step_by_step();
     staged_handoff_matches_f32_rows();
+    decode_attention_stages_match();
+}
+
+/// One-token steps through every decode-attention stage of a 4-head model (`DecodeLayouts`:
+/// short up to 128 keys, wide blocks of 16 warps from 129 to 512, short and split again past
+/// them), each replayed from its own decode graph: logits bit-identical to launching every op,
+/// and the wide stage's those of the split launch (`FERRITE_CUDA_ATTENTION_WARPS=4`) up to the
+/// order of the float sums.
+fn decode_attention_stages_match() {
+    let shape = SynthShape { name: "llama-small-1k", context_length: 1024, ..LLAMA_SMALL };
+    let model = synthetic(&shape, GgmlType::Q8_0);
+    let (prompt, last) = (120usize, 540usize);
+    let run = |disable_graph: &str, warps: &str| {
+        std::env::set_var("FERRITE_DISABLE_CUDA_GRAPH", disable_graph);
+        std::env::set_var("FERRITE_CUDA_ATTENTION_WARPS", warps);
+        let opts = ExecutorOptions { max_batch: 16, context_len: 1024, trace: false, progress: None };
+        let mut gpu = ferrite_cuda::CudaExecutor::new(Arc::clone(&model), opts).unwrap();
+        let ids: Vec<u32> = (0..prompt).map(|t| ((t * 389 + 1) % 49152) as u32).collect();
+        for (i, chunk) in ids.chunks(16).enumerate() {
+            gpu.forward(chunk, 16 * i).unwrap();
+        }
+        (prompt..last)
+            .map(|pos| {
+                gpu.forward(&[(pos * 131 % 49152) as u32], pos).unwrap();
+                gpu.logits().unwrap()
+            })
+            .collect::<Vec<Vec<f32>>>()
+    };
+    let (replayed, eager, split) = (run("0", "16"), run("1", "16"), run("0", "4"));
+    std::env::remove_var("FERRITE_DISABLE_CUDA_GRAPH");
+    std::env::remove_var("FERRITE_CUDA_ATTENTION_WARPS");
+    let bits = |v: &[Vec<f32>]| v.iter().flatten().map(|x| x.to_bits()).collect::<Vec<u32>>();
+    assert!(bits(&replayed) == bits(&eager), "decode stages: graph replay changes the logits");
+    for (i, (wide, split)) in replayed.iter().zip(&split).enumerate() {
+        let scale = split.iter().fold(1f32, |m, x| m.max(x.abs()));
+        let worst = wide.iter().zip(split).fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+        assert!(worst <= 1e-3 * scale, "position {}: wide and split attention differ by {worst} (logits up to {scale})", prompt + i);
+    }
+    println!("decode attention stages: positions {prompt}-{} replayed bit-identical to eager launches, wide blocks as the split launch", last - 1);
 }
 
 /// Staged 16-bit hand-offs (the default) against f32 rows converted by their consumer

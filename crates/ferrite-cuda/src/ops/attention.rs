@@ -305,9 +305,10 @@ impl DecodeLayout {
 /// Between the two, a per-head launch of 4 warps splits any context past one share of 128 keys
 /// and merges the shares through global memory (a partial state written, an atomic arrival, the
 /// last block reading every share). From 129 keys up to `wide_to_keys` a per-head block of more
-/// warps (`wide`, `FERRITE_CUDA_ATTENTION_WARPS`: 16 for heads of 64 values, 8 for 128) holds
-/// every key instead, its warps merging in shared memory (H100, SmolLM2: tg128 at depth 256
-/// +24%, at depth 0 and 1 024 such blocks were slower: docs/perf.md, stop 53).
+/// warps (`wide`, with `FERRITE_CUDA_ATTENTION_WARPS=16`: 16 for heads of 64 values, 8 for 128;
+/// off by default until the stages have run on a GPU) holds every key instead, its warps merging
+/// in shared memory (H100, SmolLM2: tg128 at depth 256 +24% with every block at 16 warps, at
+/// depth 0 and 1 024 such blocks were slower: docs/perf.md, stop 53).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct DecodeLayouts {
     pub short: DecodeLayout,
