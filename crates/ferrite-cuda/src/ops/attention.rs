@@ -350,8 +350,9 @@ impl DecodeLayouts {
             AttentionGroups::Adaptive => (layout(1), layout(kv_group)),
         };
         let group_from_keys = if long == short { usize::MAX } else { share_keys.saturating_mul(short.splits) };
-        // Wide blocks read at most 32 keys of 32 values per thread (16 warps for 64-value heads,
-        // 8 for 128); only where the short layout splits per head.
+        // A wide block holds at most 32 768 K/V values of its head (a batch of 32 keys per warp:
+        // 16 warps for 64-value heads, 8 for 128, none for 256); only where the short layout
+        // splits per head.
         let warps = [16, 8].into_iter().find(|&w| w <= wide_warps && w * head_dim <= 1024).unwrap_or(4);
         let wide = DecodeLayout { warps, ..DecodeLayout::one_block(1) };
         let wide_to_keys = if split && short.group == 1 && warps > 4 { (32 * warps).min(max_seq) } else { 0 };
