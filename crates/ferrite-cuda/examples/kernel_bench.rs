@@ -518,26 +518,28 @@ fn attention(gpu: &Gpu) -> Result<(), CudaError> {
     }
     // The decode step's kernel: K/V store, RoPE and attention in one launch, at the positions
     // of a short generation (SmolLM2 / 1B heads of 64, 8B heads of 128).
+    let max_seq = 4096;
     for (n_heads, n_kv, head_dim) in [(9usize, 3usize, 64usize), (32, 8, 128)] {
-        let layouts = ops::DecodeLayouts::new(gpu, n_heads, n_kv, head_dim, 4096, true);
+        let layouts = ops::DecodeLayouts::new(gpu, n_heads, n_kv, head_dim, max_seq, true);
         println!("\nfused decode attention (store + RoPE + attend), {n_heads} heads / {n_kv} KV heads of {head_dim}, f16 cache, {layouts:?}");
-        let mut cache = KvCache::new(gpu, KvDtype::F16, 4096, n_kv, head_dim)?;
+        let mut cache = KvCache::new(gpu, KvDtype::F16, max_seq, n_kv, head_dim)?;
         let row = (n_heads + 2 * n_kv) * head_dim;
         let qkv = gpu.upload(&vec![0.1f32; row], "qkv")?;
         let mut out = gpu.alloc_zeros::<f32>(n_heads * head_dim)?;
         let cfg = AttentionConfig { n_heads, scale: 1.0 / (head_dim as f32).sqrt(), window: None, softcap: None };
         let rope = ops::RopeConfig { n_heads, head_dim, rot_dim: head_dim, theta: 500_000.0, freq_scale: 1.0, neox: true };
         let mut scratch = ops::SplitScratch::new(gpu, n_heads, layouts.short.splits.max(layouts.long.splits), head_dim)?;
-        for pos in [0u32, 31, 127, 511, 1023, 2047, 4095] {
+        for pos in [0u32, 31, 127, 511, 1023, 2047, max_seq as u32 - 1] {
             let p = gpu.upload(&[pos], "pos")?;
             // The layout the executor would take at this position, and (one head per block) the
-            // launch with other warps per block (FERRITE_CUDA_ATTENTION_WARPS).
+            // launch with other warps per block (FERRITE_CUDA_ATTENTION_WARPS), no more shares
+            // than hold a batch of 32 keys per warp.
             let layout = layouts.layout(layouts.stage(pos as usize + 1));
             let one = ops::DecodeLayout::one_block(layout.group);
             let s = time(gpu, 200, || ops::store_and_attend(gpu, &mut cache, &qkv, &p, &cfg, Some(&rope), None, one, None, &mut out, None))?;
             let mut line = format!("  kv_len={:<5} {} heads per block {:>8.2} us", pos + 1, layout.group, s * 1e6);
             for warps in [4, 8, 16].into_iter().filter(|&w| layout.group == 1 || w == 4) {
-                let l = ops::DecodeLayout { warps, splits: layout.splits.min((4096 / (32 * warps)).max(1)), ..layout };
+                let l = ops::DecodeLayout { warps, splits: layout.splits.min((max_seq / (32 * warps)).max(1)), ..layout };
                 let split = time(gpu, 200, || ops::store_and_attend(gpu, &mut cache, &qkv, &p, &cfg, Some(&rope), None, l, Some(&mut scratch), &mut out, None))?;
                 line += &format!(" | {warps} warps, up to {} shares: {:.2} us", l.splits, split * 1e6);
             }

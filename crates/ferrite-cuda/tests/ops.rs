@@ -1420,7 +1420,7 @@ fn split_store_and_attend_matches_one_block_on(gpu: &Gpu) {
         }
         let mut scratch = ops::SplitScratch::new(gpu, n_heads, splits, hd).unwrap();
         for p in prefill as u32..prefill as u32 + 4 {
-            let name = format!("h{n_heads}/{n_kv} d{hd} {kv_dtype:?} w{window:?} pos{p} in {splits} shares");
+            let name = format!("h{n_heads}/{n_kv} d{hd} {kv_dtype:?} w{window:?} pos{p}");
             let qkv = upload(gpu, &rng.vec(row, -1.0, 1.0));
             let pos = upload(gpu, &[p]);
             let mut emitted = ops::Q8Activations::new(gpu, n_heads * hd).unwrap();
@@ -1431,14 +1431,19 @@ fn split_store_and_attend_matches_one_block_on(gpu: &Gpu) {
                 download(gpu, &want)
             };
             // Blocks of one head may have 8 or 16 warps (FERRITE_CUDA_ATTENTION_WARPS): shares of
-            // at least 256 / 512 keys, so fewer of them, or one block holding every key.
+            // at least 256 / 512 keys, so fewer of them, or one block holding every key; and the
+            // unsplit launch of such blocks (the executor's wide stage).
             for warps in [4, 8, 16].into_iter().filter(|&w| group == 1 || w == 4) {
-                let name = format!("{name}, {warps} warps");
-                let mut got = poisoned(gpu, n_heads * hd);
-                let layout = ops::DecodeLayout { group, splits, warps };
-                ops::store_and_attend(gpu, &mut split, &qkv, &pos, &cfg, Some(&rope), None, layout, Some(&mut scratch), &mut got, Some(ops::AttentionEmit::Q8(&mut emitted))).unwrap();
-                close("store+attn split", &name, &download(gpu, &got), &want_out, 1e-5, 2e-6);
-                assert_handoff_is_quantize(gpu, &emitted, &got, 1, n_heads * hd, &name);
+                let unsplit = (warps > 4).then_some(1);
+                for shares in [Some(splits), unsplit].into_iter().flatten() {
+                    let name = format!("{name}, {warps} warps in up to {shares} shares");
+                    let mut got = poisoned(gpu, n_heads * hd);
+                    let layout = ops::DecodeLayout { group, splits: shares, warps };
+                    let scratch = (shares > 1).then_some(&mut scratch);
+                    ops::store_and_attend(gpu, &mut split, &qkv, &pos, &cfg, Some(&rope), None, layout, scratch, &mut got, Some(ops::AttentionEmit::Q8(&mut emitted))).unwrap();
+                    close("store+attn split", &name, &download(gpu, &got), &want_out, 1e-5, 2e-6);
+                    assert_handoff_is_quantize(gpu, &emitted, &got, 1, n_heads * hd, &name);
+                }
             }
         }
         assert_eq!(split.download(gpu).unwrap(), one.download(gpu).unwrap(), "cache rows written by the split kernel");
