@@ -223,6 +223,9 @@ switches! {
     /// Most warps of a wide one-token decode attention block.
     CUDA_ATTENTION_WARPS = ("FERRITE_CUDA_ATTENTION_WARPS", "4", AbTest,
         "4|8|16: the most warps of a wide CUDA decode attention block. A one-token step's attention runs a 4-warp block per query head, each warp scoring 32 keys per batch, and splits a context past 128 keys into shares merged through global memory; from 129 keys up to 32 x warps a block of more warps per head (16 for heads of 64 values, 8 for 128, none for 256) holds them all and merges its warps in shared memory, a decode graph of its own (H100, SmolLM2 tg128 at depth 256 with every block at 16 warps: +24%). 4 (the default until the stages have run on a GPU; cuda_model's decode_attention_stages_match checks them): no wide blocks.");
+    /// Batches of keys a warp of a wide decode attention block takes.
+    CUDA_ATTENTION_WIDE_BATCHES = ("FERRITE_CUDA_ATTENTION_WIDE_BATCHES", "1", AbTest,
+        "1-64: how many batches of 32 keys each warp of a wide CUDA decode attention block (FERRITE_CUDA_ATTENTION_WARPS) takes, one after the other, so the wide stage serves up to 32 x warps x batches keys (1: 512 keys with 16 warps). More batches cost a memory round trip each and spare the short layout's merge of shares through global memory.");
     /// Cap on the query heads a grouped CUDA attention block serves.
     CUDA_ATTENTION_MAX_GROUP = ("FERRITE_CUDA_ATTENTION_MAX_GROUP", "8", AbTest,
         "1-8: the most query heads of one KV group that a grouped CUDA attention block (FERRITE_CUDA_ATTENTION_GROUPS) serves; the group is the largest divisor of the heads per KV head up to it. Fewer heads per block mean more blocks, each with less arithmetic, and each K/V row loaded by more blocks.");

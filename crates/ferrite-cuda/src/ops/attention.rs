@@ -336,13 +336,14 @@ impl DecodeLayouts {
     /// (`split`).
     pub fn new(gpu: &Gpu, n_heads: usize, n_kv_heads: usize, head_dim: usize, max_seq: usize, split: bool) -> Self {
         let share_keys = env::CUDA_ATTENTION_GROUP_SHARE_VALUES.parse(16_384usize) / head_dim.max(1);
-        let blocks = DecodeBlocks { mode: gpu.attention_groups(), kv_group: kv_group(gpu, n_heads, n_kv_heads), wide_warps: gpu.attention_warps() };
+        let wide_batches = env::CUDA_ATTENTION_WIDE_BATCHES.parse(1usize).clamp(1, 64);
+        let blocks = DecodeBlocks { mode: gpu.attention_groups(), kv_group: kv_group(gpu, n_heads, n_kv_heads), wide_warps: gpu.attention_warps(), wide_batches };
         Self::plan(blocks, gpu.sm_count() as usize, n_heads, head_dim, max_seq, split, share_keys)
     }
 
     /// `share_keys`: keys per share of the per-head launch from which the grouped one serves.
     fn plan(blocks: DecodeBlocks, sm_count: usize, n_heads: usize, head_dim: usize, max_seq: usize, split: bool, share_keys: usize) -> Self {
-        let DecodeBlocks { mode, kv_group, wide_warps } = blocks;
+        let DecodeBlocks { mode, kv_group, wide_warps, wide_batches } = blocks;
         let layout = |group: usize| DecodeLayout { splits: if split { attention_splits(sm_count, n_heads / group, 1, max_seq) } else { 1 }, ..DecodeLayout::one_block(group) };
         let (short, long) = match mode {
             AttentionGroups::Off | AttentionGroups::Paged => (layout(1), layout(1)),
@@ -350,12 +351,12 @@ impl DecodeLayouts {
             AttentionGroups::Adaptive => (layout(1), layout(kv_group)),
         };
         let group_from_keys = if long == short { usize::MAX } else { share_keys.saturating_mul(short.splits) };
-        // A wide block holds at most 32 768 K/V values of its head (a batch of 32 keys per warp:
-        // 16 warps for 64-value heads, 8 for 128, none for 256); only where the short layout
-        // splits per head.
+        // A wide block's batch holds at most 32 768 K/V values of its head (32 keys per warp: 16
+        // warps for 64-value heads, 8 for 128, none for 256), `wide_batches` batches in all; only
+        // where the short layout splits per head.
         let warps = [16, 8].into_iter().find(|&w| w <= wide_warps && w * head_dim <= 1024).unwrap_or(4);
         let wide = DecodeLayout { warps, ..DecodeLayout::one_block(1) };
-        let wide_to_keys = if split && short.group == 1 && warps > 4 { (32 * warps).min(max_seq) } else { 0 };
+        let wide_to_keys = if split && short.group == 1 && warps > 4 { (32 * warps * wide_batches).min(max_seq) } else { 0 };
         DecodeLayouts { short, wide, long, wide_to_keys, group_from_keys }
     }
 
@@ -380,12 +381,14 @@ impl DecodeLayouts {
 }
 
 /// How the one-token decode blocks may be shaped: [`AttentionGroups`], the query heads of a KV
-/// group, and the most warps of a wide block (`FERRITE_CUDA_ATTENTION_WARPS`).
+/// group, the most warps of a wide block (`FERRITE_CUDA_ATTENTION_WARPS`) and the batches of 32
+/// keys each of its warps takes (`FERRITE_CUDA_ATTENTION_WIDE_BATCHES`).
 #[derive(Clone, Copy, Debug)]
 struct DecodeBlocks {
     mode: AttentionGroups,
     kv_group: usize,
     wide_warps: usize,
+    wide_batches: usize,
 }
 
 /// What an attention kernel hands to the linear after it, besides its f32 output rows.
@@ -842,7 +845,7 @@ mod tests {
     /// The decode layouts of the 8B and SmolLM2 shapes on 132 SMs and a 4 096-position cache.
     #[test]
     fn decode_layouts_group_deep_in_a_context() {
-        let blocks = |mode, kv_group| DecodeBlocks { mode, kv_group, wide_warps: 16 };
+        let blocks = |mode, kv_group| DecodeBlocks { mode, kv_group, wide_warps: 16, wide_batches: 1 };
         let plan = |mode, kv_group, n_heads, split| DecodeLayouts::plan(blocks(mode, kv_group), 132, n_heads, 128, 4096, split, 128);
         let l = plan(AttentionGroups::Adaptive, 4, 32, true);
         assert_eq!((l.short, l.long), (DecodeLayout { group: 1, splits: 9, warps: 4 }, DecodeLayout { group: 4, splits: 32, warps: 4 }));
@@ -868,6 +871,10 @@ mod tests {
         assert_eq!(plan(AttentionGroups::All, 4, 32, true).wide_to_keys, 0);
         let eight = DecodeBlocks { wide_warps: 8, ..blocks(AttentionGroups::Adaptive, 3) };
         assert_eq!(DecodeLayouts::plan(eight, 132, 9, 64, 4096, true, 256).wide_to_keys, 256);
+        // Several batches a warp: 4 x 512 keys, still short past them.
+        let four = DecodeBlocks { wide_batches: 4, ..blocks(AttentionGroups::Adaptive, 3) };
+        let l = DecodeLayouts::plan(four, 132, 9, 64, 4096, true, 256);
+        assert_eq!((l.wide_to_keys, l.stage(2048), l.stage(2049)), (2048, Wide, Short));
         for mode in [AttentionGroups::Off, AttentionGroups::Paged, AttentionGroups::All] {
             let l = plan(mode, 4, 32, true);
             assert_eq!((l.short, l.group_from_keys), (l.long, usize::MAX), "{mode:?}: one layout");
