@@ -329,9 +329,6 @@ pub enum DecodeStage {
 }
 
 impl DecodeLayouts {
-    /// Keys one 4-warp share holds: past them the short layout merges shares.
-    const SHORT_SHARE_KEYS: usize = 128;
-
     /// For a cache of `max_seq` positions of `head_dim`-value rows on `gpu`, split-KV or not
     /// (`split`).
     pub fn new(gpu: &Gpu, n_heads: usize, n_kv_heads: usize, head_dim: usize, max_seq: usize, split: bool) -> Self {
@@ -364,7 +361,8 @@ impl DecodeLayouts {
     pub fn stage(&self, keys: usize) -> DecodeStage {
         if keys >= self.group_from_keys {
             DecodeStage::Long
-        } else if keys > Self::SHORT_SHARE_KEYS && keys <= self.wide_to_keys {
+        } else if keys > 32 * self.short.warps && keys <= self.wide_to_keys {
+            // Past one batch of 32 keys per warp of the short layout's block, where it splits.
             DecodeStage::Wide
         } else {
             DecodeStage::Short
