@@ -447,11 +447,14 @@ fn cuda_fp32_matches_cpu_reference_on_real_shapes() {
 /// short up to 128 keys, wide blocks of 16 warps from 129 to 512, short and split again past
 /// them), each replayed from its own decode graph: logits bit-identical to launching every op,
 /// and the wide stage's those of the split launch (`FERRITE_CUDA_ATTENTION_WARPS=4`) up to the
-/// order of the float sums.
+/// order of the float sums. Untraced, as `ferrite run` steps, but with the MLP as two launches:
+/// the fused MLP's atomic adds into the residual stream arrive in any order, so its logits' last
+/// bits vary from run to run (`FERRITE_CUDA_FUSED_MLP`).
 fn decode_attention_stages_match() {
     let shape = SynthShape { name: "llama-small-1k", context_length: 1024, ..LLAMA_SMALL };
     let model = synthetic(&shape, GgmlType::Q8_0);
     let (prompt, last) = (120usize, 540usize);
+    std::env::set_var("FERRITE_CUDA_FUSED_MLP", "0");
     let run = |disable_graph: &str, warps: &str| {
         std::env::set_var("FERRITE_DISABLE_CUDA_GRAPH", disable_graph);
         std::env::set_var("FERRITE_CUDA_ATTENTION_WARPS", warps);
@@ -469,10 +472,13 @@ fn decode_attention_stages_match() {
             .collect::<Vec<Vec<f32>>>()
     };
     let (replayed, eager, split) = (run("0", "16"), run("1", "16"), run("0", "4"));
-    std::env::remove_var("FERRITE_DISABLE_CUDA_GRAPH");
-    std::env::remove_var("FERRITE_CUDA_ATTENTION_WARPS");
-    let bits = |v: &[Vec<f32>]| v.iter().flatten().map(|x| x.to_bits()).collect::<Vec<u32>>();
-    assert!(bits(&replayed) == bits(&eager), "decode stages: graph replay changes the logits");
+    for name in ["FERRITE_DISABLE_CUDA_GRAPH", "FERRITE_CUDA_ATTENTION_WARPS", "FERRITE_CUDA_FUSED_MLP"] {
+        std::env::remove_var(name);
+    }
+    let same_bits = |a: &[f32], b: &[f32]| a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
+    if let Some(i) = replayed.iter().zip(&eager).position(|(r, e)| !same_bits(r, e)) {
+        panic!("decode stages: graph replay changes the logits at position {}", prompt + i);
+    }
     for (i, (wide, split)) in replayed.iter().zip(&split).enumerate() {
         let scale = split.iter().fold(1f32, |m, x| m.max(x.abs()));
         let worst = wide.iter().zip(split).fold(0f32, |m, (a, b)| m.max((a - b).abs()));
