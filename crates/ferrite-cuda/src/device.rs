@@ -110,7 +110,7 @@ impl GpuOptions {
             attention_path: AttentionPath::forced_by(env::CUDA_ATTENTION_PATH.get().as_deref()),
             attention_groups: AttentionGroups::from_env(),
             attention_max_group: env::CUDA_ATTENTION_MAX_GROUP.parse(8usize).clamp(1, 8),
-            attention_warps: env::CUDA_ATTENTION_WARPS.parse(4usize).clamp(4, 16).next_power_of_two(),
+            attention_warps: env::CUDA_ATTENTION_WARPS.parse(16usize).clamp(4, 16).next_power_of_two(),
             moe_path: MoePath::forced_by(env::CUDA_MOE_PATH.get().as_deref()),
             timeline: env::CUDA_TIMELINE.flag(),
         }

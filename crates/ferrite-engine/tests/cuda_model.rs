@@ -449,12 +449,15 @@ fn cuda_fp32_matches_cpu_reference_on_real_shapes() {
 /// and the wide stage's those of the split launch (`FERRITE_CUDA_ATTENTION_WARPS=4`) up to the
 /// order of the float sums. Untraced, as `ferrite run` steps, but with the MLP as two launches:
 /// the fused MLP's atomic adds into the residual stream arrive in any order, so its logits' last
-/// bits vary from run to run (`FERRITE_CUDA_FUSED_MLP`).
+/// bits vary from run to run (`FERRITE_CUDA_FUSED_MLP`). One batch of keys a warp of a wide
+/// block (`FERRITE_CUDA_ATTENTION_WIDE_BATCHES=1`: up to 512 keys), so that the steps also cross
+/// from the wide stage back to the split one (the op tests run the wide blocks' later batches).
 fn decode_attention_stages_match() {
     let shape = SynthShape { name: "llama-small-1k", context_length: 1024, ..LLAMA_SMALL };
     let model = synthetic(&shape, GgmlType::Q8_0);
     let (prompt, last) = (120usize, 540usize);
     std::env::set_var("FERRITE_CUDA_FUSED_MLP", "0");
+    std::env::set_var("FERRITE_CUDA_ATTENTION_WIDE_BATCHES", "1");
     let run = |disable_graph: &str, warps: &str| {
         std::env::set_var("FERRITE_DISABLE_CUDA_GRAPH", disable_graph);
         std::env::set_var("FERRITE_CUDA_ATTENTION_WARPS", warps);
@@ -472,7 +475,7 @@ fn decode_attention_stages_match() {
             .collect::<Vec<Vec<f32>>>()
     };
     let (replayed, eager, split) = (run("0", "16"), run("1", "16"), run("0", "4"));
-    for name in ["FERRITE_DISABLE_CUDA_GRAPH", "FERRITE_CUDA_ATTENTION_WARPS", "FERRITE_CUDA_FUSED_MLP"] {
+    for name in ["FERRITE_DISABLE_CUDA_GRAPH", "FERRITE_CUDA_ATTENTION_WARPS", "FERRITE_CUDA_FUSED_MLP", "FERRITE_CUDA_ATTENTION_WIDE_BATCHES"] {
         std::env::remove_var(name);
     }
     let same_bits = |a: &[f32], b: &[f32]| a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());

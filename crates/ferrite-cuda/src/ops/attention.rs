@@ -305,10 +305,11 @@ impl DecodeLayout {
 /// Between the two, a per-head launch of 4 warps splits any context past one share of 128 keys
 /// and merges the shares through global memory (a partial state written, an atomic arrival, the
 /// last block reading every share). From 129 keys up to `wide_to_keys` a per-head block of more
-/// warps (`wide`, with `FERRITE_CUDA_ATTENTION_WARPS=16`: 16 for heads of 64 values, 8 for 128;
-/// off by default until the stages have run on a GPU) holds every key instead, its warps merging
-/// in shared memory (H100, SmolLM2: tg128 at depth 256 +24% with every block at 16 warps, at
-/// depth 0 and 1 024 such blocks were slower: docs/perf.md, stop 53).
+/// warps (`wide`, `FERRITE_CUDA_ATTENTION_WARPS`, default 16: 16 for heads of 64 values, 8 for
+/// 128), each warp taking up to `FERRITE_CUDA_ATTENTION_WIDE_BATCHES` (2) batches of 32 keys,
+/// holds every key instead, its warps merging in shared memory (H100, stop 55: SmolLM2 tg128 at
+/// depth 256 +23%; two batches a warp against one, at depth 512: +3%, the 1B +10%; 16-warp
+/// blocks at depth 0, or split in shares, were slower: docs/perf.md, stops 53 and 55).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct DecodeLayouts {
     pub short: DecodeLayout,
@@ -333,7 +334,7 @@ impl DecodeLayouts {
     /// (`split`).
     pub fn new(gpu: &Gpu, n_heads: usize, n_kv_heads: usize, head_dim: usize, max_seq: usize, split: bool) -> Self {
         let share_keys = env::CUDA_ATTENTION_GROUP_SHARE_VALUES.parse(16_384usize) / head_dim.max(1);
-        let wide_batches = env::CUDA_ATTENTION_WIDE_BATCHES.parse(1usize).clamp(1, 64);
+        let wide_batches = env::CUDA_ATTENTION_WIDE_BATCHES.parse(2usize).clamp(1, 64);
         let blocks = DecodeBlocks { mode: gpu.attention_groups(), kv_group: kv_group(gpu, n_heads, n_kv_heads), wide_warps: gpu.attention_warps(), wide_batches };
         Self::plan(blocks, gpu.sm_count() as usize, n_heads, head_dim, max_seq, split, share_keys)
     }
