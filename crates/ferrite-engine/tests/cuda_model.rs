@@ -451,16 +451,17 @@ fn cuda_fp32_matches_cpu_reference_on_real_shapes() {
 /// the fused MLP's atomic adds into the residual stream arrive in any order, so its logits' last
 /// bits vary from run to run (`FERRITE_CUDA_FUSED_MLP`). One batch of keys a warp of a wide
 /// block (`FERRITE_CUDA_ATTENTION_WIDE_BATCHES=1`: up to 512 keys), so that the steps also cross
-/// from the wide stage back to the split one (the op tests run the wide blocks' later batches).
+/// from the wide stage back to the split one; then the default two batches (up to 1 024 keys:
+/// a warp's second batch from 513 keys on) against the split launch too.
 fn decode_attention_stages_match() {
     let shape = SynthShape { name: "llama-small-1k", context_length: 1024, ..LLAMA_SMALL };
     let model = synthetic(&shape, GgmlType::Q8_0);
     let (prompt, last) = (120usize, 540usize);
     std::env::set_var("FERRITE_CUDA_FUSED_MLP", "0");
-    std::env::set_var("FERRITE_CUDA_ATTENTION_WIDE_BATCHES", "1");
-    let run = |disable_graph: &str, warps: &str| {
+    let run = |disable_graph: &str, warps: &str, batches: &str| {
         std::env::set_var("FERRITE_DISABLE_CUDA_GRAPH", disable_graph);
         std::env::set_var("FERRITE_CUDA_ATTENTION_WARPS", warps);
+        std::env::set_var("FERRITE_CUDA_ATTENTION_WIDE_BATCHES", batches);
         let opts = ExecutorOptions { max_batch: 16, context_len: 1024, trace: false, progress: None };
         let mut gpu = ferrite_cuda::CudaExecutor::new(Arc::clone(&model), opts).unwrap();
         let ids: Vec<u32> = (0..prompt).map(|t| ((t * 389 + 1) % 49152) as u32).collect();
@@ -474,7 +475,7 @@ fn decode_attention_stages_match() {
             })
             .collect::<Vec<Vec<f32>>>()
     };
-    let (replayed, eager, split) = (run("0", "16"), run("1", "16"), run("0", "4"));
+    let (replayed, eager, split, two_batches) = (run("0", "16", "1"), run("1", "16", "1"), run("0", "4", "1"), run("0", "16", "2"));
     for name in ["FERRITE_DISABLE_CUDA_GRAPH", "FERRITE_CUDA_ATTENTION_WARPS", "FERRITE_CUDA_FUSED_MLP", "FERRITE_CUDA_ATTENTION_WIDE_BATCHES"] {
         std::env::remove_var(name);
     }
@@ -482,12 +483,14 @@ fn decode_attention_stages_match() {
     if let Some(i) = replayed.iter().zip(&eager).position(|(r, e)| !same_bits(r, e)) {
         panic!("decode stages: graph replay changes the logits at position {}", prompt + i);
     }
-    for (i, (wide, split)) in replayed.iter().zip(&split).enumerate() {
-        let scale = split.iter().fold(1f32, |m, x| m.max(x.abs()));
-        let worst = wide.iter().zip(split).fold(0f32, |m, (a, b)| m.max((a - b).abs()));
-        assert!(worst <= 1e-3 * scale, "position {}: wide and split attention differ by {worst} (logits up to {scale})", prompt + i);
+    for (wide, batches) in [(&replayed, 1), (&two_batches, 2)] {
+        for (i, (wide, split)) in wide.iter().zip(&split).enumerate() {
+            let scale = split.iter().fold(1f32, |m, x| m.max(x.abs()));
+            let worst = wide.iter().zip(split).fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+            assert!(worst <= 1e-3 * scale, "position {}: wide blocks ({batches} batches a warp) and the split launch differ by {worst} (logits up to {scale})", prompt + i);
+        }
     }
-    println!("decode attention stages: positions {prompt}-{} replayed bit-identical to eager launches, wide blocks as the split launch", last - 1);
+    println!("decode attention stages: positions {prompt}-{} replayed bit-identical to eager launches, wide blocks of one and two batches a warp as the split launch", last - 1);
 }
 
 /// Staged 16-bit hand-offs (the default) against f32 rows converted by their consumer
