@@ -226,6 +226,9 @@ switches! {
     /// Batches of keys a warp of a wide decode attention block takes.
     CUDA_ATTENTION_WIDE_BATCHES = ("FERRITE_CUDA_ATTENTION_WIDE_BATCHES", "2", AbTest,
         "1-64: how many batches of 32 keys each warp of a wide CUDA decode attention block (FERRITE_CUDA_ATTENTION_WARPS) takes, one after the other, so the wide stage serves up to 32 x warps x batches keys (2: 1 024 keys with 16 warps). More batches cost a memory round trip each and spare the short layout's merge of shares through global memory (H100, stop 55, tg128 at depth 512 against 1: SmolLM2 +3%, the 1B +10%; 4 batches: depth 1 024 16% slower).");
+    /// Wide decode attention blocks per query head, as one thread-block cluster.
+    CUDA_ATTENTION_WIDE_CLUSTER = ("FERRITE_CUDA_ATTENTION_WIDE_CLUSTER", "1", AbTest,
+        "1-8: the wide CUDA decode attention blocks per query head (sm_90), launched as one thread-block cluster whose blocks split the keys and merge their states through distributed shared memory (a cluster barrier) instead of global memory, so the wide stage serves up to 32 x warps x batches x blocks keys on more SMs. 1: one block per head, no cluster. Not yet measured on a GPU (stop 55).");
     /// Cap on the query heads a grouped CUDA attention block serves.
     CUDA_ATTENTION_MAX_GROUP = ("FERRITE_CUDA_ATTENTION_MAX_GROUP", "8", AbTest,
         "1-8: the most query heads of one KV group that a grouped CUDA attention block (FERRITE_CUDA_ATTENTION_GROUPS) serves; the group is the largest divisor of the heads per KV head up to it. Fewer heads per block mean more blocks, each with less arithmetic, and each K/V row loaded by more blocks.");

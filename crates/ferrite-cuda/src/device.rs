@@ -398,7 +398,8 @@ impl Gpu {
             format!("launching {}::{entry} ({variant:?}, grid {:?}, block {:?})", V::FAMILY, cfg.grid_dim, cfg.block_dim)
         };
         allow_launch(function, &cfg).context(what)?;
-        if !self.dependent_launch {
+        let cluster_z = variant.cluster_z();
+        if !self.dependent_launch && cluster_z == 1 {
             let mut builder = self.stream.launch_builder(function);
             builder.arg(params);
             unsafe { builder.launch(cfg) }.context(what)?;
@@ -407,12 +408,21 @@ impl Gpu {
         // Programmatic dependent launch: the kernel may be scheduled before the previous kernel
         // in the stream has finished; every kernel waits for it (`pdl_wait` in the common
         // header) before touching activations, so only its start-up and weight loads overlap.
-        let mut attribute = sys::CUlaunchAttribute {
-            id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
-            pad: [0; 4],
-            value: sys::CUlaunchAttributeValue { programmaticStreamSerializationAllowed: 1 },
-        };
-        let config = self.launch_config_ex(&cfg, std::slice::from_mut(&mut attribute));
+        // A clustered kernel (sm_90) takes its cluster shape as a second attribute.
+        let mut attributes = [
+            sys::CUlaunchAttribute {
+                id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
+                pad: [0; 4],
+                value: sys::CUlaunchAttributeValue { programmaticStreamSerializationAllowed: i32::from(self.dependent_launch) },
+            },
+            sys::CUlaunchAttribute {
+                id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION,
+                pad: [0; 4],
+                value: sys::CUlaunchAttributeValue { clusterDim: sys::CUlaunchAttributeValue_union__bindgen_ty_1 { x: 1, y: 1, z: cluster_z } },
+            },
+        ];
+        let used = if cluster_z > 1 { 2 } else { 1 };
+        let config = self.launch_config_ex(&cfg, &mut attributes[..used]);
         // One kernel argument: the parameter struct, passed by value.
         let mut args = [params as *const P as *mut std::ffi::c_void];
         self.ctx.bind_to_thread().context(what)?;

@@ -1204,7 +1204,7 @@ impl CudaExecutor {
                 if n == 1 && buf.fused_kv_store {
                     // Decode: one kernel stores the token's K/V and attends.
                     let layout = buf.decode.layout(buf.decode_stage);
-                    let scratch = (layout.splits > 1).then_some(&mut buf.split_scratch);
+                    let scratch = (layout.splits > 1 && !layout.cluster).then_some(&mut buf.split_scratch);
                     ops::store_and_attend(gpu, cache, input(qkv), &buf.positions, &cfg, rope.as_ref(), qk_norm, layout, scratch, out, emit)?;
                     return Ok(());
                 }

@@ -1432,14 +1432,18 @@ fn split_store_and_attend_matches_one_block_on(gpu: &Gpu) {
             };
             // Blocks of one head may have 8 or 16 warps (FERRITE_CUDA_ATTENTION_WARPS): shares of
             // at least 256 / 512 keys, so fewer of them, or one block holding every key; and the
-            // unsplit launch of such blocks (the executor's wide stage).
+            // unsplit launch of such blocks (the executor's wide stage), alone or as clusters of
+            // 2-8 blocks merging through distributed shared memory (sm_90,
+            // FERRITE_CUDA_ATTENTION_WIDE_CLUSTER; the first positions leave some blocks keyless).
+            let clusters: &[usize] = if gpu.compute_capability().0 >= 9 && group == 1 { &[2, 3, 8] } else { &[] };
             for warps in [4, 8, 16].into_iter().filter(|&w| group == 1 || w == 4) {
-                let unsplit = (warps > 4).then_some(1);
-                for shares in [Some(splits), unsplit].into_iter().flatten() {
-                    let name = format!("{name}, {warps} warps in up to {shares} shares");
+                let unsplit = (warps > 4).then_some((1, false));
+                let clustered = clusters.iter().map(|&c| (c, true));
+                for (shares, cluster) in std::iter::once((splits, false)).chain(unsplit).chain(clustered) {
+                    let name = format!("{name}, {warps} warps in up to {shares} shares{}", if cluster { " of a cluster" } else { "" });
                     let mut got = poisoned(gpu, n_heads * hd);
-                    let layout = ops::DecodeLayout { group, splits: shares, warps };
-                    let scratch = (shares > 1).then_some(&mut scratch);
+                    let layout = ops::DecodeLayout { group, splits: shares, warps, cluster };
+                    let scratch = (shares > 1 && !cluster).then_some(&mut scratch);
                     ops::store_and_attend(gpu, &mut split, &qkv, &pos, &cfg, Some(&rope), None, layout, scratch, &mut got, Some(ops::AttentionEmit::Q8(&mut emitted))).unwrap();
                     close("store+attn split", &name, &download(gpu, &got), &want_out, 1e-5, 2e-6);
                     assert_handoff_is_quantize(gpu, &emitted, &got, 1, n_heads * hd, &name);
@@ -3486,10 +3490,17 @@ fn every_kernel_variant_compiles_for_sm90() {
                     let v = AttentionVariant { qk_norm: true, ..v };
                     check(format!("{v:?}"), job(&v));
                 }
-                // Blocks of one head with more warps (FERRITE_CUDA_ATTENTION_WARPS).
-                for nwarps in [8, 16] {
+                // Blocks of one head with more warps (FERRITE_CUDA_ATTENTION_WARPS), unsplit ones
+                // also as clusters (FERRITE_CUDA_ATTENTION_WIDE_CLUSTER).
+                for nwarps in [4, 8, 16] {
                     let v = AttentionVariant { nwarps, ..AttentionVariant::storing(hd, kv, rope, split, 1) };
-                    check(format!("{v:?}"), job(&v));
+                    if nwarps > 4 {
+                        check(format!("{v:?}"), job(&v));
+                    }
+                    if !split {
+                        let v = AttentionVariant { cluster: 2, ..v };
+                        check(format!("{v:?}"), job(&v));
+                    }
                 }
             }
             for group in [1, 3, 4, 8] {

@@ -452,16 +452,18 @@ fn cuda_fp32_matches_cpu_reference_on_real_shapes() {
 /// bits vary from run to run (`FERRITE_CUDA_FUSED_MLP`). One batch of keys a warp of a wide
 /// block (`FERRITE_CUDA_ATTENTION_WIDE_BATCHES=1`: up to 512 keys), so that the steps also cross
 /// from the wide stage back to the split one; then the default two batches (up to 1 024 keys:
-/// a warp's second batch from 513 keys on) against the split launch too.
+/// a warp's second batch from 513 keys on) and wide blocks as clusters of two per head
+/// (`FERRITE_CUDA_ATTENTION_WIDE_CLUSTER=2`, sm_90) against the split launch too.
 fn decode_attention_stages_match() {
     let shape = SynthShape { name: "llama-small-1k", context_length: 1024, ..LLAMA_SMALL };
     let model = synthetic(&shape, GgmlType::Q8_0);
     let (prompt, last) = (120usize, 540usize);
     std::env::set_var("FERRITE_CUDA_FUSED_MLP", "0");
-    let run = |disable_graph: &str, warps: &str, batches: &str| {
+    let run_clustered = |disable_graph: &str, warps: &str, batches: &str, cluster: &str| {
         std::env::set_var("FERRITE_DISABLE_CUDA_GRAPH", disable_graph);
         std::env::set_var("FERRITE_CUDA_ATTENTION_WARPS", warps);
         std::env::set_var("FERRITE_CUDA_ATTENTION_WIDE_BATCHES", batches);
+        std::env::set_var("FERRITE_CUDA_ATTENTION_WIDE_CLUSTER", cluster);
         let opts = ExecutorOptions { max_batch: 16, context_len: 1024, trace: false, progress: None };
         let mut gpu = ferrite_cuda::CudaExecutor::new(Arc::clone(&model), opts).unwrap();
         let ids: Vec<u32> = (0..prompt).map(|t| ((t * 389 + 1) % 49152) as u32).collect();
@@ -475,22 +477,35 @@ fn decode_attention_stages_match() {
             })
             .collect::<Vec<Vec<f32>>>()
     };
+    let run = |disable_graph: &str, warps: &str, batches: &str| run_clustered(disable_graph, warps, batches, "1");
     let (replayed, eager, split, two_batches) = (run("0", "16", "1"), run("1", "16", "1"), run("0", "4", "1"), run("0", "16", "2"));
-    for name in ["FERRITE_DISABLE_CUDA_GRAPH", "FERRITE_CUDA_ATTENTION_WARPS", "FERRITE_CUDA_FUSED_MLP", "FERRITE_CUDA_ATTENTION_WIDE_BATCHES"] {
+    let sm90 = ferrite_cuda::Gpu::new(0).is_ok_and(|g| g.compute_capability().0 >= 9);
+    let clustered = if sm90 { run_clustered("0", "16", "1", "2") } else { Vec::new() };
+    for name in [
+        "FERRITE_DISABLE_CUDA_GRAPH",
+        "FERRITE_CUDA_ATTENTION_WARPS",
+        "FERRITE_CUDA_FUSED_MLP",
+        "FERRITE_CUDA_ATTENTION_WIDE_BATCHES",
+        "FERRITE_CUDA_ATTENTION_WIDE_CLUSTER",
+    ] {
         std::env::remove_var(name);
     }
     let same_bits = |a: &[f32], b: &[f32]| a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
     if let Some(i) = replayed.iter().zip(&eager).position(|(r, e)| !same_bits(r, e)) {
         panic!("decode stages: graph replay changes the logits at position {}", prompt + i);
     }
-    for (wide, batches) in [(&replayed, 1), (&two_batches, 2)] {
+    for (wide, what) in [(&replayed, "one batch a warp"), (&two_batches, "two batches a warp"), (&clustered, "clusters of two")] {
         for (i, (wide, split)) in wide.iter().zip(&split).enumerate() {
             let scale = split.iter().fold(1f32, |m, x| m.max(x.abs()));
             let worst = wide.iter().zip(split).fold(0f32, |m, (a, b)| m.max((a - b).abs()));
-            assert!(worst <= 1e-3 * scale, "position {}: wide blocks ({batches} batches a warp) and the split launch differ by {worst} (logits up to {scale})", prompt + i);
+            assert!(worst <= 1e-3 * scale, "position {}: wide blocks ({what}) and the split launch differ by {worst} (logits up to {scale})", prompt + i);
         }
     }
-    println!("decode attention stages: positions {prompt}-{} replayed bit-identical to eager launches, wide blocks of one and two batches a warp as the split launch", last - 1);
+    println!(
+        "decode attention stages: positions {prompt}-{} replayed bit-identical to eager launches, wide blocks of one and two batches a warp{} as the split launch",
+        last - 1,
+        if sm90 { " and in clusters" } else { "" }
+    );
 }
 
 /// Staged 16-bit hand-offs (the default) against f32 rows converted by their consumer

@@ -385,6 +385,12 @@ const ATTENTION: &str = r#"
 #if STORE && HEAD_DIM / 2 > NWARPS * 32
 #error "the fused K/V store turns one value pair per thread"
 #endif
+#ifndef CLUSTER
+#error "CLUSTER (1: no cluster; n: the gridDim.z == n blocks of a query share its keys as one thread-block cluster, merging through distributed shared memory) must come from the kernel variant"
+#endif
+#if CLUSTER > 1 && (SPLIT || PAGED || !STORE)
+#error "a cluster of shares serves the one-token decode kernel with its K/V store, without the global merge"
+#endif
 #ifndef GROUP
 #error "GROUP (query heads per block: the heads of one KV group score each K row and weigh each V row they load together; 1: a block per query head) must come from the kernel variant"
 #endif
@@ -482,6 +488,22 @@ __device__ __forceinline__ void prefetch_kv(const AttentionParams& p, const kv_t
 // projection. The warps' states are merged through shared memory at the end.
 // With SPLIT, each block stores its merged state; the last block of a query to arrive (an
 // atomic counter) merges the shares and writes the output, so no second kernel is needed.
+#if CLUSTER > 1
+// Every thread of the cluster's blocks meets here; writes before it are seen by reads after it.
+__device__ __forceinline__ void cluster_barrier() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+
+// Where `local` (a __shared__ variable) lies in the shared memory of the cluster's block `rank`,
+// as a generic address: plain loads through it reach the other block's memory, and being plain
+// they may all be in flight together (and stay after the barriers, which clobber memory).
+__device__ __forceinline__ const float* cluster_map(const float* local, u32 rank) {
+  unsigned long long remote;
+  asm("mapa.u64 %0, %1, %2;" : "=l"(remote) : "l"(local), "r"(rank));
+  return reinterpret_cast<const float*>(remote);
+}
+#endif
+
 extern "C" __global__ void __launch_bounds__(NWARPS * 32) attention(const AttentionParams p) {
   __shared__ __align__(16) float s_q[GROUP][HEAD_DIM];
   __shared__ float s_m[NWARPS][GROUP], s_l[NWARPS][GROUP], s_acc[NWARPS][GROUP][HEAD_DIM];
@@ -496,14 +518,23 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32) attention(const Attent
   const u32 kv_head = head / (p.n_heads / p.n_kv_heads);
   const u32 first = (p.window > 0 && pos + 1 > p.window) ? pos + 1 - p.window : 0;
   const u32 len = pos + 1 - first;  // keys of the query, the new one included
+#if CLUSTER > 1
+  // Even shares of whole batches of 32 keys: every block of the cluster has some once there are
+  // 32 x CLUSTER keys.
+  const u32 share = ((len + gridDim.z - 1) / gridDim.z + 31) & ~31u;
+#else
   const u32 share = max((len + gridDim.z - 1) / gridDim.z, SPLIT ? MIN_SHARE : 1u);
+#endif
   // The shares that hold keys (the grid is sized for the longest context): blocks past them
-  // leave at once, and a lone share writes the output itself, without the merge.
+  // leave at once (in a cluster they stay, with no keys, for its barriers), and a lone share
+  // writes the output itself, without the merge.
   const u32 active = (len + share - 1) / share;
+#if CLUSTER <= 1
   if (blockIdx.z >= active) return;  // block-uniform, before any barrier
+#endif
   // With STORE the new key (pos) is scored in the loop like the cached ones, its K and V rows
   // taken from shared memory in place of what was loaded for them.
-  const u32 begin = first + blockIdx.z * share, end = min(pos + 1, begin + share);
+  const u32 begin = min(first + blockIdx.z * share, pos + 1), end = min(pos + 1, begin + share);
   const i64 row = (i64)p.n_kv_heads * HEAD_DIM;
   const kv_t* kc = reinterpret_cast<const kv_t*>(p.k_cache) + (i64)kv_head * HEAD_DIM;
   const kv_t* vc = reinterpret_cast<const kv_t*>(p.v_cache) + (i64)kv_head * HEAD_DIM;
@@ -798,6 +829,52 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32) attention(const Attent
     return;
   }
 #endif
+#if CLUSTER > 1
+  if (active > 1) {  // the same in every block of the cluster (one query)
+    // Each share leaves its state of each head in its shared memory; after the cluster's
+    // barrier the first block (block z of a query is its cluster's rank z) reads them all
+    // through distributed shared memory and writes the output; a second barrier keeps the
+    // states until it has.
+    __shared__ float s_share[GROUP][2 + HEAD_DIM];
+    if (blockIdx.z < active) {
+#pragma unroll
+      for (int g = 0; g < GROUP; ++g) {
+        if (threadIdx.x == 0) { s_share[g][0] = m_all[g]; s_share[g][1] = l_all[g]; }
+        for (int d = threadIdx.x; d < HEAD_DIM; d += NWARPS * 32) s_share[g][2 + d] = block_acc(g, d);
+      }
+    }
+    cluster_barrier();
+    if (blockIdx.z == 0) {
+#pragma unroll
+      for (int g = 0; g < GROUP; ++g) {
+        // Share z's weight exp(m_z - max) (0 past the active ones) and the rescaled sum.
+        const float* share_of[CLUSTER];
+        float f[CLUSTER], m_max = NEG_INF, l_sum = 0.f;
+#pragma unroll
+        for (u32 z = 0; z < CLUSTER; ++z) {
+          share_of[z] = cluster_map(s_share[g], z);
+          f[z] = z < active ? share_of[z][0] : NEG_INF;
+          m_max = fmaxf(m_max, f[z]);
+        }
+#pragma unroll
+        for (u32 z = 0; z < CLUSTER; ++z) {
+          f[z] = f[z] == NEG_INF ? 0.f : expf(f[z] - m_max);
+          if (z < active) l_sum += f[z] * share_of[z][1];
+        }
+        for (int d = threadIdx.x; d < HEAD_DIM; d += NWARPS * 32) {
+          float o = 0.f;
+#pragma unroll
+          for (u32 z = 0; z < CLUSTER; ++z)
+            if (z < active) o += f[z] * share_of[z][2 + d];
+          store_output(p, qrow + g * HEAD_DIM, d, __fdividef(o, l_sum));
+        }
+      }
+    }
+    cluster_barrier();
+    return;
+  }
+  if (blockIdx.z >= active) return;  // one share: the first block writes the output
+#endif
   // (The softmax sums are at least 1, the maximum's own term, and at most the keys' count: the
   // approximate division is within 2 ulp there, with no slow-path branch.)
 #pragma unroll
@@ -822,6 +899,10 @@ pub struct AttentionVariant {
     pub group: u32,
     /// With `store`: Q and K heads RMS-normalised before RoPE (`QK_NORM`).
     pub qk_norm: bool,
+    /// Blocks of one thread-block cluster (`CLUSTER`; 1: none): the launch's `splits` blocks of a
+    /// query share its keys and merge their states through distributed shared memory (sm_90),
+    /// not through global memory as `split` does.
+    pub cluster: u32,
 }
 
 impl AttentionVariant {
@@ -829,7 +910,7 @@ impl AttentionVariant {
     pub const MAX_GROUP: usize = 8;
 
     pub fn new(head_dim: usize, kv: KvDtype, split: bool) -> Self {
-        AttentionVariant { head_dim: head_dim as u32, kv, nwarps: 4, split, store: None, paged: false, group: 1, qk_norm: false }
+        AttentionVariant { head_dim: head_dim as u32, kv, nwarps: 4, split, store: None, paged: false, group: 1, qk_norm: false, cluster: 1 }
     }
 
     /// The one-block kernel reading a paged cache, `group` query heads per block (1, or a
@@ -875,7 +956,12 @@ impl KernelVariant for AttentionVariant {
             ("PAGED", u32::from(self.paged).to_string()),
             ("GROUP", self.group.to_string()),
             ("QK_NORM", u32::from(self.store.is_some() && self.qk_norm).to_string()),
+            ("CLUSTER", self.cluster.to_string()),
         ]
+    }
+
+    fn cluster_z(&self) -> u32 {
+        self.cluster
     }
 }
 
@@ -897,6 +983,7 @@ mod tests {
         crate::kernels::tests::assert_macros_match(AttentionVariant::paged(128, KvDtype::F16, 4));
         crate::kernels::tests::assert_macros_match(AttentionVariant { paged: true, ..AttentionVariant::storing(128, KvDtype::F16, RopeStyle::Neox, false, 4) });
         crate::kernels::tests::assert_macros_match(AttentionVariant { qk_norm: true, ..AttentionVariant::storing(128, KvDtype::F16, RopeStyle::Neox, true, 2) });
+        crate::kernels::tests::assert_macros_match(AttentionVariant { nwarps: 16, cluster: 4, ..AttentionVariant::storing(64, KvDtype::F16, RopeStyle::Neox, false, 1) });
     }
 
     #[test]

@@ -46,6 +46,11 @@ pub trait KernelVariant: Copy + Eq + Hash + Debug + Send + Sync + 'static {
     fn arch_specific(&self) -> bool {
         false
     }
+    /// Blocks per thread-block cluster along z (sm_90, at most 8; 1: no cluster): the launch
+    /// gives the cluster shape `(1, 1, n)` as an attribute.
+    fn cluster_z(&self) -> u32 {
+        1
+    }
 }
 
 /// C spelling of the scalar field types allowed in kernel parameter structs.

@@ -251,7 +251,7 @@ pub fn store_and_attend(
     emit: Option<AttentionEmit>,
 ) -> Result<(), CudaError> {
     const OP: &str = "store_and_attend";
-    let DecodeLayout { group, splits, warps } = layout;
+    let DecodeLayout { group, splits, warps, cluster } = layout;
     let row = (cfg.n_heads + 2 * cache.n_kv_heads) * cache.head_dim;
     check_len(OP, "qkv", qkv.len(), row)?;
     check_rope(OP, rope, cache)?;
@@ -262,32 +262,46 @@ pub fn store_and_attend(
     if !matches!(warps, 4 | 8 | 16) || (group > 1 && warps != 4) {
         return Err(CudaError::invalid(OP, format!("{warps} warps per block of {group} query heads (4, 8 or 16 with one head, 4 with several)")));
     }
+    if cluster && (group > 1 || !(2..=MAX_CLUSTER).contains(&splits) || gpu.compute_capability().0 < 9) {
+        return Err(CudaError::invalid(OP, format!("a cluster of {splits} shares of {group} query heads (2-{MAX_CLUSTER} shares of one head, sm_90 and later)")));
+    }
     let norm = QkNorm::params(gpu, OP, qk_norm, cache)?;
     let Some(mut params) = attention_params(gpu, qkv, cache, positions, 1, cfg, out, emit)? else { return Ok(()) };
     set_store(gpu, &mut params, cache, rope, norm);
-    if splits > 1 {
+    if splits > 1 && !cluster {
         let Some(scratch) = scratch else { return Err(CudaError::invalid(OP, format!("{splits} key shares without a scratch for their states"))) };
         scratch.check(OP, splits, cfg.n_heads, cache.head_dim)?;
         params.partials = addr_mut(gpu, &mut scratch.partials);
         params.counters = addr_mut(gpu, &mut scratch.counters);
     }
-    let variant = AttentionVariant { qk_norm: qk_norm.is_some(), nwarps: warps as u32, ..AttentionVariant::storing(cache.head_dim, cache.dtype, rope_style(rope), splits > 1, group) };
+    let variant = AttentionVariant {
+        qk_norm: qk_norm.is_some(),
+        nwarps: warps as u32,
+        cluster: if cluster { splits as u32 } else { 1 },
+        ..AttentionVariant::storing(cache.head_dim, cache.dtype, rope_style(rope), splits > 1 && !cluster, group)
+    };
     gpu.launch(&variant, "attention", variant.launch_config(cfg.n_heads, 1, splits), &params)
 }
 
 /// A launch of the fused one-token decode kernel: query heads per block, key shares and warps
-/// per block.
+/// per block, and whether the shares of a query form a thread-block cluster (`cluster`: they
+/// merge through distributed shared memory, at most [`MAX_CLUSTER`]) or merge through global
+/// memory.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct DecodeLayout {
     pub group: usize,
     pub splits: usize,
     pub warps: usize,
+    pub cluster: bool,
 }
+
+/// Most blocks of a decode attention cluster (the portable cluster size).
+pub const MAX_CLUSTER: usize = 8;
 
 impl DecodeLayout {
     /// One block of 4 warps per `group` query heads, all keys in it.
     pub fn one_block(group: usize) -> Self {
-        DecodeLayout { group, splits: 1, warps: 4 }
+        DecodeLayout { group, splits: 1, warps: 4, cluster: false }
     }
 }
 
@@ -335,13 +349,16 @@ impl DecodeLayouts {
     pub fn new(gpu: &Gpu, n_heads: usize, n_kv_heads: usize, head_dim: usize, max_seq: usize, split: bool) -> Self {
         let share_keys = env::CUDA_ATTENTION_GROUP_SHARE_VALUES.parse(16_384usize) / head_dim.max(1);
         let wide_batches = env::CUDA_ATTENTION_WIDE_BATCHES.parse(2usize).clamp(1, 64);
-        let blocks = DecodeBlocks { mode: gpu.attention_groups(), kv_group: kv_group(gpu, n_heads, n_kv_heads), wide_warps: gpu.attention_warps(), wide_batches };
+        // Clusters need sm_90.
+        let wide_cluster = if gpu.compute_capability().0 >= 9 { env::CUDA_ATTENTION_WIDE_CLUSTER.parse(1usize).clamp(1, MAX_CLUSTER) } else { 1 };
+        let blocks =
+            DecodeBlocks { mode: gpu.attention_groups(), kv_group: kv_group(gpu, n_heads, n_kv_heads), wide_warps: gpu.attention_warps(), wide_batches, wide_cluster };
         Self::plan(blocks, gpu.sm_count() as usize, n_heads, head_dim, max_seq, split, share_keys)
     }
 
     /// `share_keys`: keys per share of the per-head launch from which the grouped one serves.
     fn plan(blocks: DecodeBlocks, sm_count: usize, n_heads: usize, head_dim: usize, max_seq: usize, split: bool, share_keys: usize) -> Self {
-        let DecodeBlocks { mode, kv_group, wide_warps, wide_batches } = blocks;
+        let DecodeBlocks { mode, kv_group, wide_warps, wide_batches, wide_cluster } = blocks;
         let layout = |group: usize| DecodeLayout { splits: if split { attention_splits(sm_count, n_heads / group, 1, max_seq) } else { 1 }, ..DecodeLayout::one_block(group) };
         let (short, long) = match mode {
             AttentionGroups::Off | AttentionGroups::Paged => (layout(1), layout(1)),
@@ -353,8 +370,8 @@ impl DecodeLayouts {
         // warps for 64-value heads, 8 for 128, none for 256), `wide_batches` batches in all; only
         // where the short layout splits per head.
         let warps = [16, 8].into_iter().find(|&w| w <= wide_warps && w * head_dim <= 1024).unwrap_or(4);
-        let wide = DecodeLayout { warps, ..DecodeLayout::one_block(1) };
-        let wide_to_keys = if split && short.group == 1 && warps > 4 { (32 * warps * wide_batches).min(max_seq) } else { 0 };
+        let wide = DecodeLayout { warps, splits: wide_cluster, cluster: wide_cluster > 1, group: 1 };
+        let wide_to_keys = if split && short.group == 1 && warps > 4 { (32 * warps * wide_batches * wide_cluster).min(max_seq) } else { 0 };
         DecodeLayouts { short, wide, long, wide_to_keys, group_from_keys }
     }
 
@@ -381,13 +398,15 @@ impl DecodeLayouts {
 
 /// How the one-token decode blocks may be shaped: [`AttentionGroups`], the query heads of a KV
 /// group, the most warps of a wide block (`FERRITE_CUDA_ATTENTION_WARPS`) and the batches of 32
-/// keys each of its warps takes (`FERRITE_CUDA_ATTENTION_WIDE_BATCHES`).
+/// keys each of its warps takes (`FERRITE_CUDA_ATTENTION_WIDE_BATCHES`), and the wide blocks per
+/// query head, one cluster (`FERRITE_CUDA_ATTENTION_WIDE_CLUSTER`).
 #[derive(Clone, Copy, Debug)]
 struct DecodeBlocks {
     mode: AttentionGroups,
     kv_group: usize,
     wide_warps: usize,
     wide_batches: usize,
+    wide_cluster: usize,
 }
 
 /// What an attention kernel hands to the linear after it, besides its f32 output rows.
@@ -844,13 +863,13 @@ mod tests {
     /// The decode layouts of the 8B and SmolLM2 shapes on 132 SMs and a 4 096-position cache.
     #[test]
     fn decode_layouts_group_deep_in_a_context() {
-        let blocks = |mode, kv_group| DecodeBlocks { mode, kv_group, wide_warps: 16, wide_batches: 1 };
+        let blocks = |mode, kv_group| DecodeBlocks { mode, kv_group, wide_warps: 16, wide_batches: 1, wide_cluster: 1 };
         let plan = |mode, kv_group, n_heads, split| DecodeLayouts::plan(blocks(mode, kv_group), 132, n_heads, 128, 4096, split, 128);
         let l = plan(AttentionGroups::Adaptive, 4, 32, true);
-        assert_eq!((l.short, l.long), (DecodeLayout { group: 1, splits: 9, warps: 4 }, DecodeLayout { group: 4, splits: 32, warps: 4 }));
+        assert_eq!((l.short, l.long), (DecodeLayout { splits: 9, ..DecodeLayout::one_block(1) }, DecodeLayout { splits: 32, ..DecodeLayout::one_block(4) }));
         assert_eq!(l.group_from_keys, 128 * 9);
         // Heads of 128 values: wide blocks of 8 warps, 129 to 256 keys.
-        assert_eq!((l.wide, l.wide_to_keys), (DecodeLayout { group: 1, splits: 1, warps: 8 }, 256));
+        assert_eq!((l.wide, l.wide_to_keys), (DecodeLayout { warps: 8, ..DecodeLayout::one_block(1) }, 256));
         let stages = [1, 128, 129, 256, 257, 1151, 1152].map(|k| l.stage(k));
         use DecodeStage::*;
         assert_eq!(stages, [Short, Short, Wide, Wide, Short, Short, Long]);
@@ -874,11 +893,15 @@ mod tests {
         let four = DecodeBlocks { wide_batches: 4, ..blocks(AttentionGroups::Adaptive, 3) };
         let l = DecodeLayouts::plan(four, 132, 9, 64, 4096, true, 256);
         assert_eq!((l.wide_to_keys, l.stage(2048), l.stage(2049)), (2048, Wide, Short));
+        // Wide blocks as clusters of 4 per head: 4 x 512 keys, a launch of 4 shares.
+        let clustered = DecodeBlocks { wide_cluster: 4, ..blocks(AttentionGroups::Adaptive, 3) };
+        let l = DecodeLayouts::plan(clustered, 132, 9, 64, 4096, true, 256);
+        assert_eq!((l.wide, l.wide_to_keys, l.stage(2049)), (DecodeLayout { warps: 16, splits: 4, cluster: true, group: 1 }, 2048, Short));
         for mode in [AttentionGroups::Off, AttentionGroups::Paged, AttentionGroups::All] {
             let l = plan(mode, 4, 32, true);
             assert_eq!((l.short, l.group_from_keys), (l.long, usize::MAX), "{mode:?}: one layout");
         }
-        assert_eq!(plan(AttentionGroups::All, 4, 32, false).short, DecodeLayout { group: 4, splits: 1, warps: 4 });
+        assert_eq!(plan(AttentionGroups::All, 4, 32, false).short, DecodeLayout::one_block(4));
         assert_eq!(plan(AttentionGroups::Adaptive, 1, 32, true).group_from_keys, usize::MAX, "no KV groups to share");
     }
 }
