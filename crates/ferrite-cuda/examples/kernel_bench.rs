@@ -544,11 +544,10 @@ fn attention(gpu: &Gpu) -> Result<(), CudaError> {
                 line += &format!(" | {warps} warps, up to {} shares: {:.2} us", l.splits, split * 1e6);
             }
             // Wide blocks as a cluster of shares per head (FERRITE_CUDA_ATTENTION_WIDE_CLUSTER).
-            let cluster_warps = if head_dim <= 64 { 16 } else { 8 };
-            for blocks in [2, 4, 8].into_iter().filter(|_| layout.group == 1 && gpu.compute_capability().0 >= 9) {
-                let l = ops::DecodeLayout { warps: cluster_warps, splits: blocks, cluster: true, group: 1 };
+            for blocks in [2, 4, 8].into_iter().filter(|_| layout.group == 1 && gpu.supports_clusters()) {
+                let l = ops::DecodeLayout { splits: blocks, cluster: true, ..layouts.wide };
                 let t = time(gpu, 200, || ops::store_and_attend(gpu, &mut cache, &qkv, &p, &cfg, Some(&rope), None, l, None, &mut out, None))?;
-                line += &format!(" | cluster of {blocks} x {cluster_warps} warps: {:.2} us", t * 1e6);
+                line += &format!(" | cluster of {blocks} x {} warps: {:.2} us", l.warps, t * 1e6);
             }
             println!("{line}");
         }

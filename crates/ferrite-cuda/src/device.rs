@@ -255,6 +255,11 @@ impl Gpu {
         self.compute_capability() == (9, 0)
     }
 
+    /// Whether the device launches thread-block clusters (sm_90 and later).
+    pub fn supports_clusters(&self) -> bool {
+        self.compute_capability().0 >= 9
+    }
+
     pub fn compute_capability(&self) -> (u32, u32) {
         self.props.compute_capability
     }

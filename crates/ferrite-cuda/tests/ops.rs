@@ -1435,7 +1435,7 @@ fn split_store_and_attend_matches_one_block_on(gpu: &Gpu) {
             // unsplit launch of such blocks (the executor's wide stage), alone or as clusters of
             // 2-8 blocks merging through distributed shared memory (sm_90,
             // FERRITE_CUDA_ATTENTION_WIDE_CLUSTER; the first positions leave some blocks keyless).
-            let clusters: &[usize] = if gpu.compute_capability().0 >= 9 && group == 1 { &[2, 3, 8] } else { &[] };
+            let clusters: &[usize] = if gpu.supports_clusters() && group == 1 { &[2, 3, 8] } else { &[] };
             for warps in [4, 8, 16].into_iter().filter(|&w| group == 1 || w == 4) {
                 let unsplit = (warps > 4).then_some((1, false));
                 let clustered = clusters.iter().map(|&c| (c, true));

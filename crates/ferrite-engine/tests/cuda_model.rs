@@ -479,7 +479,7 @@ fn decode_attention_stages_match() {
     };
     let run = |disable_graph: &str, warps: &str, batches: &str| run_clustered(disable_graph, warps, batches, "1");
     let (replayed, eager, split, two_batches) = (run("0", "16", "1"), run("1", "16", "1"), run("0", "4", "1"), run("0", "16", "2"));
-    let sm90 = ferrite_cuda::Gpu::new(0).is_ok_and(|g| g.compute_capability().0 >= 9);
+    let sm90 = ferrite_cuda::Gpu::new(0).is_ok_and(|g| g.supports_clusters());
     let clustered = if sm90 { run_clustered("0", "16", "1", "2") } else { Vec::new() };
     for name in [
         "FERRITE_DISABLE_CUDA_GRAPH",

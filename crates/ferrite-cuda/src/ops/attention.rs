@@ -262,7 +262,7 @@ pub fn store_and_attend(
     if !matches!(warps, 4 | 8 | 16) || (group > 1 && warps != 4) {
         return Err(CudaError::invalid(OP, format!("{warps} warps per block of {group} query heads (4, 8 or 16 with one head, 4 with several)")));
     }
-    if cluster && (group > 1 || !(2..=MAX_CLUSTER).contains(&splits) || gpu.compute_capability().0 < 9) {
+    if cluster && (group > 1 || !(2..=MAX_CLUSTER).contains(&splits) || !gpu.supports_clusters()) {
         return Err(CudaError::invalid(OP, format!("a cluster of {splits} shares of {group} query heads (2-{MAX_CLUSTER} shares of one head, sm_90 and later)")));
     }
     let norm = QkNorm::params(gpu, OP, qk_norm, cache)?;
@@ -349,8 +349,7 @@ impl DecodeLayouts {
     pub fn new(gpu: &Gpu, n_heads: usize, n_kv_heads: usize, head_dim: usize, max_seq: usize, split: bool) -> Self {
         let share_keys = env::CUDA_ATTENTION_GROUP_SHARE_VALUES.parse(16_384usize) / head_dim.max(1);
         let wide_batches = env::CUDA_ATTENTION_WIDE_BATCHES.parse(2usize).clamp(1, 64);
-        // Clusters need sm_90.
-        let wide_cluster = if gpu.compute_capability().0 >= 9 { env::CUDA_ATTENTION_WIDE_CLUSTER.parse(1usize).clamp(1, MAX_CLUSTER) } else { 1 };
+        let wide_cluster = if gpu.supports_clusters() { env::CUDA_ATTENTION_WIDE_CLUSTER.parse(1usize).clamp(1, MAX_CLUSTER) } else { 1 };
         let blocks =
             DecodeBlocks { mode: gpu.attention_groups(), kv_group: kv_group(gpu, n_heads, n_kv_heads), wide_warps: gpu.attention_warps(), wide_batches, wide_cluster };
         Self::plan(blocks, gpu.sm_count() as usize, n_heads, head_dim, max_seq, split, share_keys)
